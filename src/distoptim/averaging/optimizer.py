@@ -1,0 +1,5 @@
+"""SCAFFOLD: replaced by the post-local-SGD work."""
+
+
+class PostLocalSGDOptimizer:
+    pass

@@ -1,0 +1,12 @@
+"""DDP communication hooks: ZeRO steps overlapped with gradient reduction, and post-local SGD."""
+
+from distoptim.averaging.hook import PostLocalSGDState, post_localSGD_hook
+from distoptim.zero.ddp_hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
+
+__all__ = [
+    "PostLocalSGDState",
+    "allreduce_hook",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+    "post_localSGD_hook",
+]

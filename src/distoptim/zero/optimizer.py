@@ -1,0 +1,5 @@
+"""SCAFFOLD."""
+
+
+class ZeroRedundancyOptimizer:
+    pass
