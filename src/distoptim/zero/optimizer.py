@@ -1,5 +1,251 @@
-"""SCAFFOLD."""
+"""ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
+
+It composes three pieces: a partition plan (``partition``: who owns which parameter), a local optimizer over the
+owned parameters (plain ``torch.optim``), and a sync strategy (``buckets``: how updated shards reach every rank).
+A step is: hyperparameters global -> local, local step, sync, local-added keys back to the global view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from distoptim.zero import checkpoint, comm, validation
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, build_layouts
+from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
+
+__all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer:
-    pass
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state.
+
+    ``step()`` expects gradients already averaged across ranks (DDP does this). ``param_groups`` is the global
+    view: schedulers and users edit it; ``optim`` is this rank's local optimizer over the parameters it owns.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[Optimizer],
+        process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer needs an initialised process group: call "
+                "torch.distributed.init_process_group(...) first (world size 1 works too)"
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None
+        settings = {
+            "optimizer_class": getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
+            "parameters_as_bucket_view": parameters_as_bucket_view,
+            "overlap_with_ddp": overlap_with_ddp,
+        }
+        local: tuple[Any, ...] | BaseException
+        try:
+            groups = validation.normalize_param_groups(params)
+            if overlap_with_ddp:
+                raise NotImplementedError("overlap_with_ddp=True is not supported yet")
+            local = validation.fingerprint(groups, **settings)
+        except (TypeError, ValueError, NotImplementedError) as error:
+            local = error
+        validation.agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction")
+
+        self._ready = False  # until then, add_param_group only records groups (Optimizer.__init__ calls it)
+        super().__init__(groups, defaults)
+        Joinable.__init__(self)
+        self.process_group = group
+        self.rank = comm.group_rank(group)
+        self.world_size = comm.group_size(group)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._optimizer_class = optimizer_class
+        self._defaults = defaults
+        self._plan: PartitionPlan | None = None
+        self._sync: ParameterSync | None = None
+        self._consolidated: checkpoint.GlobalState | None = None
+        self.optim: Optimizer | None = None
+        self._ready = True
+        self._repartition()
+
+    # ----------------------------------------------------------------------------------------------- views
+    @property
+    def _params(self) -> list[Tensor]:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    @property
+    def plan(self) -> PartitionPlan:
+        """Which rank owns each parameter (global index order)."""
+        assert self._plan is not None
+        return self._plan
+
+    def owner_of(self, param: Tensor) -> int:
+        """The rank that owns ``param`` (``-1`` for frozen parameters, which nobody updates)."""
+        return self.plan.owners[next(i for i, p in enumerate(self._params) if p is param)]
+
+    @property
+    def local_optimizer(self) -> Optimizer:
+        assert self.optim is not None
+        return self.optim
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+        """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync."""
+        Join.notify_join_context(self)
+        self._check_frozen_params_have_no_grad()
+        self._push_hyperparameters()
+        loss: float | None = (
+            self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
+        )
+        self._sync_parameters()
+        self._pull_hyperparameters()
+        self._consolidated = None
+        return loss
+
+    def _sync_parameters(self) -> None:
+        assert self._sync is not None
+        self._sync.sync_parameters()
+
+    def _push_hyperparameters(self) -> None:
+        for global_group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
+            local_group.update((k, v) for k, v in global_group.items() if k != "params")
+
+    def _pull_hyperparameters(self) -> None:
+        for global_group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
+            global_group.update((k, v) for k, v in local_group.items() if k != "params")
+
+    def _check_frozen_params_have_no_grad(self) -> None:
+        for param, owner in zip(self._params, self.plan.owners):
+            if owner == UNOWNED and param.grad is not None:
+                raise RuntimeError(
+                    "a parameter that was frozen (requires_grad=False) when it was given to ZeroRedundancyOptimizer "
+                    "now has a gradient; frozen parameters are not sharded, so it would never be updated. "
+                    "Set requires_grad before building the optimizer, or add it with add_param_group"
+                )
+
+    # ------------------------------------------------------------------------------------ partitioning
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are."""
+        if not self._ready:
+            super().add_param_group(param_group)
+            return
+        local: tuple[Any, ...] | BaseException
+        try:
+            (group,) = validation.normalize_param_groups([param_group])
+            local = validation.fingerprint([group])
+        except (TypeError, ValueError) as error:
+            local = error
+        validation.agree_across_ranks(local, self.process_group, "add_param_group")
+        super().add_param_group(group)
+        self._repartition()
+
+    def _repartition(self) -> None:
+        params = self._params
+        self._plan = partition_parameters(
+            [p.numel() for p in params], [p.requires_grad for p in params], self.world_size, previous=self._plan
+        )
+        owners = dict(zip(map(id, params), self._plan.owners))
+        local_groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [p for p in group["params"] if owners[id(p)] == self.rank],
+            }
+            for group in self.param_groups
+        ]
+        if self.optim is None:
+            self.optim = self._optimizer_class(local_groups, **self._defaults)
+        else:
+            for new_group in local_groups[len(self.optim.param_groups) :]:
+                self.optim.add_param_group(new_group)
+        self.state = self.optim.state
+        self._pull_hyperparameters()
+        if self._sync is not None:
+            self._sync.release()
+        by_rank = [[p for p in params if owners[id(p)] == rank] for rank in range(self.world_size)]
+        strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
+        self._sync = strategy(build_layouts(by_rank), self.process_group)
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard onto rank ``to`` (collective; only ``to`` receives anything)."""
+        if not 0 <= to < self.world_size:
+            raise ValueError(
+                f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{self.world_size - 1}"
+            )
+        mine = self._global_local_state()
+        device = _comm_device(self.process_group)
+        if self.rank != to:
+            checkpoint.send_state(mine, to, self.process_group, device)
+            self._consolidated = None
+            return
+        merged = dict(mine)
+        for source in range(self.world_size):
+            if source != to:
+                merged.update(checkpoint.receive_state(source, self.process_group, device))
+        self._consolidated = dict(sorted(merged.items()))
+
+    def _global_local_state(self) -> checkpoint.GlobalState:
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        return {index_of[id(param)]: dict(entry) for param, entry in self.local_optimizer.state.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"rank {self.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={self.rank}) "
+                "on all ranks (after the last step) before state_dict()"
+            )
+        return {"state": dict(self._consolidated), "param_groups": checkpoint.global_param_groups(self.param_groups)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state."""
+        by_param, hyperparameters = checkpoint.select_shard(state_dict, self.param_groups)
+        for group, saved in zip(self.param_groups, hyperparameters):
+            group.update(saved)
+        local_params = [p for group in self.local_optimizer.param_groups for p in group["params"]]
+        local_index = {id(p): i for i, p in enumerate(local_params)}
+        local_state = {  # cloned: torch.optim's load would alias same-device tensors and step them in place
+            local_index[id(param)]: {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
+            for param, entry in by_param.items()
+            if id(param) in local_index
+        }
+        self._push_hyperparameters()
+        local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
+        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self._consolidated = None
+
+    # --------------------------------------------------------------------------------------------- join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """While this rank has run out of inputs, shadow the others' parameter sync (its own shard stays as is)."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+
+class _ZeroJoinHook(JoinHook):
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero._sync_parameters()
+
+
+def _comm_device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,167 @@
+"""Flat per-(device, dtype) layouts of the trainable parameters, ordered by owning rank, and the two ways to sync.
+
+In a layout the parameters of rank 0 come first, then rank 1's, and so on, so each rank's shard is one contiguous
+segment: syncing is one broadcast per (rank, layout), never one per parameter.
+
+- ``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, which are
+  broadcast in place. No copies, no extra memory.
+- ``StagedSync`` (default): parameters keep their own storage; each rank's segment is packed into a staging buffer
+  of at most ``stage_numel`` elements, broadcast, and unpacked. Extra memory is bounded by the stage, not by the
+  model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from distoptim.zero import comm
+
+__all__ = ["BucketViewSync", "FlatLayout", "ParameterSync", "StagedSync", "build_layouts"]
+
+DEFAULT_STAGE_BYTES = 64 * 2**20
+
+
+@dataclass
+class FlatLayout:
+    """Parameters of one (device, dtype), in buffer order, with their offsets and each rank's segment."""
+
+    device: torch.device
+    dtype: torch.dtype
+    params: list[Tensor] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    segments: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.segments[-1][1] if self.segments else 0
+
+
+def build_layouts(params_by_rank: Sequence[Sequence[Tensor]]) -> list[FlatLayout]:
+    """One layout per (device, dtype) present, each ordered rank by rank."""
+    layouts: dict[tuple[torch.device, torch.dtype], FlatLayout] = {}
+    for params in params_by_rank:
+        for param in params:
+            key = (param.device, param.dtype)
+            layouts.setdefault(key, FlatLayout(device=param.device, dtype=param.dtype))
+    for layout in layouts.values():
+        offset = 0
+        for params in params_by_rank:
+            start = offset
+            for param in params:
+                if (param.device, param.dtype) == (layout.device, layout.dtype):
+                    layout.params.append(param)
+                    layout.offsets.append(offset)
+                    offset += param.numel()
+            layout.segments.append((start, offset))
+    return list(layouts.values())
+
+
+class ParameterSync:
+    """After the local step: every rank's updated shard reaches every rank of the group."""
+
+    def __init__(self, layouts: list[FlatLayout], group: comm.Group) -> None:
+        self.layouts = layouts
+        self.group = group
+
+    def sync_parameters(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Undo what construction did to the parameters (before a rebuild)."""
+
+
+class BucketViewSync(ParameterSync):
+    """Parameters are views into one flat buffer per layout; sync broadcasts each rank's segment in place."""
+
+    def __init__(self, layouts: list[FlatLayout], group: comm.Group) -> None:
+        super().__init__(layouts, group)
+        self.buffers: list[Tensor] = []
+        for layout in layouts:
+            buffer = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+            for param, offset in zip(layout.params, layout.offsets):
+                view = buffer[offset : offset + param.numel()].view_as(param)
+                view.copy_(param.detach())
+                param.data = view
+            self.buffers.append(buffer)
+
+    def sync_parameters(self) -> None:
+        for layout, buffer in zip(self.layouts, self.buffers):
+            slices = [(rank, start, end) for rank, (start, end) in enumerate(layout.segments)]
+            comm.broadcast_slices(buffer, slices, self.group)
+
+    def release(self) -> None:
+        for layout in self.layouts:
+            for param in layout.params:
+                param.data = param.detach().clone()
+        self.buffers = []
+
+
+class StagedSync(ParameterSync):
+    """Parameters keep their storage; each rank's shard travels through staging buffers of bounded total size.
+
+    The shards are cut into chunks of whole parameters (at most ``stage_bytes`` each, unless a single parameter is
+    larger); chunks are grouped into rounds of at most ``stage_bytes``, and a round's broadcasts run concurrently.
+    """
+
+    def __init__(self, layouts: list[FlatLayout], group: comm.Group, stage_bytes: int = DEFAULT_STAGE_BYTES) -> None:
+        super().__init__(layouts, group)
+        self.rank = comm.group_rank(group)
+        self.rounds = [
+            round_ for layout in layouts for round_ in _rounds(layout, stage_bytes // layout.params[0].element_size())
+        ]
+
+    def sync_parameters(self) -> None:
+        for round_ in self.rounds:
+            stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
+            for chunk in round_.chunks:
+                if chunk.src == self.rank:
+                    torch.cat([p.detach().reshape(-1) for p in chunk.params], out=stage[chunk.start : chunk.end])
+            comm.broadcast_slices(stage, [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks], self.group)
+            for chunk in round_.chunks:
+                if chunk.src != self.rank:
+                    views = torch.split(stage[chunk.start : chunk.end], [p.numel() for p in chunk.params])
+                    targets = [p.detach() for p in chunk.params]
+                    torch._foreach_copy_(targets, [v.view_as(t) for v, t in zip(views, targets)])
+
+
+@dataclass
+class _Chunk:
+    src: int
+    params: list[Tensor]
+    start: int = 0
+    end: int = 0
+
+
+@dataclass
+class _Round:
+    device: torch.device
+    dtype: torch.dtype
+    chunks: list[_Chunk] = field(default_factory=list)
+    numel: int = 0
+
+
+def _rounds(layout: FlatLayout, stage_numel: int) -> list[_Round]:
+    """Cut each rank's segment of ``layout`` into chunks of about ``stage_numel`` and pack them into rounds."""
+    chunks: list[_Chunk] = []
+    for param, offset in zip(layout.params, layout.offsets):
+        src = next(rank for rank, (start, end) in enumerate(layout.segments) if start <= offset < end)
+        last = chunks[-1] if chunks else None
+        if last is not None and last.src == src and last.end - last.start + param.numel() <= stage_numel:
+            last.params.append(param)
+            last.end += param.numel()
+        else:
+            chunks.append(_Chunk(src=src, params=[param], start=0, end=param.numel()))
+    rounds: list[_Round] = []
+    for chunk in chunks:
+        size = chunk.end - chunk.start
+        if not rounds or (rounds[-1].numel + size > stage_numel and rounds[-1].chunks):
+            rounds.append(_Round(device=layout.device, dtype=layout.dtype))
+        current = rounds[-1]
+        chunk.start, chunk.end = current.numel, current.numel + size
+        current.chunks.append(chunk)
+        current.numel += size
+    return rounds

@@ -1,0 +1,64 @@
+"""Shared pieces for parity tests: deterministic parameters and gradients, and the reference comparison."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["assert_same_tensors", "averaged_gradients", "flatten", "make_params"]
+
+# (shape, dtype, requires_grad) of the parameters most tests use: two groups, a frozen one, a bf16 one.
+MODEL_SPEC: list[list[tuple[tuple[int, ...], torch.dtype, bool]]] = [
+    [((16, 8), torch.float32, True), ((16,), torch.float32, True), ((8, 8), torch.float32, False)],
+    [((4, 16), torch.float32, True), ((6,), torch.bfloat16, True)],
+]
+
+
+def make_params(
+    spec: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype, bool]]] = MODEL_SPEC,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> list[list[Tensor]]:
+    """The same parameters on every rank (seeded), grouped as ``spec`` says."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [
+            torch.randn(shape, generator=generator).to(device=device, dtype=dtype).requires_grad_(trainable)
+            for shape, dtype, trainable in group
+        ]
+        for group in spec
+    ]
+
+
+def flatten(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    return [p for group in groups for p in group]
+
+
+def local_gradients(params: Sequence[Tensor], rank: int, step: int) -> list[Tensor]:
+    """A different gradient on every rank and step, for the trainable parameters (None for frozen ones)."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return [
+        torch.randn(p.shape, generator=generator).to(dtype=p.dtype, device=p.device) if p.requires_grad else None
+        for p in params
+    ]
+
+
+def averaged_gradients(params: Sequence[Tensor], rank: int, step: int, group: Any = None) -> list[Tensor | None]:
+    """What DDP would leave in ``.grad``: this rank's gradients averaged over the group (one all_reduce each)."""
+    grads = local_gradients(params, rank, step)
+    size = dist.get_world_size(group)
+    for grad in grads:
+        if grad is not None:
+            dist.all_reduce(grad, group=group)
+            grad.div_(size)
+    return grads
+
+
+def assert_same_tensors(actual: Sequence[Tensor], expected: Sequence[Tensor], what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} vs {len(expected)} tensors"
+    for index, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a.detach(), e.detach(), rtol=0, atol=0, msg=lambda m, i=index: f"{what}[{i}]: {m}")

@@ -1,0 +1,57 @@
+"""ZeroRedundancyOptimizer against a single-process optimizer stepping on the averaged gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import StepLR
+
+from distoptim import ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
+
+CONFIGS = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+]
+STEPS = 4
+
+
+def _groups(params: list[list[torch.Tensor]], lr: float) -> list[dict[str, object]]:
+    return [{"params": params[0]}, {"params": params[1], "lr": lr / 2}]
+
+
+def _parity_body(rank: int, world_size: int) -> list[int]:
+    owned_counts = []
+    for optimizer_class, kwargs in CONFIGS:
+        for bucket_view in (False, True):
+            what = f"{optimizer_class.__name__} bucket_view={bucket_view} world={world_size}"
+            params, expected = make_params(), make_params()
+            zero = ZeroRedundancyOptimizer(
+                _groups(params, kwargs["lr"]), optimizer_class, parameters_as_bucket_view=bucket_view, **kwargs
+            )
+            reference = optimizer_class(_groups(expected, kwargs["lr"]), **kwargs)
+            schedulers = [StepLR(zero, step_size=2, gamma=0.5), StepLR(reference, step_size=2, gamma=0.5)]
+            flat, flat_expected = flatten(params), flatten(expected)
+            for step in range(STEPS):
+                grads = averaged_gradients(flat, rank, step)
+                for param, ref, grad in zip(flat, flat_expected, grads):
+                    param.grad = None if grad is None else grad.clone()
+                    ref.grad = None if grad is None else grad.clone()
+                zero.step()
+                reference.step()
+                for scheduler in schedulers:
+                    scheduler.step()
+                assert_same_tensors(flat, flat_expected, f"{what} step {step}")
+            assert [g["lr"] for g in zero.param_groups] == [g["lr"] for g in reference.param_groups]
+            owned_counts.append(len(zero.local_optimizer.state))
+    return owned_counts
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_matches_single_process_optimizer(world_size: int) -> None:
+    owned = run_on_ranks(_parity_body, world_size)
+    trainable = sum(p.requires_grad for group in make_params() for p in group)
+    for config in range(len(CONFIGS) * 2):
+        assert sum(counts[config] for counts in owned) == trainable  # each trainable parameter's state on one rank
