@@ -1,9 +1,368 @@
-"""SCAFFOLD: replaced by the functional-optimizers work."""
+"""Functional optimizers: ``torch.optim`` update rules that take gradients as arguments instead of reading ``.grad``.
 
-from typing import Any
+The ZeRO/DDP overlap hooks step parameters one bucket at a time while gradients are still arriving, and the RPC
+``DistributedOptimizer`` steps parameters whose gradients live in a distributed autograd context; both need an
+optimizer that is handed its gradients. ``FunctionalOptimizer`` is one generic class that runs ``torch.optim``'s own
+functional kernels (so the math is torch's, bit for bit); a small ``_Spec`` per optimizer says which kernel, which
+hyperparameters (with ``torch.optim``'s defaults) and which per-parameter state it uses. State is created exactly as
+``torch.optim`` creates it, so ``FunctionalAdam(...).state[p]`` and ``torch.optim.Adam(...).state[p]`` are
+interchangeable.
+"""
 
-__all__ = ["as_functional_optim"]
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim.adadelta import adadelta
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.adamax import adamax
+from torch.optim.rmsprop import rmsprop
+from torch.optim.rprop import rprop
+from torch.optim.sgd import sgd
+
+__all__ = [
+    "FunctionalAdadelta",
+    "FunctionalAdagrad",
+    "FunctionalAdam",
+    "FunctionalAdamW",
+    "FunctionalAdamax",
+    "FunctionalOptimizer",
+    "FunctionalRMSprop",
+    "FunctionalRprop",
+    "FunctionalSGD",
+    "as_functional_optim",
+    "functional_class_for",
+]
+
+ParamGroup = dict[str, Any]
+StateInit = Callable[[Tensor, ParamGroup], Tensor]
 
 
-def as_functional_optim(optim_cls: Any, *args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def _step_counter(param: Tensor, group: ParamGroup) -> Tensor:
+    # torch.optim keeps `step` on the CPU (capturable and fused off) in `optimizer._get_scalar_dtype()`.
+    return torch.zeros((), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
+
+
+def _zeros(param: Tensor, group: ParamGroup) -> Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _filled_with(hyperparameter: str) -> StateInit:
+    """State initialised to a hyperparameter's value (complex parameters: value + value*j, as torch.optim does)."""
+
+    def init(param: Tensor, group: ParamGroup) -> Tensor:
+        value = group[hyperparameter]
+        fill = complex(value, value) if param.is_complex() else value
+        return torch.full_like(param, fill, memory_format=torch.preserve_format)
+
+    return init
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one ``torch.optim`` optimizer maps onto its functional kernel: one row of the table below."""
+
+    torch_cls: type[torch.optim.Optimizer]
+    kernel: Callable[..., None]
+    defaults: dict[str, Any]  # constructor hyperparameters, in torch.optim's positional order, with its defaults
+    state: dict[str, StateInit]  # per-parameter state torch.optim creates lazily, in its order
+    kernel_state: tuple[str, ...]  # state lists the kernel takes after (params, grads), in the kernel's order
+    optional: dict[str, str] = field(default_factory=dict)  # state kept only while param_group[flag] is truthy
+    pairs: dict[str, tuple[str, str]] = field(default_factory=dict)  # tuple hyperparameters the kernel takes split
+    init_only: frozenset[str] = frozenset()  # hyperparameters used to create state, not passed to the kernel
+    fixed: dict[str, Any] = field(default_factory=dict)  # param_group entries that are not constructor arguments
+    eager_state: bool = False  # state created at construction for every parameter (Adagrad), not at first step
+
+    def __post_init__(self) -> None:
+        # Fail at import, not at the first step, if a torch upgrade renames a kernel argument.
+        for name in [*self.defaults, *self.fixed, "foreach", "maximize"]:
+            if name not in self.kernel_params and name not in self.pairs and name not in self.init_only:
+                raise TypeError(f"{self.kernel.__name__}() takes no argument {name!r}")
+
+    @cached_property
+    def kernel_params(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self.kernel).parameters) - {"params"}
+
+
+_BETAS = {"betas": ("beta1", "beta2")}
+_ADAM_STATE: dict[str, StateInit] = {
+    "step": _step_counter,
+    "exp_avg": _zeros,
+    "exp_avg_sq": _zeros,
+    "max_exp_avg_sq": _zeros,
+}
+_ADAM_LISTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
+
+_SGD = _Spec(
+    torch.optim.SGD,
+    sgd,
+    {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+    state={},  # the kernel creates `momentum_buffer` from the first gradient; it is written back after the step
+    kernel_state=("momentum_buffer",),
+    optional={"momentum_buffer": "momentum"},
+)
+_ADAM = _Spec(
+    torch.optim.Adam,
+    adam,
+    {**_ADAM_DEFAULTS, "decoupled_weight_decay": False},
+    _ADAM_STATE,
+    _ADAM_LISTS,
+    optional={"max_exp_avg_sq": "amsgrad"},
+    pairs=_BETAS,
+)
+_ADAMW = _Spec(  # torch.optim.AdamW is Adam with decoupled weight decay, run by the same kernel
+    torch.optim.AdamW,
+    adam,
+    {**_ADAM_DEFAULTS, "weight_decay": 1e-2},
+    _ADAM_STATE,
+    _ADAM_LISTS,
+    optional={"max_exp_avg_sq": "amsgrad"},
+    pairs=_BETAS,
+    fixed={"decoupled_weight_decay": True},
+)
+_ADAGRAD = _Spec(
+    torch.optim.Adagrad,
+    adagrad,
+    {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
+    {"step": _step_counter, "sum": _filled_with("initial_accumulator_value")},
+    ("sum", "step"),
+    init_only=frozenset({"initial_accumulator_value"}),
+    eager_state=True,
+)
+_ADADELTA = _Spec(
+    torch.optim.Adadelta,
+    adadelta,
+    {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0},
+    {"step": _step_counter, "square_avg": _zeros, "acc_delta": _zeros},
+    ("square_avg", "acc_delta", "step"),
+)
+_ADAMAX = _Spec(
+    torch.optim.Adamax,
+    adamax,
+    {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    {"step": _step_counter, "exp_avg": _zeros, "exp_inf": _zeros},
+    ("exp_avg", "exp_inf", "step"),
+    pairs=_BETAS,
+)
+_RMSPROP = _Spec(
+    torch.optim.RMSprop,
+    rmsprop,
+    {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False},
+    {"step": _step_counter, "square_avg": _zeros, "momentum_buffer": _zeros, "grad_avg": _zeros},
+    ("square_avg", "grad_avg", "momentum_buffer", "step"),
+    optional={"momentum_buffer": "momentum", "grad_avg": "centered"},
+)
+_RPROP = _Spec(
+    torch.optim.Rprop,
+    rprop,
+    {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0)},
+    {"step": _step_counter, "prev": _zeros, "step_size": _filled_with("lr")},
+    ("prev", "step_size", "step"),
+    pairs={"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")},
+    init_only=frozenset({"lr"}),  # Rprop's lr is only the initial step size
+)
+
+
+def _signature(spec: _Spec) -> inspect.Signature:
+    """The constructor signature: ``(params, <torch.optim hyperparameters>, *, foreach, maximize)``."""
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [
+            inspect.Parameter("params", positional, annotation="list[Tensor]"),
+            *(inspect.Parameter(name, positional, default=value) for name, value in spec.defaults.items()),
+            inspect.Parameter("foreach", keyword, default=None, annotation="bool | None"),
+            inspect.Parameter("maximize", keyword, default=False, annotation="bool"),
+            inspect.Parameter("_allow_empty_param_list", keyword, default=False, annotation="bool"),
+        ]
+    )
+
+
+class FunctionalOptimizer:
+    """A ``torch.optim`` optimizer that is handed its gradients: ``step(gradients)`` or ``step_param(param, grad)``.
+
+    Use a subclass (``FunctionalAdam`` ...): each is built like its ``torch.optim`` class, ``Cls(params, <the same
+    hyperparameters and defaults>, foreach=None, maximize=False)``. ``param_group`` holds ``params`` and the
+    hyperparameters and is read at every step, so ``opt.param_group["lr"] = 0.1`` applies from the next step.
+    ``state`` maps each parameter that has been stepped to the same dict of tensors ``torch.optim`` keeps.
+    """
+
+    spec: ClassVar[_Spec]
+    __signature__: ClassVar[inspect.Signature]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _signature(cls.spec)
+
+    def __init__(self, params: list[Tensor], *args: Any, **kwargs: Any) -> None:
+        if not hasattr(type(self), "spec"):
+            raise TypeError("FunctionalOptimizer is generic; build FunctionalSGD, FunctionalAdam, ... instead")
+        try:
+            bound = self.__signature__.bind(params, *args, **kwargs)
+        except TypeError as exc:  # unknown or repeated arguments: say which class refused them
+            raise TypeError(f"{type(self).__name__}(): {exc}") from None
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        params = list(options.pop("params"))
+        allow_empty = options.pop("_allow_empty_param_list")
+        if not params and not allow_empty:
+            raise ValueError(
+                f"{type(self).__name__} got an empty parameter list; "
+                "use as_functional_optim() for an optimizer driven by step_param() alone"
+            )
+        self.param_group: ParamGroup = {"params": params, **options, **self.spec.fixed}
+        self.defaults: dict[str, Any] = dict(options, **self.spec.fixed)
+        self.state: dict[Tensor, dict[str, Tensor]] = {}
+        if self.spec.eager_state:
+            for param in params:
+                self._state_of(param)
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        """Update every parameter of ``param_group`` with its gradient, in one kernel call; None skips one."""
+        params: list[Tensor] = self.param_group["params"]
+        if len(gradients) != len(params):
+            raise ValueError(
+                f"{type(self).__name__}.step() got {len(gradients)} gradients for {len(params)} parameters; "
+                "pass one per parameter (None to skip it)"
+            )
+        stepped = [(param, grad) for param, grad in zip(params, gradients, strict=True) if grad is not None]
+        self._update([param for param, _ in stepped], [grad for _, grad in stepped])
+
+    def step_param(self, param: Tensor, grad: Tensor | None) -> None:
+        """Update one parameter, which need not be in ``param_group``; with grad None only its state is created."""
+        if grad is None:
+            self._state_of(param)
+        else:
+            self._update([param], [grad])
+
+    def _state_of(self, param: Tensor) -> dict[str, Tensor]:
+        """The parameter's state, created on first use as torch.optim's ``_init_group`` creates it."""
+        state = self.state.setdefault(param, {})
+        if not state:
+            optional = self.spec.optional
+            for key, init in self.spec.state.items():
+                if key not in optional or self.param_group[optional[key]]:
+                    state[key] = init(param, self.param_group)
+        return state
+
+    def _update(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        if not params:
+            return
+        spec, group = self.spec, self.param_group
+        states = [self._state_of(param) for param in params]
+        lists: dict[str, list[Tensor | None]] = {}
+        for key in spec.kernel_state:
+            flag = spec.optional.get(key)
+            lists[key] = [state.get(key) for state in states] if flag is None or group[flag] else []
+        kwargs: dict[str, Any] = {}
+        for name in self.defaults:  # the hyperparameters only: other param_group entries are not the kernel's
+            value = group[name]
+            if name in spec.pairs:
+                first, second = spec.pairs[name]
+                kwargs[first], kwargs[second] = value
+            elif name in spec.kernel_params:
+                kwargs[name] = value
+        if "has_complex" in spec.kernel_params:
+            kwargs["has_complex"] = any(torch.is_complex(param) for param in params)
+        if "has_sparse_grad" in spec.kernel_params:
+            kwargs["has_sparse_grad"] = any(grad.is_sparse for grad in grads)
+        with torch.no_grad():
+            spec.kernel(params, grads, *lists.values(), **kwargs)
+        for key, tensors in lists.items():  # SGD's kernel creates `momentum_buffer` and returns it in its list
+            for state, tensor in zip(states, tensors, strict=False):  # a disabled optional list is empty
+                if tensor is not None:
+                    state[key] = tensor
+
+
+class FunctionalSGD(FunctionalOptimizer):
+    """:class:`torch.optim.SGD`, taking gradients explicitly."""
+
+    spec = _SGD
+
+
+class FunctionalAdam(FunctionalOptimizer):
+    """:class:`torch.optim.Adam`, taking gradients explicitly."""
+
+    spec = _ADAM
+
+
+class FunctionalAdamW(FunctionalOptimizer):
+    """:class:`torch.optim.AdamW`, taking gradients explicitly."""
+
+    spec = _ADAMW
+
+
+class FunctionalAdagrad(FunctionalOptimizer):
+    """:class:`torch.optim.Adagrad`, taking gradients explicitly."""
+
+    spec = _ADAGRAD
+
+
+class FunctionalAdadelta(FunctionalOptimizer):
+    """:class:`torch.optim.Adadelta`, taking gradients explicitly."""
+
+    spec = _ADADELTA
+
+
+class FunctionalAdamax(FunctionalOptimizer):
+    """:class:`torch.optim.Adamax`, taking gradients explicitly."""
+
+    spec = _ADAMAX
+
+
+class FunctionalRMSprop(FunctionalOptimizer):
+    """:class:`torch.optim.RMSprop`, taking gradients explicitly."""
+
+    spec = _RMSPROP
+
+
+class FunctionalRprop(FunctionalOptimizer):
+    """:class:`torch.optim.Rprop`, taking gradients explicitly."""
+
+    spec = _RPROP
+
+
+_FUNCTIONAL: dict[type, type[FunctionalOptimizer]] = {
+    cls.spec.torch_cls: cls
+    for cls in (
+        FunctionalSGD,
+        FunctionalAdam,
+        FunctionalAdamW,
+        FunctionalAdagrad,
+        FunctionalAdadelta,
+        FunctionalAdamax,
+        FunctionalRMSprop,
+        FunctionalRprop,
+    )
+}
+
+
+def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
+    """The functional class for a ``torch.optim`` class (exact class, not subclasses) or a functional class; else None.
+
+    Subclasses of ``torch.optim`` classes are not matched: they may change the math this module would run instead.
+    """
+    if isinstance(optim_cls, type) and issubclass(optim_cls, FunctionalOptimizer):
+        return optim_cls if hasattr(optim_cls, "spec") else None
+    return _FUNCTIONAL.get(optim_cls)
+
+
+def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> FunctionalOptimizer:
+    """The functional counterpart of ``optim_cls`` with an empty parameter list, to be driven by ``step_param``.
+
+    ``args`` and ``kwargs`` are ``optim_cls``'s hyperparameters (without ``params``). Raises ``ValueError`` naming the
+    supported classes when ``optim_cls`` has no functional counterpart.
+    """
+    functional_cls = functional_class_for(optim_cls)
+    if functional_cls is None:
+        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in _FUNCTIONAL)
+        name = getattr(optim_cls, "__qualname__", repr(optim_cls))
+        raise ValueError(f"{name} has no functional counterpart; supported: {supported} (or their Functional* classes)")
+    return functional_cls([], *args, _allow_empty_param_list=True, **kwargs)
