@@ -1,0 +1,195 @@
+"""ZeroRedundancyOptimizer's API: bad input on every rank, subgroups, add_param_group, zero_grad, Join."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
+
+SGD = torch.optim.SGD
+
+
+def _expect(error: type[BaseException], pattern: str, build: Callable[[], Any]) -> None:
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+def _errors_body(rank: int, world_size: int) -> None:
+    weight = torch.zeros(3, requires_grad=True)
+    sparse = torch.zeros(3, 3).to_sparse().requires_grad_()
+    # The same bad input on every rank: every rank raises the local error.
+    _expect(TypeError, "got a single tensor; wrap it in a list", lambda: ZeroRedundancyOptimizer(weight, SGD, lr=1))
+    _expect(TypeError, "got int", lambda: ZeroRedundancyOptimizer(5, SGD, lr=1))
+    _expect(
+        TypeError,
+        "mixes tensors and param-group dicts",
+        lambda: ZeroRedundancyOptimizer([weight, {"params": [weight]}], SGD, lr=1),
+    )
+    _expect(ValueError, "empty parameter list", lambda: ZeroRedundancyOptimizer([], SGD, lr=1))
+    _expect(ValueError, "has no 'params' key", lambda: ZeroRedundancyOptimizer([{"lr": 1}], SGD, lr=1))
+    _expect(ValueError, "sparse parameter", lambda: ZeroRedundancyOptimizer([sparse], SGD, lr=1))
+    _expect(
+        NotImplementedError,
+        "overlap_with_ddp",
+        lambda: ZeroRedundancyOptimizer([weight], SGD, overlap_with_ddp=True, lr=1),
+    )
+    # Bad input on one rank only: that rank raises its error, the others say which rank failed; nobody hangs.
+    if rank == 1:
+        _expect(TypeError, "single tensor", lambda: ZeroRedundancyOptimizer(weight, SGD, lr=1))
+    else:
+        _expect(
+            ValueError, "construction failed on rank 1: TypeError", lambda: ZeroRedundancyOptimizer([weight], SGD, lr=1)
+        )
+    # Parameters that differ across ranks: every rank raises, naming the difference.
+    shape = (3,) if rank == 0 else (4,)
+    _expect(
+        ValueError,
+        re.escape("disagree (param group 0, parameter 0"),
+        lambda: ZeroRedundancyOptimizer([torch.zeros(shape, requires_grad=True)], SGD, lr=1),
+    )
+    dtype = torch.float32 if rank == 0 else torch.float64
+    _expect(ValueError, "disagree", lambda: ZeroRedundancyOptimizer([torch.zeros(3, dtype=dtype)], SGD, lr=1))
+    count = 1 if rank == 0 else 2
+    _expect(
+        ValueError,
+        "has 1 vs 2 parameters|has 2 vs 1 parameters",
+        lambda: ZeroRedundancyOptimizer([torch.zeros(3, requires_grad=True)] * count, SGD, lr=1),
+    )
+    _expect(
+        ValueError,
+        "settings",
+        lambda: ZeroRedundancyOptimizer([weight], SGD, parameters_as_bucket_view=rank == 0, lr=1),
+    )
+    # Misuse after construction.
+    zero = ZeroRedundancyOptimizer([weight, torch.zeros(2)], SGD, lr=1)
+    _expect(ValueError, "'to' must be a rank of the group", lambda: zero.consolidate_state_dict(to=world_size))
+    _expect(
+        ValueError,
+        "has 2 param groups but this optimizer has 1",
+        lambda: zero.load_state_dict({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}),
+    )
+    _expect(
+        ValueError,
+        "has 1 parameters in the state dict but 2",
+        lambda: zero.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}),
+    )
+    frozen = next(p for p in zero.param_groups[0]["params"] if not p.requires_grad)
+    frozen.grad = torch.ones(2)
+    _expect(RuntimeError, "was frozen", zero.step)
+
+
+def test_bad_input_raises_clearly_on_every_rank() -> None:
+    run_on_ranks(_errors_body, 2)
+
+
+def test_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ZeroRedundancyOptimizer([torch.zeros(1)], SGD, lr=1)
+
+
+def _subgroup_body(rank: int, world_size: int) -> None:
+    subgroup = dist.new_group([1, 2])
+    if rank == 0:
+        return
+    params, expected = make_params(), make_params()
+    zero = ZeroRedundancyOptimizer(
+        (p for p in flatten(params)), torch.optim.Adam, process_group=subgroup, parameters_as_bucket_view=True, lr=0.1
+    )
+    reference = torch.optim.Adam(flatten(expected), lr=0.1)
+    for step in range(3):
+        grads = averaged_gradients(flatten(params), rank, step, group=subgroup)
+        for param, ref, grad in zip(flatten(params), flatten(expected), grads):
+            param.grad, ref.grad = grad, None if grad is None else grad.clone()
+        zero.step()
+        reference.step()
+    assert_same_tensors(flatten(params), flatten(expected), "subgroup")
+    assert zero.world_size == 2 and zero.rank == rank - 1
+
+
+def test_non_default_process_group() -> None:
+    run_on_ranks(_subgroup_body, 3)
+
+
+def _add_param_group_body(rank: int, world_size: int) -> None:
+    for bucket_view in (False, True):
+        (first, second), (first_ref, second_ref) = make_params(), make_params()
+        zero = ZeroRedundancyOptimizer(first, SGD, parameters_as_bucket_view=bucket_view, lr=0.1, momentum=0.9)
+        reference = SGD(first_ref, lr=0.1, momentum=0.9)
+        before = zero.plan.owners
+        for step in range(4):
+            if step == 2:
+                zero.add_param_group({"params": second, "lr": 0.05})
+                reference.add_param_group({"params": second_ref, "lr": 0.05})
+                assert zero.plan.owners[: len(before)] == before
+                assert len(zero.local_optimizer.param_groups) == 2
+            params, expected = (
+                flatten(zero.param_groups and [g["params"] for g in zero.param_groups]),
+                flatten([g["params"] for g in reference.param_groups]),
+            )
+            grads = averaged_gradients(params, rank, step)
+            for param, ref, grad in zip(params, expected, grads):
+                param.grad, ref.grad = grad, None if grad is None else grad.clone()
+            zero.step()
+            reference.step()
+            assert_same_tensors(params, expected, f"bucket_view={bucket_view} step {step}")
+        zero.zero_grad()
+        assert all(p.grad is None for p in params), "zero_grad clears every parameter, owned or not"
+        if bucket_view:  # trainable parameters are views into the rebuilt flat buckets
+            spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in zero._sync.buffers]
+            for param in (p for p in params if p.requires_grad):
+                assert any(start <= param.data_ptr() < end for start, end in spans)
+
+
+def test_add_param_group_and_zero_grad() -> None:
+    run_on_ranks(_add_param_group_body, 2)
+
+
+def _join_body(rank: int, world_size: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), SGD, lr=0.1, momentum=0.9)
+    reference_optim = SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    batches = [3 + 2 * r for r in range(world_size)]  # rank r has 3 + 2r batches: uneven inputs
+
+    def batch(r: int, i: int) -> torch.Tensor:
+        return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * r + i))
+
+    with Join([ddp, zero]):
+        for i in range(batches[rank]):
+            zero.zero_grad()
+            ddp(batch(rank, i)).square().sum().backward()
+            zero.step()
+    # Reference: DDP averages over the initial world size with joined ranks contributing zeros; a joined rank's
+    # shard is left as it is (no stale gradient is ever applied twice).
+    owners = [zero.owner_of(p) for p in model.parameters()]
+    for i in range(max(batches)):
+        active = [r for r in range(world_size) if i < batches[r]]
+        reference_optim.zero_grad()
+        for r in active:
+            reference(batch(r, i)).square().sum().backward()
+        for param, owner in zip(reference.parameters(), owners):
+            param.grad = param.grad / world_size if owner in active else None
+        reference_optim.step()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), expected.detach())
+    return [p.detach() for p in model.parameters()]
+
+
+def test_ddp_and_zero_under_join_with_uneven_inputs() -> None:
+    results = run_on_ranks(_join_body, 3)
+    for other in results[1:]:
+        assert_same_tensors(other, results[0], "ranks agree after Join")
