@@ -1,9 +1,9 @@
 """Run a test body on N real ranks: one process each, a gloo group over 127.0.0.1, a timeout.
 
 ``run_on_ranks(body, world_size, *args)`` calls ``body(rank, world_size, *args)`` in every rank and returns the
-ranks' return values (anything ``torch.save`` can write). The first rank to raise fails the test with its full
-traceback; a rank that hangs past ``timeout`` fails the test with every hung rank's stack, and all ranks are
-killed, so nothing outlives the test.
+ranks' return values; arguments and results travel by value, through ``torch.save``. The first rank to raise fails
+the test with its full traceback; a rank that hangs past ``timeout`` fails the test with every hung rank's stack,
+and all ranks are killed, so nothing outlives the test.
 
 Ranks are forked from a forkserver that imported torch once, so a spawned test costs a fork and a group set-up
 rather than a fresh interpreter importing torch (see the closing note of the foundation issue for figures).
@@ -34,7 +34,7 @@ __all__ = ["RankFailure", "cuda_world_size", "free_port", "run_on_ranks"]
 DEFAULT_TIMEOUT = 60.0
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.nn", "torch.optim"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo"])
 
 
 class RankFailure(AssertionError):
@@ -53,6 +53,16 @@ def cuda_world_size() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _pack(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def _rank_main(
     body: Callable[..., Any],
     rank: int,
@@ -62,7 +72,7 @@ def _rank_main(
     backend: str | None,
     timeout: float,
     conn: Connection,
-    args: tuple[Any, ...],
+    packed_args: bytes,
 ) -> None:
     stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -87,10 +97,8 @@ def _rank_main(
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout),
             )
-        result = body(rank, world_size, *args)
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        conn.send(("ok", buffer.getvalue()))
+        result = body(rank, world_size, *_unpack(packed_args))
+        conn.send(("ok", _pack(result)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -111,6 +119,7 @@ def run_on_ranks(
     ``body`` must be a module-level function (it is pickled by name). With ``backend=None`` no default process
     group is formed (RPC tests form their own); ``MASTER_ADDR``/``MASTER_PORT`` are set either way.
     """
+    packed_args = _pack(args)  # by value: pickling tensors for a child would share their memory between ranks
     workdir = tempfile.mkdtemp(prefix="distoptim-ranks-")
     port = free_port()
     procs: list[Any] = []
@@ -120,7 +129,7 @@ def run_on_ranks(
             parent_end, child_end = _CTX.Pipe(duplex=False)
             proc = _CTX.Process(
                 target=_rank_main,
-                args=(body, rank, world_size, workdir, port, backend, timeout, child_end, args),
+                args=(body, rank, world_size, workdir, port, backend, timeout, child_end, packed_args),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -157,7 +166,7 @@ def _collect(procs: list[Any], conns: dict[Connection, int], workdir: str, timeo
                 ) from None
             if status == "error":
                 raise RankFailure(f"rank {rank} of {len(procs)} failed:\n{payload}")
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            results[rank] = _unpack(payload)
     return [results[rank] for rank in range(len(procs))]
 
 
