@@ -1,7 +1,379 @@
-"""SCAFFOLD: replaced by the DistributedOptimizer work."""
+"""DistributedOptimizer: step parameters that live on other RPC workers with a distributed-autograd context's gradients.
+
+Each worker that owns some of the parameters holds a ``_LocalOptimizer``: those parameters and one optimizer over
+them. ``step(context_id)`` asks every owner at once to read the gradients that ``torch.distributed.autograd``
+recorded for that context and hand them *explicitly* to its optimizer, so a parameter without a gradient in this
+context is not touched (nothing is parked in ``.grad``, nothing stale is re-applied). Optimizers with a functional
+counterpart in ``distoptim.functional`` run that; any other ``torch.optim`` class runs behind an adapter that sets
+``.grad`` to this context's gradients only for the duration of the step.
+
+Beyond PyTorch's class: errors raised on an owner reach the caller with their own type and message (the remote
+traceback is the ``__cause__``); ``state_dict()`` / ``load_state_dict()`` gather and restore every owner's state in
+``torch.optim``'s format; ``param_groups`` holds one group of hyperparameters that a user or any
+``torch.optim.lr_scheduler`` may change, shipped to the owners with the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch._C._distributed_autograd import _is_valid_context, get_gradients
+from torch._C._distributed_rpc import PyRRef
+from torch.optim import Optimizer
+
+from distoptim.functional import functional_class_for
 
 __all__ = ["DistributedOptimizer"]
 
+Hyperparameters = dict[str, Any]
 
-class DistributedOptimizer:
-    pass
+# ------------------------------------------------------------------------------------------------ owner side
+
+_OWNER_LOCK = threading.Lock()
+"""One per process: steps, state reads and loads of every ``_LocalOptimizer`` here (one per trainer) run in turn."""
+
+
+class _GradientsAsArgument:
+    """A ``torch.optim`` optimizer behind the functional interface: ``step(gradients)``, ``state``, ``param_group``.
+
+    For optimizers without a functional counterpart. ``.grad`` holds this context's gradient (None: skipped) only
+    while the step runs and is restored afterwards, so no gradient outlives its context.
+    """
+
+    def __init__(self, optimizer_class: type[Optimizer], params: list[Tensor], *args: Any, **kwargs: Any) -> None:
+        self.params = params
+        self.optimizer = optimizer_class(params, *args, **kwargs)
+        if len(self.optimizer.param_groups) != 1:
+            raise ValueError(
+                f"{optimizer_class.__name__} made {len(self.optimizer.param_groups)} param groups; one is supported"
+            )
+
+    @property
+    def state(self) -> dict[Tensor, Any]:
+        return self.optimizer.state
+
+    @property
+    def param_group(self) -> dict[str, Any]:
+        return self.optimizer.param_groups[0]
+
+    def step(self, gradients: list[Tensor | None]) -> None:
+        saved = [param.grad for param in self.params]
+        try:
+            for param, grad in zip(self.params, gradients, strict=True):
+                param.grad = grad
+            self.optimizer.step()
+        finally:
+            for param, grad in zip(self.params, saved, strict=True):
+                param.grad = grad
+
+
+class _LocalOptimizer:
+    """The owner's half of a DistributedOptimizer: its parameters and one optimizer (functional or adapted)."""
+
+    def __init__(
+        self, optimizer_class: type, param_rrefs: list[PyRRef[Tensor]], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self.params: list[Tensor] = [rref.local_value() for rref in param_rrefs]
+        if len({id(param) for param in self.params}) != len(self.params):
+            raise ValueError("a parameter appears more than once in params_rref")
+        functional_class = functional_class_for(optimizer_class)
+        if functional_class is not None:
+            self.optimizer: Any = functional_class(self.params, *args, **kwargs)
+        else:
+            self.optimizer = _GradientsAsArgument(optimizer_class, self.params, *args, **kwargs)
+
+    def hyperparameters(self) -> Hyperparameters:
+        return {key: value for key, value in self.optimizer.param_group.items() if key != "params"}
+
+    def step(self, context_id: int, hyperparameters: Hyperparameters | None) -> None:
+        gradients = _context_gradients(context_id, self.params)
+        with _OWNER_LOCK:
+            if hyperparameters is not None:
+                self.optimizer.param_group.update(hyperparameters)
+            if any(grad is not None for grad in gradients):
+                self.optimizer.step(gradients)
+
+    def state(self) -> list[dict[str, Any] | None]:
+        """Each parameter's state (None: not stepped yet), copied to the CPU so RPC needs no device map."""
+        with _OWNER_LOCK:
+            return [_cpu_copy(self.optimizer.state[p]) if p in self.optimizer.state else None for p in self.params]
+
+    def load(self, states: list[dict[str, Any] | None], hyperparameters: Hyperparameters) -> None:
+        """Replace the state of every parameter (None: no state) and the hyperparameters."""
+        with _OWNER_LOCK:
+            group = self.optimizer.param_group
+            group.update(hyperparameters)
+            for param, param_state in zip(self.params, states, strict=True):
+                if param_state is None:
+                    self.optimizer.state.pop(param, None)
+                else:
+                    self.optimizer.state[param] = {k: _cast_like(param, group, k, v) for k, v in param_state.items()}
+
+
+def _context_gradients(context_id: int, params: list[Tensor]) -> list[Tensor | None]:
+    """This context's gradient for each parameter, None where it recorded none (or never reached this worker)."""
+    try:
+        _is_valid_context(context_id)
+    except RuntimeError:
+        return [None] * len(params)  # the caller checked the id: this owner just took no part in the context
+    by_id = {id(tensor): grad for tensor, grad in get_gradients(context_id).items()}
+    return [by_id.get(id(param)) for param in params]
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _cpu_copy(item) for key, item in value.items()}
+    return copy.deepcopy(value)
+
+
+def _cast_like(param: Tensor, group: dict[str, Any], key: str, value: Any) -> Any:
+    """As ``torch.optim`` loads state: tensors go to the parameter's device, floating ones take its dtype, and
+    ``step`` stays a CPU scalar unless the optimizer is capturable or fused."""
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(dtype=torch.float32, device=param.device, copy=True)
+        return value.detach().clone()
+    if value.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device, copy=True)
+    return value.to(device=param.device, copy=True)
+
+
+@dataclass
+class _RemoteFailure:
+    """An owner-side exception in transit: pickled if it pickles, else its type name and message."""
+
+    pickled: bytes | None
+    description: str
+    remote_traceback: str
+
+    @classmethod
+    def capture(cls, exc: Exception) -> _RemoteFailure:
+        try:
+            pickled: bytes | None = pickle.dumps(exc)
+        except Exception:
+            pickled = None
+        where = rpc.get_worker_info().name
+        return cls(pickled, f"{type(exc).__name__}: {exc}", f"on RPC worker {where}:\n{traceback.format_exc()}")
+
+    def reraise(self) -> NoReturn:
+        exc: BaseException
+        try:
+            exc = pickle.loads(self.pickled) if self.pickled is not None else RuntimeError(self.description)
+        except Exception:
+            exc = RuntimeError(self.description)
+        raise exc from _RemoteTraceback(self.remote_traceback)
+
+
+class _RemoteTraceback(Exception):
+    """Carries the owner's traceback as the ``__cause__`` of the re-raised exception."""
+
+
+def _invoke(function: Callable[..., Any], *args: Any) -> Any:
+    """Runs on the owner; returns the result, or the exception as a value so that its type survives the trip."""
+    try:
+        return function(*args)
+    except Exception as exc:
+        return _RemoteFailure.capture(exc)
+
+
+def _create(
+    optimizer_class: type, param_rrefs: list[PyRRef[Tensor]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[PyRRef[_LocalOptimizer], Hyperparameters]:
+    local = _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
+    return rpc.RRef(local), local.hyperparameters()
+
+
+def _step(local: PyRRef[_LocalOptimizer], context_id: int, hyperparameters: Hyperparameters | None) -> None:
+    local.local_value().step(context_id, hyperparameters)
+
+
+def _state(local: PyRRef[_LocalOptimizer]) -> list[dict[str, Any] | None]:
+    return local.local_value().state()  # type: ignore[no-any-return]
+
+
+def _load(
+    local: PyRRef[_LocalOptimizer], states: list[dict[str, Any] | None], hyperparameters: Hyperparameters
+) -> None:
+    local.local_value().load(states, hyperparameters)
+
+
+# ----------------------------------------------------------------------------------------------- caller side
+
+
+@dataclass
+class _Owner:
+    name: str
+    indices: list[int]  # positions in params_rref of the parameters this worker owns
+    local: PyRRef[_LocalOptimizer]  # RRef to its _LocalOptimizer
+
+
+def _on_owners(calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+    """Run ``function(*args)`` on every named worker concurrently; wait for all, then raise the first failure."""
+    futures = [rpc.rpc_async(name, _invoke, args=(function, *args)) for name, function, args in calls]
+    outcomes: list[Any] = []
+    for future in futures:
+        try:
+            outcomes.append(future.wait())
+        except Exception as exc:  # the call itself failed (worker gone, timeout), not the function on the owner
+            outcomes.append(exc)
+    for outcome in outcomes:
+        if isinstance(outcome, _RemoteFailure):
+            outcome.reraise()
+        if isinstance(outcome, Exception):
+            raise outcome
+    return outcomes
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+class DistributedOptimizer(Optimizer):
+    """Optimize parameters spread over RPC workers, one local optimizer on each owner.
+
+    Args:
+        optimizer_class: a ``torch.optim`` class (or a ``distoptim.functional`` one) to run on every owner.
+        params_rref: RRefs to the parameters to optimize, wherever they live.
+        args, kwargs: the optimizer's hyperparameters, as for ``optimizer_class(params, *args, **kwargs)``.
+
+    ``step(context_id)`` applies, on all owners concurrently, the gradients recorded in that distributed autograd
+    context; steps from several trainers on one owner are serialized. ``param_groups`` is a single group with the
+    hyperparameters (no tensors to optimize): change it directly or with a ``torch.optim.lr_scheduler`` scheduler
+    (this class is an ``Optimizer`` for that reason), and the owners get the change with the next step.
+    ``state_dict()`` uses ``torch.optim``'s format, parameters numbered by their position in ``params_rref``.
+    The optimizer state itself lives on the owners (``self.state`` stays empty), and ``zero_grad()`` has nothing to
+    do: gradients live in the autograd context, not in ``.grad``.
+
+    Example, on a trainer after ``rpc.init_rpc``::
+
+        optimizer = DistributedOptimizer(torch.optim.Adam, param_rrefs, lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+        for batch in batches:
+            with dist_autograd.context() as context_id:
+                dist_autograd.backward(context_id, [loss_fn(model(batch))])
+                optimizer.step(context_id)
+            scheduler.step()
+    """
+
+    def __init__(self, optimizer_class: type, params_rref: Sequence[PyRRef[Tensor]], *args: Any, **kwargs: Any) -> None:
+        _check_optimizer_class(optimizer_class)
+        params_rref = list(params_rref)
+        if not params_rref:
+            raise ValueError("DistributedOptimizer got an empty params_rref")
+        for rref in params_rref:
+            if not isinstance(rref, PyRRef):
+                raise TypeError(f"params_rref must hold RRefs to parameters, got {type(rref).__name__}")
+        indices_by_owner: dict[str, list[int]] = {}
+        for index, rref in enumerate(params_rref):
+            indices_by_owner.setdefault(rref.owner_name(), []).append(index)
+        created = _on_owners(
+            [
+                (name, _create, (optimizer_class, [params_rref[i] for i in indices], args, kwargs))
+                for name, indices in indices_by_owner.items()
+            ]
+        )
+        hyperparameters: Hyperparameters = created[0][1]
+        super().__init__([{"params": []}], hyperparameters)  # param_groups[0]: the hyperparameters, no tensors
+        self._owners = [
+            _Owner(name, indices, local)
+            for (name, indices), (local, _) in zip(indices_by_owner.items(), created, strict=True)
+        ]
+        self._num_params = len(params_rref)
+        self._shipped = copy.deepcopy(hyperparameters)
+
+    def step(self, context_id: int) -> None:  # type: ignore[override]
+        """Apply the gradients of distributed autograd context ``context_id`` on every owner; wait for all."""
+        if isinstance(context_id, bool) or not isinstance(context_id, int):
+            raise TypeError(
+                f"context_id must be an int (from dist_autograd.context()), got {type(context_id).__name__}"
+            )
+        try:
+            _is_valid_context(context_id)
+        except RuntimeError:
+            raise RuntimeError(
+                f"unknown distributed autograd context id {context_id}: call step() inside the "
+                "`with dist_autograd.context() as context_id:` block whose backward pass recorded the gradients"
+            ) from None
+        current = self._hyperparameters()
+        changed = None if self._unchanged(current) else current
+        _on_owners([(owner.name, _step, (owner.local, context_id, changed)) for owner in self._owners])
+        self._shipped = copy.deepcopy(current)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every owner's state, gathered through RPC, as ``torch.optim`` would save it for ``params_rref``."""
+        gathered = _on_owners([(owner.name, _state, (owner.local,)) for owner in self._owners])
+        state: dict[int, Any] = {}
+        for owner, states in zip(self._owners, gathered, strict=True):
+            state.update((i, s) for i, s in zip(owner.indices, states, strict=True) if s is not None)
+        group = {**copy.deepcopy(self._hyperparameters()), "params": list(range(self._num_params))}
+        return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` (or a one-group ``torch.optim`` state dict over the same parameters)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("state_dict must be a dict with exactly the keys 'state' and 'param_groups'")
+        groups = state_dict["param_groups"]
+        if len(groups) != 1:
+            raise ValueError(f"state_dict has {len(groups)} param groups; DistributedOptimizer has one")
+        ids = list(groups[0]["params"])
+        if len(ids) != self._num_params:
+            raise ValueError(f"state_dict covers {len(ids)} parameters; this optimizer has {self._num_params}")
+        unknown = set(state_dict["state"]) - set(ids)
+        if unknown:
+            raise ValueError(f"state_dict has state for unknown parameter ids {sorted(unknown)}")
+        hyperparameters = {key: value for key, value in groups[0].items() if key != "params"}
+        _on_owners(
+            [
+                (
+                    owner.name,
+                    _load,
+                    (owner.local, [state_dict["state"].get(ids[i]) for i in owner.indices], hyperparameters),
+                )
+                for owner in self._owners
+            ]
+        )
+        self.param_groups[0].update(copy.deepcopy(hyperparameters))
+        self._shipped = copy.deepcopy(self._hyperparameters())
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: the parameters are fixed by ``params_rref`` at construction."""
+        if getattr(self, "_owners", None) is None:  # Optimizer.__init__ adding the hyperparameter group
+            super().add_param_group(param_group)
+            return
+        raise NotImplementedError("DistributedOptimizer has one param group; build another optimizer instead")
+
+    def _hyperparameters(self) -> Hyperparameters:
+        return {key: value for key, value in self.param_groups[0].items() if key != "params"}
+
+    def _unchanged(self, current: Hyperparameters) -> bool:
+        return current.keys() == self._shipped.keys() and all(_same(v, self._shipped[k]) for k, v in current.items())
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    if not isinstance(optimizer_class, type):
+        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+    if functional_class_for(optimizer_class) is not None:
+        return
+    if not issubclass(optimizer_class, Optimizer):
+        raise TypeError(f"{optimizer_class.__name__} is neither a torch.optim.Optimizer nor a functional optimizer")
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(f"{optimizer_class.__name__}.step needs a closure; it cannot step from an autograd context")
