@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -116,16 +117,25 @@ class StagedSync(ParameterSync):
 
     def sync_parameters(self) -> None:
         for round_ in self.rounds:
-            stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
-            for chunk in round_.chunks:
-                if chunk.src == self.rank:
-                    torch.cat([p.detach().reshape(-1) for p in chunk.params], out=stage[chunk.start : chunk.end])
-            comm.broadcast_slices(stage, [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks], self.group)
-            for chunk in round_.chunks:
-                if chunk.src != self.rank:
-                    views = torch.split(stage[chunk.start : chunk.end], [p.numel() for p in chunk.params])
-                    targets = [p.detach() for p in chunk.params]
-                    torch._foreach_copy_(targets, [v.view_as(t) for v, t in zip(views, targets)])
+            self.land(self.launch(round_))
+
+    def launch(self, round_: _Round) -> _InFlight:
+        """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
+        stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
+        for chunk in round_.chunks:
+            if chunk.src == self.rank:
+                torch.cat([p.detach().reshape(-1) for p in chunk.params], out=stage[chunk.start : chunk.end])
+        slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
+        return _InFlight(round_, stage, comm.broadcast_slices(stage, slices, self.group, wait=False))
+
+    def land(self, flight: _InFlight) -> None:
+        """Wait for a launched round and copy the other ranks' chunks into their parameters."""
+        comm.wait_all(flight.works)
+        for chunk in flight.round.chunks:
+            if chunk.src != self.rank:
+                views = torch.split(flight.stage[chunk.start : chunk.end], [p.numel() for p in chunk.params])
+                targets = [p.detach() for p in chunk.params]
+                torch._foreach_copy_(targets, [v.view_as(t) for v, t in zip(views, targets)])
 
 
 @dataclass
@@ -142,6 +152,13 @@ class _Round:
     dtype: torch.dtype
     chunks: list[_Chunk] = field(default_factory=list)
     numel: int = 0
+
+
+@dataclass
+class _InFlight:
+    round: _Round
+    stage: Tensor
+    works: list[Any]
 
 
 def _rounds(layout: FlatLayout, stage_numel: int) -> list[_Round]:

@@ -23,6 +23,7 @@ __all__ = [
     "receive_tensor",
     "send_object",
     "send_tensor",
+    "wait_all",
 ]
 
 Group = dist.ProcessGroup
@@ -40,19 +41,27 @@ def _global(group: Group, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
-def broadcast_slices(buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: Group) -> None:
+def broadcast_slices(
+    buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: Group, wait: bool = True
+) -> list[Any]:
     """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently.
 
     On gloo N broadcasts of 1/N each beat one all-gather (see DESIGN.md's measurements); empty slices are skipped
-    on every rank alike since every rank knows the layout.
+    on every rank alike since every rank knows the layout. With ``wait=False`` the pending works are returned for
+    ``wait_all``.
     """
     works = [
         dist.broadcast(buffer[start:end], src=_global(group, src), group=group, async_op=True)
         for src, start, end in slices
         if end > start
     ]
+    if wait:
+        wait_all(works)
+    return works
+
+
+def wait_all(works: Sequence[Any]) -> None:
     for work in works:
-        assert work is not None
         work.wait()
 
 

@@ -16,8 +16,10 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import checkpoint, comm, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, build_layouts
+from distoptim.zero.ddp_hooks import OverlapStepper
 from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -54,10 +56,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local: tuple[Any, ...] | BaseException
         try:
             groups = validation.normalize_param_groups(params)
-            if overlap_with_ddp:
-                raise NotImplementedError("overlap_with_ddp=True is not supported yet")
+            functional_cls = _functional_for_overlap(optimizer_class) if overlap_with_ddp else None
             local = validation.fingerprint(groups, **settings)
-        except (TypeError, ValueError, NotImplementedError) as error:
+        except (TypeError, ValueError) as error:
             local = error
         validation.agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction")
 
@@ -68,7 +69,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._optimizer_class = optimizer_class
+        self._optimizer_class = optimizer_class if functional_cls is None else functional_cls.spec.torch_cls
+        self.overlap_stepper = None if functional_cls is None else OverlapStepper(self, functional_cls)
         self._defaults = defaults
         self._plan: PartitionPlan | None = None
         self._sync: ParameterSync | None = None
@@ -100,6 +102,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ------------------------------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync."""
+        if self.overlap_stepper is not None:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is stepped by its DDP comm hook during backward "
+                "(hook_with_zero_step / hook_with_zero_step_interleaved); do not call step(). Use "
+                "overlap_with_ddp=False to step explicitly"
+            )
         Join.notify_join_context(self)
         self._check_frozen_params_have_no_grad()
         self._push_hyperparameters()
@@ -131,6 +139,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "now has a gradient; frozen parameters are not sharded, so it would never be updated. "
                     "Set requires_grad before building the optimizer, or add it with add_param_group"
                 )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of all parameters, owned or not."""
+        if self.overlap_stepper is not None:
+            self.overlap_stepper.check_stepped()
+        super().zero_grad(set_to_none)
+        if self.overlap_stepper is not None:
+            self.overlap_stepper.record_grads()
 
     # ------------------------------------------------------------------------------------ partitioning
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -168,6 +184,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.optim.add_param_group(new_group)
         self.state = self.optim.state
         self._pull_hyperparameters()
+        if self.overlap_stepper is not None:
+            self.overlap_stepper.rebuild()
         if self._sync is not None:
             self._sync.release()
         by_rank = [[p for p in params if owners[id(p)] == rank] for rank in range(self.world_size)]
@@ -243,6 +261,17 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero._sync_parameters()
+
+
+def _functional_for_overlap(optimizer_class: type) -> type[FunctionalOptimizer]:
+    functional_cls = functional_class_for(optimizer_class)
+    if functional_cls is None:
+        name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
+        raise ValueError(
+            f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
+            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
+        )
+    return functional_cls
 
 
 def _comm_device(group: dist.ProcessGroup) -> torch.device:

@@ -1,0 +1,146 @@
+"""overlap_with_ddp: ZeRO stepped by DDP comm hooks equals DDP + the same optimizer stepping normally."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import StepLR
+
+from distoptim import ZeroRedundancyOptimizer
+from distoptim.functional import FunctionalAdamW
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
+from tests._dist import run_on_ranks
+
+OPTIMIZERS = [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 0.01})]
+HOOKS = [hook_with_zero_step, hook_with_zero_step_interleaved]
+ITERATIONS = 10
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    return [{"params": params[:2]}, {"params": params[2:], "lr": lr / 2}]
+
+
+def _batch(rank: int, iteration: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1000 * iteration + rank))
+
+
+def _ddp(model: nn.Module, gradient_as_bucket_view: bool, static_graph: bool) -> DDP:
+    # A tiny bucket cap: several buckets once DDP rebuilds them after the first iteration (one bucket before).
+    return DDP(model, bucket_cap_mb=0.0005, gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+
+
+def _train(ddp: DDP, optimizer: Any, scheduler: StepLR, rank: int, iterations: range, step: bool) -> None:
+    for iteration in iterations:
+        optimizer.zero_grad()
+        ddp(_batch(rank, iteration)).square().mean().backward()
+        if step:
+            optimizer.step()
+        scheduler.step()
+
+
+def _assert_close(model: nn.Module, reference: nn.Module, what: str) -> None:
+    for index, (param, expected) in enumerate(zip(model.parameters(), reference.parameters())):
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=lambda m, i=index: f"{what}[{i}]: {m}")
+
+
+def _parity_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
+    for hook, (optimizer_class, kwargs), gradient_as_bucket_view, static_graph, shard_buckets in configs:
+        what = f"{hook.__name__} {optimizer_class.__name__} gav={gradient_as_bucket_view} static={static_graph}"
+        model, reference = _model(), _model()
+        ddp = _ddp(model, gradient_as_bucket_view, static_graph)
+        reference_ddp = _ddp(reference, gradient_as_bucket_view, static_graph)
+        zero = ZeroRedundancyOptimizer(_groups(model, kwargs["lr"]), optimizer_class, overlap_with_ddp=True, **kwargs)
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, shard_buckets=shard_buckets))
+        reference_optimizer = optimizer_class(_groups(reference, kwargs["lr"]), **kwargs)
+        schedulers = StepLR(zero, step_size=3, gamma=0.5), StepLR(reference_optimizer, step_size=3, gamma=0.5)
+        for iteration in range(ITERATIONS):
+            _train(ddp, zero, schedulers[0], rank, range(iteration, iteration + 1), step=False)
+            _train(reference_ddp, reference_optimizer, schedulers[1], rank, range(iteration, iteration + 1), True)
+            _assert_close(model, reference, f"{what} iteration {iteration}")
+
+
+CONFIGS = list(itertools.product(HOOKS, OPTIMIZERS, [False, True], [False, True], [False, True]))
+
+
+def test_parity_world_size_2_every_combination() -> None:
+    run_on_ranks(_parity_body, 2, CONFIGS, timeout=240)
+
+
+def test_parity_world_size_3() -> None:
+    covering = [c for i, c in enumerate(CONFIGS) if i % 4 in (0, 3)]  # each hook x optimizer, all flag values
+    run_on_ranks(_parity_body, 3, covering, timeout=240)
+
+
+def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Train with overlap, consolidate, and (given a checkpoint) resume from it: equal to plain DDP + AdamW."""
+    model, reference = _model(), _model()
+    ddp, reference_ddp = _ddp(model, False, False), _ddp(reference, False, False)
+    zero = ZeroRedundancyOptimizer(model.parameters(), FunctionalAdamW, overlap_with_ddp=True, lr=0.01)
+    ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    schedulers = StepLR(zero, step_size=100), StepLR(reference_optimizer, step_size=100)
+    if saved is not None:
+        with torch.no_grad():
+            for param, other, value in zip(model.parameters(), reference.parameters(), saved["params"]):
+                param.copy_(value)
+                other.copy_(value)
+        zero.load_state_dict(saved["optimizer"])
+        reference_optimizer.load_state_dict(saved["optimizer"])
+    first = 0 if saved is None else 4
+    _train(ddp, zero, schedulers[0], rank, range(first, first + 4), step=False)
+    _train(reference_ddp, reference_optimizer, schedulers[1], rank, range(first, first + 4), step=True)
+    _assert_close(model, reference, "after resuming" if saved else "before saving")
+    zero.consolidate_state_dict(to=0)
+    if rank != 0:
+        return None
+    state = zero.state_dict()
+    expected = reference_optimizer.state_dict()
+    assert state["param_groups"] == expected["param_groups"]
+    for index, entry in expected["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5, atol=1e-6)
+    return {"optimizer": state, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_state_dict_after_training_and_resume_at_another_world_size() -> None:
+    saved = run_on_ranks(_checkpoint_body, 3, None)[0]
+    run_on_ranks(_checkpoint_body, 2, saved)
+
+
+def _errors_body(rank: int, world_size: int) -> None:
+    model = _model()
+    ddp = DDP(model)
+    plain = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="built with overlap_with_ddp=True"):
+        hook_with_zero_step(allreduce_hook, ddp, plain)
+    with pytest.raises(ValueError, match="LBFGS has none"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS, overlap_with_ddp=True)
+
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    with pytest.raises(RuntimeError, match="do not call step"):
+        zero.step()
+    ddp(_batch(rank, 0)).sum().backward()  # no hook registered: nothing stepped the optimizer
+    with pytest.raises(RuntimeError, match="no optimizer step ran: register hook_with_zero_step"):
+        zero.zero_grad()
+
+    hooked = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    hook_with_zero_step(allreduce_hook, ddp, hooked)
+    with pytest.raises(ValueError, match="already registered"):
+        hook_with_zero_step_interleaved(allreduce_hook, ddp, hooked)
+    dist.barrier()
+
+
+def test_misuse_gives_clear_errors() -> None:
+    run_on_ranks(_errors_body, 2)
