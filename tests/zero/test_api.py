@@ -40,9 +40,9 @@ def _errors_body(rank: int, world_size: int) -> None:
     _expect(ValueError, "has no 'params' key", lambda: ZeroRedundancyOptimizer([{"lr": 1}], SGD, lr=1))
     _expect(ValueError, "sparse parameter", lambda: ZeroRedundancyOptimizer([sparse], SGD, lr=1))
     _expect(
-        NotImplementedError,
-        "overlap_with_ddp",
-        lambda: ZeroRedundancyOptimizer([weight], SGD, overlap_with_ddp=True, lr=1),
+        ValueError,
+        "LBFGS has none",
+        lambda: ZeroRedundancyOptimizer([weight], torch.optim.LBFGS, overlap_with_ddp=True),
     )
     # Bad input on one rank only: that rank raises its error, the others say which rank failed; nobody hangs.
     if rank == 1:
