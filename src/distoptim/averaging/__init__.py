@@ -1,4 +1,8 @@
-"""SCAFFOLD: replaced by the post-local-SGD work."""
+"""Post-local SGD: model averagers, the optimizer wrapper that runs them, and the DDP gradient hook.
+
+``comm`` holds the only calls to ``torch.distributed``; ``averagers`` are schedules over one averaging
+collective; ``optimizer`` wraps a local optimizer; ``hook`` is the DDP communication hook.
+"""
 
 from distoptim.averaging.averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
 from distoptim.averaging.hook import PostLocalSGDState, post_localSGD_hook

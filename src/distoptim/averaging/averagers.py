@@ -1,13 +1,177 @@
-"""SCAFFOLD: replaced by the post-local-SGD work."""
+"""Model averagers: average parameters across a process group on a schedule (the "model" half of post-local SGD).
+
+Each averager is a schedule (``group_at(step)``: which group averages at a step, if any) plus one shared
+averaging collective (``comm.average_tensors_``), which writes the average into the parameters in place.
+The step counter ``step`` is plain visible state, advanced once per ``average_parameters`` call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from distoptim.averaging import comm
+
+__all__ = ["HierarchicalModelAverager", "ModelAverager", "ParamsLike", "PeriodicModelAverager", "params_to_average"]
+
+ParamsLike = Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]
+
+_PERIOD_ONE_WARNING = (
+    "averaging parameters every step costs at least as much as DistributedDataParallel's gradient all-reduce; "
+    "use plain DDP (allreduce) instead, or a period > 1"
+)
+_HOW_TO_PASS = "pass model.parameters() or optimizer.param_groups"
 
 
-class ModelAverager:
-    pass
+def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
+    """The parameters (or param-group entries) in ``params`` that have a gradient, in order.
+
+    Parameters without ``.grad`` did not take part in the step and are skipped (as PyTorch does). Plain tensors are
+    rejected at the top level: iterating a tensor yields its rows, which is never what the caller meant.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"average_parameters() takes an iterable of parameters, not a single tensor; {_HOW_TO_PASS}")
+    if isinstance(params, Mapping):
+        raise TypeError(f"average_parameters() got a single param-group dict; pass a list of them, e.g. {_HOW_TO_PASS}")
+    selected: list[torch.Tensor] = []
+    for index, item in enumerate(params):
+        if isinstance(item, torch.nn.Parameter):
+            candidates: Iterable[Any] = (item,)
+        elif isinstance(item, Mapping):
+            if "params" not in item:
+                raise TypeError(f"param group {index} has no 'params' entry; {_HOW_TO_PASS}")
+            candidates = item["params"]
+        elif isinstance(item, torch.Tensor):
+            raise TypeError(
+                f"item {index} is a plain torch.Tensor, not an nn.Parameter; averaging only touches parameters "
+                f"(wrap it in torch.nn.Parameter, or put it in an optimizer param group); {_HOW_TO_PASS}"
+            )
+        else:
+            raise TypeError(f"item {index} has type {type(item).__name__}; {_HOW_TO_PASS}")
+        for param in candidates:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"param group {index} holds a {type(param).__name__}, not a tensor")
+            if param.grad is not None:
+                selected.append(param)
+    return selected
+
+
+class ModelAverager(ABC):
+    """Base of the averagers: holds the process group and the visible step counter.
+
+    ``process_group`` defaults to the world group, resolved at construction.
+    """
+
+    def __init__(self, process_group: ProcessGroup | None = None) -> None:
+        self.process_group: ProcessGroup = comm.default_group(process_group)
+        self.step = 0
+
+    @abstractmethod
+    def average_parameters(self, params: ParamsLike) -> None:
+        """Average ``params`` if the schedule says so at ``step``, then advance ``step`` by one."""
+
+    def _average_and_advance(self, params: ParamsLike, group: ProcessGroup | None) -> None:
+        selected = params_to_average(params)  # validated every call, so bad input fails before warm-up ends
+        if group is not None:
+            comm.average_tensors_(selected, group)
+        self.step += 1
+
+
+def _check_warmup(warmup_steps: int) -> None:
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; use 0 to average from the first step")
 
 
 class PeriodicModelAverager(ModelAverager):
-    pass
+    """Average over the whole group every ``period`` steps once ``warmup_steps`` steps have passed.
+
+    Averages when ``step >= warmup_steps and (step - warmup_steps) % period == 0`` (PyTorch's schedule).
+    """
+
+    def __init__(self, period: int, warmup_steps: int = 0, process_group: ProcessGroup | None = None) -> None:
+        if period < 1:
+            raise ValueError(f"period must be >= 1 (steps between averagings), got {period}")
+        _check_warmup(warmup_steps)
+        if period == 1:
+            warnings.warn(_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
+        super().__init__(process_group)
+        self.period = period
+        self.warmup_steps = warmup_steps
+
+    def group_at(self, step: int) -> ProcessGroup | None:
+        """The group that averages at ``step``, or ``None`` when no averaging is due."""
+        if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
+            return self.process_group
+        return None
+
+    def average_parameters(self, params: ParamsLike) -> None:
+        """Average ``params`` (parameters or param groups) in place if due at ``step``; advance ``step``."""
+        self._average_and_advance(params, self.group_at(self.step))
 
 
 class HierarchicalModelAverager(ModelAverager):
-    pass
+    """Average within subgroups of several sizes, each level on its own period (hierarchical SGD).
+
+    ``period_group_size_dict`` maps period -> subgroup size, smallest period first; the last level must span the
+    whole ``process_group``. At a step past warm-up, the level with the largest period dividing ``step`` averages
+    (PyTorch's schedule: note it tests ``step % period``, not ``step - warmup_steps``). Subgroups are consecutive
+    ranks, created here: a collective that every rank of the default group must enter, in the same order.
+    """
+
+    def __init__(
+        self,
+        period_group_size_dict: Mapping[int, int] | None = None,
+        warmup_steps: int = 0,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(process_group)
+        levels = list((period_group_size_dict or {}).items())
+        overall = comm.group_size(self.process_group)
+        _check_levels(levels, overall)  # everything is validated before the first collective
+        _check_warmup(warmup_steps)
+        if levels[-1][0] == 1:
+            warnings.warn(_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
+        self.warmup_steps = warmup_steps
+        self.period_process_group_dict: dict[int, ProcessGroup] = {
+            period: comm.split_group(self.process_group, size) for period, size in levels
+        }
+        self._periods_largest_first = [period for period, _ in reversed(levels)]
+
+    def group_at(self, step: int) -> ProcessGroup | None:
+        """The group that averages at ``step``, or ``None`` when no averaging is due."""
+        if step < self.warmup_steps:
+            return None
+        for period in self._periods_largest_first:
+            if step % period == 0:
+                return self.period_process_group_dict[period]
+        return None
+
+    def average_parameters(self, params: ParamsLike) -> None:
+        """Average ``params`` (parameters or param groups) in place within the level due at ``step``; advance."""
+        self._average_and_advance(params, self.group_at(self.step))
+
+
+def _check_levels(levels: list[tuple[int, int]], overall: int) -> None:
+    example = f"e.g. {{2: {max(overall // 2, 1)}, 4: {overall}}}"
+    if not levels:
+        raise ValueError(f"period_group_size_dict must map at least one period to a group size, {example}")
+    periods = [period for period, _ in levels]
+    if any(period < 1 for period in periods):
+        raise ValueError(f"periods in period_group_size_dict must be >= 1, got {periods}")
+    if any(a >= b for a, b in itertools.pairwise(periods)):
+        raise ValueError(f"list periods in increasing order (smallest, most local level first), got {periods}")
+    for period, size in levels:
+        if size < 1 or overall % size != 0:
+            raise ValueError(
+                f"group size {size} for period {period} must be positive and divide the group's {overall} ranks"
+            )
+    if levels[-1][1] != overall:
+        raise ValueError(
+            f"the last level must average over the whole group ({overall} ranks), got size {levels[-1][1]}; {example}"
+        )

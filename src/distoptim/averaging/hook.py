@@ -1,11 +1,98 @@
-"""SCAFFOLD: replaced by the post-local-SGD work."""
+"""The post-local-SGD DDP communication hook: global gradient averaging for a warm-up, then local (or none).
 
+Register with ``ddp_model.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook)`` and pair it with an
+averager whose ``warmup_steps`` equals ``start_localSGD_iter``, run after each optimizer step.
+"""
+
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's runtime annotations
+# with dist.GradBucket and Future[Tensor], and string annotations fail that check.
+
+import warnings
 from typing import Any
+
+import torch
+from torch._C._distributed_c10d import GradBucket  # is dist.GradBucket, which type checkers do not see as public
+from torch.distributed import ProcessGroup
+
+from distoptim.averaging import comm
+
+__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
 
 class PostLocalSGDState:
-    pass
+    """State of :func:`post_localSGD_hook`.
+
+    Args:
+        process_group: group for the warm-up's global all-reduce; ``None`` is the default (world) group.
+        subgroup: group for the all-reduce after warm-up; ``None`` picks per-node subgroups from the launcher's
+            ``LOCAL_WORLD_SIZE`` (the whole group when unknown), created when local SGD starts (a collective of
+            every rank; it assumes the group's ranks are numbered node by node, as launchers do).
+        start_localSGD_iter: number of iterations that all-reduce globally.
+        post_local_gradient_allreduce: after warm-up, all-reduce within ``subgroup`` (``True``) or not at all.
+
+    ``iter`` counts backward passes (advanced on DDP's last bucket, as PyTorch does). The state pickles; process
+    groups cannot, so an unpickled state uses the default group and per-node subgroups.
+    """
+
+    __slots__ = ("iter", "post_local_gradient_allreduce", "process_group", "start_localSGD_iter", "subgroup")
+
+    def __init__(
+        self,
+        process_group: ProcessGroup | None,
+        subgroup: ProcessGroup | None,
+        start_localSGD_iter: int,
+        post_local_gradient_allreduce: bool = True,
+    ) -> None:
+        if start_localSGD_iter < 0:
+            raise ValueError(f"start_localSGD_iter must be >= 0, got {start_localSGD_iter}")
+        self.process_group = process_group
+        self.subgroup = subgroup
+        self.start_localSGD_iter = start_localSGD_iter
+        self.post_local_gradient_allreduce = post_local_gradient_allreduce
+        self.iter = 0
+
+    def maybe_increase_iter(self, bucket: GradBucket) -> None:
+        """Count one iteration per backward pass: DDP reduces the last bucket last."""
+        if bucket.is_last():
+            self.iter += 1
+
+    def local_subgroup(self) -> ProcessGroup:
+        """The group used after warm-up, creating per-node subgroups on first use when none was given."""
+        if self.subgroup is None:
+            group = comm.default_group(self.process_group)
+            self.subgroup = comm.split_group(group, comm.node_subgroup_size(comm.group_size(group)))
+        return self.subgroup
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "start_localSGD_iter": self.start_localSGD_iter,
+            "post_local_gradient_allreduce": self.post_local_gradient_allreduce,
+            "iter": self.iter,
+            "had_groups": self.process_group is not None or self.subgroup is not None,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state.get("had_groups", False):
+            warnings.warn(
+                "process groups do not pickle: the unpickled PostLocalSGDState uses the default group and per-node "
+                "subgroups; set .process_group and .subgroup again to use other groups",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.process_group = None
+        self.subgroup = None
+        self.start_localSGD_iter = state["start_localSGD_iter"]
+        self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
+        self.iter = state["iter"]
 
 
-def post_localSGD_hook(state: Any, bucket: Any) -> Any:
-    raise NotImplementedError
+def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not)."""
+    buffer = bucket.buffer()
+    warming_up = state.iter < state.start_localSGD_iter
+    state.maybe_increase_iter(bucket)
+    if warming_up:
+        return comm.allreduce_mean_async(buffer, comm.default_group(state.process_group))
+    if not state.post_local_gradient_allreduce:
+        return comm.completed_future(buffer)
+    return comm.allreduce_mean_async(buffer, state.local_subgroup())

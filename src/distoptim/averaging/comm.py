@@ -1,0 +1,127 @@
+"""The only averaging module that calls ``torch.distributed``: group handling and the averaging collectives.
+
+Averaging is ``all_reduce(x / n, SUM)``: dividing first is what PyTorch's averagers and hooks do (it keeps
+fp16 from overflowing), so results match theirs bit for bit when the flat buffers are laid out the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "allreduce_mean_async",
+    "average_tensors_",
+    "completed_future",
+    "default_group",
+    "group_by_device_dtype",
+    "group_size",
+    "node_subgroup_size",
+    "split_group",
+]
+
+
+def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
+    """``process_group``, or the default (world) group when it is ``None``."""
+    if process_group is not None:
+        return process_group
+    if not dist.is_initialized() or dist.group.WORLD is None:
+        raise RuntimeError(
+            "no process group was given and the default one is not initialised; "
+            "call torch.distributed.init_process_group() first, or pass process_group="
+        )
+    return dist.group.WORLD
+
+
+def _is_member(group: ProcessGroup) -> bool:
+    # ``dist.new_group`` hands non-members this sentinel instead of a group.
+    return group is not dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[comparison-overlap]
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return dist.get_world_size(group=group)
+
+
+def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
+    """Cut ``group`` into consecutive subgroups of ``size`` ranks; return the one holding this rank.
+
+    A collective over the whole default group: every rank must call it, in the same order as its other group
+    creations. When ``size`` is the whole group, ``group`` itself is returned and nothing is created.
+    """
+    if size == group_size(group):
+        return group
+    subgroup, _ = dist.new_subgroups(group_size=size, group=group)  # type: ignore[no-untyped-call]
+    assert isinstance(subgroup, ProcessGroup)
+    return subgroup
+
+
+def node_subgroup_size(total: int, environ: Mapping[str, str] | None = None) -> int:
+    """How many ranks of a ``total``-rank group share this node, for per-node gradient all-reduce.
+
+    Read from the launcher (``LOCAL_WORLD_SIZE``, set by torchrun and most launchers). When that is unknown or
+    does not divide the group evenly, the whole group is one "node": correct everywhere, just less local.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCAL_WORLD_SIZE", "")
+    try:
+        local = int(raw)
+    except ValueError:
+        return total
+    if local < 1 or local > total or total % local != 0:
+        warnings.warn(
+            f"LOCAL_WORLD_SIZE={raw} does not split a group of {total} ranks into equal nodes; "
+            "all-reducing gradients over the whole group after warm-up. Pass subgroup= to choose explicitly.",
+            stacklevel=3,
+        )
+        return total
+    return local
+
+
+def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split ``tensors`` into runs sharing (device, dtype), keeping first-appearance order (same on every rank)."""
+    runs: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        runs.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(runs.values())
+
+
+@torch.no_grad()
+def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    """Replace every tensor by its mean over ``group``, in place (storage kept), one all-reduce per (device, dtype).
+
+    Ranks outside ``group`` leave their tensors untouched.
+    """
+    if not _is_member(group):
+        return
+    size = group_size(group)
+    for run in group_by_device_dtype(tensors):
+        flat = torch.cat([t.detach().reshape(-1) for t in run])
+        flat.div_(size)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for tensor in run:
+            numel = tensor.numel()
+            tensor.detach().copy_(flat[offset : offset + numel].view_as(tensor))
+            offset += numel
+
+
+def allreduce_mean_async(tensor: torch.Tensor, group: ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    """Average ``tensor`` over ``group`` in place, asynchronously; the future yields ``tensor`` (a DDP hook result)."""
+    tensor.div_(group_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None  # async_op=True always returns a Work
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
+    return future
+
+
+def completed_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already holding ``tensor`` (a DDP hook that communicates nothing)."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut

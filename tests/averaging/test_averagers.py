@@ -1,0 +1,139 @@
+"""Averagers on 4 real ranks: step-for-step parity with PyTorch's, in-place writes, mixed dtypes, validation.
+
+Parity is exact (torch.equal): our collective lays the parameters out in the same flat buffer, divides first and
+all-reduces it with the same gloo algorithm, so every element is summed in the same order as PyTorch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hierarchical
+
+from distoptim.averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
+from tests._dist import run_on_ranks
+
+STEPS = 12
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank sees its own data
+    return torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
+
+
+def _train_local_sgd(rank: int, averager: Any) -> list[list[torch.Tensor]]:
+    """Local SGD with momentum, then ``averager`` after every step; the parameters after each step."""
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    history = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        optim.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        averager.average_parameters(model.parameters())
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def _assert_same_history(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]]) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
+
+
+def _parity_body(rank: int, world_size: int) -> dict[str, Any]:
+    # Periodic, with warm-up: the same schedule and the same numbers as torch's, step for step.
+    ours_periodic = PeriodicModelAverager(period=3, warmup_steps=2)
+    _assert_same_history(
+        _train_local_sgd(rank, ours_periodic),
+        _train_local_sgd(rank, torch_averagers.PeriodicModelAverager(period=3, warmup_steps=2)),
+    )
+    # Hierarchical {2: 2, 4: 4} with warm-up; both create their subgroups here, in the same order on every rank.
+    ours_hier = HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=3)
+    theirs_hier = torch_hierarchical.HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=3)
+    ours_history = _train_local_sgd(rank, ours_hier)
+    _assert_same_history(ours_history, _train_local_sgd(rank, theirs_hier))
+    assert ours_periodic.step == ours_hier.step == STEPS
+    # The schedule really averages: after step 8 (4 | 8) all ranks agree; after step 6 only pairs do.
+    gathered: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    dist.all_gather_object(gathered, [ours_history[8][0], ours_history[6][0]])
+    assert all(torch.equal(g[0], gathered[0][0]) for g in gathered)
+    assert torch.equal(gathered[rank][1], gathered[rank ^ 1][1])
+    assert not torch.equal(gathered[0][1], gathered[2][1])
+    return {"groups": [ours_hier.group_at(s) is None for s in range(8)]}
+
+
+def test_averagers_match_torch_step_for_step() -> None:
+    results = run_on_ranks(_parity_body, 4)
+    # warm-up 3: steps 0-3 skip except 4 | step; 4 averages globally, 5 skips, 6 averages in pairs, 7 skips.
+    assert results[0]["groups"] == [True, True, True, True, False, True, False, True]
+
+
+def _in_place_body(rank: int, world_size: int) -> None:
+    averager = PeriodicModelAverager(period=2)
+    base = torch.arange(6, dtype=torch.float64)  # small integers: dividing by 4 and summing are exact
+    f32 = nn.Parameter(base.float() * (rank + 1))
+    f64 = nn.Parameter(base.reshape(2, 3).t() * (rank + 1))  # non-contiguous parameter
+    f16 = nn.Parameter(base.half() * (rank + 1))
+    f32_late = nn.Parameter(base[:2].float() * (rank + 1))
+    frozen = nn.Parameter(torch.full((3,), float(rank)))  # no gradient: left alone
+    params = [f32, f64, f16, f32_late, frozen]
+    for p in params[:4]:
+        p.grad = torch.zeros_like(p)
+    pointers = [p.data_ptr() for p in params]
+    before = [p.detach().clone() for p in params]
+    mean_factor = sum(r + 1 for r in range(world_size)) / world_size
+
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+        averager.average_parameters(params)  # step 0: averages
+    assert all_reduce.call_count == 3, "one collective per (device, dtype)"
+    assert [p.data_ptr() for p in params] == pointers, "averaging must write in place"
+    for p, old in zip(params[:4], before[:4], strict=True):
+        assert p.dtype == old.dtype
+        torch.testing.assert_close(p.detach(), old / (rank + 1) * mean_factor, rtol=0, atol=0)
+    assert torch.equal(frozen.detach(), before[4])
+
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+        averager.average_parameters([{"params": params}])  # step 1: not due, param groups accepted
+    assert all_reduce.call_count == 0 and averager.step == 2
+
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        averager.average_parameters([f32, torch.zeros(2)])
+    assert averager.step == 2, "a rejected call does not advance the schedule"
+
+    # Hierarchical validation: every rank fails alike before any subgroup is created, so nothing hangs.
+    cases: list[tuple[dict[int, int], str]] = [
+        ({}, "at least one period"),
+        ({0: 2, 4: 4}, "must be >= 1"),
+        ({4: 2, 2: 4}, "increasing order"),
+        ({2: 3, 4: 4}, "divide the group's 4 ranks"),
+        ({2: 2, 4: 2}, "last level must average over the whole group"),
+    ]
+    for levels, message in cases:
+        with pytest.raises(ValueError, match=message):
+            HierarchicalModelAverager(levels)
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=-1)
+    with pytest.warns(UserWarning, match="use plain DDP"):
+        PeriodicModelAverager(period=1)
+    with pytest.warns(UserWarning, match="use plain DDP"):
+        HierarchicalModelAverager({1: 4})
+    with pytest.raises(TypeError, match="abstract"):
+        ModelAverager()  # type: ignore[abstract]
+    dist.barrier()
+
+
+def test_in_place_mixed_dtypes_and_validation() -> None:
+    run_on_ranks(_in_place_body, 4)
