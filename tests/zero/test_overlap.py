@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import StepLR
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.functional import FunctionalAdamW
 from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
-from tests._dist import run_on_ranks
+from tests._dist import cuda_world_size, run_on_ranks
 
 OPTIMIZERS = [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 0.01})]
 HOOKS = [hook_with_zero_step, hook_with_zero_step_interleaved]
@@ -32,8 +32,8 @@ def _groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
     return [{"params": params[:2]}, {"params": params[2:], "lr": lr / 2}]
 
 
-def _batch(rank: int, iteration: int) -> torch.Tensor:
-    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1000 * iteration + rank))
+def _batch(rank: int, iteration: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1000 * iteration + rank)).to(device)
 
 
 def _ddp(model: nn.Module, gradient_as_bucket_view: bool, static_graph: bool) -> DDP:
@@ -42,9 +42,10 @@ def _ddp(model: nn.Module, gradient_as_bucket_view: bool, static_graph: bool) ->
 
 
 def _train(ddp: DDP, optimizer: Any, scheduler: StepLR, rank: int, iterations: range, step: bool) -> None:
+    device = next(ddp.parameters()).device
     for iteration in iterations:
         optimizer.zero_grad()
-        ddp(_batch(rank, iteration)).square().mean().backward()
+        ddp(_batch(rank, iteration, device)).square().mean().backward()
         if step:
             optimizer.step()
         scheduler.step()
@@ -55,10 +56,11 @@ def _assert_close(model: nn.Module, reference: nn.Module, what: str) -> None:
         torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=lambda m, i=index: f"{what}[{i}]: {m}")
 
 
-def _parity_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
+def _parity_body(rank: int, world_size: int, configs: list[tuple[Any, ...]], device_type: str = "cpu") -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     for hook, (optimizer_class, kwargs), gradient_as_bucket_view, static_graph, shard_buckets in configs:
         what = f"{hook.__name__} {optimizer_class.__name__} gav={gradient_as_bucket_view} static={static_graph}"
-        model, reference = _model(), _model()
+        model, reference = _model().to(device), _model().to(device)
         ddp = _ddp(model, gradient_as_bucket_view, static_graph)
         reference_ddp = _ddp(reference, gradient_as_bucket_view, static_graph)
         zero = ZeroRedundancyOptimizer(_groups(model, kwargs["lr"]), optimizer_class, overlap_with_ddp=True, **kwargs)
@@ -81,6 +83,12 @@ def test_parity_world_size_2_every_combination() -> None:
 def test_parity_world_size_3() -> None:
     covering = [c for i, c in enumerate(CONFIGS) if i % 4 in (0, 3)]  # each hook x optimizer, all flag values
     run_on_ranks(_parity_body, 3, covering, timeout=240)
+
+
+@pytest.mark.skipif(cuda_world_size() < 2, reason="needs 2 CUDA devices")
+def test_parity_on_nccl() -> None:
+    covering = [c for i, c in enumerate(CONFIGS) if i % 4 in (0, 3)]
+    run_on_ranks(_parity_body, 2, covering, "cuda", backend="nccl", timeout=240)
 
 
 def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ import torch
 from torch.optim.lr_scheduler import StepLR
 
 from distoptim import ZeroRedundancyOptimizer
-from tests._dist import run_on_ranks
+from tests._dist import cuda_world_size, run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
 
 CONFIGS = [
@@ -22,12 +22,13 @@ def _groups(params: list[list[torch.Tensor]], lr: float) -> list[dict[str, objec
     return [{"params": params[0]}, {"params": params[1], "lr": lr / 2}]
 
 
-def _parity_body(rank: int, world_size: int) -> list[int]:
+def _parity_body(rank: int, world_size: int, device_type: str = "cpu") -> list[int]:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     owned_counts = []
     for optimizer_class, kwargs in CONFIGS:
         for bucket_view in (False, True):
             what = f"{optimizer_class.__name__} bucket_view={bucket_view} world={world_size}"
-            params, expected = make_params(), make_params()
+            params, expected = make_params(device=device), make_params(device=device)
             zero = ZeroRedundancyOptimizer(
                 _groups(params, kwargs["lr"]), optimizer_class, parameters_as_bucket_view=bucket_view, **kwargs
             )
@@ -55,3 +56,8 @@ def test_matches_single_process_optimizer(world_size: int) -> None:
     trainable = sum(p.requires_grad for group in make_params() for p in group)
     for config in range(len(CONFIGS) * 2):
         assert sum(counts[config] for counts in owned) == trainable  # each trainable parameter's state on one rank
+
+
+@pytest.mark.skipif(cuda_world_size() < 2, reason="needs 2 CUDA devices")
+def test_matches_single_process_optimizer_on_nccl() -> None:
+    run_on_ranks(_parity_body, 2, "cuda", backend="nccl")
