@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 
@@ -152,3 +153,22 @@ def _errors_body(rank: int, world_size: int) -> None:
 
 def test_misuse_gives_clear_errors() -> None:
     run_on_ranks(_errors_body, 2)
+
+
+def _join_body(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = _model()
+    ddp = _ddp(model, False, False)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
+    ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    with Join([ddp, zero]):
+        for iteration in range(3 + 2 * rank):  # uneven inputs
+            zero.zero_grad()
+            ddp(_batch(rank, iteration)).square().mean().backward()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_uneven_inputs_under_join_complete_and_agree() -> None:
+    results = run_on_ranks(_join_body, 3)
+    for other in results[1:]:
+        for param, expected in zip(other, results[0]):
+            assert torch.equal(param, expected)

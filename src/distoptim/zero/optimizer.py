@@ -260,7 +260,9 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
-        self.zero._sync_parameters()
+        # In overlap mode the sync runs inside the comm hook, which DDP's own join hook already shadows.
+        if self.zero.overlap_stepper is None:
+            self.zero._sync_parameters()
 
 
 def _functional_for_overlap(optimizer_class: type) -> type[FunctionalOptimizer]:
