@@ -100,8 +100,12 @@ def test_needs_a_process_group() -> None:
 
 def _subgroup_body(rank: int, world_size: int) -> None:
     subgroup = dist.new_group([1, 2])
-    if rank == 0:
-        return
+    if rank != 0:  # rank 0 is outside the subgroup: it only waits for the others at the end
+        _train_in_subgroup(rank, subgroup)
+    dist.barrier()
+
+
+def _train_in_subgroup(rank: int, subgroup: dist.ProcessGroup) -> None:
     params, expected = make_params(), make_params()
     zero = ZeroRedundancyOptimizer(
         (p for p in flatten(params)), torch.optim.Adam, process_group=subgroup, parameters_as_bucket_view=True, lr=0.1

@@ -39,17 +39,22 @@ def _sync_body(rank: int, world_size: int) -> None:
         lambda layouts: BucketViewSync(layouts, dist.group.WORLD),
         lambda layouts: StagedSync(layouts, dist.group.WORLD),
         lambda layouts: StagedSync(layouts, dist.group.WORLD, stage_bytes=40),  # forces many small rounds
+        lambda layouts: StagedSync(layouts, dist.group.WORLD, direct_bytes=40),  # large ones broadcast in place
     ):
         params = _params_for(rank, plan.owners)
         by_rank = [[p for p, o in zip(params, plan.owners) if o == r] for r in range(world_size)]
         layouts = build_layouts(by_rank)
         assert len(layouts) == 2  # one per dtype
         sync = make_sync(layouts)
+        data_ptrs = [{param.data_ptr()} for param in params]
         with mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as broadcast:
             sync.sync_parameters()
         for param, want in zip(params, expected):
             assert torch.equal(param, want), (param, want)
-        if not isinstance(sync, StagedSync) or sync.rounds[0].numel > 10:
+        if isinstance(sync, StagedSync) and sync.direct:
+            assert 0 < len(sync.direct) < len(params)
+            assert all(param.data_ptr() in pointers for param, pointers in zip(params, data_ptrs))
+        elif not isinstance(sync, StagedSync) or sync.rounds[0].numel > 10:
             assert broadcast.call_count <= world_size * len(layouts), broadcast.call_count
 
 

@@ -5,9 +5,9 @@ segment: syncing is one broadcast per (rank, layout), never one per parameter.
 
 - ``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, which are
   broadcast in place. No copies, no extra memory.
-- ``StagedSync`` (default): parameters keep their own storage; each rank's segment is packed into a staging buffer
-  of at most ``stage_numel`` elements, broadcast, and unpacked. Extra memory is bounded by the stage, not by the
-  model.
+- ``StagedSync`` (default): parameters keep their own storage. Small parameters are packed into staging buffers
+  (bounded size), broadcast and unpacked; a parameter of ``direct_bytes`` or more is broadcast in place, since
+  copying it twice costs more than one more call. Collectives: at most one per large parameter plus one per stage.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from distoptim.zero import comm
 __all__ = ["BucketViewSync", "FlatLayout", "ParameterSync", "StagedSync", "build_layouts"]
 
 DEFAULT_STAGE_BYTES = 64 * 2**20
+DEFAULT_DIRECT_BYTES = 2**20
 
 
 @dataclass
@@ -39,6 +40,10 @@ class FlatLayout:
     @property
     def numel(self) -> int:
         return self.segments[-1][1] if self.segments else 0
+
+    def owner_at(self, offset: int) -> int:
+        """The rank whose segment holds ``offset``."""
+        return next(rank for rank, (start, end) in enumerate(self.segments) if start <= offset < end)
 
 
 def build_layouts(params_by_rank: Sequence[Sequence[Tensor]]) -> list[FlatLayout]:
@@ -102,22 +107,47 @@ class BucketViewSync(ParameterSync):
 
 
 class StagedSync(ParameterSync):
-    """Parameters keep their storage; each rank's shard travels through staging buffers of bounded total size.
+    """Parameters keep their storage: large ones are broadcast in place, small ones travel through staging buffers.
 
-    The shards are cut into chunks of whole parameters (at most ``stage_bytes`` each, unless a single parameter is
-    larger); chunks are grouped into rounds of at most ``stage_bytes``, and a round's broadcasts run concurrently.
+    Small parameters are cut into chunks of whole parameters (per owner, at most ``stage_bytes`` each) and chunks
+    are grouped into rounds of at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place
+    broadcasts of the large parameters.
     """
 
-    def __init__(self, layouts: list[FlatLayout], group: comm.Group, stage_bytes: int = DEFAULT_STAGE_BYTES) -> None:
+    def __init__(
+        self,
+        layouts: list[FlatLayout],
+        group: comm.Group,
+        stage_bytes: int = DEFAULT_STAGE_BYTES,
+        direct_bytes: int = DEFAULT_DIRECT_BYTES,
+    ) -> None:
         super().__init__(layouts, group)
         self.rank = comm.group_rank(group)
-        self.rounds = [
-            round_ for layout in layouts for round_ in _rounds(layout, stage_bytes // layout.params[0].element_size())
-        ]
+        self.direct: list[tuple[int, Tensor]] = []
+        self.rounds: list[_Round] = []
+        for layout in layouts:
+            staged = FlatLayout(layout.device, layout.dtype, segments=layout.segments)
+            for param, offset in zip(layout.params, layout.offsets):
+                if param.numel() * param.element_size() >= direct_bytes and param.is_contiguous():
+                    self.direct.append((layout.owner_at(offset), param))
+                else:
+                    staged.params.append(param)
+                    staged.offsets.append(offset)
+            self.rounds.extend(_rounds(staged, max(1, stage_bytes // layout.params[0].element_size())))
 
     def sync_parameters(self) -> None:
+        direct = self.launch_direct()
         for round_ in self.rounds:
             self.land(self.launch(round_))
+        comm.wait_all(direct)
+
+    def launch_direct(self) -> list[Any]:
+        """Start the in-place broadcasts of the large parameters; ``comm.wait_all`` finishes them."""
+        return [
+            work
+            for src, param in self.direct
+            for work in comm.broadcast_slices(param.detach().view(-1), [(src, 0, param.numel())], self.group, False)
+        ]
 
     def launch(self, round_: _Round) -> _InFlight:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
@@ -165,7 +195,7 @@ def _rounds(layout: FlatLayout, stage_numel: int) -> list[_Round]:
     """Cut each rank's segment of ``layout`` into chunks of about ``stage_numel`` and pack them into rounds."""
     chunks: list[_Chunk] = []
     for param, offset in zip(layout.params, layout.offsets):
-        src = next(rank for rank, (start, end) in enumerate(layout.segments) if start <= offset < end)
+        src = layout.owner_at(offset)
         last = chunks[-1] if chunks else None
         if last is not None and last.src == src and last.end - last.start + param.numel() <= stage_numel:
             last.params.append(param)

@@ -21,6 +21,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from distoptim.functional import FunctionalOptimizer
+from distoptim.zero import comm
 from distoptim.zero.buckets import StagedSync, build_layouts
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class _Pending:
 
     buckets: list[tuple[list[Tensor], Future[Tensor]]] = field(default_factory=list)
     syncs: list[Any] = field(default_factory=list)
+    direct: list[Any] = field(default_factory=list)
 
 
 def _reduced_grads(params: list[Tensor], reduced: Tensor) -> dict[int, Tensor]:
@@ -178,6 +180,7 @@ def hook_with_zero_step_interleaved(
     def step_and_launch(params: list[Tensor], future: Future[Tensor]) -> None:
         stepper.step(_reduced_grads(params, future.wait()))
         sync = stepper.bucket_sync(params)
+        pending.direct.extend(sync.launch_direct())
         pending.syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
@@ -191,7 +194,9 @@ def hook_with_zero_step_interleaved(
             pending.buckets.clear()
             for sync, flight in pending.syncs:
                 sync.land(flight)
+            comm.wait_all(pending.direct)
             pending.syncs.clear()
+            pending.direct.clear()
         return future
 
     return hook_with_zero_step_interleaved
