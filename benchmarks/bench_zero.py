@@ -1,0 +1,210 @@
+"""ZeRO benchmark: DDP + AdamW, torch's ZeroRedundancyOptimizer and distoptim's, side by side, on N local ranks.
+
+Every variant (``zero_variants.VARIANTS``) runs in freshly spawned ranks (gloo over 127.0.0.1, one thread each)
+on the same GPT-shaped parameter set and the same fixed batch. Per timed iteration: forward (not timed), barrier,
+then ``loss.backward()`` (DDP all-reduces the gradients during it) and ``optimizer.step()`` (for ZeRO: the local
+AdamW step on this rank's shard, then the parameter sync). The reported time is the median over iterations of the
+slowest rank's time. See benchmarks/README.md for the columns and the byte-counting convention.
+
+    python benchmarks/bench_zero.py --world-sizes 2 4 --params-millions 20 --iters 10 --json bench-results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_worker import RankResult, RunSpec, bench_rank
+from zero_variants import VARIANTS
+
+from distoptim.demo.config import GPTConfig, config_for_params
+from distoptim.demo.launch import PRELOAD, RankFailure, run_ranks
+from distoptim.demo.options import OneLineParser
+
+PROG = "bench_zero.py"
+MB = 1e6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="default: 2 4")
+    parser.add_argument("--params-millions", type=float, default=20.0, help="model size target (default: 20)")
+    parser.add_argument("--width", type=int, default=512, help="model width (default: 512)")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default: as --params-millions implies)")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (default: 8192)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step (default: 1)")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default: 32)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default: 3)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations (default: 10)")
+    parser.add_argument("--compute-iters", type=int, default=3, help="no_sync backward passes (default: 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the variant list this many times, alternating order (default: 1)"
+    )
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="NAME")
+    parser.add_argument("--json", type=Path, default=Path("bench-results.json"), help="default: bench-results.json")
+    parser.add_argument("--debug", action="store_true", help="show the ranks' output and tracebacks")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> GPTConfig:
+    context = max(args.seq, 1)
+    if args.layers is not None:
+        return GPTConfig(vocab=args.vocab, context=context, layers=args.layers, width=args.width, heads=8)
+    return config_for_params(args.params_millions, width=args.width, vocab=args.vocab, context=context, heads=8)
+
+
+def _run(spec: RunSpec, world_size: int, debug: bool) -> list[RankResult]:
+    results: list[RankResult] = run_ranks(
+        bench_rank, world_size, (spec,), quiet=not debug, timeout_s=600, preload=(*PRELOAD, "bench_worker")
+    )
+    return results
+
+
+def _summarize(name: str, world_size: int, runs: list[list[RankResult]]) -> dict[str, Any]:
+    """Per-iteration slowest rank, medians over all iterations of all rounds; memory as max over ranks."""
+    variant = VARIANTS[name]
+    backward = [max(it) for ranks in runs for it in zip(*(r.backward_s for r in ranks))]
+    step = [max(it) for ranks in runs for it in zip(*(r.step_s for r in ranks))]
+    total = [max(b + s for b, s in it) for ranks in runs for it in zip(*(zip(r.backward_s, r.step_s) for r in ranks))]
+    ranks = runs[-1]
+    first = ranks[0]
+    unsharded = 2 * 4 * first.num_params + 4 * first.num_tensors  # fp32 exp_avg + exp_avg_sq, a step scalar each
+    return {
+        "variant": name,
+        "impl": variant.impl,
+        "setting": variant.setting,
+        "world_size": world_size,
+        "median_total_ms": statistics.median(total) * 1e3,
+        "median_backward_ms": statistics.median(backward) * 1e3,
+        "median_step_ms": statistics.median(step) * 1e3,
+        "compute_backward_ms": statistics.median(r.compute_backward_s for rs in runs for r in rs) * 1e3,
+        "comm_bytes_per_rank_per_step": statistics.mean(r.comm_bytes_per_step for r in ranks),
+        "comm_calls_per_step": max(r.comm_calls_per_step for r in ranks),
+        "comm_calls_by_function": first.comm_by_function,
+        "state_bytes_max": max(r.state_bytes for r in ranks),
+        "state_bytes_ideal": unsharded / world_size,
+        "state_bytes_unsharded": unsharded,
+        "peak_rss_bytes_max": max(r.peak_rss_bytes for rs in runs for r in rs),
+        "start_rss_bytes_max": max(r.start_rss_bytes for rs in runs for r in rs),
+        "num_params": first.num_params,
+        "total_ms_per_iteration": [t * 1e3 for t in total],
+    }
+
+
+HEADER = (
+    f"{'N':>2} {'variant':<22} {'total ms':>8} {'net ms':>7} {'bwd ms':>7} {'step ms':>7} {'comm MB':>8} {'calls':>6} "
+    f"{'state MB':>8} {'ideal MB':>8} {'RSS MB':>7}"
+)
+
+
+def _row(s: dict[str, Any]) -> str:
+    return (
+        f"{s['world_size']:>2} {s['variant']:<22} {s['median_total_ms']:>8.1f} "
+        f"{s['median_total_ms'] - s['compute_backward_ms']:>7.1f} {s['median_backward_ms']:>7.1f} "
+        f"{s['median_step_ms']:>7.1f} {s['comm_bytes_per_rank_per_step'] / MB:>8.1f} {s['comm_calls_per_step']:>6.0f} "
+        f"{s['state_bytes_max'] / MB:>8.1f} {s['state_bytes_ideal'] / MB:>8.1f} {s['peak_rss_bytes_max'] / MB:>7.0f}"
+    )
+
+
+def compare(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """distoptim against torch for each (world size, setting) both ran: time and bytes ratios."""
+    pairs = []
+    for ours in (s for s in summaries if s["impl"] == "distoptim"):
+        for theirs in summaries:
+            if theirs["impl"] == "torch" and (theirs["world_size"], theirs["setting"]) == (
+                ours["world_size"],
+                ours["setting"],
+            ):
+                pairs.append(
+                    {
+                        "world_size": ours["world_size"],
+                        "setting": ours["setting"],
+                        "time_ratio": ours["median_total_ms"] / theirs["median_total_ms"],
+                        "step_time_ratio": ours["median_step_ms"] / theirs["median_step_ms"],
+                        "bytes_ratio": ours["comm_bytes_per_rank_per_step"]
+                        / max(theirs["comm_bytes_per_rank_per_step"], 1e-9),
+                    }
+                )
+    return pairs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("iters", "warmup", "batch", "seq", "rounds", "width", "vocab"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            parser.error(f"--{name} is too small: {getattr(args, name)}")
+    if any(n < 1 for n in args.world_sizes):
+        parser.error(f"--world-sizes must all be at least 1, got {args.world_sizes}")
+    if args.params_millions <= 0:
+        parser.error("--params-millions must be positive")
+    try:
+        config = _config(args)
+    except ValueError as error:
+        parser.error(str(error))
+    print(
+        f"GPT-shaped parameter set: {config.num_params / 1e6:.1f}M fp32 parameters ({config.layers} layers, width "
+        f"{config.width}, vocab {config.vocab}); batch {args.batch}x{args.seq} tokens per rank; "
+        f"{args.warmup} warm-up + {args.iters} timed iterations; gloo, 127.0.0.1, 1 thread per rank "
+        f"({torch.__version__}, {platform.machine()}, {_cpus()} CPUs)",
+        flush=True,
+    )
+    summaries = []
+    started = time.perf_counter()
+    for world_size in args.world_sizes:
+        runs: dict[str, list[list[RankResult]]] = {name: [] for name in args.variants}
+        for round_ in range(args.rounds):
+            order = args.variants if round_ % 2 == 0 else list(reversed(args.variants))
+            for name in order:
+                print(f"  N={world_size} {name} (round {round_ + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
+                spec = RunSpec(name, config, args.batch, args.seq, args.warmup, args.iters, args.compute_iters)
+                try:
+                    runs[name].append(_run(spec, world_size, args.debug))
+                except RankFailure as failure:
+                    if args.debug and failure.details:
+                        print(failure.details.rstrip(), file=sys.stderr)
+                    print(
+                        f"{PROG}: error: {name} at N={world_size}: rank {failure.rank}: {failure.summary}",
+                        file=sys.stderr,
+                    )
+                    return 1
+        summaries += [_summarize(name, world_size, runs[name]) for name in args.variants]
+    print()
+    print(HEADER)
+    for world_size in args.world_sizes:
+        for summary in (s for s in summaries if s["world_size"] == world_size):
+            print(_row(summary))
+    pairs = compare(summaries)
+    if pairs:
+        print("\ndistoptim / torch (same setting):  total time    step+sync time    bytes")
+        for pair in pairs:
+            print(
+                f"  N={pair['world_size']} {pair['setting']:<20} {pair['time_ratio']:>10.3f} "
+                f"{pair['step_time_ratio']:>14.3f} {pair['bytes_ratio']:>12.3f}"
+            )
+    payload = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "config": asdict(config),
+    }
+    payload |= {"torch": torch.__version__, "cpus": _cpus(), "results": summaries, "comparisons": pairs}
+    args.json.write_text(json.dumps(payload, indent=1))
+    print(f"\nwrote {args.json} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The variants the ZeRO benchmark runs: one table entry each, so that adding one is adding a row.
+
+Every variant gets the same DDP-wrapped GPT-shaped model and returns the optimizer the timed loop steps; the loop
+is forward, then (timed) ``loss.backward()`` (DDP reduces the gradients during it) and ``optimizer.step()``.
+A variant whose gradients are reduced by something other than DDP's built-in C++ all-reduce (a comm hook, which
+calls the Python collectives and is therefore counted directly) sets ``ddp_cpp_allreduce=False``; one whose
+optimizer is stepped inside the backward by such a hook (``overlap_with_ddp=True``) sets ``steps_in_backward=True``
+and the loop does not call ``step()`` (the timed backward then holds reduction, step and sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import AdamW, Optimizer
+
+from distoptim import ZeroRedundancyOptimizer
+
+__all__ = ["VARIANTS", "Variant"]
+
+Builder = Callable[[DistributedDataParallel, Iterable[Tensor], dict[str, Any]], Optimizer]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """``build(ddp_model, params, adamw_kwargs)`` makes the optimizer; ``local(optimizer)`` is what holds state here.
+
+    ``impl`` and ``setting`` pair variants for the closing comparison: distoptim's and torch's with the same
+    ``setting`` are compared (time, bytes); ``impl="baseline"`` is not paired.
+    """
+
+    name: str
+    impl: str
+    setting: str
+    build: Builder
+    local: Callable[[Any], Optimizer] = lambda optimizer: optimizer
+    ddp_cpp_allreduce: bool = True
+    steps_in_backward: bool = False
+
+
+def _adamw(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
+    return AdamW(params, **kwargs)
+
+
+def _torch_zero(bucket_view: bool) -> Builder:
+    def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
+        return TorchZeRO(params, optimizer_class=AdamW, parameters_as_bucket_view=bucket_view, **kwargs)
+
+    return build
+
+
+def _our_zero(bucket_view: bool) -> Builder:
+    def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
+        return ZeroRedundancyOptimizer(params, optimizer_class=AdamW, parameters_as_bucket_view=bucket_view, **kwargs)
+
+    return build
+
+
+VARIANTS: dict[str, Variant] = {
+    variant.name: variant
+    for variant in [
+        Variant("ddp-adamw", "baseline", "unsharded", _adamw),
+        Variant("torch-zero", "torch", "bucket_view=False", _torch_zero(False), local=lambda z: z.optim),
+        Variant("torch-zero-bucket", "torch", "bucket_view=True", _torch_zero(True), local=lambda z: z.optim),
+        Variant(
+            "distoptim-zero", "distoptim", "bucket_view=False", _our_zero(False), local=lambda z: z.local_optimizer
+        ),
+        Variant(
+            "distoptim-zero-bucket", "distoptim", "bucket_view=True", _our_zero(True), local=lambda z: z.local_optimizer
+        ),
+    ]
+}

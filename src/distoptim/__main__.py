@@ -1,0 +1,58 @@
+"""``python -m distoptim {demo,bench} [options]``: the demo training run, or the ZeRO benchmark."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+USAGE = """usage: python -m distoptim {demo,bench} [options]
+
+  demo   train a small transformer LM on N local ranks with DDP + ZeroRedundancyOptimizer(AdamW)
+  bench  compare DDP + AdamW, torch's ZeroRedundancyOptimizer and distoptim's (runs benchmarks/bench_zero.py;
+         needs a source checkout)
+
+'python -m distoptim demo --help' and 'python -m distoptim bench --help' explain the options."""
+
+BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_zero.py"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a subcommand; return the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (args[0], args[1:]) if args else ("", [])
+    if command == "demo":
+        from distoptim.demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        return _bench(rest)
+    if command in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    problem = f"unknown command {command!r}" if command else "a command is required"
+    print(f"python -m distoptim: error: {problem} (choose demo or bench; see --help)", file=sys.stderr)
+    return 2
+
+
+def _bench(argv: list[str]) -> int:
+    if not BENCH_SCRIPT.is_file():
+        print(
+            f"python -m distoptim bench: error: {BENCH_SCRIPT} not found; the benchmark lives in a source checkout",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [str(BENCH_SCRIPT), *argv]
+    sys.path.insert(0, str(BENCH_SCRIPT.parent))
+    try:
+        runpy.run_path(str(BENCH_SCRIPT), run_name="__main__")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
