@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import AdamW, Optimizer
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
 
 __all__ = ["VARIANTS", "Variant"]
 
@@ -61,6 +62,17 @@ def _our_zero(bucket_view: bool) -> Builder:
     return build
 
 
+def _our_overlap(interleaved: bool) -> Builder:
+    hook = hook_with_zero_step_interleaved if interleaved else hook_with_zero_step
+
+    def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
+        zero = ZeroRedundancyOptimizer(params, optimizer_class=AdamW, overlap_with_ddp=True, **kwargs)
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+        return zero
+
+    return build
+
+
 VARIANTS: dict[str, Variant] = {
     variant.name: variant
     for variant in [
@@ -72,6 +84,25 @@ VARIANTS: dict[str, Variant] = {
         ),
         Variant(
             "distoptim-zero-bucket", "distoptim", "bucket_view=True", _our_zero(True), local=lambda z: z.local_optimizer
+        ),
+        # Overlap: the step runs inside DDP's backward. Torch's overlap refuses gloo, so these are unpaired.
+        Variant(
+            "distoptim-overlap",
+            "overlap",
+            "hook_with_zero_step",
+            _our_overlap(False),
+            local=lambda z: z.local_optimizer,
+            ddp_cpp_allreduce=False,
+            steps_in_backward=True,
+        ),
+        Variant(
+            "distoptim-overlap-interleaved",
+            "overlap",
+            "hook_with_zero_step_interleaved",
+            _our_overlap(True),
+            local=lambda z: z.local_optimizer,
+            ddp_cpp_allreduce=False,
+            steps_in_backward=True,
         ),
     ]
 }

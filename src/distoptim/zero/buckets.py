@@ -6,8 +6,9 @@ segment: syncing is one broadcast per (rank, layout), never one per parameter.
 - ``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, which are
   broadcast in place. No copies, no extra memory.
 - ``StagedSync`` (default): parameters keep their own storage. Small parameters are packed into staging buffers
-  (bounded size), broadcast and unpacked; a parameter of ``direct_bytes`` or more is broadcast in place, since
-  copying it twice costs more than one more call. Collectives: at most one per large parameter plus one per stage.
+  (kept between steps; together the size of the small parameters only), broadcast and unpacked; a parameter of
+  ``direct_bytes`` or more is broadcast in place, since copying it twice costs more than one more call.
+  Collectives: one per large parameter plus one per (owner, stage).
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ class StagedSync(ParameterSync):
 
     def launch(self, round_: _Round) -> _InFlight:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
-        stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
+        if round_.stage is None:  # kept: a fresh buffer each step costs page faults, not just bytes
+            round_.stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
+        stage = round_.stage
         for chunk in round_.chunks:
             if chunk.src == self.rank:
                 torch.cat([p.detach().reshape(-1) for p in chunk.params], out=stage[chunk.start : chunk.end])
@@ -182,6 +185,7 @@ class _Round:
     dtype: torch.dtype
     chunks: list[_Chunk] = field(default_factory=list)
     numel: int = 0
+    stage: Tensor | None = None
 
 
 @dataclass
