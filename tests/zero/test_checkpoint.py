@@ -76,6 +76,7 @@ def _load_body(rank: int, world_size: int, checkpoint: dict[str, Any]) -> None:
         other.data.copy_(value)
     zero = ZeroRedundancyOptimizer(_groups(ours), torch.optim.Adam, parameters_as_bucket_view=True, **KWARGS)
     zero.load_state_dict(saved)
+    assert zero.state is zero.local_optimizer.state
     reference = torch.optim.Adam(_groups(plain), **KWARGS)
     reference.load_state_dict(copy.deepcopy(saved))
     _train([zero, reference], [flatten(ours), flatten(plain)], rank, range(3, 6))

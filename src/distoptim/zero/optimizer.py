@@ -99,6 +99,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         assert self.optim is not None
         return self.optim
 
+    @property
+    def state(self) -> Any:
+        """This rank's shard of the state: the local optimizer's ``state`` (also after ``load_state_dict``)."""
+        optim = getattr(self, "optim", None)
+        return optim.state if optim is not None else self.__dict__.get("_initial_state")
+
+    @state.setter
+    def state(self, value: Any) -> None:  # Optimizer.__init__ assigns an empty state before the shard exists
+        self.__dict__["_initial_state"] = value
+
     # ------------------------------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync."""
@@ -182,7 +192,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             for new_group in local_groups[len(self.optim.param_groups) :]:
                 self.optim.add_param_group(new_group)
-        self.state = self.optim.state
         self._pull_hyperparameters()
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild()
