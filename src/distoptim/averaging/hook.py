@@ -1,4 +1,5 @@
-"""The post-local-SGD DDP communication hook: global gradient averaging for a warm-up, then local (or none).
+"""DDP communication hooks that average gradients: the plain all-reduce, and post-local SGD (global gradient
+averaging for a warm-up, then local or none).
 
 Register with ``ddp_model.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook)`` and pair it with an
 averager whose ``warmup_steps`` equals ``start_localSGD_iter``, run after each optimizer step.
@@ -16,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from distoptim.averaging import comm
 
-__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
+__all__ = ["PostLocalSGDState", "allreduce_hook", "post_localSGD_hook"]
 
 
 class PostLocalSGDState:
@@ -84,6 +85,11 @@ class PostLocalSGDState:
         self.start_localSGD_iter = state["start_localSGD_iter"]
         self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
         self.iter = state["iter"]
+
+
+def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default reduction as a comm hook: average the bucket over ``process_group`` (None: the world)."""
+    return comm.allreduce_mean_async(bucket.buffer(), comm.default_group(process_group))
 
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

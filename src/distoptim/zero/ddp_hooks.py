@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
@@ -27,19 +26,9 @@ from distoptim.zero.buckets import StagedSync, build_layouts
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["OverlapStepper", "allreduce_hook", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = ["OverlapStepper", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 CommHook = Callable[[Any, GradBucket], Future[Tensor]]
-
-
-def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Future[Tensor]:
-    """DDP's default reduction as a comm hook: average the bucket over ``process_group`` (None: the world)."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    tensor = bucket.buffer().div_(dist.get_world_size(group))
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    assert work is not None
-    reduced: Future[Tensor] = work.get_future().then(lambda fut: fut.value()[0])
-    return reduced
 
 
 class OverlapStepper:
@@ -89,9 +78,7 @@ class OverlapStepper:
 
     def check_stepped(self) -> None:
         """Called by ``zero_grad``: gradients arrived since the last call but no hook stepped -> say so."""
-        trainable = [p for p in self.zero._params if p.requires_grad]
-        grad = trainable[0].grad if trainable else None
-        seen = None if grad is None else (id(grad), grad._version)
+        seen = self._grad_marker()
         if seen is not None and seen != self._grad_seen and not self.stepped:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) has gradients but no optimizer step ran: register "
@@ -101,9 +88,12 @@ class OverlapStepper:
         self.stepped = False
 
     def record_grads(self) -> None:
-        trainable = [p for p in self.zero._params if p.requires_grad]
-        grad = trainable[0].grad if trainable else None
-        self._grad_seen = None if grad is None else (id(grad), grad._version)
+        self._grad_seen = self._grad_marker()
+
+    def _grad_marker(self) -> tuple[int, int] | None:
+        """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
+        grad = next((p.grad for p in self.zero._params if p.requires_grad), None)
+        return None if grad is None else (id(grad), grad._version)
 
 
 @dataclass
