@@ -102,14 +102,14 @@ def _summarize(name: str, world_size: int, runs: list[list[RankResult]]) -> dict
 
 
 HEADER = (
-    f"{'N':>2} {'variant':<22} {'total ms':>8} {'net ms':>7} {'bwd ms':>7} {'step ms':>7} {'comm MB':>8} {'calls':>6} "
+    f"{'N':>2} {'variant':<29} {'total ms':>8} {'net ms':>7} {'bwd ms':>7} {'step ms':>7} {'comm MB':>8} {'calls':>6} "
     f"{'state MB':>8} {'ideal MB':>8} {'RSS MB':>7}"
 )
 
 
 def _row(s: dict[str, Any]) -> str:
     return (
-        f"{s['world_size']:>2} {s['variant']:<22} {s['median_total_ms']:>8.1f} "
+        f"{s['world_size']:>2} {s['variant']:<29} {s['median_total_ms']:>8.1f} "
         f"{s['median_total_ms'] - s['compute_backward_ms']:>7.1f} {s['median_backward_ms']:>7.1f} "
         f"{s['median_step_ms']:>7.1f} {s['comm_bytes_per_rank_per_step'] / MB:>8.1f} {s['comm_calls_per_step']:>6.0f} "
         f"{s['state_bytes_max'] / MB:>8.1f} {s['state_bytes_ideal'] / MB:>8.1f} {s['peak_rss_bytes_max'] / MB:>7.0f}"
