@@ -155,20 +155,55 @@ def test_misuse_gives_clear_errors() -> None:
     run_on_ranks(_errors_body, 2)
 
 
-def _join_body(rank: int, world_size: int) -> list[torch.Tensor]:
-    model = _model()
+def _join_body(rank: int, world_size: int, hook: Any) -> list[torch.Tensor]:
+    """Uneven inputs under Join. A joined rank's DDP join hook runs our comm hook on zero buckets, so its shard
+    is still stepped with the DDP average (joined ranks contributing zeros): every parameter follows it."""
+    model, reference = _model(), _model()
     ddp = _ddp(model, False, False)
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
-    ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05, momentum=0.9)
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+    batches = [3 + 2 * r for r in range(world_size)]
     with Join([ddp, zero]):
-        for iteration in range(3 + 2 * rank):  # uneven inputs
+        for iteration in range(batches[rank]):
             zero.zero_grad()
             ddp(_batch(rank, iteration)).square().mean().backward()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for iteration in range(max(batches)):
+        reference_optimizer.zero_grad()
+        for r in range(world_size):
+            if iteration < batches[r]:
+                reference(_batch(r, iteration)).square().mean().backward()
+        for param in reference.parameters():
+            param.grad = param.grad / world_size
+        reference_optimizer.step()
+    _assert_close(model, reference, f"{hook.__name__} under Join")
     return [p.detach() for p in model.parameters()]
 
 
-def test_uneven_inputs_under_join_complete_and_agree() -> None:
-    results = run_on_ranks(_join_body, 3)
+@pytest.mark.parametrize("hook", HOOKS)
+def test_uneven_inputs_under_join(hook: Any) -> None:
+    results = run_on_ranks(_join_body, 3, hook)
     for other in results[1:]:
         for param, expected in zip(other, results[0]):
             assert torch.equal(param, expected)
+
+
+def _frozen_after_ddp_body(rank: int, world_size: int, hook: Any) -> None:
+    """A parameter frozen after DDP was built keeps its slot in DDP's buckets: the others' gradients must not shift."""
+    model, reference = _model(), _model()
+    ddp = DDP(model, find_unused_parameters=True)
+    reference_ddp = DDP(reference, find_unused_parameters=True)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=0.01)
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for frozen in (model[2].weight, reference[2].weight):
+        frozen.requires_grad_(False)
+    schedulers = StepLR(zero, step_size=100), StepLR(reference_optimizer, step_size=100)
+    _train(ddp, zero, schedulers[0], rank, range(3), step=False)
+    _train(reference_ddp, reference_optimizer, schedulers[1], rank, range(3), step=True)
+    _assert_close(model, reference, f"{hook.__name__} with a parameter frozen after DDP")
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_parameter_frozen_after_ddp_was_built(hook: Any) -> None:
+    run_on_ranks(_frozen_after_ddp_body, 2, hook)

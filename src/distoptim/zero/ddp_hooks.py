@@ -46,6 +46,7 @@ class OverlapStepper:
         self.stepped = False
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
+        self._group_of: dict[int, int] = {}  # owned parameter id -> index of its local group
 
     def rebuild(self) -> None:
         """(Re)create one functional optimizer per local param group (after construction or add_param_group)."""
@@ -53,17 +54,17 @@ class OverlapStepper:
         for group in local_groups[len(self.functionals) :]:
             options = {k: v for k, v in group.items() if k in self.functional_cls.spec.defaults}
             self.functionals.append(self.functional_cls(group["params"], **options, _allow_empty_param_list=True))
+        self._group_of = {id(p): index for index, f in enumerate(self.functionals) for p in f.param_group["params"]}
         self._bucket_syncs.clear()
 
     def step(self, grads: dict[int, Tensor]) -> None:
         """Step the owned parameters whose id is in ``grads`` with those gradients."""
         state = self.zero.local_optimizer.state
-        for functional, group in zip(self.functionals, self.zero.param_groups):
+        for index in sorted({self._group_of[key] for key in grads if key in self._group_of}):
+            functional, group = self.functionals[index], self.zero.param_groups[index]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
-            params = functional.param_group["params"]
-            if any(id(p) in grads for p in params):
-                functional.step([grads.get(id(p)) for p in params])
+            functional.step([grads.get(id(p)) for p in functional.param_group["params"]])
         self.stepped = True
 
     def bucket_sync(self, params: list[Tensor]) -> StagedSync:
@@ -105,11 +106,15 @@ class _Pending:
     direct: list[Any] = field(default_factory=list)
 
 
-def _reduced_grads(params: list[Tensor], reduced: Tensor) -> dict[int, Tensor]:
-    """Views of a reduced bucket tensor, one per trainable parameter, keyed by parameter id."""
+def _reduced_grads(bucket_params: list[Tensor], reduced: Tensor) -> dict[int, Tensor]:
+    """Views of a reduced bucket tensor for the parameters that require grad, keyed by parameter id.
+
+    Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
+    """
     grads, offset = {}, 0
-    for param in params:
-        grads[id(param)] = reduced[offset : offset + param.numel()].view_as(param)
+    for param in bucket_params:
+        if param.requires_grad:
+            grads[id(param)] = reduced[offset : offset + param.numel()].view_as(param)
         offset += param.numel()
     return grads
 
@@ -140,7 +145,7 @@ def hook_with_zero_step(
     pending = _Pending()
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        params = [p for p in bucket.parameters() if p.requires_grad]
+        params = bucket.parameters()
         future = hook(state, bucket)
         pending.buckets.append((params, future))
         if not bucket.is_last():
@@ -169,12 +174,12 @@ def hook_with_zero_step_interleaved(
 
     def step_and_launch(params: list[Tensor], future: Future[Tensor]) -> None:
         stepper.step(_reduced_grads(params, future.wait()))
-        sync = stepper.bucket_sync(params)
+        sync = stepper.bucket_sync([p for p in params if p.requires_grad])
         pending.direct.extend(sync.launch_direct())
         pending.syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        params = [p for p in bucket.parameters() if p.requires_grad]
+        params = bucket.parameters()
         future = hook(state, bucket)
         for earlier in pending.buckets:
             step_and_launch(*earlier)

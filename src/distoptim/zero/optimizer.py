@@ -142,8 +142,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             global_group.update((k, v) for k, v in local_group.items() if k != "params")
 
     def _check_frozen_params_have_no_grad(self) -> None:
-        for param, owner in zip(self._params, self.plan.owners):
-            if owner == UNOWNED and param.grad is not None:
+        for param in self._frozen:
+            if param.grad is not None:
                 raise RuntimeError(
                     "a parameter that was frozen (requires_grad=False) when it was given to ZeroRedundancyOptimizer "
                     "now has a gradient; frozen parameters are not sharded, so it would never be updated. "
@@ -180,6 +180,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             [p.numel() for p in params], [p.requires_grad for p in params], self.world_size, previous=self._plan
         )
         owners = dict(zip(map(id, params), self._plan.owners))
+        self._frozen = [p for p in params if owners[id(p)] == UNOWNED]
         local_groups = [
             {
                 **{k: v for k, v in group.items() if k != "params"},
@@ -252,7 +253,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # --------------------------------------------------------------------------------------------- join
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, shadow the others' parameter sync (its own shard stays as is)."""
+        """While this rank has run out of inputs, shadow the others' parameter sync.
+
+        DDP discards a joined rank's reduced gradients, so with ``step()`` its shard stays as it is while it is
+        joined (no stale gradient is ever applied again). With ``overlap_with_ddp=True`` DDP's join hook runs the
+        comm hook on zero buckets, which hands the joined rank the true average: its shard keeps being stepped.
+        """
         return _ZeroJoinHook(self)
 
     @property
