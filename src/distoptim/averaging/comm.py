@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distoptim._groups import default_group, group_size
+
 __all__ = [
     "allreduce_mean_async",
     "average_tensors_",
@@ -26,26 +28,9 @@ __all__ = [
 ]
 
 
-def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
-    """``process_group``, or the default (world) group when it is ``None``."""
-    if process_group is not None:
-        return process_group
-    if not dist.is_initialized() or dist.group.WORLD is None:
-        raise RuntimeError(
-            "no process group was given and the default one is not initialised; "
-            "call torch.distributed.init_process_group() first, or pass process_group="
-        )
-    return dist.group.WORLD
-
-
 def _is_member(group: ProcessGroup) -> bool:
     # ``dist.new_group`` hands non-members this sentinel instead of a group.
     return group is not dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[comparison-overlap]
-
-
-def group_size(group: ProcessGroup) -> int:
-    """Number of ranks in ``group``."""
-    return dist.get_world_size(group=group)
 
 
 def split_group(group: ProcessGroup, size: int) -> ProcessGroup:

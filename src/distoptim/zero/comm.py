@@ -13,10 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distoptim._groups import comm_device, default_group, group_size
+
 __all__ = [
     "Group",
     "all_gather_objects",
     "broadcast_slices",
+    "comm_device",
+    "default_group",
     "group_rank",
     "group_size",
     "receive_object",
@@ -31,10 +35,6 @@ Group = dist.ProcessGroup
 
 def group_rank(group: Group) -> int:
     return dist.get_rank(group)
-
-
-def group_size(group: Group) -> int:
-    return dist.get_world_size(group)
 
 
 def _global(group: Group, rank: int) -> int:

@@ -41,13 +41,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer needs an initialised process group: call "
-                "torch.distributed.init_process_group(...) first (world size 1 works too)"
-            )
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None
+        group = comm.default_group(process_group)
         settings = {
             "optimizer_class": getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
             "parameters_as_bucket_view": parameters_as_bucket_view,
@@ -210,7 +204,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{self.world_size - 1}"
             )
         mine = self._global_local_state()
-        device = _comm_device(self.process_group)
+        device = comm.comm_device(self.process_group)
         if self.rank != to:
             checkpoint.send_state(mine, to, self.process_group, device)
             self._consolidated = None
@@ -289,9 +283,3 @@ def _functional_for_overlap(optimizer_class: type) -> type[FunctionalOptimizer]:
             "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
         )
     return functional_cls
-
-
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
