@@ -197,3 +197,28 @@ def test_ddp_and_zero_under_join_with_uneven_inputs() -> None:
     results = run_on_ranks(_join_body, 3)
     for other in results[1:]:
         assert_same_tensors(other, results[0], "ranks agree after Join")
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer that records something in its param groups while stepping (as some optimizers do)."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            group["local_steps"] = group.get("local_steps", 0) + 1
+        return super().step(closure)
+
+
+def _hyperparameters_body(rank: int, world_size: int) -> None:
+    params = [torch.ones(4, requires_grad=True), torch.ones(3, requires_grad=True)]
+    zero = ZeroRedundancyOptimizer(params, _CountingSGD, lr=0.1)
+    zero.param_groups[0]["lr"] = 0.5  # a change to the global view reaches the local optimizer before its step
+    for param in params:
+        param.grad = torch.ones_like(param)
+    zero.step()
+    assert zero.local_optimizer.param_groups[0]["lr"] == 0.5
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in params)
+    assert zero.param_groups[0]["local_steps"] == 1  # a key the local optimizer added shows up globally
+
+
+def test_hyperparameters_flow_both_ways() -> None:
+    run_on_ranks(_hyperparameters_body, 2)
