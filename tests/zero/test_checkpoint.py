@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -47,7 +48,13 @@ def _save_body(rank: int, world_size: int, to: int) -> dict[str, Any] | None:
 
     with pytest.raises(RuntimeError, match=rf"consolidate_state_dict\(to={rank}\)"):
         zero.state_dict()
-    zero.consolidate_state_dict(to=to)
+    with mock.patch.object(dist, "recv", wraps=dist.recv) as recv:
+        zero.consolidate_state_dict(to=to)
+    # Only the target receives tensors: one flat tensor per state dtype (fp32, bf16) from each other rank.
+    if rank != to:
+        assert recv.call_count == 0, recv.call_count
+    else:
+        assert 0 < recv.call_count <= 2 * (world_size - 1), recv.call_count
     result = None
     if rank != to:
         with pytest.raises(RuntimeError, match="holds no consolidated optimizer state"):
