@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from distoptim import ZeroRedundancyOptimizer
-from tests._dist import run_on_ranks
+from tests._dist import cuda_world_size, run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
 
 KWARGS = {"lr": 0.01, "weight_decay": 0.01, "amsgrad": True}
@@ -124,3 +124,25 @@ def _torch_zero_body(rank: int, world_size: int) -> None:
 
 def test_parity_and_cross_loading_with_torch_zero() -> None:
     run_on_ranks(_torch_zero_body, 2)
+
+
+def _device_placement_body(rank: int, world_size: int) -> None:
+    """A capturable optimizer keeps ``step`` on the parameter's device after loading a dict saved on the CPU."""
+    device = torch.device("cuda", rank)
+    params = [p.to(device) for p in flatten(make_params())]
+    saved = torch.optim.Adam([p.detach().cpu().requires_grad_(p.requires_grad) for p in params], lr=0.01)
+    for param in (p for group in saved.param_groups for p in group["params"] if p.requires_grad):
+        param.grad = torch.ones_like(param)
+    saved.step()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=0.01, capturable=True)
+    zero.load_state_dict(saved.state_dict())
+    for state in zero.local_optimizer.state.values():
+        assert all(value.device == device for value in state.values()), state
+    zero.consolidate_state_dict(to=0)  # shards travel over NCCL from their CUDA tensors
+    if rank == 0:
+        assert len(zero.state_dict()["state"]) == len(saved.state_dict()["state"])
+
+
+@pytest.mark.skipif(cuda_world_size() < 2, reason="needs 2 CUDA devices")
+def test_state_goes_where_the_local_optimizer_needs_it_on_nccl() -> None:
+    run_on_ranks(_device_placement_body, 2, backend="nccl")
