@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distoptim._flat import pack, unpack_
 from distoptim._groups import default_group, group_size
 
 __all__ = [
@@ -86,14 +87,10 @@ def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> No
         return
     size = group_size(group)
     for run in group_by_device_dtype(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in run])
+        flat = pack(run)
         flat.div_(size)
         dist.all_reduce(flat, group=group)
-        offset = 0
-        for tensor in run:
-            numel = tensor.numel()
-            tensor.detach().copy_(flat[offset : offset + numel].view_as(tensor))
-            offset += numel
+        unpack_(flat, run)
 
 
 def allreduce_mean_async(tensor: torch.Tensor, group: ProcessGroup) -> torch.futures.Future[torch.Tensor]:

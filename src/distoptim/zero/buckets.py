@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distoptim._flat import pack, unpack_
 from distoptim.zero import comm
 
 __all__ = ["BucketViewSync", "FlatLayout", "ParameterSync", "StagedSync", "build_layouts"]
@@ -157,7 +158,7 @@ class StagedSync(ParameterSync):
         stage = round_.stage
         for chunk in round_.chunks:
             if chunk.src == self.rank:
-                torch.cat([p.detach().reshape(-1) for p in chunk.params], out=stage[chunk.start : chunk.end])
+                pack(chunk.params, out=stage[chunk.start : chunk.end])
         slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
         return _InFlight(round_, stage, comm.broadcast_slices(stage, slices, self.group, wait=False))
 
@@ -166,9 +167,7 @@ class StagedSync(ParameterSync):
         comm.wait_all(flight.works)
         for chunk in flight.round.chunks:
             if chunk.src != self.rank:
-                views = torch.split(flight.stage[chunk.start : chunk.end], [p.numel() for p in chunk.params])
-                targets = [p.detach() for p in chunk.params]
-                torch._foreach_copy_(targets, [v.view_as(t) for v, t in zip(views, targets)])
+                unpack_(flight.stage[chunk.start : chunk.end], chunk.params)
 
 
 @dataclass

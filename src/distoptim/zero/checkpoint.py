@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distoptim._flat import pack
 from distoptim.zero import comm
 
 __all__ = ["GlobalState", "global_param_groups", "receive_state", "select_shard", "send_state"]
@@ -54,7 +55,7 @@ def send_state(state: GlobalState, to: int, group: comm.Group, comm_device: torc
     dtypes = sorted(keys, key=keys.__getitem__)
     comm.send_object((skeleton, [str(dtype) for dtype in dtypes], sizes), to, group)
     for tensors in buckets:
-        flat = torch.cat([t.detach().reshape(-1).to(comm_device) for t in tensors])
+        flat = pack([t.to(comm_device) for t in tensors])
         comm.send_tensor(flat, to, group)
 
 
