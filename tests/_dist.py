@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distoptim.demo.launch import free_port, loopback_rank_environment
+
 __all__ = ["RankFailure", "cuda_world_size", "free_port", "run_on_ranks"]
 
 DEFAULT_TIMEOUT = 60.0
@@ -39,13 +40,6 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.nn", "torch.op
 
 class RankFailure(AssertionError):
     """A rank raised, died or hung; the message carries its traceback or stack."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def cuda_world_size() -> int:
@@ -76,16 +70,7 @@ def _rank_main(
 ) -> None:
     stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-        TP_SOCKET_IFNAME="lo",
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(loopback_rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     try:
         if backend is not None:

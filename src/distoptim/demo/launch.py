@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankContext", "RankFailure", "free_port", "port_is_free", "run_ranks"]
+__all__ = ["RankContext", "RankFailure", "free_port", "loopback_rank_environment", "port_is_free", "run_ranks"]
 
 _POLL_S = 0.2
 # what every rank imports anyway (DDP's constructor imports torch._dynamo, seconds on a busy machine)
@@ -60,6 +60,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def loopback_rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The launcher variables for one rank of a local group, with gloo and TensorPipe pinned to the loopback."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TP_SOCKET_IFNAME": "lo",
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
 
 
 def port_is_free(port: int) -> bool:
@@ -96,16 +110,7 @@ def _rank_main(
         log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 2)
         os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-        TP_SOCKET_IFNAME="lo",
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(loopback_rank_environment(rank, world_size, port))
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
