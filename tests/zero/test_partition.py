@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from distoptim.zero.partition import UNOWNED, partition_parameters
@@ -45,3 +47,23 @@ def test_invalid_arguments() -> None:
     first = partition_parameters([1, 2], [True, True], world_size=2)
     with pytest.raises(ValueError, match="prefix"):
         partition_parameters([5, 2, 3], [True] * 3, world_size=2, previous=first)
+
+
+def test_a_frozen_parameter_made_trainable_is_placed_and_owners_stay() -> None:
+    first = partition_parameters([10, 40, 30], [True, False, True], world_size=2)
+    assert first.owners == (1, UNOWNED, 0)
+    # parameter 1 unfrozen, parameter 0 frozen: 0 keeps its owner (and its state), 1 goes to the least loaded rank
+    again = partition_parameters([10, 40, 30], [False, True, True], world_size=2, previous=first)
+    assert again.owners == (1, 1, 0)
+
+
+def test_plans_thousands_of_parameters_over_a_thousand_ranks_quickly() -> None:
+    numels = [(i * 7919) % 100_003 + 1 for i in range(10_000)]
+    start = time.perf_counter()
+    plan = partition_parameters(numels, [True] * len(numels), world_size=1024)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"planning took {elapsed:.3f} s"
+    loads = plan.loads()
+    # sorted greedy: no rank exceeds the least loaded by more than the largest parameter
+    assert max(loads) - min(loads) <= max(numels)
+    assert sorted(set(plan.owners)) == list(range(1024))

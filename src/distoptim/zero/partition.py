@@ -3,10 +3,14 @@
 The plan is sorted-greedy by element count: the largest parameter goes to the least-loaded rank (ties to the
 lowest rank), each parameter whole on one rank. Frozen parameters are owned by nobody (``UNOWNED``): they have no
 optimizer state, take no part in the balance and are never communicated.
+
+A plan can grow from a previous one (``add_param_group``, a frozen parameter made trainable): parameters that
+already have an owner keep it, with their optimizer state, and only the newly trainable ones are placed.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,10 +46,11 @@ def partition_parameters(
     world_size: int,
     previous: PartitionPlan | None = None,
 ) -> PartitionPlan:
-    """Assign every trainable parameter to one rank, balancing element counts (sorted greedy).
+    """Assign every trainable parameter to one rank, balancing element counts (sorted greedy, a heap of loads).
 
-    ``previous`` is the plan for a prefix of ``numels``: its assignments stay put and only the new parameters
-    (those past the prefix) are placed, onto the ranks it left least loaded (``add_param_group``).
+    ``previous`` is the plan for a prefix of ``numels``: the owners it assigned stay put (also for parameters frozen
+    since), and only trainable parameters without an owner are placed, onto the ranks left least loaded.
+    O(P log P + P log N) for P parameters and N ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -56,9 +61,11 @@ def partition_parameters(
         raise ValueError("previous plan does not describe a prefix of these parameters at this world size")
     owners = list(kept) + [UNOWNED] * (len(numels) - len(kept))
     loads = previous.loads() if previous is not None else [0] * world_size
-    new = [index for index in range(len(kept), len(numels)) if trainable[index]]
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    new = [index for index, owner in enumerate(owners) if owner == UNOWNED and trainable[index]]
     for index in sorted(new, key=lambda i: (-numels[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        load, rank = heap[0]
         owners[index] = rank
-        loads[rank] += numels[index]
+        heapq.heapreplace(heap, (load + numels[index], rank))
     return PartitionPlan(world_size=world_size, owners=tuple(owners), numels=tuple(numels))
