@@ -12,12 +12,15 @@ from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
 
 SHAPES = [
+    ((0,), torch.float32),  # zero-sized parameters (first, middle, last) have nothing to sync
     ((7, 5), torch.float32),
     ((3,), torch.bfloat16),
     ((11,), torch.float32),
     ((2, 2), torch.bfloat16),
     ((9,), torch.float32),
+    ((0, 5), torch.bfloat16),
     ((1,), torch.float32),
+    ((0,), torch.float32),
 ]
 
 
@@ -60,3 +63,21 @@ def _sync_body(rank: int, world_size: int) -> None:
 
 def test_every_rank_gets_every_shard() -> None:
     run_on_ranks(_sync_body, 3)
+
+
+def _strided_body(rank: int, world_size: int) -> None:
+    """Bucket views keep a dense parameter's strides: a channels_last conv weight and a transposed matrix."""
+    conv = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    transposed = torch.randn(5, 3).t()
+    owned = [conv + rank, transposed + rank]  # rank 0 owns the first, rank 1 the second
+    strides = [p.stride() for p in owned]
+    sync = BucketViewSync(build_layouts([owned[:1], owned[1:]]), dist.group.WORLD)
+    assert [p.stride() for p in owned] == strides
+    sync.sync_parameters()
+    assert torch.equal(owned[0], conv) and torch.equal(owned[1], transposed + 1)
+    sync.release()
+    assert [p.stride() for p in owned] == strides
+
+
+def test_bucket_views_keep_parameter_strides() -> None:
+    run_on_ranks(_strided_body, 2)

@@ -1,10 +1,12 @@
 """Flat per-(device, dtype) layouts of the trainable parameters, ordered by owning rank, and the two ways to sync.
 
 In a layout the parameters of rank 0 come first, then rank 1's, and so on, so each rank's shard is one contiguous
-segment: syncing is one broadcast per (rank, layout), never one per parameter.
+segment: syncing is one broadcast per (rank, layout), never one per parameter. Zero-sized parameters have nothing
+to sync and are left out.
 
 - ``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, which are
-  broadcast in place. No copies, no extra memory.
+  broadcast in place. No copies, no extra memory. A view keeps its parameter's strides (a channels_last convolution
+  stays channels_last).
 - ``StagedSync`` (default): parameters keep their own storage. Small parameters are packed into staging buffers
   (kept between steps; together the size of the small parameters only), broadcast and unpacked; a parameter of
   ``direct_bytes`` or more is broadcast in place, since copying it twice costs more than one more call.
@@ -23,7 +25,7 @@ from torch import Tensor
 from distoptim._flat import pack, unpack_
 from distoptim.zero import comm
 
-__all__ = ["BucketViewSync", "FlatLayout", "ParameterSync", "StagedSync", "build_layouts"]
+__all__ = ["BucketViewSync", "FlatLayout", "ParameterSync", "StagedSync", "build_layouts", "view_like"]
 
 DEFAULT_STAGE_BYTES = 64 * 2**20
 DEFAULT_DIRECT_BYTES = 2**20
@@ -31,41 +33,51 @@ DEFAULT_DIRECT_BYTES = 2**20
 
 @dataclass
 class FlatLayout:
-    """Parameters of one (device, dtype), in buffer order, with their offsets and each rank's segment."""
+    """Parameters of one (device, dtype), in buffer order, with their offsets, owners and each rank's segment."""
 
     device: torch.device
     dtype: torch.dtype
     params: list[Tensor] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
     segments: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
         return self.segments[-1][1] if self.segments else 0
 
-    def owner_at(self, offset: int) -> int:
-        """The rank whose segment holds ``offset``."""
-        return next(rank for rank, (start, end) in enumerate(self.segments) if start <= offset < end)
+    def add(self, param: Tensor, offset: int, owner: int) -> None:
+        self.params.append(param)
+        self.offsets.append(offset)
+        self.owners.append(owner)
 
 
 def build_layouts(params_by_rank: Sequence[Sequence[Tensor]]) -> list[FlatLayout]:
-    """One layout per (device, dtype) present, each ordered rank by rank."""
+    """One layout per (device, dtype) of non-empty parameters, each ordered rank by rank."""
     layouts: dict[tuple[torch.device, torch.dtype], FlatLayout] = {}
     for params in params_by_rank:
         for param in params:
-            key = (param.device, param.dtype)
-            layouts.setdefault(key, FlatLayout(device=param.device, dtype=param.dtype))
+            if param.numel() > 0:
+                layouts.setdefault((param.device, param.dtype), FlatLayout(device=param.device, dtype=param.dtype))
     for layout in layouts.values():
         offset = 0
-        for params in params_by_rank:
+        for rank, params in enumerate(params_by_rank):
             start = offset
             for param in params:
-                if (param.device, param.dtype) == (layout.device, layout.dtype):
-                    layout.params.append(param)
-                    layout.offsets.append(offset)
+                if (param.device, param.dtype) == (layout.device, layout.dtype) and param.numel() > 0:
+                    layout.add(param, offset, rank)
                     offset += param.numel()
             layout.segments.append((start, offset))
     return list(layouts.values())
+
+
+def view_like(buffer: Tensor, offset: int, param: Tensor) -> Tensor:
+    """``param``'s elements at ``buffer[offset:]`` with ``param``'s shape and, when it is dense, its strides.
+
+    This is how DDP lays parameters into its buckets too, so a bucket's memory order is its parameters'.
+    """
+    strides = torch.empty_like(param, device="meta").stride()  # param's strides when dense, else contiguous ones
+    return buffer.as_strided(param.shape, strides, buffer.storage_offset() + offset)
 
 
 class ParameterSync:
@@ -91,7 +103,7 @@ class BucketViewSync(ParameterSync):
         for layout in layouts:
             buffer = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
             for param, offset in zip(layout.params, layout.offsets):
-                view = buffer[offset : offset + param.numel()].view_as(param)
+                view = view_like(buffer, offset, param)
                 view.copy_(param.detach())
                 param.data = view
             self.buffers.append(buffer)
@@ -129,12 +141,11 @@ class StagedSync(ParameterSync):
         self.rounds: list[_Round] = []
         for layout in layouts:
             staged = FlatLayout(layout.device, layout.dtype, segments=layout.segments)
-            for param, offset in zip(layout.params, layout.offsets):
+            for param, offset, owner in zip(layout.params, layout.offsets, layout.owners):
                 if param.numel() * param.element_size() >= direct_bytes and param.is_contiguous():
-                    self.direct.append((layout.owner_at(offset), param))
+                    self.direct.append((owner, param))
                 else:
-                    staged.params.append(param)
-                    staged.offsets.append(offset)
+                    staged.add(param, offset, owner)
             self.rounds.extend(_rounds(staged, max(1, stage_bytes // layout.params[0].element_size())))
 
     def sync_parameters(self) -> None:
@@ -197,8 +208,7 @@ class _InFlight:
 def _rounds(layout: FlatLayout, stage_numel: int) -> list[_Round]:
     """Cut each rank's segment of ``layout`` into chunks of about ``stage_numel`` and pack them into rounds."""
     chunks: list[_Chunk] = []
-    for param, offset in zip(layout.params, layout.offsets):
-        src = layout.owner_at(offset)
+    for param, src in zip(layout.params, layout.owners):
         last = chunks[-1] if chunks else None
         if last is not None and last.src == src and last.end - last.start + param.numel() <= stage_numel:
             last.params.append(param)
