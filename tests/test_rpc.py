@@ -163,6 +163,10 @@ def _parity_scenario() -> None:
         model = _Model()
         distributed = DistributedOptimizer(optimizer_class, model.param_rrefs, **kwargs)
         reference = reference_class(model.local_params(), **kwargs)
+        # torch's public attributes: one RRef per owner, and whether the owners run a functional optimizer
+        owners = {rref.owner_name() for rref in model.param_rrefs}
+        assert sorted(r.owner_name() for r in distributed.remote_optimizers) == sorted(owners)
+        assert distributed.is_functional_optim == (reference_class not in (torch.optim.NAdam, torch.optim.ASGD))
         start = model.remote_values()
         before = start
         for step, ((x, y), use) in enumerate(zip(batches, SIDE_USE, strict=True)):

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
-from torch._C._distributed_autograd import _is_valid_context, get_gradients
-from torch._C._distributed_rpc import PyRRef
+from torch.distributed.rpc import PyRRef  # what rpc.remote returns; rpc.RRef subclasses it for annotations only
 from torch.optim import Optimizer
 
 from distoptim.functional import functional_class_for
@@ -122,12 +122,19 @@ class _LocalOptimizer:
 
 def _context_gradients(context_id: int, params: list[Tensor]) -> list[Tensor | None]:
     """This context's gradient for each parameter, None where it recorded none (or never reached this worker)."""
-    try:
-        _is_valid_context(context_id)
-    except RuntimeError:
+    recorded = _recorded_gradients(context_id)
+    if recorded is None:
         return [None] * len(params)  # the caller checked the id: this owner just took no part in the context
-    by_id = {id(tensor): grad for tensor, grad in get_gradients(context_id).items()}
+    by_id = {id(tensor): grad for tensor, grad in recorded.items()}
     return [by_id.get(id(param)) for param in params]
+
+
+def _recorded_gradients(context_id: int) -> dict[Tensor, Tensor] | None:
+    """The gradients this worker recorded in distributed autograd context ``context_id``; None for an unknown id."""
+    try:
+        return dist_autograd.get_gradients(context_id)
+    except RuntimeError:
+        return None
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -298,6 +305,10 @@ class DistributedOptimizer(Optimizer):
         ]
         self._num_params = len(params_rref)
         self._shipped = copy.deepcopy(hyperparameters)
+        self.remote_optimizers: list[PyRRef[Any]] = [owner.local for owner in self._owners]
+        """RRefs to the optimizer on each owner (as in torch's class)."""
+        self.is_functional_optim = functional_class_for(optimizer_class) is not None
+        """Whether the owners run a ``distoptim.functional`` optimizer (else ``optimizer_class`` behind an adapter)."""
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
         """Apply the gradients of distributed autograd context ``context_id`` on every owner; wait for all."""
@@ -305,13 +316,11 @@ class DistributedOptimizer(Optimizer):
             raise TypeError(
                 f"context_id must be an int (from dist_autograd.context()), got {type(context_id).__name__}"
             )
-        try:
-            _is_valid_context(context_id)
-        except RuntimeError:
+        if _recorded_gradients(context_id) is None:
             raise RuntimeError(
                 f"unknown distributed autograd context id {context_id}: call step() inside the "
                 "`with dist_autograd.context() as context_id:` block whose backward pass recorded the gradients"
-            ) from None
+            )
         current = self._hyperparameters()
         changed = None if self._unchanged(current) else current
         _on_owners([(owner.name, _step, (owner.local, context_id, changed)) for owner in self._owners])
