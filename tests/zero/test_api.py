@@ -86,7 +86,7 @@ def _errors_body(rank: int, world_size: int) -> None:
     )
     frozen = next(p for p in zero.param_groups[0]["params"] if not p.requires_grad)
     frozen.grad = torch.ones(2)
-    _expect(RuntimeError, "was frozen", zero.step)
+    _expect(RuntimeError, "requires_grad=False has a gradient", zero.step)
 
 
 def test_bad_input_raises_clearly_on_every_rank() -> None:

@@ -113,6 +113,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "overlap_with_ddp=False to step explicitly"
             )
         Join.notify_join_context(self)
+        self._repartition_if_trainability_changed()
         self._check_frozen_params_have_no_grad()
         self._push_hyperparameters()
         loss: float | None = (
@@ -136,12 +137,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             global_group.update((k, v) for k, v in local_group.items() if k != "params")
 
     def _check_frozen_params_have_no_grad(self) -> None:
-        for param in self._frozen:
+        for param in self._unowned:
             if param.grad is not None:
                 raise RuntimeError(
-                    "a parameter that was frozen (requires_grad=False) when it was given to ZeroRedundancyOptimizer "
-                    "now has a gradient; frozen parameters are not sharded, so it would never be updated. "
-                    "Set requires_grad before building the optimizer, or add it with add_param_group"
+                    "a parameter with requires_grad=False has a gradient, so a plain optimizer would update it, but "
+                    "ZeroRedundancyOptimizer shards trainable parameters only and nobody owns this one. Set "
+                    "requires_grad=True on it (on every rank) and it is sharded at the next step(), or set its "
+                    ".grad to None"
                 )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -169,12 +171,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._repartition()
 
     def _repartition(self) -> None:
+        """Place the parameters that have no owner yet and rebuild what depends on the plan.
+
+        Runs at construction, from ``add_param_group`` and when ``step()`` sees a change of ``requires_grad``.
+        Parameters that already have an owner keep it, and their state, even when frozen since (a frozen parameter
+        has no gradient, so its owner skips it as a plain optimizer would).
+        """
         params = self._params
+        self._trainability = tuple(p.requires_grad for p in params)
         self._plan = partition_parameters(
-            [p.numel() for p in params], [p.requires_grad for p in params], self.world_size, previous=self._plan
+            [p.numel() for p in params], list(self._trainability), self.world_size, previous=self._plan
         )
         owners = dict(zip(map(id, params), self._plan.owners))
-        self._frozen = [p for p in params if owners[id(p)] == UNOWNED]
+        self._unowned = [p for p in params if owners[id(p)] == UNOWNED]
         local_groups = [
             {
                 **{k: v for k, v in group.items() if k != "params"},
@@ -185,6 +194,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.optim is None:
             self.optim = self._optimizer_class(local_groups, **self._defaults)
         else:
+            for local_group, group in zip(self.optim.param_groups, local_groups):
+                local_group["params"] = group["params"]  # newly owned parameters join their group; state is kept
             for new_group in local_groups[len(self.optim.param_groups) :]:
                 self.optim.add_param_group(new_group)
         self._pull_hyperparameters()
@@ -195,6 +206,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         by_rank = [[p for p in params if owners[id(p)] == rank] for rank in range(self.world_size)]
         strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
         self._sync = strategy(build_layouts(by_rank), self.process_group)
+
+    def _repartition_if_trainability_changed(self) -> None:
+        """Gradual unfreezing: a parameter made trainable since the last step gets an owner before this step.
+
+        Like torch's ZeroRedundancyOptimizer this is detected locally, so every rank must change ``requires_grad``
+        of the same parameters before the same step (as the same training script does).
+        """
+        if tuple(p.requires_grad for p in self._params) != self._trainability:
+            self._repartition()
 
     # -------------------------------------------------------------------------------------- checkpoints
     def consolidate_state_dict(self, to: int = 0) -> None:
