@@ -95,10 +95,15 @@ def _in_place_body(rank: int, world_size: int) -> None:
     pointers = [p.data_ptr() for p in params]
     before = [p.detach().clone() for p in params]
     mean_factor = sum(r + 1 for r in range(world_size)) / world_size
+    # zero-sized parameters first, in the middle and last; the bf16 one alone in its dtype: nothing to average
+    empties = [nn.Parameter(torch.empty(0)), nn.Parameter(torch.empty(0, 3, dtype=torch.float64))]
+    empties.append(nn.Parameter(torch.empty(0, dtype=torch.bfloat16)))
+    for empty in empties:
+        empty.grad = torch.zeros_like(empty)
 
     with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
-        averager.average_parameters(params)  # step 0: averages
-    assert all_reduce.call_count == 3, "one collective per (device, dtype)"
+        averager.average_parameters([empties[0], *params[:2], empties[1], *params[2:], empties[2]])  # step 0: averages
+    assert all_reduce.call_count == 3, "one collective per (device, dtype) with elements"
     assert [p.data_ptr() for p in params] == pointers, "averaging must write in place"
     for p, old in zip(params[:4], before[:4], strict=True):
         assert p.dtype == old.dtype

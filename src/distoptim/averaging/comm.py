@@ -86,7 +86,7 @@ def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> No
     if not _is_member(group):
         return
     size = group_size(group)
-    for run in group_by_device_dtype(tensors):
+    for run in group_by_device_dtype([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones
         flat = pack(run)
         flat.div_(size)
         dist.all_reduce(flat, group=group)
