@@ -26,10 +26,44 @@ __all__ = ["ZeroRedundancyOptimizer"]
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
-    """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state.
+    """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
-    ``step()`` expects gradients already averaged across ranks (DDP does this). ``param_groups`` is the global
-    view: schedulers and users edit it; ``optim`` is this rank's local optimizer over the parameters it owns.
+    Every trainable parameter is owned by one rank (sorted-greedy by size). ``step()`` expects gradients already
+    averaged across ranks (DDP does this): each rank steps the parameters it owns with its local optimizer, then the
+    updated parameters are synced to every rank. A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+
+    Args:
+        params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors or of
+            param-group dicts. Every rank must pass the same parameters (shapes, dtypes, ``requires_grad``, groups)
+            in the same order; a mismatch raises on every rank.
+        optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
+            ``distoptim.functional`` class. Pass the class, not an instance.
+        process_group: the group to shard over; ``None`` is the default (world) group.
+        parameters_as_bucket_view: make the parameters views into one flat buffer per (device, dtype), so the sync
+            broadcasts in place, without copies.
+        overlap_with_ddp: step inside DDP's backward through ``distoptim.hooks.hook_with_zero_step`` (or
+            ``hook_with_zero_step_interleaved``) registered on the DDP model; ``optimizer_class`` must have a
+            functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop).
+        **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
+
+    ``param_groups`` is the global view: schedulers and users edit it, and the local optimizer (``optim``, over the
+    parameters this rank owns) gets the change at the next step. ``state`` is this rank's shard. A parameter made
+    trainable between steps (gradual unfreezing) is given an owner at the next ``step()``; change ``requires_grad``
+    alike on every rank. Checkpoints: ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on rank
+    ``r`` gives ``torch.optim``'s format; ``load_state_dict`` takes such a dict (from any world size, or from a plain
+    optimizer) on every rank.
+
+    Example, inside an initialised process group::
+
+        model = DDP(make_model())
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        for batch in loader:
+            optimizer.zero_grad()
+            loss_fn(model(batch)).backward()
+            optimizer.step()
+        optimizer.consolidate_state_dict(to=0)
+        if dist.get_rank() == 0:
+            torch.save(optimizer.state_dict(), "optim.pt")
     """
 
     def __init__(
