@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["comm_device", "default_group", "group_size"]
+__all__ = ["choose_comm_device", "comm_device", "default_group", "group_size"]
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
@@ -26,8 +28,32 @@ def group_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group=group)
 
 
-def comm_device(group: ProcessGroup) -> torch.device:
-    """Where tensors sent over ``group`` must live: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def comm_device(group: ProcessGroup, devices: Iterable[torch.device] | None = None) -> torch.device:
+    """Where tensors sent over ``group`` must live: see ``choose_comm_device``.
+
+    ``devices`` are those of the tensors the caller communicates (its parameters). Without them, NCCL falls back to
+    the current CUDA device, which is only right after ``torch.cuda.set_device``: pass them wherever there are any.
+    """
+    backend = str(dist.get_backend(group))
+    if devices is None:
+        devices = [torch.device("cuda", torch.cuda.current_device())] if backend == "nccl" else []
+    return choose_comm_device(backend, devices)
+
+
+def choose_comm_device(backend: str, devices: Iterable[torch.device]) -> torch.device:
+    """The device for communication buffers: the parameters' CUDA device under NCCL, the CPU under other backends.
+
+    NCCL moves CUDA tensors only, each rank on its own device, so all ``devices`` must be one CUDA device: the one
+    the user put the model on (``model.to(f"cuda:{local_rank}")``), whatever ``torch.cuda.current_device()`` says.
+    Raises ``ValueError`` otherwise. Pure: no process group, no CUDA needed.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    distinct = sorted({torch.device(device) for device in devices}, key=str)
+    if len(distinct) == 1 and distinct[0].type == "cuda":
+        return distinct[0]
+    found = ", ".join(map(str, distinct)) or "none"
+    raise ValueError(
+        f"the NCCL backend communicates tensors on one CUDA device per rank, but the parameters are on: {found}; "
+        "move the whole model to this rank's GPU (model.to(f'cuda:{local_rank}')), or use the gloo backend"
+    )

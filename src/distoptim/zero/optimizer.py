@@ -84,6 +84,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local: tuple[Any, ...] | BaseException
         try:
             groups = validation.normalize_param_groups(params)
+            device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
             functional_cls = _functional_for_overlap(optimizer_class) if overlap_with_ddp else None
             local = validation.fingerprint(groups, **settings)
         except (TypeError, ValueError) as error:
@@ -94,6 +95,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().__init__(groups, defaults)
         Joinable.__init__(self)
         self.process_group = group
+        self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.parameters_as_bucket_view = parameters_as_bucket_view

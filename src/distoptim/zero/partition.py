@@ -1,42 +1,93 @@
-"""Which rank owns which parameter: pure arithmetic, no process group, no tensors.
+"""Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors.
 
-The plan is sorted-greedy by element count: the largest parameter goes to the least-loaded rank (ties to the
-lowest rank), each parameter whole on one rank. Frozen parameters are owned by nobody (``UNOWNED``): they have no
-optimizer state, take no part in the balance and are never communicated.
+Parameters are laid out in one flat buffer per layout key (the caller's (device, dtype)), and each rank owns
+ranges of it. A parameter's share of a rank's range is a ``Fragment``; everything downstream (the local step, the
+sync, checkpoints, hooks) reads fragments, never the mode that produced them. Two modes:
 
-A plan can grow from a previous one (``add_param_group``, a frozen parameter made trainable): parameters that
-already have an owner keep it, with their optimizer state, and only the newly trainable ones are placed.
+- ``greedy`` (torch's): sorted-greedy by element count, each parameter whole on the least-loaded rank (ties to the
+  lowest rank); a layout is ordered rank by rank, so each rank's range is contiguous and parameters never split.
+- ``even``: a layout keeps the parameters' order and is cut into ``world_size`` ranges of equal length (the last
+  padded), so a parameter may straddle ranks. The largest shard is at most ``world_size - 1`` elements over ideal.
+
+Frozen parameters are owned by nobody (``UNOWNED``, no fragment): they have no optimizer state, take no part in the
+balance and are never communicated; zero-sized ones own no elements (greedy still gives them an owner, as torch
+does, so the local optimizer holds them). A plan can grow from a previous one (``add_param_group``, a frozen
+parameter made trainable): parameters that have fragments keep them, with their optimizer state, even when frozen
+since; only newly trainable parameters are placed (greedy: onto the least-loaded ranks; even: as a new region at
+the end of their layout, cut evenly by itself).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["UNOWNED", "PartitionPlan", "partition_parameters"]
+__all__ = ["MODES", "SPLIT", "UNOWNED", "Fragment", "LayoutPlan", "PartitionPlan", "partition_parameters"]
 
 UNOWNED = -1
+SPLIT = -2  # ``owners`` of a parameter split between ranks (even mode)
+MODES = ("greedy", "even")
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """``length`` elements of a parameter from ``offset`` (in its memory order), owned by ``rank``, found at
+    ``position`` in its layout's flat buffer."""
+
+    rank: int
+    offset: int
+    length: int
+    position: int
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The flat buffer of one layout key: parameters in buffer order, where each starts, and who owns which range.
+
+    ``bounds`` holds one tuple of ``world_size + 1`` boundaries per region: rank ``r`` owns ``[b[r], b[r+1])`` of
+    each region. Greedy layouts have one region; even ones one per growth of the plan.
+    """
+
+    key: Hashable
+    params: tuple[int, ...]
+    positions: tuple[int, ...]
+    bounds: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        """Length of the flat buffer, padding included."""
+        return self.bounds[-1][-1] if self.bounds else 0
+
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        """The ``(start, end)`` ranges of the flat buffer that ``rank`` owns, one per region."""
+        return [(bounds[rank], bounds[rank + 1]) for bounds in self.bounds]
 
 
 @dataclass(frozen=True)
 class PartitionPlan:
-    """``owners[i]`` is the rank that owns global parameter ``i`` (``UNOWNED`` for frozen ones)."""
+    """Fragments of every parameter (global index order) and the layouts they sit in."""
 
     world_size: int
-    owners: tuple[int, ...]
+    mode: str
     numels: tuple[int, ...]
+    keys: tuple[Hashable, ...]
+    fragments: tuple[tuple[Fragment, ...], ...]
+    layouts: tuple[LayoutPlan, ...]
+    owners: tuple[int, ...]
+    """The rank holding each parameter whole; ``UNOWNED`` for frozen (or, even mode, zero-sized) ones, ``SPLIT``
+    for one split between ranks."""
 
     def params_of(self, rank: int) -> list[int]:
-        """Global indices of the parameters ``rank`` owns, in global order."""
-        return [index for index, owner in enumerate(self.owners) if owner == rank]
+        """Global indices of the parameters ``rank`` holds a fragment of, in global order."""
+        return [index for index, pieces in enumerate(self.fragments) if any(f.rank == rank for f in pieces)]
 
     def loads(self) -> list[int]:
-        """Elements owned by each rank."""
+        """Elements owned by each rank (padding excluded)."""
         loads = [0] * self.world_size
-        for owner, numel in zip(self.owners, self.numels):
-            if owner != UNOWNED:
-                loads[owner] += numel
+        for pieces in self.fragments:
+            for fragment in pieces:
+                loads[fragment.rank] += fragment.length
         return loads
 
 
@@ -45,27 +96,126 @@ def partition_parameters(
     trainable: Sequence[bool],
     world_size: int,
     previous: PartitionPlan | None = None,
+    *,
+    mode: str = "greedy",
+    keys: Sequence[Hashable] | None = None,
 ) -> PartitionPlan:
-    """Assign every trainable parameter to one rank, balancing element counts (sorted greedy, a heap of loads).
+    """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
 
-    ``previous`` is the plan for a prefix of ``numels``: the owners it assigned stay put (also for parameters frozen
-    since), and only trainable parameters without an owner are placed, onto the ranks left least loaded.
-    O(P log P + P log N) for P parameters and N ranks.
+    ``keys`` names each parameter's layout (parameters of different keys never share a buffer); one layout when
+    omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. O(P log P) for P
+    parameters (and O(P log N) for N ranks in greedy mode).
     """
+    keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if len(numels) != len(trainable):
-        raise ValueError(f"got {len(numels)} element counts but {len(trainable)} trainable flags")
-    kept = previous.owners if previous is not None else ()
-    if previous is not None and (previous.world_size != world_size or tuple(numels[: len(kept)]) != previous.numels):
-        raise ValueError("previous plan does not describe a prefix of these parameters at this world size")
-    owners = list(kept) + [UNOWNED] * (len(numels) - len(kept))
+    if mode not in MODES:
+        raise ValueError(f"partition must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if not len(numels) == len(trainable) == len(keys):
+        raise ValueError(f"got {len(numels)} element counts, {len(trainable)} trainable flags and {len(keys)} keys")
+    placed = (
+        [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
+        if previous is not None
+        else []
+    )
+    if previous is not None and (
+        previous.world_size != world_size
+        or previous.mode != mode
+        or (tuple(numels[: len(placed)]), keys[: len(placed)]) != (previous.numels, previous.keys)
+    ):
+        raise ValueError("previous plan does not describe a prefix of these parameters at this world size and mode")
+    placed += [False] * (len(numels) - len(placed))
+    new = [index for index, done in enumerate(placed) if trainable[index] and not done]
+    for index in new:
+        placed[index] = True
+    if mode == "greedy":
+        owners = _greedy_owners(numels, new, world_size, previous)
+        layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in _distinct(keys, placed)]
+    else:
+        layouts = _grown_even_layouts(numels, keys, new, world_size, previous)
+    fragments: list[tuple[Fragment, ...]] = [()] * len(numels)
+    for layout in layouts:
+        for index, position in zip(layout.params, layout.positions):
+            fragments[index] = _fragments(layout, numels[index], position, owners[index] if mode == "greedy" else None)
+    if mode == "even":
+        owners = [_single_owner(pieces) for pieces in fragments]
+    return PartitionPlan(world_size, mode, tuple(numels), keys, tuple(fragments), tuple(layouts), tuple(owners))
+
+
+def _single_owner(pieces: Sequence[Fragment]) -> int:
+    ranks = {fragment.rank for fragment in pieces}
+    return UNOWNED if not ranks else ranks.pop() if len(ranks) == 1 else SPLIT
+
+
+def _distinct(keys: Sequence[Hashable], placed: Sequence[bool]) -> list[Hashable]:
+    return list(dict.fromkeys(key for key, done in zip(keys, placed) if done))
+
+
+def _greedy_owners(
+    numels: Sequence[int], new: Sequence[int], world_size: int, previous: PartitionPlan | None
+) -> list[int]:
+    """Sorted greedy with a heap of loads: the largest new parameter to the least-loaded rank, ties to the lowest."""
+    owners = list(previous.owners) if previous is not None else []
+    owners += [UNOWNED] * (len(numels) - len(owners))
     loads = previous.loads() if previous is not None else [0] * world_size
     heap = [(load, rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
-    new = [index for index, owner in enumerate(owners) if owner == UNOWNED and trainable[index]]
     for index in sorted(new, key=lambda i: (-numels[i], i)):
         load, rank = heap[0]
         owners[index] = rank
         heapq.heapreplace(heap, (load + numels[index], rank))
-    return PartitionPlan(world_size=world_size, owners=tuple(owners), numels=tuple(numels))
+    return owners
+
+
+def _rank_major_layout(
+    key: Hashable, numels: Sequence[int], keys: Sequence[Hashable], owners: Sequence[int], world_size: int
+) -> LayoutPlan:
+    """Rank 0's parameters of ``key`` first, then rank 1's...: every rank's range is one contiguous stretch."""
+    members = sorted((owners[i], i) for i in range(len(numels)) if keys[i] == key and owners[i] != UNOWNED)
+    params, positions, bounds, position = [], [], [0], 0
+    for rank, index in members:
+        while len(bounds) <= rank:
+            bounds.append(position)
+        params.append(index)
+        positions.append(position)
+        position += numels[index]
+    bounds += [position] * (world_size + 1 - len(bounds))
+    return LayoutPlan(key, tuple(params), tuple(positions), (tuple(bounds),))
+
+
+def _grown_even_layouts(
+    numels: Sequence[int], keys: Sequence[Hashable], new: Sequence[int], world_size: int, previous: PartitionPlan | None
+) -> list[LayoutPlan]:
+    """Previous layouts as they were, each new parameter appended to its key's layout in a region of its own."""
+    layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
+    for key in dict.fromkeys(keys[index] for index in new):
+        members = [index for index in new if keys[index] == key and numels[index] > 0]
+        if not members:
+            continue
+        old = layouts.get(key, LayoutPlan(key, (), (), ()))
+        start = old.numel
+        positions, position = [], start
+        for index in members:
+            positions.append(position)
+            position += numels[index]
+        chunk = -(-(position - start) // world_size)  # ceil: the last rank's range is padded
+        region = tuple(start + rank * chunk for rank in range(world_size + 1))
+        layouts[key] = LayoutPlan(
+            key, old.params + tuple(members), old.positions + tuple(positions), (*old.bounds, region)
+        )
+    return list(layouts.values())
+
+
+def _fragments(layout: LayoutPlan, numel: int, position: int, owner: int | None) -> tuple[Fragment, ...]:
+    """The pieces of ``[position, position + numel)`` that fall into each rank's ranges of ``layout``."""
+    if owner is not None:  # greedy: the parameter is whole on its owner (zero-sized ones too)
+        return (Fragment(owner, 0, numel, position),)
+    pieces = []
+    for bounds in layout.bounds:
+        if not bounds[0] <= position < bounds[-1]:
+            continue
+        for rank in range(len(bounds) - 1):
+            start, end = max(bounds[rank], position), min(bounds[rank + 1], position + numel)
+            if start < end:
+                pieces.append(Fragment(rank, start - position, end - start, start))
+    return tuple(pieces)
