@@ -1,4 +1,8 @@
-"""Packing tensors into one flat buffer and back: how every collective here avoids one call per tensor."""
+"""Packing tensors into one flat buffer and back: how every collective here avoids one call per tensor.
+
+``flat_view`` is a dense tensor's elements in memory order, as a 1-D view: the order DDP's buckets and distoptim's
+flat buffers use, so that a range of elements ("a fragment") means the same memory everywhere.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["pack", "unpack_"]
+__all__ = ["flat_view", "is_dense", "pack", "unpack_"]
 
 
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
@@ -21,3 +25,19 @@ def unpack_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
     targets = [t.detach() for t in tensors]
     views = torch.split(flat[: sum(t.numel() for t in targets)], [t.numel() for t in targets])
     torch._foreach_copy_(targets, [view.view_as(target) for view, target in zip(views, targets)])
+
+
+def is_dense(tensor: Tensor) -> bool:
+    """Whether ``tensor`` fills one stretch of memory without gaps or overlaps (contiguous, channels_last, a
+    transposed matrix...), the parameters DDP lays into its buckets with their own strides."""
+    return torch.empty_like(tensor, device="meta").stride() == tensor.stride()
+
+
+def flat_view(tensor: Tensor) -> Tensor:
+    """A dense ``tensor``'s elements in memory order as a 1-D view (detached)."""
+    tensor = tensor.detach()
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if not is_dense(tensor):
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not dense")
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())

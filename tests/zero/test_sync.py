@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from distoptim.zero.buckets import BucketViewSync, StagedSync, build_layouts
+from distoptim.zero.buckets import BucketViewSync, StagedSync, build_layouts, layouts_from_plan, piece_view
 from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
 
@@ -81,3 +82,44 @@ def _strided_body(rank: int, world_size: int) -> None:
 
 def test_bucket_views_keep_parameter_strides() -> None:
     run_on_ranks(_strided_body, 2)
+
+
+def _even_body(rank: int, world_size: int) -> None:
+    """Even partition: parameters straddle ranks; each rank fills its pieces, every sync gives every rank it all."""
+    generator = torch.Generator().manual_seed(0)
+    expected = [
+        torch.randn(5, 3, 2, 2, generator=generator).to(memory_format=torch.channels_last),
+        torch.randn(0, 3, generator=generator),
+        torch.randn(3, 7, generator=generator).t(),  # transposed: dense, not contiguous
+        torch.randn(13, generator=generator).bfloat16(),
+        torch.randn(1, generator=generator),
+    ]
+    keys = [(t.device, t.dtype) for t in expected]
+    plan = partition_parameters(
+        [t.numel() for t in expected], [True] * len(expected), world_size, mode="even", keys=keys
+    )
+    assert any(len({f.rank for f in pieces}) > 1 for pieces in plan.fragments), "some parameter must straddle"
+    for make_sync in (
+        lambda layouts: BucketViewSync(layouts, dist.group.WORLD),
+        lambda layouts: StagedSync(layouts, dist.group.WORLD),
+        lambda layouts: StagedSync(layouts, dist.group.WORLD, stage_bytes=24, direct_bytes=40),
+    ):
+        params = [torch.full_like(t, -1.0) for t in expected]
+        layouts = layouts_from_plan(plan.layouts, plan.fragments, params)
+        sync = make_sync(layouts)
+        for layout in layouts:
+            for piece in layout.pieces:
+                if piece.rank == rank:
+                    piece_view(piece).copy_(piece_view(replace(piece, param=expected[_index(params, piece.param)])))
+        sync.sync_parameters()
+        for index, (param, want) in enumerate(zip(params, expected)):
+            assert param.stride() == want.stride(), f"parameter {index} lost its strides"
+            assert torch.equal(param, want), f"parameter {index} after {type(sync).__name__}"
+
+
+def _index(params: list[torch.Tensor], param: torch.Tensor) -> int:
+    return next(i for i, p in enumerate(params) if p is param)
+
+
+def test_even_partition_sync_gives_every_rank_every_element() -> None:
+    run_on_ranks(_even_body, 3)

@@ -1,16 +1,17 @@
-"""Flat per-(device, dtype) layouts of the trainable parameters, ordered by owning rank, and the two ways to sync.
+"""Flat per-(device, dtype) layouts of the owned parameter elements, and the two ways to sync them.
 
-In a layout the parameters of rank 0 come first, then rank 1's, and so on, so each rank's shard is one contiguous
-segment: syncing is one broadcast per (rank, layout), never one per parameter. Zero-sized parameters have nothing
-to sync and are left out.
+A layout is the tensor side of a ``partition.LayoutPlan``: its parameters' ``Piece``s (one per fragment) in buffer
+order, and the ranges each rank owns (``bounds``, one tuple per region). Greedy layouts are ordered rank by rank,
+even ones cut into equal ranges; either way syncing is one collective per (rank, region) or one all-gather per
+region, never one per parameter. Zero-sized parameters have nothing to sync and are left out. A piece is a range
+of its parameter's elements in memory order (``_flat.flat_view``), the order DDP's buckets use too.
 
 - ``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, which are
-  broadcast in place. No copies, no extra memory. A view keeps its parameter's strides (a channels_last convolution
+  synced in place. No copies, no extra memory. A view keeps its parameter's strides (a channels_last convolution
   stays channels_last).
-- ``StagedSync`` (default): parameters keep their own storage. Small parameters are packed into staging buffers
-  (kept between steps; together the size of the small parameters only), broadcast and unpacked; a parameter of
-  ``direct_bytes`` or more is broadcast in place, since copying it twice costs more than one more call.
-  Collectives: one per large parameter plus one per (owner, stage).
+- ``StagedSync`` (default): parameters keep their own storage. Small pieces are packed into staging buffers (kept
+  between steps; together the size of the small pieces only), broadcast and unpacked; a piece of ``direct_bytes`` or
+  more of a dense parameter is broadcast in place, since copying it twice costs more than one more call.
 """
 
 from __future__ import annotations
@@ -22,52 +23,112 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim._flat import pack, unpack_
+from distoptim._flat import flat_view, is_dense, pack
 from distoptim.zero import comm
+from distoptim.zero.partition import Fragment, LayoutPlan
 
-__all__ = ["BucketViewSync", "FlatLayout", "ParameterSync", "StagedSync", "build_layouts", "view_like"]
+__all__ = [
+    "BucketViewSync",
+    "FlatLayout",
+    "ParameterSync",
+    "Piece",
+    "StagedSync",
+    "build_layouts",
+    "layouts_from_plan",
+    "piece_view",
+    "view_like",
+]
 
 DEFAULT_STAGE_BYTES = 64 * 2**20
 DEFAULT_DIRECT_BYTES = 2**20
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[offset, offset + length)`` of ``param`` (memory order), owned by ``rank``, at ``position`` of the
+    layout's flat buffer."""
+
+    param: Tensor
+    offset: int
+    length: int
+    rank: int
+    position: int
+
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.length == self.param.numel()
+
+
+def piece_view(piece: Piece) -> Tensor:
+    """The piece's elements of its parameter as a 1-D view (a whole non-dense parameter: a reshaped copy)."""
+    if piece.whole and not is_dense(piece.param):
+        return piece.param.detach().reshape(-1)
+    return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
+
+
+def _write_piece_(piece: Piece, values: Tensor) -> None:
+    if piece.whole and not is_dense(piece.param):
+        piece.param.detach().copy_(values.view(piece.param.shape))
+    else:
+        flat_view(piece.param)[piece.offset : piece.offset + piece.length].copy_(values)
+
+
 @dataclass
 class FlatLayout:
-    """Parameters of one (device, dtype), in buffer order, with their offsets, owners and each rank's segment."""
+    """The pieces of one (device, dtype) in buffer order and the ranges each rank owns (per region)."""
 
     device: torch.device
     dtype: torch.dtype
-    params: list[Tensor] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    owners: list[int] = field(default_factory=list)
-    segments: list[tuple[int, int]] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    bounds: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
-        return self.segments[-1][1] if self.segments else 0
+        """Length of the flat buffer, padding included."""
+        return self.bounds[-1][-1] if self.bounds else 0
 
-    def add(self, param: Tensor, offset: int, owner: int) -> None:
-        self.params.append(param)
-        self.offsets.append(offset)
-        self.owners.append(owner)
+    @property
+    def params(self) -> list[Tensor]:
+        """The distinct parameters of the layout, in buffer order."""
+        return list({id(piece.param): piece.param for piece in self.pieces}.values())
+
+    def slices(self) -> list[tuple[int, int, int]]:
+        """``(rank, start, end)`` for every rank's range of every region."""
+        return [(rank, b[rank], b[rank + 1]) for b in self.bounds for rank in range(len(b) - 1)]
+
+
+def layouts_from_plan(
+    layout_plans: Sequence[LayoutPlan], fragments: Sequence[Sequence[Fragment]], params: Sequence[Tensor]
+) -> list[FlatLayout]:
+    """The tensor side of a partition plan: ``params`` and ``fragments`` by global index, as the plan gives them."""
+    layouts = []
+    for plan in layout_plans:
+        first = params[plan.params[0]]
+        layout = FlatLayout(first.device, first.dtype, bounds=list(plan.bounds))
+        for index in plan.params:
+            layout.pieces.extend(
+                Piece(params[index], f.offset, f.length, f.rank, f.position) for f in fragments[index] if f.length > 0
+            )
+        layouts.append(layout)
+    return layouts
 
 
 def build_layouts(params_by_rank: Sequence[Sequence[Tensor]]) -> list[FlatLayout]:
-    """One layout per (device, dtype) of non-empty parameters, each ordered rank by rank."""
+    """Layouts of whole parameters, rank by rank, one per (device, dtype) of non-empty parameters."""
     layouts: dict[tuple[torch.device, torch.dtype], FlatLayout] = {}
     for params in params_by_rank:
         for param in params:
             if param.numel() > 0:
                 layouts.setdefault((param.device, param.dtype), FlatLayout(device=param.device, dtype=param.dtype))
     for layout in layouts.values():
-        offset = 0
+        bounds, position = [0], 0
         for rank, params in enumerate(params_by_rank):
-            start = offset
             for param in params:
                 if (param.device, param.dtype) == (layout.device, layout.dtype) and param.numel() > 0:
-                    layout.add(param, offset, rank)
-                    offset += param.numel()
-            layout.segments.append((start, offset))
+                    layout.pieces.append(Piece(param, 0, param.numel(), rank, position))
+                    position += param.numel()
+            bounds.append(position)
+        layout.bounds = [tuple(bounds)]
     return list(layouts.values())
 
 
@@ -95,23 +156,23 @@ class ParameterSync:
 
 
 class BucketViewSync(ParameterSync):
-    """Parameters are views into one flat buffer per layout; sync broadcasts each rank's segment in place."""
+    """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place."""
 
     def __init__(self, layouts: list[FlatLayout], group: comm.Group) -> None:
         super().__init__(layouts, group)
         self.buffers: list[Tensor] = []
         for layout in layouts:
-            buffer = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
-            for param, offset in zip(layout.params, layout.offsets):
-                view = view_like(buffer, offset, param)
-                view.copy_(param.detach())
-                param.data = view
+            buffer = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)  # padding stays zero
+            for piece in layout.pieces:
+                if piece.offset == 0:  # the parameter starts here
+                    view = view_like(buffer, piece.position, piece.param)
+                    view.copy_(piece.param.detach())
+                    piece.param.data = view
             self.buffers.append(buffer)
 
     def sync_parameters(self) -> None:
         for layout, buffer in zip(self.layouts, self.buffers):
-            slices = [(rank, start, end) for rank, (start, end) in enumerate(layout.segments)]
-            comm.broadcast_slices(buffer, slices, self.group)
+            comm.gather_from_owners(buffer, layout.bounds, self.group)
 
     def release(self) -> None:
         for layout in self.layouts:
@@ -121,11 +182,10 @@ class BucketViewSync(ParameterSync):
 
 
 class StagedSync(ParameterSync):
-    """Parameters keep their storage: large ones are broadcast in place, small ones travel through staging buffers.
+    """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers.
 
-    Small parameters are cut into chunks of whole parameters (per owner, at most ``stage_bytes`` each) and chunks
-    are grouped into rounds of at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place
-    broadcasts of the large parameters.
+    Small pieces are cut into chunks (per owner, at most ``stage_bytes`` each) and chunks are grouped into rounds of
+    at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts.
     """
 
     def __init__(
@@ -137,16 +197,17 @@ class StagedSync(ParameterSync):
     ) -> None:
         super().__init__(layouts, group)
         self.rank = comm.group_rank(group)
-        self.direct: list[tuple[int, Tensor]] = []
+        self.direct: list[Piece] = []
         self.rounds: list[_Round] = []
         for layout in layouts:
-            staged = FlatLayout(layout.device, layout.dtype, segments=layout.segments)
-            for param, offset, owner in zip(layout.params, layout.offsets, layout.owners):
-                if param.numel() * param.element_size() >= direct_bytes and param.is_contiguous():
-                    self.direct.append((owner, param))
+            staged = []
+            for piece in layout.pieces:
+                if piece.length * piece.param.element_size() >= direct_bytes and is_dense(piece.param):
+                    self.direct.append(piece)
                 else:
-                    staged.add(param, offset, owner)
-            self.rounds.extend(_rounds(staged, max(1, stage_bytes // layout.params[0].element_size())))
+                    staged.append(piece)
+            element_size = torch.empty((), dtype=layout.dtype).element_size()
+            self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // element_size)))
 
     def sync_parameters(self) -> None:
         direct = self.launch_direct()
@@ -155,11 +216,11 @@ class StagedSync(ParameterSync):
         comm.wait_all(direct)
 
     def launch_direct(self) -> list[Any]:
-        """Start the in-place broadcasts of the large parameters; ``comm.wait_all`` finishes them."""
+        """Start the in-place broadcasts of the large pieces; ``comm.wait_all`` finishes them."""
         return [
             work
-            for src, param in self.direct
-            for work in comm.broadcast_slices(param.detach().view(-1), [(src, 0, param.numel())], self.group, False)
+            for piece in self.direct
+            for work in comm.broadcast_slices(piece_view(piece), [(piece.rank, 0, piece.length)], self.group, False)
         ]
 
     def launch(self, round_: _Round) -> _InFlight:
@@ -169,7 +230,7 @@ class StagedSync(ParameterSync):
         stage = round_.stage
         for chunk in round_.chunks:
             if chunk.src == self.rank:
-                pack(chunk.params, out=stage[chunk.start : chunk.end])
+                pack([piece_view(piece) for piece in chunk.pieces], out=stage[chunk.start : chunk.end])
         slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
         return _InFlight(round_, stage, comm.broadcast_slices(stage, slices, self.group, wait=False))
 
@@ -178,13 +239,16 @@ class StagedSync(ParameterSync):
         comm.wait_all(flight.works)
         for chunk in flight.round.chunks:
             if chunk.src != self.rank:
-                unpack_(flight.stage[chunk.start : chunk.end], chunk.params)
+                start = chunk.start
+                for piece in chunk.pieces:
+                    _write_piece_(piece, flight.stage[start : start + piece.length])
+                    start += piece.length
 
 
 @dataclass
 class _Chunk:
     src: int
-    params: list[Tensor]
+    pieces: list[Piece]
     start: int = 0
     end: int = 0
 
@@ -205,16 +269,16 @@ class _InFlight:
     works: list[Any]
 
 
-def _rounds(layout: FlatLayout, stage_numel: int) -> list[_Round]:
-    """Cut each rank's segment of ``layout`` into chunks of about ``stage_numel`` and pack them into rounds."""
+def _rounds(pieces: Sequence[Piece], layout: FlatLayout, stage_numel: int) -> list[_Round]:
+    """Cut the pieces, owner by owner, into chunks of about ``stage_numel`` and pack the chunks into rounds."""
     chunks: list[_Chunk] = []
-    for param, src in zip(layout.params, layout.owners):
+    for piece in sorted(pieces, key=lambda p: (p.rank, p.position)):
         last = chunks[-1] if chunks else None
-        if last is not None and last.src == src and last.end - last.start + param.numel() <= stage_numel:
-            last.params.append(param)
-            last.end += param.numel()
+        if last is not None and last.src == piece.rank and last.end - last.start + piece.length <= stage_numel:
+            last.pieces.append(piece)
+            last.end += piece.length
         else:
-            chunks.append(_Chunk(src=src, params=[param], start=0, end=param.numel()))
+            chunks.append(_Chunk(src=piece.rank, pieces=[piece], start=0, end=piece.length))
     rounds: list[_Round] = []
     for chunk in chunks:
         size = chunk.end - chunk.start

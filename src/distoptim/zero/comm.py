@@ -7,6 +7,7 @@ point-to-point and rooted collectives expect happens here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "broadcast_slices",
     "comm_device",
     "default_group",
+    "gather_from_owners",
     "group_rank",
     "group_size",
     "receive_object",
@@ -88,3 +90,27 @@ def send_tensor(tensor: Tensor, to: int, group: Group) -> None:
 
 def receive_tensor(tensor: Tensor, source: int, group: Group) -> None:
     dist.recv(tensor, src=_global(group, source), group=group)
+
+
+def gather_from_owners(buffer: Tensor, bounds: Sequence[Sequence[int]], group: Group) -> None:
+    """Every rank's ranges of ``buffer`` (rank ``r`` owns ``[b[r], b[r+1])`` of each region ``b``) to every rank.
+
+    NCCL: one ``all_gather_into_tensor`` per region whose ranges are equal (the even partition's); otherwise (gloo,
+    or unequal ranges) concurrent broadcasts, which gloo runs faster than its all-gather (see DESIGN.md).
+    """
+    equal_chunks = dist.get_backend(group) == "nccl"
+    works = []
+    for region in bounds:
+        sizes = {end - start for start, end in pairwise(region)}
+        if equal_chunks and len(sizes) == 1 and sizes != {0}:
+            (size,) = sizes
+            mine = region[group_rank(group)]
+            works.append(
+                dist.all_gather_into_tensor(
+                    buffer[region[0] : region[-1]], buffer[mine : mine + size], group=group, async_op=True
+                )
+            )
+        else:
+            slices = [(rank, start, end) for rank, (start, end) in enumerate(pairwise(region))]
+            works.extend(broadcast_slices(buffer, slices, group, wait=False))
+    wait_all(works)
