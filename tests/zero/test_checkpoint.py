@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import pickle
+import re
+from collections import deque
 from typing import Any
 from unittest import mock
 
@@ -12,6 +15,10 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.functional import FunctionalAdamW
+from distoptim.zero import checkpoint, comm
+from distoptim.zero.checkpoint import STAGING_BYTES
+from distoptim.zero.elementwise import is_elementwise
 from tests._dist import cuda_world_size, run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
 
@@ -40,7 +47,7 @@ def _assert_same_state_dict(actual: dict[str, Any], expected: dict[str, Any]) ->
         assert_same_tensors([actual["state"][index][k] for k in entry], list(entry.values()), f"state[{index}]")
 
 
-def _save_body(rank: int, world_size: int, to: int) -> dict[str, Any] | None:
+def _save_body(rank: int, world_size: int, to: int, staging_bytes: int) -> dict[str, Any] | None:
     ours, plain = make_params(), make_params()
     zero = ZeroRedundancyOptimizer(_groups(ours), torch.optim.Adam, **KWARGS)
     reference = torch.optim.Adam(_groups(plain), **KWARGS)
@@ -48,13 +55,24 @@ def _save_body(rank: int, world_size: int, to: int) -> dict[str, Any] | None:
 
     with pytest.raises(RuntimeError, match=rf"consolidate_state_dict\(to={rank}\)"):
         zero.state_dict()
-    with mock.patch.object(dist, "recv", wraps=dist.recv) as recv:
+    shard_bytes = _state_bytes(zero.state)
+    with (
+        mock.patch.object(checkpoint, "STAGING_BYTES", staging_bytes),
+        mock.patch.object(dist, "recv", wraps=dist.recv) as recv,
+        mock.patch.object(comm, "send_tensor", wraps=comm.send_tensor) as send_tensor,
+        mock.patch.object(comm, "receive_tensor", wraps=comm.receive_tensor) as receive_tensor,
+    ):
         zero.consolidate_state_dict(to=to)
-    # Only the target receives tensors: one flat tensor per state dtype (fp32, bf16) from each other rank.
+    # Only the target receives anything. Shards travel in messages of at most staging_bytes, packed into one reused
+    # staging buffer: never a second copy of the whole shard.
+    sent = [call.args[0] for call in send_tensor.call_args_list]
     if rank != to:
         assert recv.call_count == 0, recv.call_count
-    else:
-        assert 0 < recv.call_count <= 2 * (world_size - 1), recv.call_count
+        assert len(sent) == -(-shard_bytes // staging_bytes), (len(sent), shard_bytes)
+        assert len({message.untyped_storage().data_ptr() for message in sent}) == 1
+    received = [call.args[0] for call in receive_tensor.call_args_list]
+    assert all(message.numel() <= staging_bytes for message in sent + received)
+    assert sum(message.numel() for message in received) == (_state_bytes(reference.state) - shard_bytes) * (rank == to)
     result = None
     if rank != to:
         with pytest.raises(RuntimeError, match="holds no consolidated optimizer state"):
@@ -62,6 +80,7 @@ def _save_body(rank: int, world_size: int, to: int) -> dict[str, Any] | None:
     else:
         saved = zero.state_dict()
         _assert_same_state_dict(saved, reference.state_dict())
+        assert all(v.device.type == "cpu" for entry in saved["state"].values() for v in entry.values())
         # The consolidated dict is the plain torch.optim format: it loads into a plain optimizer.
         loaded = torch.optim.Adam(_groups(make_params()), **KWARGS)
         loaded.load_state_dict(copy.deepcopy(saved))
@@ -74,8 +93,12 @@ def _save_body(rank: int, world_size: int, to: int) -> dict[str, Any] | None:
     return result
 
 
-def _load_body(rank: int, world_size: int, checkpoint: dict[str, Any]) -> None:
-    saved, values = checkpoint["saved"], checkpoint["params"]
+def _state_bytes(state: Any) -> int:
+    return sum(v.numel() * v.element_size() for entry in state.values() for v in entry.values())
+
+
+def _load_body(rank: int, world_size: int, saved_run: dict[str, Any]) -> None:
+    saved, values = saved_run["saved"], saved_run["params"]
     pristine = copy.deepcopy(saved)
     ours, plain = make_params(), make_params()
     for param, other, value in zip(flatten(ours), flatten(plain), values):
@@ -93,12 +116,14 @@ def _load_body(rank: int, world_size: int, checkpoint: dict[str, Any]) -> None:
     assert {id(p) for p in zero.local_optimizer.state} <= owned  # each rank keeps only its shard
 
 
-@pytest.mark.parametrize(("save_world", "load_world"), [(3, 2), (2, 4)])
-def test_save_consolidated_and_resume_at_another_world_size(save_world: int, load_world: int) -> None:
-    results = run_on_ranks(_save_body, save_world, save_world - 1)
-    checkpoint = results[save_world - 1]
+# 100 bytes: Adam's 512-byte moments span several messages, and a message holds several tensors (4-byte steps).
+@pytest.mark.parametrize(("save_world", "load_world", "staging_bytes"), [(3, 2, 100), (2, 4, STAGING_BYTES)])
+def test_save_consolidated_and_resume_at_another_world_size(
+    save_world: int, load_world: int, staging_bytes: int
+) -> None:
+    results = run_on_ranks(_save_body, save_world, save_world - 1, staging_bytes)
     assert all(result is None for result in results[:-1])
-    run_on_ranks(_load_body, load_world, checkpoint)
+    run_on_ranks(_load_body, load_world, results[save_world - 1])
 
 
 def _torch_zero_body(rank: int, world_size: int) -> None:
@@ -140,9 +165,121 @@ def _device_placement_body(rank: int, world_size: int) -> None:
         assert all(value.device == device for value in state.values()), state
     zero.consolidate_state_dict(to=0)  # shards travel over NCCL from their CUDA tensors
     if rank == 0:
-        assert len(zero.state_dict()["state"]) == len(saved.state_dict()["state"])
+        consolidated = zero.state_dict()["state"]
+        assert len(consolidated) == len(saved.state_dict()["state"])
+        assert all(v.device.type == "cpu" for entry in consolidated.values() for v in entry.values())
 
 
 @pytest.mark.skipif(cuda_world_size() < 2, reason="needs 2 CUDA devices")
 def test_state_goes_where_the_local_optimizer_needs_it_on_nccl() -> None:
     run_on_ranks(_device_placement_body, 2, backend="nccl")
+
+
+class _Wire:
+    """comm's point-to-point calls in memory, for one process: what is sent is queued for the receiving call."""
+
+    def __init__(self) -> None:
+        self.objects: deque[Any] = deque()
+        self.messages: deque[torch.Tensor] = deque()
+        self.sent: list[torch.Tensor] = []
+
+    def patched(self) -> Any:
+        return mock.patch.multiple(
+            comm,
+            send_object=lambda obj, to, group: self.objects.append(pickle.loads(pickle.dumps(obj))),
+            receive_object=lambda source, group, device=None: self.objects.popleft(),
+            send_tensor=lambda tensor, to, group: (self.sent.append(tensor), self.messages.append(tensor.clone())),
+            receive_tensor=lambda tensor, source, group: tensor.copy_(self.messages.popleft()),
+        )
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(cuda_world_size() < 1, reason="needs a CUDA device"))],
+)
+def test_a_shard_travels_in_bounded_messages_through_one_staging_buffer(device: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    state = {  # every kind of state tensor, on the comm device as a GPU optimizer's would be (steps on the CPU)
+        3: {"step": torch.tensor(2.0), "exp_avg": torch.randn(10, 7, generator=generator).to(device), "note": "as is"},
+        0: {
+            "transposed": torch.randn(5, 40, generator=generator).to(device).t(),
+            "half": torch.randn(13, generator=generator).to(device, torch.bfloat16),
+            "empty": torch.zeros(0, 4, device=device),
+            "count": torch.arange(5, device=device),
+            "mask": torch.rand(9, generator=generator).to(device) > 0.5,
+            "complex": torch.randn(3, generator=generator, dtype=torch.complex64).to(device),
+        },
+    }
+    wire, staging_bytes = _Wire(), 64
+    with wire.patched():
+        checkpoint.send_state(state, 1, None, torch.device(device), staging_bytes)  # type: ignore[arg-type]
+        received = checkpoint.receive_state(0, None, torch.device(device))  # type: ignore[arg-type]
+    tensors = [v for entry in state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    assert len(wire.sent) == -(-total // staging_bytes) and not wire.messages and not wire.objects
+    assert all(message.numel() <= staging_bytes for message in wire.sent)
+    assert len({message.untyped_storage().data_ptr() for message in wire.sent}) == 1  # one staging buffer, reused
+    assert list(received) == list(state) and received[3]["note"] == "as is"
+    for index, entry in state.items():
+        assert list(received[index]) == list(entry)
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                got = received[index][key]
+                assert got.device.type == "cpu" and got.dtype == value.dtype, (index, key)
+                assert torch.equal(got, value.cpu()), (index, key)
+
+
+def test_elementwise_optimizers_are_exact_classes() -> None:
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    assert all(is_elementwise(cls) for cls in (torch.optim.Adam, torch.optim.NAdam, torch.optim.SGD, FunctionalAdamW))
+    assert not is_elementwise(MyAdam) and not is_elementwise(torch.optim.LBFGS)
+
+
+def _load_checks_body(rank: int, world_size: int) -> None:
+    ours, plain, other = make_params(), make_params(), make_params()
+    zero = ZeroRedundancyOptimizer(_groups(ours), torch.optim.AdamW, **KWARGS)
+    reference = torch.optim.AdamW(_groups(plain), **KWARGS)
+    sgd = torch.optim.SGD(_groups(other), lr=0.1, momentum=0.9)
+    _train([zero, reference, sgd], [flatten(ours), flatten(plain), flatten(other)], rank, range(2))
+    good = reference.state_dict()
+
+    # Checked at load, on every rank alike: a dict saved by another optimizer class ...
+    with pytest.raises(ValueError, match=r"no 'amsgrad', 'betas', 'eps', which AdamW needs.*different optimizer class"):
+        zero.load_state_dict(sgd.state_dict())
+    # ... and a state tensor of another shape, on a parameter only the last rank owns (the others raise too).
+    index = max(i for i, owner in enumerate(zero.plan.owners) if owner == world_size - 1)
+    bad = copy.deepcopy(good)
+    bad["state"][index]["exp_avg"] = bad["state"][index]["exp_avg"].unsqueeze(0)
+    shapes = tuple(bad["state"][index]["exp_avg"].shape), tuple(flatten(ours)[index].shape)
+    pattern = rf"state\[{index}\]\['exp_avg'\] .* shape {re.escape(str(shapes[0]))} but parameter {index} has shape "
+    with pytest.raises(ValueError, match=pattern + re.escape(str(shapes[1]))):
+        zero.load_state_dict(bad)
+    # Refused dicts changed nothing: a good one loads and training stays in lockstep with the reference.
+    zero.load_state_dict(good)
+    _train([zero, reference], [flatten(ours), flatten(plain)], rank, range(2, 3))
+    assert_same_tensors(flatten(ours), flatten(plain), "after refused loads")
+
+    # The four state-dict hooks run as in torch.optim: what they get, what a returned dict replaces.
+    calls: list[Any] = []
+    zero.register_state_dict_pre_hook(lambda opt: calls.append(("save-pre", opt is zero)))
+    zero.register_state_dict_post_hook(lambda opt, saved: {**saved, "extra": "from the post-hook"})
+    zero.register_load_state_dict_pre_hook(lambda opt, saved: calls.append(("load-pre", saved.pop("extra", None))))
+    zero.register_load_state_dict_pre_hook(
+        lambda opt, saved: {**saved, "param_groups": [{**g, "lr": 0.123} for g in saved["param_groups"]]}
+    )
+    zero.register_load_state_dict_post_hook(
+        lambda opt: calls.append(("load-post", opt.param_groups[1]["lr"], opt.local_optimizer.param_groups[1]["lr"]))
+    )
+    zero.consolidate_state_dict(to=0)
+    saved = zero.state_dict() if rank == 0 else {**good, "extra": "from the post-hook"}
+    assert saved["extra"] == "from the post-hook"
+    zero.load_state_dict(saved)
+    assert saved["extra"] == "from the post-hook"  # pre-hooks get a shallow copy: the caller's dict is untouched
+    expected = [("load-pre", "from the post-hook"), ("load-post", 0.123, 0.123)]
+    assert calls == ([("save-pre", True)] if rank == 0 else []) + expected, calls
+
+
+def test_load_checks_the_whole_dict_on_every_rank_and_runs_state_dict_hooks() -> None:
+    run_on_ranks(_load_checks_body, 2)

@@ -7,75 +7,131 @@ The global format is exactly ``torch.optim``'s: ``{"state": {index: {...}}, "par
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from distoptim._flat import pack
 from distoptim.zero import comm
+from distoptim.zero.elementwise import is_elementwise, torch_class_of
 
-__all__ = ["GlobalState", "global_param_groups", "receive_state", "select_shard", "send_state"]
+__all__ = [
+    "STAGING_BYTES",
+    "GlobalState",
+    "global_param_groups",
+    "on_cpu",
+    "receive_state",
+    "select_shard",
+    "send_state",
+]
 
 GlobalState = dict[int, dict[str, Any]]
 
+STAGING_BYTES = 4 << 20
+"""Bytes per message when a shard travels: the most extra memory consolidation takes on any rank (sender or not)."""
+
 
 @dataclass(frozen=True)
-class _TensorSlot:
-    """Where a state tensor travels: its bucket (device, dtype), its place in it, and its shape."""
+class _TensorSpec:
+    """What the receiver allocates for one state tensor: its dtype (by name) and shape, on the CPU."""
 
-    bucket: int
-    offset: int
+    dtype: str
     shape: tuple[int, ...]
-    device: str
+
+    def empty(self) -> Tensor:
+        return torch.empty(self.shape, dtype=getattr(torch, self.dtype.removeprefix("torch.")))
 
 
-def send_state(state: GlobalState, to: int, group: comm.Group, comm_device: torch.device) -> None:
-    """Send this rank's shard to rank ``to``: a small skeleton as an object, tensors as one flat buffer per dtype."""
-    buckets: list[list[Tensor]] = []
-    keys: dict[torch.dtype, int] = {}
-    sizes: list[int] = []
+def _as_bytes(tensor: Tensor) -> Tensor:
+    """A flat uint8 view of ``tensor``'s elements (a copy of this one tensor only if it is not contiguous)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
-    def place(tensor: Tensor) -> _TensorSlot:
-        bucket = keys.setdefault(tensor.dtype, len(buckets))
-        if bucket == len(buckets):
-            buckets.append([])
-            sizes.append(0)
-        slot = _TensorSlot(bucket, sizes[bucket], tuple(tensor.shape), str(tensor.device))
-        buckets[bucket].append(tensor)
-        sizes[bucket] += tensor.numel()
-        return slot
 
+def _chunks(sizes: Sequence[int], chunk: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Cut the tensors' bytes, one after another, into messages of ``chunk`` bytes (the last may be shorter).
+
+    Per message, its pieces ``(tensor, begin, end, at)``: bytes ``begin:end`` of that tensor go to ``at`` in the
+    message. A large tensor spans several messages; small ones share one.
+    """
+    pieces: list[tuple[int, int, int, int]] = []
+    at = 0
+    for index, size in enumerate(sizes):
+        begin = 0
+        while begin < size:
+            end = min(size, begin + chunk - at)
+            pieces.append((index, begin, end, at))
+            at += end - begin
+            begin = end
+            if at == chunk:
+                yield pieces
+                pieces, at = [], 0
+    if pieces:
+        yield pieces
+
+
+def _message_bytes(pieces: list[tuple[int, int, int, int]]) -> int:
+    _, begin, end, at = pieces[-1]
+    return at + end - begin
+
+
+def send_state(
+    state: GlobalState, to: int, group: comm.Group, comm_device: torch.device, staging_bytes: int = STAGING_BYTES
+) -> None:
+    """Send this rank's shard to rank ``to``: a skeleton as an object, then the tensors' bytes in bounded messages.
+
+    Each message is packed into one staging buffer of at most ``staging_bytes`` on ``comm_device``, reused for all
+    of them: the shard is never copied whole (on a GPU, nor anywhere else).
+    """
+    tensors = [value for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
     skeleton = {
-        index: {key: place(value) if isinstance(value, Tensor) else value for key, value in entry.items()}
+        index: {
+            key: _TensorSpec(str(value.dtype), tuple(value.shape)) if isinstance(value, Tensor) else value
+            for key, value in entry.items()
+        }
         for index, entry in state.items()
     }
-    dtypes = sorted(keys, key=keys.__getitem__)
-    comm.send_object((skeleton, [str(dtype) for dtype in dtypes], sizes), to, group)
-    for tensors in buckets:
-        flat = pack([t.to(comm_device) for t in tensors])
-        comm.send_tensor(flat, to, group)
+    sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+    chunk = max(1, staging_bytes)
+    comm.send_object((skeleton, chunk), to, group)
+    staging = torch.empty(min(chunk, sum(sizes)), dtype=torch.uint8, device=comm_device)
+    source: dict[int, Tensor] = {}  # the bytes of the tensor being sent (at most one copy, if not contiguous)
+    for pieces in _chunks(sizes, chunk):
+        for index, begin, end, at in pieces:
+            if index not in source:
+                source = {index: _as_bytes(tensors[index])}
+            staging[at : at + end - begin].copy_(source[index][begin:end])
+        comm.send_tensor(staging[: _message_bytes(pieces)], to, group)
 
 
 def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> GlobalState:
-    """Receive the shard that rank ``source`` sends with ``send_state``."""
-    skeleton, dtype_names, sizes = comm.receive_object(source, group, comm_device)
-    flats = []
-    for name, size in zip(dtype_names, sizes):
-        flat = torch.empty(size, dtype=getattr(torch, name.removeprefix("torch.")), device=comm_device)
-        comm.receive_tensor(flat, source, group)
-        flats.append(flat)
+    """Receive the shard that rank ``source`` sends with ``send_state``, into new tensors on the CPU.
 
-    def unpack(value: Any) -> Any:
-        if not isinstance(value, _TensorSlot):
-            return value
-        numel = int(torch.Size(value.shape).numel())
-        tensor = flats[value.bucket][value.offset : value.offset + numel].view(value.shape)
-        return tensor.to(value.device) if value.device.startswith("cpu") else tensor
+    Messages arrive in one staging buffer on ``comm_device`` (the sender's message size) and are copied out piece
+    by piece, so the comm device (a GPU under NCCL) never holds more than one message.
+    """
+    skeleton, chunk = comm.receive_object(source, group, comm_device)
+    state: GlobalState = {
+        index: {key: value.empty() if isinstance(value, _TensorSpec) else value for key, value in entry.items()}
+        for index, entry in skeleton.items()
+    }
+    targets = [_as_bytes(value) for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
+    staging = torch.empty(min(chunk, sum(target.numel() for target in targets)), dtype=torch.uint8, device=comm_device)
+    for pieces in _chunks([target.numel() for target in targets], chunk):
+        comm.receive_tensor(staging[: _message_bytes(pieces)], source, group)
+        for index, begin, end, at in pieces:
+            targets[index][begin:end].copy_(staging[at : at + end - begin])
+    return state
 
-    return {index: {key: unpack(value) for key, value in entry.items()} for index, entry in skeleton.items()}
+
+def on_cpu(state: GlobalState) -> GlobalState:
+    """``state`` with its tensors on the CPU (those already there are kept, not copied), as consolidated state is."""
+    return {
+        index: {key: value.cpu() if isinstance(value, Tensor) else value for key, value in entry.items()}
+        for index, entry in state.items()
+    }
 
 
 def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,11 +147,13 @@ def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str
 
 
 def select_shard(
-    state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any]]
+    state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any]], optimizer_class: type
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
     """Match a saved global dict to ``param_groups``: per-parameter state (by tensor) and per-group hyperparameters.
 
-    Raises a ``ValueError`` saying what does not match when the dict was saved for a different set of parameters.
+    Raises a ``ValueError`` saying what does not match when the dict was saved for a different set of parameters or
+    by a different optimizer class. The whole dict is checked, not one shard, so that every rank (each loading the
+    same dict) reaches the same verdict without communicating.
     """
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("expected an optimizer state dict with 'state' and 'param_groups' keys")
@@ -111,8 +169,52 @@ def select_shard(
                 f"param group {number} has {len(saved['params'])} parameters in the state dict "
                 f"but {len(group['params'])} in this optimizer"
             )
+        _check_hyperparameters(saved, group, number, optimizer_class)
         for index, param in zip(saved["params"], group["params"]):
             if index in state_dict["state"]:
                 by_param[param] = state_dict["state"][index]
+                _check_state_shapes(by_param[param], param, index, optimizer_class)
     hyperparameters = [{k: v for k, v in saved.items() if k != "params"} for saved in saved_groups]
     return by_param, hyperparameters
+
+
+# Implementation switches, not hyperparameters: torch.optim fills them in when an older checkpoint lacks them.
+_IMPLEMENTATION_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused"})
+
+
+def _hyperparameter_names(optimizer_class: type) -> set[str]:
+    """The hyperparameters ``optimizer_class`` takes by name (its positional arguments after ``params``)."""
+    try:
+        parameters = inspect.signature(optimizer_class).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: nothing to require
+        return set()
+    named = {p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name != "params"}
+    return named - _IMPLEMENTATION_FLAGS
+
+
+def _check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: int, optimizer_class: type) -> None:
+    """A saved group must carry the hyperparameters this optimizer's groups have (an SGD dict has no 'betas')."""
+    missing = sorted(name for name in _hyperparameter_names(optimizer_class) & group.keys() if name not in saved)
+    if missing:
+        name = torch_class_of(optimizer_class).__qualname__
+        found = ", ".join(sorted(k for k in saved if k != "params"))
+        raise ValueError(
+            f"param group {number} of the state dict has no {', '.join(map(repr, missing))}, which {name} needs: "
+            f"it was saved by a different optimizer class (the group holds {found}). Load a state dict saved by "
+            f"{name}, or build ZeroRedundancyOptimizer with the optimizer class that saved this one"
+        )
+
+
+def _check_state_shapes(entry: dict[str, Any], param: Tensor, index: int, optimizer_class: type) -> None:
+    """For an elementwise optimizer every non-scalar state tensor has its parameter's shape."""
+    if not is_elementwise(optimizer_class):
+        return
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+            name = torch_class_of(optimizer_class).__qualname__
+            raise ValueError(
+                f"state[{index}][{key!r}] in the state dict has shape {tuple(value.shape)} but parameter {index} "
+                f"has shape {tuple(param.shape)}; {name} keeps state shaped like its parameter, so the dict was saved "
+                "for other parameters (another model, or another parameter order). Load a state dict saved for "
+                "these parameters, in this order"
+            )

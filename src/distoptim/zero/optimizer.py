@@ -254,21 +254,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -------------------------------------------------------------------------------------- checkpoints
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard onto rank ``to`` (collective; only ``to`` receives anything)."""
+        """Gather every rank's shard onto rank ``to``, on its CPU (collective; only ``to`` receives anything).
+
+        Shards travel in messages of at most ``checkpoint.STAGING_BYTES`` through one reused staging buffer on the
+        communication device: no GPU holds the whole state, no sender a second copy of its shard.
+        """
         if not 0 <= to < self.world_size:
             raise ValueError(
                 f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{self.world_size - 1}"
             )
         mine = self._global_local_state()
-        device = comm.comm_device(self.process_group)
         if self.rank != to:
-            checkpoint.send_state(mine, to, self.process_group, device)
+            checkpoint.send_state(mine, to, self.process_group, self._comm_device, checkpoint.STAGING_BYTES)
             self._consolidated = None
             return
-        merged = dict(mine)
+        merged = checkpoint.on_cpu(mine)
         for source in range(self.world_size):
             if source != to:
-                merged.update(checkpoint.receive_state(source, self.process_group, device))
+                merged.update(checkpoint.receive_state(source, self.process_group, self._comm_device))
         self._consolidated = dict(sorted(merged.items()))
 
     def _global_local_state(self) -> checkpoint.GlobalState:
@@ -276,17 +279,39 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return {index_of[id(param)]: dict(entry) for param, entry in self.local_optimizer.state.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it."""
+        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.
+
+        Runs the hooks registered with ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as
+        ``torch.optim`` does: pre-hooks first, post-hooks last (one returning a dict replaces the result).
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         if self._consolidated is None:
             raise RuntimeError(
                 f"rank {self.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={self.rank}) "
                 "on all ranks (after the last step) before state_dict()"
             )
-        return {"state": dict(self._consolidated), "param_groups": checkpoint.global_param_groups(self.param_groups)}
+        state_dict = {
+            "state": dict(self._consolidated),
+            "param_groups": checkpoint.global_param_groups(self.param_groups),
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state_dict)
+            state_dict = state_dict if replaced is None else replaced
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state."""
-        by_param, hyperparameters = checkpoint.select_shard(state_dict, self.param_groups)
+        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state.
+
+        The whole dict is checked first (same verdict on every rank): a dict saved by another optimizer class or for
+        other parameters raises a ``ValueError``. Load pre-hooks (which get a shallow copy and may return a
+        replacement) run before, load post-hooks after, as in ``torch.optim``.
+        """
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            state_dict = state_dict if replaced is None else replaced
+        by_param, hyperparameters = checkpoint.select_shard(state_dict, self.param_groups, self._optimizer_class)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_params = [p for group in self.local_optimizer.param_groups for p in group["params"]]
@@ -300,6 +325,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # --------------------------------------------------------------------------------------------- join
     def join_hook(self, **kwargs: Any) -> JoinHook:

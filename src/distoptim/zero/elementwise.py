@@ -1,0 +1,43 @@
+"""Which optimizers update each element of a parameter on its own (Adam, SGD, ...), as opposed to whole tensors.
+
+For these, every non-scalar state tensor has its parameter's shape, and a parameter may be cut anywhere: loading
+checks shapes with it, and an even partition may split parameters across ranks. Exact classes only: a subclass may
+change the math. ``distoptim.functional`` classes count as their ``torch.optim`` class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distoptim.functional import functional_class_for
+
+__all__ = ["ELEMENTWISE_NAMES", "is_elementwise", "torch_class_of"]
+
+_ELEMENTWISE: frozenset[type] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.Adamax,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+    }
+)
+
+ELEMENTWISE_NAMES = ", ".join(sorted(f"torch.optim.{cls.__name__}" for cls in _ELEMENTWISE))
+"""For messages: the elementwise classes, by name."""
+
+
+def torch_class_of(optimizer_class: type) -> type:
+    """The ``torch.optim`` class behind ``optimizer_class`` (itself unless it is a ``distoptim.functional`` class)."""
+    functional = functional_class_for(optimizer_class)
+    return optimizer_class if functional is None else functional.spec.torch_cls
+
+
+def is_elementwise(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class`` updates every element independently (its state is shaped like its parameter)."""
+    return torch_class_of(optimizer_class) in _ELEMENTWISE
