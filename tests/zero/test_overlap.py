@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from distoptim import ZeroRedundancyOptimizer
 from distoptim.functional import FunctionalAdamW
 from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
 from tests._dist import cuda_world_size, run_on_ranks
+from tests._reference import assert_same_tensors
 
 OPTIMIZERS = [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 0.01})]
 HOOKS = [hook_with_zero_step, hook_with_zero_step_interleaved]
@@ -138,16 +142,32 @@ def _errors_body(rank: int, world_size: int) -> None:
         ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS, overlap_with_ddp=True)
 
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
-    with pytest.raises(RuntimeError, match="do not call step"):
+    with pytest.raises(RuntimeError, match="no overlap hook is registered"):
         zero.step()
     ddp(_batch(rank, 0)).sum().backward()  # no hook registered: nothing stepped the optimizer
+    with pytest.raises(RuntimeError, match="no overlap hook is registered"):
+        zero.step()
     with pytest.raises(RuntimeError, match="no optimizer step ran: register hook_with_zero_step"):
         zero.zero_grad()
 
     hooked = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     hook_with_zero_step(allreduce_hook, ddp, hooked)
+    with pytest.raises(RuntimeError, match="has not stepped since the last step"):
+        hooked.step()  # a hook exists, but no backward ran it
     with pytest.raises(ValueError, match="already registered"):
         hook_with_zero_step_interleaved(allreduce_hook, ddp, hooked)
+
+    # A hook over parameters the other side does not have: a head ZeRO does not hold, a parameter DDP never reduces.
+    for hook in HOOKS:
+        without_head = ZeroRedundancyOptimizer(model[:3].parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+        with pytest.raises(ValueError, match=r"does not hold: '4\.weight', '4\.bias'.*wrap only the part"):
+            hook(allreduce_hook, ddp, without_head)
+        extra = nn.Parameter(torch.zeros(3, 2))
+        with_extra = ZeroRedundancyOptimizer(
+            [*model.parameters(), extra], torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+        )
+        with pytest.raises(ValueError, match=r"not in the DDP model: param_groups\[0\]\['params'\]\[6\] \(3, 2\)"):
+            hook(allreduce_hook, ddp, with_extra)
     dist.barrier()
 
 
@@ -207,3 +227,159 @@ def _frozen_after_ddp_body(rank: int, world_size: int, hook: Any) -> None:
 @pytest.mark.parametrize("hook", HOOKS)
 def test_parameter_frozen_after_ddp_was_built(hook: Any) -> None:
     run_on_ranks(_frozen_after_ddp_body, 2, hook)
+
+
+# ------------------------------------------------------------ layouts, unused and zero-sized parameters, bitwise
+class _Strided(nn.Module):
+    """Gradients DDP does not lay out row-major: a channels_last convolution and a transposed Linear weight (bucket
+    views keep their strides), and a non-dense channels_last slice (DDP falls back to a row-major view for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.to(memory_format=torch.channels_last)
+        sliced = torch.randn(2, 3, 3, 6).to(memory_format=torch.channels_last)[..., ::2]
+        self.sliced = nn.Parameter(sliced)  # set after .to(): that would make it dense again
+        self.fc = nn.Linear(24, 6)
+        self.fc.weight = nn.Parameter(self.fc.weight.detach().t().contiguous().t())
+
+    def forward(self, x: torch.Tensor, iteration: int, rank: int) -> torch.Tensor:
+        image = x.repeat(1, 6).view(-1, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+        features = torch.cat([self.conv(image), nn.functional.conv2d(image, self.sliced)], dim=1)
+        return self.fc(torch.tanh(features).flatten(1))
+
+
+class _Branches(nn.Module):
+    """Parameters without a gradient: a module never used; with ``dynamic``, one used on odd iterations only and
+    one used on rank 0 only (locally unused on the others, globally used)."""
+
+    def __init__(self, dynamic: bool) -> None:
+        super().__init__()
+        self.dynamic = dynamic
+        self.trunk, self.never, self.odd, self.rank0 = (nn.Linear(8 if i == 0 else 16, 16) for i in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, iteration: int, rank: int) -> torch.Tensor:
+        hidden = torch.tanh(self.trunk(x))
+        if self.dynamic and iteration % 2 == 1:
+            hidden = torch.tanh(self.odd(hidden))
+        if self.dynamic and rank == 0:
+            hidden = hidden + self.rank0(hidden)
+        return self.head(hidden)
+
+
+class _WithEmpty(nn.Module):
+    """Zero-sized parameters first, in the middle (a Linear(0, n) placeholder) and last (a Linear(0, 0))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.empty(0))
+        self.layer = nn.Linear(8, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Initializing zero-element tensors is a no-op"
+            self.placeholder = nn.Linear(0, 16)
+            self.head = nn.Linear(16, 4)
+            self.last = nn.Linear(0, 0)
+
+    def forward(self, x: torch.Tensor, iteration: int, rank: int) -> torch.Tensor:
+        nothing = x[:, :0]
+        hidden = torch.tanh(self.layer(x) + self.placeholder(nothing))
+        return self.head(hidden) + self.first.sum() + self.last(nothing).sum()
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "strided": _Strided,
+    "unused-dynamic": lambda: _Branches(dynamic=True),
+    "unused-static": lambda: _Branches(dynamic=False),
+    "empty": _WithEmpty,
+}
+ADAMW_DECAY = (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})
+SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01})
+# (model, DDP options, optimizer) for each hook and gradient_as_bucket_view
+SPECIAL = [
+    ("strided", {}, ADAMW_DECAY),
+    ("strided", {"static_graph": True}, SGD_MOMENTUM),
+    ("unused-dynamic", {"find_unused_parameters": True}, ADAMW_DECAY),
+    ("unused-static", {"static_graph": True}, ADAMW_DECAY),
+    ("unused-static", {"find_unused_parameters": True}, SGD_MOMENTUM),
+    ("empty", {}, ADAMW_DECAY),
+    ("empty", {"find_unused_parameters": True}, SGD_MOMENTUM),
+]
+
+
+def _special_parity_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
+    """Each model trained by each hook equals DDP + the plain optimizer, bit for bit: the same torch.optim kernel
+    runs on the same gradients (at world size 2, DDP's x * (1/2) and the hook's x / 2 are the same numbers)."""
+    for hook, (name, options, (optimizer_class, kwargs)), gradient_as_bucket_view in configs:
+        what = f"{hook.__name__} {name} {options} {optimizer_class.__name__} gav={gradient_as_bucket_view}"
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        torch.manual_seed(0)
+        reference = MODELS[name]()
+        ddp, reference_ddp = (
+            DDP(m, bucket_cap_mb=0.0005, gradient_as_bucket_view=gradient_as_bucket_view, **options)
+            for m in (model, reference)
+        )
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, overlap_with_ddp=True, **kwargs)
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+        reference_optimizer = optimizer_class(reference.parameters(), **kwargs)
+        for iteration in range(4):
+            for net, optimizer in ((ddp, zero), (reference_ddp, reference_optimizer)):
+                optimizer.zero_grad()
+                net(_batch(rank, iteration), iteration, rank).square().mean().backward()
+            reference_optimizer.step()
+            assert_same_tensors(list(model.parameters()), list(reference.parameters()), f"{what} it. {iteration}")
+
+
+def test_strided_unused_and_zero_sized_parameters_match_ddp_bitwise() -> None:
+    run_on_ranks(_special_parity_body, 2, list(itertools.product(HOOKS, SPECIAL, [False, True])), timeout=240)
+
+
+# ------------------------------------------------------------------------ explicit step() and LR schedulers
+def _forward_backward(zero: ZeroRedundancyOptimizer, ddp: DDP, rank: int, iteration: int) -> torch.Tensor:
+    zero.zero_grad()
+    loss = ddp(_batch(rank, iteration)).square().mean()
+    loss.backward()
+    return loss
+
+
+def _explicit_step_body(rank: int, world_size: int) -> None:
+    """A torch loop that still calls ``zero.step()`` (or ``step(closure)``) after backward equals the reference, and
+    no scheduler warns that ``lr_scheduler.step()`` came before ``optimizer.step()``."""
+    for hook, how in itertools.product(HOOKS, ["hook only", "step()", "step(closure)"]):
+        model, reference = _model(), _model()
+        ddp, reference_ddp = _ddp(model, False, False), _ddp(reference, False, False)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05, momentum=0.9
+        )
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scheduler = StepLR(zero, step_size=2, gamma=0.5)
+            for iteration in range(4):
+                closure = functools.partial(_forward_backward, zero, ddp, rank, iteration)
+                if how == "step(closure)":
+                    assert zero.step(closure) is not None
+                else:
+                    closure()
+                    if how == "step()":
+                        assert zero.step() is None
+                scheduler.step()
+        _train(
+            reference_ddp,
+            reference_optimizer,
+            StepLR(reference_optimizer, step_size=2, gamma=0.5),
+            rank,
+            range(4),
+            True,
+        )
+        assert_same_tensors(list(model.parameters()), list(reference.parameters()), f"{hook.__name__} {how}")
+        assert zero.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"] == 0.0125
+        if how != "hook only":
+            with pytest.raises(RuntimeError, match="has not stepped since the last step"):
+                zero.step()  # the hook's last step was confirmed already
+
+
+def test_explicit_step_after_backward_and_schedulers() -> None:
+    run_on_ranks(_explicit_step_body, 2)

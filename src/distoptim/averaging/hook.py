@@ -12,8 +12,7 @@ import warnings
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import GradBucket  # is dist.GradBucket, which type checkers do not see as public
-from torch.distributed import ProcessGroup
+from torch.distributed import GradBucket, ProcessGroup
 
 from distoptim.averaging import comm
 

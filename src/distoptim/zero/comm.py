@@ -19,6 +19,7 @@ from distoptim._groups import comm_device, default_group, group_size
 __all__ = [
     "Group",
     "all_gather_objects",
+    "all_reduce_max_async",
     "broadcast_slices",
     "comm_device",
     "default_group",
@@ -114,3 +115,8 @@ def gather_from_owners(buffer: Tensor, bounds: Sequence[Sequence[int]], group: G
             slices = [(rank, start, end) for rank, (start, end) in enumerate(pairwise(region))]
             works.extend(broadcast_slices(buffer, slices, group, wait=False))
     wait_all(works)
+
+
+def all_reduce_max_async(tensor: Tensor, group: Group) -> Any:
+    """Start overwriting ``tensor`` with its elementwise maximum over the ranks; ``wait_all([work])`` finishes it."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)

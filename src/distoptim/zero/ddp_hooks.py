@@ -5,17 +5,20 @@
 is being reduced. Both work from the first backward: ownership comes from ZeRO's own partition plan, never from
 DDP's buckets, so DDP rebuilding its buckets after the first iteration changes nothing.
 
+The hooks hand the optimizer exactly what DDP would leave in ``.grad`` for a plain optimizer: each gradient read
+with the layout DDP gives it in the bucket, and no gradient at all for a parameter no rank computed one for.
+
 Everything runs on the thread that calls the hooks (no collective is issued from a future's callback, which is
 what deadlocks gloo); a hook returns an already completed future for the buckets it waited on.
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against the real classes.
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
-from torch._C._distributed_c10d import GradBucket
+from torch.distributed import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,6 +33,9 @@ __all__ = ["OverlapStepper", "hook_with_zero_step", "hook_with_zero_step_interle
 
 CommHook = Callable[[Any, GradBucket], Future[Tensor]]
 
+# torch.optim.lr_scheduler reads this attribute to tell whether optimizer.step() ran before its own step().
+_SCHEDULER_SAW_STEP = "_opt_called"
+
 
 class OverlapStepper:
     """The overlap-mode step of one ZeroRedundancyOptimizer: functional optimizers over the local param groups.
@@ -43,7 +49,8 @@ class OverlapStepper:
         self.functional_cls = functional_cls
         self.functionals: list[FunctionalOptimizer] = []
         self.hooked = False
-        self.stepped = False
+        self.stepped = False  # by a hook since the last zero_grad()
+        self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
         self._group_of: dict[int, int] = {}  # owned parameter id -> index of its local group
@@ -57,15 +64,47 @@ class OverlapStepper:
         self._group_of = {id(p): index for index, f in enumerate(self.functionals) for p in f.param_group["params"]}
         self._bucket_syncs.clear()
 
-    def step(self, grads: dict[int, Tensor]) -> None:
-        """Step the owned parameters whose id is in ``grads`` with those gradients."""
+    def step(self, grads: dict[int, Tensor | None]) -> None:
+        """Step the owned parameters whose id is in ``grads`` with those gradients (None: skip it, as torch.optim
+        skips a parameter whose ``.grad`` is None)."""
         state = self.zero.local_optimizer.state
         for index in sorted({self._group_of[key] for key in grads if key in self._group_of}):
             functional, group = self.functionals[index], self.zero.param_groups[index]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
             functional.step([grads.get(id(p)) for p in functional.param_group["params"]])
-        self.stepped = True
+        self.stepped = self._unconfirmed = True
+        setattr(self.zero, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
+
+    def explicit_step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
+        """``zero.step()`` in overlap mode: the hook stepped during backward, so this only checks that it did.
+
+        A ``closure`` is run first, as ``torch.optim`` runs it (it is expected to run the backward), and its loss is
+        returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran.
+        """
+        if kwargs:
+            raise TypeError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True).step() takes no keyword arguments, got "
+                f"{sorted(kwargs)}: the step already ran inside DDP's backward"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.hooked:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, but no overlap hook is "
+                "registered: call ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)) (or "
+                "the interleaved one) before training; step() then only confirms the hook's step"
+            )
+        if not self._unconfirmed:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True): the DDP comm hook has not stepped since the last "
+                "step(); run loss.backward() on the DDP model's output before step() (the step runs inside DDP's "
+                "backward, and step() only confirms it once per backward)"
+            )
+        self._unconfirmed = False
+        return loss
 
     def bucket_sync(self, params: list[Tensor]) -> StagedSync:
         """The staged broadcast of one DDP bucket's trainable parameters from their owners (cached per bucket)."""
@@ -97,26 +136,62 @@ class OverlapStepper:
         return None if grad is None else (id(grad), grad._version)
 
 
-@dataclass
-class _Pending:
-    """Buckets of the current backward whose reduction started but whose step has not run yet."""
+class _BucketReduction:
+    """One DDP bucket of the current backward: its parameters and its reduction in flight.
 
-    buckets: list[tuple[list[Tensor], Future[Tensor]]] = field(default_factory=list)
-    syncs: list[Any] = field(default_factory=list)
-    direct: list[Any] = field(default_factory=list)
-
-
-def _reduced_grads(bucket_params: list[Tensor], reduced: Tensor) -> dict[int, Tensor]:
-    """Views of a reduced bucket tensor for the parameters that require grad, keyed by parameter id.
-
-    Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
+    When DDP looks for unused parameters (``find_unused_parameters`` or ``static_graph``), which parameters some
+    rank has a gradient for is reduced too (MAX of ``.grad is not None``, one small collective per bucket, in
+    flight alongside): DDP leaves the ``.grad`` of a parameter no rank used untouched, so a plain optimizer skips it.
     """
-    grads, offset = {}, 0
-    for param in bucket_params:
-        if param.requires_grad:
-            grads[id(param)] = reduced[offset : offset + param.numel()].view_as(param)
-        offset += param.numel()
-    return grads
+
+    def __init__(
+        self, bucket: GradBucket, reduced: Future[Tensor], zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParallel
+    ) -> None:
+        self.params = bucket.parameters()
+        self.reduced = reduced
+        self.used: Tensor | None = None
+        self.used_work: Any = None
+        if ddp.find_unused_parameters or ddp.static_graph:
+            device = comm.comm_device(zero.process_group, [p.device for p in self.params])
+            has_grad = [p.grad is not None for p in self.params]
+            self.used = torch.tensor(has_grad, dtype=torch.uint8, device=device)
+            self.used_work = comm.all_reduce_max_async(self.used, zero.process_group)
+
+    def grads(self) -> dict[int, Tensor | None]:
+        """The trainable parameters' averaged gradients by parameter id (None where no rank has one).
+
+        Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
+        """
+        reduced = self.reduced.wait()
+        used = [True] * len(self.params)
+        if self.used is not None:
+            comm.wait_all([self.used_work])
+            used = [bool(flag) for flag in self.used.tolist()]
+        grads: dict[int, Tensor | None] = {}
+        offset = 0
+        for param, param_used in zip(self.params, used):
+            if param.requires_grad:
+                grads[id(param)] = _bucket_view(reduced, offset, param) if param_used else None
+            offset += param.numel()
+        return grads
+
+
+def _bucket_view(bucket: Tensor, offset: int, param: Tensor) -> Tensor:
+    """``param``'s slot in a flat DDP bucket, laid out as DDP's reducer lays it: with the parameter's own strides
+    when the parameter is non-overlapping and dense (channels_last, transposed), row-major otherwise."""
+    if _non_overlapping_and_dense(param):
+        return bucket.as_strided(param.shape, param.stride(), bucket.storage_offset() + offset)
+    return bucket[offset : offset + param.numel()].view(param.shape)
+
+
+def _non_overlapping_and_dense(tensor: Tensor) -> bool:
+    """c10's rule: the dimensions of size 2 or more, sorted by stride, tile memory without gaps or overlaps."""
+    expected = 1
+    for stride, size in sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> OverlapStepper:
@@ -130,33 +205,87 @@ def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimize
         raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}")
     if stepper.hooked:
         raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
+    _check_same_parameters(ddp, zero)
     stepper.hooked = True
     return stepper
+
+
+def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
+    """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
+    held = {id(p) for p in zero._params}
+    in_ddp = {id(p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
+    unheld = [
+        f"'{name}'"
+        for name, p in ddp.module.named_parameters()
+        if id(p) in in_ddp and p.requires_grad and id(p) not in held
+    ]
+    if unheld:
+        raise ValueError(
+            f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {_few(unheld)}; the hook "
+            "steps only ZeRO's parameters, so these would never be updated. Give ZeRO all of the DDP model's "
+            "trainable parameters (ddp.module.parameters()), or wrap only the part ZeRO manages in DDP"
+        )
+    not_in_ddp = [
+        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
+        for g, group in enumerate(zero.param_groups)
+        for i, p in enumerate(group["params"])
+        if p.requires_grad and id(p) not in in_ddp
+    ]
+    if not_in_ddp:
+        raise ValueError(
+            f"this ZeroRedundancyOptimizer holds trainable parameters that are not in the DDP model: "
+            f"{_few(not_in_ddp)} (or are in its parameters_to_ignore); the hook only sees the gradients DDP reduces, "
+            "so these would never be updated. Build ZeRO over the DDP model's parameters (ddp.module.parameters()) "
+            "and step any others with another optimizer"
+        )
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def hook_with_zero_step(
     hook: CommHook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", shard_buckets: bool = False
 ) -> CommHook:
-    """Wrap ``hook`` so that once the last bucket is reduced, ZeRO steps its shard and syncs all parameters.
+    """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once the last bucket is reduced, each rank steps
+    the parameters it owns with the averaged gradients and the updated parameters are broadcast from their owners.
 
-    ``shard_buckets`` is accepted for compatibility: parameters are always sharded by ZeRO's own plan.
+    Args:
+        hook: the DDP communication hook that averages a bucket (``distoptim.hooks.allreduce_hook``, or any hook
+            that returns a future of the bucket's averaged gradients).
+        ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
+        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
+            parameters (checked here; refused otherwise).
+        shard_buckets: accepted for compatibility with torch; parameters are always sharded by ZeRO's own plan.
+
+    Example::
+
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        for batch in data:
+            zero.zero_grad()
+            loss_fn(ddp(batch)).backward()  # steps the optimizer; zero.step() afterwards is optional
+
+    Gradients are those DDP + a plain optimizer would use (the bucket's layout, none for a parameter no rank
+    used under ``find_unused_parameters``/``static_graph``), so the result is the same as stepping after backward.
     """
     stepper = _checked_stepper(ddp, zero)
-    pending = _Pending()
+    pending: list[_BucketReduction] = []
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        params = bucket.parameters()
-        future = hook(state, bucket)
-        pending.buckets.append((params, future))
+        reduction = _BucketReduction(bucket, hook(state, bucket), zero, ddp)
+        pending.append(reduction)
         if not bucket.is_last():
-            return future
-        grads: dict[int, Tensor] = {}
-        for bucket_params, bucket_future in pending.buckets:
-            grads.update(_reduced_grads(bucket_params, bucket_future.wait()))
-        pending.buckets.clear()
+            return reduction.reduced
+        grads: dict[int, Tensor | None] = {}
+        for earlier in pending:
+            grads.update(earlier.grads())
+        pending.clear()
         stepper.step(grads)
         zero._sync_parameters()
-        return future
+        return reduction.reduced
 
     return hook_with_zero_step
 
@@ -164,34 +293,39 @@ def hook_with_zero_step(
 def hook_with_zero_step_interleaved(
     hook: CommHook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", shard_buckets: bool = False
 ) -> CommHook:
-    """Wrap ``hook`` so that each bucket's owned parameters are stepped, and their sync started, as soon as that
-    bucket is reduced (checked when the next bucket arrives), overlapping with the remaining reductions.
+    """Wrap ``hook`` so that ZeRO steps bucket by bucket inside DDP's backward: once a bucket is reduced (checked
+    when the next one arrives), each rank steps the parameters of it that it owns and starts broadcasting them,
+    while the remaining buckets are still being reduced; the last bucket's hook waits for every broadcast.
 
-    ``shard_buckets`` is accepted for compatibility: parameters are always sharded by ZeRO's own plan.
+    Args, requirements and result are those of :func:`hook_with_zero_step`; only the order of the work differs,
+    which lets the step and the parameter sync hide behind the rest of the backward. Register it the same way::
+
+        ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
     """
     stepper = _checked_stepper(ddp, zero)
-    pending = _Pending()
+    pending: list[_BucketReduction] = []
+    syncs: list[Any] = []
+    direct: list[Any] = []
 
-    def step_and_launch(params: list[Tensor], future: Future[Tensor]) -> None:
-        stepper.step(_reduced_grads(params, future.wait()))
-        sync = stepper.bucket_sync([p for p in params if p.requires_grad])
-        pending.direct.extend(sync.launch_direct())
-        pending.syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
+    def step_and_launch(reduction: _BucketReduction) -> None:
+        stepper.step(reduction.grads())
+        sync = stepper.bucket_sync([p for p in reduction.params if p.requires_grad])
+        direct.extend(sync.launch_direct())
+        syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        params = bucket.parameters()
-        future = hook(state, bucket)
-        for earlier in pending.buckets:
-            step_and_launch(*earlier)
-        pending.buckets[:] = [(params, future)]
+        reduction = _BucketReduction(bucket, hook(state, bucket), zero, ddp)
+        for earlier in pending:
+            step_and_launch(earlier)
+        pending[:] = [reduction]
         if bucket.is_last():
-            step_and_launch(params, future)
-            pending.buckets.clear()
-            for sync, flight in pending.syncs:
+            step_and_launch(reduction)
+            pending.clear()
+            for sync, flight in syncs:
                 sync.land(flight)
-            comm.wait_all(pending.direct)
-            pending.syncs.clear()
-            pending.direct.clear()
-        return future
+            comm.wait_all(direct)
+            syncs.clear()
+            direct.clear()
+        return reduction.reduced
 
     return hook_with_zero_step_interleaved

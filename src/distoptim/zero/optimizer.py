@@ -142,12 +142,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ------------------------------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync."""
-        if self.overlap_stepper is not None:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is stepped by its DDP comm hook during backward "
-                "(hook_with_zero_step / hook_with_zero_step_interleaved); do not call step(). Use "
-                "overlap_with_ddp=False to step explicitly"
-            )
+        if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
+            return self.overlap_stepper.explicit_step(closure, kwargs)
         Join.notify_join_context(self)
         self._repartition_if_trainability_changed()
         self._check_frozen_params_have_no_grad()
