@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.functional import FunctionalOptimizer, FunctionalSGD
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
 
@@ -25,7 +27,18 @@ def _expect(error: type[BaseException], pattern: str, build: Callable[[], Any]) 
         build()
 
 
+def _without_numpy() -> None:
+    """From here on this process is like an install without numpy (torch does not need it): import and use fail."""
+
+    def no_numpy(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Numpy is not available (the test blocked it)")
+
+    sys.modules["numpy"] = None  # type: ignore[assignment]
+    torch.Tensor.numpy = no_numpy  # type: ignore[method-assign]  # torch imported numpy already: block its use too
+
+
 def _errors_body(rank: int, world_size: int) -> None:
+    _without_numpy()  # every agreement below (and the consolidation) must work without numpy
     weight = torch.zeros(3, requires_grad=True)
     sparse = torch.zeros(3, 3).to_sparse().requires_grad_()
     # The same bad input on every rank: every rank raises the local error.
@@ -44,12 +57,30 @@ def _errors_body(rank: int, world_size: int) -> None:
         "LBFGS has none",
         lambda: ZeroRedundancyOptimizer([weight], torch.optim.LBFGS, overlap_with_ddp=True),
     )
+    expected = "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, or a distoptim"
+    _expect(TypeError, f"{expected}.*got str 'adamw'", lambda: ZeroRedundancyOptimizer([weight], "adamw", lr=1))
+    _expect(
+        TypeError,
+        "got an instance of SGD: pass the class, with its hyperparameters as keyword arguments",
+        lambda: ZeroRedundancyOptimizer([weight], SGD([weight], lr=1), lr=1),
+    )
+    _expect(TypeError, "generic FunctionalOptimizer", lambda: ZeroRedundancyOptimizer([weight], FunctionalOptimizer))
+    _expect(ValueError, "Invalid learning rate", lambda: ZeroRedundancyOptimizer([weight], SGD, lr=-1))
     # Bad input on one rank only: that rank raises its error, the others say which rank failed; nobody hangs.
     if rank == 1:
         _expect(TypeError, "single tensor", lambda: ZeroRedundancyOptimizer(weight, SGD, lr=1))
     else:
         _expect(
             ValueError, "construction failed on rank 1: TypeError", lambda: ZeroRedundancyOptimizer([weight], SGD, lr=1)
+        )
+    # A hyperparameter the optimizer class rejects on one rank only: torch's own error there, the rank named elsewhere.
+    if rank == 1:
+        _expect(ValueError, "^Invalid learning rate: -0.001$", lambda: ZeroRedundancyOptimizer([weight], SGD, lr=-1e-3))
+    else:
+        _expect(
+            ValueError,
+            "construction failed on rank 1: ValueError: Invalid learning rate: -0.001",
+            lambda: ZeroRedundancyOptimizer([weight], SGD, lr=1e-3),
         )
     # Parameters that differ across ranks: every rank raises, naming the difference.
     shape = (3,) if rank == 0 else (4,)
@@ -71,8 +102,51 @@ def _errors_body(rank: int, world_size: int) -> None:
         "settings",
         lambda: ZeroRedundancyOptimizer([weight], SGD, parameters_as_bucket_view=rank == 0, lr=1),
     )
-    # Misuse after construction.
+    # Valid hyperparameters that differ across ranks: every rank raises, naming the key and both values.
+    lrs = ("0.001 vs 0.01", "0.01 vs 0.001")[rank]
+    _expect(
+        ValueError,
+        re.escape(f"disagree (settings: 'lr' {lrs})"),
+        lambda: ZeroRedundancyOptimizer([weight], SGD, lr=(1e-3, 1e-2)[rank]),
+    )
+    _expect(
+        ValueError,
+        re.escape(f"disagree (param group 0: 'lr' {lrs})"),
+        lambda: ZeroRedundancyOptimizer([{"params": [weight], "lr": (1e-3, 1e-2)[rank]}], SGD, lr=1),
+    )
+    # What means the same on every rank agrees: ints and floats, lists and tuples, equal tensors, a functional class.
+    adam = ZeroRedundancyOptimizer(
+        [weight], torch.optim.Adam, lr=(1, 1.0)[rank], betas=((0.9, 0.99), [0.9, 0.99])[rank], eps=torch.tensor(1e-8)
+    )
+    assert isinstance(adam.local_optimizer, torch.optim.Adam)
+    functional = ZeroRedundancyOptimizer([weight], FunctionalSGD, lr=1)
+    assert isinstance(functional.local_optimizer, SGD)
+    # add_param_group: a group torch.optim refuses on one rank only, then valid groups that differ.
     zero = ZeroRedundancyOptimizer([weight, torch.zeros(2)], SGD, lr=1)
+    if rank == 1:
+        _expect(
+            ValueError, "^some parameters appear in more than one", lambda: zero.add_param_group({"params": weight})
+        )
+    else:
+        _expect(
+            ValueError,
+            "add_param_group failed on rank 1: ValueError: some parameters appear in more than one parameter group",
+            lambda: zero.add_param_group({"params": torch.zeros(3, requires_grad=True)}),
+        )
+    _expect(
+        ValueError,
+        re.escape(f"disagree (param group 1: 'lr' {lrs})"),
+        lambda: zero.add_param_group({"params": torch.zeros(3, requires_grad=True), "lr": (1e-3, 1e-2)[rank]}),
+    )
+    assert len(zero.param_groups) == 1, "a refused group is added on no rank"
+    # Consolidation moves objects between ranks, also without numpy.
+    weight.grad = torch.ones(3)
+    zero.step()
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        assert zero.state_dict()["param_groups"][0]["params"] == [0, 1]
+    weight.grad = None
+    # Misuse after construction.
     _expect(ValueError, "'to' must be a rank of the group", lambda: zero.consolidate_state_dict(to=world_size))
     _expect(
         ValueError,

@@ -6,6 +6,7 @@ point-to-point and rooted collectives expect happens here and nowhere else.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
@@ -19,6 +20,7 @@ from distoptim._groups import comm_device, default_group, group_size
 __all__ = [
     "Group",
     "all_gather_objects",
+    "all_reduce_max",
     "all_reduce_max_async",
     "broadcast_slices",
     "comm_device",
@@ -68,21 +70,59 @@ def wait_all(works: Sequence[Any]) -> None:
         work.wait()
 
 
-def all_gather_objects(obj: Any, group: Group) -> list[Any]:
-    """Every rank's ``obj`` (small, picklable), on every rank."""
-    gathered: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+def all_reduce_max(tensor: Tensor, group: Group) -> Tensor:
+    """``tensor``, overwritten with its elementwise maximum over the ranks (and returned)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
 
 
-def send_object(obj: Any, to: int, group: Group) -> None:
-    dist.send_object_list([obj], dst=_global(group, to), group=group)
+# Objects travel as pickled bytes in uint8 tensors on the communication device, length first: torch's own object
+# collectives (all_gather_object, send_object_list, ...) need numpy, which distoptim does not depend on.
+
+
+def all_gather_objects(obj: Any, group: Group, device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable), on every rank: lengths first, then the bytes padded to the longest.
+
+    ``device``: the communication device (``comm_device(group)`` when None).
+    """
+    device = comm_device(group) if device is None else device
+    mine = _to_bytes(obj, device)
+    lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]
+    dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    sizes = [int(length.item()) for length in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded, group=group)
+    return [_from_bytes(payload[:size]) for payload, size in zip(gathered, sizes)]
+
+
+def send_object(obj: Any, to: int, group: Group, device: torch.device | None = None) -> None:
+    """Send a picklable ``obj`` to group rank ``to``, which calls ``receive_object``; ``device`` as for receiving."""
+    payload = _to_bytes(obj, comm_device(group) if device is None else device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    dist.send(length, dst=_global(group, to), group=group)
+    dist.send(payload, dst=_global(group, to), group=group)
 
 
 def receive_object(source: int, group: Group, device: torch.device | None = None) -> Any:
-    received: list[Any] = [None]
-    dist.recv_object_list(received, src=_global(group, source), group=group, device=device)
-    return received[0]
+    """The object group rank ``source`` sends with ``send_object`` (``device``: the communication device)."""
+    device = comm_device(group) if device is None else device
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=_global(group, source), group=group)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=_global(group, source), group=group)
+    return _from_bytes(payload)
+
+
+def _to_bytes(obj: Any, device: torch.device) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(payload: Tensor) -> Any:
+    buffer = bytearray(payload.numel())
+    torch.frombuffer(buffer, dtype=torch.uint8).copy_(payload)  # the tensor writes into the bytearray it wraps
+    return pickle.loads(buffer)
 
 
 def send_tensor(tensor: Tensor, to: int, group: Group) -> None:

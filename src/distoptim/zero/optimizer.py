@@ -69,27 +69,32 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        optimizer_class: type[Optimizer],
+        optimizer_class: type[Optimizer] | type[FunctionalOptimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
         group = comm.default_group(process_group)
-        settings = {
-            "optimizer_class": getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
-            "parameters_as_bucket_view": parameters_as_bucket_view,
-            "overlap_with_ddp": overlap_with_ddp,
-        }
-        local: tuple[Any, ...] | BaseException
-        try:
+        local: validation.Fingerprint | BaseException
+        device = None  # the communication device, once the parameters are known
+        try:  # every local check, the optimizer's own included, then one agreement: all ranks raise or none does
+            local_class = validation.check_optimizer_class(optimizer_class)
             groups = validation.normalize_param_groups(params)
             device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
             functional_cls = _functional_for_overlap(optimizer_class) if overlap_with_ddp else None
-            local = validation.fingerprint(groups, **settings)
-        except (TypeError, ValueError) as error:
+            validation.try_optimizer_class(local_class, groups, defaults)
+            settings = {
+                "optimizer_class": f"{local_class.__module__}.{local_class.__qualname__}",
+                "parameters_as_bucket_view": parameters_as_bucket_view,
+                "overlap_with_ddp": overlap_with_ddp,
+                **defaults,
+            }
+            local = validation.fingerprint(groups, defaults, settings)
+        except Exception as error:
             local = error
-        validation.agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction")
+        validation.agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction", device)
+        assert device is not None
 
         self._ready = False  # until then, add_param_group only records groups (Optimizer.__init__ calls it)
         super().__init__(groups, defaults)
@@ -99,7 +104,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._optimizer_class = optimizer_class if functional_cls is None else functional_cls.spec.torch_cls
+        self._optimizer_class = local_class
         self.overlap_stepper = None if functional_cls is None else OverlapStepper(self, functional_cls)
         self._defaults = defaults
         self._plan: PartitionPlan | None = None
@@ -192,13 +197,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self._ready:
             super().add_param_group(param_group)
             return
-        local: tuple[Any, ...] | BaseException
+        local: validation.Fingerprint | BaseException
         try:
             (group,) = validation.normalize_param_groups([param_group])
-            local = validation.fingerprint([group])
-        except (TypeError, ValueError) as error:
+            validation.try_optimizer_class(self._optimizer_class, [*self.param_groups, group], self._defaults)
+            local = validation.fingerprint([group], self._defaults, first_group=len(self.param_groups))
+        except Exception as error:
             local = error
-        validation.agree_across_ranks(local, self.process_group, "add_param_group")
+        validation.agree_across_ranks(local, self.process_group, "add_param_group", self._comm_device)
         super().add_param_group(group)
         self._repartition()
 

@@ -1,23 +1,66 @@
 """Checks on what the user passed, made so that every rank raises the same clear error instead of hanging.
 
-A check that fails on one rank only (one rank built a different model, or passed a bare tensor) would leave the
-others waiting in the next collective. So each rank's verdict, or a fingerprint of its parameters, is exchanged
-first, and every rank raises when any rank is wrong.
+A check that fails on one rank only (one rank built a different model, passed a bare tensor or a learning rate the
+optimizer rejects) would leave the others waiting in the next collective. So each rank checks locally, then the
+ranks exchange a fixed-size digest of their fingerprint (parameters and settings) and a failure flag in one small
+all-reduce, and every rank raises when any rank failed or any two disagree. Only then does a second round gather
+the fingerprints or error texts, to say what went wrong. Nothing here needs numpy.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
+from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import comm
 
-__all__ = ["ParamGroups", "agree_across_ranks", "fingerprint", "normalize_param_groups"]
+__all__ = [
+    "Fingerprint",
+    "ParamGroups",
+    "agree_across_ranks",
+    "check_optimizer_class",
+    "fingerprint",
+    "normalize_param_groups",
+    "try_optimizer_class",
+]
 
 ParamGroups = list[dict[str, Any]]
+Fingerprint = dict[str, Any]  # "what {} is" -> a canonical value; "{}" takes "<mine> vs <theirs>" in messages
+
+_DIGEST_WORDS = 4  # 4 x 62 bits of a sha256: non-negative int64 words whose negation cannot overflow
+
+
+def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
+    """The ``torch.optim`` class to build local optimizers with, or a TypeError saying what is expected.
+
+    A ``distoptim.functional`` class stands for its ``torch.optim`` class (the same math, bit for bit).
+    """
+    expected = (
+        "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
+        "or a distoptim.functional class such as distoptim.functional.FunctionalAdamW"
+    )
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, FunctionalOptimizer):
+        functional_cls = functional_class_for(optimizer_class)
+        if functional_cls is None:
+            raise TypeError(f"{expected}; got the generic {optimizer_class.__name__}, use one of its subclasses")
+        return functional_cls.spec.torch_cls
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer):
+        return optimizer_class
+    if isinstance(optimizer_class, (Optimizer, FunctionalOptimizer)):
+        name = type(optimizer_class).__name__
+        raise TypeError(
+            f"{expected}; got an instance of {name}: pass the class, with its hyperparameters as keyword arguments, "
+            f"e.g. ZeroRedundancyOptimizer(params, {name}, lr=...)"
+        )
+    raise TypeError(f"{expected}; got {type(optimizer_class).__name__} {optimizer_class!r}")
 
 
 def normalize_param_groups(params: Any) -> ParamGroups:
@@ -59,44 +102,129 @@ def check_parameter(param: Any, group_index: int) -> None:
         )
 
 
-def fingerprint(groups: ParamGroups, **settings: Any) -> tuple[Any, ...]:
-    """What every rank must agree on: settings, group sizes, and each parameter's shape, dtype and trainability."""
-    described = tuple(
-        tuple((tuple(p.shape), str(p.dtype), p.device.type, bool(p.requires_grad)) for p in group["params"])
-        for group in groups
-    )
-    return (tuple(sorted(settings.items())), described)
+def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, defaults: dict[str, Any]) -> None:
+    """Build a throwaway ``optimizer_class(groups, **defaults)`` so that what it rejects raises here, locally.
+
+    It is built over stand-ins on the meta device (same shapes, dtypes, requires_grad, leaf-ness and identity, no
+    memory), so it can neither touch the parameters nor allocate eager state (Adagrad's) for all of them. A class
+    that fails on meta tensors for another reason than its arguments is tried once more on the real parameters.
+    """
+    with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
+        warnings.simplefilter("ignore")
+        try:
+            optimizer_class(_stand_in_groups(groups), **defaults)
+        except (TypeError, ValueError):
+            raise
+        except Exception:
+            optimizer_class([dict(group) for group in groups], **defaults)
 
 
-def agree_across_ranks(local: tuple[Any, ...] | BaseException, group: comm.Group, what: str) -> None:
-    """Exchange each rank's fingerprint (or its local error) and raise on every rank unless all agree."""
-    verdict: Any = f"{type(local).__name__}: {local}" if isinstance(local, BaseException) else local
-    verdicts = comm.all_gather_objects(verdict, group)
-    if isinstance(local, BaseException):
+def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
+    twins: dict[int, Tensor] = {}  # one twin per parameter, so that a parameter given twice is still seen twice
+    for param in (p for group in groups for p in group["params"]):
+        if id(param) not in twins:
+            twins[id(param)] = _stand_in(param)
+    return [{**group, "params": [twins[id(p)] for p in group["params"]]} for group in groups]
+
+
+def _stand_in(param: Tensor) -> Tensor:
+    twin = torch.empty(param.shape, dtype=param.dtype, device="meta", requires_grad=param.requires_grad)
+    if param.is_leaf:
+        return twin
+    twin = twin.view(param.shape)  # a non-leaf, as the parameter is: optimizers refuse those
+    if param.retains_grad:
+        twin.retain_grad()
+    return twin
+
+
+def fingerprint(
+    groups: ParamGroups, defaults: dict[str, Any], settings: dict[str, Any] | None = None, first_group: int = 0
+) -> Fingerprint:
+    """What every rank must agree on: ``settings``, the groups' sizes and hyperparameters (``defaults`` filled in),
+    and each parameter's shape, dtype, device type and trainability. Groups are numbered from ``first_group``."""
+    entries: Fingerprint = {f"settings: {key!r} {{}}": _canonical(value) for key, value in (settings or {}).items()}
+    if settings is not None:
+        entries["{} param groups"] = len(groups)
+    for index, group in enumerate(groups, start=first_group):
+        entries[f"param group {index} has {{}} parameters"] = len(group["params"])
+        hyperparameters = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
+        for key in sorted(hyperparameters):
+            entries[f"param group {index}: {key!r} {{}}"] = _canonical(hyperparameters[key])
+        for position, p in enumerate(group["params"]):
+            label = f"param group {index}, parameter {position}: (shape, dtype, device, requires_grad) {{}}"
+            entries[label] = (tuple(p.shape), str(p.dtype), p.device.type, bool(p.requires_grad))
+    return entries
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as plain data that compares (and hashes) the same on every rank when it means the same."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_canonical(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(key), _canonical(item)) for key, item in value.items()))
+    if isinstance(value, Tensor):
+        return ("tensor", str(value.dtype), _canonical(value.detach().cpu().tolist()))
+    if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
+        return repr(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
+
+
+def agree_across_ranks(
+    local: Fingerprint | BaseException, group: comm.Group, what: str, device: torch.device | None = None
+) -> None:
+    """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree.
+
+    One all-reduce (MAX) of ``[failed, -failed, digest, -digest]`` tells every rank whether any or all failed and
+    whether the digests' maxima equal their minima. A failing rank raises its own error; the others name it.
+    ``device``: the communication device, ``comm.comm_device(group)`` when None.
+    """
+    device = comm.comm_device(group) if device is None else device
+    failed = isinstance(local, BaseException)
+    words = [0] * _DIGEST_WORDS if isinstance(local, BaseException) else _digest(local)
+    summary = torch.tensor([int(failed), -int(failed), *words, *(-w for w in words)], dtype=torch.int64)
+    maxima = comm.all_reduce_max(summary.to(device), group).tolist()
+    any_failed, all_failed = maxima[0] == 1, -maxima[1] == 1
+    agreed = maxima[2 : 2 + _DIGEST_WORDS] == [-w for w in maxima[2 + _DIGEST_WORDS :]]
+    if isinstance(local, BaseException) and all_failed:
         raise local
-    failed = [(rank, v) for rank, v in enumerate(verdicts) if isinstance(v, str)]
-    if failed:
-        rank, message = failed[0]
+    if any_failed:
+        texts = comm.all_gather_objects(f"{type(local).__name__}: {local}" if failed else None, group, device)
+        if isinstance(local, BaseException):
+            raise local
+        rank, message = next((rank, text) for rank, text in enumerate(texts) if text is not None)
         raise ValueError(f"{what} failed on rank {rank}: {message}")
-    for rank, other in enumerate(verdicts):
-        if other != local:
+    if not isinstance(local, BaseException) and not agreed:
+        _raise_first_disagreement(local, comm.all_gather_objects(local, group, device), group, what)
+
+
+def _digest(local: Fingerprint) -> list[int]:
+    encoded = hashlib.sha256(repr(list(local.items())).encode()).digest()
+    return [int.from_bytes(encoded[8 * i : 8 * i + 8], "little") >> 2 for i in range(_DIGEST_WORDS)]
+
+
+def _raise_first_disagreement(local: Fingerprint, everyone: list[Fingerprint], group: comm.Group, what: str) -> None:
+    me = comm.group_rank(group)
+    for rank, other in enumerate(everyone):
+        difference = _first_difference(local, other)
+        if difference is not None:
             raise ValueError(
-                f"{what}: rank {comm.group_rank(group)} and rank {rank} disagree ({_first_difference(local, other)}); "
-                "every rank must pass the same parameters (shapes, dtypes, requires_grad, groups) and settings"
+                f"{what}: rank {me} and rank {rank} disagree ({difference}); every rank must pass the same "
+                "parameters (shapes, dtypes, requires_grad, groups) and settings (hyperparameters included)"
             )
+    raise ValueError(f"{what}: the ranks' fingerprints differ but rank {me} agrees with all of them")
 
 
-def _first_difference(mine: tuple[Any, ...], theirs: tuple[Any, ...]) -> str:
-    my_settings, my_groups = mine
-    their_settings, their_groups = theirs
-    if my_settings != their_settings:
-        return f"settings {dict(my_settings)} vs {dict(their_settings)}"
-    if len(my_groups) != len(their_groups):
-        return f"{len(my_groups)} vs {len(their_groups)} param groups"
-    for index, (a, b) in enumerate(zip(my_groups, their_groups)):
-        if len(a) != len(b):
-            return f"param group {index} has {len(a)} vs {len(b)} parameters"
-        for position, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return f"param group {index}, parameter {position}: (shape, dtype, device, requires_grad) {x} vs {y}"
-    return "unknown difference"
+def _first_difference(mine: Fingerprint, theirs: Fingerprint) -> str | None:
+    for template in [*mine, *(key for key in theirs if key not in mine)]:
+        a, b = (_show(side, template) for side in (mine, theirs))
+        if a != b:
+            return template.replace("{}", f"{a} vs {b}", 1)
+    return None
+
+
+def _show(entries: Fingerprint, template: str) -> str:
+    return repr(entries[template]) if template in entries else "(not set)"
