@@ -14,6 +14,7 @@ what deadlocks gloo); a hook returns an already completed future for the buckets
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against the real classes.
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,40 +137,47 @@ class OverlapStepper:
         return None if grad is None else (id(grad), grad._version)
 
 
-class _BucketReduction:
-    """One DDP bucket of the current backward: its parameters and its reduction in flight.
+class _UsedFlags:
+    """Which of ``params`` some rank has a gradient for: the MAX over the ranks of ``.grad is not None``, started
+    at construction, read at hook time (DDP writes reduced gradients to ``.grad`` only after the last hook).
 
-    When DDP looks for unused parameters (``find_unused_parameters`` or ``static_graph``), which parameters some
-    rank has a gradient for is reduced too (MAX of ``.grad is not None``, one small collective per bucket, in
-    flight alongside): DDP leaves the ``.grad`` of a parameter no rank used untouched, so a plain optimizer skips it.
+    Needed only when DDP looks for unused parameters (``find_unused_parameters`` or ``static_graph``): it leaves the
+    ``.grad`` of a parameter no rank used untouched (None after ``zero_grad``), so a plain optimizer skips it.
     """
 
-    def __init__(
-        self, bucket: GradBucket, reduced: Future[Tensor], zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParallel
-    ) -> None:
-        self.params = bucket.parameters()
-        self.reduced = reduced
-        self.used: Tensor | None = None
-        self.used_work: Any = None
-        if ddp.find_unused_parameters or ddp.static_graph:
-            device = comm.comm_device(zero.process_group, [p.device for p in self.params])
-            has_grad = [p.grad is not None for p in self.params]
-            self.used = torch.tensor(has_grad, dtype=torch.uint8, device=device)
-            self.used_work = comm.all_reduce_max_async(self.used, zero.process_group)
+    def __init__(self, params: list[Tensor], zero: "ZeroRedundancyOptimizer") -> None:
+        device = comm.comm_device(zero.process_group, [p.device for p in params])
+        self.flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+        self.work = comm.all_reduce_max_async(self.flags, zero.process_group)
 
-    def grads(self) -> dict[int, Tensor | None]:
-        """The trainable parameters' averaged gradients by parameter id (None where no rank has one).
+    def wait(self) -> list[bool]:
+        comm.wait_all([self.work])
+        return [bool(flag) for flag in self.flags.tolist()]
+
+
+def _finds_unused(ddp: DistributedDataParallel) -> bool:
+    return bool(ddp.find_unused_parameters or ddp.static_graph)
+
+
+@dataclass
+class _BucketReduction:
+    """One DDP bucket of the current backward: its parameters, its reduction in flight and (interleaved hook,
+    unused parameters looked for) its used flags in flight."""
+
+    params: list[Tensor]
+    reduced: Future[Tensor]
+    used: _UsedFlags | None = None
+
+    def grads(self, used: list[bool] | None = None) -> dict[int, Tensor | None]:
+        """The trainable parameters' averaged gradients by parameter id; None where ``used`` says no rank has one.
 
         Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
         """
         reduced = self.reduced.wait()
-        used = [True] * len(self.params)
-        if self.used is not None:
-            comm.wait_all([self.used_work])
-            used = [bool(flag) for flag in self.used.tolist()]
+        used = [True] * len(self.params) if used is None else used
         grads: dict[int, Tensor | None] = {}
         offset = 0
-        for param, param_used in zip(self.params, used):
+        for param, param_used in zip(self.params, used, strict=True):
             if param.requires_grad:
                 grads[id(param)] = _bucket_view(reduced, offset, param) if param_used else None
             offset += param.numel()
@@ -256,7 +264,7 @@ def hook_with_zero_step(
             that returns a future of the bucket's averaged gradients).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
-            parameters (checked here; refused otherwise).
+            parameters (checked here; refused otherwise) and over DDP's process group.
         shard_buckets: accepted for compatibility with torch; parameters are always sharded by ZeRO's own plan.
 
     Example::
@@ -275,13 +283,16 @@ def hook_with_zero_step(
     pending: list[_BucketReduction] = []
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        reduction = _BucketReduction(bucket, hook(state, bucket), zero, ddp)
+        reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
         pending.append(reduction)
         if not bucket.is_last():
             return reduction.reduced
+        params = [p for earlier in pending for p in earlier.params]
+        used = _UsedFlags(params, zero).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
         grads: dict[int, Tensor | None] = {}
         for earlier in pending:
-            grads.update(earlier.grads())
+            grads.update(earlier.grads(used[: len(earlier.params)]))
+            used = used[len(earlier.params) :]
         pending.clear()
         stepper.step(grads)
         zero._sync_parameters()
@@ -308,13 +319,15 @@ def hook_with_zero_step_interleaved(
     direct: list[Any] = []
 
     def step_and_launch(reduction: _BucketReduction) -> None:
-        stepper.step(reduction.grads())
+        stepper.step(reduction.grads(None if reduction.used is None else reduction.used.wait()))
         sync = stepper.bucket_sync([p for p in reduction.params if p.requires_grad])
         direct.extend(sync.launch_direct())
         syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        reduction = _BucketReduction(bucket, hook(state, bucket), zero, ddp)
+        params = bucket.parameters()
+        used = _UsedFlags(params, zero) if _finds_unused(ddp) else None  # read when this bucket is stepped
+        reduction = _BucketReduction(params, hook(state, bucket), used)
         for earlier in pending:
             step_and_launch(earlier)
         pending[:] = [reduction]
