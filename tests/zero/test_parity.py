@@ -7,6 +7,8 @@ import torch
 from torch.optim.lr_scheduler import StepLR
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.functional import FunctionalAdamW, FunctionalSGD
+from distoptim.zero.partition import SPLIT
 from tests._dist import cuda_world_size, run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
 
@@ -110,3 +112,86 @@ def _trainability_body(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_requires_grad_changed_between_steps(world_size: int) -> None:
     run_on_ranks(_trainability_body, world_size)
+
+
+# ----------------------------------------------------------------------------------------- the even partition
+
+# Every class whose update is elementwise, with a spread of hyperparameters (torch.optim and functional classes).
+ELEMENTWISE_CONFIGS: list[tuple[type, dict[str, object]]] = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.95)}),
+    (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01}),
+    (torch.optim.Adadelta, {"lr": 1.0, "rho": 0.8}),
+    (torch.optim.Adamax, {"lr": 0.02}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    (torch.optim.Rprop, {"lr": 0.01}),
+    (torch.optim.NAdam, {"lr": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.RAdam, {"lr": 0.01}),
+    (FunctionalAdamW, {"lr": 0.01}),
+    (FunctionalSGD, {"lr": 0.1, "momentum": 0.5}),
+]
+
+# A straddler (127 elements over every rank), a tiny one smaller than the padding, zero-sized ones, a frozen one,
+# a channels_last-shaped 4-D one and a second dtype.
+EVEN_SPEC = [
+    [((127,), torch.float32, True), ((0, 3), torch.float32, True), ((1,), torch.float32, True)],
+    [((4, 3, 2, 2), torch.float32, True), ((5,), torch.float32, False), ((9,), torch.bfloat16, True)],
+]
+
+
+def _even_parity_body(rank: int, world_size: int) -> None:
+    for number, (optimizer_class, kwargs) in enumerate(ELEMENTWISE_CONFIGS):
+        bucket_view = number % 2 == 1
+        reference_class = getattr(optimizer_class, "spec", None)
+        reference_class = optimizer_class if reference_class is None else reference_class.torch_cls
+        what = f"{optimizer_class.__name__} bucket_view={bucket_view} world={world_size}"
+        params, expected = make_params(EVEN_SPEC), make_params(EVEN_SPEC)
+        params[1][0].data = params[1][0].data.to(memory_format=torch.channels_last)
+        expected[1][0].data = expected[1][0].data.to(memory_format=torch.channels_last)
+        groups = [{"params": params[0]}, {"params": params[1], "lr": 0.005}]
+        zero = ZeroRedundancyOptimizer(
+            groups, optimizer_class, parameters_as_bucket_view=bucket_view, partition="even", **kwargs
+        )
+        reference = reference_class([{"params": expected[0]}, {"params": expected[1], "lr": 0.005}], **kwargs)
+        flat, flat_expected = flatten(params), flatten(expected)
+        for step in range(STEPS):
+            grads = averaged_gradients(flat, rank, step)
+            for param, ref, grad in zip(flat, flat_expected, grads):
+                param.grad = None if grad is None else grad.clone()
+                ref.grad = None if grad is None else grad.clone()
+            zero.step()
+            reference.step()
+            assert_same_tensors(flat, flat_expected, f"{what} step {step}")
+        assert flat[3].is_contiguous(memory_format=torch.channels_last), f"{what}: strides kept"
+        if world_size > 1:
+            assert zero.owner_of(flat[0]) == SPLIT, "the 127-element parameter straddles ranks"
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            state, expected_state = zero.state_dict(), reference.state_dict()
+            assert state["param_groups"] == expected_state["param_groups"], what
+            for index, entry in expected_state["state"].items():
+                if flat[index].numel() == 0 or not flat[index].requires_grad:
+                    continue  # zero-sized and frozen parameters have no owner, so no state (Adagrad's is eager)
+                for key, value in entry.items():
+                    got = state["state"][index][key]
+                    assert torch.equal(torch.as_tensor(got), torch.as_tensor(value)), f"{what}: state {index} {key}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_even_partition_matches_single_process_optimizer(world_size: int) -> None:
+    run_on_ranks(_even_parity_body, world_size, timeout=120)
+
+
+def _refusals_body(rank: int, world_size: int) -> None:
+    params = [torch.zeros(4, requires_grad=True)]
+    with pytest.raises(ValueError, match=r"partition='even'.*ASGD.*torch\.optim\.AdamW"):
+        ZeroRedundancyOptimizer(params, torch.optim.ASGD, partition="even", lr=0.1)
+    with pytest.raises(ValueError, match="partition must be one of 'greedy', 'even', got 'flat'"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, partition="flat", lr=0.1)
+    with pytest.raises(ValueError, match="construction failed on rank 1|partition"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, partition="even" if rank == 0 else "greedy", lr=0.1)
+
+
+def test_even_partition_refuses_what_it_cannot_step() -> None:
+    run_on_ranks(_refusals_body, 2)

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import comm
-from distoptim.zero.buckets import StagedSync, build_layouts
+from distoptim.zero.buckets import StagedSync, layouts_from_plan
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -54,26 +54,32 @@ class OverlapStepper:
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
-        self._group_of: dict[int, int] = {}  # owned parameter id -> index of its local group
+        self._groups_of: dict[int, set[int]] = {}  # owned parameter id -> indices of the local groups holding it
 
     def rebuild(self) -> None:
-        """(Re)create one functional optimizer per local param group (after construction or add_param_group)."""
-        local_groups = self.zero.local_optimizer.param_groups
-        for group in local_groups[len(self.functionals) :]:
+        """(Re)create one functional optimizer per local param group over the local shard's tensors (after
+        construction, add_param_group or a change of trainability)."""
+        shard = self.zero.local_shard
+        self.functionals = []
+        for group, tensors in zip(self.zero.local_optimizer.param_groups, shard.tensors):
             options = {k: v for k, v in group.items() if k in self.functional_cls.spec.defaults}
-            self.functionals.append(self.functional_cls(group["params"], **options, _allow_empty_param_list=True))
-        self._group_of = {id(p): index for index, f in enumerate(self.functionals) for p in f.param_group["params"]}
+            self.functionals.append(self.functional_cls(tensors, **options, _allow_empty_param_list=True))
+        self._groups_of = {}
+        for index, locals_ in enumerate(shard.groups):
+            for local in locals_:
+                self._groups_of.setdefault(id(local.param), set()).add(index)
         self._bucket_syncs.clear()
 
     def step(self, grads: dict[int, Tensor | None]) -> None:
-        """Step the owned parameters whose id is in ``grads`` with those gradients (None: skip it, as torch.optim
-        skips a parameter whose ``.grad`` is None)."""
+        """Step the owned parameters (or fragments) of the parameters whose id is in ``grads`` with those gradients
+        (None: skip it, as torch.optim skips a parameter whose ``.grad`` is None)."""
         state = self.zero.local_optimizer.state
-        for index in sorted({self._group_of[key] for key in grads if key in self._group_of}):
+        shard = self.zero.local_shard
+        for index in sorted({i for key in grads for i in self._groups_of.get(key, ())}):
             functional, group = self.functionals[index], self.zero.param_groups[index]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
-            functional.step([grads.get(id(p)) for p in functional.param_group["params"]])
+            functional.step([local.grad_from(grads.get(id(local.param))) for local in shard.groups[index]])
         self.stepped = self._unconfirmed = True
         setattr(self.zero, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
 
@@ -108,13 +114,15 @@ class OverlapStepper:
         return loss
 
     def bucket_sync(self, params: list[Tensor]) -> StagedSync:
-        """The staged broadcast of one DDP bucket's trainable parameters from their owners (cached per bucket)."""
+        """The staged broadcast of one DDP bucket's parameters (their fragments) from their owners (cached)."""
         key = tuple(map(id, params))
         if key not in self._bucket_syncs:
-            owners = {id(p): o for p, o in zip(self.zero._params, self.zero.plan.owners)}
-            by_rank = [[p for p in params if owners[id(p)] == r] for r in range(self.zero.world_size)]
+            plan, held = self.zero.plan, self.zero._params
+            in_bucket = set(key)
+            fragments = [f if id(p) in in_bucket else () for p, f in zip(held, plan.fragments)]
             stage_bytes = sum(p.numel() * p.element_size() for p in params)
-            self._bucket_syncs[key] = StagedSync(build_layouts(by_rank), self.zero.process_group, stage_bytes)
+            layouts = layouts_from_plan(plan.layouts, fragments, held)
+            self._bucket_syncs[key] = StagedSync(layouts, self.zero.process_group, stage_bytes)
         return self._bucket_syncs[key]
 
     def check_stepped(self) -> None:

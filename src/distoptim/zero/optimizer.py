@@ -17,10 +17,11 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero import checkpoint, comm, validation
-from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, build_layouts
+from distoptim.zero import checkpoint, clipping, comm, validation
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
 from distoptim.zero.ddp_hooks import OverlapStepper
-from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
+from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
+from distoptim.zero.shard import LocalShard, slice_entry, stitch
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -73,6 +74,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
+        *,
+        partition: str = "greedy",
         **defaults: Any,
     ) -> None:
         group = comm.default_group(process_group)
@@ -84,10 +87,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
             functional_cls = _functional_for_overlap(optimizer_class) if overlap_with_ddp else None
             validation.try_optimizer_class(local_class, groups, defaults)
+            validation.check_partition(partition, local_class, groups)
             settings = {
                 "optimizer_class": f"{local_class.__module__}.{local_class.__qualname__}",
                 "parameters_as_bucket_view": parameters_as_bucket_view,
                 "overlap_with_ddp": overlap_with_ddp,
+                "partition": partition,
                 **defaults,
             }
             local = validation.fingerprint(groups, defaults, settings)
@@ -104,11 +109,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.partition = partition
         self._optimizer_class = local_class
         self.overlap_stepper = None if functional_cls is None else OverlapStepper(self, functional_cls)
         self._defaults = defaults
         self._plan: PartitionPlan | None = None
+        self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
         self._sync: ParameterSync | None = None
+        self._shard: LocalShard | None = None
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._ready = True
@@ -126,8 +134,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._plan
 
     def owner_of(self, param: Tensor) -> int:
-        """The rank that owns ``param`` (``-1`` for frozen parameters, which nobody updates)."""
-        return self.plan.owners[next(i for i, p in enumerate(self._params) if p is param)]
+        """The rank that owns ``param`` whole (``-1`` for frozen parameters, which nobody updates; ``-2`` for one
+        the even partition split between ranks: see ``fragments_of``)."""
+        index = self._index_of(param)
+        if index is None:
+            raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
+        return self.plan.owners[index]
+
+    def fragments_of(self, param: Tensor) -> tuple[Fragment, ...] | None:
+        """Which ranks own which elements of ``param`` (memory order); None when this optimizer does not hold it."""
+        index = self._index_of(param)
+        return None if index is None else self.plan.fragments[index]
+
+    def _index_of(self, param: Tensor) -> int | None:
+        """``param``'s global index (None when not held), from a table rebuilt with the plan."""
+        if self._index_cache[0] is not self.plan:
+            self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self._params)})
+        return self._index_cache[1].get(id(param))
+
+    @property
+    def local_shard(self) -> LocalShard:
+        """The tensors this rank's local optimizer steps (parameters it owns whole, views of its fragments)."""
+        assert self._shard is not None
+        return self._shard
 
     @property
     def local_optimizer(self) -> Optimizer:
@@ -153,9 +182,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._repartition_if_trainability_changed()
         self._check_frozen_params_have_no_grad()
         self._push_hyperparameters()
-        loss: float | None = (
-            self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
-        )
+        self.local_shard.attach_grads()
+        try:
+            loss: float | None = (
+                self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
+            )
+        finally:
+            self.local_shard.detach_grads()
         self._sync_parameters()
         self._pull_hyperparameters()
         self._consolidated = None
@@ -182,6 +215,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     "requires_grad=True on it (on every rank) and it is sharded at the next step(), or set its "
                     ".grad to None"
                 )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """Clip the gradient by its total norm, as ``torch.nn.utils.clip_grad_norm_`` would on the whole gradient
+        (collective: one scalar all-reduce; returns the total norm, the same on every rank).
+
+        Each rank measures and scales the gradient of what it owns, so it is right with gradients reduced to their
+        owners (``reduce_to_owners_hook``) too; gradients a rank does not own are left as they are. Norms accumulate
+        in float32. Call it between ``backward()`` and ``step()`` on every rank.
+        """
+        grads = self.local_shard.owned_grads()
+        return clipping.clip_grad_norm_(
+            grads, max_norm, norm_type, error_if_nonfinite, self.process_group, self._comm_device
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of all parameters, owned or not."""
@@ -218,32 +264,38 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = self._params
         self._trainability = tuple(p.requires_grad for p in params)
         self._plan = partition_parameters(
-            [p.numel() for p in params], list(self._trainability), self.world_size, previous=self._plan
+            [p.numel() for p in params],
+            list(self._trainability),
+            self.world_size,
+            previous=self._plan,
+            mode=self.partition,
+            keys=[(p.device, p.dtype) for p in params],
         )
-        owners = dict(zip(map(id, params), self._plan.owners))
-        self._unowned = [p for p in params if owners[id(p)] == UNOWNED]
+        self._unowned = [
+            p
+            for p, owner, trainable in zip(params, self._plan.owners, self._trainability)
+            if owner == UNOWNED and not trainable
+        ]
+        if self._sync is not None:
+            self._sync.release()  # before the shard's views are made: bucket views replace the parameters' storage
+        strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
+        self._sync = strategy(layouts_from_plan(self._plan.layouts, self._plan.fragments, params), self.process_group)
+        previous, self._shard = self._shard, LocalShard(self._plan, self.param_groups, self.rank)
         local_groups = [
-            {
-                **{k: v for k, v in group.items() if k != "params"},
-                "params": [p for p in group["params"] if owners[id(p)] == self.rank],
-            }
-            for group in self.param_groups
+            {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
+            for group, tensors in zip(self.param_groups, self._shard.tensors)
         ]
         if self.optim is None:
             self.optim = self._optimizer_class(local_groups, **self._defaults)
         else:
+            self._shard.move_state(self.optim.state, previous)  # kept for every fragment that stays here
             for local_group, group in zip(self.optim.param_groups, local_groups):
-                local_group["params"] = group["params"]  # newly owned parameters join their group; state is kept
+                local_group["params"] = group["params"]
             for new_group in local_groups[len(self.optim.param_groups) :]:
                 self.optim.add_param_group(new_group)
         self._pull_hyperparameters()
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild()
-        if self._sync is not None:
-            self._sync.release()
-        by_rank = [[p for p in params if owners[id(p)] == rank] for rank in range(self.world_size)]
-        strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
-        self._sync = strategy(build_layouts(by_rank), self.process_group)
 
     def _repartition_if_trainability_changed(self) -> None:
         """Gradual unfreezing: a parameter made trainable since the last step gets an owner before this step.
@@ -274,11 +326,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for source in range(self.world_size):
             if source != to:
                 merged.update(checkpoint.receive_state(source, self.process_group, self._comm_device))
-        self._consolidated = dict(sorted(merged.items()))
+        self._consolidated = dict(sorted(stitch(merged, self._params).items()))
 
-    def _global_local_state(self) -> checkpoint.GlobalState:
-        index_of = {id(p): i for i, p in enumerate(self._params)}
-        return {index_of[id(param)]: dict(entry) for param, entry in self.local_optimizer.state.items()}
+    def _global_local_state(self) -> dict[Any, dict[str, Any]]:
+        """This rank's state keyed as in the global format (partial fragments as ``(index, offset)``)."""
+        by_tensor = self.local_shard.by_tensor
+        return {
+            self.local_shard.key(by_tensor[id(tensor)]): dict(entry)
+            for tensor, entry in self.local_optimizer.state.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.
@@ -316,12 +372,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         by_param, hyperparameters = checkpoint.select_shard(state_dict, self.param_groups, self._optimizer_class)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
-        local_params = [p for group in self.local_optimizer.param_groups for p in group["params"]]
-        local_index = {id(p): i for i, p in enumerate(local_params)}
-        local_state = {  # cloned: torch.optim's load would alias same-device tensors and step them in place
-            local_index[id(param)]: {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
-            for param, entry in by_param.items()
-            if id(param) in local_index
+        local_state = {  # copies: torch.optim's load would alias same-device tensors and step them in place
+            position: slice_entry(by_param[local.param], local)
+            for position, local in enumerate(t for group in self.local_shard.groups for t in group)
+            if local.param in by_param
         }
         self._push_hyperparameters()
         local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)

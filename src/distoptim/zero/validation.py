@@ -19,14 +19,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim._flat import is_dense
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import comm
+from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
+from distoptim.zero.partition import MODES
 
 __all__ = [
     "Fingerprint",
     "ParamGroups",
     "agree_across_ranks",
     "check_optimizer_class",
+    "check_partition",
     "fingerprint",
     "normalize_param_groups",
     "try_optimizer_class",
@@ -119,6 +123,28 @@ def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, d
             optimizer_class([dict(group) for group in groups], **defaults)
 
 
+def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) -> None:
+    """``partition`` is a mode the plan knows, and an even one only splits what can be stepped in pieces."""
+    if partition not in MODES:
+        raise ValueError(f"partition must be one of {', '.join(map(repr, MODES))}, got {partition!r}")
+    if partition != "even":
+        return
+    if not is_elementwise(optimizer_class):
+        raise ValueError(
+            f"partition='even' splits parameters between ranks, and {optimizer_class.__qualname__} does not update "
+            f"each element on its own, so it would be wrong on a piece; use one of {ELEMENTWISE_NAMES} (or their "
+            "distoptim.functional classes), or partition='greedy'"
+        )
+    for index, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            if not is_dense(param):
+                raise ValueError(
+                    f"partition='even': param group {index}, parameter {position} (shape {tuple(param.shape)}, strides "
+                    f"{param.stride()}) does not fill its memory densely, so it cannot be cut into pieces; make it "
+                    "contiguous (param.data = param.data.contiguous()) or use partition='greedy'"
+                )
+
+
 def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
     twins: dict[int, Tensor] = {}  # one twin per parameter, so that a parameter given twice is still seen twice
     for param in (p for group in groups for p in group["params"]):
@@ -153,6 +179,7 @@ def fingerprint(
         for position, p in enumerate(group["params"]):
             label = f"param group {index}, parameter {position}: (shape, dtype, device, requires_grad) {{}}"
             entries[label] = (tuple(p.shape), str(p.dtype), p.device.type, bool(p.requires_grad))
+            entries[f"param group {index}, parameter {position}: strides {{}}"] = tuple(p.stride())
     return entries
 
 

@@ -1,0 +1,63 @@
+"""Gradient-norm clipping over a sharded gradient: each rank measures what it owns, one scalar collective adds up.
+
+The owned fragments of all ranks tile the trainable parameters exactly once, so the sum of every rank's
+``sum |g|^p`` is the full gradient's, with or without gradient sharding; every rank gets the same total and scales
+its own fragments by the coefficient ``torch.nn.utils.clip_grad_norm_`` would use on the full gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from distoptim.zero import comm
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    grads: Sequence[Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    group: comm.Group,
+    device: torch.device,
+) -> Tensor:
+    """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``.
+
+    Returns the total norm (a float32 scalar on ``device``, the same on every rank). Norms accumulate in float32.
+    """
+    norm_type = float(norm_type)
+    op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
+    local = _local_term(grads, norm_type, device)
+    total = comm.all_reduce_(local, group, op)
+    if op == "sum" and norm_type not in (0.0, 1.0):
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be "
+            "clipped; pass error_if_nonfinite=False to clip anyway (the step will then see non-finite values)"
+        )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device_grads in by_device.values():
+        torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
+    return total
+
+
+def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """This rank's share: ``sum |g|^p`` (``p`` 0 or 1: the plain sum of norms), or the max / min of ``|g|``."""
+    if not grads:
+        neutral = {math.inf: 0.0, -math.inf: math.inf}.get(norm_type, 0.0)
+        return torch.tensor(neutral, dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])
+    if math.isinf(norm_type):
+        return norms.amax() if norm_type > 0 else norms.amin()
+    if norm_type in (0.0, 1.0):
+        return norms.sum()
+    return norms.pow(norm_type).sum()
