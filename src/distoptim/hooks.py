@@ -1,7 +1,9 @@
-"""DDP communication hooks: ZeRO steps overlapped with gradient reduction, and post-local SGD."""
+"""DDP communication hooks: gradients reduced to their owners (ZeRO-2), ZeRO steps overlapped with the gradient
+reduction, and post-local SGD."""
 
 from distoptim.averaging.hook import PostLocalSGDState, allreduce_hook, post_localSGD_hook
 from distoptim.zero.ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from distoptim.zero.grad_sharding import reduce_to_owners_hook
 
 __all__ = [
     "PostLocalSGDState",
@@ -9,4 +11,5 @@ __all__ = [
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "post_localSGD_hook",
+    "reduce_to_owners_hook",
 ]

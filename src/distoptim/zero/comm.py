@@ -20,6 +20,7 @@ from distoptim._groups import comm_device, default_group, group_size
 __all__ = [
     "Group",
     "all_gather_objects",
+    "all_reduce_",
     "all_reduce_max",
     "all_reduce_max_async",
     "broadcast_slices",
@@ -30,6 +31,7 @@ __all__ = [
     "group_size",
     "receive_object",
     "receive_tensor",
+    "reduce_to_owners_async",
     "send_object",
     "send_tensor",
     "wait_all",
@@ -160,3 +162,41 @@ def gather_from_owners(buffer: Tensor, bounds: Sequence[Sequence[int]], group: G
 def all_reduce_max_async(tensor: Tensor, group: Group) -> Any:
     """Start overwriting ``tensor`` with its elementwise maximum over the ranks; ``wait_all([work])`` finishes it."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+
+def reduce_to_owners_async(
+    stage: Tensor, starts: Sequence[int], sizes: Sequence[int], group: Group
+) -> torch.futures.Future[Any]:
+    """Sum ``stage[starts[r] : starts[r] + sizes[r]]`` over the ranks onto rank ``r``, for every ``r``, asynchronously.
+
+    Only the owner's segment is meaningful afterwards. gloo: one rooted reduce per rank, concurrently (faster than
+    its reduce-scatter, see DESIGN.md). NCCL: one ``reduce_scatter_tensor`` over segments padded to equal length.
+    """
+    if dist.get_backend(group) == "nccl" and len(sizes) > 1:
+        chunk = max(sizes)
+        padded = stage.new_zeros(chunk * len(sizes))
+        for start, size, rank in zip(starts, sizes, range(len(sizes))):
+            padded[rank * chunk : rank * chunk + size].copy_(stage[start : start + size])
+        mine = group_rank(group)
+        output = stage.new_empty(chunk)
+        work = dist.reduce_scatter_tensor(output, padded, group=group, async_op=True)
+        assert work is not None
+
+        def land(_: torch.futures.Future[Any]) -> None:
+            stage[starts[mine] : starts[mine] + sizes[mine]].copy_(output[: sizes[mine]])
+
+        landed: torch.futures.Future[Any] = work.get_future().then(land)
+        return landed
+    works = [
+        dist.reduce(stage[start : start + size], dst=_global(group, rank), group=group, async_op=True)
+        for rank, (start, size) in enumerate(zip(starts, sizes))
+        if size > 0
+    ]
+    return torch.futures.collect_all([work.get_future() for work in works])
+
+
+def all_reduce_(tensor: Tensor, group: Group, op: str = "sum") -> Tensor:
+    """``tensor`` overwritten with its reduction over the ranks (``op``: "sum", "max" or "min"), and returned."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(tensor, op=ops[op], group=group)
+    return tensor

@@ -1,0 +1,188 @@
+"""ZeRO-2 on DDP: every combination of partition x gradient reduction x stepping x bucket view equals DDP + the
+plain optimizer (+ torch's clip_grad_norm_), on a model with a channels_last convolution and two param groups."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from distoptim._flat import flat_view
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
+from distoptim.zero.partition import SPLIT
+from tests._dist import run_on_ranks
+
+ITERATIONS = 4
+PARTITIONS = ["greedy", "even"]
+REDUCTIONS = ["all_reduce", "to_owners"]
+STEPPING = ["explicit", "hook", "interleaved"]
+WRAPPERS = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last))))
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    return [{"params": params[:2], "lr": 0.02}, {"params": params[2:]}]
+
+
+def _batch(rank: int, iteration: int) -> torch.Tensor:
+    return torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(1000 * iteration + rank))
+
+
+def _ddp(model: nn.Module) -> DDP:
+    return DDP(model, bucket_cap_mb=0.002)  # a few buckets once DDP rebuilds them after the first iteration
+
+
+def _build(config: tuple[str, str, str, bool], optimizer: tuple[type, dict[str, Any]]) -> tuple[DDP, Any]:
+    partition, reduction, stepping, bucket_view = config
+    optimizer_class, kwargs = optimizer
+    model = _Net()
+    ddp = _ddp(model)
+    zero = ZeroRedundancyOptimizer(
+        _groups(model),
+        optimizer_class,
+        parameters_as_bucket_view=bucket_view,
+        overlap_with_ddp=stepping != "explicit",
+        partition=partition,
+        **kwargs,
+    )
+    inner = reduce_to_owners_hook if reduction == "to_owners" else allreduce_hook
+    state = zero if reduction == "to_owners" else None
+    if stepping != "explicit":
+        ddp.register_comm_hook(state, WRAPPERS[stepping](inner, ddp, zero))
+    elif reduction == "to_owners":
+        ddp.register_comm_hook(zero, reduce_to_owners_hook)
+    return ddp, zero
+
+
+def _matrix_body(rank: int, world_size: int, configs: list[tuple[str, str, str, bool]]) -> None:
+    optimizers = [
+        (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+        (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    ]
+    for number, config in enumerate(configs):
+        optimizer_class, kwargs = optimizers[number % 2]
+        clip = config[2] == "explicit"
+        what = f"{config} {optimizer_class.__name__} world={world_size}"
+        ddp, zero = _build(config, (optimizer_class, kwargs))
+        reference = _Net()
+        reference_ddp = _ddp(reference)
+        reference_optimizer = optimizer_class(_groups(reference), **kwargs)
+        for iteration in range(ITERATIONS):
+            zero.zero_grad()
+            ddp(_batch(rank, iteration)).square().mean().backward()
+            reference_optimizer.zero_grad()
+            reference_ddp(_batch(rank, iteration)).square().mean().backward()
+            if config[1] == "to_owners" and config[2] == "explicit":
+                _assert_only_owned_gradients_averaged(zero, ddp.module, reference, what)
+            if clip:
+                norm_type = [2.0, math.inf, 1.0][iteration % 3]
+                total = zero.clip_grad_norm_(0.05, norm_type=norm_type)
+                expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type=norm_type)
+                torch.testing.assert_close(total, expected, rtol=1e-6, atol=0, msg=f"{what}: norm {norm_type}")
+            if config[2] == "explicit":
+                zero.step()
+            reference_optimizer.step()
+            for index, (param, want) in enumerate(zip(ddp.module.parameters(), reference.parameters())):
+                label = f"{what} iteration {iteration} parameter {index}"
+                torch.testing.assert_close(
+                    param, want, rtol=1e-5, atol=1e-6, msg=lambda m, label=label: f"{label}: {m}"
+                )
+                assert param.stride() == want.stride(), f"{label} lost its layout"
+
+
+def _assert_only_owned_gradients_averaged(zero: Any, model: nn.Module, reference: nn.Module, what: str) -> None:
+    """Under reduce_to_owners_hook a rank's owned gradient elements are the average; the rest is not."""
+    rank, foreign_differs = zero.rank, False
+    for param, want in zip(model.parameters(), reference.parameters()):
+        got, expected = flat_view(param.grad), flat_view(want.grad)
+        for fragment in zero.fragments_of(param):
+            piece = slice(fragment.offset, fragment.offset + fragment.length)
+            if fragment.rank == rank:
+                torch.testing.assert_close(got[piece], expected[piece], rtol=1e-5, atol=1e-7, msg=what)
+            else:
+                foreign_differs |= not torch.allclose(got[piece], expected[piece])
+    assert foreign_differs or zero.world_size == 1, f"{what}: gradients a rank does not own were averaged too"
+    if zero.partition == "even":
+        assert any(zero.owner_of(p) == SPLIT for p in model.parameters()), f"{what}: nothing straddles ranks"
+
+
+CONFIGS = list(itertools.product(PARTITIONS, REDUCTIONS, STEPPING, [False, True]))
+
+
+def test_every_combination_at_two_ranks() -> None:
+    run_on_ranks(_matrix_body, 2, CONFIGS, timeout=240)
+
+
+def test_every_combination_at_three_ranks() -> None:
+    run_on_ranks(_matrix_body, 3, CONFIGS, timeout=240)
+
+
+def _join_body(rank: int, world_size: int, partition: str) -> None:
+    """Uneven inputs under Join with gradients reduced to owners. DDP averages over all ranks (joined ones give
+    zeros) and a joined rank does not step, so an element moves by the average while its owner still trains and
+    stays put after: plain SGD on the average with the joined owners' elements masked out."""
+    model, reference = _Net(), _Net()
+    ddp = _ddp(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition=partition, lr=0.05)
+    ddp.register_comm_hook(zero, reduce_to_owners_hook)
+    batches = [2 + r for r in range(world_size)]
+    with Join([ddp, zero]):
+        for iteration in range(batches[rank]):
+            zero.zero_grad()
+            ddp(_batch(rank, iteration)).square().mean().backward()
+            zero.step()
+    owners = []
+    for param in model.parameters():
+        owner = torch.empty(param.numel(), dtype=torch.long)
+        for fragment in zero.fragments_of(param):
+            owner[fragment.offset : fragment.offset + fragment.length] = fragment.rank
+        owners.append(owner)
+    for iteration in range(max(batches)):
+        active = torch.tensor([iteration < count for count in batches])
+        reference.zero_grad()
+        for r in range(world_size):
+            if active[r]:
+                reference(_batch(r, iteration)).square().mean().backward()
+        with torch.no_grad():
+            for param, owner in zip(reference.parameters(), owners):
+                assert param.grad is not None and param.grad.stride() == param.stride()
+                flat_view(param).sub_(0.05 * flat_view(param.grad) / world_size * active[owner])  # memory order
+    for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
+        torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, i=index: f"parameter {i}: {m}")
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_join_with_uneven_inputs(partition: str) -> None:
+    run_on_ranks(_join_body, 3, partition)
+
+
+def _clip_errors_body(rank: int, world_size: int) -> None:
+    model = _Net()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="even", lr=0.1)
+    for param in model.parameters():
+        param.grad = torch.full_like(param, math.nan if rank == 1 else 1.0)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        zero.clip_grad_norm_(1.0, error_if_nonfinite=True)  # only rank 1 has the nan: every rank raises
+
+
+def test_clip_grad_norm_nonfinite_raises_on_every_rank() -> None:
+    run_on_ranks(_clip_errors_body, 2)
