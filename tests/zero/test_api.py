@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from collections.abc import Callable
@@ -200,9 +201,12 @@ def test_non_default_process_group() -> None:
 
 
 def _add_param_group_body(rank: int, world_size: int) -> None:
-    for bucket_view in (False, True):
+    for bucket_view, partition in itertools.product((False, True), ("greedy", "even")):
         (first, second), (first_ref, second_ref) = make_params(), make_params()
-        zero = ZeroRedundancyOptimizer(first, SGD, parameters_as_bucket_view=bucket_view, lr=0.1, momentum=0.9)
+        zero = ZeroRedundancyOptimizer(
+            first, SGD, parameters_as_bucket_view=bucket_view, partition=partition, lr=0.1, momentum=0.9
+        )
+        before_fragments = zero.plan.fragments
         reference = SGD(first_ref, lr=0.1, momentum=0.9)
         before = zero.plan.owners
         for step in range(4):
@@ -210,6 +214,7 @@ def _add_param_group_body(rank: int, world_size: int) -> None:
                 zero.add_param_group({"params": second, "lr": 0.05})
                 reference.add_param_group({"params": second_ref, "lr": 0.05})
                 assert zero.plan.owners[: len(before)] == before
+                assert zero.plan.fragments[: len(before)] == before_fragments  # placed elements stay put
                 assert len(zero.local_optimizer.param_groups) == 2
             params, expected = (
                 flatten(zero.param_groups and [g["params"] for g in zero.param_groups]),
@@ -220,7 +225,7 @@ def _add_param_group_body(rank: int, world_size: int) -> None:
                 param.grad, ref.grad = grad, None if grad is None else grad.clone()
             zero.step()
             reference.step()
-            assert_same_tensors(params, expected, f"bucket_view={bucket_view} step {step}")
+            assert_same_tensors(params, expected, f"bucket_view={bucket_view} {partition} step {step}")
         zero.zero_grad()
         assert all(p.grad is None for p in params), "zero_grad clears every parameter, owned or not"
         if bucket_view:  # trainable parameters are views into the rebuilt flat buckets
