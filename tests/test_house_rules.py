@@ -45,3 +45,123 @@ def test_library_does_not_import_torch_implementations() -> None:
     assert files, f"no sources found under {SRC}"
     offenders = {str(path.relative_to(SRC)): bad for path in files if (bad := _forbidden_imports(path.read_text()))}
     assert not offenders, f"library modules import what they must reimplement: {offenders}"
+
+
+# ------------------------------------------------------------- communication lives in the comm modules only
+
+COMM_MODULES = {"_groups.py", "zero/comm.py", "averaging/comm.py", "rpc.py"}  # rpc.py: the RPC framework is its comm
+APPLICATION = "demo/"  # the demo is a program using the library, not library code
+COLLECTIVES = {
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "gather", "send", "recv", "isend",
+    "irecv", "barrier", "monitored_barrier", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+    "send_object_list", "recv_object_list", "gather_object", "scatter_object_list", "new_group", "new_subgroups",
+}  # fmt: skip
+
+
+def _collective_calls(source: str) -> list[str]:
+    """Calls of torch.distributed's communication functions, however torch.distributed was imported."""
+    tree = ast.parse(source)
+    aliases, direct = {"torch.distributed"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname or a.name for a in node.names if a.name == "torch.distributed")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases.update(a.asname or a.name for a in node.names if a.name == "distributed")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            direct.update(a.asname or a.name for a in node.names if a.name in COLLECTIVES)
+    calls = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in direct:
+            calls.append(func.id)
+        elif isinstance(func, ast.Attribute) and func.attr in COLLECTIVES and ast.unparse(func.value) in aliases:
+            calls.append(f"{ast.unparse(func.value)}.{func.attr}")
+    return calls
+
+
+def test_collective_rule_catches_every_spelling() -> None:
+    assert _collective_calls("import torch.distributed as dist\ndist.all_reduce(t)")
+    assert _collective_calls("import torch\ntorch.distributed.broadcast(t, 0)")
+    assert _collective_calls("from torch import distributed as d\nd.send(t, 1)")
+    assert _collective_calls("from torch.distributed import reduce as r\nr(t, 0)")
+    assert not _collective_calls("import torch.distributed as dist\ndist.get_rank()\nx.all_reduce(t)")
+
+
+def test_only_comm_modules_call_torch_distributed() -> None:
+    offenders = {}
+    for path in sorted(SRC.rglob("*.py")):
+        name = path.relative_to(SRC).as_posix()
+        if name in COMM_MODULES or name.startswith(APPLICATION):
+            continue
+        if calls := _collective_calls(path.read_text()):
+            offenders[name] = calls
+    assert not offenders, f"only {sorted(COMM_MODULES)} may call torch.distributed's collectives: {offenders}"
+
+
+# ------------------------------------------------------------------------------------- no import cycles
+
+
+def _module_name(path: Path) -> str:
+    parts = ["distoptim", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """distoptim's modules and the distoptim modules each imports (``TYPE_CHECKING`` imports included; ``from
+    package import module`` counts as importing the module, not the package's ``__init__``)."""
+    modules = {_module_name(path): path for path in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    edges.add(submodule if submodule in modules else node.module)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among modules (packages' ``__init__`` re-exports aside), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for child in sorted(graph.get(node, ())):
+            if child in graph and all(child != p and not child.startswith(p + ".") for p in _packages(node)):
+                if state.get(child) == 1:
+                    return [*stack[stack.index(child) :], child]
+                if state.get(child) is None and (found := visit(child)):
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if state.get(node) is None and (found := visit(node)):
+            return found
+    return None
+
+
+def _packages(module: str) -> list[str]:
+    """The packages above ``module``: importing one of them from inside is a package ``__init__`` re-export."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def test_cycle_finder_finds_cycles() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles_between_library_modules() -> None:
+    cycle = _cycle(_import_graph())
+    assert cycle is None, f"import cycle (TYPE_CHECKING imports count): {' -> '.join(cycle)}"

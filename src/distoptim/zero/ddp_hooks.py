@@ -23,126 +23,15 @@ from torch.distributed import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import comm
-from distoptim.zero.buckets import StagedSync, layouts_from_plan
+from distoptim.zero.overlap import OverlapStepper
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["OverlapStepper", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 CommHook = Callable[[Any, GradBucket], Future[Tensor]]
-
-# torch.optim.lr_scheduler reads this attribute to tell whether optimizer.step() ran before its own step().
-_SCHEDULER_SAW_STEP = "_opt_called"
-
-
-class OverlapStepper:
-    """The overlap-mode step of one ZeroRedundancyOptimizer: functional optimizers over the local param groups.
-
-    They share the local ``torch.optim`` optimizer's ``state`` (so consolidation and loading work unchanged) and
-    read the global ``param_groups`` at every step (so schedulers work).
-    """
-
-    def __init__(self, zero: "ZeroRedundancyOptimizer", functional_cls: type[FunctionalOptimizer]) -> None:
-        self.zero = zero
-        self.functional_cls = functional_cls
-        self.functionals: list[FunctionalOptimizer] = []
-        self.hooked = False
-        self.stepped = False  # by a hook since the last zero_grad()
-        self._unconfirmed = False  # stepped by a hook since the last zero.step()
-        self._grad_seen: tuple[int, int] | None = None
-        self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
-        self._groups_of: dict[int, set[int]] = {}  # owned parameter id -> indices of the local groups holding it
-
-    def rebuild(self) -> None:
-        """(Re)create one functional optimizer per local param group over the local shard's tensors (after
-        construction, add_param_group or a change of trainability)."""
-        shard = self.zero.local_shard
-        self.functionals = []
-        for group, tensors in zip(self.zero.local_optimizer.param_groups, shard.tensors):
-            options = {k: v for k, v in group.items() if k in self.functional_cls.spec.defaults}
-            self.functionals.append(self.functional_cls(tensors, **options, _allow_empty_param_list=True))
-        self._groups_of = {}
-        for index, locals_ in enumerate(shard.groups):
-            for local in locals_:
-                self._groups_of.setdefault(id(local.param), set()).add(index)
-        self._bucket_syncs.clear()
-
-    def step(self, grads: dict[int, Tensor | None]) -> None:
-        """Step the owned parameters (or fragments) of the parameters whose id is in ``grads`` with those gradients
-        (None: skip it, as torch.optim skips a parameter whose ``.grad`` is None)."""
-        state = self.zero.local_optimizer.state
-        shard = self.zero.local_shard
-        for index in sorted({i for key in grads for i in self._groups_of.get(key, ())}):
-            functional, group = self.functionals[index], self.zero.param_groups[index]
-            functional.state = state  # load_state_dict may have replaced the local optimizer's state
-            functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
-            functional.step([local.grad_from(grads.get(id(local.param))) for local in shard.groups[index]])
-        self.stepped = self._unconfirmed = True
-        setattr(self.zero, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
-
-    def explicit_step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
-        """``zero.step()`` in overlap mode: the hook stepped during backward, so this only checks that it did.
-
-        A ``closure`` is run first, as ``torch.optim`` runs it (it is expected to run the backward), and its loss is
-        returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran.
-        """
-        if kwargs:
-            raise TypeError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True).step() takes no keyword arguments, got "
-                f"{sorted(kwargs)}: the step already ran inside DDP's backward"
-            )
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.hooked:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, but no overlap hook is "
-                "registered: call ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)) (or "
-                "the interleaved one) before training; step() then only confirms the hook's step"
-            )
-        if not self._unconfirmed:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True): the DDP comm hook has not stepped since the last "
-                "step(); run loss.backward() on the DDP model's output before step() (the step runs inside DDP's "
-                "backward, and step() only confirms it once per backward)"
-            )
-        self._unconfirmed = False
-        return loss
-
-    def bucket_sync(self, params: list[Tensor]) -> StagedSync:
-        """The staged broadcast of one DDP bucket's parameters (their fragments) from their owners (cached)."""
-        key = tuple(map(id, params))
-        if key not in self._bucket_syncs:
-            plan, held = self.zero.plan, self.zero._params
-            in_bucket = set(key)
-            fragments = [f if id(p) in in_bucket else () for p, f in zip(held, plan.fragments)]
-            stage_bytes = sum(p.numel() * p.element_size() for p in params)
-            layouts = layouts_from_plan(plan.layouts, fragments, held)
-            self._bucket_syncs[key] = StagedSync(layouts, self.zero.process_group, stage_bytes)
-        return self._bucket_syncs[key]
-
-    def check_stepped(self) -> None:
-        """Called by ``zero_grad``: gradients arrived since the last call but no hook stepped -> say so."""
-        seen = self._grad_marker()
-        if seen is not None and seen != self._grad_seen and not self.stepped:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) has gradients but no optimizer step ran: register "
-                "hook_with_zero_step(allreduce_hook, ddp, zero) (or the interleaved one) with "
-                "ddp.register_comm_hook(None, ...) so that DDP's backward steps the optimizer"
-            )
-        self.stepped = False
-
-    def record_grads(self) -> None:
-        self._grad_seen = self._grad_marker()
-
-    def _grad_marker(self) -> tuple[int, int] | None:
-        """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
-        grad = next((p.grad for p in self.zero._params if p.requires_grad), None)
-        return None if grad is None else (id(grad), grad._version)
 
 
 class _UsedFlags:
@@ -228,7 +117,7 @@ def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimize
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
-    held = {id(p) for p in zero._params}
+    held = {id(p) for p in zero.global_params}
     in_ddp = {id(p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
     unheld = [
         f"'{name}'"
@@ -303,7 +192,7 @@ def hook_with_zero_step(
             used = used[len(earlier.params) :]
         pending.clear()
         stepper.step(grads)
-        zero._sync_parameters()
+        zero.sync_parameters()
         return reduction.reduced
 
     return hook_with_zero_step

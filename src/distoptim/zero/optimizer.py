@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import checkpoint, clipping, comm, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
-from distoptim.zero.ddp_hooks import OverlapStepper
+from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard, slice_entry, stitch
 
@@ -111,7 +111,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.partition = partition
         self._optimizer_class = local_class
-        self.overlap_stepper = None if functional_cls is None else OverlapStepper(self, functional_cls)
+        self.overlap_stepper = None if functional_cls is None else OverlapStepper(functional_cls, group, self)
         self._defaults = defaults
         self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
@@ -124,7 +124,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ----------------------------------------------------------------------------------------------- views
     @property
-    def _params(self) -> list[Tensor]:
+    def global_params(self) -> list[Tensor]:
+        """Every parameter this optimizer holds (owned here or not), in global order: group by group."""
         return [param for group in self.param_groups for param in group["params"]]
 
     @property
@@ -149,7 +150,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _index_of(self, param: Tensor) -> int | None:
         """``param``'s global index (None when not held), from a table rebuilt with the plan."""
         if self._index_cache[0] is not self.plan:
-            self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self._params)})
+            self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self.global_params)})
         return self._index_cache[1].get(id(param))
 
     @property
@@ -189,12 +190,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             )
         finally:
             self.local_shard.detach_grads()
-        self._sync_parameters()
+        self.sync_parameters()
         self._pull_hyperparameters()
         self._consolidated = None
         return loss
 
-    def _sync_parameters(self) -> None:
+    def sync_parameters(self) -> None:
+        """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
         assert self._sync is not None
         self._sync.sync_parameters()
 
@@ -261,7 +263,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Parameters that already have an owner keep it, and their state, even when frozen since (a frozen parameter
         has no gradient, so its owner skips it as a plain optimizer would).
         """
-        params = self._params
+        params = self.global_params
         self._trainability = tuple(p.requires_grad for p in params)
         self._plan = partition_parameters(
             [p.numel() for p in params],
@@ -295,7 +297,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.optim.add_param_group(new_group)
         self._pull_hyperparameters()
         if self.overlap_stepper is not None:
-            self.overlap_stepper.rebuild()
+            self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
 
     def _repartition_if_trainability_changed(self) -> None:
         """Gradual unfreezing: a parameter made trainable since the last step gets an owner before this step.
@@ -303,7 +305,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Like torch's ZeroRedundancyOptimizer this is detected locally, so every rank must change ``requires_grad``
         of the same parameters before the same step (as the same training script does).
         """
-        if tuple(p.requires_grad for p in self._params) != self._trainability:
+        if tuple(p.requires_grad for p in self.global_params) != self._trainability:
             self._repartition()
 
     # -------------------------------------------------------------------------------------- checkpoints
@@ -326,7 +328,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for source in range(self.world_size):
             if source != to:
                 merged.update(checkpoint.receive_state(source, self.process_group, self._comm_device))
-        self._consolidated = dict(sorted(stitch(merged, self._params).items()))
+        self._consolidated = dict(sorted(stitch(merged, self.global_params).items()))
 
     def _global_local_state(self) -> dict[Any, dict[str, Any]]:
         """This rank's state keyed as in the global format (partial fragments as ``(index, offset)``)."""
@@ -396,7 +398,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self._params[0].device
+        return self.global_params[0].device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -410,7 +412,7 @@ class _ZeroJoinHook(JoinHook):
     def main_hook(self) -> None:
         # In overlap mode the sync runs inside the comm hook, which DDP's own join hook already shadows.
         if self.zero.overlap_stepper is None:
-            self.zero._sync_parameters()
+            self.zero.sync_parameters()
 
 
 def _functional_for_overlap(optimizer_class: type) -> type[FunctionalOptimizer]:
