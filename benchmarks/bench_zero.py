@@ -138,6 +138,36 @@ def compare(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return pairs
 
 
+def best(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world size: the fastest distoptim configuration against torch's fastest and against DDP + AdamW."""
+    rows = []
+    for world_size in sorted({s["world_size"] for s in summaries}):
+        here = [s for s in summaries if s["world_size"] == world_size]
+        ours = [s for s in here if s["impl"] not in ("torch", "baseline")]
+        theirs = [s for s in here if s["impl"] == "torch"]
+        ddp = [s for s in here if s["impl"] == "baseline"]
+        if not ours:
+            continue
+        fastest = min(ours, key=lambda s: s["median_total_ms"])
+        row = {"world_size": world_size, "ours": fastest["variant"], "ours_ms": fastest["median_total_ms"]}
+        row["state_over_ideal"] = {s["variant"]: s["state_bytes_max"] / s["state_bytes_ideal"] for s in here}
+        row["bytes_over_ddp"] = {
+            s["variant"]: s["comm_bytes_per_rank_per_step"] / max(ddp[0]["comm_bytes_per_rank_per_step"], 1e-9)
+            for s in here
+            if ddp
+        }
+        if theirs:
+            torch_best = min(theirs, key=lambda s: s["median_total_ms"])
+            row |= {
+                "torch": torch_best["variant"],
+                "time_over_torch": fastest["median_total_ms"] / torch_best["median_total_ms"],
+            }
+        if ddp:
+            row["time_over_ddp"] = fastest["median_total_ms"] / ddp[0]["median_total_ms"]
+        rows.append(row)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -192,11 +222,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"  N={pair['world_size']} {pair['setting']:<20} {pair['time_ratio']:>10.3f} "
                 f"{pair['step_time_ratio']:>14.3f} {pair['bytes_ratio']:>12.3f}"
             )
+    fastest = best(summaries)
+    for row in fastest:
+        print(
+            f"\nN={row['world_size']}: fastest distoptim: {row['ours']} ({row['ours_ms']:.1f} ms)"
+            + (f", / torch's fastest ({row['torch']}): {row['time_over_torch']:.3f}" if "torch" in row else "")
+            + (f", / DDP + AdamW: {row['time_over_ddp']:.3f}" if "time_over_ddp" in row else "")
+        )
+        print("  largest state shard / ideal: " + ", ".join(f"{k} {v:.2f}" for k, v in row["state_over_ideal"].items()))
+        if row["bytes_over_ddp"]:
+            print(
+                "  bytes / DDP's all-reduce:    " + ", ".join(f"{k} {v:.2f}" for k, v in row["bytes_over_ddp"].items())
+            )
     payload = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "config": asdict(config),
     }
-    payload |= {"torch": torch.__version__, "cpus": _cpus(), "results": summaries, "comparisons": pairs}
+    payload |= {
+        "torch": torch.__version__,
+        "cpus": _cpus(),
+        "results": summaries,
+        "comparisons": pairs,
+        "best": fastest,
+    }
     args.json.write_text(json.dumps(payload, indent=1))
     print(f"\nwrote {args.json} ({time.perf_counter() - started:.0f} s)")
     return 0

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import AdamW, Optimizer
 
 from distoptim import ZeroRedundancyOptimizer
-from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
 
 __all__ = ["VARIANTS", "Variant"]
 
@@ -55,9 +55,30 @@ def _torch_zero(bucket_view: bool) -> Builder:
     return build
 
 
-def _our_zero(bucket_view: bool) -> Builder:
+def _our_zero(bucket_view: bool, partition: str = "greedy") -> Builder:
     def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
-        return ZeroRedundancyOptimizer(params, optimizer_class=AdamW, parameters_as_bucket_view=bucket_view, **kwargs)
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=AdamW, parameters_as_bucket_view=bucket_view, partition=partition, **kwargs
+        )
+
+    return build
+
+
+def _our_zero2(partition: str, stepping: Any = None) -> Builder:
+    """Gradients reduced to their owners (ZeRO-2), bucket views; stepped after the backward or by ``stepping``."""
+
+    def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
+        zero = ZeroRedundancyOptimizer(
+            params,
+            optimizer_class=AdamW,
+            parameters_as_bucket_view=True,
+            overlap_with_ddp=stepping is not None,
+            partition=partition,
+            **kwargs,
+        )
+        hook = reduce_to_owners_hook if stepping is None else stepping(reduce_to_owners_hook, ddp, zero)
+        ddp.register_comm_hook(zero, hook)
+        return zero
 
     return build
 
@@ -100,6 +121,39 @@ VARIANTS: dict[str, Variant] = {
             "overlap",
             "hook_with_zero_step_interleaved",
             _our_overlap(True),
+            local=lambda z: z.local_optimizer,
+            ddp_cpp_allreduce=False,
+            steps_in_backward=True,
+        ),
+        # The even partition, and ZeRO-2: gradients reduced to their owners inside the backward (reduce_to_owners_hook).
+        Variant(
+            "distoptim-even-bucket",
+            "even",
+            "even, bucket_view=True",
+            _our_zero(True, "even"),
+            local=lambda z: z.local_optimizer,
+        ),
+        Variant(
+            "zero2-greedy-bucket",
+            "zero2",
+            "greedy, to owners",
+            _our_zero2("greedy"),
+            local=lambda z: z.local_optimizer,
+            ddp_cpp_allreduce=False,
+        ),
+        Variant(
+            "zero2-even-bucket",
+            "zero2",
+            "even, to owners",
+            _our_zero2("even"),
+            local=lambda z: z.local_optimizer,
+            ddp_cpp_allreduce=False,
+        ),
+        Variant(
+            "zero2-even-interleaved",
+            "zero2",
+            "even, to owners, interleaved",
+            _our_zero2("even", hook_with_zero_step_interleaved),
             local=lambda z: z.local_optimizer,
             ddp_cpp_allreduce=False,
             steps_in_backward=True,
