@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import flat_view
 from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
+from distoptim.zero import comm
 from distoptim.zero.partition import SPLIT
 from tests._dist import run_on_ranks
 
@@ -186,3 +188,20 @@ def _clip_errors_body(rank: int, world_size: int) -> None:
 
 def test_clip_grad_norm_nonfinite_raises_on_every_rank() -> None:
     run_on_ranks(_clip_errors_body, 2)
+
+
+def _reduce_to_owners_body(rank: int, world_size: int) -> None:
+    """Both ways comm.reduce_to_owners_async works on gloo: rooted reduces in place, or packed owner by owner."""
+    slices = [(2, 0, 3), (0, 3, 5), (1, 5, 9), (0, 9, 10), (2, 10, 11), (1, 11, 12)]  # owners interleaved
+    for calls in (4, 0):  # 0: too many slices for in-place reduces, so they are packed into a staging tensor
+        buffer = torch.arange(12, dtype=torch.float32) * (rank + 1)
+        summed = torch.arange(12, dtype=torch.float32) * sum(r + 1 for r in range(world_size))
+        result = comm.reduce_to_owners_async(buffer, slices, dist.group.WORLD, max_rooted_calls_per_rank=calls).wait()
+        assert result is buffer
+        for owner, start, end in slices:
+            if owner == rank:
+                assert torch.equal(buffer[start:end], summed[start:end]), (calls, owner, start, end)
+
+
+def test_reduce_to_owners_in_place_and_staged() -> None:
+    run_on_ranks(_reduce_to_owners_body, 3)

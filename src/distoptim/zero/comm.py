@@ -165,34 +165,63 @@ def all_reduce_max_async(tensor: Tensor, group: Group) -> Any:
 
 
 def reduce_to_owners_async(
-    stage: Tensor, starts: Sequence[int], sizes: Sequence[int], group: Group
-) -> torch.futures.Future[Any]:
-    """Sum ``stage[starts[r] : starts[r] + sizes[r]]`` over the ranks onto rank ``r``, for every ``r``, asynchronously.
+    buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: Group, max_rooted_calls_per_rank: int = 4
+) -> torch.futures.Future[Tensor]:
+    """Sum ``buffer[start:end]`` over the ranks onto group rank ``owner``, for every ``(owner, start, end)``,
+    asynchronously; the future yields ``buffer``, whose owned slices then hold the sums (the rest is unspecified).
 
-    Only the owner's segment is meaningful afterwards. gloo: one rooted reduce per rank, concurrently (faster than
-    its reduce-scatter, see DESIGN.md). NCCL: one ``reduce_scatter_tensor`` over segments padded to equal length.
+    gloo: one rooted reduce per slice, in place, concurrently (faster than its reduce-scatter, see DESIGN.md), or,
+    when the slices are many (owners interleaved), packed owner by owner into one staging tensor first. NCCL: one
+    ``reduce_scatter_tensor`` over the owners' slices packed into equal, padded chunks.
     """
-    if dist.get_backend(group) == "nccl" and len(sizes) > 1:
-        chunk = max(sizes)
-        padded = stage.new_zeros(chunk * len(sizes))
-        for start, size, rank in zip(starts, sizes, range(len(sizes))):
-            padded[rank * chunk : rank * chunk + size].copy_(stage[start : start + size])
-        mine = group_rank(group)
-        output = stage.new_empty(chunk)
-        work = dist.reduce_scatter_tensor(output, padded, group=group, async_op=True)
-        assert work is not None
+    size = group_size(group)
+    nccl = dist.get_backend(group) == "nccl"
+    if not nccl and len(slices) <= max_rooted_calls_per_rank * size:
+        works = [
+            dist.reduce(buffer[start:end], dst=_global(group, owner), group=group, async_op=True)
+            for owner, start, end in slices
+        ]
+        return _when_done(works, buffer)
+    by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for owner, start, end in slices:
+        by_owner[owner].append((start, end))
+    sizes = [sum(end - start for start, end in ranges) for ranges in by_owner]
+    chunk = max(sizes) if nccl else 0
+    starts = [rank * chunk for rank in range(size)] if nccl else [sum(sizes[:rank]) for rank in range(size)]
+    stage = buffer.new_zeros(chunk * size if nccl else sum(sizes))
+    for ranges, at in zip(by_owner, starts):
+        for start, end in ranges:
+            stage[at : at + end - start].copy_(buffer[start:end])
+            at += end - start
+    mine = group_rank(group)
+    if nccl:
+        own = stage.new_empty(chunk)
+        works = [dist.reduce_scatter_tensor(own, stage, group=group, async_op=True)]
+    else:
+        own = stage[starts[mine] : starts[mine] + sizes[mine]]
+        works = [
+            dist.reduce(stage[at : at + n], dst=_global(group, rank), group=group, async_op=True)
+            for rank, (at, n) in enumerate(zip(starts, sizes))
+            if n
+        ]
 
-        def land(_: torch.futures.Future[Any]) -> None:
-            stage[starts[mine] : starts[mine] + sizes[mine]].copy_(output[: sizes[mine]])
+    def land(_: torch.futures.Future[Any]) -> Tensor:
+        at = 0
+        for start, end in by_owner[mine]:
+            buffer[start:end].copy_(own[at : at + end - start])
+            at += end - start
+        return buffer
 
-        landed: torch.futures.Future[Any] = work.get_future().then(land)
-        return landed
-    works = [
-        dist.reduce(stage[start : start + size], dst=_global(group, rank), group=group, async_op=True)
-        for rank, (start, size) in enumerate(zip(starts, sizes))
-        if size > 0
-    ]
-    return torch.futures.collect_all([work.get_future() for work in works])
+    landed: torch.futures.Future[Tensor] = torch.futures.collect_all([w.get_future() for w in works]).then(land)
+    return landed
+
+
+def _when_done(works: Sequence[Any], value: Tensor) -> torch.futures.Future[Tensor]:
+    """A future that yields ``value`` once every work in ``works`` has completed."""
+    done: torch.futures.Future[Tensor] = torch.futures.collect_all([w.get_future() for w in works]).then(
+        lambda _: value
+    )
+    return done
 
 
 def all_reduce_(tensor: Tensor, group: Group, op: str = "sum") -> Tensor:

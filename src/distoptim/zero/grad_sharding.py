@@ -13,10 +13,8 @@ read owned fragments only). The hook is also the inner hook of the overlap wrapp
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against the real classes.
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 from torch.distributed import GradBucket
 from torch.futures import Future
@@ -29,38 +27,25 @@ if TYPE_CHECKING:
 __all__ = ["reduce_to_owners_hook"]
 
 
-@dataclass(frozen=True)
-class _Route:
-    """Where a bucket's owned elements go: ``ranges[r]`` are rank ``r``'s ``(start, length)`` in the bucket, packed
-    rank by rank into a staging tensor whose rank-``r`` segment starts at ``starts[r]`` and holds ``sizes[r]``."""
-
-    ranges: tuple[tuple[tuple[int, int], ...], ...]
-    starts: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return self.starts[-1] + self.sizes[-1] if self.sizes else 0
+_ROUTES: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[tuple[int, int, int]]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
-_ROUTES: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Route]]" = weakref.WeakKeyDictionary()
-
-
-def _route(zero: "ZeroRedundancyOptimizer", params: list[Tensor]) -> _Route:
-    """The bucket's route, computed once per (partition plan, bucket) from the plan's fragments."""
+def _route(zero: "ZeroRedundancyOptimizer", params: list[Tensor]) -> list[tuple[int, int, int]]:
+    """``(owner, start, end)`` of the bucket's owned ranges, neighbours of one owner merged; computed once per
+    (partition plan, bucket) from the plan's fragments. Offsets count every parameter of the bucket."""
     cache = _ROUTES.setdefault(zero, {})
     key = (id(zero.plan), *map(id, params))
     if key not in cache:
-        ranges: list[list[tuple[int, int]]] = [[] for _ in range(zero.world_size)]
-        offset, foreign = 0, []
+        pieces, offset, foreign = [], 0, []
         for param in params:
             fragments = zero.fragments_of(param)
             if fragments is None:
                 if param.requires_grad:
                     foreign.append(tuple(param.shape))
             else:
-                for fragment in fragments:
-                    ranges[fragment.rank].append((offset + fragment.offset, fragment.length))
+                pieces += [(f.rank, offset + f.offset, offset + f.offset + f.length) for f in fragments if f.length]
             offset += param.numel()
         if foreign:
             raise ValueError(
@@ -68,30 +53,22 @@ def _route(zero: "ZeroRedundancyOptimizer", params: list[Tensor]) -> _Route:
                 "ZeroRedundancyOptimizer does not hold, so nobody would own their gradients; build ZeRO over all of "
                 "the DDP model's trainable parameters, or keep the default all-reduce"
             )
-        sizes = [sum(length for _, length in rank_ranges) for rank_ranges in ranges]
-        starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
-        cache[key] = _Route(tuple(map(tuple, ranges)), tuple(starts), tuple(sizes))
+        merged: list[tuple[int, int, int]] = []
+        for rank, start, end in sorted(pieces, key=lambda piece: piece[1]):
+            if merged and merged[-1][0] == rank and merged[-1][2] == start:
+                merged[-1] = (rank, merged[-1][1], end)
+            else:
+                merged.append((rank, start, end))
+        cache[key] = merged
     return cache[key]
 
 
 def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -> Future[Tensor]:
     """Average the bucket's gradients onto the ranks that own them (register with ``zero`` as the hook's state).
 
-    The owned elements are packed rank by rank, reduced to their owner (``comm.reduce_to_owners``: N rooted reduces
-    on gloo, one reduce-scatter on NCCL) and written back into the bucket, which DDP then copies into ``.grad``.
+    The bucket is divided by the world size first (as DDP's all-reduce does) and its owned ranges are summed onto
+    their owners by ``comm.reduce_to_owners_async``, which picks the collectives for the backend.
     """
-    route = _route(zero, bucket.parameters())
     buffer = bucket.buffer()
-    pieces = [buffer[start : start + length] for rank_ranges in route.ranges for start, length in rank_ranges]
-    stage = torch.cat(pieces) if pieces else buffer.new_empty(0)
-    stage.div_(zero.world_size)  # divide first, as DDP's all-reduce does
-    mine = zero.rank
-
-    def land(_: Any) -> Tensor:
-        own, start = stage[route.starts[mine] : route.starts[mine] + route.sizes[mine]], 0
-        for offset, length in route.ranges[mine]:
-            buffer[offset : offset + length].copy_(own[start : start + length])
-            start += length
-        return buffer
-
-    return comm.reduce_to_owners_async(stage, route.starts, route.sizes, zero.process_group).then(land)
+    buffer.div_(zero.world_size)
+    return comm.reduce_to_owners_async(buffer, _route(zero, bucket.parameters()), zero.process_group)
