@@ -165,3 +165,13 @@ def test_cycle_finder_finds_cycles() -> None:
 def test_no_import_cycles_between_library_modules() -> None:
     cycle = _cycle(_import_graph())
     assert cycle is None, f"import cycle (TYPE_CHECKING imports count): {' -> '.join(cycle)}"
+
+
+def test_library_uses_public_torch_names_only() -> None:
+    """No ``torch._C`` imports: GradBucket, distributed autograd's get_gradients and RRefs have public homes."""
+    offenders = {
+        str(path.relative_to(SRC)): private
+        for path in sorted(SRC.rglob("*.py"))
+        if (private := [name for name in _imported_modules(ast.parse(path.read_text())) if name.startswith("torch._C")])
+    }
+    assert not offenders, f"private torch imports: {offenders}"

@@ -29,8 +29,14 @@ def unpack_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
 
 def is_dense(tensor: Tensor) -> bool:
     """Whether ``tensor`` fills one stretch of memory without gaps or overlaps (contiguous, channels_last, a
-    transposed matrix...), the parameters DDP lays into its buckets with their own strides."""
-    return torch.empty_like(tensor, device="meta").stride() == tensor.stride()
+    transposed matrix...): c10's non-overlapping-and-dense rule, by which DDP lays parameters into its buckets
+    with their own strides. The dimensions of size 2 or more, sorted by stride, must tile memory exactly."""
+    expected = 1
+    for stride, size in sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def flat_view(tensor: Tensor) -> Tensor:

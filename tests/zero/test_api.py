@@ -194,6 +194,7 @@ def _train_in_subgroup(rank: int, subgroup: dist.ProcessGroup) -> None:
         reference.step()
     assert_same_tensors(flatten(params), flatten(expected), "subgroup")
     assert zero.world_size == 2 and zero.rank == rank - 1
+    assert zero.global_rank == rank and zero.initialized  # torch's public attributes
 
 
 def test_non_default_process_group() -> None:

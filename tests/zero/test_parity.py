@@ -132,11 +132,20 @@ ELEMENTWISE_CONFIGS: list[tuple[type, dict[str, object]]] = [
     (FunctionalSGD, {"lr": 0.1, "momentum": 0.5}),
 ]
 
-# A straddler (127 elements over every rank), a tiny one smaller than the padding, zero-sized ones, a frozen one,
+# A straddler (127 elements over three ranks at 4), tiny ones (one under the padding), zero-sized ones, a frozen one,
 # a channels_last-shaped 4-D one and a second dtype.
 EVEN_SPEC = [
-    [((127,), torch.float32, True), ((0, 3), torch.float32, True), ((1,), torch.float32, True)],
+    [
+        ((0,), torch.float32, True),
+        ((127,), torch.float32, True),
+        ((0, 3), torch.float32, True),
+        ((1,), torch.float32, True),
+    ],
     [((4, 3, 2, 2), torch.float32, True), ((5,), torch.float32, False), ((9,), torch.bfloat16, True)],
+    [
+        ((1,), torch.bfloat16, True),
+        ((0,), torch.bfloat16, True),
+    ],  # at 4 ranks bf16 is 10 elements in chunks of 3: this one is under the padding
 ]
 
 
@@ -147,13 +156,15 @@ def _even_parity_body(rank: int, world_size: int) -> None:
         reference_class = optimizer_class if reference_class is None else reference_class.torch_cls
         what = f"{optimizer_class.__name__} bucket_view={bucket_view} world={world_size}"
         params, expected = make_params(EVEN_SPEC), make_params(EVEN_SPEC)
-        params[1][0].data = params[1][0].data.to(memory_format=torch.channels_last)
+        params[1][0].data = params[1][0].data.to(memory_format=torch.channels_last)  # flat index 4
         expected[1][0].data = expected[1][0].data.to(memory_format=torch.channels_last)
-        groups = [{"params": params[0]}, {"params": params[1], "lr": 0.005}]
+        groups = [{"params": params[0]}, {"params": params[1], "lr": 0.005}, {"params": params[2]}]
         zero = ZeroRedundancyOptimizer(
             groups, optimizer_class, parameters_as_bucket_view=bucket_view, partition="even", **kwargs
         )
-        reference = reference_class([{"params": expected[0]}, {"params": expected[1], "lr": 0.005}], **kwargs)
+        reference = reference_class(
+            [{"params": expected[0]}, {"params": expected[1], "lr": 0.005}, {"params": expected[2]}], **kwargs
+        )
         flat, flat_expected = flatten(params), flatten(expected)
         for step in range(STEPS):
             grads = averaged_gradients(flat, rank, step)
@@ -163,9 +174,9 @@ def _even_parity_body(rank: int, world_size: int) -> None:
             zero.step()
             reference.step()
             assert_same_tensors(flat, flat_expected, f"{what} step {step}")
-        assert flat[3].is_contiguous(memory_format=torch.channels_last), f"{what}: strides kept"
+        assert flat[4].is_contiguous(memory_format=torch.channels_last), f"{what}: strides kept"
         if world_size > 1:
-            assert zero.owner_of(flat[0]) == SPLIT, "the 127-element parameter straddles ranks"
+            assert zero.owner_of(flat[1]) == SPLIT, "the 127-element parameter straddles ranks"
         zero.consolidate_state_dict(to=0)
         if rank == 0:
             state, expected_state = zero.state_dict(), reference.state_dict()

@@ -8,7 +8,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from distoptim.zero.buckets import BucketViewSync, StagedSync, build_layouts, layouts_from_plan, piece_view
+from distoptim.zero.buckets import BucketViewSync, StagedSync, layouts_from_plan, piece_view
 from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
 
@@ -34,7 +34,8 @@ def _params_for(rank: int, owners: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def _sync_body(rank: int, world_size: int) -> None:
-    plan = partition_parameters([torch.Size(s).numel() for s, _ in SHAPES], [True] * len(SHAPES), world_size)
+    numels = [torch.Size(s).numel() for s, _ in SHAPES]
+    plan = partition_parameters(numels, [True] * len(SHAPES), world_size, keys=[dtype for _, dtype in SHAPES])
     expected = [
         torch.full(shape, float(owner + i), dtype=dtype)
         for i, ((shape, dtype), owner) in enumerate(zip(SHAPES, plan.owners))
@@ -46,8 +47,7 @@ def _sync_body(rank: int, world_size: int) -> None:
         lambda layouts: StagedSync(layouts, dist.group.WORLD, direct_bytes=40),  # large ones broadcast in place
     ):
         params = _params_for(rank, plan.owners)
-        by_rank = [[p for p, o in zip(params, plan.owners) if o == r] for r in range(world_size)]
-        layouts = build_layouts(by_rank)
+        layouts = layouts_from_plan(plan.layouts, plan.fragments, params)
         assert len(layouts) == 2  # one per dtype
         sync = make_sync(layouts)
         data_ptrs = [{param.data_ptr()} for param in params]
@@ -72,7 +72,9 @@ def _strided_body(rank: int, world_size: int) -> None:
     transposed = torch.randn(5, 3).t()
     owned = [conv + rank, transposed + rank]  # rank 0 owns the first, rank 1 the second
     strides = [p.stride() for p in owned]
-    sync = BucketViewSync(build_layouts([owned[:1], owned[1:]]), dist.group.WORLD)
+    plan = partition_parameters([p.numel() for p in owned], [True, True], world_size)
+    assert plan.owners == (0, 1)
+    sync = BucketViewSync(layouts_from_plan(plan.layouts, plan.fragments, owned), dist.group.WORLD)
     assert [p.stride() for p in owned] == strides
     sync.sync_parameters()
     assert torch.equal(owned[0], conv) and torch.equal(owned[1], transposed + 1)

@@ -33,7 +33,6 @@ __all__ = [
     "ParameterSync",
     "Piece",
     "StagedSync",
-    "build_layouts",
     "layouts_from_plan",
     "piece_view",
     "view_like",
@@ -92,10 +91,6 @@ class FlatLayout:
         """The distinct parameters of the layout, in buffer order."""
         return list({id(piece.param): piece.param for piece in self.pieces}.values())
 
-    def slices(self) -> list[tuple[int, int, int]]:
-        """``(rank, start, end)`` for every rank's range of every region."""
-        return [(rank, b[rank], b[rank + 1]) for b in self.bounds for rank in range(len(b) - 1)]
-
 
 def layouts_from_plan(
     layout_plans: Sequence[LayoutPlan], fragments: Sequence[Sequence[Fragment]], params: Sequence[Tensor]
@@ -113,32 +108,12 @@ def layouts_from_plan(
     return layouts
 
 
-def build_layouts(params_by_rank: Sequence[Sequence[Tensor]]) -> list[FlatLayout]:
-    """Layouts of whole parameters, rank by rank, one per (device, dtype) of non-empty parameters."""
-    layouts: dict[tuple[torch.device, torch.dtype], FlatLayout] = {}
-    for params in params_by_rank:
-        for param in params:
-            if param.numel() > 0:
-                layouts.setdefault((param.device, param.dtype), FlatLayout(device=param.device, dtype=param.dtype))
-    for layout in layouts.values():
-        bounds, position = [0], 0
-        for rank, params in enumerate(params_by_rank):
-            for param in params:
-                if (param.device, param.dtype) == (layout.device, layout.dtype) and param.numel() > 0:
-                    layout.pieces.append(Piece(param, 0, param.numel(), rank, position))
-                    position += param.numel()
-            bounds.append(position)
-        layout.bounds = [tuple(bounds)]
-    return list(layouts.values())
-
-
 def view_like(buffer: Tensor, offset: int, param: Tensor) -> Tensor:
-    """``param``'s elements at ``buffer[offset:]`` with ``param``'s shape and, when it is dense, its strides.
-
-    This is how DDP lays parameters into its buckets too, so a bucket's memory order is its parameters'.
-    """
-    strides = torch.empty_like(param, device="meta").stride()  # param's strides when dense, else contiguous ones
-    return buffer.as_strided(param.shape, strides, buffer.storage_offset() + offset)
+    """``param``'s elements at ``buffer[offset:]`` laid out as DDP lays a parameter into its bucket: with the
+    parameter's own strides when it is dense (``_flat.is_dense``), row-major otherwise."""
+    if is_dense(param):
+        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
 
 
 class ParameterSync:

@@ -21,12 +21,12 @@ __all__ = [
     "Group",
     "all_gather_objects",
     "all_reduce_",
-    "all_reduce_max",
-    "all_reduce_max_async",
+    "all_reduce_async",
     "broadcast_slices",
     "comm_device",
     "default_group",
     "gather_from_owners",
+    "global_rank",
     "group_rank",
     "group_size",
     "receive_object",
@@ -44,7 +44,8 @@ def group_rank(group: Group) -> int:
     return dist.get_rank(group)
 
 
-def _global(group: Group, rank: int) -> int:
+def global_rank(group: Group, rank: int) -> int:
+    """The global rank of group rank ``rank`` (what torch.distributed's rooted and point-to-point calls take)."""
     return dist.get_global_rank(group, rank)
 
 
@@ -58,7 +59,7 @@ def broadcast_slices(
     ``wait_all``.
     """
     works = [
-        dist.broadcast(buffer[start:end], src=_global(group, src), group=group, async_op=True)
+        dist.broadcast(buffer[start:end], src=global_rank(group, src), group=group, async_op=True)
         for src, start, end in slices
         if end > start
     ]
@@ -70,12 +71,6 @@ def broadcast_slices(
 def wait_all(works: Sequence[Any]) -> None:
     for work in works:
         work.wait()
-
-
-def all_reduce_max(tensor: Tensor, group: Group) -> Tensor:
-    """``tensor``, overwritten with its elementwise maximum over the ranks (and returned)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
 
 
 # Objects travel as pickled bytes in uint8 tensors on the communication device, length first: torch's own object
@@ -103,17 +98,17 @@ def send_object(obj: Any, to: int, group: Group, device: torch.device | None = N
     """Send a picklable ``obj`` to group rank ``to``, which calls ``receive_object``; ``device`` as for receiving."""
     payload = _to_bytes(obj, comm_device(group) if device is None else device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
-    dist.send(length, dst=_global(group, to), group=group)
-    dist.send(payload, dst=_global(group, to), group=group)
+    dist.send(length, dst=global_rank(group, to), group=group)
+    dist.send(payload, dst=global_rank(group, to), group=group)
 
 
 def receive_object(source: int, group: Group, device: torch.device | None = None) -> Any:
     """The object group rank ``source`` sends with ``send_object`` (``device``: the communication device)."""
     device = comm_device(group) if device is None else device
     length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(length, src=_global(group, source), group=group)
+    dist.recv(length, src=global_rank(group, source), group=group)
     payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src=_global(group, source), group=group)
+    dist.recv(payload, src=global_rank(group, source), group=group)
     return _from_bytes(payload)
 
 
@@ -128,11 +123,11 @@ def _from_bytes(payload: Tensor) -> Any:
 
 
 def send_tensor(tensor: Tensor, to: int, group: Group) -> None:
-    dist.send(tensor, dst=_global(group, to), group=group)
+    dist.send(tensor, dst=global_rank(group, to), group=group)
 
 
 def receive_tensor(tensor: Tensor, source: int, group: Group) -> None:
-    dist.recv(tensor, src=_global(group, source), group=group)
+    dist.recv(tensor, src=global_rank(group, source), group=group)
 
 
 def gather_from_owners(buffer: Tensor, bounds: Sequence[Sequence[int]], group: Group) -> None:
@@ -159,11 +154,6 @@ def gather_from_owners(buffer: Tensor, bounds: Sequence[Sequence[int]], group: G
     wait_all(works)
 
 
-def all_reduce_max_async(tensor: Tensor, group: Group) -> Any:
-    """Start overwriting ``tensor`` with its elementwise maximum over the ranks; ``wait_all([work])`` finishes it."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-
-
 def reduce_to_owners_async(
     buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: Group, max_rooted_calls_per_rank: int = 4
 ) -> torch.futures.Future[Tensor]:
@@ -178,7 +168,7 @@ def reduce_to_owners_async(
     nccl = dist.get_backend(group) == "nccl"
     if not nccl and len(slices) <= max_rooted_calls_per_rank * size:
         works = [
-            dist.reduce(buffer[start:end], dst=_global(group, owner), group=group, async_op=True)
+            dist.reduce(buffer[start:end], dst=global_rank(group, owner), group=group, async_op=True)
             for owner, start, end in slices
         ]
         return _when_done(works, buffer)
@@ -200,7 +190,7 @@ def reduce_to_owners_async(
     else:
         own = stage[starts[mine] : starts[mine] + sizes[mine]]
         works = [
-            dist.reduce(stage[at : at + n], dst=_global(group, rank), group=group, async_op=True)
+            dist.reduce(stage[at : at + n], dst=global_rank(group, rank), group=group, async_op=True)
             for rank, (at, n) in enumerate(zip(starts, sizes))
             if n
         ]
@@ -226,6 +216,11 @@ def _when_done(works: Sequence[Any], value: Tensor) -> torch.futures.Future[Tens
 
 def all_reduce_(tensor: Tensor, group: Group, op: str = "sum") -> Tensor:
     """``tensor`` overwritten with its reduction over the ranks (``op``: "sum", "max" or "min"), and returned."""
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    dist.all_reduce(tensor, op=ops[op], group=group)
+    all_reduce_async(tensor, group, op).wait()
     return tensor
+
+
+def all_reduce_async(tensor: Tensor, group: Group, op: str = "sum") -> Any:
+    """Start overwriting ``tensor`` with its reduction over the ranks; ``wait_all([work])`` finishes it."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    return dist.all_reduce(tensor, op=ops[op], group=group, async_op=True)

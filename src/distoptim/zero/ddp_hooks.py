@@ -24,6 +24,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from distoptim.zero import comm
+from distoptim.zero.buckets import view_like
 from distoptim.zero.overlap import OverlapStepper
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class _UsedFlags:
     def __init__(self, params: list[Tensor], zero: "ZeroRedundancyOptimizer") -> None:
         device = comm.comm_device(zero.process_group, [p.device for p in params])
         self.flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
-        self.work = comm.all_reduce_max_async(self.flags, zero.process_group)
+        self.work = comm.all_reduce_async(self.flags, zero.process_group, "max")
 
     def wait(self) -> list[bool]:
         comm.wait_all([self.work])
@@ -76,27 +77,9 @@ class _BucketReduction:
         offset = 0
         for param, param_used in zip(self.params, used, strict=True):
             if param.requires_grad:
-                grads[id(param)] = _bucket_view(reduced, offset, param) if param_used else None
+                grads[id(param)] = view_like(reduced, offset, param) if param_used else None
             offset += param.numel()
         return grads
-
-
-def _bucket_view(bucket: Tensor, offset: int, param: Tensor) -> Tensor:
-    """``param``'s slot in a flat DDP bucket, laid out as DDP's reducer lays it: with the parameter's own strides
-    when the parameter is non-overlapping and dense (channels_last, transposed), row-major otherwise."""
-    if _non_overlapping_and_dense(param):
-        return bucket.as_strided(param.shape, param.stride(), bucket.storage_offset() + offset)
-    return bucket[offset : offset + param.numel()].view(param.shape)
-
-
-def _non_overlapping_and_dense(tensor: Tensor) -> bool:
-    """c10's rule: the dimensions of size 2 or more, sorted by stride, tile memory without gaps or overlaps."""
-    expected = 1
-    for stride, size in sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> OverlapStepper:

@@ -29,9 +29,11 @@ __all__ = ["ZeroRedundancyOptimizer"]
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
-    Every trainable parameter is owned by one rank (sorted-greedy by size). ``step()`` expects gradients already
-    averaged across ranks (DDP does this): each rank steps the parameters it owns with its local optimizer, then the
-    updated parameters are synced to every rank. A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+    Every trainable element is owned by one rank (``partition``). ``step()`` expects gradients already averaged
+    across ranks (DDP does this; with ``distoptim.hooks.reduce_to_owners_hook`` only the owned ones are, which is
+    ZeRO-2): each rank steps what it owns with its local optimizer, then the updated parameters are synced to every
+    rank. A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``; ``clip_grad_norm_`` clips the whole
+    gradient from the owned parts.
 
     Args:
         params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors or of
@@ -45,6 +47,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_with_ddp: step inside DDP's backward through ``distoptim.hooks.hook_with_zero_step`` (or
             ``hook_with_zero_step_interleaved``) registered on the DDP model; ``optimizer_class`` must have a
             functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop).
+        partition: ``"greedy"`` (default, torch's: each parameter whole on one rank, sorted-greedy by size) or
+            ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
+            largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
+            update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
 
     ``param_groups`` is the global view: schedulers and users edit it, and the local optimizer (``optim``, over the
@@ -108,6 +114,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
+        self.global_rank = comm.global_rank(group, self.rank)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.partition = partition
         self._optimizer_class = local_class
@@ -121,6 +128,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim: Optimizer | None = None
         self._ready = True
         self._repartition()
+        self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
 
     # ----------------------------------------------------------------------------------------------- views
     @property

@@ -213,7 +213,7 @@ def agree_across_ranks(
     failed = isinstance(local, BaseException)
     words = [0] * _DIGEST_WORDS if isinstance(local, BaseException) else _digest(local)
     summary = torch.tensor([int(failed), -int(failed), *words, *(-w for w in words)], dtype=torch.int64)
-    maxima = comm.all_reduce_max(summary.to(device), group).tolist()
+    maxima = comm.all_reduce_(summary.to(device), group, "max").tolist()
     any_failed, all_failed = maxima[0] == 1, -maxima[1] == 1
     agreed = maxima[2 : 2 + _DIGEST_WORDS] == [-w for w in maxima[2 + _DIGEST_WORDS :]]
     if isinstance(local, BaseException) and all_failed:
