@@ -1,0 +1,79 @@
+"""The backward alone under each way of reducing gradients: DDP's C++ all-reduce, distoptim's Python
+``allreduce_hook``, and ``reduce_to_owners_hook`` (ZeRO-2) with each partition; no optimizer step.
+
+Each mode runs twice in one set of ranks (the benchmark's 21M-parameter GPT, gloo, one thread per rank), and the
+median backward of the slowest rank is printed per mode, in ms::
+
+    .venv/bin/python benchmarks/reduction_backward.py 4
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MODES = ["cpp all-reduce", "python allreduce_hook", "to owners, even", "to owners, greedy"]
+
+
+def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distoptim import ZeroRedundancyOptimizer
+    from distoptim.demo.config import config_for_params
+    from distoptim.demo.model import GPT
+    from distoptim.hooks import allreduce_hook, reduce_to_owners_hook
+
+    results: dict[str, list[float]] = {}
+    for mode in MODES * 2:
+        torch.manual_seed(0)
+        model = GPT(config_for_params(20.0, width=512, vocab=8192, context=32, heads=8))
+        ddp = DistributedDataParallel(model)
+        if mode == "python allreduce_hook":
+            ddp.register_comm_hook(None, allreduce_hook)
+        elif mode.startswith("to owners"):
+            partition = mode.split(", ")[1]
+            zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition=partition, lr=1e-4)
+            ddp.register_comm_hook(zero, reduce_to_owners_hook)
+        tokens = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(rank))
+        times = []
+        for _ in range(13):
+            model.zero_grad()
+            loss = ddp(tokens[:, :-1], tokens[:, 1:])
+            dist.barrier()
+            begin = time.perf_counter()
+            loss.backward()
+            times.append(time.perf_counter() - begin)
+        slowest = torch.tensor([statistics.median(times[3:])])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        results.setdefault(mode, []).append(round(slowest.item() * 1e3, 1))
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = 29500 + os.getpid() % 1000
+    ranks = [context.Process(target=_rank, args=(r, world_size, port, results)) for r in range(world_size)]
+    for process in ranks:
+        process.start()
+    for mode, times in results.get().items():
+        print(f"N={world_size} {mode:<22} backward ms: {', '.join(map(str, times))}")
+    for process in ranks:
+        process.join()
+
+
+if __name__ == "__main__":
+    main()
