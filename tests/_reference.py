@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["assert_same_tensors", "averaged_gradients", "flatten", "make_params"]
+__all__ = ["assert_same_tensors", "averaged_gradients", "flatten", "make_params", "set_gradients"]
 
 # (shape, dtype, requires_grad) of the parameters most tests use: two groups, a frozen one, a bf16 one.
 MODEL_SPEC: list[list[tuple[tuple[int, ...], torch.dtype, bool]]] = [
@@ -62,3 +62,10 @@ def assert_same_tensors(actual: Sequence[Tensor], expected: Sequence[Tensor], wh
     assert len(actual) == len(expected), f"{what}: {len(actual)} vs {len(expected)} tensors"
     for index, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a.detach(), e.detach(), rtol=0, atol=0, msg=lambda m, i=index: f"{what}[{i}]: {m}")
+
+
+def set_gradients(grads: Sequence[Tensor | None], *copies: Sequence[Tensor]) -> None:
+    """Give each copy of the parameters its own clone of ``grads`` (None stays None)."""
+    for params in copies:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = None if grad is None else grad.clone()

@@ -10,7 +10,7 @@ from distoptim import ZeroRedundancyOptimizer
 from distoptim.functional import FunctionalAdamW, FunctionalSGD
 from distoptim.zero.partition import SPLIT
 from tests._dist import cuda_world_size, run_on_ranks
-from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
+from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 
 CONFIGS = [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -38,10 +38,7 @@ def _parity_body(rank: int, world_size: int, device_type: str = "cpu") -> list[i
             schedulers = [StepLR(zero, step_size=2, gamma=0.5), StepLR(reference, step_size=2, gamma=0.5)]
             flat, flat_expected = flatten(params), flatten(expected)
             for step in range(STEPS):
-                grads = averaged_gradients(flat, rank, step)
-                for param, ref, grad in zip(flat, flat_expected, grads):
-                    param.grad = None if grad is None else grad.clone()
-                    ref.grad = None if grad is None else grad.clone()
+                set_gradients(averaged_gradients(flat, rank, step), flat, flat_expected)
                 zero.step()
                 reference.step()
                 for scheduler in schedulers:
@@ -91,10 +88,7 @@ def _trainability_body(rank: int, world_size: int) -> None:
             for index in FREEZE_AT.get(step, ()):
                 flat[index].requires_grad_(False)
                 flat_expected[index].requires_grad_(False)
-            grads = averaged_gradients(flat, rank, step)
-            for param, ref, grad in zip(flat, flat_expected, grads):
-                param.grad = None if grad is None else grad.clone()
-                ref.grad = None if grad is None else grad.clone()
+            set_gradients(averaged_gradients(flat, rank, step), flat, flat_expected)
             zero.step()
             reference.step()
             assert_same_tensors(flat, flat_expected, f"{what} step {step}")
@@ -167,10 +161,7 @@ def _even_parity_body(rank: int, world_size: int) -> None:
         )
         flat, flat_expected = flatten(params), flatten(expected)
         for step in range(STEPS):
-            grads = averaged_gradients(flat, rank, step)
-            for param, ref, grad in zip(flat, flat_expected, grads):
-                param.grad = None if grad is None else grad.clone()
-                ref.grad = None if grad is None else grad.clone()
+            set_gradients(averaged_gradients(flat, rank, step), flat, flat_expected)
             zero.step()
             reference.step()
             assert_same_tensors(flat, flat_expected, f"{what} step {step}")
