@@ -8,7 +8,7 @@ The global format is exactly ``torch.optim``'s: ``{"state": {index: {...}}, "par
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from distoptim.zero.elementwise import is_elementwise, torch_class_of
 __all__ = [
     "STAGING_BYTES",
     "GlobalState",
+    "apply_hooks",
     "global_param_groups",
     "on_cpu",
     "receive_state",
@@ -218,3 +219,11 @@ def _check_state_shapes(entry: dict[str, Any], param: Tensor, index: int, optimi
                 "for other parameters (another model, or another parameter order). Load a state dict saved for "
                 "these parameters, in this order"
             )
+
+
+def apply_hooks(hooks: Iterable[Callable[..., Any]], optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Run ``torch.optim`` state-dict hooks in order: each gets the dict, and one that returns a dict replaces it."""
+    for hook in hooks:
+        replaced = hook(optimizer, state_dict)
+        state_dict = state_dict if replaced is None else replaced
+    return state_dict

@@ -16,12 +16,12 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from distoptim.functional import FunctionalOptimizer, functional_class_for
+from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import checkpoint, clipping, comm, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
-from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.overlap import OverlapStepper, functional_for_overlap
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
-from distoptim.zero.shard import LocalShard, slice_entry, stitch
+from distoptim.zero.shard import LocalShard, stitch
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -91,7 +91,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             local_class = validation.check_optimizer_class(optimizer_class)
             groups = validation.normalize_param_groups(params)
             device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
-            functional_cls = _functional_for_overlap(optimizer_class) if overlap_with_ddp else None
+            functional_cls = functional_for_overlap(optimizer_class) if overlap_with_ddp else None
             validation.try_optimizer_class(local_class, groups, defaults)
             validation.check_partition(partition, local_class, groups)
             settings = {
@@ -189,7 +189,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return self.overlap_stepper.explicit_step(closure, kwargs)
         Join.notify_join_context(self)
         self._repartition_if_trainability_changed()
-        self._check_frozen_params_have_no_grad()
+        validation.check_unowned_have_no_grad(self._unowned)
         self._push_hyperparameters()
         self.local_shard.attach_grads()
         try:
@@ -215,16 +215,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _pull_hyperparameters(self) -> None:
         for global_group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
             global_group.update((k, v) for k, v in local_group.items() if k != "params")
-
-    def _check_frozen_params_have_no_grad(self) -> None:
-        for param in self._unowned:
-            if param.grad is not None:
-                raise RuntimeError(
-                    "a parameter with requires_grad=False has a gradient, so a plain optimizer would update it, but "
-                    "ZeroRedundancyOptimizer shards trainable parameters only and nobody owns this one. Set "
-                    "requires_grad=True on it (on every rank) and it is sharded at the next step(), or set its "
-                    ".grad to None"
-                )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
         """Clip the gradient by its total norm, as ``torch.nn.utils.clip_grad_norm_`` would on the whole gradient
@@ -327,7 +317,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(
                 f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{self.world_size - 1}"
             )
-        mine = self._global_local_state()
+        mine = self.local_shard.global_state(self.local_optimizer.state)
         if self.rank != to:
             checkpoint.send_state(mine, to, self.process_group, self._comm_device, checkpoint.STAGING_BYTES)
             self._consolidated = None
@@ -337,14 +327,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if source != to:
                 merged.update(checkpoint.receive_state(source, self.process_group, self._comm_device))
         self._consolidated = dict(sorted(stitch(merged, self.global_params).items()))
-
-    def _global_local_state(self) -> dict[Any, dict[str, Any]]:
-        """This rank's state keyed as in the global format (partial fragments as ``(index, offset)``)."""
-        by_tensor = self.local_shard.by_tensor
-        return {
-            self.local_shard.key(by_tensor[id(tensor)]): dict(entry)
-            for tensor, entry in self.local_optimizer.state.items()
-        }
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.
@@ -363,10 +345,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             "state": dict(self._consolidated),
             "param_groups": checkpoint.global_param_groups(self.param_groups),
         }
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            replaced = post_hook(self, state_dict)
-            state_dict = state_dict if replaced is None else replaced
-        return state_dict
+        return checkpoint.apply_hooks(self._optimizer_state_dict_post_hooks.values(), self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state.
@@ -376,17 +355,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         replacement) run before, load post-hooks after, as in ``torch.optim``.
         """
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            replaced = pre_hook(self, state_dict)
-            state_dict = state_dict if replaced is None else replaced
+        state_dict = checkpoint.apply_hooks(self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
         by_param, hyperparameters = checkpoint.select_shard(state_dict, self.param_groups, self._optimizer_class)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
-        local_state = {  # copies: torch.optim's load would alias same-device tensors and step them in place
-            position: slice_entry(by_param[local.param], local)
-            for position, local in enumerate(t for group in self.local_shard.groups for t in group)
-            if local.param in by_param
-        }
+        local_state = self.local_shard.local_state(by_param)
         self._push_hyperparameters()
         local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
@@ -421,14 +394,3 @@ class _ZeroJoinHook(JoinHook):
         # In overlap mode the sync runs inside the comm hook, which DDP's own join hook already shadows.
         if self.zero.overlap_stepper is None:
             self.zero.sync_parameters()
-
-
-def _functional_for_overlap(optimizer_class: type) -> type[FunctionalOptimizer]:
-    functional_cls = functional_class_for(optimizer_class)
-    if functional_cls is None:
-        name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
-        raise ValueError(
-            f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
-            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
-        )
-    return functional_cls

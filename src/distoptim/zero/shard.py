@@ -101,6 +101,16 @@ class LocalShard:
         """The global-format key of a local tensor's state: the parameter index, with the offset when partial."""
         return local.index if local.whole else (local.index, local.offset)
 
+    def global_state(self, state: dict[Tensor, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+        """The local optimizer's ``state`` keyed as in the global format (partial fragments as ``(index, offset)``)."""
+        return {self.key(self.by_tensor[id(tensor)]): dict(entry) for tensor, entry in state.items()}
+
+    def local_state(self, by_param: dict[Tensor, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Saved whole-parameter entries cut to this shard, keyed by position in the local optimizer (copies: a
+        ``torch.optim`` load would alias same-device tensors and step them in place)."""
+        locals_ = (local for group in self.groups for local in group)
+        return {i: slice_entry(by_param[t.param], t) for i, t in enumerate(locals_) if t.param in by_param}
+
     def move_state(self, state: dict[Tensor, Any], previous: LocalShard | None) -> None:
         """Re-key ``state`` from ``previous``'s tensors to this shard's (same parameter and offset: same state)."""
         if previous is None:

@@ -31,6 +31,7 @@ __all__ = [
     "agree_across_ranks",
     "check_optimizer_class",
     "check_partition",
+    "check_unowned_have_no_grad",
     "fingerprint",
     "normalize_param_groups",
     "try_optimizer_class",
@@ -255,3 +256,13 @@ def _first_difference(mine: Fingerprint, theirs: Fingerprint) -> str | None:
 
 def _show(entries: Fingerprint, template: str) -> str:
     return repr(entries[template]) if template in entries else "(not set)"
+
+
+def check_unowned_have_no_grad(unowned: Iterable[Tensor]) -> None:
+    """A frozen, unowned parameter with a gradient would be updated by a plain optimizer but by nobody here."""
+    if any(param.grad is not None for param in unowned):
+        raise RuntimeError(
+            "a parameter with requires_grad=False has a gradient, so a plain optimizer would update it, but "
+            "ZeroRedundancyOptimizer shards trainable parameters only and nobody owns this one. Set "
+            "requires_grad=True on it (on every rank) and it is sharded at the next step(), or set its .grad to None"
+        )
