@@ -52,6 +52,9 @@ def test_tiny_demo_trains_on_two_ranks() -> None:
     assert "of unsharded AdamW" in out and "unsharded AdamW holds" in out
     assert "identical on all ranks" in out
     assert "step 3/3" in proc.stderr  # rank 0's progress bar
+    # The bar's loss is the summary's: the mean of the ranks' losses (smoothed), so at step 1 they agree.
+    bar_first = next(line for line in proc.stderr.splitlines() if "step 1/3" in line).split("loss ")[1].split()[0]
+    assert f"first step {bar_first}," in out, (bar_first, out)
     assert "Traceback" not in proc.stderr
     shares = [line.split()[-1] for line in out.splitlines() if line.strip()[:1].isdigit() and line.endswith("%")]
     assert len(shares) == 2 and all(40.0 < float(share.rstrip("%")) < 60.0 for share in shares), out

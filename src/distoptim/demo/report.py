@@ -58,7 +58,8 @@ def format_table(reports: Sequence[RankReport]) -> str:
     in_sync = len({report.checksum for report in reports}) == 1
     lines += [
         "",
-        f"loss (nats/char)  first step {start:.3f}, last {tail} step(s) {end:.3f}, held-out {held_out:.3f}",
+        f"loss (nats/char, mean of the ranks)  first step {start:.3f}, last {tail} step(s) {end:.3f}, "
+        f"held-out {held_out:.3f}",
         f"step time         median {step_ms:.0f} ms (forward + backward + step + sync, slowest of "
         f"{world_size} rank(s)), {steps} steps in {max(r.train_s for r in reports):.1f} s",
         f"parameters        {'identical' if in_sync else 'DIFFERENT'} on all ranks after training",

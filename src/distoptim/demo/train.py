@@ -76,7 +76,8 @@ def train_rank(ctx: RankContext, options: DemoOptions) -> RankReport:
         scheduler.step()
         times.append(time.perf_counter() - begin)
         losses.append(loss.item())
-        smoothed = losses[-1] if math.isnan(smoothed) else 0.9 * smoothed + 0.1 * losses[-1]
+        mean_loss = _mean_over_ranks(losses[-1])  # the summary's definition too: its "first step" is this at step 1
+        smoothed = mean_loss if math.isnan(smoothed) else 0.9 * smoothed + 0.1 * mean_loss
         if bar is not None:
             bar.update(step, loss=f"{smoothed:.3f}", time=f"{1000 * times[-1]:.0f} ms/step")
     train_s = time.perf_counter() - started
@@ -94,6 +95,12 @@ def train_rank(ctx: RankContext, options: DemoOptions) -> RankReport:
         num_tensors=len(list(model.parameters())),
         checksum=_checksum(list(model.parameters())),
     )
+
+
+def _mean_over_ranks(value: float) -> float:
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 @torch.no_grad()
