@@ -22,6 +22,7 @@ __all__ = [
     "STAGING_BYTES",
     "GlobalState",
     "apply_hooks",
+    "gather_state",
     "global_param_groups",
     "on_cpu",
     "receive_state",
@@ -227,3 +228,17 @@ def apply_hooks(hooks: Iterable[Callable[..., Any]], optimizer: Any, state_dict:
         replaced = hook(optimizer, state_dict)
         state_dict = state_dict if replaced is None else replaced
     return state_dict
+
+
+def gather_state(
+    mine: dict[Any, dict[str, Any]], to: int, group: comm.Group, comm_device: torch.device
+) -> dict[Any, dict[str, Any]] | None:
+    """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks, which only send theirs)."""
+    if comm.group_rank(group) != to:
+        send_state(mine, to, group, comm_device, STAGING_BYTES)
+        return None
+    merged = on_cpu(mine)
+    for source in range(comm.group_size(group)):
+        if source != to:
+            merged.update(receive_state(source, group, comm_device))
+    return merged

@@ -51,6 +51,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
             largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
             update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
+        master_dtype: keep a copy of this rank's fragments of every parameter of another dtype in this dtype
+            (``torch.float32`` for a bf16/fp16 model) and step it instead: gradients are upcast for the step and
+            the result is rounded back into the parameter, so small updates accumulate. ``None`` (default): step
+            the parameters as they are. Only owned fragments have a copy; checkpoints carry it.
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
 
     ``param_groups`` is the global view: schedulers and users edit it, and the local optimizer (``optim``, over the
@@ -82,6 +86,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         overlap_with_ddp: bool = False,
         *,
         partition: str = "greedy",
+        master_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         group = comm.default_group(process_group)
@@ -94,11 +99,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             functional_cls = functional_for_overlap(optimizer_class) if overlap_with_ddp else None
             validation.try_optimizer_class(local_class, groups, defaults)
             validation.check_partition(partition, local_class, groups)
+            validation.check_master_dtype(master_dtype)
             settings = {
                 "optimizer_class": f"{local_class.__module__}.{local_class.__qualname__}",
                 "parameters_as_bucket_view": parameters_as_bucket_view,
                 "overlap_with_ddp": overlap_with_ddp,
                 "partition": partition,
+                "master_dtype": str(master_dtype),
                 **defaults,
             }
             local = validation.fingerprint(groups, defaults, settings)
@@ -117,6 +124,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.global_rank = comm.global_rank(group, self.rank)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.partition = partition
+        self.master_dtype = master_dtype
         self._optimizer_class = local_class
         self.overlap_stepper = None if functional_cls is None else OverlapStepper(functional_cls, group, self)
         self._defaults = defaults
@@ -196,6 +204,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             loss: float | None = (
                 self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
             )
+            self.local_shard.write_back()
         finally:
             self.local_shard.detach_grads()
         self.sync_parameters()
@@ -280,7 +289,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._sync.release()  # before the shard's views are made: bucket views replace the parameters' storage
         strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
         self._sync = strategy(layouts_from_plan(self._plan.layouts, self._plan.fragments, params), self.process_group)
-        previous, self._shard = self._shard, LocalShard(self._plan, self.param_groups, self.rank)
+        previous, self._shard = self._shard, LocalShard(self._plan, self.param_groups, self.rank, self.master_dtype)
         local_groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
             for group, tensors in zip(self.param_groups, self._shard.tensors)
@@ -298,11 +307,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
 
     def _repartition_if_trainability_changed(self) -> None:
-        """Gradual unfreezing: a parameter made trainable since the last step gets an owner before this step.
-
-        Like torch's ZeroRedundancyOptimizer this is detected locally, so every rank must change ``requires_grad``
-        of the same parameters before the same step (as the same training script does).
-        """
+        """Gradual unfreezing: a parameter made trainable since the last step gets an owner before this step
+        (detected locally, as torch does: every rank must change ``requires_grad`` alike, before the same step)."""
         if tuple(p.requires_grad for p in self.global_params) != self._trainability:
             self._repartition()
 
@@ -318,15 +324,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{self.world_size - 1}"
             )
         mine = self.local_shard.global_state(self.local_optimizer.state)
-        if self.rank != to:
-            checkpoint.send_state(mine, to, self.process_group, self._comm_device, checkpoint.STAGING_BYTES)
-            self._consolidated = None
-            return
-        merged = checkpoint.on_cpu(mine)
-        for source in range(self.world_size):
-            if source != to:
-                merged.update(checkpoint.receive_state(source, self.process_group, self._comm_device))
-        self._consolidated = dict(sorted(stitch(merged, self.global_params).items()))
+        merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
+        self._consolidated = None if merged is None else dict(sorted(stitch(merged, self.global_params).items()))
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.

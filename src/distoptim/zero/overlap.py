@@ -76,7 +76,9 @@ class OverlapStepper:
             functional, group = self.functionals[index], self.param_groups[index]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
-            functional.step([local.grad_from(grads.get(id(local.param))) for local in shard.groups[index]])
+            functional.step([local.grad_for_step(grads.get(id(local.param))) for local in shard.groups[index]])
+            for local in shard.groups[index]:
+                local.write_back()
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
 

@@ -5,13 +5,18 @@ parameter that an even cut leaves whole, behaves exactly like a plain optimizer,
 fragment is stepped as a 1-D view of its parameter's elements (memory order) whose ``.grad`` is attached for the
 step from the parameter's gradient; elementwise optimizers then do on the piece what they would do on the whole.
 
+With master weights (``master_dtype``), a fragment of a lower-precision parameter is stepped as a copy in
+``master_dtype`` instead (its gradient upcast for the step, the result written back, rounded, into the parameter),
+so only this rank's fragments ever have a master copy.
+
 In the global (``torch.optim``) format a partial fragment's state is keyed ``(index, offset)`` until the
 consolidating rank stitches the pieces back into parameter-shaped tensors (``stitch``); loading slices them again
-(``slice_entry``).
+(``slice_entry``). A master copy travels in its entry as ``"master_weight"``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,26 +27,45 @@ from torch import Tensor
 from distoptim._flat import flat_view
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["LocalShard", "LocalTensor", "fragment_of", "slice_entry", "stitch"]
+__all__ = ["MASTER_KEY", "LocalShard", "LocalTensor", "fragment_of", "slice_entry", "stitch"]
+
+MASTER_KEY = "master_weight"
 
 
 @dataclass(frozen=True)
 class LocalTensor:
-    """Elements ``[offset, offset + length)`` of global parameter ``index`` (``param``), stepped as ``tensor``."""
+    """Elements ``[offset, offset + length)`` of global parameter ``index`` (``param``), stepped as ``tensor``:
+    the parameter itself, a view of its elements, or (``master``) a higher-precision copy of them."""
 
     index: int
     param: Tensor
     offset: int
     length: int
     tensor: Tensor
+    master: bool = False
 
     @property
     def whole(self) -> bool:
-        return self.tensor is self.param
+        return self.offset == 0 and self.length == self.param.numel()
 
     def grad_from(self, grad: Tensor | None) -> Tensor | None:
-        """This piece of a gradient of the whole parameter (None stays None)."""
+        """This piece of a gradient of the whole parameter (None stays None), in the parameter's dtype."""
         return grad if grad is None or self.whole else fragment_of(grad, self.param, self.offset, self.length)
+
+    def grad_for_step(self, grad: Tensor | None) -> Tensor | None:
+        """This piece of ``grad`` as the local optimizer steps it: upcast to the master's dtype for a master copy."""
+        piece = self.grad_from(grad)
+        return piece.to(self.tensor.dtype) if self.master and piece is not None else piece
+
+    def param_piece(self) -> Tensor:
+        """The parameter's elements this tensor stands for (a view)."""
+        param = self.param.detach()
+        return param if self.whole else flat_view(param)[self.offset : self.offset + self.length]
+
+    def write_back(self) -> None:
+        """Round a master copy into the parameter after a step (nothing to do for the parameter or its views)."""
+        if self.master:
+            self.param_piece().copy_(self.tensor)
 
 
 def fragment_of(tensor: Tensor, param: Tensor, offset: int, length: int) -> Tensor:
@@ -54,7 +78,13 @@ def fragment_of(tensor: Tensor, param: Tensor, offset: int, length: int) -> Tens
 class LocalShard:
     """The local tensors of one rank for one partition plan, grouped like the global param groups."""
 
-    def __init__(self, plan: PartitionPlan, param_groups: Sequence[dict[str, Any]], rank: int) -> None:
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        param_groups: Sequence[dict[str, Any]],
+        rank: int,
+        master_dtype: torch.dtype | None = None,
+    ) -> None:
         self.groups: list[list[LocalTensor]] = []
         index = 0
         for group in param_groups:
@@ -62,11 +92,12 @@ class LocalShard:
             for param in group["params"]:
                 for fragment in plan.fragments[index]:
                     if fragment.rank == rank:
-                        local.append(_local_tensor(index, param, fragment.offset, fragment.length))
+                        local.append(_local_tensor(index, param, fragment.offset, fragment.length, master_dtype))
                 index += 1
             self.groups.append(local)
         self.by_tensor = {id(t.tensor): t for group in self.groups for t in group}
-        self.partial = [t for group in self.groups for t in group if not t.whole]
+        self.detached = [t for group in self.groups for t in group if t.tensor is not t.param]  # needs .grad given
+        self.masters = [t for t in self.detached if t.master]
 
     @property
     def tensors(self) -> list[list[Tensor]]:
@@ -74,15 +105,20 @@ class LocalShard:
         return [[t.tensor for t in group] for group in self.groups]
 
     def attach_grads(self) -> None:
-        """Give every partial fragment its piece of its parameter's gradient (before the local step)."""
+        """Give every fragment view and master copy its piece of its parameter's gradient (before the step)."""
         self._align_grads()
-        for local in self.partial:
-            local.tensor.grad = local.grad_from(local.param.grad)
+        for local in self.detached:
+            local.tensor.grad = local.grad_for_step(local.param.grad)
 
     def detach_grads(self) -> None:
         """Drop the pieces again, so that no stale gradient outlives ``zero_grad``."""
-        for local in self.partial:
+        for local in self.detached:
             local.tensor.grad = None
+
+    def write_back(self) -> None:
+        """Round every master copy into its parameter (after a step)."""
+        for local in self.masters:
+            local.write_back()
 
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
@@ -92,9 +128,9 @@ class LocalShard:
 
     def _align_grads(self) -> None:
         """Lay out any gradient unlike its split parameter like it, so that its pieces are views of ``.grad``."""
-        for local in self.partial:
+        for local in self.detached:
             grad = local.param.grad
-            if grad is not None and grad.stride() != local.param.stride():
+            if not local.whole and grad is not None and grad.stride() != local.param.stride():
                 local.param.grad = torch.empty_like(local.param).copy_(grad)
 
     def key(self, local: LocalTensor) -> int | tuple[int, int]:
@@ -102,30 +138,73 @@ class LocalShard:
         return local.index if local.whole else (local.index, local.offset)
 
     def global_state(self, state: dict[Tensor, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-        """The local optimizer's ``state`` keyed as in the global format (partial fragments as ``(index, offset)``)."""
-        return {self.key(self.by_tensor[id(tensor)]): dict(entry) for tensor, entry in state.items()}
+        """The local optimizer's ``state`` keyed as in the global format (partial fragments as ``(index, offset)``),
+        master copies included."""
+        exported = {}
+        for local in (t for group in self.groups for t in group):
+            entry = dict(state.get(local.tensor, {}))
+            if local.master:
+                entry[MASTER_KEY] = local.tensor.detach()
+            if entry:
+                exported[self.key(local)] = entry
+        return exported
 
     def local_state(self, by_param: dict[Tensor, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Saved whole-parameter entries cut to this shard, keyed by position in the local optimizer (copies: a
-        ``torch.optim`` load would alias same-device tensors and step them in place)."""
-        locals_ = (local for group in self.groups for local in group)
-        return {i: slice_entry(by_param[t.param], t) for i, t in enumerate(locals_) if t.param in by_param}
+        ``torch.optim`` load would alias same-device tensors and step them in place). Master weights found in the
+        entries are loaded into the master copies here; a master copy without one is taken from its parameter."""
+        locals_ = [local for group in self.groups for local in group]
+        entries = {i: slice_entry(by_param[t.param], t) for i, t in enumerate(locals_) if t.param in by_param}
+        missing = []
+        for position, local in enumerate(locals_):
+            saved = entries.get(position, {}).pop(MASTER_KEY, None)
+            if not local.master:
+                continue
+            if saved is None:
+                missing.append(local.index)
+                saved = local.param_piece()
+            with torch.no_grad():
+                local.tensor.copy_(saved)
+        if missing:
+            warnings.warn(
+                f"the state dict has no master weights for parameters {sorted(set(missing))[:5]}; their master copies "
+                "start from the (rounded) parameters, so the run does not continue bit for bit",
+                stacklevel=3,
+            )
+        if not self.masters and any(MASTER_KEY in entry for entry in by_param.values()):
+            warnings.warn(
+                "the state dict carries master weights but this optimizer keeps none (master_dtype=None): they are "
+                "ignored and the parameters stay as they are",
+                stacklevel=3,
+            )
+        return entries
 
     def move_state(self, state: dict[Tensor, Any], previous: LocalShard | None) -> None:
-        """Re-key ``state`` from ``previous``'s tensors to this shard's (same parameter and offset: same state)."""
+        """Re-key ``state`` from ``previous``'s tensors to this shard's (same parameter and offset: same state), and
+        keep the master copies' values."""
         if previous is None:
             return
-        now = {(t.index, t.offset, t.length): t.tensor for group in self.groups for t in group}
+        now = {(t.index, t.offset, t.length): t for group in self.groups for t in group}
         for group in previous.groups:
             for old in group:
                 entry = state.pop(old.tensor, None)
                 new = now.get((old.index, old.offset, old.length))
-                if entry is not None and new is not None:
-                    state[new] = entry
+                if new is None:
+                    continue
+                if entry is not None:
+                    state[new.tensor] = entry
+                if old.master and new.master:
+                    with torch.no_grad():
+                        new.tensor.copy_(old.tensor)
 
 
-def _local_tensor(index: int, param: Tensor, offset: int, length: int) -> LocalTensor:
-    if offset == 0 and length == param.numel():
+def _local_tensor(index: int, param: Tensor, offset: int, length: int, master_dtype: torch.dtype | None) -> LocalTensor:
+    whole = offset == 0 and length == param.numel()
+    if master_dtype is not None and param.dtype != master_dtype:
+        source = param.detach() if whole else flat_view(param)[offset : offset + length]
+        copy = torch.empty_like(source, dtype=master_dtype).copy_(source)
+        return LocalTensor(index, param, offset, length, copy, master=True)
+    if whole:
         return LocalTensor(index, param, offset, length, param)
     return LocalTensor(index, param, offset, length, flat_view(param)[offset : offset + length])
 

@@ -29,6 +29,7 @@ __all__ = [
     "Fingerprint",
     "ParamGroups",
     "agree_across_ranks",
+    "check_master_dtype",
     "check_optimizer_class",
     "check_partition",
     "check_unowned_have_no_grad",
@@ -265,4 +266,12 @@ def check_unowned_have_no_grad(unowned: Iterable[Tensor]) -> None:
             "a parameter with requires_grad=False has a gradient, so a plain optimizer would update it, but "
             "ZeroRedundancyOptimizer shards trainable parameters only and nobody owns this one. Set "
             "requires_grad=True on it (on every rank) and it is sharded at the next step(), or set its .grad to None"
+        )
+
+
+def check_master_dtype(master_dtype: Any) -> None:
+    """``master_dtype`` is None or a floating-point dtype."""
+    if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
+        raise TypeError(
+            f"master_dtype must be a floating-point torch.dtype such as torch.float32, or None, got {master_dtype!r}"
         )
