@@ -7,6 +7,7 @@ A step is: hyperparameters global -> local, local step, sync, local-added keys b
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import checkpoint, clipping, comm, validation
+from distoptim.zero import checkpoint, clipping, comm, sharded, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
 from distoptim.zero.overlap import OverlapStepper, functional_for_overlap
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
@@ -365,6 +366,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's fragments of the state (master weights included) and the hyperparameters, for
+        ``torch.distributed.checkpoint``: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``;
+        to resume (any world size, either partition), ``dcp.load`` into a new one's, then ``load_sharded_state_dict``.
+        A fresh optimizer's state is created first (one local step on zero gradients; values unchanged)."""
+        sharded.template_state(self.local_shard, self.local_optimizer.step, self.local_optimizer.state)
+        groups = pickle.dumps(checkpoint.global_param_groups(self.param_groups))
+        return sharded.sharded_state(self.local_shard, self.local_optimizer.state, groups)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict: the state was loaded in place; the
+        hyperparameters and master weights take effect here (on every rank)."""
+        for group, saved in zip(self.param_groups, sharded.load_param_groups(state_dict, len(self.param_groups))):
+            group.update(saved)
+        self._push_hyperparameters()
+        self.local_shard.write_back()
+        self._consolidated = None
 
     # --------------------------------------------------------------------------------------------- join
     def join_hook(self, **kwargs: Any) -> JoinHook:
