@@ -52,18 +52,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
             largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
             update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
-        master_dtype: keep a copy of this rank's fragments of every parameter of another dtype in this dtype
-            (``torch.float32`` for a bf16/fp16 model) and step it instead: gradients are upcast for the step and
-            the result is rounded back into the parameter, so small updates accumulate. ``None`` (default): step
-            the parameters as they are. Only owned fragments have a copy; checkpoints carry it.
+        master_dtype: step a copy in this dtype (``torch.float32`` for a bf16 model) of this rank's fragments of
+            lower-precision parameters, rounded back into them after each step, so small updates accumulate.
+            ``None`` (default): step the parameters as they are.
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
 
-    ``param_groups`` is the global view: schedulers and users edit it, and the local optimizer (``optim``, over the
-    parameters this rank owns) gets the change at the next step. ``state`` is this rank's shard. A parameter made
-    trainable between steps (gradual unfreezing) is given an owner at the next ``step()``; change ``requires_grad``
-    alike on every rank. Checkpoints: ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on rank
-    ``r`` gives ``torch.optim``'s format; ``load_state_dict`` takes such a dict (from any world size, or from a plain
-    optimizer) on every rank.
+    ``param_groups`` is the global view that schedulers and users edit; ``optim`` is the local optimizer over what
+    this rank owns, ``state`` its shard. A parameter made trainable between steps gets an owner at the next
+    ``step()`` (change ``requires_grad`` alike on every rank). Checkpoints: ``consolidate_state_dict`` +
+    ``state_dict`` (``torch.optim``'s format, on one rank) or ``sharded_state_dict`` (``torch.distributed.checkpoint``,
+    every rank its shard); either loads at any world size and partition.
 
     Example, inside an initialised process group::
 
@@ -152,10 +150,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._plan
 
     def owner_of(self, param: Tensor) -> int:
-        """The rank that owns ``param`` whole (``-1`` for frozen parameters, which nobody updates; ``-2`` for one
-        the even partition split between ranks: see ``fragments_of``)."""
-        index = self._index_of(param)
-        if index is None:
+        """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``)."""
+        if (index := self._index_of(param)) is None:
             raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
         return self.plan.owners[index]
 
@@ -253,14 +249,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self._ready:
             super().add_param_group(param_group)
             return
-        local: validation.Fingerprint | BaseException
-        try:
-            (group,) = validation.normalize_param_groups([param_group])
-            validation.try_optimizer_class(self._optimizer_class, [*self.param_groups, group], self._defaults)
-            local = validation.fingerprint([group], self._defaults, first_group=len(self.param_groups))
-        except Exception as error:
-            local = error
-        validation.agree_across_ranks(local, self.process_group, "add_param_group", self._comm_device)
+        group = validation.agreed_param_group(
+            param_group, self._optimizer_class, self.param_groups, self._defaults, self.process_group, self._comm_device
+        )
         super().add_param_group(group)
         self._repartition()
 
@@ -377,8 +368,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return sharded.sharded_state(self.local_shard, self.local_optimizer.state, groups)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict: the state was loaded in place; the
-        hyperparameters and master weights take effect here (on every rank)."""
+        """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict (the state was loaded in place)."""
         for group, saved in zip(self.param_groups, sharded.load_param_groups(state_dict, len(self.param_groups))):
             group.update(saved)
         self._push_hyperparameters()
@@ -387,12 +377,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # --------------------------------------------------------------------------------------------- join
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, shadow the others' parameter sync.
-
-        DDP discards a joined rank's reduced gradients, so with ``step()`` its shard stays as it is while it is
-        joined (no stale gradient is ever applied again). With ``overlap_with_ddp=True`` DDP's join hook runs the
-        comm hook on zero buckets, which hands the joined rank the true average: its shard keeps being stepped.
-        """
+        """While this rank has run out of inputs, shadow the others' parameter sync. Its shard stays as it is with
+        ``step()`` (DDP discards a joined rank's gradients); in overlap mode DDP's join hook runs the comm hook on zero
+        buckets, which hands the joined rank the true average, so its shard keeps being stepped."""
         return _ZeroJoinHook(self)
 
     @property
@@ -408,7 +395,6 @@ class _ZeroJoinHook(JoinHook):
     def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
         self.zero = zero
 
-    def main_hook(self) -> None:
-        # In overlap mode the sync runs inside the comm hook, which DDP's own join hook already shadows.
+    def main_hook(self) -> None:  # in overlap mode the comm hook syncs, and DDP's own join hook shadows it
         if self.zero.overlap_stepper is None:
             self.zero.sync_parameters()

@@ -29,6 +29,7 @@ __all__ = [
     "Fingerprint",
     "ParamGroups",
     "agree_across_ranks",
+    "agreed_param_group",
     "check_master_dtype",
     "check_optimizer_class",
     "check_partition",
@@ -275,3 +276,25 @@ def check_master_dtype(master_dtype: Any) -> None:
         raise TypeError(
             f"master_dtype must be a floating-point torch.dtype such as torch.float32, or None, got {master_dtype!r}"
         )
+
+
+def agreed_param_group(
+    param_group: Any,
+    optimizer_class: type[Optimizer],
+    param_groups: ParamGroups,
+    defaults: dict[str, Any],
+    group: comm.Group,
+    device: torch.device,
+) -> dict[str, Any]:
+    """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
+    all agree on it: a bad group on one rank raises on every rank (``add_param_group``)."""
+    local: Fingerprint | BaseException
+    normalized: dict[str, Any] = {}
+    try:
+        (normalized,) = normalize_param_groups([param_group])
+        try_optimizer_class(optimizer_class, [*param_groups, normalized], defaults)
+        local = fingerprint([normalized], defaults, first_group=len(param_groups))
+    except Exception as error:
+        local = error
+    agree_across_ranks(local, group, "add_param_group", device)
+    return normalized
