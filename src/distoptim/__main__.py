@@ -1,4 +1,5 @@
-"""``python -m distoptim {demo,bench} [options]``: the demo training run, or the ZeRO benchmark."""
+"""``python -m distoptim {demo,bench,checkpoint} [options]``: the demo training run, the ZeRO benchmark, or a
+checkpoint conversion."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-USAGE = """usage: python -m distoptim {demo,bench} [options]
+USAGE = """usage: python -m distoptim {demo,bench,checkpoint} [options]
 
   demo   train a small transformer LM on N local ranks with DDP + ZeroRedundancyOptimizer(AdamW)
   bench  compare DDP + AdamW, torch's ZeroRedundancyOptimizer and distoptim's (runs benchmarks/bench_zero.py;
          needs a source checkout)
+  checkpoint  convert a sharded (torch.distributed.checkpoint) optimizer checkpoint to or from torch.optim's format
 
 'python -m distoptim demo --help' and 'python -m distoptim bench --help' explain the options."""
 
@@ -30,11 +32,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo_main(rest)
     if command == "bench":
         return _bench(rest)
+    if command == "checkpoint":
+        from distoptim.zero.convert import main as convert_main
+
+        return convert_main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
     problem = f"unknown command {command!r}" if command else "a command is required"
-    print(f"python -m distoptim: error: {problem} (choose demo or bench; see --help)", file=sys.stderr)
+    print(f"python -m distoptim: error: {problem} (choose demo, bench or checkpoint; see --help)", file=sys.stderr)
     return 2
 
 

@@ -365,7 +365,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         A fresh optimizer's state is created first (one local step on zero gradients; values unchanged)."""
         sharded.template_state(self.local_shard, self.local_optimizer.step, self.local_optimizer.state)
         groups = pickle.dumps(checkpoint.global_param_groups(self.param_groups))
-        return sharded.sharded_state(self.local_shard, self.local_optimizer.state, groups)
+        return sharded.sharded_state(self.local_shard, self.local_optimizer.state, groups, self.global_params)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict (the state was loaded in place)."""

@@ -34,6 +34,7 @@ from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 __all__ = ["FragmentTensor", "load_param_groups", "sharded_state", "template_state"]
 
 PARAM_GROUPS = "param_groups"
+LAYOUTS = "param_layouts"  # each parameter's (shape, strides): what turns a saved 1-D tensor back into its shape
 
 
 class FragmentTensor(Tensor):
@@ -82,9 +83,13 @@ class FragmentTensor(Tensor):
         return f"FragmentTensor(numel={self.numel()}, offset={self._offset}, local={self._local.numel()})"
 
 
-def sharded_state(shard: LocalShard, state: dict[Tensor, dict[str, Any]], param_groups: bytes) -> dict[str, Any]:
-    """``{"state.<index>.<name>": piece or scalar, "param_groups": pickled}`` for this rank's fragments."""
-    exported: dict[str, Any] = {PARAM_GROUPS: param_groups}
+def sharded_state(
+    shard: LocalShard, state: dict[Tensor, dict[str, Any]], param_groups: bytes, params: list[Tensor]
+) -> dict[str, Any]:
+    """``{"state.<index>.<name>": piece or scalar, "param_groups": pickled, "param_layouts": pickled}`` for this
+    rank's fragments."""
+    layouts = pickle.dumps([(tuple(p.shape), tuple(p.stride())) for p in params])
+    exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: layouts}
     for local in (t for group in shard.groups for t in group if t.param.numel() > 0):  # zero-sized: nothing to keep
         entry = dict(state.get(local.tensor, {}))
         if local.master:

@@ -1,0 +1,108 @@
+"""Between the two checkpoint formats, offline, on one process: a sharded DCP checkpoint's optimizer part and
+``torch.optim``'s state dict (which plain optimizers, ``load_state_dict`` and torch's ZeroRedundancyOptimizer use).
+
+``python -m distoptim checkpoint DIR --to-torch optim.pt`` writes the ``torch.optim`` dict of the optimizer saved
+under ``--key`` (default ``optim``) in DIR; ``python -m distoptim checkpoint DIR --from-torch optim.pt`` writes a
+sharded checkpoint DIR from one. Conversion holds the whole state in memory: it is for leaving and joining the
+format, not for training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from distoptim._flat import flat_view
+from distoptim.zero.sharded import LAYOUTS, PARAM_GROUPS
+
+__all__ = ["dcp_to_torch_optim", "main", "torch_optim_to_dcp"]
+
+
+def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, Any]:
+    """The ``torch.optim`` state dict of the optimizer saved under ``key`` in a sharded checkpoint."""
+    if not (Path(directory) / ".metadata").is_file():
+        raise ValueError(f"{directory} is not a torch.distributed.checkpoint directory (it has no .metadata)")
+    with _scratch() as scratch:
+        dcp_to_torch_save(str(directory), scratch)
+        flat: dict[str, Any] = torch.load(scratch, weights_only=False)
+    saved = flat.get(key)
+    if not isinstance(saved, dict) or PARAM_GROUPS not in saved:
+        keys = sorted(flat)
+        raise ValueError(f"{directory} holds no distoptim optimizer under {key!r} (its keys: {keys[:8]}); pass --key")
+    layouts = pickle.loads(saved[LAYOUTS])
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in saved.items():
+        if name.startswith("state."):
+            index, _, entry = name.removeprefix("state.").partition(".")
+            state.setdefault(int(index), {})[entry] = _reshaped(value, *layouts[int(index)])
+    return {"state": dict(sorted(state.items())), "param_groups": pickle.loads(saved[PARAM_GROUPS])}
+
+
+def torch_optim_to_dcp(state_dict: dict[str, Any], directory: str | Path, key: str = "optim") -> None:
+    """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes.
+
+    Parameter-shaped state tensors are saved flat in their own memory order (that of the parameters they belong to:
+    ``torch.optim`` lays state out like its parameter).
+    """
+    count = sum(len(group["params"]) for group in state_dict["param_groups"])
+    layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((0,), (1,))] * count
+    payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(state_dict["param_groups"])}
+    for index, entry in sorted(state_dict["state"].items()):
+        for name, value in entry.items():
+            flat = value
+            if isinstance(value, Tensor) and value.dim() > 0:
+                flat = flat_view(value).clone()
+                layouts[index] = (tuple(value.shape), tuple(value.stride()))
+            payload[f"state.{index}.{name}"] = flat
+    payload[LAYOUTS] = pickle.dumps(layouts)
+    dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+
+
+def _reshaped(value: Any, shape: tuple[int, ...], stride: tuple[int, ...]) -> Any:
+    """A saved 1-D tensor back in its parameter's shape and memory layout; anything else as it is."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    whole = torch.empty_strided(shape, stride, dtype=value.dtype)
+    flat_view(whole).copy_(value)
+    return whole
+
+
+class _scratch:
+    """A temporary file path, removed afterwards."""
+
+    def __enter__(self) -> str:
+        import tempfile
+
+        self.directory = tempfile.TemporaryDirectory()
+        return str(Path(self.directory.name) / "flat.pt")
+
+    def __exit__(self, *exc: object) -> None:
+        self.directory.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distoptim checkpoint", description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", type=Path, help="the sharded (torch.distributed.checkpoint) checkpoint")
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to-torch", type=Path, metavar="FILE", help="write its optimizer as a torch.optim dict")
+    direction.add_argument("--from-torch", type=Path, metavar="FILE", help="write DIRECTORY from a torch.optim dict")
+    parser.add_argument("--key", default="optim", help="where the optimizer is in the checkpoint (default: optim)")
+    args = parser.parse_args(argv)
+    try:
+        if args.to_torch is not None:
+            torch.save(dcp_to_torch_optim(args.directory, args.key), args.to_torch)
+        else:
+            torch_optim_to_dcp(torch.load(args.from_torch, weights_only=False), args.directory, args.key)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        print(f"python -m distoptim checkpoint: error: {error}", file=sys.stderr)
+        return 1
+    return 0
