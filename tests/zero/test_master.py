@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
-from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
 from tests._dist import run_on_ranks
-from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
+from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
+from tests.zero._hooks import register
 
 BF16, F32 = torch.bfloat16, torch.float32
 # bf16 parameters (one straddling ranks under the even cut, one tiny, one frozen) and one fp32 parameter
@@ -72,8 +72,7 @@ def _parity_body(rank: int, world_size: int) -> dict[str, Any] | None:
         reference = _ByHand(theirs)
         for step in range(STEPS):
             grads = averaged_gradients(flatten(ours), rank, step)
-            for param, grad in zip(flatten(ours), grads):
-                param.grad = None if grad is None else grad.clone()
+            set_gradients(grads, flatten(ours))
             zero.step()
             reference.step(grads)
             assert_same_tensors(flatten(ours), flatten(theirs), f"{what} step {step}")
@@ -116,8 +115,7 @@ def _resume_body(rank: int, world_size: int, saved: dict[str, Any]) -> None:
     )  # fmt: skip
     for step in range(STEPS, STEPS + 3):
         grads = averaged_gradients(flatten(ours), rank, step)
-        for param, grad in zip(flatten(ours), grads):
-            param.grad = None if grad is None else grad.clone()
+        set_gradients(grads, flatten(ours))
         zero.step()
         reference.step(grads)
         assert_same_tensors(flatten(ours), flatten(theirs), f"resumed, step {step}")
@@ -171,7 +169,6 @@ def _ddp_body(rank: int, world_size: int) -> None:
     """With DDP: explicit step with all-reduce or reduce-to-owners (+ clipping), and both overlap hooks, against DDP
     gradients stepped by hand through fp32 copies."""
     configs = itertools.product(("greedy", "even"), ("explicit", "hook", "interleaved"), ("all_reduce", "to_owners"))
-    wrappers = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
     for partition, stepping, reduction in configs:
         what = f"{partition} {stepping} {reduction}"
         model, reference = _Net(), _Net()
@@ -180,12 +177,7 @@ def _ddp_body(rank: int, world_size: int) -> None:
             model.parameters(), torch.optim.AdamW, overlap_with_ddp=stepping != "explicit", partition=partition,
             parameters_as_bucket_view=partition == "even", master_dtype=F32, lr=0.01,
         )  # fmt: skip
-        inner = reduce_to_owners_hook if reduction == "to_owners" else allreduce_hook
-        state = zero if reduction == "to_owners" else None
-        if stepping != "explicit":
-            ddp.register_comm_hook(state, wrappers[stepping](inner, ddp, zero))
-        elif reduction == "to_owners":
-            ddp.register_comm_hook(zero, reduce_to_owners_hook)
+        register(ddp, zero, reduction, stepping)
         masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
         by_hand = torch.optim.AdamW(masters, lr=0.01)
         for iteration in range(3):

@@ -17,16 +17,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import flat_view
-from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
+from distoptim.hooks import reduce_to_owners_hook
 from distoptim.zero import comm
 from distoptim.zero.partition import SPLIT
 from tests._dist import run_on_ranks
+from tests.zero._hooks import register
 
 ITERATIONS = 4
 PARTITIONS = ["greedy", "even"]
 REDUCTIONS = ["all_reduce", "to_owners"]
 STEPPING = ["explicit", "hook", "interleaved"]
-WRAPPERS = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 
 
 class _Net(nn.Module):
@@ -67,12 +67,7 @@ def _build(config: tuple[str, str, str, bool], optimizer: tuple[type, dict[str, 
         partition=partition,
         **kwargs,
     )
-    inner = reduce_to_owners_hook if reduction == "to_owners" else allreduce_hook
-    state = zero if reduction == "to_owners" else None
-    if stepping != "explicit":
-        ddp.register_comm_hook(state, WRAPPERS[stepping](inner, ddp, zero))
-    elif reduction == "to_owners":
-        ddp.register_comm_hook(zero, reduce_to_owners_hook)
+    register(ddp, zero, reduction, stepping)
     return ddp, zero
 
 
