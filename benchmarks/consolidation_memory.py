@@ -18,6 +18,7 @@ import gc
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,30 @@ def _received_bytes(consolidated: dict[int, dict[str, Any]], local: Any) -> int:
     return sum(nbytes for pointer, nbytes in storages.items() if pointer not in own)
 
 
+def measure_peak(action: Callable[[], object]) -> tuple[int, float]:
+    """Peak resident growth (bytes) and seconds of ``action()``, every rank starting together after a trim."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current VmRSS
+    start_kib = _status_kib("VmRSS")
+    started = time.perf_counter()
+    action()
+    return (_status_kib("VmHWM") - start_kib) * 1024, time.perf_counter() - started
+
+
+def model_config(doc: str) -> tuple[argparse.Namespace, GPTConfig]:
+    """The memory benchmarks' command line (``--world-sizes``, ``--params-millions``) and the model it asks for."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--params-millions", type=float, default=20.0)
+    args = parser.parse_args()
+    config = config_for_params(args.params_millions)
+    print(f"GPT-shaped model, {config.num_params / 1e6:.1f}M fp32 parameters; Adam state after one step")
+    return args, config
+
+
 def _rank(rank: int, world_size: int, config: GPTConfig) -> dict[str, float]:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(_M_MMAP_THRESHOLD, 64 << 10)
@@ -67,17 +92,7 @@ def _rank(rank: int, world_size: int, config: GPTConfig) -> dict[str, float]:
         param.grad = torch.ones_like(param)
     zero.step()
     zero.zero_grad()
-    gc.collect()
-    libc.malloc_trim(0)
-    dist.barrier()
-
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    start_kib = _status_kib("VmRSS")
-    started = time.perf_counter()
-    zero.consolidate_state_dict(to=0)
-    seconds = time.perf_counter() - started
-    peak_bytes = (_status_kib("VmHWM") - start_kib) * 1024
+    peak_bytes, seconds = measure_peak(lambda: zero.consolidate_state_dict(to=0))
     received = _received_bytes(zero.state_dict()["state"], zero.state) if rank == 0 else 0
     dist.barrier()
     return {
@@ -89,12 +104,7 @@ def _rank(rank: int, world_size: int, config: GPTConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--params-millions", type=float, default=20.0)
-    args = parser.parse_args()
-    config = config_for_params(args.params_millions)
-    print(f"GPT-shaped model, {config.num_params / 1e6:.1f}M fp32 parameters; Adam state after one step")
+    args, config = model_config(__doc__)
     print(f"{'world':>5} {'rank':>4} {'shard MB':>9} {'received MB':>11} {'extra MB':>9} {'extra/shard':>11} {'s':>6}")
     for world_size in args.world_sizes:
         for rank, row in enumerate(run_on_ranks(_rank, world_size, config, timeout=600)):

@@ -10,39 +10,22 @@ byte ranges other ranks wrote. The load's figure excludes the new optimizer's ow
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import gc
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from consolidation_memory import _M_MMAP_THRESHOLD, _status_kib, _tensor_bytes
+from consolidation_memory import _M_MMAP_THRESHOLD, _tensor_bytes, measure_peak, model_config
 
 from distoptim import ZeroRedundancyOptimizer
-from distoptim.demo.config import GPTConfig, config_for_params
+from distoptim.demo.config import GPTConfig
 from distoptim.demo.model import GPT
 from tests._dist import run_on_ranks
-
-
-def _measured(action: object) -> tuple[int, float]:
-    """Peak resident growth (bytes) and seconds of ``action()``."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    dist.barrier()
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    start_kib = _status_kib("VmRSS")
-    started = time.perf_counter()
-    action()  # type: ignore[operator]
-    return (_status_kib("VmHWM") - start_kib) * 1024, time.perf_counter() - started
 
 
 def _rank(rank: int, world_size: int, config: GPTConfig, path: str) -> dict[str, float]:
@@ -55,25 +38,20 @@ def _rank(rank: int, world_size: int, config: GPTConfig, path: str) -> dict[str,
     zero.step()
     zero.zero_grad()
     state = zero.sharded_state_dict()
-    saved, save_s = _measured(lambda: dcp.save({"optim": state}, checkpoint_id=path))
+    saved, save_s = measure_peak(lambda: dcp.save({"optim": state}, checkpoint_id=path))
     shard = _tensor_bytes(zero.state)
     del zero
 
     fresh = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, partition="greedy", lr=1e-4)
     target = {"optim": fresh.sharded_state_dict()}  # creates the new optimizer's (own) state
-    loaded, load_s = _measured(lambda: dcp.load(target, checkpoint_id=path))
+    loaded, load_s = measure_peak(lambda: dcp.load(target, checkpoint_id=path))
     fresh.load_sharded_state_dict(target["optim"])
     return {"shard": shard, "save": saved, "save_s": save_s, "new_shard": _tensor_bytes(fresh.state), "load": loaded,
             "load_s": load_s}  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--params-millions", type=float, default=20.0)
-    args = parser.parse_args()
-    config = config_for_params(args.params_millions)
-    print(f"GPT-shaped model, {config.num_params / 1e6:.1f}M fp32 parameters; Adam state after one step")
+    args, config = model_config(__doc__)
     print(f"{'world':>5} {'rank':>4} {'shard MB':>9} {'save extra MB':>13} {'new shard MB':>12} {'load extra MB':>13}")
     for world_size in args.world_sizes:
         with tempfile.TemporaryDirectory() as directory:
