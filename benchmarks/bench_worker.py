@@ -57,7 +57,7 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> RankResult:
     result = RankResult(rank=ctx.rank, start_rss_bytes=_peak_rss_bytes())
     variant = VARIANTS[spec.variant]
     torch.manual_seed(0)
-    model = GPT(spec.config)
+    model = GPT(spec.config).to(variant.dtype)
     ddp = DistributedDataParallel(model)
     params = list(model.parameters())
     optimizer = variant.build(ddp, params, {"lr": spec.lr})

@@ -92,6 +92,7 @@ def _summarize(name: str, world_size: int, runs: list[list[RankResult]]) -> dict
         "comm_calls_per_step": max(r.comm_calls_per_step for r in ranks),
         "comm_calls_by_function": first.comm_by_function,
         "state_bytes_max": max(r.state_bytes for r in ranks),
+        "state_bytes_min": min(r.state_bytes for r in ranks),
         "state_bytes_ideal": unsharded / world_size,
         "state_bytes_unsharded": unsharded,
         "peak_rss_bytes_max": max(r.peak_rss_bytes for rs in runs for r in rs),

@@ -5,7 +5,8 @@ is forward, then (timed) ``loss.backward()`` (DDP reduces the gradients during i
 A variant whose gradients are reduced by something other than DDP's built-in C++ all-reduce (a comm hook, which
 calls the Python collectives and is therefore counted directly) sets ``ddp_cpp_allreduce=False``; one whose
 optimizer is stepped inside the backward by such a hook (``overlap_with_ddp=True``) sets ``steps_in_backward=True``
-and the loop does not call ``step()`` (the timed backward then holds reduction, step and sync).
+and the loop does not call ``step()`` (the timed backward then holds reduction, step and sync). One that trains
+a low-precision model (``dtype``: bf16 with fp32 master weights) gets the model cast before DDP wraps it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel
@@ -32,7 +34,7 @@ class Variant:
     """``build(ddp_model, params, adamw_kwargs)`` makes the optimizer; ``local(optimizer)`` is what holds state here.
 
     ``impl`` and ``setting`` pair variants for the closing comparison: distoptim's and torch's with the same
-    ``setting`` are compared (time, bytes); ``impl="baseline"`` is not paired.
+    ``setting`` are compared (time, bytes); ``impl="baseline"`` is not paired. ``dtype``: the model's parameters.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Variant:
     local: Callable[[Any], Optimizer] = lambda optimizer: optimizer
     ddp_cpp_allreduce: bool = True
     steps_in_backward: bool = False
+    dtype: torch.dtype = torch.float32
 
 
 def _adamw(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
@@ -55,10 +58,15 @@ def _torch_zero(bucket_view: bool) -> Builder:
     return build
 
 
-def _our_zero(bucket_view: bool, partition: str = "greedy") -> Builder:
+def _our_zero(bucket_view: bool, partition: str = "greedy", master_dtype: torch.dtype | None = None) -> Builder:
     def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
         return ZeroRedundancyOptimizer(
-            params, optimizer_class=AdamW, parameters_as_bucket_view=bucket_view, partition=partition, **kwargs
+            params,
+            optimizer_class=AdamW,
+            parameters_as_bucket_view=bucket_view,
+            partition=partition,
+            master_dtype=master_dtype,
+            **kwargs,
         )
 
     return build
@@ -157,6 +165,16 @@ VARIANTS: dict[str, Variant] = {
             local=lambda z: z.local_optimizer,
             ddp_cpp_allreduce=False,
             steps_in_backward=True,
+        ),
+        # Master weights: a bf16 model (half the parameter, gradient and sync bytes), AdamW on fp32 copies of the
+        # owned fragments. Its backward runs in bf16, so its time is not the fp32 variants' compute.
+        Variant(
+            "distoptim-master-bf16",
+            "master",
+            "even, bucket_view=True, bf16 + fp32 master",
+            _our_zero(True, "even", torch.float32),
+            local=lambda z: z.local_optimizer,
+            dtype=torch.bfloat16,
         ),
     ]
 }
