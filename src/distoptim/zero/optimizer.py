@@ -282,10 +282,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
         self._sync = strategy(layouts_from_plan(self._plan.layouts, self._plan.fragments, params), self.process_group)
         previous, self._shard = self._shard, LocalShard(self._plan, self.param_groups, self.rank, self.master_dtype)
-        local_groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
-            for group, tensors in zip(self.param_groups, self._shard.tensors)
-        ]
+        local_groups = self._shard.param_groups(self.param_groups)
         if self.optim is None:
             self.optim = self._optimizer_class(local_groups, **self._defaults)
         else:
@@ -362,16 +359,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """This rank's fragments of the state (master weights included) and the hyperparameters, for
         ``torch.distributed.checkpoint``: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``;
         to resume (any world size, either partition), ``dcp.load`` into a new one's, then ``load_sharded_state_dict``.
-        A fresh optimizer's state is created first (one local step on zero gradients; values unchanged)."""
-        sharded.template_state(self.local_shard, self.local_optimizer.step, self.local_optimizer.state)
+        Fragments without state yet get placeholders that a load fills in and a save leaves out."""
+        shard, state = self.local_shard, self.local_optimizer.state
+        placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         groups = pickle.dumps(checkpoint.global_param_groups(self.param_groups))
-        return sharded.sharded_state(self.local_shard, self.local_optimizer.state, groups, self.global_params)
+        return sharded.sharded_state(shard, state, placeholders, groups, self.global_params)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict (the state was loaded in place)."""
         for group, saved in zip(self.param_groups, sharded.load_param_groups(state_dict, len(self.param_groups))):
             group.update(saved)
         self._push_hyperparameters()
+        sharded.install_loaded(self.local_shard, self.local_optimizer.state, state_dict)
         self.local_shard.write_back()
         self._consolidated = None
 

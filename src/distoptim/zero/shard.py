@@ -104,6 +104,13 @@ class LocalShard:
         """What the local optimizer holds, group by group."""
         return [[t.tensor for t in group] for group in self.groups]
 
+    def param_groups(self, global_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The local optimizer's param groups: each global group's settings over this rank's tensors of it."""
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
+            for group, tensors in zip(global_groups, self.tensors)
+        ]
+
     def attach_grads(self) -> None:
         """Give every fragment view and master copy its piece of its parameter's gradient (before the step)."""
         self._align_grads()

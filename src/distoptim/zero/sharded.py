@@ -6,8 +6,10 @@ chunk metadata. DCP writes each rank's pieces from their own memory, and a load 
 partition reads, for each rank, exactly the byte ranges that overlap its new fragments. Step counts and other
 per-parameter scalars are saved by every rank that holds a piece of the parameter (DCP keeps one copy), the
 hyperparameters once. No rank ever holds more than its own shard. Zero-sized parameters are left out (their state
-holds nothing). A load needs, for every fragment the new optimizer holds, the state the checkpoint's optimizer had
-for it: a parameter that had no state when saved (it never had a gradient) makes ``dcp.load`` report the key.
+holds nothing). A plain ``dcp.load`` needs, for every fragment the new optimizer holds, the state the checkpoint's
+optimizer had for it; ``distoptim.checkpoint.load`` also loads checkpoints in which a parameter had no state yet (it
+never had a gradient) or that carry no master weights: it asks only for what was saved (``prune_unsaved``), and
+``install_loaded`` starts the rest afresh.
 
 Usage (the method names are the contract)::
 
@@ -20,7 +22,8 @@ Usage (the method names are the contract)::
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -31,27 +34,39 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from distoptim._flat import flat_view
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 
-__all__ = ["FragmentTensor", "load_param_groups", "sharded_state", "template_state"]
+__all__ = [
+    "FragmentTensor",
+    "install_loaded",
+    "is_sharded_state",
+    "load_param_groups",
+    "prune_unsaved",
+    "sharded_state",
+    "template_state",
+]
 
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"  # each parameter's (shape, strides): what turns a saved 1-D tensor back into its shape
 
 
 class FragmentTensor(Tensor):
-    """A 1-D tensor of ``numel`` elements of which this rank holds ``local`` from ``offset``: what DCP needs to save
-    and load one rank's piece of a parameter-shaped tensor (DCP's checkpointable protocol, as DTensor implements
-    it). It holds no data of its own and supports no operation."""
+    """A tensor of ``shape`` of which this rank holds ``local`` at ``offsets``: what DCP needs to save and load one
+    rank's piece of a tensor (DCP's checkpointable protocol, as DTensor implements it). ``source`` is the state value
+    it stands for; ``saved=False`` marks a placeholder that a load may fill but a save leaves out (the state a fresh
+    optimizer would have). It holds no data of its own and supports no operation."""
 
     _local: Tensor
-    _offset: int
+    _offsets: tuple[int, ...]
+    source: Tensor
+    saved: bool
 
     @staticmethod
-    def __new__(cls, local: Tensor, offset: int, numel: int) -> FragmentTensor:
-        wrapper = Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
-        wrapper._local, wrapper._offset = local, offset
+    def __new__(
+        cls, local: Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], source: Tensor, saved: bool = True
+    ) -> FragmentTensor:
+        wrapper = Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        wrapper._local, wrapper._offsets, wrapper.source, wrapper.saved = local, offsets, source, saved
         return wrapper
 
-    @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
@@ -60,9 +75,11 @@ class FragmentTensor(Tensor):
     def _chunks(self) -> list[ChunkStorageMetadata]:
         if self._local.numel() == 0:
             return []
-        return [ChunkStorageMetadata(offsets=torch.Size([self._offset]), sizes=torch.Size([self._local.numel()]))]
+        return [ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=self._local.shape)]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if not self.saved:
+            return []
         properties = TensorProperties.create_from_tensor(self._local)
         return [
             WriteItem(
@@ -80,41 +97,63 @@ class FragmentTensor(Tensor):
         return self._local
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"FragmentTensor(numel={self.numel()}, offset={self._offset}, local={self._local.numel()})"
+        return f"FragmentTensor(shape={tuple(self.shape)}, offsets={self._offsets}, local={tuple(self._local.shape)})"
+
+
+class Placeholder:
+    """A non-tensor value a fresh optimizer would have: a load may replace it, a save leaves it out."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return []
 
 
 def sharded_state(
-    shard: LocalShard, state: dict[Tensor, dict[str, Any]], param_groups: bytes, params: list[Tensor]
+    shard: LocalShard,
+    state: dict[Tensor, dict[str, Any]],
+    placeholders: dict[Tensor, dict[str, Any]],
+    param_groups: bytes,
+    params: list[Tensor],
 ) -> dict[str, Any]:
     """``{"state.<index>.<name>": piece or scalar, "param_groups": pickled, "param_layouts": pickled}`` for this
-    rank's fragments."""
+    rank's fragments: their state, or for a fragment without any, ``placeholders`` that only a load fills."""
     layouts = pickle.dumps([(tuple(p.shape), tuple(p.stride())) for p in params])
     exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: layouts}
     for local in (t for group in shard.groups for t in group if t.param.numel() > 0):  # zero-sized: nothing to keep
-        entry = dict(state.get(local.tensor, {}))
-        if local.master:
-            entry[MASTER_KEY] = local.tensor
+        saved = local.tensor in state
+        entry = dict(state[local.tensor] if saved else placeholders.get(local.tensor, {}))
         for name, value in entry.items():
-            exported[f"state.{local.index}.{name}"] = _as_saved(value, local)
+            exported[f"state.{local.index}.{name}"] = _as_saved(value, local, saved)
+        if local.master:
+            exported[f"state.{local.index}.{MASTER_KEY}"] = _as_saved(local.tensor, local, True)
     return exported
 
 
-def _as_saved(value: Any, local: LocalTensor) -> Any:
-    """A parameter-shaped tensor (or a fragment's 1-D piece of one) as a fragment of the whole; anything else as is."""
-    if not isinstance(value, Tensor) or value.dim() == 0:
+def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
+    """A parameter-shaped tensor (or a fragment's 1-D piece of one) as a fragment of the whole, anything else whole;
+    wrapped as a placeholder unless ``saved``."""
+    if isinstance(value, Tensor) and value.dim() > 0:
+        piece = flat_view(value) if local.whole else value
+        return FragmentTensor(piece.detach(), (local.offset,), (local.param.numel(),), value, saved)
+    if saved:
         return value
-    piece = flat_view(value) if local.whole else value
-    return FragmentTensor(piece.detach(), local.offset, local.param.numel())
+    if isinstance(value, Tensor):
+        return FragmentTensor(value.detach(), (0,) * value.dim(), tuple(value.shape), value, saved)
+    return Placeholder(value)
 
 
-def template_state(shard: LocalShard, step: Callable[[], Any], state: dict[Tensor, dict[str, Any]]) -> None:
-    """Create the state of every local tensor that has none (a fresh optimizer, before a load) with one step of the
-    local optimizer on zero gradients; every tensor's value and ``.grad`` are as before afterwards (DCP loads into
-    existing tensors, which this makes)."""
+def template_state(
+    shard: LocalShard, step: Callable[[], Any], state: dict[Tensor, dict[str, Any]]
+) -> dict[Tensor, dict[str, Any]]:
+    """The state a fresh optimizer would make for each local tensor that has none (one step of the local optimizer
+    on zero gradients), for a load to fill in. It is returned, not kept: the optimizer's state, every tensor's value
+    and ``.grad`` are as before afterwards, so exporting for a save changes nothing."""
     locals_ = [t for group in shard.groups for t in group]
     missing = [t for t in locals_ if not state.get(t.tensor)]
     if not missing:
-        return
+        return {}
     values = [t.tensor.detach().clone() for t in missing]
     grads = [t.tensor.grad for t in locals_]
     for local in locals_:  # only the missing ones take part in the step
@@ -127,6 +166,7 @@ def template_state(shard: LocalShard, step: Callable[[], Any], state: dict[Tenso
                 local.tensor.copy_(value)
         for local, grad in zip(locals_, grads):
             local.tensor.grad = grad
+    return {t.tensor: state.pop(t.tensor) for t in missing if t.tensor in state}
 
 
 def load_param_groups(saved: dict[str, Any], count: int) -> list[dict[str, Any]]:
@@ -141,3 +181,55 @@ def load_param_groups(saved: dict[str, Any], count: int) -> list[dict[str, Any]]
     if len(groups) != count:
         raise ValueError(f"the checkpoint has {len(groups)} param groups but this optimizer has {count}")
     return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
+def is_sharded_state(value: Any) -> bool:
+    """Whether ``value`` is a dict that ``sharded_state`` made."""
+    return isinstance(value, dict) and all(isinstance(value.get(key), bytes) for key in (PARAM_GROUPS, LAYOUTS))
+
+
+def prune_unsaved(exported: dict[str, Any], prefix: str, saved: Collection[str]) -> None:
+    """Drop from ``exported`` (about to be loaded) the entries its checkpoint cannot have: the state of a parameter
+    that had none when saved, and master weights the saving run did not keep. ``prefix``: where ``exported`` sits
+    in the checkpoint (``"optim."``); ``saved``: the checkpoint's keys."""
+    saved_entries = [_index_and_name(key[len(prefix) :]) for key in saved if key.startswith(f"{prefix}state.")]
+    stateful = {index for index, name in saved_entries if name != MASTER_KEY}
+    for key in [key for key in exported if key.startswith("state.") and f"{prefix}{key}" not in saved]:
+        index, name = _index_and_name(key)
+        if name == MASTER_KEY or index not in stateful:
+            del exported[key]
+
+
+def _index_and_name(key: str) -> tuple[str, str]:
+    _, index, name = key.split(".", 2)
+    return index, name
+
+
+def install_loaded(shard: LocalShard, state: dict[Tensor, dict[str, Any]], loaded: dict[str, Any]) -> None:
+    """Make the local optimizer's state what a load filled into ``sharded_state``'s dict: the entries found there
+    (tensors loaded in place, other values as loaded); a fragment with none starts without state (the checkpoint
+    had none for it); a master copy that was not loaded starts from its parameter (with a warning)."""
+    unmastered = []
+    for local in (t for group in shard.groups for t in group if t.param.numel() > 0):
+        head = f"state.{local.index}."
+        entry = {key[len(head) :]: _unwrapped(value) for key, value in loaded.items() if key.startswith(head)}
+        if local.master and entry.pop(MASTER_KEY, None) is None:
+            unmastered.append(local.index)
+            with torch.no_grad():
+                local.tensor.copy_(local.param_piece())
+        if entry:
+            state[local.tensor] = entry
+        else:
+            state.pop(local.tensor, None)
+    if unmastered:
+        warnings.warn(
+            f"the checkpoint has no master weights for parameters {sorted(set(unmastered))[:5]}; their master copies "
+            "start from the (rounded) parameters, so the run does not continue bit for bit",
+            stacklevel=3,
+        )
+
+
+def _unwrapped(value: Any) -> Any:
+    if isinstance(value, FragmentTensor):
+        return value.source
+    return value.value if isinstance(value, Placeholder) else value
