@@ -25,10 +25,12 @@ def clip_grad_norm_(
     error_if_nonfinite: bool,
     group: comm.Group,
     device: torch.device,
+    grad_scale: float | Tensor | None = None,
 ) -> Tensor:
     """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``.
 
     Returns the total norm (a float32 scalar on ``device``, the same on every rank). Norms accumulate in float32.
+    ``grad_scale``: a loss scale ``grads`` still carry; the norm returned and clipped to is that of ``grads / scale``.
     """
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
@@ -36,6 +38,8 @@ def clip_grad_norm_(
     total = comm.all_reduce_(local, group, op)
     if op == "sum" and norm_type not in (0.0, 1.0):
         total = total.pow(1.0 / norm_type)
+    if grad_scale is not None and norm_type != 0.0:  # a norm is homogeneous: |g / s| = |g| / s
+        total = total / torch.as_tensor(grad_scale, dtype=torch.float32).to(total.device)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be "

@@ -15,6 +15,7 @@ read owned fragments only). The hook is also the inner hook of the overlap wrapp
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 from torch.distributed import GradBucket
 from torch.futures import Future
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["reduce_to_owners_hook"]
 
+
+_Reduction = tuple[Future[Tensor], Tensor, list[tuple[int, int]]]  # a bucket's reduction, its buffer, its owned ranges
+_PENDING: "weakref.WeakKeyDictionary[Any, list[_Reduction]]" = weakref.WeakKeyDictionary()  # this backward's so far
 
 _ROUTES: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[tuple[int, int, int]]]]" = (
     weakref.WeakKeyDictionary()
@@ -71,4 +75,35 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
     """
     buffer = bucket.buffer()
     buffer.div_(zero.world_size)
-    return comm.reduce_to_owners_async(buffer, _route(zero, bucket.parameters()), zero.process_group)
+    route = _route(zero, bucket.parameters())
+    reduced = comm.reduce_to_owners_async(buffer, route, zero.process_group)
+    if zero.overlap_stepper is not None:  # the step runs in the hook, where no GradScaler can take part
+        return reduced
+    mine = [(start, end) for owner, start, end in route if owner == zero.rank]
+    pending = _PENDING[zero] = [] if bucket.index() == 0 else _PENDING.get(zero, [])
+    pending.append((reduced, buffer, mine))
+    if not bucket.is_last():
+        return reduced
+    del _PENDING[zero]
+    return _agree_on_finiteness(zero, pending)
+
+
+def _agree_on_finiteness(zero: "ZeroRedundancyOptimizer", pending: list[_Reduction]) -> Future[Tensor]:
+    """At the end of the backward: if any owner's averaged gradient holds inf/nan, make every rank see one (a NaN in
+    the last bucket), so that checks of the local ``.grad`` (``GradScaler``'s) reach the same verdict everywhere.
+
+    Without one no rank sees any: a non-owned range holds partial sums of the world-size-divided local gradients,
+    which cannot overflow, and is non-finite only where some rank's gradient is, which its owner then sees too.
+    """
+    nonfinite = False
+    for reduced, buffer, mine in pending:
+        reduced.wait()
+        nonfinite = nonfinite or any(not bool(buffer[start:end].isfinite().all()) for start, end in mine)
+    verdict = torch.tensor([float(nonfinite)], device=pending[-1][1].device)
+    comm.all_reduce_(verdict, zero.process_group, "max")
+    last = pending[-1][1]
+    if bool(verdict.item()) and last.numel():
+        last[0] = float("nan")
+    done: Future[Tensor] = Future()
+    done.set_result(last)
+    return done

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import checkpoint, clipping, comm, sharded, validation
+from distoptim.zero import amp, checkpoint, clipping, comm, sharded, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
 from distoptim.zero.overlap import OverlapStepper, functional_for_overlap
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
@@ -57,11 +57,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``None`` (default): step the parameters as they are.
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
 
-    ``param_groups`` is the global view that schedulers and users edit; ``optim`` is the local optimizer over what
-    this rank owns, ``state`` its shard. A parameter made trainable between steps gets an owner at the next
-    ``step()`` (change ``requires_grad`` alike on every rank). Checkpoints: ``consolidate_state_dict`` +
-    ``state_dict`` (``torch.optim``'s format, on one rank) or ``sharded_state_dict`` (``torch.distributed.checkpoint``,
-    every rank its shard); either loads at any world size and partition.
+    ``param_groups`` is the global view that schedulers and users edit; ``optim`` the local optimizer, ``state`` its
+    shard. Checkpoints: ``consolidate_state_dict`` + ``state_dict`` (``torch.optim``'s format, on one rank) or
+    ``sharded_state_dict`` (DCP, every rank its shard); either loads at any world size and partition. ``GradScaler``
+    drives it like any optimizer (``scaler.step(zero)``).
 
     Example, inside an initialised process group::
 
@@ -71,10 +70,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             optimizer.zero_grad()
             loss_fn(model(batch)).backward()
             optimizer.step()
-        optimizer.consolidate_state_dict(to=0)
-        if dist.get_rank() == 0:
-            torch.save(optimizer.state_dict(), "optim.pt")
+        distoptim.checkpoint.save({"model": model.state_dict(), "optim": optimizer.sharded_state_dict()}, path)
     """
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands step() its verdict and scale (see zero/amp.py)
 
     def __init__(
         self,
@@ -198,10 +197,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._push_hyperparameters()
         self.local_shard.attach_grads()
         try:
-            loss: float | None = (
-                self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
-            )
-            self.local_shard.write_back()
+            loss: float | None = None
+            if amp.unscale_or_skip(self, self.local_shard.step_grads()):  # a GradScaler's verdict, the same everywhere
+                loss = self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
+                self.local_shard.write_back()
         finally:
             self.local_shard.detach_grads()
         self.sync_parameters()
@@ -222,18 +221,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for global_group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
             global_group.update((k, v) for k, v in local_group.items() if k != "params")
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
+    ) -> Tensor:
         """Clip the gradient by its total norm, as ``torch.nn.utils.clip_grad_norm_`` would on the whole gradient
         (collective: one scalar all-reduce; returns the total norm, the same on every rank).
 
         Each rank measures and scales the gradient of what it owns, so it is right with gradients reduced to their
         owners (``reduce_to_owners_hook``) too; gradients a rank does not own are left as they are. Norms accumulate
-        in float32. Call it between ``backward()`` and ``step()`` on every rank.
+        in float32. Call it between ``backward()`` and ``step()`` on every rank. ``grad_scale``: the loss scale the
+        gradients still carry (``scaler.get_scale()`` where ``scaler.unscale_(zero)`` cannot run, as for fp16
+        gradients): the norm and the clipping are then those of the unscaled gradient.
         """
-        grads = self.local_shard.owned_grads()
-        return clipping.clip_grad_norm_(
-            grads, max_norm, norm_type, error_if_nonfinite, self.process_group, self._comm_device
-        )
+        grads, group, device = self.local_shard.owned_grads(), self.process_group, self._comm_device
+        return clipping.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of all parameters, owned or not."""

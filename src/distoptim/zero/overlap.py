@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero import comm
+from distoptim.zero import amp, comm
 from distoptim.zero.buckets import StagedSync, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard
@@ -88,6 +88,7 @@ class OverlapStepper:
         A ``closure`` is run first, as ``torch.optim`` runs it (it is expected to run the backward), and its loss is
         returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran.
         """
+        amp.refuse_in_overlap_mode(self._stepped_flag_on)
         if kwargs:
             raise TypeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True).step() takes no keyword arguments, got "

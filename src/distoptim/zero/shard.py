@@ -127,6 +127,10 @@ class LocalShard:
         for local in self.masters:
             local.write_back()
 
+    def step_grads(self) -> list[Tensor]:
+        """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
+        return [t.tensor.grad for group in self.groups for t in group if t.tensor.grad is not None]
+
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
         self._align_grads()

@@ -1,0 +1,134 @@
+"""Loss scaling: ``torch.amp.GradScaler`` drives ZeRO (fp32 model, or fp16 model with fp32 master weights) with the
+usual loop, with gradients all-reduced or reduced to their owners; an inf on one rank skips the step on every rank
+and the scales stay equal; the result equals a reference that does the same by hand on DDP's averaged gradients."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from distoptim.hooks import hook_with_zero_step, reduce_to_owners_hook
+from distoptim.zero.comm import all_gather_objects
+from tests._dist import run_on_ranks
+from tests.zero._hooks import register
+
+ITERATIONS = 4
+INF_AT = 1  # the iteration at which rank 1 alone produces an inf
+KWARGS = {"lr": 0.01, "weight_decay": 0.1}
+
+
+def _net(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+
+
+def _loss(ddp: DDP, rank: int, iteration: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * iteration + rank)).to(dtype)
+    return ddp(x).float().square().mean()
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
+
+
+class _ByHand:
+    """The reference: DDP's averaged gradients, upcast to fp32, checked for inf/nan, unscaled, clipped, and AdamW on
+    fp32 copies of the parameters (the parameters themselves when they are fp32)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.stepped = [p.detach().float().requires_grad_() if p.dtype != torch.float32 else p for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.stepped, **KWARGS)
+        self.scale, self.growth = 1024.0, 0
+
+    def step(self, clip: float | None) -> None:
+        grads = [p.grad.float() * torch.tensor(1 / self.scale) for p in self.params]
+        finite = all(bool(g.isfinite().all()) for g in grads)
+        if finite:
+            if clip is not None:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                coefficient = torch.clamp(clip / (norm + 1e-6), max=1.0)
+                grads = [g * coefficient for g in grads]
+            for stepped, grad in zip(self.stepped, grads):
+                stepped.grad = grad
+            self.optimizer.step()
+            with torch.no_grad():
+                for param, stepped in zip(self.params, self.stepped):
+                    if stepped is not param:
+                        param.copy_(stepped)
+        self.scale = self.scale * 2 if finite and self.growth + 1 == 2 else self.scale if finite else self.scale / 2
+        self.growth = 0 if not finite or self.growth + 1 == 2 else self.growth + 1
+
+
+def _body(rank: int, world_size: int) -> None:
+    configs = itertools.product(["greedy", "even"], ["all_reduce", "to_owners"], [torch.float32, torch.float16])
+    for (partition, reduction, dtype), clip in itertools.product(configs, [None, 0.05]):
+        what = f"{partition} {reduction} {dtype} clip={clip}"
+        model, reference = _net(dtype), _net(dtype)
+        ddp, reference_ddp = DDP(model, bucket_cap_mb=0.0005), DDP(reference, bucket_cap_mb=0.0005)
+        master = torch.float32 if dtype != torch.float32 else None
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, partition=partition, master_dtype=master, **KWARGS
+        )
+        register(ddp, zero, reduction, "explicit")
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        by_hand = _ByHand(reference)
+        target = next(i for i, p in enumerate(model.parameters()) if zero.fragments_of(p)[0].rank == 0)
+        for iteration in range(ITERATIONS):
+            # at INF_AT rank 1's gradient of a parameter that rank 0 owns gets one inf: only its owner sums it
+            poisoned = (
+                [list(m.parameters())[target] for m in (model, reference)] if (iteration, rank) == (INF_AT, 1) else []
+            )
+            handles = [param.register_hook(_poison) for param in poisoned]
+            zero.zero_grad()
+            scaler.scale(_loss(ddp, rank, iteration, dtype)).backward()
+            if clip is not None and dtype == torch.float32:
+                scaler.unscale_(zero)  # torch's way: unscale, then clip the unscaled gradient
+                zero.clip_grad_norm_(clip)
+            elif clip is not None:
+                zero.clip_grad_norm_(clip, grad_scale=scaler.get_scale())  # fp16 gradients: unscale_ refuses them
+            scaler.step(zero)
+            scaler.update()
+
+            reference.zero_grad()
+            (_loss(reference_ddp, rank, iteration, dtype) * by_hand.scale).backward()
+            by_hand.step(clip)
+            for handle in handles:
+                handle.remove()
+            scales = all_gather_objects(scaler.get_scale(), dist.group.WORLD)
+            assert scales == [by_hand.scale] * world_size, f"{what} iteration {iteration}: scales {scales}"
+            # Bitwise where the arithmetic is the same; reduced to owners, gloo's rooted reduce adds in another order
+            # than its all-reduce (an ulp; a few in fp16); the fp16 clip scales fp16 gradients, the reference fp32.
+            exact = clip is None and reduction == "all_reduce"
+            rtol, atol = (0.0, 0.0) if exact else (1e-5, 1e-6) if dtype == torch.float32 else (5e-3, 1e-4)
+            for ours, theirs in zip(model.parameters(), reference.parameters()):
+                message = f"{what} iteration {iteration}"
+                torch.testing.assert_close(ours, theirs, rtol=rtol, atol=atol, msg=lambda m, w=message: f"{w}: {m}")
+        assert scaler.get_scale() < 1024.0 * 2, f"{what}: the inf at iteration {INF_AT} must have backed off"
+
+
+def test_grad_scaler_skips_everywhere_and_matches_doing_it_by_hand() -> None:
+    run_on_ranks(_body, 3, timeout=240)
+
+
+def _overlap_body(rank: int, world_size: int) -> None:
+    model = _net(torch.float32)
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=0.01)
+    ddp.register_comm_hook(zero, hook_with_zero_step(reduce_to_owners_hook, ddp, zero))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(ddp, rank, 0, torch.float32)).backward()
+    with pytest.raises(RuntimeError, match="cannot drive a ZeroRedundancyOptimizer with overlap_with_ddp=True"):
+        scaler.step(zero)
+
+
+def test_grad_scaler_with_overlap_is_refused_clearly() -> None:
+    run_on_ranks(_overlap_body, 2)
