@@ -1,0 +1,200 @@
+"""The benchmark report: DDP + AdamW, torch's ZeroRedundancyOptimizer (both bucket-view settings) and every distoptim
+mode, measured on this machine in one run, written as Markdown + PNG plots (matplotlib: ``pip install -e .[bench]``).
+
+    .venv/bin/python benchmarks/report.py --out docs/report                    # full report
+    .venv/bin/python benchmarks/report.py --out docs/report --world-sizes 2 4 8
+    .venv/bin/python benchmarks/report.py --quick --out /tmp/report            # tiny model, 2 ranks, seconds
+
+Each part comes from the script that measures it: step time, optimizer-state shards and bytes per variant from
+bench_zero.py (every variant of zero_variants.py, fresh ranks each); per-rank memory of parameters, gradients,
+optimizer state and master weights from memory_master.py; the partition balance for GPT-2 124M shapes from
+partition_balance.py (arithmetic). Everything lands in OUT: report.json (all figures, bench_zero's JSON inside),
+five PNGs and REPORT.md; ``--from-json OUT/report.json`` redraws them without measuring again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(HERE) not in sys.path:  # the benchmark scripts import each other by module name
+    sys.path.insert(0, str(HERE))
+
+QUICK = ["--layers", "1", "--width", "64", "--vocab", "512", "--seq", "16", "--warmup", "1", "--iters", "2"]
+QUICK += ["--compute-iters", "1"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="report.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "report", help="default: docs/report")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="default: 2 4 (8 if you add it)")
+    parser.add_argument("--params-millions", type=float, default=20.0, help="model size target (default: 20)")
+    for name in ("layers", "width", "vocab", "seq", "batch"):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"passed to bench_zero.py (default: its {name})")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant (default: 3)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per variant (default: 10)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the variant list, alternating (default: 1)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model at world size 2, 2 timed iterations: checks the machinery"
+    )
+    parser.add_argument("--from-json", type=Path, default=None, help="redraw from a report.json; measure nothing")
+    parser.add_argument("--debug", action="store_true", help="show the ranks' output and tracebacks")
+    return parser
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command as typed from the repository root, for the report's captions."""
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else HERE / "report.py"
+    try:
+        shown = str(script.relative_to(ROOT))
+    except ValueError:
+        shown = str(script)
+    return shlex.join(["python", shown, *argv])
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "") or "unknown"
+
+
+def machine_info(command: str) -> dict[str, Any]:
+    """What every figure states: the machine, the versions, the backend, the date and the command."""
+    import torch
+
+    import distoptim
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {
+        "cpus": cpus,
+        "cpu_model": _cpu_model(),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": str(torch.__version__),
+        "distoptim": distoptim.__version__,
+        "git": _git_commit(),
+        "python": platform.python_version(),
+        "backend": "gloo over 127.0.0.1, one thread per rank (CPU)",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+    }
+
+
+def _bench_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
+    argv = ["--world-sizes", *map(str, args.world_sizes), "--rounds", str(args.rounds), "--json", str(json_path)]
+    argv += ["--debug"] if args.debug else []
+    if args.quick:
+        return [*argv, *QUICK]
+    return [
+        *argv,
+        "--params-millions",
+        str(args.params_millions),
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+    ]
+
+
+def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]:
+    """Run bench_zero.py, memory_master.py and partition_balance.py; return every figure as plain data."""
+    import bench_zero
+    import memory_master
+    import partition_balance
+
+    from distoptim.demo.config import GPTConfig
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench_json = args.out / "bench_zero.json"
+    started = time.perf_counter()
+    print(f"== step time, state shards and bytes: bench_zero.py at N = {args.world_sizes}", flush=True)
+    status = bench_zero.main(_bench_argv(args, bench_json))
+    if status != 0:
+        raise SystemExit(f"report.py: bench_zero.py failed (exit {status}); rerun with --debug")
+    bench = json.loads(bench_json.read_text())
+    bench_json.unlink()  # its content goes into report.json
+    shape = GPTConfig(**bench["config"])
+    print(f"== per-rank memory: memory_master.py at N = {args.world_sizes} ({_since(started)})", flush=True)
+    memory: dict[str, dict[str, dict[str, float]]] = {}
+    for world_size in args.world_sizes:
+        memory[str(world_size)] = {
+            config: memory_master.measure(world_size, config, shape) for config in memory_master.CONFIGS
+        }
+    print(f"== partition balance, GPT-2 124M shapes, arithmetic ({_since(started)})", flush=True)
+    numels = partition_balance.gpt2_124m_numels()
+    return {
+        "machine": machine,
+        "quick": args.quick,
+        "world_sizes": args.world_sizes,
+        "bench": bench,
+        "memory": memory,
+        "memory_configs": memory_master.CONFIGS,
+        "balance": {
+            "world_sizes": list(partition_balance.WORLD_SIZES),
+            "num_params": sum(numels),
+            "num_tensors": len(numels),
+            "ratios": partition_balance.balance(numels),
+        },
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _since(started: float) -> str:
+    return f"{time.perf_counter() - started:.0f} s so far"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.rounds = [2], 1
+    if any(n < 2 for n in args.world_sizes):
+        parser.error(f"--world-sizes must all be at least 2, got {args.world_sizes}")
+    try:
+        import report_markdown
+        import report_plots
+    except ImportError as error:
+        parser.error(f"{error.name} is not installed; the report needs matplotlib: pip install -e '.[bench]'")
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text())
+    else:
+        data = measure(args, machine_info(command_line(argv)))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "report.json").write_text(json.dumps(data, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    written = report_plots.render_all(data, args.out)
+    written.append(report_markdown.write(data, args.out))
+    print("wrote " + ", ".join(str(path) for path in written), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

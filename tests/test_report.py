@@ -1,0 +1,143 @@
+"""benchmarks/report.py --quick renders the whole report (Markdown, five PNGs, report.json) in one command, and the
+figures that are arithmetic match references computed here: partition balance, byte counts, per-rank memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distoptim.demo.config import GPTConfig
+from distoptim.demo.model import GPT
+from tests.zero.test_partition import _gpt2_124m_numels
+
+ROOT = Path(__file__).resolve().parents[1]
+PNGS = ("step_time.png", "state_bytes.png", "comm_bytes.png", "memory.png", "partition_balance.png")
+ZERO1 = ("torch-zero", "torch-zero-bucket", "distoptim-zero", "distoptim-zero-bucket", "distoptim-even-bucket")
+ZERO2 = ("zero2-greedy-bucket", "zero2-even-bucket", "zero2-even-interleaved")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Run the quick report once for the module (tiny model, 2 ranks): its directory and its report.json."""
+    out = tmp_path_factory.mktemp("report")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,  # a hung rank fails the test (bench_zero's ranks time out too)
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return out, json.loads((out / "report.json").read_text())
+
+
+def _sorted_greedy(numels: list[int], world_size: int) -> tuple[list[int], list[int]]:
+    """Reference: torch's documented partition (largest first, to the least-loaded rank, ties to the lowest)."""
+    loads, counts = [0] * world_size, [0] * world_size
+    for numel in sorted(numels, reverse=True):
+        rank = loads.index(min(loads))
+        loads[rank] += numel
+        counts[rank] += 1
+    return loads, counts
+
+
+def test_one_command_writes_markdown_and_five_pngs(report: Any) -> None:
+    out, data = report
+    for name in PNGS:
+        png = (out / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n", name
+        width, height = struct.unpack(">II", png[16:24])
+        assert width >= 800 and height >= 400 and len(png) > 20_000, (name, width, height, len(png))
+    text = (out / "REPORT.md").read_text()
+    machine = data["machine"]
+    for fact in (f"{machine['cpus']} CPUs", machine["cpu_model"], torch.__version__, "gloo", machine["date"]):
+        assert fact in text, fact
+    assert f"python benchmarks/report.py --quick --out {out}" in text
+    for name in PNGS:
+        assert f"]({name})" in text
+    for variant in {r["variant"] for r in data["bench"]["results"]}:
+        assert f"| `{variant}` |" in text
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from report_plots import caption
+        from zero_variants import VARIANTS
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert {r["variant"] for r in data["bench"]["results"]} == set(VARIANTS)  # every variant measured
+    line = caption(machine)  # what every figure carries at its foot
+    for fact in (str(machine["cpus"]), machine["cpu_model"], machine["torch"], "gloo", machine["date"], "--quick"):
+        assert fact in line, fact
+
+
+def test_partition_balance_matches_arithmetic(report: Any) -> None:
+    _, data = report
+    numels = _gpt2_124m_numels()
+    total = sum(numels)
+    balance = data["balance"]
+    assert balance["world_sizes"][0] == 2 and balance["world_sizes"][-1] == 1024 and balance["num_params"] == total
+    for index, world_size in enumerate(balance["world_sizes"]):
+        ideal = total / world_size
+        even = balance["ratios"]["distoptim even"][index]
+        torch_greedy = balance["ratios"]["torch greedy"][index]
+        assert even == pytest.approx(math.ceil(ideal) / ideal) and even <= 1.01
+        assert torch_greedy == pytest.approx(max(_sorted_greedy(numels, world_size)[0]) / ideal)
+        assert torch_greedy >= even and balance["ratios"]["distoptim greedy"][index] == pytest.approx(torch_greedy)
+    assert balance["ratios"]["torch greedy"][-1] > 300  # the embedding alone, at 1,024 ranks
+
+
+def test_bytes_and_state_shards_match_arithmetic(report: Any) -> None:
+    _, data = report
+    config = GPTConfig(**data["bench"]["config"])
+    numel, tensors = config.num_params, len(list(GPT(config).parameters()))
+    results = {r["variant"]: r for r in data["bench"]["results"]}
+    assert all(r["world_size"] == 2 for r in results.values())
+    ddp = results["ddp-adamw"]["comm_bytes_per_rank_per_step"]
+    assert ddp == 2 * (2 - 1) / 2 * 4 * numel  # one all-reduce of the fp32 gradients
+    for name in ZERO1:  # the all-reduce plus one broadcast of every parameter from its owner
+        assert results[name]["comm_bytes_per_rank_per_step"] / ddp == pytest.approx(1.5, rel=1e-3), name
+    for name in ZERO2:  # to owners, then from owners
+        assert results[name]["comm_bytes_per_rank_per_step"] / ddp == pytest.approx(1.0, rel=1e-3), name
+    assert results["distoptim-master-bf16"]["comm_bytes_per_rank_per_step"] / ddp == pytest.approx(0.75, rel=1e-3)
+    unsharded = 8 * numel + 4 * tensors  # AdamW: exp_avg, exp_avg_sq, a 4-byte step per tensor
+    assert results["ddp-adamw"]["state_bytes_min"] == results["ddp-adamw"]["state_bytes_max"] == unsharded
+    loads, counts = _sorted_greedy([p.numel() for p in GPT(config).parameters()], 2)
+    for r in results.values():
+        assert math.isfinite(r["median_total_ms"]) and r["median_total_ms"] > 0
+        if r["variant"] == "ddp-adamw":
+            continue
+        # two ranks share the state; a parameter split by the even partition has a step on each side
+        assert unsharded <= r["state_bytes_min"] + r["state_bytes_max"] <= unsharded + 4 * tensors, r["variant"]
+        if "even" in r["setting"]:
+            assert r["state_bytes_max"] <= 8 * math.ceil(numel / 2) + 4 * tensors, r["variant"]
+        else:
+            assert r["state_bytes_max"] == max(8 * load + 4 * count for load, count in zip(loads, counts))
+
+
+def test_memory_matches_the_buffers_arithmetic(report: Any) -> None:
+    _, data = report
+    config = GPTConfig(**data["bench"]["config"])
+    numel, tensors = config.num_params, len(list(GPT(config).parameters()))
+    rows = data["memory"]["2"]
+    shard = math.ceil(numel / 2)
+    assert rows["ddp-adamw fp32"] | {"peak_rss": 0, "step_us": 0} == {
+        "params": 4 * numel, "grads": 4 * numel, "state": 8 * numel + 4 * tensors, "master": 0,
+        "peak_rss": 0, "step_us": 0,
+    }  # fmt: skip
+    for config_name in ("torch-zero fp32", "distoptim fp32"):
+        row = rows[config_name]
+        assert (row["params"], row["grads"], row["master"]) == (4 * numel, 4 * numel, 0)
+        assert 8 * numel / 2 <= row["state"] <= 8 * numel / 2 * 1.25
+    master = rows["distoptim bf16 + fp32 master"]
+    assert (master["params"], master["grads"]) == (2 * numel, 2 * numel)
+    assert master["master"] == 4 * shard  # fp32 copies of the owned half, nothing more
+    assert 8 * shard <= master["state"] <= 8 * shard + 4 * tensors
+    total = {name: sum(row[k] for k in ("params", "grads", "state", "master")) for name, row in rows.items()}
+    assert total["distoptim bf16 + fp32 master"] < total["distoptim fp32"] < total["ddp-adamw fp32"]
