@@ -22,7 +22,7 @@ from distoptim.zero import amp, checkpoint, clipping, comm, sharded, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
 from distoptim.zero.overlap import OverlapStepper, functional_for_overlap
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
-from distoptim.zero.shard import LocalShard, stitch
+from distoptim.zero.shard import LocalShard, copy_hyperparameters, stitch
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -43,8 +43,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
             ``distoptim.functional`` class. Pass the class, not an instance.
         process_group: the group to shard over; ``None`` is the default (world) group.
-        parameters_as_bucket_view: make the parameters views into one flat buffer per (device, dtype), so the sync
-            broadcasts in place, without copies.
+        parameters_as_bucket_view: parameters become views into flat (device, dtype) buffers: the sync is in place.
         overlap_with_ddp: step inside DDP's backward through ``distoptim.hooks.hook_with_zero_step`` (or
             ``hook_with_zero_step_interleaved``) registered on the DDP model; ``optimizer_class`` must have a
             functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop).
@@ -53,8 +52,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
             update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
         master_dtype: step a copy in this dtype (``torch.float32`` for a bf16 model) of this rank's fragments of
-            lower-precision parameters, rounded back into them after each step, so small updates accumulate.
-            ``None`` (default): step the parameters as they are.
+            lower-precision parameters, rounded into them after each step; ``None`` (default): step the parameters.
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
 
     ``param_groups`` is the global view that schedulers and users edit; ``optim`` the local optimizer, ``state`` its
@@ -193,13 +191,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return self.overlap_stepper.explicit_step(closure, kwargs)
         Join.notify_join_context(self)
         self._repartition_if_trainability_changed()
+        loss: float | None = None
+        if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
+            with torch.enable_grad():
+                loss, closure = closure(), None
         validation.check_unowned_have_no_grad(self._unowned)
         self._push_hyperparameters()
         self.local_shard.attach_grads()
         try:
-            loss: float | None = None
             if amp.unscale_or_skip(self, self.local_shard.step_grads()):  # a GradScaler's verdict, the same everywhere
-                loss = self.local_optimizer.step(closure, **kwargs) if kwargs else self.local_optimizer.step(closure)
+                local_loss = self.local_optimizer.step(closure, **kwargs)
+                loss = loss if closure is None else local_loss
                 self.local_shard.write_back()
         finally:
             self.local_shard.detach_grads()
@@ -214,12 +216,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync.sync_parameters()
 
     def _push_hyperparameters(self) -> None:
-        for global_group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
-            local_group.update((k, v) for k, v in global_group.items() if k != "params")
+        copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
 
     def _pull_hyperparameters(self) -> None:
-        for global_group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
-            global_group.update((k, v) for k, v in local_group.items() if k != "params")
+        copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None

@@ -27,7 +27,7 @@ from torch import Tensor
 from distoptim._flat import flat_view
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["MASTER_KEY", "LocalShard", "LocalTensor", "fragment_of", "slice_entry", "stitch"]
+__all__ = ["MASTER_KEY", "LocalShard", "LocalTensor", "copy_hyperparameters", "fragment_of", "slice_entry", "stitch"]
 
 MASTER_KEY = "master_weight"
 
@@ -66,6 +66,12 @@ class LocalTensor:
         """Round a master copy into the parameter after a step (nothing to do for the parameter or its views)."""
         if self.master:
             self.param_piece().copy_(self.tensor)
+
+
+def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
+    """Every setting but ``params`` of each source param group into the matching target group (global <-> local)."""
+    for source, target in zip(sources, targets):
+        target.update((k, v) for k, v in source.items() if k != "params")
 
 
 def fragment_of(tensor: Tensor, param: Tensor, offset: int, length: int) -> Tensor:

@@ -1,0 +1,39 @@
+"""``step(closure)``: the closure runs the backward, and the step uses the gradients it made, in every partition and
+with master weights (torch.optim runs the closure first; Lightning steps this way)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from distoptim import ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
+
+
+def _body(rank: int, world_size: int) -> None:
+    for partition, master in itertools.product(["greedy", "even"], [None, torch.float32]):
+        ours, theirs = flatten(make_params()), flatten(make_params())
+        zero = ZeroRedundancyOptimizer(ours, torch.optim.AdamW, partition=partition, master_dtype=master, lr=0.01)
+        stepped = [p.detach().float().requires_grad_(p.requires_grad) if master else p for p in theirs]
+        reference = torch.optim.AdamW([p for p in stepped if p.requires_grad], lr=0.01)
+        for step in range(3):
+            grads = averaged_gradients(ours, rank, step)
+
+            def closure(grads: list[torch.Tensor | None] = grads, params: list[torch.Tensor] = ours) -> float:
+                set_gradients(grads, params)
+                return 1.5
+
+            assert zero.step(closure) == 1.5
+            set_gradients([None if g is None else g.to(s.dtype) for g, s in zip(grads, stepped)], stepped)
+            reference.step()
+            with torch.no_grad():
+                for param, copy in zip(theirs, stepped):
+                    if copy is not param:
+                        param.copy_(copy)
+            assert_same_tensors(ours, theirs, f"{partition} master={master} step {step}")
+
+
+def test_step_with_a_closure_uses_the_gradients_it_makes() -> None:
+    run_on_ranks(_body, 2)
