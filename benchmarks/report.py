@@ -112,15 +112,10 @@ def _bench_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
     argv += ["--debug"] if args.debug else []
     if args.quick:
         return [*argv, *QUICK]
-    return [
-        *argv,
-        "--params-millions",
-        str(args.params_millions),
-        "--warmup",
-        str(args.warmup),
-        "--iters",
-        str(args.iters),
-    ]
+    argv += ["--params-millions", str(args.params_millions), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+    for name in ("layers", "width", "vocab", "seq", "batch"):
+        argv += [f"--{name}", str(getattr(args, name))] if getattr(args, name) is not None else []
+    return argv
 
 
 def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]:

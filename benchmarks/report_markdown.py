@@ -9,6 +9,7 @@ __all__ = ["ratios", "write"]
 
 MB = 1e6
 _BALANCE_SHOWN = (2, 8, 64, 1024)
+FULL_COMMAND = "python benchmarks/report.py --out docs/report"
 
 
 def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -76,8 +77,14 @@ def _header(data: dict[str, Any]) -> list[str]:
     if data.get("quick"):
         lines += [
             "> **A `--quick` report:** a tiny model at world size 2 and two timed iterations. It shows that the "
-            "machinery works; its times are noise, not figures to quote. The command at the end of "
-            "benchmarks/README.md makes the full report.",
+            f"machinery works; its times are noise, not figures to quote. `{FULL_COMMAND}` makes the full report.",
+            "",
+        ]
+    elif params < 5e6:
+        lines += [
+            f"> **A small configuration** ({params / 1e6:.2f}M parameters): it shows that the machinery works; "
+            f"its times are not figures to quote. `{FULL_COMMAND}` makes the full report (20M parameters, "
+            "N = 2 and 4; add `--world-sizes 2 4 8` for 8 ranks) and replaces every file here.",
             "",
         ]
     return lines
