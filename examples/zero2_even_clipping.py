@@ -1,0 +1,70 @@
+"""ZeRO-2 on DDP: even shards, gradients reduced only to their owners, ZeRO-aware gradient clipping.
+
+``partition="even"`` cuts the parameters into ``world_size`` equal ranges (a parameter may straddle two ranks);
+``reduce_to_owners_hook`` replaces DDP's all-reduce, so each rank receives the averaged gradient of its own range
+only; ``zero.clip_grad_norm_`` clips by the norm of the whole averaged gradient (one scalar all-reduce), which
+``torch.nn.utils.clip_grad_norm_`` cannot compute from partial gradients.
+
+Run (2 local processes on 127.0.0.1; gloo on CPU, NCCL when there is a GPU per rank):
+
+    python examples/zero2_even_clipping.py --world-size 2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _local import checksum, launch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from distoptim.hooks import reduce_to_owners_hook
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # the same initial model on every rank
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch at ``step`` (each rank its own data)."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+    return x, x[:, :16].sin().sum(dim=1, keepdim=True)
+
+
+def train(rank: int, world_size: int, device: torch.device, steps: int) -> None:
+    model = make_model().to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, partition="even", parameters_as_bucket_view=True, lr=3e-3
+    )
+    ddp.register_comm_hook(zero, reduce_to_owners_hook)  # ZeRO-2: no rank receives the whole averaged gradient
+
+    for step in range(steps):
+        x, y = (t.to(device) for t in batch(rank, step))
+        zero.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()  # each rank holds the averaged gradient of what it owns; the rest of .grad is partial
+        norm = zero.clip_grad_norm_(1.0)  # the norm of the whole averaged gradient, equal on every rank
+        zero.step()  # each rank steps its range, then the ranges are gathered into every rank's parameters
+        if rank == 0 and (step % 10 == 0 or step == steps - 1):
+            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch), gradient norm {norm.item():.4f}", flush=True)
+
+    owned = zero.plan.loads()[rank]  # elements of each AdamW moment this rank keeps
+    total = sum(zero.plan.numels)
+    summary = f"owns {owned} of {total} loss {loss.item():.6f} norm {norm.item():.6e} checksum {checksum(model)}"
+    print(f"rank {rank}/{world_size}: {summary}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    launch(train, args.world_size, args.steps)
+
+
+if __name__ == "__main__":
+    main()
