@@ -64,9 +64,12 @@ def _consolidated_kill_body(rank: int, world_size: int, path: str) -> None:
     save(run, path)
 
 
-def _resume_body(rank: int, world_size: int, mode: str, path: str, accept: tuple[int, ...]) -> None:
+def _resume_body(
+    rank: int, world_size: int, mode: str, path: str, accept: tuple[int, ...], refuse: tuple[str, ...] = ()
+) -> list[str]:
     """Load ``path`` in fresh ranks: it must hold the run at one of the steps ``accept``; train on to ``LAST`` and
-    compare with a run that never stopped."""
+    compare with a run that never stopped. ``load`` must refuse each directory in ``refuse`` with a ``ValueError``
+    naming it; the messages come back."""
     straight = build(MODES[mode])
     at: dict[int, list[torch.Tensor]] = {}
     for step in range(LAST):
@@ -80,6 +83,12 @@ def _resume_body(rank: int, world_size: int, mode: str, path: str, accept: tuple
     train(resumed, rank, range(matches[0], LAST))
     for index, (got, want) in enumerate(zip(parameters(resumed), at[LAST])):
         assert torch.equal(got, want), f"parameter {index} differs after resuming from step {matches[0]}"
+    messages = []
+    for directory in refuse:
+        with pytest.raises(ValueError, match=re.escape(os.path.basename(directory))) as refused:
+            _load(build(MODES[mode]), directory)
+        messages.append(str(refused.value))
+    return messages
 
 
 def _load(run: _training.Run, path: str) -> None:
@@ -145,17 +154,6 @@ def _sharded_kill_body(rank: int, world_size: int, path: str, where: str) -> Non
     torch.distributed.barrier()
 
 
-def _refusals_body(rank: int, world_size: int, directories: list[str]) -> list[str]:
-    """``load`` must refuse every directory in ``directories`` with a ``ValueError``; the messages come back."""
-    messages = []
-    for directory in directories:
-        run = build(MODES["even"])
-        with pytest.raises(ValueError, match=re.escape(os.path.basename(directory))) as refused:
-            _load(run, directory)
-        messages.append(str(refused.value))
-    return messages
-
-
 SHARDED_KILLS = [
     pytest.param("write", 1, (PREVIOUS,), id="write"),
     pytest.param("park", 0, (PREVIOUS,), id="park"),
@@ -182,11 +180,10 @@ def test_sharded_checkpoint_survives_a_kill_while_writing(
     path = str(tmp_path / "checkpoint")
     outcomes = run_with_faults(_sharded_kill_body, WORLD_SIZE, path, where, timeout=45, group_timeout=60)
     assert_survivors_raised(outcomes, victim, PEER_GONE, RAISE_WITHIN_S)
-    run_on_ranks(_resume_body, WORLD_SIZE, "even", path, accept, timeout=90)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("not a checkpoint")
-    incomplete = [d for d in sorted(tmp_path.iterdir()) if d.is_dir() and not (d / ".metadata").exists()]
-    assert (where == "write") == any(d.name != "foreign" for d in incomplete), incomplete  # the kill's leftovers
-    messages = run_on_ranks(_refusals_body, WORLD_SIZE, [str(d) for d in incomplete], timeout=90)
+    incomplete = tuple(str(d) for d in sorted(tmp_path.iterdir()) if d.is_dir() and not (d / ".metadata").exists())
+    assert (where == "write") == (len(incomplete) == 2), incomplete  # the write kill leaves a partial directory
+    messages = run_on_ranks(_resume_body, WORLD_SIZE, "even", path, accept, incomplete, timeout=90)
     assert messages[0] == messages[1]  # one verdict, on every rank
