@@ -1,8 +1,9 @@
 """Small DDP training runs that the fault tests checkpoint, kill and resume: one builder for every mode.
 
 A mode is a ZeRO configuration (partition, bucket view, gradient reduction, stepping, master weights) and a
-checkpoint path (sharded through ``torch.distributed.checkpoint``, or consolidated onto rank 0 and written with
-``atomic_save``), or post-local SGD (each rank's own state, written per rank). Inputs depend only on (rank, step),
+checkpoint path (sharded: ``torch.distributed.checkpoint`` directly, or ``distoptim.checkpoint``'s crash-safe
+save and load; consolidated onto rank 0 and written with ``atomic_save``), or post-local SGD (each rank's own state,
+written per rank). Inputs depend only on (rank, step),
 so a run resumed from a checkpoint sees the same data as one that never stopped.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+from distoptim import checkpoint as distoptim_checkpoint
 from distoptim.averagers import PeriodicModelAverager
 from distoptim.hooks import PostLocalSGDState, post_localSGD_hook
 from tests.zero._hooks import register
@@ -36,13 +38,13 @@ class Mode:
     reduction: str = "all_reduce"  # or "to_owners" (reduce_to_owners_hook)
     stepping: str = "explicit"  # or "hook" / "interleaved" (overlap_with_ddp)
     master: bool = False  # a bf16 model with fp32 master weights
-    checkpoint: str = "sharded"  # or "consolidated"; post-local SGD: each rank its own file
+    checkpoint: str = "dcp"  # "distoptim" (distoptim.checkpoint) or "consolidated"; post-local SGD: a file per rank
     post_local_sgd: bool = False
 
 
 MODES = {
     "greedy": Mode(),
-    "even": Mode(partition="even"),
+    "even": Mode(partition="even", checkpoint="distoptim"),
     "bucket_view": Mode(bucket_view=True),
     "overlap": Mode(stepping="hook"),
     "overlap_interleaved_to_owners": Mode(
@@ -139,6 +141,8 @@ def save(run: Run, path: str) -> None:
         run.optimizer.consolidate_state_dict(to=0)
         if rank == 0:
             atomic_save({"model": model.state_dict(), "optim": run.optimizer.state_dict()}, path)
+    elif run.mode.checkpoint == "distoptim":
+        distoptim_checkpoint.save({"model": model.state_dict(), "optim": run.optimizer.sharded_state_dict()}, path)
     else:
         dcp.save({"model": model.state_dict(), "optim": run.optimizer.sharded_state_dict()}, checkpoint_id=path)
     dist.barrier()  # nobody goes on (or exits) before the checkpoint is complete
@@ -157,7 +161,10 @@ def load(run: Run, path: str, optimizer: bool = True) -> None:
         state = {"model": model.state_dict()}
         if optimizer:
             state["optim"] = run.optimizer.sharded_state_dict()
-        dcp.load(state, checkpoint_id=path)
+        if run.mode.checkpoint == "distoptim":
+            distoptim_checkpoint.load(state, path)
+        else:
+            dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
         if optimizer:
             run.optimizer.load_sharded_state_dict(state["optim"])

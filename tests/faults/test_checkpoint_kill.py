@@ -29,13 +29,6 @@ from tests.faults._launcher import die, run_with_faults
 from tests.faults._training import MODES, build, load, parameters, save, train
 from tests.faults.test_peer_death import PEER_GONE, RAISE_WITHIN_S, assert_survivors_raised
 
-try:
-    from distoptim import checkpoint as sharded_checkpoint
-
-    SHARDED_API = hasattr(sharded_checkpoint, "save") and hasattr(sharded_checkpoint, "load")
-except ImportError:
-    SHARDED_API = False
-
 # 2 ranks: at 3, DDP's first iteration after a restart reduces with its initial bucket layout, which on gloo can
 # differ in the last bits from the rebuilt layout the uninterrupted run uses (plain torch.optim too; README)
 WORLD_SIZE = 2
@@ -76,7 +69,7 @@ def _resume_body(
         train(straight, rank, range(step, step + 1))
         at[step + 1] = parameters(straight)
     resumed = build(MODES[mode])
-    _load(resumed, path)
+    load(resumed, path)
     loaded = parameters(resumed)
     matches = [step for step in accept if all(torch.equal(a, b) for a, b in zip(loaded, at[step]))]
     assert matches, f"the checkpoint at {path} holds none of the runs at steps {accept}"
@@ -86,19 +79,9 @@ def _resume_body(
     messages = []
     for directory in refuse:
         with pytest.raises(ValueError, match=re.escape(os.path.basename(directory))) as refused:
-            _load(build(MODES[mode]), directory)
+            load(build(MODES[mode]), directory)
         messages.append(str(refused.value))
     return messages
-
-
-def _load(run: _training.Run, path: str) -> None:
-    if run.mode.checkpoint == "sharded" and SHARDED_API:
-        state = _sharded_state(run)
-        sharded_checkpoint.load(state, path)
-        run.ddp.module.load_state_dict(state["model"])
-        run.optimizer.load_sharded_state_dict(state["optim"])
-    else:
-        load(run, path)
 
 
 def test_consolidated_checkpoint_survives_a_kill_while_writing(tmp_path: Path) -> None:
@@ -113,10 +96,6 @@ def test_consolidated_checkpoint_survives_a_kill_while_writing(tmp_path: Path) -
 
 
 # ------------------------------------------------------------------------------------------------------- sharded
-def _sharded_state(run: _training.Run) -> dict[str, Any]:
-    return {"model": run.ddp.module.state_dict(), "optim": run.optimizer.sharded_state_dict()}
-
-
 def _arm_sharded_kill(rank: int, where: str, path: str) -> None:
     """``write``: rank 1 dies once its own data is on disk, before the checkpoint is complete. ``park`` / ``swap``:
     rank 0 (which renames) dies at the rename that moves the old checkpoint away from ``path`` / the new one to it."""
@@ -147,11 +126,10 @@ def _arm_sharded_kill(rank: int, where: str, path: str) -> None:
 def _sharded_kill_body(rank: int, world_size: int, path: str, where: str) -> None:
     run = build(MODES["even"])
     train(run, rank, range(PREVIOUS))
-    sharded_checkpoint.save(_sharded_state(run), path)
+    save(run, path)  # distoptim.checkpoint.save
     train(run, rank, range(PREVIOUS, KILLED))
     _arm_sharded_kill(rank, where, path)
-    sharded_checkpoint.save(_sharded_state(run), path)
-    torch.distributed.barrier()
+    save(run, path)
 
 
 SHARDED_KILLS = [
@@ -172,7 +150,6 @@ SHARDED_KILLS = [
 ]
 
 
-@pytest.mark.skipif(not SHARDED_API, reason="distoptim.checkpoint.save/load have not landed yet")
 @pytest.mark.parametrize(("where", "victim", "accept"), SHARDED_KILLS)
 def test_sharded_checkpoint_survives_a_kill_while_writing(
     tmp_path: Path, where: str, victim: int, accept: tuple[int, ...]
