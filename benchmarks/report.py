@@ -83,7 +83,7 @@ def _git_commit() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
     except OSError:
         return "unknown"
-    return head.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "") or "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "") or "unknown"
 
 
 def machine_info(command: str) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 
 def _mb(value: float) -> str:
-    return f"{value / MB:.1f}" if value >= 10 * MB or value == 0 else f"{value / MB:.3f}"
+    return f"{value / MB:.2f}"
 
 
 def _header(data: dict[str, Any]) -> list[str]:
