@@ -159,6 +159,7 @@ def test_bench_command_runs_every_variant(tmp_path: Path) -> None:
         "zero2-greedy-bucket",
         "zero2-even-bucket",
         "zero2-even-interleaved",
+        "distoptim-master-bf16",
     }
     grads = 4 * by_name["ddp-adamw"]["num_params"]
     assert by_name["ddp-adamw"]["comm_bytes_per_rank_per_step"] == pytest.approx(grads)  # 2 (N-1)/N = 1 at N=2
@@ -166,5 +167,7 @@ def test_bench_command_runs_every_variant(tmp_path: Path) -> None:
         assert by_name[name]["comm_bytes_per_rank_per_step"] == pytest.approx(1.5 * grads)  # + broadcasts, (N-1)/N
     for name in ("zero2-greedy-bucket", "zero2-even-bucket", "zero2-even-interleaved"):  # reduce + gather, (N-1)/N
         assert by_name[name]["comm_bytes_per_rank_per_step"] == pytest.approx(grads, rel=1e-3)  # (even: + padding)
+    bf16 = by_name["distoptim-master-bf16"]["comm_bytes_per_rank_per_step"]  # a bf16 all-reduce and broadcasts
+    assert bf16 == pytest.approx(0.75 * grads, rel=1e-3)  # (even: + padding)
     assert [pair["bytes_ratio"] for pair in report["comparisons"]] == pytest.approx([1.0, 1.0])
     assert by_name["distoptim-zero"]["state_bytes_max"] < by_name["ddp-adamw"]["state_bytes_max"]
