@@ -228,14 +228,15 @@ def test_hyperparameters_and_defaults_match_torch(
 
 
 def test_positional_hyperparameters_follow_torch_order() -> None:
-    opt = FunctionalSGD(_params(), 0.1, 0.9, 0.5, 0.01, True)
+    opt = FunctionalSGD(_params(), 0.1, 0.9, 0.5, 0.01)  # nesterov apart: torch.optim refuses it with dampening
     assert {k: opt.param_group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")} == {
         "lr": 0.1,
         "momentum": 0.9,
         "dampening": 0.5,
         "weight_decay": 0.01,
-        "nesterov": True,
+        "nesterov": False,
     }
+    assert FunctionalSGD(_params(), 0.1, 0.9, 0.0, 0.01, True).param_group["nesterov"] is True
     assert FunctionalAdam(_params(), 0.1, (0.5, 0.6)).param_group["betas"] == (0.5, 0.6)
 
 

@@ -12,8 +12,18 @@ __all__ = ["choose_comm_device", "comm_device", "default_group", "group_size"]
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
-    """``process_group``, or the default (world) group when it is ``None``."""
+    """``process_group``, or the default (world) group when it is ``None``.
+
+    Raises a ``TypeError`` for anything else (a learning rate passed positionally lands here), except the sentinel
+    that ``dist.new_group`` hands the ranks outside the group (the averagers skip those ranks).
+    """
     if process_group is not None:
+        if not isinstance(process_group, ProcessGroup) and not _outside_group(process_group):
+            value = f" {process_group!r}" if isinstance(process_group, (int, float, str)) else ""
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
+                f"{value}; pass the optimizer's hyperparameters by keyword (lr=...)"
+            )
         return process_group
     if not dist.is_available() or not dist.is_initialized() or dist.group.WORLD is None:
         raise RuntimeError(
@@ -21,6 +31,11 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
             "call torch.distributed.init_process_group() first (world size 1 works too), or pass process_group="
         )
     return dist.group.WORLD
+
+
+def _outside_group(value: object) -> bool:
+    """Whether ``value`` is what ``dist.new_group`` returns on a rank outside the new group."""
+    return value is dist.GroupMember.NON_GROUP_MEMBER
 
 
 def group_size(group: ProcessGroup) -> int:

@@ -217,6 +217,7 @@ class FunctionalOptimizer:
                 f"{type(self).__name__} got an empty parameter list; "
                 "use as_functional_optim() for an optimizer driven by step_param() alone"
             )
+        _refuse_what_torch_refuses(self.spec.torch_cls, options)
         self.param_group: ParamGroup = {"params": params, **options, **self.spec.fixed}
         self.defaults: dict[str, Any] = dict(options, **self.spec.fixed)
         self.state: dict[Tensor, dict[str, Tensor]] = {}
@@ -279,6 +280,12 @@ class FunctionalOptimizer:
             for state, tensor in zip(states, tensors, strict=False):  # a disabled optional list is empty
                 if tensor is not None:
                     state[key] = tensor
+
+
+def _refuse_what_torch_refuses(torch_cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
+    """Raise the error ``torch_cls`` raises for these hyperparameters (a negative learning rate ...), if any: build it
+    once over a stand-in parameter on the meta device, which holds no memory."""
+    torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)
 
 
 class FunctionalSGD(FunctionalOptimizer):

@@ -287,7 +287,10 @@ class DistributedOptimizer(Optimizer):
             raise ValueError("DistributedOptimizer got an empty params_rref")
         for rref in params_rref:
             if not isinstance(rref, PyRRef):
-                raise TypeError(f"params_rref must hold RRefs to parameters, got {type(rref).__name__}")
+                raise TypeError(
+                    f"params_rref must hold RRefs to parameters, got {type(rref).__name__}; wrap each in "
+                    "torch.distributed.rpc.RRef(param) on the worker that owns it"
+                )
         indices_by_owner: dict[str, list[int]] = {}
         for index, rref in enumerate(params_rref):
             indices_by_owner.setdefault(rref.owner_name(), []).append(index)
@@ -378,7 +381,7 @@ class DistributedOptimizer(Optimizer):
 
 def _check_optimizer_class(optimizer_class: Any) -> None:
     if not isinstance(optimizer_class, type):
-        raise TypeError(f"optimizer_class must be a class, got {optimizer_class!r}")
+        raise TypeError(f"optimizer_class must be a class such as torch.optim.SGD, got {optimizer_class!r}")
     if functional_class_for(optimizer_class) is not None:
         return
     if not issubclass(optimizer_class, Optimizer):

@@ -93,6 +93,11 @@ def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> to
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not)."""
+    if not isinstance(state, PostLocalSGDState):
+        raise TypeError(
+            "post_localSGD_hook needs a PostLocalSGDState as its state: "
+            f"ddp.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook), got {type(state).__name__}"
+        )
     buffer = bucket.buffer()
     warming_up = state.iter < state.start_localSGD_iter
     state.maybe_increase_iter(bucket)

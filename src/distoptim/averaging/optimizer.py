@@ -27,7 +27,11 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ is deliberately not called: it would build param groups of our own.
         for name in ("step", "param_groups", "state_dict", "load_state_dict"):
             if not hasattr(optim, name):
-                raise TypeError(f"optim must be a torch.optim.Optimizer (it has no .{name}), got {type(optim)}")
+                got = f"the class {optim.__name__}" if isinstance(optim, type) else type(optim).__name__
+                raise TypeError(
+                    f"optim must be a torch.optim.Optimizer instance (it has no .{name}), got {got}; build it "
+                    "first, e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
+                )
         if not hasattr(averager, "average_parameters") or not hasattr(averager, "step"):
             raise TypeError(f"averager must be a ModelAverager, e.g. PeriodicModelAverager, got {type(averager)}")
         self.optim = optim

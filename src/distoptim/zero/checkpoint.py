@@ -158,18 +158,22 @@ def select_shard(
     same dict) reaches the same verdict without communicating.
     """
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise ValueError("expected an optimizer state dict with 'state' and 'param_groups' keys")
+        raise ValueError(
+            "expected an optimizer state dict with 'state' and 'param_groups' keys, as state_dict() returns; "
+            "a dict from sharded_state_dict() loads with dcp.load then load_sharded_state_dict()"
+        )
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError(
-            f"the state dict has {len(saved_groups)} param groups but this optimizer has {len(param_groups)}"
+            f"the state dict has {len(saved_groups)} param groups but this optimizer has {len(param_groups)}; "
+            "load a state dict saved for these parameters, grouped alike"
         )
     by_param: dict[Tensor, dict[str, Any]] = {}
     for number, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"param group {number} has {len(saved['params'])} parameters in the state dict "
-                f"but {len(group['params'])} in this optimizer"
+                f"but {len(group['params'])} in this optimizer; load a state dict saved for these parameters"
             )
         _check_hyperparameters(saved, group, number, optimizer_class)
         for index, param in zip(saved["params"], group["params"]):
@@ -234,6 +238,7 @@ def gather_state(
     mine: dict[Any, dict[str, Any]], to: int, group: comm.Group, comm_device: torch.device
 ) -> dict[Any, dict[str, Any]] | None:
     """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks, which only send theirs)."""
+    _agree_on_target(to, group, comm_device)
     if comm.group_rank(group) != to:
         send_state(mine, to, group, comm_device, STAGING_BYTES)
         return None
@@ -242,3 +247,16 @@ def gather_state(
         if source != to:
             merged.update(receive_state(source, group, comm_device))
     return merged
+
+
+def _agree_on_target(to: int, group: comm.Group, comm_device: torch.device) -> None:
+    """Every rank must name the same ``to``: ranks naming different targets would each wait for a message in a
+    different role until the group's timeout. One all-reduce of two integers tells every rank whether they agree."""
+    highest, minus_lowest = comm.all_reduce_(
+        torch.tensor([to, -to], dtype=torch.int64, device=comm_device), group, "max"
+    ).tolist()
+    if highest != -minus_lowest:
+        raise ValueError(
+            f"consolidate_state_dict: the ranks pass different 'to' ({-minus_lowest} and {highest}); pass the same "
+            "rank on every rank"
+        )

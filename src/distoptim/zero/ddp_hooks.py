@@ -83,6 +83,10 @@ class _BucketReduction:
 
 
 def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> OverlapStepper:
+    if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
+        raise TypeError(
+            f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
+        )
     stepper = zero.overlap_stepper
     if stepper is None:
         raise ValueError(

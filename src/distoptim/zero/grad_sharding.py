@@ -73,6 +73,11 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
     The bucket is divided by the world size first (as DDP's all-reduce does) and its owned ranges are summed onto
     their owners by ``comm.reduce_to_owners_async``, which picks the collectives for the backend.
     """
+    if not hasattr(zero, "fragments_of"):  # duck-typed: this module does not import the optimizer at run time
+        raise TypeError(
+            "reduce_to_owners_hook needs the ZeroRedundancyOptimizer as its state: "
+            f"ddp.register_comm_hook(zero, reduce_to_owners_hook), got {type(zero).__name__}"
+        )
     buffer = bucket.buffer()
     buffer.div_(zero.world_size)
     route = _route(zero, bucket.parameters())

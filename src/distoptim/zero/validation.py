@@ -101,7 +101,10 @@ def normalize_param_groups(params: Any) -> ParamGroups:
 
 def check_parameter(param: Any, group_index: int) -> None:
     if not isinstance(param, Tensor):
-        raise TypeError(f"param group {group_index} holds a {type(param).__name__}, not a tensor")
+        raise TypeError(
+            f"param group {group_index} holds a {type(param).__name__}, not a tensor; pass the parameters "
+            "themselves (model.parameters(), not model.named_parameters() or names)"
+        )
     if param.is_sparse or param.layout != torch.strided:
         raise ValueError(
             f"param group {group_index} holds a sparse parameter (layout {param.layout}); ZeroRedundancyOptimizer "
