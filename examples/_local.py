@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch._dynamo  # DDP's constructor imports it (~1 s): once here, before the ranks are forked, not in each
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -66,6 +68,13 @@ def _rank_main(
     finally:
         if group:
             dist.destroy_process_group()
+
+
+def say(line: str) -> None:
+    """Print ``line`` with one write: ``print`` writes the text and its newline separately when output is unbuffered
+    (``python -u``, ``PYTHONUNBUFFERED``), and the ranks, sharing one terminal, would split each other's lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def checksum(module: torch.nn.Module) -> str:

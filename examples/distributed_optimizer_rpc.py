@@ -19,7 +19,7 @@ import warnings
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from _local import checksum, launch
+from _local import checksum, launch, say
 from torch import nn
 
 from distoptim import DistributedOptimizer
@@ -36,8 +36,8 @@ def make_head() -> nn.Module:
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
-    return x, x[:, :2].prod(dim=1, keepdim=True)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(step))
+    return x, x[:, :1].sin() + x[:, 1:2].cos()
 
 
 def _forward(stage: rpc.RRef[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +71,9 @@ def train(rank: int, world_size: int, device: torch.device, steps: int) -> None:
                 dist_autograd.backward(context_id, [loss])  # gradients recorded per context, on their owners
                 optimizer.step(context_id)  # every owner steps its parameters, concurrently
             if step % 10 == 0 or step == steps - 1:
-                print(f"step {step}: loss {loss.item():.4f}", flush=True)
+                say(f"step {step}: loss {loss.item():.4f}")
         model = nn.Sequential(*(rpc.rpc_sync(stage.owner(), _copy, (stage,)) for stage in stages), head)
-        print(f"trainer of {world_size} workers: loss {loss.item():.6f} checksum {checksum(model)}", flush=True)
+        say(f"trainer of {world_size} workers: loss {loss.item():.6f} checksum {checksum(model)}")
     rpc.shutdown()  # waits for every worker
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _local import checksum, launch
+from _local import checksum, launch, say
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -52,8 +52,8 @@ def train(rank: int, world_size: int, device: torch.device, steps: int, hook: st
         loss.backward()  # reduces the gradients, steps the optimizer and syncs the parameters
         zero.step()  # optional: checks that the hook stepped (it raises if no hook did)
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
-            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch)", flush=True)
-    print(f"rank {rank}/{world_size}: hook {hook} loss {loss.item():.6f} checksum {checksum(model)}", flush=True)
+            say(f"step {step}: loss {loss.item():.4f} (rank 0's batch)")
+    say(f"rank {rank}/{world_size}: hook {hook} loss {loss.item():.6f} checksum {checksum(model)}")
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _local import checksum, launch
+from _local import checksum, launch, say
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,8 +33,8 @@ def make_model() -> nn.Module:
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's batch at ``step`` (each rank its own data)."""
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
-    return x, x[:, :1] * x[:, 1:2]
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+    return x, x[:, :1].sin() * x[:, 1:2].cos()
 
 
 def train(rank: int, world_size: int, device: torch.device, steps: int, warmup: int, period: int) -> None:
@@ -55,12 +55,9 @@ def train(rank: int, world_size: int, device: torch.device, steps: int, warmup: 
         if step >= warmup and (step - warmup) % period == 0:  # the averager's schedule: the ranks agree here
             averaged = f"{step} {checksum(model)}"
             if rank == 0:
-                print(f"step {step}: models averaged; loss {loss.item():.4f} (rank 0's batch)", flush=True)
-    print(
-        f"rank {rank}/{world_size}: loss {loss.item():.6f} last averaged at step {averaged} "
-        f"checksum now {checksum(model)}",
-        flush=True,
-    )
+                say(f"step {step}: models averaged; loss {loss.item():.4f} (rank 0's batch)")
+    now = checksum(model)
+    say(f"rank {rank}/{world_size}: loss {loss.item():.6f} last averaged at step {averaged} checksum now {now}")
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """A sharded checkpoint saved by one number of ranks and resumed by another: training continues where it stopped.
 
-Phase 1 trains on ``--save-world-size`` ranks and saves model, optimizer and step with torch.distributed.checkpoint:
-each rank writes only its own shard of the optimizer state (``zero.sharded_state_dict()``). Phase 2 starts
+Phase 1 trains on ``--save-world-size`` ranks and saves model, optimizer and step with ``distoptim.checkpoint``
+(torch.distributed.checkpoint, made crash-safe): each rank writes only its own shard of the optimizer state
+(``zero.sharded_state_dict()``). Phase 2 starts
 ``--resume-world-size`` new ranks, each reading only the bytes of its new shard (``load_sharded_state_dict``), and
 trains on. Every step uses the same global batch, split evenly across the ranks, so the run is the same training
 as one without the interruption, whatever the world sizes.
@@ -18,14 +19,13 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from _local import checksum, launch
+from _local import checksum, launch, say
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ZeroRedundancyOptimizer, checkpoint
 
-GLOBAL_BATCH = 12  # split evenly over 1, 2, 3, 4, 6 or 12 ranks
+GLOBAL_BATCH = 48  # split evenly over 1, 2, 3, 4, 6, 8, 12, 16, 24 or 48 ranks
 
 
 def make_model() -> nn.Module:
@@ -35,7 +35,7 @@ def make_model() -> nn.Module:
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(step))
-    return x, torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin()], dim=1)
+    return x, torch.stack([x[:, 0].sin() * x[:, 1].cos(), x[:, 2].tanh()], dim=1)
 
 
 def train(rank: int, world_size: int, device: torch.device, directory: str, steps: int, resume: bool) -> None:
@@ -43,14 +43,14 @@ def train(rank: int, world_size: int, device: torch.device, directory: str, step
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", lr=3e-3)
     first = 0
-    if resume:  # every rank: DCP reads what overlaps this rank's new shard
+    if resume:  # every rank reads only what overlaps its new shard
         state = {"model": model.state_dict(), "optim": zero.sharded_state_dict(), "step": 0}
-        dcp.load(state, checkpoint_id=directory)
+        checkpoint.load(state, directory)  # dcp.load, after checking on every rank that the checkpoint is complete
         model.load_state_dict(state["model"])
         zero.load_sharded_state_dict(state["optim"])
         first = state["step"]
         if rank == 0:
-            print(f"resumed at step {first} on {world_size} ranks", flush=True)
+            say(f"resumed at step {first} on {world_size} ranks")
 
     share = GLOBAL_BATCH // world_size
     for step in range(first, first + steps):
@@ -62,16 +62,16 @@ def train(rank: int, world_size: int, device: torch.device, directory: str, step
         whole = loss.detach() / world_size
         dist.all_reduce(whole)  # the whole batch's loss: comparable across world sizes
         if rank == 0:
-            print(f"step {step} on {world_size} ranks: loss {whole.item():.4f}", flush=True)
+            say(f"step {step} on {world_size} ranks: loss {whole.item():.4f}")
 
-    if not resume:  # each rank writes its own shard; DCP writes the replicated model and step once
+    if not resume:  # each rank writes its own shard (the replicated model and step are written once)
         state = {"model": model.state_dict(), "optim": zero.sharded_state_dict(), "step": first + steps}
-        dcp.save(state, checkpoint_id=directory)
+        checkpoint.save(state, directory)  # dcp.save into a hidden sibling, renamed into place when complete
         if rank == 0:
-            print(f"saved step {first + steps} by {world_size} ranks to {directory}", flush=True)
+            say(f"saved step {first + steps} by {world_size} ranks to {directory}")
     else:
         last = first + steps
-        print(f"rank {rank}/{world_size}: step {last} loss {whole.item():.6f} checksum {checksum(model)}", flush=True)
+        say(f"rank {rank}/{world_size}: step {last} loss {whole.item():.6f} checksum {checksum(model)}")
 
 
 def main() -> None:

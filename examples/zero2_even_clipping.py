@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _local import checksum, launch
+from _local import checksum, launch, say
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -50,12 +50,12 @@ def train(rank: int, world_size: int, device: torch.device, steps: int) -> None:
         norm = zero.clip_grad_norm_(1.0)  # the norm of the whole averaged gradient, equal on every rank
         zero.step()  # each rank steps its range, then the ranges are gathered into every rank's parameters
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
-            print(f"step {step}: loss {loss.item():.4f} (rank 0's batch), gradient norm {norm.item():.4f}", flush=True)
+            say(f"step {step}: loss {loss.item():.4f} (rank 0's batch), gradient norm {norm.item():.4f}")
 
     owned = zero.plan.loads()[rank]  # elements of each AdamW moment this rank keeps
     total = sum(zero.plan.numels)
     summary = f"owns {owned} of {total} loss {loss.item():.6f} norm {norm.item():.6e} checksum {checksum(model)}"
-    print(f"rank {rank}/{world_size}: {summary}", flush=True)
+    say(f"rank {rank}/{world_size}: {summary}")
 
 
 def main() -> None:

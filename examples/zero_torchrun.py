@@ -2,7 +2,8 @@
 
 torchrun starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; ``dist.init_process_group()`` reads them (``env://``). Each rank then keeps about 1/WORLD_SIZE of
-AdamW's state, and at the end writes only its own shard of it into a torch.distributed.checkpoint directory.
+AdamW's state, and at the end writes only its own shard of it into a sharded checkpoint (torch.distributed.checkpoint
+through ``distoptim.checkpoint``; on several machines the directory must be on a file system they all see).
 Each rank prints one line with a checksum of its parameters: they agree on every rank.
 
 One machine, 2 processes (gloo on CPU; NCCL, one GPU per process, when there are GPUs):
@@ -20,16 +21,15 @@ Started with plain ``python``, it runs as a single rank.
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ZeroRedundancyOptimizer, checkpoint
 
 
 def make_model() -> nn.Module:
@@ -77,15 +77,14 @@ def main() -> None:
             loss.backward()  # DDP averages the gradients over all ranks, across nodes
             zero.step()  # each rank steps its shard, then the parameters are synced
 
-        # Every rank writes its own shard of the optimizer state (and DCP writes the replicated model once).
-        dcp.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, checkpoint_id=args.checkpoint_dir)
-        assert math.isfinite(loss.item())
+        # torch.distributed.checkpoint, made crash-safe: every rank writes its own shard of the optimizer state (the
+        # replicated model is written once) into a hidden sibling directory, renamed into place once all finished.
+        checkpoint.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, args.checkpoint_dir)
         node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank
-        print(
-            f"rank {rank}/{world_size} node {node} local_rank {local_rank}: loss {loss.item():.6f} "
-            f"checksum {checksum(model)} saved {args.checkpoint_dir}",
-            flush=True,
-        )
+        line = f"rank {rank}/{world_size} node {node} local_rank {local_rank}: loss {loss.item():.6f} "
+        # one write: torchrun runs its workers unbuffered, where print writes the text and the newline separately
+        sys.stdout.write(f"{line}checksum {checksum(model)} saved {args.checkpoint_dir}\n")
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

@@ -37,9 +37,9 @@ def example_module(name: str) -> ModuleType:
 
 def environment(**extra: str) -> dict[str, str]:
     """The examples' environment: loopback sockets, one thread per process (2 cores shared by every rank), and
-    buffered output, so that a rank's ``print(..., flush=True)`` is one write that other ranks' cannot split."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
-    return {**env, "GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **extra}
+    unbuffered output, as under torchrun: the examples must write each line whole (other ranks' lines interleave)."""
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **extra}  # fmt: skip
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

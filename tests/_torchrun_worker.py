@@ -10,7 +10,6 @@ store of their own (``DISTOPTIM_TEST_STORE_PORT``), since the example has alread
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import runpy
@@ -73,12 +72,10 @@ def _report_groups() -> dict[str, object]:
 def main() -> None:
     with open(os.path.join(os.environ["DISTOPTIM_TEST_PID_DIR"], f"worker-{os.getpid()}.pid"), "w") as handle:
         handle.write(str(os.getpid()))  # the test kills what is left of the workers (torchrun gives them sessions)
-    # torchrun runs workers unbuffered (python -u): print would write a line and its newline separately, and the
-    # ranks sharing the agent's stdout could split each other's lines. One write per flushed line instead:
-    sys.stdout = io.TextIOWrapper(open(sys.stdout.fileno(), "wb", closefd=False))  # noqa: SIM115 (for the process)
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
     runpy.run_path(str(EXAMPLE), run_name="__main__")
-    print("GROUPS " + json.dumps(_report_groups()), flush=True)
+    sys.stdout.write(f"GROUPS {json.dumps(_report_groups())}\n")  # one write (workers run unbuffered: python -u)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
