@@ -13,15 +13,16 @@ What a row promises, checked on 2 real gloo ranks:
   thing either the same, or the ``ValueError`` that names the misbehaving rank (``... failed on rank 1: TypeError:
   <the same message>``), which is how distoptim's agreements report an error found on one rank only;
 - no rank hangs: each row runs on its own process group (a fresh ``dist.new_group``, about 10 ms on gloo) with a
-  timeout of ``DEADLINE_S``, so a row that leaves its group desynchronised cannot disturb the next one.
+  timeout of ``DEADLINE_S``, so a row that leaves its group desynchronised cannot disturb the next one; the ranks
+  meet in a barrier of the default group before each row.
 
 ``KNOWN_GAPS`` lists misuses handled badly today (a hang until the group's timeout, a silent wrong answer, an
 unclear message, an error on one rank only), each with what goes wrong. They run like the table and are expected
 to fail (``xfail(strict=True)``): fixing one makes its test fail until the row moves into ``MISUSES``. Rows marked
 ``isolated`` desynchronise gloo so badly that it aborts the process; they run in ranks of their own.
 
-All rows of one kind run in one spawn of 2 ranks (``tests._dist.run_on_ranks``), each on fresh objects; every rank
-returns its verdict per row, and the parent reports each row as its own test.
+All rows but the isolated ones run in one spawn of 2 ranks (``tests._dist.run_on_ranks``), one after another, each
+on fresh objects; every rank returns its verdict on each row, and the parent reports each row as a test of its own.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class Rank:
 
 @dataclass(frozen=True)
 class Misuse:
+    """One row of the table: a misuse and the error it gets."""
+
     name: str
     act: Callable[[Rank], object]
     ranks: tuple[str, ...]  # ONE, ALL or BOTH
