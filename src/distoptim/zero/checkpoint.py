@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim.zero import comm
+from distoptim.zero import comm, validation
 from distoptim.zero.elementwise import is_elementwise, torch_class_of
 
 __all__ = [
@@ -175,7 +175,7 @@ def select_shard(
                 f"param group {number} has {len(saved['params'])} parameters in the state dict "
                 f"but {len(group['params'])} in this optimizer; load a state dict saved for these parameters"
             )
-        _check_hyperparameters(saved, group, number, optimizer_class)
+        check_hyperparameters(saved, group, number, optimizer_class)
         for index, param in zip(saved["params"], group["params"]):
             if index in state_dict["state"]:
                 by_param[param] = state_dict["state"][index]
@@ -198,7 +198,7 @@ def _hyperparameter_names(optimizer_class: type) -> set[str]:
     return named - _IMPLEMENTATION_FLAGS
 
 
-def _check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: int, optimizer_class: type) -> None:
+def check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: int, optimizer_class: type) -> None:
     """A saved group must carry the hyperparameters this optimizer's groups have (an SGD dict has no 'betas')."""
     missing = sorted(name for name in _hyperparameter_names(optimizer_class) & group.keys() if name not in saved)
     if missing:
@@ -238,7 +238,6 @@ def gather_state(
     mine: dict[Any, dict[str, Any]], to: int, group: comm.Group, comm_device: torch.device
 ) -> dict[Any, dict[str, Any]] | None:
     """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks, which only send theirs)."""
-    _agree_on_target(to, group, comm_device)
     if comm.group_rank(group) != to:
         send_state(mine, to, group, comm_device, STAGING_BYTES)
         return None
@@ -249,14 +248,26 @@ def gather_state(
     return merged
 
 
-def _agree_on_target(to: int, group: comm.Group, comm_device: torch.device) -> None:
-    """Every rank must name the same ``to``: ranks naming different targets would each wait for a message in a
-    different role until the group's timeout. One all-reduce of two integers tells every rank whether they agree."""
-    highest, minus_lowest = comm.all_reduce_(
-        torch.tensor([to, -to], dtype=torch.int64, device=comm_device), group, "max"
-    ).tolist()
-    if highest != -minus_lowest:
-        raise ValueError(
-            f"consolidate_state_dict: the ranks pass different 'to' ({-minus_lowest} and {highest}); pass the same "
-            "rank on every rank"
-        )
+def agree_on_target(to: Any, world_size: int, group: comm.Group, comm_device: torch.device) -> None:
+    """Every rank must name the same valid ``to``: a rank that refused a bad one alone, or ranks naming different
+    targets, would leave the others waiting for a message until the group's timeout. One agreement tells all."""
+    outcome: validation.Fingerprint | BaseException = {"{} consolidation target": to}
+    if isinstance(to, bool) or not isinstance(to, int):
+        outcome = TypeError(f"consolidate_state_dict(to={to!r}): 'to' must be a rank (an int), 0..{world_size - 1}")
+    elif not 0 <= to < world_size:
+        outcome = ValueError(f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{world_size - 1}")
+    validation.agree_across_ranks(outcome, group, "consolidate_state_dict", comm_device)
+
+
+def select_shard_on_every_rank(
+    state_dict: Any, param_groups: Sequence[dict[str, Any]], optimizer_class: type, group: comm.Group, device: Any
+) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
+    """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all,
+    before any of them could step with it and wait for the others in the next sync."""
+    outcome: validation.Fingerprint | BaseException = {}
+    try:
+        selected = select_shard(state_dict, param_groups, optimizer_class)
+    except (TypeError, ValueError, KeyError) as error:
+        outcome = error
+    validation.agree_across_ranks(outcome, group, "load_state_dict", device)
+    return selected

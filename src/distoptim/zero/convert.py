@@ -43,7 +43,7 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
     for name, value in saved.items():
         if name.startswith("state."):
             index, _, entry = name.removeprefix("state.").partition(".")
-            state.setdefault(int(index), {})[entry] = _reshaped(value, *layouts[int(index)])
+            state.setdefault(int(index), {})[entry] = _reshaped(value, layouts[int(index)])
     return {"state": dict(sorted(state.items())), "param_groups": pickle.loads(saved[PARAM_GROUPS])}
 
 
@@ -54,7 +54,7 @@ def torch_optim_to_dcp(state_dict: dict[str, Any], directory: str | Path, key: s
     ``torch.optim`` lays state out like its parameter).
     """
     count = sum(len(group["params"]) for group in state_dict["param_groups"])
-    layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((0,), (1,))] * count
+    layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * count  # None: unknown (no state)
     payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(state_dict["param_groups"])}
     for index, entry in sorted(state_dict["state"].items()):
         for name, value in entry.items():
@@ -67,11 +67,12 @@ def torch_optim_to_dcp(state_dict: dict[str, Any], directory: str | Path, key: s
     dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
 
 
-def _reshaped(value: Any, shape: tuple[int, ...], stride: tuple[int, ...]) -> Any:
-    """A saved 1-D tensor back in its parameter's shape and memory layout; anything else as it is."""
-    if not isinstance(value, Tensor) or value.dim() == 0:
+def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Any:
+    """A saved 1-D tensor back in its parameter's shape and memory layout (``(shape, strides)``); anything else as
+    it is."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or layout is None:
         return value
-    whole = torch.empty_strided(shape, stride, dtype=value.dtype)
+    whole = torch.empty_strided(*layout, dtype=value.dtype)
     flat_view(whole).copy_(value)
     return whole
 

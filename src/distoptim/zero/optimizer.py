@@ -309,10 +309,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Shards travel in messages of at most ``checkpoint.STAGING_BYTES`` through one reused staging buffer on the
         communication device: no GPU holds the whole state, no sender a second copy of its shard.
         """
-        if not 0 <= to < self.world_size:
-            raise ValueError(
-                f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{self.world_size - 1}"
-            )
+        checkpoint.agree_on_target(to, self.world_size, self.process_group, self._comm_device)
         mine = self.local_shard.global_state(self.local_optimizer.state)
         merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
         self._consolidated = None if merged is None else dict(sorted(stitch(merged, self.global_params).items()))
@@ -345,7 +342,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         state_dict = checkpoint.apply_hooks(self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
-        by_param, hyperparameters = checkpoint.select_shard(state_dict, self.param_groups, self._optimizer_class)
+        by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
+            state_dict, self.param_groups, self._optimizer_class, self.process_group, self._comm_device
+        )
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
@@ -368,7 +367,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict (the state was loaded in place)."""
-        for group, saved in zip(self.param_groups, sharded.load_param_groups(state_dict, len(self.param_groups))):
+        saved_groups = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
+        for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
         self._push_hyperparameters()
         sharded.install_loaded(self.local_shard, self.local_optimizer.state, state_dict)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from distoptim._flat import flat_view
+from distoptim.zero.checkpoint import check_hyperparameters
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 
 __all__ = [
@@ -169,18 +170,34 @@ def template_state(
     return {t.tensor: state.pop(t.tensor) for t in missing if t.tensor in state}
 
 
-def load_param_groups(saved: dict[str, Any], count: int) -> list[dict[str, Any]]:
-    """The hyperparameters of each of ``count`` param groups that a loaded sharded checkpoint carries."""
-    payload = saved.get(PARAM_GROUPS) if isinstance(saved, dict) else None
-    if not isinstance(payload, bytes) or not payload:
+def load_param_groups(
+    saved: dict[str, Any], param_groups: list[dict[str, Any]], optimizer_class: type
+) -> list[dict[str, Any]]:
+    """The hyperparameters of each param group that a loaded sharded checkpoint carries, once the checkpoint is known
+    to be this optimizer's: the same number of groups and parameters, shapes, and the optimizer class's settings."""
+    payload, layouts = (saved.get(PARAM_GROUPS), saved.get(LAYOUTS)) if isinstance(saved, dict) else (None, None)
+    if not isinstance(payload, bytes) or not payload or not isinstance(layouts, bytes):
         raise ValueError(
             "this is not a loaded sharded optimizer state: pass the dict that zero.sharded_state_dict() returned, "
             "after dcp.load(...) filled it in"
         )
     groups: list[dict[str, Any]] = pickle.loads(payload)
-    if len(groups) != count:
-        raise ValueError(f"the checkpoint has {len(groups)} param groups but this optimizer has {count}")
+    if len(groups) != len(param_groups):
+        raise ValueError(f"the checkpoint has {len(groups)} param groups but this optimizer has {len(param_groups)}")
+    shapes = [tuple(p.shape) for group in param_groups for p in group["params"]]
+    saved_shapes = [shape if layout is None else layout[0] for layout, shape in zip(pickle.loads(layouts), shapes)]
+    if len(pickle.loads(layouts)) != len(shapes) or saved_shapes != shapes:  # None: unknown (converted, no state)
+        raise ValueError(
+            f"the checkpoint was saved for other parameters (shapes {_shown(saved_shapes)}) than this optimizer's "
+            f"({_shown(shapes)}); load a checkpoint of this model, with its parameters in this order"
+        )
+    for number, (group, own) in enumerate(zip(groups, param_groups)):
+        check_hyperparameters(group, own, number, optimizer_class)
     return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
+def _shown(shapes: list[tuple[int, ...]]) -> str:
+    return f"{shapes[:4]}{' ...' if len(shapes) > 4 else ''}, {len(shapes)} in all"
 
 
 def is_sharded_state(value: Any) -> bool:
