@@ -10,8 +10,14 @@ store of their own (``DISTOPTIM_TEST_STORE_PORT``), since the example has alread
 
 from __future__ import annotations
 
-import json
 import os
+
+if __name__ == "__main__":  # first thing, before imports that take seconds: the test kills leftover workers by
+    # these files (torchrun starts each in a session of its own, out of reach of the agents' process groups)
+    with open(os.path.join(os.environ["DISTOPTIM_TEST_PID_DIR"], f"worker-{os.getpid()}.pid"), "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+
+import json
 import runpy
 import sys
 from datetime import timedelta
@@ -70,8 +76,6 @@ def _report_groups() -> dict[str, object]:
 
 
 def main() -> None:
-    with open(os.path.join(os.environ["DISTOPTIM_TEST_PID_DIR"], f"worker-{os.getpid()}.pid"), "w") as handle:
-        handle.write(str(os.getpid()))  # the test kills what is left of the workers (torchrun gives them sessions)
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     sys.stdout.write(f"GROUPS {json.dumps(_report_groups())}\n")  # one write (workers run unbuffered: python -u)

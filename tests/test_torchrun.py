@@ -58,15 +58,38 @@ def _launch_two_nodes(tmp_path: Path, checkpoint: Path) -> list[str]:
 
 
 def _kill(agents: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    """Kill the agents' process groups and every worker (each in a session of its own, so listed by pid)."""
+    """Stop the agents and every worker, whatever state they are in.
+
+    Workers run in sessions of their own (torchrun starts them so), out of reach of ``killpg`` on the agents: they
+    are found as the agents' children (``/proc``) and by the pid files they write first thing. The agents get a
+    SIGTERM first (on which torchrun stops its workers), then everything left a SIGKILL.
+    """
+    workers = {pid for agent in agents for pid in _children(agent.pid)}
+    for agent in agents:
+        with contextlib.suppress(ProcessLookupError):
+            agent.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        for agent in agents:
+            agent.wait(timeout=5)
+    workers |= {int(path.read_text()) for path in tmp_path.glob("worker-*.pid") if path.read_text().isdigit()}
     for agent in agents:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(agent.pid, signal.SIGKILL)
-    for pid_file in tmp_path.glob("worker-*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for agent in agents:
         agent.wait(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now (from /proc; empty where there is none)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after "(command)"
+                found.append(int(stat.parent.name))
+    return found
 
 
 def test_two_nodes_of_two_workers(tmp_path: Path) -> None:
