@@ -1,12 +1,13 @@
 """Soak: a long run of the demo's model with DDP + ZeroRedundancyOptimizer in each mode, watching for leaks and drift.
 
-For each variant (``zero_variants.VARIANTS``: ZeRO-1 with and without bucket views, the even partition, the overlap
-hooks, ZeRO-2, master weights), ``--world-size`` fresh ranks train ``distoptim.demo``'s GPT (``--size``) for
-``--steps`` steps on random tokens, consolidating the optimizer state every ``--consolidate-every`` steps (so the
-checkpoint path soaks too). Each rank records, after the first ``--window`` steps (warm-up) and at the end: its
-resident set (VmRSS), its open file descriptors (/proc/self/fd), its threads (/proc/self/task) and the objects the
-garbage collector tracks; and the median step time of the first and of the last ``--window`` steps. A healthy
-run keeps RSS within a few percent, and descriptors and threads constant.
+For each variant (``zero_variants.VARIANTS``: DDP + AdamW as the baseline, then distoptim's ZeRO-1 with and without
+bucket views, the even partition, the overlap hooks, ZeRO-2, master weights), ``--world-size`` fresh ranks train
+``distoptim.demo``'s GPT (``--size``) for ``--steps`` steps on random tokens, consolidating the optimizer state every
+``--consolidate-every`` steps (so the checkpoint path soaks too). Each rank records, after the first ``--window``
+steps (warm-up), half-way and at the end: its resident set (VmRSS), its open file descriptors (/proc/self/fd), its
+threads (/proc/self/task) and the objects the garbage collector tracks; and the median step time of every window of
+``--window`` steps (the table shows the first and the last). A leak grows RSS in both halves alike; a healthy run
+settles (growth in the first half, little in the second), and keeps descriptors and threads constant.
 
     .venv/bin/python benchmarks/soak.py                      # 2000 steps per variant, 2 ranks
     .venv/bin/python benchmarks/soak.py --steps 500 --variants distoptim-zero zero2-even-interleaved
@@ -33,7 +34,7 @@ from distoptim.demo.launch import PRELOAD, RankContext, RankFailure, run_ranks
 from distoptim.demo.model import GPT
 from distoptim.demo.options import OneLineParser
 
-DEFAULT_VARIANTS = [name for name, variant in VARIANTS.items() if variant.impl not in ("baseline", "torch")]
+DEFAULT_VARIANTS = [name for name, variant in VARIANTS.items() if variant.impl != "torch"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Sample:
 class RankSoak:
     rank: int
     warm: Sample | None = None
+    mid: Sample | None = None
     end: Sample | None = None
     step_s: list[float] = field(default_factory=list)
     consolidations: int = 0
@@ -93,15 +95,16 @@ def soak_rank(ctx: RankContext, spec: SoakSpec) -> RankSoak:
         if not variant.steps_in_backward:
             optimizer.step()
         result.step_s.append(time.perf_counter() - begin)
-        # consolidate before the warm sample too, so that rank 0's kept copy is in both samples
-        if spec.consolidate_every and ((step + 1) % spec.consolidate_every == 0 or step + 1 == spec.window):
+        # consolidate before the warm sample too, so that rank 0's kept copy is in every sample
+        due = spec.consolidate_every and ((step + 1) % spec.consolidate_every == 0 or step + 1 == spec.window)
+        if due and hasattr(optimizer, "consolidate_state_dict"):
             optimizer.consolidate_state_dict(to=0)
             if ctx.rank == 0:
                 optimizer.state_dict()
             result.consolidations += 1
-        if step + 1 == spec.window:
+        if step + 1 in (spec.window, spec.steps // 2):
             gc.collect()
-            result.warm = _sample()
+            setattr(result, "warm" if step + 1 == spec.window else "mid", _sample())
     gc.collect()
     result.end = _sample()
     return result
@@ -121,19 +124,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 HEADER = (
-    f"{'variant':<29} {'rank':>4} {'RSS warm MB':>11} {'RSS end MB':>10} {'RSS +%':>7} {'fds':>7} {'threads':>7} "
-    f"{'gc objects':>13} {'first ms':>8} {'last ms':>8} {'last/first':>10}"
+    f"{'variant':<29} {'rank':>4} {'RSS warm MB':>11} {'RSS end MB':>10} {'RSS +% (1st half, 2nd)':>23} "
+    f"{'fds':>7} {'threads':>7} {'gc objects':>13} {'first ms':>8} {'last ms':>8} {'last/first':>10}"
 )
 
 
+def window_medians_ms(step_s: list[float], window: int) -> list[float]:
+    """The median step time of each full window of ``window`` steps, in ms."""
+    return [statistics.median(step_s[at : at + window]) * 1e3 for at in range(0, len(step_s) - window + 1, window)]
+
+
 def _row(name: str, rank: RankSoak, window: int) -> str:
-    assert rank.warm is not None and rank.end is not None
-    warm, end = rank.warm, rank.end
-    first = statistics.median(rank.step_s[:window]) * 1e3
-    last = statistics.median(rank.step_s[-window:]) * 1e3
+    assert rank.warm is not None and rank.mid is not None and rank.end is not None
+    warm, mid, end = rank.warm, rank.mid, rank.end
+    medians = window_medians_ms(rank.step_s, window)
+    first, last = medians[0], medians[-1]
     growth = 100 * (end.rss_bytes / warm.rss_bytes - 1)
+    first_half, second_half = 100 * (mid.rss_bytes / warm.rss_bytes - 1), 100 * (end.rss_bytes / mid.rss_bytes - 1)
+    halves = f"{growth:+.2f} ({first_half:+.2f}, {second_half:+.2f})"
     return (
-        f"{name:<29} {rank.rank:>4} {warm.rss_bytes / 1e6:>11.1f} {end.rss_bytes / 1e6:>10.1f} {growth:>+7.2f} "
+        f"{name:<29} {rank.rank:>4} {warm.rss_bytes / 1e6:>11.1f} {end.rss_bytes / 1e6:>10.1f} {halves:>23} "
         f"{f'{warm.fds}->{end.fds}':>7} {f'{warm.threads}->{end.threads}':>7} "
         f"{f'{warm.gc_objects}->{end.gc_objects}':>13} {first:>8.1f} {last:>8.1f} {last / first:>10.2f}"
     )
@@ -141,14 +151,15 @@ def _row(name: str, rank: RankSoak, window: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.steps < 2 * args.window:
-        print(f"soak.py: error: --steps must be at least twice --window ({args.window})", file=sys.stderr)
+    if args.steps < 4 * args.window:
+        print(f"soak.py: error: --steps must be at least 4 x --window ({args.window})", file=sys.stderr)
         return 2
     config = PRESETS[args.size]
     print(
         f"{args.steps} steps per variant, {args.world_size} ranks, GPT {args.size} ({config.num_params / 1e6:.2f}M "
         f"parameters), batch {args.batch} x {config.context} tokens, consolidation every {args.consolidate_every}; "
-        f"samples after step {args.window} and at the end; step times: median of the first and last {args.window}",
+        f"samples after step {args.window}, {args.steps // 2} and {args.steps}; step times: median of the first and "
+        f"last {args.window}",
         flush=True,
     )
     print(HEADER, flush=True)
@@ -166,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for rank in ranks:
             print(_row(name, rank, args.window), flush=True)
-        results["variants"][name] = {"wall_s": time.monotonic() - begin, "ranks": [asdict(r) for r in ranks]}
+        results["variants"][name] = {
+            "wall_s": time.monotonic() - begin,
+            "ranks": [asdict(r) for r in ranks],
+            "window_medians_ms": [window_medians_ms(r.step_s, args.window) for r in ranks],
+        }
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
