@@ -95,12 +95,17 @@ class PeriodicModelAverager(ModelAverager):
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: ProcessGroup | None = None) -> None:
-        if period < 1:
-            raise ValueError(f"period must be >= 1 (steps between averagings), got {period}")
-        _check_warmup(warmup_steps)
+        settings: object = {"period": period, "warmup_steps": warmup_steps}
+        try:
+            if period < 1:
+                raise ValueError(f"period must be >= 1 (steps between averagings), got {period}")
+            _check_warmup(warmup_steps)
+        except (TypeError, ValueError) as error:
+            settings = error
+        comm.agree_on_settings(settings, process_group, "PeriodicModelAverager")
+        super().__init__(process_group)
         if period == 1:
             warnings.warn(_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
-        super().__init__(process_group)
         self.period = period
         self.warmup_steps = warmup_steps
 
@@ -133,8 +138,13 @@ class HierarchicalModelAverager(ModelAverager):
         super().__init__(process_group)
         levels = list((period_group_size_dict or {}).items())
         overall = comm.group_size(self.process_group)
-        _check_levels(levels, overall)  # everything is validated before the first collective
-        _check_warmup(warmup_steps)
+        settings: object = {"period_group_size_dict": dict(levels), "warmup_steps": warmup_steps}
+        try:  # everything is validated, and agreed, before the first collective that builds subgroups
+            _check_levels(levels, overall)
+            _check_warmup(warmup_steps)
+        except (TypeError, ValueError) as error:
+            settings = error
+        comm.agree_on_settings(settings, self.process_group, "HierarchicalModelAverager")
         if levels[-1][0] == 1:
             warnings.warn(_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
         self.warmup_steps = warmup_steps

@@ -6,6 +6,7 @@ fp16 from overflowing), so results match theirs bit for bit when the flat buffer
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ from distoptim._flat import pack, unpack_
 from distoptim._groups import default_group, group_size
 
 __all__ = [
+    "agree_on_settings",
     "allreduce_mean_async",
     "average_tensors_",
     "completed_future",
@@ -32,6 +34,36 @@ __all__ = [
 def _is_member(group: ProcessGroup) -> bool:
     # ``dist.new_group`` hands non-members this sentinel instead of a group.
     return group is not dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[comparison-overlap]
+
+
+def agree_on_settings(settings: object | BaseException, process_group: ProcessGroup | None, what: str) -> None:
+    """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``.
+
+    One all-reduce (MAX) of ``[failed, -failed, digest, -digest]``: ranks that average on different schedules would
+    otherwise wait for each other in an all-reduce until the group's timeout. A failing rank raises its own error
+    (at once where no process group exists yet).
+    """
+    if isinstance(settings, BaseException) and process_group is None and not dist.is_initialized():
+        raise settings
+    group = default_group(process_group)
+    if not _is_member(group):
+        if isinstance(settings, BaseException):
+            raise settings
+        return
+    failed = isinstance(settings, BaseException)
+    digest = 0 if failed else int.from_bytes(hashlib.sha256(repr(settings).encode()).digest()[:7], "little")
+    summary = torch.tensor([int(failed), -int(failed), digest, -digest], dtype=torch.int64)
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    any_failed, _, highest, minus_lowest = summary.tolist()
+    if isinstance(settings, BaseException):
+        raise settings
+    if any_failed:
+        raise ValueError(f"{what} failed on another rank (its error says why); build it alike on every rank")
+    if highest != -minus_lowest:
+        raise ValueError(
+            f"{what} is built with other settings on another rank than here ({settings}); every rank must pass the "
+            "same period(s) and warmup_steps, or they average at different steps and wait for each other"
+        )
 
 
 def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
