@@ -206,8 +206,18 @@ def _canonical(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
 
 
+SAME_EVERYWHERE = (
+    "every rank must pass the same parameters (shapes, dtypes, requires_grad, groups) and settings (hyperparameters "
+    "included)"
+)
+
+
 def agree_across_ranks(
-    local: Fingerprint | BaseException, group: comm.Group, what: str, device: torch.device | None = None
+    local: Fingerprint | BaseException,
+    group: comm.Group,
+    what: str,
+    device: torch.device | None = None,
+    fix: str = SAME_EVERYWHERE,
 ) -> None:
     """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree.
 
@@ -231,7 +241,7 @@ def agree_across_ranks(
         rank, message = next((rank, text) for rank, text in enumerate(texts) if text is not None)
         raise ValueError(f"{what} failed on rank {rank}: {message}")
     if not isinstance(local, BaseException) and not agreed:
-        _raise_first_disagreement(local, comm.all_gather_objects(local, group, device), group, what)
+        _raise_first_disagreement(local, comm.all_gather_objects(local, group, device), group, what, fix)
 
 
 def _digest(local: Fingerprint) -> list[int]:
@@ -239,15 +249,14 @@ def _digest(local: Fingerprint) -> list[int]:
     return [int.from_bytes(encoded[8 * i : 8 * i + 8], "little") >> 2 for i in range(_DIGEST_WORDS)]
 
 
-def _raise_first_disagreement(local: Fingerprint, everyone: list[Fingerprint], group: comm.Group, what: str) -> None:
+def _raise_first_disagreement(
+    local: Fingerprint, everyone: list[Fingerprint], group: comm.Group, what: str, fix: str
+) -> None:
     me = comm.group_rank(group)
     for rank, other in enumerate(everyone):
         difference = _first_difference(local, other)
         if difference is not None:
-            raise ValueError(
-                f"{what}: rank {me} and rank {rank} disagree ({difference}); every rank must pass the same "
-                "parameters (shapes, dtypes, requires_grad, groups) and settings (hyperparameters included)"
-            )
+            raise ValueError(f"{what}: rank {me} and rank {rank} disagree ({difference}); {fix}")
     raise ValueError(f"{what}: the ranks' fingerprints differ but rank {me} agrees with all of them")
 
 
