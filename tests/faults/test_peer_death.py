@@ -98,9 +98,19 @@ def assert_survivors_raised(outcomes: list[Outcome], victim: int, pattern: str, 
         assert re.search(pattern, outcome.message), report
 
 
-@pytest.mark.parametrize("where", ["backward", "step", "sync", "consolidate"])
+# where the survivors are when the victim dies: the frame their traceback must show
+SURVIVORS_IN = {
+    "backward": "backward",  # DDP's all-reduce of the victim's buckets
+    "step": "sync_parameters",  # waiting for the victim's updated shard
+    "sync": "sync_parameters",
+    "consolidate": "consolidate_state_dict",  # rank 0 receiving the shards; rank 2 sending its own
+}
+
+
+@pytest.mark.parametrize("where", list(SURVIVORS_IN))
 def test_survivors_raise_when_a_rank_is_killed(where: str) -> None:
     outcomes = run_with_faults(_kill_body, WORLD_SIZE, where, timeout=45, group_timeout=GROUP_TIMEOUT_S)
-    for outcome in outcomes:
-        print(outcome)
     assert_survivors_raised(outcomes, VICTIM, PEER_GONE, RAISE_WITHIN_S)
+    for outcome in outcomes:
+        if outcome.rank != VICTIM:
+            assert f"in {SURVIVORS_IN[where]}\n" in outcome.details, _report(outcomes)
