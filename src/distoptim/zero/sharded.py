@@ -24,16 +24,18 @@ from __future__ import annotations
 import pickle
 import warnings
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from distoptim._flat import flat_view
 from distoptim.zero.checkpoint import check_hyperparameters
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
+
+if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a third of distoptim's import time
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = [
     "FragmentTensor",
@@ -74,11 +76,16 @@ class FragmentTensor(Tensor):
         raise NotImplementedError(f"{func} is not supported on a checkpoint fragment (save or load it with DCP)")
 
     def _chunks(self) -> list[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         if self._local.numel() == 0:
             return []
         return [ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=self._local.shape)]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         if not self.saved:
             return []
         properties = TensorProperties.create_from_tensor(self._local)
