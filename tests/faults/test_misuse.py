@@ -446,6 +446,8 @@ MISUSES: list[Misuse] = [
            ValueError, r"consolidate_state_dict\(to=2\): 'to' must be a rank of the group, 0\.\.1"),
     Misuse("consolidate_state_dict(to=) differs across ranks", lambda r: _consolidate_to(r, 1), ONE,
            ValueError, r"disagree \(\d vs \d consolidation target\); pass the same 'to' everywhere"),
+    Misuse("consolidate_state_dict(to=) not an int", lambda r: _consolidate_to(r, "0"), BOTH,
+           TypeError, r"'to' must be a rank \(an int\), 0\.\.1"),
     Misuse("load_state_dict of another optimizer class's dict",
            lambda r: _zero(r, cls=ADAMW).load_state_dict(_plain_state_dict(SGD, (3, 4), lr=0.1, momentum=0.9)), ALL,
            ValueError, r"has no 'amsgrad', 'betas', 'eps', which AdamW needs: it was saved by a different optimizer "
@@ -454,6 +456,9 @@ MISUSES: list[Misuse] = [
            lambda r: _zero(r, cls=ADAMW).load_state_dict(_plain_state_dict(ADAMW, (3, 5), lr=0.1)), ALL,
            ValueError, r"state\[1\]\['exp_avg'\] in the state dict has shape \(5,\) but parameter 1 has shape \(4,\)"
                        r".*saved for other parameters .*Load a state dict saved for these parameters"),
+    Misuse("load_state_dict of another model's dict, then step()",
+           lambda r: _load_state_dict_then_step(r, _plain_state_dict(ADAMW, (3, 5), lr=0.1)), BOTH,
+           ValueError, r"saved for other parameters .*Load a state dict saved for these parameters"),
     Misuse("load_state_dict of another model's dict (other param groups)",
            lambda r: _zero(r).load_state_dict({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}), ALL,
            ValueError, r"has 2 param groups but this optimizer has 1; load a state dict saved for these parameters"),
@@ -469,9 +474,15 @@ MISUSES: list[Misuse] = [
            lambda r: _zero(r).load_sharded_state_dict(_plain_state_dict(SGD, (3, 4), lr=0.1)), ALL,
            ValueError, r"not a loaded sharded optimizer state: pass the dict that zero\.sharded_state_dict\(\) "
                        r"returned, after dcp\.load"),
+    Misuse("load_sharded_state_dict of another optimizer class's checkpoint",
+           lambda r: _load_sharded(r, _save_sharded(r, _zero(r, cls=ADAMW, weight_decay=0.1)), _zero(r)), ALL,
+           ValueError, r"different optimizer class.*build ZeroRedundancyOptimizer with the optimizer class"),
     Misuse("load_sharded_state_dict of another model's checkpoint (other param groups)",
            lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [{"params": [_p(3)]}, {"params": [_p(4)]}])), _zero(r)),
            ALL, ValueError, r"the checkpoint has 2 param groups but this optimizer has 1"),
+    Misuse("load_sharded_state_dict of another model's checkpoint (same sizes, other shapes)",
+           lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [_p(4, 3)], ADAMW)), _zero(r, [_p(3, 4)], ADAMW)), ALL,
+           ValueError, r"saved for other parameters \(shapes \[\(4, 3\)\].*load a checkpoint of this model"),
     # DCP's own message: it compares the sizes while loading, before distoptim sees the dict.
     Misuse("load_sharded_state_dict of another model's checkpoint (other sizes)",
            lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [_p(3), _p(5)], ADAMW)), _zero(r, cls=ADAMW)), ALL,
@@ -541,6 +552,8 @@ MISUSES: list[Misuse] = [
            ValueError, r"period must be >= 1 \(steps between averagings\), got 0"),
     Misuse("an averager with negative warmup_steps", lambda r: _averager(r, warmup_steps=-1), ALL,
            ValueError, r"warmup_steps must be >= 0, got -1; use 0 to average from the first step"),
+    Misuse("averagers with different periods on the ranks", _averagers_disagree_on_period, ONE,
+           ValueError, r"built with other settings on another rank.*same period\(s\) and warmup_steps"),
     Misuse("average_parameters of a single tensor", lambda r: _averager(r).average_parameters(_parameter()), ALL,
            TypeError, r"not a single tensor; pass model\.parameters\(\) or optimizer\.param_groups"),
     Misuse("average_parameters of plain tensors", lambda r: _averager(r).average_parameters([torch.ones(3)]), ALL,
@@ -584,20 +597,6 @@ MISUSES: list[Misuse] = [
     Misuse("DistributedOptimizer over tensors instead of RRefs", lambda r: DistributedOptimizer(SGD, _two(), lr=0.1),
            ALL, TypeError, r"params_rref must hold RRefs to parameters, got Tensor; wrap each in "
                            r"torch\.distributed\.rpc\.RRef\(param\)"),
-    # --- closed gaps: checks that every rank now agrees on (one collective each, where it was a hang or silent)
-    Misuse("consolidate_state_dict(to=) not an int", lambda r: _consolidate_to(r, "0"), BOTH,
-           TypeError, r"'to' must be a rank \(an int\), 0\.\.1"),
-    Misuse("load_state_dict of another model's dict, then step()",
-           lambda r: _load_state_dict_then_step(r, _plain_state_dict(ADAMW, (3, 5), lr=0.1)), BOTH,
-           ValueError, r"saved for other parameters .*Load a state dict saved for these parameters"),
-    Misuse("load_sharded_state_dict of another optimizer class's checkpoint",
-           lambda r: _load_sharded(r, _save_sharded(r, _zero(r, cls=ADAMW, weight_decay=0.1)), _zero(r)), ALL,
-           ValueError, r"different optimizer class.*build ZeroRedundancyOptimizer with the optimizer class"),
-    Misuse("load_sharded_state_dict of another model's checkpoint (same sizes, other shapes)",
-           lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [_p(4, 3)], ADAMW)), _zero(r, [_p(3, 4)], ADAMW)), ALL,
-           ValueError, r"saved for other parameters \(shapes \[\(4, 3\)\].*load a checkpoint of this model"),
-    Misuse("averagers with different periods on the ranks", _averagers_disagree_on_period, ONE,
-           ValueError, r"built with other settings on another rank.*same period\(s\) and warmup_steps"),
 ]  # fmt: skip
 
 KNOWN_GAPS: list[Misuse] = [
@@ -607,6 +606,10 @@ KNOWN_GAPS: list[Misuse] = [
     Misuse("the closure raises", _closure_raises, ONE,
            _ClosureFailed, r"the closure failed on purpose",
            gap="the failing rank raises from its local step; the others wait in the sync until the group times out"),
+    Misuse("PeriodicModelAverager with period 0", lambda r: _averager(r, period=r.pick(2, 0)), ONE,
+           ValueError, r"period must be >= 1",
+           gap="unclear on the other ranks: 'failed on another rank (its error says why)' names neither the rank "
+               "nor its error, as ZeroRedundancyOptimizer's agreement does"),
     Misuse("requires_grad changed on one rank only between steps", _unfreeze_on_one_rank, ONE,
            ValueError, r"requires_grad", isolated=True,
            gap="each rank repartitions alone: the syncs no longer match, and gloo aborts the process"),
