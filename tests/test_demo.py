@@ -171,3 +171,19 @@ def test_bench_command_runs_every_variant(tmp_path: Path) -> None:
     assert bf16 == pytest.approx(0.75 * grads, rel=1e-3)  # (even: + padding)
     assert [pair["bytes_ratio"] for pair in report["comparisons"]] == pytest.approx([1.0, 1.0])
     assert by_name["distoptim-zero"]["state_bytes_max"] < by_name["ddp-adamw"]["state_bytes_max"]
+
+
+def test_a_checkpoint_resumes_the_demo_exactly(tmp_path: Path) -> None:
+    common = ["-m", "distoptim", "demo", "--size", "tiny", "--steps", "4", "--world-size", "2", "--batch", "4"]
+    straight = _run(*common, "--checkpoint", str(tmp_path), "--checkpoint-every", "2")
+    assert straight.returncode == 0, straight.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+    resumed = _run(*common, "--resume", str(tmp_path / "step-2"))
+    assert resumed.returncode == 0, resumed.stderr
+
+    def checksum(proc: subprocess.CompletedProcess[str]) -> str:
+        line = next(line for line in proc.stdout.splitlines() if "identical on all ranks" in line)
+        return line.split("checksum ")[1]
+
+    assert "step 3/4" in resumed.stderr and "step 1/4" not in resumed.stderr, "the resumed run starts at step 3"
+    assert checksum(resumed) == checksum(straight), "2 steps + checkpoint + 2 steps in new processes = 4 steps"

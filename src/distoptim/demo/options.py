@@ -29,6 +29,9 @@ class DemoOptions:
     port: int | None
     seed: int
     debug: bool
+    checkpoint: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -70,6 +73,21 @@ def build_parser() -> OneLineParser:
         "--port", type=int, default=None, help="TCP port on 127.0.0.1 for rendezvous (default: a free one)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for the initial model and the batches (default: 0)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="save model, optimizer (sharded), LR schedule and step into DIR/step-N at the end (and see below)",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also save every this many steps (default: 0, at the end only)"
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="continue from a DIR/step-N that --checkpoint wrote, up to --steps in all",
+    )
     parser.add_argument("--debug", action="store_true", help="show the ranks' tracebacks and logs on failure")
     return parser
 
@@ -78,7 +96,7 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
     """Parse and check ``argv``; a bad option exits with a one-line error (status 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name, least in (("world_size", 1), ("steps", 1), ("batch", 1)):
+    for name, least in (("world_size", 1), ("steps", 1), ("batch", 1), ("checkpoint_every", 0)):
         if getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     if not args.lr > 0:
@@ -88,6 +106,8 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
             parser.error(f"--port must be in 1..65535, got {args.port}")
         if not port_is_free(args.port):
             parser.error(f"--port {args.port}: 127.0.0.1:{args.port} is already in use; pick another or omit --port")
+    if args.resume is not None and not (args.resume / ".metadata").is_file():
+        parser.error(f"--resume {args.resume}: no checkpoint there (write one with --checkpoint)")
     text = args.text if args.text is not None else default_text_source()
     try:
         text_bytes = check_text_source(text, min_text_bytes(PRESETS[args.size].context))
@@ -104,4 +124,7 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
         port=args.port,
         seed=args.seed,
         debug=args.debug,
+        checkpoint=None if args.checkpoint is None else str(args.checkpoint),
+        checkpoint_every=args.checkpoint_every,
+        resume=None if args.resume is None else str(args.resume),
     )

@@ -62,6 +62,7 @@ def format_table(reports: Sequence[RankReport]) -> str:
         f"held-out {held_out:.3f}",
         f"step time         median {step_ms:.0f} ms (forward + backward + step + sync, slowest of "
         f"{world_size} rank(s)), {steps} steps in {max(r.train_s for r in reports):.1f} s",
-        f"parameters        {'identical' if in_sync else 'DIFFERENT'} on all ranks after training",
+        f"parameters        {'identical' if in_sync else 'DIFFERENT'} on all ranks after training "
+        f"(checksum {first.checksum!r})",
     ]
     return "\n".join(lines)

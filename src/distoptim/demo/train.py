@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ZeroRedundancyOptimizer, checkpoint
 from distoptim.demo.config import PRESETS
 from distoptim.demo.data import load_text, sample, split_text
 from distoptim.demo.launch import RankContext
@@ -58,15 +59,17 @@ def train_rank(ctx: RankContext, options: DemoOptions) -> RankReport:
             min(1.0, (step + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, step / max(1, options.steps))))
         ),
     )
+    first_step = 1 if options.resume is None else _resume(options.resume, model, optimizer, scheduler) + 1
     train_text, held_out_text = split_text(load_text(Path(options.text)))
-    batches = torch.Generator().manual_seed(options.seed * 7919 + ctx.rank)  # every rank its own batches
+    batches = torch.Generator()
     bar = ProgressBar(ctx.console, options.steps) if ctx.rank == 0 else None
     losses: list[float] = []
     times: list[float] = []
     smoothed = math.nan
     dist.barrier()
     started = time.perf_counter()
-    for step in range(1, options.steps + 1):
+    for step in range(first_step, options.steps + 1):
+        batches.manual_seed(options.seed * 7919 + ctx.rank + 1_000_003 * step)  # every rank and step its own batch
         tokens, targets = sample(train_text, options.batch, config.context, batches)
         begin = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -75,6 +78,9 @@ def train_rank(ctx: RankContext, options: DemoOptions) -> RankReport:
         optimizer.step()
         scheduler.step()
         times.append(time.perf_counter() - begin)
+        if options.checkpoint is not None and _checkpoint_due(step, options):
+            path = Path(options.checkpoint) / f"step-{step}"
+            checkpoint.save(_training_state(model, optimizer, scheduler, step), path)
         losses.append(loss.item())
         mean_loss = _mean_over_ranks(losses[-1])  # the summary's definition too: its "first step" is this at step 1
         smoothed = mean_loss if math.isnan(smoothed) else 0.9 * smoothed + 0.1 * mean_loss
@@ -95,6 +101,32 @@ def train_rank(ctx: RankContext, options: DemoOptions) -> RankReport:
         num_tensors=len(list(model.parameters())),
         checksum=_checksum(list(model.parameters())),
     )
+
+
+def _checkpoint_due(step: int, options: DemoOptions) -> bool:
+    every = options.checkpoint_every
+    return step == options.steps or (every > 0 and step % every == 0)
+
+
+def _training_state(model: GPT, optimizer: ZeroRedundancyOptimizer, scheduler: LambdaLR, step: int) -> dict[str, Any]:
+    """What a resumed run needs: each rank saves its own shard of the optimizer (batches follow from the step)."""
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer.sharded_state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step,
+    }
+
+
+def _resume(path: str, model: GPT, optimizer: ZeroRedundancyOptimizer, scheduler: LambdaLR) -> int:
+    """Load a checkpoint written by ``--checkpoint`` (at any world size); return the step it was written after."""
+    state = _training_state(model, optimizer, scheduler, 0)
+    checkpoint.load(state, path)
+    model.load_state_dict(state["model"])
+    optimizer.load_sharded_state_dict(state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    step: int = state["step"]
+    return step
 
 
 def _mean_over_ranks(value: float) -> float:
