@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distoptim.demo.config import GPTConfig, config_for_params
-from distoptim.demo.launch import RankContext, run_ranks
+from distoptim.demo.launch import PRELOAD, RankContext, run_ranks
 
 CONFIGS = ["ddp-adamw fp32", "torch-zero fp32", "distoptim fp32", "distoptim bf16 + fp32 master"]
 FIELDS = ["params", "grads", "state", "master", "peak_rss", "step_us"]
@@ -87,7 +87,8 @@ def _rank(ctx: RankContext, config: str, shape: GPTConfig) -> dict[str, float]:
 def measure(world_size: int, config: str, shape: GPTConfig) -> dict[str, float]:
     """One configuration (a name in ``CONFIGS``) on ``world_size`` new ranks: each figure of ``FIELDS``, max over
     ranks (bytes; peak RSS in bytes; median ``step()`` in microseconds)."""
-    results: list[dict[str, float]] = run_ranks(_rank, world_size, (config, shape), timeout_s=600)
+    preload = (*PRELOAD, "torch.distributed.optim")  # what every rank imports; once, in the fork server
+    results: list[dict[str, float]] = run_ranks(_rank, world_size, (config, shape), timeout_s=600, preload=preload)
     return results[0]
 
 
