@@ -95,7 +95,7 @@ class PeriodicModelAverager(ModelAverager):
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: ProcessGroup | None = None) -> None:
-        settings: object = {"period": period, "warmup_steps": warmup_steps}
+        settings: dict[str, Any] | BaseException = {"period": period, "warmup_steps": warmup_steps}
         try:
             if period < 1:
                 raise ValueError(f"period must be >= 1 (steps between averagings), got {period}")
@@ -138,7 +138,10 @@ class HierarchicalModelAverager(ModelAverager):
         super().__init__(process_group)
         levels = list((period_group_size_dict or {}).items())
         overall = comm.group_size(self.process_group)
-        settings: object = {"period_group_size_dict": dict(levels), "warmup_steps": warmup_steps}
+        settings: dict[str, Any] | BaseException = {
+            "period_group_size_dict": dict(levels),
+            "warmup_steps": warmup_steps,
+        }
         try:  # everything is validated, and agreed, before the first collective that builds subgroups
             _check_levels(levels, overall)
             _check_warmup(warmup_steps)

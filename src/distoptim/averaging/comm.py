@@ -6,10 +6,10 @@ fp16 from overflowing), so results match theirs bit for bit when the flat buffer
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from distoptim._flat import pack, unpack_
 from distoptim._groups import default_group, group_size
+from distoptim.zero.validation import agree_across_ranks
 
 __all__ = [
     "agree_on_settings",
@@ -36,13 +37,11 @@ def _is_member(group: ProcessGroup) -> bool:
     return group is not dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[comparison-overlap]
 
 
-def agree_on_settings(settings: object | BaseException, process_group: ProcessGroup | None, what: str) -> None:
-    """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``.
-
-    One all-reduce (MAX) of ``[failed, -failed, digest, -digest]``: ranks that average on different schedules would
+def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: ProcessGroup | None, what: str) -> None:
+    """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``
+    (one all-reduce; ``zero.validation.agree_across_ranks``): ranks that average on different schedules would
     otherwise wait for each other in an all-reduce until the group's timeout. A failing rank raises its own error
-    (at once where no process group exists yet).
-    """
+    (at once where no process group exists yet), the others name it."""
     if isinstance(settings, BaseException) and process_group is None and not dist.is_initialized():
         raise settings
     group = default_group(process_group)
@@ -50,20 +49,9 @@ def agree_on_settings(settings: object | BaseException, process_group: ProcessGr
         if isinstance(settings, BaseException):
             raise settings
         return
-    failed = isinstance(settings, BaseException)
-    digest = 0 if failed else int.from_bytes(hashlib.sha256(repr(settings).encode()).digest()[:7], "little")
-    summary = torch.tensor([int(failed), -int(failed), digest, -digest], dtype=torch.int64)
-    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
-    any_failed, _, highest, minus_lowest = summary.tolist()
-    if isinstance(settings, BaseException):
-        raise settings
-    if any_failed:
-        raise ValueError(f"{what} failed on another rank (its error says why); build it alike on every rank")
-    if highest != -minus_lowest:
-        raise ValueError(
-            f"{what} is built with other settings on another rank than here ({settings}); every rank must pass the "
-            "same period(s) and warmup_steps, or they average at different steps and wait for each other"
-        )
+    local = settings if isinstance(settings, BaseException) else {f"{{}} {k}": v for k, v in settings.items()}
+    fix = "every rank must pass the same period(s) and warmup_steps, or they average at different steps"
+    agree_across_ranks(local, group, what, fix=fix)
 
 
 def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
