@@ -6,8 +6,9 @@ bucket views, the even partition, the overlap hooks, ZeRO-2, master weights), ``
 ``--consolidate-every`` steps (so the checkpoint path soaks too). Each rank records, after the first ``--window``
 steps (warm-up), half-way and at the end: its resident set (VmRSS), its open file descriptors (/proc/self/fd), its
 threads (/proc/self/task) and the objects the garbage collector tracks; and the median step time of every window of
-``--window`` steps (the table shows the first and the last). A leak grows RSS in both halves alike; a healthy run
-settles (growth in the first half, little in the second), and keeps descriptors and threads constant.
+``--window`` steps (the table shows the first, the last, and the range over all windows). Each sample is also taken
+after ``malloc_trim(0)`` ("trimmed"), without the freed memory glibc keeps for reuse. A leak grows RSS in both halves
+alike, trimmed too; a healthy run settles, and keeps descriptors and threads constant.
 
     .venv/bin/python benchmarks/soak.py                      # 2000 steps per variant, 2 ranks
     .venv/bin/python benchmarks/soak.py --steps 500 --variants distoptim-zero zero2-even-interleaved
@@ -16,6 +17,7 @@ settles (growth in the first half, little in the second), and keeps descriptors 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -52,6 +54,7 @@ class Sample:
     """One rank's process figures at one moment."""
 
     rss_bytes: int
+    trimmed_rss_bytes: int  # after malloc_trim(0): without the freed memory glibc keeps for reuse
     fds: int
     threads: int
     gc_objects: int
@@ -67,11 +70,18 @@ class RankSoak:
     consolidations: int = 0
 
 
-def _sample() -> Sample:
+def _rss_bytes() -> int:
     with open("/proc/self/status") as status:
-        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        return 1024 * next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def _sample() -> Sample:
+    gc.collect()
+    rss = _rss_bytes()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     return Sample(
-        rss_bytes=rss_kib * 1024,
+        rss_bytes=rss,
+        trimmed_rss_bytes=_rss_bytes(),
         fds=len(os.listdir("/proc/self/fd")),
         threads=len(os.listdir("/proc/self/task")),
         gc_objects=len(gc.get_objects()),
@@ -103,9 +113,7 @@ def soak_rank(ctx: RankContext, spec: SoakSpec) -> RankSoak:
                 optimizer.state_dict()
             result.consolidations += 1
         if step + 1 in (spec.window, spec.steps // 2):
-            gc.collect()
             setattr(result, "warm" if step + 1 == spec.window else "mid", _sample())
-    gc.collect()
     result.end = _sample()
     return result
 
@@ -125,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
 
 HEADER = (
     f"{'variant':<29} {'rank':>4} {'RSS warm MB':>11} {'RSS end MB':>10} {'RSS +% (1st half, 2nd)':>23} "
-    f"{'fds':>7} {'threads':>7} {'gc objects':>13} {'first ms':>8} {'last ms':>8} {'last/first':>10}"
+    f"{'trimmed +%':>10} {'fds':>7} {'threads':>7} {'gc objects':>13} {'first ms':>8} {'last ms':>8} "
+    f"{'last/first':>10} {'windows ms':>11}"
 )
 
 
@@ -142,10 +151,12 @@ def _row(name: str, rank: RankSoak, window: int) -> str:
     growth = 100 * (end.rss_bytes / warm.rss_bytes - 1)
     first_half, second_half = 100 * (mid.rss_bytes / warm.rss_bytes - 1), 100 * (end.rss_bytes / mid.rss_bytes - 1)
     halves = f"{growth:+.2f} ({first_half:+.2f}, {second_half:+.2f})"
+    trimmed = 100 * (end.trimmed_rss_bytes / warm.trimmed_rss_bytes - 1)
+    spread = f"{min(medians):.0f}-{max(medians):.0f}"
     return (
         f"{name:<29} {rank.rank:>4} {warm.rss_bytes / 1e6:>11.1f} {end.rss_bytes / 1e6:>10.1f} {halves:>23} "
-        f"{f'{warm.fds}->{end.fds}':>7} {f'{warm.threads}->{end.threads}':>7} "
-        f"{f'{warm.gc_objects}->{end.gc_objects}':>13} {first:>8.1f} {last:>8.1f} {last / first:>10.2f}"
+        f"{trimmed:>+10.2f} {f'{warm.fds}->{end.fds}':>7} {f'{warm.threads}->{end.threads}':>7} "
+        f"{f'{warm.gc_objects}->{end.gc_objects}':>13} {first:>8.1f} {last:>8.1f} {last / first:>10.2f} {spread:>11}"
     )
 
 
