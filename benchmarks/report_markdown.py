@@ -124,8 +124,8 @@ def _caveats(data: dict[str, Any]) -> list[str]:
         "DDP's C++ all-reduce added analytically), not bytes measured on the wire.",
         "- **`distoptim-master-bf16`** trains the model in bf16 (its backward is bf16 compute, and its gradient "
         "all-reduce and parameter sync move half the bytes), with AdamW on fp32 master copies of the owned "
-        "fragments. Its time is not comparable to the fp32 variants' compute; its bytes are divided by the fp32 "
-        "DDP all-reduce.",
+        "fragments. Its time is not comparable to the fp32 variants' (on a CPU without bf16 matrix instructions "
+        "its forward and backward are several times slower); its bytes are divided by the fp32 DDP all-reduce.",
         "- **ZeRO-2 here shards gradient communication, not gradient memory:** `.grad` stays full-size (each rank "
         "reduces only what others own to them), so per-rank gradient bytes equal ZeRO-1's. The memory figure "
         "counts parameters, `.grad`, optimizer state and master copies, not DDP's own gradient buckets (a second "
