@@ -4,7 +4,9 @@
 rank 0 renames it to ``path`` once every rank has finished, so a save that dies half way (a rank killed, a full
 disk) leaves the previous checkpoint at ``path`` untouched. ``load(state, path)`` checks first, on every rank, that
 ``path`` is a complete checkpoint holding what ``state`` asks for, and raises one clear error everywhere otherwise
-(never a hang, never a partial load). ``path`` must be on a file system that every rank sees (as DCP needs for a
+(never a hang, never a partial load). A save that dies between moving the old checkpoint aside and the new one into
+place leaves the old one complete beside ``path``: ``load`` then loads it (with a warning), and the next save puts
+it back first. ``path`` must be on a file system that every rank sees (as DCP needs for a
 load at another world size).
 
 The state is any dict DCP takes: ``{"model": model.state_dict(), "optim": zero.sharded_state_dict()}``. A
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,10 +51,15 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
     checkpoint, or lacks something ``state_dict`` asks for, raises a ``ValueError`` on every rank."""
     group = comm.default_group(process_group)
-    final = Path(path)
+    final = source = Path(path)
     outcome: validation.Fingerprint | BaseException = {}
     try:
-        saved = set(dcp.FileSystemReader(final).read_metadata().state_dict_metadata) if _complete(final) else None
+        if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
+            source = _sibling(final, "previous")
+            warnings.warn(
+                f"{final} is missing (a save was interrupted while replacing it): loading {source}", stacklevel=2
+            )
+        saved = set(dcp.FileSystemReader(source).read_metadata().state_dict_metadata) if _complete(source) else None
         if saved is None:
             raise ValueError(_incomplete_message(final))
         _prune_unsaved_optimizer_state(state_dict, "", saved)
@@ -64,7 +72,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     except BaseException as error:
         outcome = error
     validation.agree_across_ranks(outcome, group, f"loading the checkpoint at {final}")
-    dcp.load(state_dict, checkpoint_id=final, process_group=group)
+    dcp.load(state_dict, checkpoint_id=source, process_group=group)
 
 
 def _sibling(path: Path, role: str) -> Path:
@@ -80,6 +88,8 @@ def _replace(partial: Path, final: Path, previous: Path) -> None:
     """Move ``partial`` to ``final``; an older checkpoint there is parked at ``previous`` until the move is done."""
     if not _complete(partial):
         raise RuntimeError(f"the save finished without writing {partial / METADATA}")
+    if not final.exists() and _complete(previous):  # an earlier save died between the renames: restore it first
+        previous.rename(final)
     shutil.rmtree(previous, ignore_errors=True)
     if final.exists():
         final.rename(previous)
@@ -103,11 +113,6 @@ def _complete(directory: Path) -> bool:
 
 
 def _incomplete_message(final: Path) -> str:
-    if _complete(_sibling(final, "previous")):
-        return (
-            f"{final} does not exist: a save was interrupted while replacing it; the previous checkpoint is intact "
-            f"at {_sibling(final, 'previous')} (rename it back to resume from it)"
-        )
     if _sibling(final, "partial").exists():
         return (
             f"{final} is not a complete checkpoint: a save into it did not finish (its partial files are in "
