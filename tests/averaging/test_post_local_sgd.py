@@ -241,3 +241,14 @@ def _cuda_body(rank: int, world_size: int) -> None:
 @pytest.mark.skipif(cuda_world_size() == 0, reason="needs CUDA")
 def test_cuda_nccl_matches_torch() -> None:
     run_on_ranks(_cuda_body, min(cuda_world_size(), 4), backend="nccl")
+
+
+def test_hook_state_round_trips_its_iteration() -> None:
+    state = PostLocalSGDState(None, None, start_localSGD_iter=5)
+    state.iter = 7
+    resumed = PostLocalSGDState(None, None, start_localSGD_iter=5)
+    resumed.load_state_dict(state.state_dict())
+    assert resumed.iter == 7 and resumed.state_dict() == {"iter": 7}
+    for bad in ({}, {"iter": -1}, {"iter": "7"}, [7]):
+        with pytest.raises(ValueError, match="expected PostLocalSGDState.state_dict"):
+            resumed.load_state_dict(bad)  # type: ignore[arg-type]

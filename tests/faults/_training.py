@@ -134,7 +134,7 @@ def save(run: Run, path: str) -> None:
     rank, model = dist.get_rank(), run.ddp.module
     if run.mode.post_local_sgd:  # ranks hold different models and momenta between averagings: each saves its own
         assert run.hook_state is not None
-        state = {"model": model.state_dict(), "optim": run.optimizer.state_dict(), "hook_iter": run.hook_state.iter}
+        state = {"model": model.state_dict(), "optim": run.optimizer.state_dict(), "hook": run.hook_state.state_dict()}
         os.makedirs(path, exist_ok=True)
         atomic_save(state, os.path.join(path, f"rank{rank}.pt"))
     elif run.mode.checkpoint == "consolidated":
@@ -154,7 +154,7 @@ def load(run: Run, path: str, optimizer: bool = True) -> None:
     if run.mode.post_local_sgd:
         assert run.hook_state is not None
         state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=True)
-        run.hook_state.iter = state["hook_iter"]
+        run.hook_state.load_state_dict(state["hook"])
     elif run.mode.checkpoint == "consolidated":
         state = torch.load(path, weights_only=True)
     else:

@@ -63,6 +63,17 @@ class PostLocalSGDState:
             self.subgroup = comm.split_group(group, comm.node_subgroup_size(comm.group_size(group)))
         return self.subgroup
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue the schedule (the groups are rebuilt, not saved)."""
+        return {"iter": self.iter}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the schedule from ``state_dict()`` of an earlier run."""
+        iteration = state_dict.get("iter") if isinstance(state_dict, dict) else None
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"expected PostLocalSGDState.state_dict(), {{'iter': n >= 0}}, got {state_dict!r}")
+        self.iter = iteration
+
     def __getstate__(self) -> dict[str, Any]:
         return {
             "start_localSGD_iter": self.start_localSGD_iter,
