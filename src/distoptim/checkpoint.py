@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,29 +50,30 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), as ``dcp.load`` does; then call
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
     checkpoint, or lacks something ``state_dict`` asks for, raises a ``ValueError`` on every rank."""
-    group = comm.default_group(process_group)
-    final = source = Path(path)
-    outcome: validation.Fingerprint | BaseException = {}
-    try:
-        if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
-            source = _sibling(final, "previous")
-            warnings.warn(
-                f"{final} is missing (a save was interrupted while replacing it): loading {source}", stacklevel=2
-            )
-        saved = set(dcp.FileSystemReader(source).read_metadata().state_dict_metadata) if _complete(source) else None
-        if saved is None:
-            raise ValueError(_incomplete_message(final))
-        _prune_unsaved_optimizer_state(state_dict, "", saved)
-        missing = sorted(set(_leaf_keys(state_dict, "")) - saved)
-        if missing:
-            raise ValueError(
-                f"the checkpoint at {final} lacks {len(missing)} of the entries asked for, e.g. {missing[:4]}: it was "
-                "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
-            )
-    except BaseException as error:
-        outcome = error
-    validation.agree_across_ranks(outcome, group, f"loading the checkpoint at {final}")
+    group, final = comm.default_group(process_group), Path(path)
+    check = lambda: _checked_source(state_dict, final)
+    source = validation.run_agreed(check, group, f"loading the checkpoint at {final}", errors=(BaseException,))
     dcp.load(state_dict, checkpoint_id=source, process_group=group)
+
+
+def _checked_source(state_dict: dict[str, Any], final: Path) -> Path:
+    """Where the checkpoint for ``final`` is (``final``, or the previous one a save died replacing), once it is known
+    to be complete and to hold every entry ``state_dict`` asks for (entries it cannot have pruned first)."""
+    source = final
+    if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
+        source = _sibling(final, "previous")
+        warnings.warn(f"{final} is missing (a save was interrupted while replacing it): loading {source}", stacklevel=5)
+    if not _complete(source):
+        raise ValueError(_incomplete_message(final))
+    saved = set(dcp.FileSystemReader(source).read_metadata().state_dict_metadata)
+    _prune_unsaved_optimizer_state(state_dict, "", saved)
+    missing = sorted(set(_leaf_keys(state_dict, "")) - saved)
+    if missing:
+        raise ValueError(
+            f"the checkpoint at {final} lacks {len(missing)} of the entries asked for, e.g. {missing[:4]}: it was "
+            "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
+        )
+    return source
 
 
 def _sibling(path: Path, role: str) -> Path:
@@ -97,15 +98,9 @@ def _replace(partial: Path, final: Path, previous: Path) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def _on_leader(leader: bool, group: comm.Group, what: str, action: Any) -> None:
+def _on_leader(leader: bool, group: comm.Group, what: str, action: Callable[[], None]) -> None:
     """Run ``action`` on rank 0; every rank raises if it failed, and none returns before it is done."""
-    outcome: validation.Fingerprint | BaseException = {}
-    if leader:
-        try:
-            action()
-        except BaseException as error:
-            outcome = error
-    validation.agree_across_ranks(outcome, group, what)
+    validation.run_agreed(action if leader else lambda: None, group, what, errors=(BaseException,))
 
 
 def _complete(directory: Path) -> bool:

@@ -265,10 +265,10 @@ def select_shard_on_every_rank(
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
     """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all,
     before any of them could step with it and wait for the others in the next sync."""
-    outcome: validation.Fingerprint | BaseException = {}
-    try:
-        selected = select_shard(state_dict, param_groups, optimizer_class)
-    except (TypeError, ValueError, KeyError) as error:
-        outcome = error
-    validation.agree_across_ranks(outcome, group, "load_state_dict", device)
-    return selected
+    return validation.run_agreed(
+        lambda: select_shard(state_dict, param_groups, optimizer_class),
+        group,
+        "load_state_dict",
+        device,
+        errors=(TypeError, ValueError, KeyError),
+    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -247,6 +247,28 @@ def agree_across_ranks(
 def _digest(local: Fingerprint) -> list[int]:
     encoded = hashlib.sha256(repr(list(local.items())).encode()).digest()
     return [int.from_bytes(encoded[8 * i : 8 * i + 8], "little") >> 2 for i in range(_DIGEST_WORDS)]
+
+
+_T = TypeVar("_T")
+
+
+def run_agreed(
+    action: Callable[[], _T],
+    group: comm.Group,
+    what: str,
+    device: torch.device | None = None,
+    errors: tuple[type[BaseException], ...] = (Exception,),
+) -> _T:
+    """``action()`` on this rank, with its success agreed (one all-reduce): if it raised one of ``errors`` on any
+    rank, every rank raises (the failing one its own error, the others a ``ValueError`` naming it), so that no rank
+    goes on to a collective the failing one never reaches."""
+    outcome: Fingerprint | BaseException = {}
+    try:
+        result = action()
+    except errors as error:
+        outcome = error
+    agree_across_ranks(outcome, group, what, device)
+    return result
 
 
 def _raise_first_disagreement(
