@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 __all__ = ["FIGURES", "caption", "render_all", "variant_styles"]
@@ -60,6 +61,16 @@ def variant_styles(names: list[str]) -> dict[str, dict[str, Any]]:
     return styles
 
 
+def _finish_with_legend(
+    fig: Figure, ax: Axes, machine: dict[str, Any], path: Path, right: float, bottom: float
+) -> Path:
+    """A y grid, the legend right of the axes, the layout, then ``_finish``."""
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.subplots_adjust(left=0.07, right=right, top=0.92, bottom=bottom)
+    return _finish(fig, machine, path)
+
+
 def _finish(fig: Figure, machine: dict[str, Any], path: Path) -> Path:
     fig.text(0.01, 0.005, caption(machine), fontsize=6.5, va="bottom", ha="left", color="#444444")
     fig.savefig(path, dpi=110)
@@ -96,10 +107,7 @@ def step_time(data: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("ms per iteration (median; slowest rank)")
     ax.set_title(f"Step time: backward (with DDP's gradient reduction) + step + parameter sync{_model(data)}")
     _oversubscribed(ax, sizes, data["machine"]["cpus"], positions)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.subplots_adjust(left=0.07, right=0.74, top=0.92, bottom=0.16)
-    return _finish(fig, data["machine"], path)
+    return _finish_with_legend(fig, ax, data["machine"], path, right=0.74, bottom=0.16)
 
 
 def state_bytes(data: dict[str, Any], path: Path) -> Path:
@@ -125,10 +133,7 @@ def state_bytes(data: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("AdamW state per rank, MB (filled: largest rank, hollow: smallest)")
     ax.set_title(f"Optimizer state per rank{_model(data)}")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.subplots_adjust(left=0.07, right=0.74, top=0.92, bottom=0.16)
-    return _finish(fig, data["machine"], path)
+    return _finish_with_legend(fig, ax, data["machine"], path, right=0.74, bottom=0.16)
 
 
 def comm_bytes(data: dict[str, Any], path: Path) -> Path:
@@ -153,10 +158,7 @@ def comm_bytes(data: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(0, 1.9)
     ax.set_ylabel("bytes per rank per step / DDP's all-reduce")
     ax.set_title(f"Communication per step (received-bytes convention of comm_bytes.py){_model(data)}")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.subplots_adjust(left=0.07, right=0.74, top=0.92, bottom=0.18)
-    return _finish(fig, data["machine"], path)
+    return _finish_with_legend(fig, ax, data["machine"], path, right=0.74, bottom=0.18)
 
 
 def memory(data: dict[str, Any], path: Path) -> Path:
@@ -183,10 +185,7 @@ def memory(data: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
     ax.set_ylabel("MB per rank (largest rank); labels: total and ratio to torch's ZeRO fp32")
     ax.set_title(f"Per-rank memory from the real buffers after a step{_model(data)}")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.subplots_adjust(left=0.07, right=0.86, top=0.92, bottom=0.2)
-    return _finish(fig, data["machine"], path)
+    return _finish_with_legend(fig, ax, data["machine"], path, right=0.86, bottom=0.2)
 
 
 def partition_balance(data: dict[str, Any], path: Path) -> Path:
