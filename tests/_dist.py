@@ -11,6 +11,7 @@ rather than a fresh interpreter importing torch (see the closing note of the fou
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import multiprocessing as mp
@@ -20,7 +21,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from distoptim.demo.launch import free_port, loopback_rank_environment
 
-__all__ = ["RankFailure", "cuda_world_size", "free_port", "run_on_ranks"]
+__all__ = ["RankFailure", "cuda_world_size", "free_port", "run_on_ranks", "started_ranks"]
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -108,29 +109,39 @@ def run_on_ranks(
     packed_args = _pack(args)  # by value: pickling tensors for a child would share their memory between ranks
     workdir = tempfile.mkdtemp(prefix="distoptim-ranks-")
     port = free_port()
+    try:
+        arguments = lambda rank, end: (body, rank, world_size, workdir, port, backend, timeout, end, packed_args)
+        with started_ranks(_rank_main, world_size, arguments, "rank") as (procs, conns):
+            return _collect(procs, conns, workdir, timeout)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def started_ranks(
+    target: Callable[..., Any], world_size: int, arguments: Callable[[int, Connection], tuple[Any, ...]], name: str
+) -> Iterator[tuple[list[Any], dict[Connection, int]]]:
+    """Start ``target(*arguments(rank, pipe_end))`` for every rank from the shared fork server, each with a pipe back
+    (the parent's ends map to their ranks); on leaving, kill whatever still runs, join every rank, close the pipes."""
     procs: list[Any] = []
     conns: dict[Connection, int] = {}
     try:
         for rank in range(world_size):
             parent_end, child_end = _CTX.Pipe(duplex=False)
-            proc = _CTX.Process(
-                target=_rank_main,
-                args=(body, rank, world_size, workdir, port, backend, timeout, child_end, packed_args),
-                name=f"rank{rank}",
-                daemon=True,
-            )
+            proc = _CTX.Process(target=target, args=arguments(rank, child_end), name=f"{name}{rank}", daemon=True)
             proc.start()
             child_end.close()
             procs.append(proc)
             conns[parent_end] = rank
-        return _collect(procs, conns, workdir, timeout)
+        yield procs, conns
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
         for proc in procs:
             proc.join(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
+        for conn in conns:
+            conn.close()
 
 
 def _collect(procs: list[Any], conns: dict[Connection, int], workdir: str, timeout: float) -> list[Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import io
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -33,12 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import tests._dist  # noqa: F401 (sets the fork server's preload: the fault ranks share its fork server)
 from distoptim.demo.launch import free_port, loopback_rank_environment
+from tests._dist import started_ranks  # and the fork server's preload: the fault ranks share its fork server
 
 __all__ = ["Outcome", "die", "run_with_faults", "stall"]
 
-_CTX = mp.get_context("forkserver")
 _DIR_VARIABLE = "DISTOPTIM_FAULT_DIR"
 _POLL_S = 0.2
 
@@ -137,32 +135,13 @@ def run_with_faults(
     """
     workdir = tempfile.mkdtemp(prefix="distoptim-faults-")
     port = free_port()
-    procs: list[Any] = []
-    conns: dict[Connection, int] = {}
     reports: dict[int, tuple[Any, ...]] = {}
     try:
-        for rank in range(world_size):
-            parent_end, child_end = _CTX.Pipe(duplex=False)
-            proc = _CTX.Process(
-                target=_rank_main,
-                args=(body, rank, world_size, workdir, port, group_timeout, child_end, args),
-                name=f"fault-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            procs.append(proc)
-            conns[parent_end] = rank
-        _wait_for_ranks(procs, conns, reports, workdir, time.monotonic() + timeout)
-        return _outcomes(procs, reports, workdir)
+        arguments = lambda rank, end: (body, rank, world_size, workdir, port, group_timeout, end, args)
+        with started_ranks(_rank_main, world_size, arguments, "fault-rank") as (procs, conns):
+            _wait_for_ranks(procs, conns, reports, workdir, time.monotonic() + timeout)
+            return _outcomes(procs, reports, workdir)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=10)
-        for conn in conns:
-            conn.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
