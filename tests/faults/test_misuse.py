@@ -429,12 +429,17 @@ MISUSES: list[Misuse] = [
     # Both calls start with the same agreement, so they meet, and every rank sees that they differ.
     Misuse("add_param_group on one rank while the other builds an optimizer", _add_group_while_another_builds, ONE,
            ValueError, r"disagree"),
-    # --- Stepping and clipping.
-    Misuse("a frozen parameter has a gradient", _frozen_with_grad, ALL,
+    # --- Stepping and clipping. step() agrees, in one small all-reduce before the sync, that its local part succeeded
+    # --- on every rank with the same parameters trainable: a failing rank raises its error, the others name it.
+    Misuse("a frozen parameter has a gradient", _frozen_with_grad, BOTH,
            RuntimeError, r"requires_grad=False has a gradient.*Set requires_grad=True on it \(on every rank\)"
                          r".*or set its \.grad to None"),
-    Misuse("the closure raises", _closure_raises, ALL,
+    Misuse("the closure raises", _closure_raises, BOTH,
            _ClosureFailed, r"the closure failed on purpose"),
+    Misuse("requires_grad changed on one rank only between steps", _unfreeze_on_one_rank, ONE,
+           ValueError, r"step: rank \d and rank \d disagree \(the parameters that require grad, by index: "
+                       r"(\(0, 1, 2\) vs \(0, 2\)|\(0, 2\) vs \(0, 1, 2\))\); change requires_grad alike on every "
+                       r"rank"),
     Misuse("a non-finite gradient norm with error_if_nonfinite=True", _clip_non_finite, BOTH,
            RuntimeError, r"total norm of order 2\.0 of the gradients is non-finite .*pass error_if_nonfinite=False"),
     # --- Consolidated checkpoints (torch.optim's format).
@@ -599,17 +604,7 @@ MISUSES: list[Misuse] = [
                            r"torch\.distributed\.rpc\.RRef\(param\)"),
 ]  # fmt: skip
 
-KNOWN_GAPS: list[Misuse] = [
-    Misuse("a frozen parameter has a gradient", _frozen_with_grad, ONE,
-           RuntimeError, r"requires_grad=False has a gradient",
-           gap="each rank checks alone: the others step and wait in the sync until the group times out"),
-    Misuse("the closure raises", _closure_raises, ONE,
-           _ClosureFailed, r"the closure failed on purpose",
-           gap="the failing rank raises from its local step; the others wait in the sync until the group times out"),
-    Misuse("requires_grad changed on one rank only between steps", _unfreeze_on_one_rank, ONE,
-           ValueError, r"requires_grad", isolated=True,
-           gap="each rank repartitions alone: the syncs no longer match, and gloo aborts the process"),
-]  # fmt: skip
+KNOWN_GAPS: list[Misuse] = []
 
 
 # ---------------------------------------------------------------------------------------------------------- runner

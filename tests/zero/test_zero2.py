@@ -205,8 +205,9 @@ def test_reduce_to_owners_in_place_and_staged() -> None:
 
 def _bytes_body(rank: int, world_size: int, partition: str) -> tuple[int, int, int]:
     """What one ZeRO-2 step moves: every trainable element is reduced once (to its owner) and gathered once (from
-    it), plus at most world_size - 1 padding elements per layout: an all-reduce's worth, not ZeRO-1's 1.5x (and one
-    scalar: whether any owner saw an inf/nan)."""
+    it), plus at most world_size - 1 padding elements per layout: an all-reduce's worth, not ZeRO-1's 1.5x (and two
+    small all-reduces: whether any owner saw an inf/nan, and the step's agreement that every rank's local part
+    succeeded)."""
     model = _Net()
     ddp = _ddp(model)
     zero = ZeroRedundancyOptimizer(
@@ -226,7 +227,7 @@ def _bytes_body(rank: int, world_size: int, partition: str) -> tuple[int, int, i
     reduced = sum(call.args[0].numel() for call in reduce.call_args_list)
     gathered = sum(call.args[0].numel() for call in broadcast.call_args_list)
     sizes = [call.args[0].numel() for call in all_reduce.call_args_list]
-    assert sizes == [1], f"under gradient sharding one all-reduce only, of the non-finite verdict: {sizes}"
+    assert sizes == [1, 10], f"the non-finite verdict and the step's agreement only: {sizes}"
     return reduced, gathered, len(zero._sync.layouts)
 
 

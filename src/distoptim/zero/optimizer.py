@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,8 @@ from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition
 from distoptim.zero.shard import LocalShard, copy_hyperparameters, stitch
 
 __all__ = ["ZeroRedundancyOptimizer"]
+
+_T = TypeVar("_T")
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -186,10 +188,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync."""
+        """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync.
+
+        Before the sync the ranks agree (one small all-reduce) that the local part succeeded everywhere, with the
+        same parameters trainable: if it raised on one rank, every rank raises instead of waiting in the sync."""
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, kwargs)
         Join.notify_join_context(self)
+        loss = self._agreed(lambda: self._step_locally(closure, kwargs))
+        self.sync_parameters()
+        self._consolidated = None
+        return loss
+
+    def _step_locally(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         self._repartition_if_trainability_changed()
         loss: float | None = None
         if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
@@ -205,10 +216,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.local_shard.write_back()
         finally:
             self.local_shard.detach_grads()
-        self.sync_parameters()
         self._pull_hyperparameters()
-        self._consolidated = None
         return loss
+
+    def _agreed(self, action: Callable[[], _T]) -> _T:
+        """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing)."""
+        return validation.run_step_agreed(action, lambda: self._trainability, self.process_group, self._comm_device)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
@@ -397,4 +410,5 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:  # in overlap mode the comm hook syncs, and DDP's own join hook shadows it
         if self.zero.overlap_stepper is None:
+            self.zero._agreed(lambda: None)
             self.zero.sync_parameters()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -36,6 +36,8 @@ __all__ = [
     "check_unowned_have_no_grad",
     "fingerprint",
     "normalize_param_groups",
+    "run_agreed",
+    "run_step_agreed",
     "try_optimizer_class",
 ]
 
@@ -258,17 +260,34 @@ def run_agreed(
     what: str,
     device: torch.device | None = None,
     errors: tuple[type[BaseException], ...] = (Exception,),
+    then_agree_on: Callable[[], Fingerprint] = dict,
+    fix: str = SAME_EVERYWHERE,
 ) -> _T:
     """``action()`` on this rank, with its success agreed (one all-reduce): if it raised one of ``errors`` on any
     rank, every rank raises (the failing one its own error, the others a ``ValueError`` naming it), so that no rank
-    goes on to a collective the failing one never reaches."""
-    outcome: Fingerprint | BaseException = {}
+    goes on to a collective the failing one never reaches. ``then_agree_on()``, evaluated after a successful
+    ``action``, must be the same on every rank too (a ``ValueError`` with ``fix`` otherwise), in the same all-reduce."""
+    outcome: Fingerprint | BaseException
     try:
         result = action()
+        outcome = then_agree_on()
     except errors as error:
         outcome = error
-    agree_across_ranks(outcome, group, what, device)
+    agree_across_ranks(outcome, group, what, device, fix)
     return result
+
+
+def run_step_agreed(
+    action: Callable[[], _T], requires_grad: Callable[[], Sequence[bool]], group: comm.Group, device: torch.device
+) -> _T:
+    """``action()``, a step's local part, then ``run_agreed``'s all-reduce: every rank raises if it raised on any, or
+    if the ranks now train different parameters (``requires_grad()``, changed on some ranks only)."""
+
+    def trained() -> Fingerprint:
+        return {"the parameters that require grad, by index: {}": tuple(i for i, r in enumerate(requires_grad()) if r)}
+
+    fix = "change requires_grad alike on every rank, between the same two steps"
+    return run_agreed(action, group, "step", device, then_agree_on=trained, fix=fix)
 
 
 def _raise_first_disagreement(
