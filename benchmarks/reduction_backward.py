@@ -11,15 +11,14 @@ median backward of the slowest rank is printed per mode, in ms::
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from distoptim.demo.launch import RankContext, run_ranks
 
 MODES = ["no reduction", "cpp all-reduce", "python allreduce_hook", "to owners, even", "to owners, greedy"]
 
@@ -30,10 +29,7 @@ def _no_reduction(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects
     return done
 
 
-def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _rank(ctx: RankContext) -> dict[str, list[float]]:
     from torch.nn.parallel import DistributedDataParallel
 
     from distoptim import ZeroRedundancyOptimizer
@@ -54,7 +50,7 @@ def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
             partition = mode.split(", ")[1]
             zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition=partition, lr=1e-4)
             ddp.register_comm_hook(zero, reduce_to_owners_hook)
-        tokens = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(rank))
+        tokens = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(ctx.rank))
         times = []
         for _ in range(13):
             model.zero_grad()
@@ -66,23 +62,13 @@ def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
         slowest = torch.tensor([statistics.median(times[3:])])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         results.setdefault(mode, []).append(round(slowest.item() * 1e3, 1))
-    if rank == 0:
-        out.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
     world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = 29500 + os.getpid() % 1000
-    ranks = [context.Process(target=_rank, args=(r, world_size, port, results)) for r in range(world_size)]
-    for process in ranks:
-        process.start()
-    for mode, times in results.get().items():
+    for mode, times in run_ranks(_rank, world_size, timeout_s=600)[0].items():
         print(f"N={world_size} {mode:<22} backward ms: {', '.join(map(str, times))}")
-    for process in ranks:
-        process.join()
 
 
 if __name__ == "__main__":

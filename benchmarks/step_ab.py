@@ -13,21 +13,17 @@ steps (after 3 untimed) of the slowest rank, in ms, for the benchmark's 21M-para
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from distoptim.demo.launch import RankContext, run_ranks
 
 
-def _rank(rank: int, world_size: int, port: int, bucket_view: bool, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _rank(ctx: RankContext, bucket_view: bool) -> float:
     from distoptim import ZeroRedundancyOptimizer
     from distoptim.demo.config import config_for_params
     from distoptim.demo.model import GPT
@@ -47,22 +43,12 @@ def _rank(rank: int, world_size: int, port: int, bucket_view: bool, out: Any) ->
         times.append(time.perf_counter() - begin)
     slowest = torch.tensor([statistics.median(times[3:])])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        out.put(slowest.item() * 1e3)
-    dist.destroy_process_group()
+    return slowest.item() * 1e3
 
 
 def main() -> None:
     world_size, bucket_view = int(sys.argv[1]), sys.argv[2] == "bucket"
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = 29000 + os.getpid() % 1000
-    ranks = [context.Process(target=_rank, args=(r, world_size, port, bucket_view, results)) for r in range(world_size)]
-    for process in ranks:
-        process.start()
-    print(f"{results.get():.1f}")
-    for process in ranks:
-        process.join()
+    print(f"{run_ranks(_rank, world_size, (bucket_view,), timeout_s=600)[0]:.1f}")
 
 
 if __name__ == "__main__":

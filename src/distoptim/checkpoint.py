@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from distoptim.zero import comm, sharded, validation
+from distoptim.zero import agreement, comm, sharded
 
 __all__ = ["load", "save"]
 
@@ -52,7 +52,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     checkpoint, or lacks something ``state_dict`` asks for, raises a ``ValueError`` on every rank."""
     group, final = comm.default_group(process_group), Path(path)
     check = lambda: _checked_source(state_dict, final)
-    source = validation.run_agreed(check, group, f"loading the checkpoint at {final}", errors=(BaseException,))
+    source = agreement.run_agreed(check, group, f"loading the checkpoint at {final}", errors=(BaseException,))
     dcp.load(state_dict, checkpoint_id=source, process_group=group)
 
 
@@ -100,7 +100,7 @@ def _replace(partial: Path, final: Path, previous: Path) -> None:
 
 def _on_leader(leader: bool, group: comm.Group, what: str, action: Callable[[], None]) -> None:
     """Run ``action`` on rank 0; every rank raises if it failed, and none returns before it is done."""
-    validation.run_agreed(action if leader else lambda: None, group, what, errors=(BaseException,))
+    agreement.run_agreed(action if leader else lambda: None, group, what, errors=(BaseException,))
 
 
 def _complete(directory: Path) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim.zero import comm, validation
+from distoptim.zero import agreement, comm
 from distoptim.zero.elementwise import is_elementwise, torch_class_of
 
 __all__ = [
@@ -251,13 +251,13 @@ def gather_state(
 def agree_on_target(to: Any, world_size: int, group: comm.Group, comm_device: torch.device) -> None:
     """Every rank must name the same valid ``to``: a rank that refused a bad one alone, or ranks naming different
     targets, would leave the others waiting for a message until the group's timeout. One agreement tells all."""
-    outcome: validation.Fingerprint | BaseException = {"{} consolidation target": to}
+    outcome: agreement.Fingerprint | BaseException = {"{} consolidation target": to}
     if isinstance(to, bool) or not isinstance(to, int):
         outcome = TypeError(f"consolidate_state_dict(to={to!r}): 'to' must be a rank (an int), 0..{world_size - 1}")
     elif not 0 <= to < world_size:
         outcome = ValueError(f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{world_size - 1}")
     fix = "pass the same 'to' everywhere"
-    validation.agree_across_ranks(outcome, group, "consolidate_state_dict", comm_device, fix)
+    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", comm_device, fix)
 
 
 def select_shard_on_every_rank(
@@ -265,7 +265,7 @@ def select_shard_on_every_rank(
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
     """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all,
     before any of them could step with it and wait for the others in the next sync."""
-    return validation.run_agreed(
+    return agreement.run_agreed(
         lambda: select_shard(state_dict, param_groups, optimizer_class),
         group,
         "load_state_dict",

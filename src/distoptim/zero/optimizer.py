@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,15 +18,13 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, checkpoint, clipping, comm, sharded, validation
+from distoptim.zero import agreement, amp, checkpoint, clipping, comm, sharded, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
-from distoptim.zero.overlap import OverlapStepper, functional_for_overlap
+from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard, copy_hyperparameters, stitch
 
 __all__ = ["ZeroRedundancyOptimizer"]
-
-_T = TypeVar("_T")
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -88,29 +86,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         group = comm.default_group(process_group)
-        local: validation.Fingerprint | BaseException
-        device = None  # the communication device, once the parameters are known
-        try:  # every local check, the optimizer's own included, then one agreement: all ranks raise or none does
-            local_class = validation.check_optimizer_class(optimizer_class)
-            groups = validation.normalize_param_groups(params)
-            device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
-            functional_cls = functional_for_overlap(optimizer_class) if overlap_with_ddp else None
-            validation.try_optimizer_class(local_class, groups, defaults)
-            validation.check_partition(partition, local_class, groups)
-            validation.check_master_dtype(master_dtype)
-            settings = {
-                "optimizer_class": f"{local_class.__module__}.{local_class.__qualname__}",
-                "parameters_as_bucket_view": parameters_as_bucket_view,
-                "overlap_with_ddp": overlap_with_ddp,
-                "partition": partition,
-                "master_dtype": str(master_dtype),
-                **defaults,
-            }
-            local = validation.fingerprint(groups, defaults, settings)
-        except Exception as error:
-            local = error
-        validation.agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction", device)
-        assert device is not None
+        local_class, groups, device, functional_cls = validation.check_construction(
+            params,
+            optimizer_class,
+            group,
+            defaults,
+            parameters_as_bucket_view=parameters_as_bucket_view,
+            overlap_with_ddp=overlap_with_ddp,
+            partition=partition,
+            master_dtype=master_dtype,
+        )
 
         self._ready = False  # until then, add_param_group only records groups (Optimizer.__init__ calls it)
         super().__init__(groups, defaults)
@@ -219,9 +204,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pull_hyperparameters()
         return loss
 
-    def _agreed(self, action: Callable[[], _T]) -> _T:
+    def _agreed(self, action: Callable[[], float | None]) -> float | None:
         """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing)."""
-        return validation.run_step_agreed(action, lambda: self._trainability, self.process_group, self._comm_device)
+        return agreement.run_step_agreed(action, lambda: self._trainability, self.process_group, self._comm_device)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""

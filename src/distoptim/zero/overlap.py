@@ -14,13 +14,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from distoptim.functional import FunctionalOptimizer, functional_class_for
+from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, comm
 from distoptim.zero.buckets import StagedSync, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard
 
-__all__ = ["OverlapStepper", "functional_for_overlap"]
+__all__ = ["OverlapStepper"]
 
 # torch.optim.lr_scheduler reads this attribute to tell whether optimizer.step() ran before its own step().
 _SCHEDULER_SAW_STEP = "_opt_called"
@@ -143,15 +143,3 @@ class OverlapStepper:
         """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
         grad = next((p.grad for p in self.global_params if p.requires_grad), None)
         return None if grad is None else (id(grad), grad._version)
-
-
-def functional_for_overlap(optimizer_class: type) -> type[FunctionalOptimizer]:
-    """The functional class an overlap-mode optimizer steps with, or a ValueError naming the supported ones."""
-    functional_cls = functional_class_for(optimizer_class)
-    if functional_cls is None:
-        name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
-        raise ValueError(
-            f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
-            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
-        )
-    return functional_cls

@@ -1,19 +1,17 @@
 """Checks on what the user passed, made so that every rank raises the same clear error instead of hanging.
 
 A check that fails on one rank only (one rank built a different model, passed a bare tensor or a learning rate the
-optimizer rejects) would leave the others waiting in the next collective. So each rank checks locally, then the
-ranks exchange a fixed-size digest of their fingerprint (parameters and settings) and a failure flag in one small
-all-reduce, and every rank raises when any rank failed or any two disagree. Only then does a second round gather
-the fingerprints or error texts, to say what went wrong. Nothing here needs numpy.
+optimizer rejects) would leave the others waiting in the next collective. So each rank checks locally and builds a
+fingerprint of its parameters and settings, and ``agreement.agree_across_ranks`` makes every rank raise when any
+rank failed or any two disagree.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,29 +20,25 @@ from torch.optim import Optimizer
 from distoptim._flat import is_dense
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import comm
+from distoptim.zero.agreement import Fingerprint, agree_across_ranks
 from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
 from distoptim.zero.partition import MODES
 
 __all__ = [
-    "Fingerprint",
     "ParamGroups",
-    "agree_across_ranks",
     "agreed_param_group",
+    "check_construction",
     "check_master_dtype",
     "check_optimizer_class",
+    "check_overlap_class",
     "check_partition",
     "check_unowned_have_no_grad",
     "fingerprint",
     "normalize_param_groups",
-    "run_agreed",
-    "run_step_agreed",
     "try_optimizer_class",
 ]
 
 ParamGroups = list[dict[str, Any]]
-Fingerprint = dict[str, Any]  # "what {} is" -> a canonical value; "{}" takes "<mine> vs <theirs>" in messages
-
-_DIGEST_WORDS = 4  # 4 x 62 bits of a sha256: non-negative int64 words whose negation cannot overflow
 
 
 def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
@@ -131,6 +125,18 @@ def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, d
             optimizer_class([dict(group) for group in groups], **defaults)
 
 
+def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
+    """The functional class an overlap-mode optimizer steps with, or a ValueError naming the supported ones."""
+    functional_cls = functional_class_for(optimizer_class)
+    if functional_cls is None:
+        name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
+        raise ValueError(
+            f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
+            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
+        )
+    return functional_cls
+
+
 def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) -> None:
     """``partition`` is a mode the plan knows, and an even one only splits what can be stepped in pieces."""
     if partition not in MODES:
@@ -208,109 +214,44 @@ def _canonical(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
 
 
-SAME_EVERYWHERE = (
-    "every rank must pass the same parameters (shapes, dtypes, requires_grad, groups) and settings (hyperparameters "
-    "included)"
-)
-
-
-def agree_across_ranks(
-    local: Fingerprint | BaseException,
+def check_construction(
+    params: Any,
+    optimizer_class: Any,
     group: comm.Group,
-    what: str,
-    device: torch.device | None = None,
-    fix: str = SAME_EVERYWHERE,
-) -> None:
-    """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree.
-
-    One all-reduce (MAX) of ``[failed, -failed, digest, -digest]`` tells every rank whether any or all failed and
-    whether the digests' maxima equal their minima. A failing rank raises its own error; the others name it.
-    ``device``: the communication device, ``comm.comm_device(group)`` when None.
-    """
-    device = comm.comm_device(group) if device is None else device
-    failed = isinstance(local, BaseException)
-    words = [0] * _DIGEST_WORDS if isinstance(local, BaseException) else _digest(local)
-    summary = torch.tensor([int(failed), -int(failed), *words, *(-w for w in words)], dtype=torch.int64)
-    maxima = comm.all_reduce_(summary.to(device), group, "max").tolist()
-    any_failed, all_failed = maxima[0] == 1, -maxima[1] == 1
-    agreed = maxima[2 : 2 + _DIGEST_WORDS] == [-w for w in maxima[2 + _DIGEST_WORDS :]]
-    if isinstance(local, BaseException) and all_failed:
-        raise local
-    if any_failed:
-        texts = comm.all_gather_objects(f"{type(local).__name__}: {local}" if failed else None, group, device)
-        if isinstance(local, BaseException):
-            raise local
-        rank, message = next((rank, text) for rank, text in enumerate(texts) if text is not None)
-        raise ValueError(f"{what} failed on rank {rank}: {message}")
-    if not isinstance(local, BaseException) and not agreed:
-        _raise_first_disagreement(local, comm.all_gather_objects(local, group, device), group, what, fix)
-
-
-def _digest(local: Fingerprint) -> list[int]:
-    encoded = hashlib.sha256(repr(list(local.items())).encode()).digest()
-    return [int.from_bytes(encoded[8 * i : 8 * i + 8], "little") >> 2 for i in range(_DIGEST_WORDS)]
-
-
-_T = TypeVar("_T")
-
-
-def run_agreed(
-    action: Callable[[], _T],
-    group: comm.Group,
-    what: str,
-    device: torch.device | None = None,
-    errors: tuple[type[BaseException], ...] = (Exception,),
-    then_agree_on: Callable[[], Fingerprint] = dict,
-    fix: str = SAME_EVERYWHERE,
-) -> _T:
-    """``action()`` on this rank, with its success agreed (one all-reduce): if it raised one of ``errors`` on any
-    rank, every rank raises (the failing one its own error, the others a ``ValueError`` naming it), so that no rank
-    goes on to a collective the failing one never reaches. ``then_agree_on()``, evaluated after a successful
-    ``action``, must be the same on every rank too (a ``ValueError`` with ``fix`` otherwise), in the same all-reduce."""
-    outcome: Fingerprint | BaseException
+    defaults: dict[str, Any],
+    *,
+    parameters_as_bucket_view: bool,
+    overlap_with_ddp: bool,
+    partition: str,
+    master_dtype: torch.dtype | None,
+) -> tuple[type[Optimizer], ParamGroups, torch.device, type[FunctionalOptimizer] | None]:
+    """ZeroRedundancyOptimizer's arguments checked on this rank, the optimizer's own checks included, then one
+    agreement, so that all ranks raise or none does. Returns the ``torch.optim`` class, the normalized param groups,
+    the communication device, and the functional class the overlap mode steps with (None without it)."""
+    local: Fingerprint | BaseException
+    device = None  # the communication device, once the parameters are known
     try:
-        result = action()
-        outcome = then_agree_on()
-    except errors as error:
-        outcome = error
-    agree_across_ranks(outcome, group, what, device, fix)
-    return result
-
-
-def run_step_agreed(
-    action: Callable[[], _T], requires_grad: Callable[[], Sequence[bool]], group: comm.Group, device: torch.device
-) -> _T:
-    """``action()``, a step's local part, then ``run_agreed``'s all-reduce: every rank raises if it raised on any, or
-    if the ranks now train different parameters (``requires_grad()``, changed on some ranks only)."""
-
-    def trained() -> Fingerprint:
-        return {"the parameters that require grad, by index: {}": tuple(i for i, r in enumerate(requires_grad()) if r)}
-
-    fix = "change requires_grad alike on every rank, between the same two steps"
-    return run_agreed(action, group, "step", device, then_agree_on=trained, fix=fix)
-
-
-def _raise_first_disagreement(
-    local: Fingerprint, everyone: list[Fingerprint], group: comm.Group, what: str, fix: str
-) -> None:
-    me = comm.group_rank(group)
-    for rank, other in enumerate(everyone):
-        difference = _first_difference(local, other)
-        if difference is not None:
-            raise ValueError(f"{what}: rank {me} and rank {rank} disagree ({difference}); {fix}")
-    raise ValueError(f"{what}: the ranks' fingerprints differ but rank {me} agrees with all of them")
-
-
-def _first_difference(mine: Fingerprint, theirs: Fingerprint) -> str | None:
-    for template in [*mine, *(key for key in theirs if key not in mine)]:
-        a, b = (_show(side, template) for side in (mine, theirs))
-        if a != b:
-            return template.replace("{}", f"{a} vs {b}", 1)
-    return None
-
-
-def _show(entries: Fingerprint, template: str) -> str:
-    return repr(entries[template]) if template in entries else "(not set)"
+        local_class = check_optimizer_class(optimizer_class)
+        groups = normalize_param_groups(params)
+        device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
+        functional_cls = check_overlap_class(optimizer_class) if overlap_with_ddp else None
+        try_optimizer_class(local_class, groups, defaults)
+        check_partition(partition, local_class, groups)
+        check_master_dtype(master_dtype)
+        settings = {
+            "optimizer_class": f"{local_class.__module__}.{local_class.__qualname__}",
+            "parameters_as_bucket_view": parameters_as_bucket_view,
+            "overlap_with_ddp": overlap_with_ddp,
+            "partition": partition,
+            "master_dtype": str(master_dtype),
+            **defaults,
+        }
+        local = fingerprint(groups, defaults, settings)
+    except Exception as error:
+        local = error
+    agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction", device)
+    assert device is not None
+    return local_class, groups, device, functional_cls
 
 
 def check_unowned_have_no_grad(unowned: Iterable[Tensor]) -> None:
