@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["choose_comm_device", "comm_device", "default_group", "group_size"]
+__all__ = ["choose_comm_device", "comm_device", "default_group", "group_size", "is_member"]
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
@@ -18,7 +18,7 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
     that ``dist.new_group`` hands the ranks outside the group (the averagers skip those ranks).
     """
     if process_group is not None:
-        if not isinstance(process_group, ProcessGroup) and not _outside_group(process_group):
+        if not isinstance(process_group, ProcessGroup) and is_member(process_group):
             value = f" {process_group!r}" if isinstance(process_group, (int, float, str)) else ""
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
@@ -33,9 +33,9 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
     return dist.group.WORLD
 
 
-def _outside_group(value: object) -> bool:
-    """Whether ``value`` is what ``dist.new_group`` returns on a rank outside the new group."""
-    return value is dist.GroupMember.NON_GROUP_MEMBER
+def is_member(group: object) -> bool:
+    """False for what ``dist.new_group`` hands the ranks outside the new group instead of a group."""
+    return group is not dist.GroupMember.NON_GROUP_MEMBER
 
 
 def group_size(group: ProcessGroup) -> int:

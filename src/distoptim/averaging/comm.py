@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from distoptim._flat import pack, unpack_
-from distoptim._groups import default_group, group_size
+from distoptim._groups import default_group, group_size, is_member
 from distoptim.zero.agreement import agree_across_ranks
 
 __all__ = [
@@ -32,11 +32,6 @@ __all__ = [
 ]
 
 
-def _is_member(group: ProcessGroup) -> bool:
-    # ``dist.new_group`` hands non-members this sentinel instead of a group.
-    return group is not dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[comparison-overlap]
-
-
 def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: ProcessGroup | None, what: str) -> None:
     """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``
     (one all-reduce; ``zero.agreement.agree_across_ranks``): ranks that average on different schedules would
@@ -45,7 +40,7 @@ def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: P
     if isinstance(settings, BaseException) and process_group is None and not dist.is_initialized():
         raise settings
     group = default_group(process_group)
-    if not _is_member(group):
+    if not is_member(group):
         if isinstance(settings, BaseException):
             raise settings
         return
@@ -103,7 +98,7 @@ def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> No
 
     Ranks outside ``group`` leave their tensors untouched.
     """
-    if not _is_member(group):
+    if not is_member(group):
         return
     size = group_size(group)
     for run in group_by_device_dtype([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones

@@ -72,17 +72,17 @@ def run_agreed(
     what: str,
     device: torch.device | None = None,
     errors: tuple[type[BaseException], ...] = (Exception,),
-    then_agree_on: Callable[[], Fingerprint] = dict,
+    then_agree_on: Callable[[_T], Fingerprint] = lambda result: {},
     fix: str = SAME_EVERYWHERE,
 ) -> _T:
     """``action()`` on this rank, with its success agreed (one all-reduce): if it raised one of ``errors`` on any
     rank, every rank raises (the failing one its own error, the others a ``ValueError`` naming it), so that no rank
-    goes on to a collective the failing one never reaches. ``then_agree_on()``, evaluated after a successful
+    goes on to a collective the failing one never reaches. ``then_agree_on(result)``, evaluated after a successful
     ``action``, must be the same on every rank too (a ``ValueError`` with ``fix`` otherwise), in the same all-reduce."""
     outcome: Fingerprint | BaseException
     try:
         result = action()
-        outcome = then_agree_on()
+        outcome = then_agree_on(result)
     except errors as error:
         outcome = error
     agree_across_ranks(outcome, group, what, device, fix)
@@ -95,7 +95,7 @@ def run_step_agreed(
     """``action()``, a step's local part, then ``run_agreed``'s all-reduce: every rank raises if it raised on any, or
     if the ranks now train different parameters (``requires_grad()``, changed on some ranks only)."""
 
-    def trained() -> Fingerprint:
+    def trained(result: _T) -> Fingerprint:
         return {"the parameters that require grad, by index: {}": tuple(i for i, r in enumerate(requires_grad()) if r)}
 
     fix = "change requires_grad alike on every rank, between the same two steps"

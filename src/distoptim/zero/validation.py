@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from distoptim._flat import is_dense
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import comm
-from distoptim.zero.agreement import Fingerprint, agree_across_ranks
+from distoptim.zero.agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
 from distoptim.zero.partition import MODES
 
@@ -282,13 +282,13 @@ def agreed_param_group(
 ) -> dict[str, Any]:
     """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
     all agree on it: a bad group on one rank raises on every rank (``add_param_group``)."""
-    local: Fingerprint | BaseException
-    normalized: dict[str, Any] = {}
-    try:
-        (normalized,) = normalize_param_groups([param_group])
-        try_optimizer_class(optimizer_class, [*param_groups, normalized], defaults)
-        local = fingerprint([normalized], defaults, first_group=len(param_groups))
-    except Exception as error:
-        local = error
-    agree_across_ranks(local, group, "add_param_group", device)
-    return normalized
+
+    def normalized() -> dict[str, Any]:
+        (checked,) = normalize_param_groups([param_group])
+        try_optimizer_class(optimizer_class, [*param_groups, checked], defaults)
+        return checked
+
+    def what_it_is(checked: dict[str, Any]) -> Fingerprint:
+        return fingerprint([checked], defaults, first_group=len(param_groups))
+
+    return run_agreed(normalized, group, "add_param_group", device, then_agree_on=what_it_is)
