@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["choose_comm_device", "comm_device", "default_group", "group_size", "is_member"]
+__all__ = ["choose_comm_device", "comm_device", "control_group", "default_group", "group_size", "is_member"]
+
+_CONTROL_TWINS: weakref.WeakKeyDictionary[ProcessGroup, ProcessGroup] = weakref.WeakKeyDictionary()
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
@@ -72,3 +75,18 @@ def choose_comm_device(backend: str, devices: Iterable[torch.device]) -> torch.d
         f"the NCCL backend communicates tensors on one CUDA device per rank, but the parameters are on: {found}; "
         "move the whole model to this rank's GPU (model.to(f'cuda:{local_rank}')), or use the gloo backend"
     )
+
+
+def control_group(group: ProcessGroup, *, separate: bool = False) -> ProcessGroup:
+    """A group over ``group``'s ranks whose tensors live on the CPU: ``group`` itself when its backend is gloo, else
+    (or when ``separate``) a gloo twin, made once per group (collective over its ranks, the first time).
+
+    Agreements and other control messages carry host values (flags, digests): sent over NCCL they would have to be
+    copied to the GPU and read back, which blocks the CPU until the GPU has drained its queue.
+    """
+    if not separate and str(dist.get_backend(group)) == "gloo":
+        return group
+    if group not in _CONTROL_TWINS:
+        ranks = dist.get_process_group_ranks(group)
+        _CONTROL_TWINS[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _CONTROL_TWINS[group]

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from distoptim.zero import agreement, comm, sharded
+from distoptim import _agreement as agreement
+from distoptim.zero import comm, sharded
 
 __all__ = ["load", "save"]
 

@@ -317,6 +317,12 @@ def _unfreeze_on_one_rank(r: Rank) -> None:
     _stepped(zero)
 
 
+def _lr_on_one_rank(r: Rank) -> None:
+    zero = _stepped(_zero(r))
+    zero.param_groups[0]["lr"] = r.pick(0.1, 0.5)  # a scheduler run on one rank only, say
+    _stepped(zero)
+
+
 def _averagers_disagree_on_period(r: Rank) -> None:
     averager, param = _averager(r, period=r.pick(2, 3)), _parameter()
     for _ in range(3):
@@ -438,8 +444,11 @@ MISUSES: list[Misuse] = [
            _ClosureFailed, r"the closure failed on purpose"),
     Misuse("requires_grad changed on one rank only between steps", _unfreeze_on_one_rank, ONE,
            ValueError, r"step: rank \d and rank \d disagree \(the parameters that require grad, by index: "
-                       r"(\(0, 1, 2\) vs \(0, 2\)|\(0, 2\) vs \(0, 1, 2\))\); change requires_grad alike on every "
-                       r"rank"),
+                       r"(\(0, 1, 2\) vs \(0, 2\)|\(0, 2\) vs \(0, 1, 2\))\); change requires_grad and "
+                       r"hyperparameters alike on every rank"),
+    Misuse("a hyperparameter changed on one rank only between steps", _lr_on_one_rank, ONE,
+           ValueError, r"step: rank \d and rank \d disagree \(param group 0: 'lr' (0\.1 vs 0\.5|0\.5 vs 0\.1)\); change "
+                       r"requires_grad and hyperparameters alike on every rank"),
     Misuse("a non-finite gradient norm with error_if_nonfinite=True", _clip_non_finite, BOTH,
            RuntimeError, r"total norm of order 2\.0 of the gradients is non-finite .*pass error_if_nonfinite=False"),
     # --- Consolidated checkpoints (torch.optim's format).

@@ -187,19 +187,34 @@ def test_clip_grad_norm_nonfinite_raises_on_every_rank() -> None:
 
 
 def _reduce_to_owners_body(rank: int, world_size: int) -> None:
-    """Both ways comm.reduce_to_owners_async works on gloo: rooted reduces in place, or packed owner by owner."""
-    slices = [(2, 0, 3), (0, 3, 5), (1, 5, 9), (0, 9, 10), (2, 10, 11), (1, 11, 12)]  # owners interleaved
-    for calls in (4, 0):  # 0: too many slices for in-place reduces, so they are packed into a staging tensor
-        buffer = torch.arange(12, dtype=torch.float32) * (rank + 1)
-        summed = torch.arange(12, dtype=torch.float32) * sum(r + 1 for r in range(world_size))
-        result = comm.reduce_to_owners_async(buffer, slices, dist.group.WORLD, max_rooted_calls_per_rank=calls).wait()
-        assert result is buffer
+    """Every way comm.reduce_to_owners_async works, in both styles of collectives: rooted reduces in place or packed
+    owner by owner, one reduce_scatter over equal shares (the buffer rank by rank, or packed), all-reduced slices
+    (owner EVERY: elements nobody owns yet), and the owned sums summed once more across replicas."""
+    interleaved = [(2, 0, 3), (0, 3, 5), (1, 5, 9), (0, 9, 10), (2, 10, 11), (1, 11, 12)]
+    cases = [
+        (interleaved, 4),  # in place
+        (interleaved, 0),  # too many slices for in-place reduces: packed
+        ([(0, 0, 4), (1, 4, 8), (2, 8, 12)], 4),  # equal shares, rank by rank: the chunked style scatters in place
+        ([(1, 0, 2), (comm.EVERY, 2, 4), (2, 4, 6), (0, 6, 8), (1, 8, 10), (2, 10, 12), (0, 12, 14)], 4),  # packed
+    ]
+    for collectives, (slices, calls) in itertools.product(comm.Collectives, cases):
+        size = slices[-1][2]
+        buffer = torch.arange(size, dtype=torch.float32) * (rank + 1)
+        summed = torch.arange(size, dtype=torch.float32) * sum(r + 1 for r in range(world_size))
+        future = comm.reduce_to_owners_async(
+            buffer, slices, dist.group.WORLD, collectives, max_rooted_calls_per_rank=calls
+        )
+        assert future.wait() is buffer
         for owner, start, end in slices:
-            if owner == rank:
-                assert torch.equal(buffer[start:end], summed[start:end]), (calls, owner, start, end)
+            if owner in (rank, comm.EVERY):
+                assert torch.equal(buffer[start:end], summed[start:end]), (collectives, calls, owner, start, end)
+    shard, replicas = dist.new_group([rank]), dist.group.WORLD  # every rank a shard group of one, replicated N times
+    buffer = torch.ones(6) * (rank + 1)
+    comm.reduce_to_owners_async(buffer, [(0, 0, 6)], shard, comm.Collectives.ROOTED, replicas=replicas).wait()
+    assert torch.equal(buffer, torch.ones(6) * sum(r + 1 for r in range(world_size)))
 
 
-def test_reduce_to_owners_in_place_and_staged() -> None:
+def test_reduce_to_owners_in_every_style() -> None:
     run_on_ranks(_reduce_to_owners_body, 3)
 
 

@@ -1,16 +1,15 @@
-"""Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's
-``_step_supports_amp_scaling`` protocol.
+"""Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling
+protocol (``_step_supports_amp_scaling``, with the ``grad_scaler`` keyword of ``step``).
 
-For such an optimizer ``scaler.step(zero)`` checks the (still scaled) gradients for inf/nan itself, then hands the
-optimizer its verdict (``found_inf``) and the scale (``grad_scale``; None once ``scaler.unscale_(zero)`` has
-unscaled them already) and calls ``zero.step()``. The step skips on a verdict of inf/nan and otherwise unscales
-only what it steps: its owned gradient fragments, upcast into the master dtype first when it keeps master
-weights, so fp16 gradients are unscaled in fp32 (torch's own ``unscale_`` refuses fp16 gradients).
+``scaler.step(zero)`` hands the optimizer the scaler itself. The step then checks and unscales only what it steps
+(its owned gradient fragments, upcast into the master dtype first when it keeps master weights, so fp16 gradients
+are unscaled in fp32), and the step's agreement across ranks (one small all-reduce it makes anyway) carries the
+inf/nan flag, so every rank gets the same verdict. The verdict is what the scaler's ``update()`` reads, so every rank
+skips the same steps and keeps the same scale, whether the gradients were all-reduced, reduced to their owners (only
+owned fragments are averaged there) or sharded in memory (``ShardedDataParallel``: no ``.grad`` at all). Nothing is
+written into ``.grad`` to pass the verdict on.
 
-Every rank must reach the same verdict, or the ranks' scales drift apart. With gradients all-reduced every rank
-checks the same gradients. With ``reduce_to_owners_hook`` a rank holds averaged values only where it owns them;
-the hook therefore agrees at the end of each backward on whether any owner saw a non-finite value and, if one did,
-makes one visible to every rank (``grad_sharding``), so that the scaler's local check says the same everywhere.
+Skipping needs the flag on the host: one host read per step, only when a scaler is used.
 """
 
 from __future__ import annotations
@@ -21,28 +20,80 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["refuse_in_overlap_mode", "unscale_or_skip"]
+from distoptim import _host
+
+__all__ = ["Verdict", "check_and_unscale", "refuse_in_overlap_mode"]
 
 
-def unscale_or_skip(optimizer: Any, grads: Sequence[Tensor]) -> bool:
-    """Whether to step: False when a ``GradScaler`` found inf/nan; otherwise ``grads`` are unscaled in place."""
-    found_inf: Tensor | None = getattr(optimizer, "found_inf", None)
-    if found_inf is not None and bool(found_inf.item()):
-        return False
-    grad_scale: Tensor | None = getattr(optimizer, "grad_scale", None)
-    if grad_scale is not None:
-        inverse = grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        for device, device_grads in by_device.items():
-            torch._foreach_mul_(device_grads, inverse.to(device))
-    return True
+class Verdict:
+    """This rank's half of a scaler's verdict: whether its owned gradients hold an inf or a nan (checked, and
+    unscaled unless ``scaler.unscale_`` did it, by ``check_and_unscale``), to be agreed across ranks and recorded."""
+
+    def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor) -> None:
+        self.grad_scaler, self.optimizer, self.flag = grad_scaler, optimizer, flag
+        self.found_here = bool(_host.read(flag, "GradScaler's skip decision"))
+
+    def record(self, found_anywhere: bool) -> None:
+        """Hand the scaler the agreed verdict, the same on every rank, for ``update()`` to adjust the scale by."""
+        self.flag.fill_(float(found_anywhere))
+        _scaler_state(self.grad_scaler, self.optimizer)["found_inf_per_device"] = {self.flag.device: self.flag}
 
 
-def refuse_in_overlap_mode(optimizer: Any) -> None:
-    """``overlap_with_ddp`` steps inside the backward, before a scaler could unscale the gradients or skip."""
+def check_and_unscale(
+    grad_scaler: Any, optimizer: object, grads: Sequence[Tensor], sharded_in_memory: bool
+) -> Verdict | None:
+    """With a scaler (None without one): check ``grads`` (this rank's owned fragments, as stepped) for inf/nan and
+    unscale them in place, unless ``scaler.unscale_(optimizer)`` did already. Local: the caller agrees on it."""
+    if grad_scaler is None:
+        _refuse_unknown_scaling(optimizer)
+        return None
+    unscaled = _scaler_state(grad_scaler, optimizer)["stage"].name == "UNSCALED"
+    if unscaled and sharded_in_memory:
+        raise RuntimeError(
+            "scaler.unscale_(zero) cannot reach the gradients of a ShardedDataParallel model (every .grad is None: "
+            "each rank holds its shard of the gradient inside the optimizer), so nothing was unscaled. Drop "
+            "scaler.unscale_(zero); clip with zero.clip_grad_norm_(max_norm, grad_scale=scaler.get_scale()) and call "
+            "scaler.step(zero), which unscales the sharded gradient itself"
+        )
+    scale: Tensor = grad_scaler._scale
+    inverse = torch.ones((), dtype=torch.float32) if unscaled else scale.double().reciprocal().float()
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    flags = [torch.zeros((), dtype=torch.float32, device=scale.device)]
+    for (device, _), same_kind in by_kind.items():
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(same_kind, flag, inverse.to(device))
+        flags.append(flag.to(scale.device))
+    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax())
+
+
+def _scaler_state(grad_scaler: Any, optimizer: object) -> dict[str, Any]:
+    try:
+        state: dict[str, Any] = grad_scaler._per_optimizer_states[id(optimizer)]
+        _ = (state["stage"].name, grad_scaler._scale.device)  # the fields the protocol relies on
+    except (AttributeError, KeyError, TypeError) as error:
+        raise RuntimeError(
+            f"ZeroRedundancyOptimizer.step(grad_scaler=...) expects torch.amp.GradScaler (torch >= 2.11), got "
+            f"{type(grad_scaler).__name__} without the state it reads ({error!r}); drive it with scaler.step(zero)"
+        ) from error
+    return state
+
+
+def _refuse_unknown_scaling(optimizer: object) -> None:
+    """A scaler that set ``found_inf`` on the optimizer instead of passing itself checked each rank's own (partial)
+    gradients: its verdict may differ between ranks, so the scales would drift apart."""
     if getattr(optimizer, "found_inf", None) is not None:
+        raise RuntimeError(
+            "this GradScaler did not pass itself to ZeroRedundancyOptimizer.step (grad_scaler=...), so it checked "
+            "each rank's own gradients, which under gradient sharding are partial: the ranks could skip different "
+            "steps. Use torch.amp.GradScaler's scaler.step(zero) of torch 2.11-2.13, or unscale and skip by hand"
+        )
+
+
+def refuse_in_overlap_mode(grad_scaler: Any, optimizer: object) -> None:
+    """``overlap_with_ddp`` steps inside the backward, before a scaler could unscale the gradients or skip."""
+    if grad_scaler is not None or getattr(optimizer, "found_inf", None) is not None:
         raise RuntimeError(
             "torch.amp.GradScaler cannot drive a ZeroRedundancyOptimizer with overlap_with_ddp=True: its step runs "
             "inside the backward, before the scaler can unscale the gradients or skip the step; build it with "

@@ -119,9 +119,12 @@ def view_like(buffer: Tensor, offset: int, param: Tensor) -> Tensor:
 class ParameterSync:
     """After the local step: every rank's updated shard reaches every rank of the group."""
 
-    def __init__(self, layouts: list[FlatLayout], group: comm.Group) -> None:
+    def __init__(
+        self, layouts: list[FlatLayout], group: comm.Group, collectives: comm.Collectives = comm.Collectives.ROOTED
+    ) -> None:
         self.layouts = layouts
         self.group = group
+        self.collectives = collectives
 
     def sync_parameters(self) -> None:
         raise NotImplementedError
@@ -133,8 +136,10 @@ class ParameterSync:
 class BucketViewSync(ParameterSync):
     """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place."""
 
-    def __init__(self, layouts: list[FlatLayout], group: comm.Group) -> None:
-        super().__init__(layouts, group)
+    def __init__(
+        self, layouts: list[FlatLayout], group: comm.Group, collectives: comm.Collectives = comm.Collectives.ROOTED
+    ) -> None:
+        super().__init__(layouts, group, collectives)
         self.buffers: list[Tensor] = []
         for layout in layouts:
             buffer = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)  # padding stays zero
@@ -147,7 +152,7 @@ class BucketViewSync(ParameterSync):
 
     def sync_parameters(self) -> None:
         for layout, buffer in zip(self.layouts, self.buffers):
-            comm.gather_from_owners(buffer, layout.bounds, self.group)
+            comm.gather_from_owners(buffer, layout.bounds, self.group, self.collectives)
 
     def release(self) -> None:
         for layout in self.layouts:
@@ -167,10 +172,11 @@ class StagedSync(ParameterSync):
         self,
         layouts: list[FlatLayout],
         group: comm.Group,
+        collectives: comm.Collectives = comm.Collectives.ROOTED,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         direct_bytes: int = DEFAULT_DIRECT_BYTES,
     ) -> None:
-        super().__init__(layouts, group)
+        super().__init__(layouts, group, collectives)
         self.rank = comm.group_rank(group)
         self.direct: list[Piece] = []
         self.rounds: list[_Round] = []

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim.zero import agreement, comm
+from distoptim import _agreement as agreement
+from distoptim.zero import comm
 from distoptim.zero.elementwise import is_elementwise, torch_class_of
 
 __all__ = [
@@ -248,7 +249,7 @@ def gather_state(
     return merged
 
 
-def agree_on_target(to: Any, world_size: int, group: comm.Group, comm_device: torch.device) -> None:
+def agree_on_target(to: Any, world_size: int, group: comm.Group) -> None:
     """Every rank must name the same valid ``to``: a rank that refused a bad one alone, or ranks naming different
     targets, would leave the others waiting for a message until the group's timeout. One agreement tells all."""
     outcome: agreement.Fingerprint | BaseException = {"{} consolidation target": to}
@@ -257,11 +258,11 @@ def agree_on_target(to: Any, world_size: int, group: comm.Group, comm_device: to
     elif not 0 <= to < world_size:
         outcome = ValueError(f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{world_size - 1}")
     fix = "pass the same 'to' everywhere"
-    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", comm_device, fix)
+    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", fix)
 
 
 def select_shard_on_every_rank(
-    state_dict: Any, param_groups: Sequence[dict[str, Any]], optimizer_class: type, group: comm.Group, device: Any
+    state_dict: Any, param_groups: Sequence[dict[str, Any]], optimizer_class: type, group: comm.Group
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
     """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all,
     before any of them could step with it and wait for the others in the next sync."""
@@ -269,6 +270,5 @@ def select_shard_on_every_rank(
         lambda: select_shard(state_dict, param_groups, optimizer_class),
         group,
         "load_state_dict",
-        device,
         errors=(TypeError, ValueError, KeyError),
     )

@@ -2,11 +2,18 @@
 
 Ranks are group ranks everywhere in distoptim; translation to the global ranks that ``torch.distributed``'s
 point-to-point and rooted collectives expect happens here and nowhere else.
+
+Two styles of collectives move a step's bytes (``Collectives``), chosen once per optimizer (``choose_collectives``):
+gloo runs rooted calls fastest (N reduces or broadcasts of 1/N each beat its reduce-scatter and all-gather, measured
+at 2-16 ranks), NCCL its equal-chunk ones. ``DISTOPTIM_COLLECTIVES`` overrides the choice, so that CI runs NCCL's
+style on gloo. Neither style pads: the chunked one runs an equal-chunk collective only where the owners' shares are
+equal (the even partition's regions), and rooted calls elsewhere.
 """
 
 from __future__ import annotations
 
-import pickle
+import enum
+import os
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
@@ -14,15 +21,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.futures import Future
 
 from distoptim._groups import comm_device, default_group, group_size
+from distoptim._objects import all_gather_objects, receive_object, send_object
 
 __all__ = [
+    "ENVIRONMENT",
+    "EVERY",
+    "Collectives",
     "Group",
     "all_gather_objects",
     "all_reduce_",
     "all_reduce_async",
     "broadcast_slices",
+    "choose_collectives",
     "comm_device",
     "default_group",
     "gather_from_owners",
@@ -39,6 +52,34 @@ __all__ = [
 
 Group = dist.ProcessGroup
 
+ENVIRONMENT = "DISTOPTIM_COLLECTIVES"
+EVERY = -1
+"""The "owner" of a slice that every rank needs reduced (elements nobody owns yet): it is all-reduced."""
+
+
+class Collectives(enum.Enum):
+    """How gradients reach their owners and parameters leave them."""
+
+    ROOTED = "rooted"
+    """A reduce to each owner, a broadcast from each owner (gloo's fastest)."""
+    CHUNKED = "chunked"
+    """``reduce_scatter_tensor`` / ``all_gather_into_tensor`` over equal chunks where the owners' shares are equal
+    (NCCL's fastest), rooted calls elsewhere."""
+
+
+def choose_collectives(group: Group) -> Collectives:
+    """The style for ``group``: ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``rooted`` or ``chunked``); ``auto`` (the
+    default) picks chunked on NCCL and rooted elsewhere."""
+    value = os.environ.get(ENVIRONMENT, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return Collectives.CHUNKED if dist.get_backend(group) == "nccl" else Collectives.ROOTED
+    try:
+        return Collectives(value)
+    except ValueError:
+        raise ValueError(
+            f"{ENVIRONMENT}={value!r} is not a collective style: use auto (by backend), rooted or chunked"
+        ) from None
+
 
 def group_rank(group: Group) -> int:
     return dist.get_rank(group)
@@ -54,9 +95,8 @@ def broadcast_slices(
 ) -> list[Any]:
     """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently.
 
-    On gloo N broadcasts of 1/N each beat one all-gather (see DESIGN.md's measurements); empty slices are skipped
-    on every rank alike since every rank knows the layout. With ``wait=False`` the pending works are returned for
-    ``wait_all``.
+    Empty slices are skipped on every rank alike since every rank knows the layout. With ``wait=False`` the pending
+    works are returned for ``wait_all``.
     """
     works = [
         dist.broadcast(buffer[start:end], src=global_rank(group, src), group=group, async_op=True)
@@ -73,55 +113,6 @@ def wait_all(works: Sequence[Any]) -> None:
         work.wait()
 
 
-# Objects travel as pickled bytes in uint8 tensors on the communication device, length first: torch's own object
-# collectives (all_gather_object, send_object_list, ...) need numpy, which distoptim does not depend on.
-
-
-def all_gather_objects(obj: Any, group: Group, device: torch.device | None = None) -> list[Any]:
-    """Every rank's ``obj`` (small, picklable), on every rank: lengths first, then the bytes padded to the longest.
-
-    ``device``: the communication device (``comm_device(group)`` when None).
-    """
-    device = comm_device(group) if device is None else device
-    mine = _to_bytes(obj, device)
-    lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]
-    dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
-    sizes = [int(length.item()) for length in lengths]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded, group=group)
-    return [_from_bytes(payload[:size]) for payload, size in zip(gathered, sizes)]
-
-
-def send_object(obj: Any, to: int, group: Group, device: torch.device | None = None) -> None:
-    """Send a picklable ``obj`` to group rank ``to``, which calls ``receive_object``; ``device`` as for receiving."""
-    payload = _to_bytes(obj, comm_device(group) if device is None else device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
-    dist.send(length, dst=global_rank(group, to), group=group)
-    dist.send(payload, dst=global_rank(group, to), group=group)
-
-
-def receive_object(source: int, group: Group, device: torch.device | None = None) -> Any:
-    """The object group rank ``source`` sends with ``send_object`` (``device``: the communication device)."""
-    device = comm_device(group) if device is None else device
-    length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(length, src=global_rank(group, source), group=group)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src=global_rank(group, source), group=group)
-    return _from_bytes(payload)
-
-
-def _to_bytes(obj: Any, device: torch.device) -> Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-
-
-def _from_bytes(payload: Tensor) -> Any:
-    buffer = bytearray(payload.numel())
-    torch.frombuffer(buffer, dtype=torch.uint8).copy_(payload)  # the tensor writes into the bytearray it wraps
-    return pickle.loads(buffer)
-
-
 def send_tensor(tensor: Tensor, to: int, group: Group) -> None:
     dist.send(tensor, dst=global_rank(group, to), group=group)
 
@@ -130,88 +121,167 @@ def receive_tensor(tensor: Tensor, source: int, group: Group) -> None:
     dist.recv(tensor, src=global_rank(group, source), group=group)
 
 
-def gather_from_owners(buffer: Tensor, bounds: Sequence[Sequence[int]], group: Group) -> None:
+def _equal_chunk(sizes: Sequence[int]) -> int | None:
+    """The common size of the ranks' shares when they are equal and not empty, else None."""
+    distinct = set(sizes)
+    return distinct.pop() if len(distinct) == 1 and 0 not in distinct else None
+
+
+def gather_from_owners(
+    buffer: Tensor, bounds: Sequence[Sequence[int]], group: Group, collectives: Collectives, wait: bool = True
+) -> list[Any]:
     """Every rank's ranges of ``buffer`` (rank ``r`` owns ``[b[r], b[r+1])`` of each region ``b``) to every rank.
 
-    NCCL: one ``all_gather_into_tensor`` per region whose ranges are equal (the even partition's); otherwise (gloo,
-    or unequal ranges) concurrent broadcasts, which gloo runs faster than its all-gather (see DESIGN.md).
+    Chunked: one in-place ``all_gather_into_tensor`` per region whose ranges are equal (the even partition's); rooted
+    (and unequal ranges): one broadcast per owner. ``wait=False`` returns the pending works for ``wait_all``.
     """
-    equal_chunks = dist.get_backend(group) == "nccl"
     works = []
     for region in bounds:
-        sizes = {end - start for start, end in pairwise(region)}
-        if equal_chunks and len(sizes) == 1 and sizes != {0}:
-            (size,) = sizes
+        size = _equal_chunk([end - start for start, end in pairwise(region)])
+        if collectives is Collectives.CHUNKED and size is not None:
             mine = region[group_rank(group)]
-            works.append(
-                dist.all_gather_into_tensor(
-                    buffer[region[0] : region[-1]], buffer[mine : mine + size], group=group, async_op=True
-                )
-            )
+            output, piece = buffer[region[0] : region[-1]], buffer[mine : mine + size]
+            works.append(dist.all_gather_into_tensor(output, piece, group=group, async_op=True))
         else:
             slices = [(rank, start, end) for rank, (start, end) in enumerate(pairwise(region))]
             works.extend(broadcast_slices(buffer, slices, group, wait=False))
-    wait_all(works)
+    if wait:
+        wait_all(works)
+    return works
 
 
 def reduce_to_owners_async(
-    buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: Group, max_rooted_calls_per_rank: int = 4
-) -> torch.futures.Future[Tensor]:
+    buffer: Tensor,
+    slices: Sequence[tuple[int, int, int]],
+    group: Group,
+    collectives: Collectives,
+    *,
+    replicas: Group | None = None,
+    max_rooted_calls_per_rank: int = 4,
+) -> Future[Tensor]:
     """Sum ``buffer[start:end]`` over the ranks onto group rank ``owner``, for every ``(owner, start, end)``,
     asynchronously; the future yields ``buffer``, whose owned slices then hold the sums (the rest is unspecified).
+    Slices of owner ``EVERY`` are summed onto every rank. ``replicas``: a group of ranks that hold the same shard in
+    other shard groups (hybrid sharding), over which the owned sums are then summed too.
 
-    gloo: one rooted reduce per slice, in place, concurrently (faster than its reduce-scatter, see DESIGN.md), or,
-    when the slices are many (owners interleaved), packed owner by owner into one staging tensor first. NCCL: one
-    ``reduce_scatter_tensor`` over the owners' slices packed into equal, padded chunks.
+    Rooted: one reduce per slice, in place, concurrently, or, when the slices are many (owners interleaved), packed
+    owner by owner into one staging tensor first. Chunked: one ``reduce_scatter_tensor`` when the owners' shares are
+    equal (packed first unless the buffer already is rank by rank), rooted reduces otherwise.
     """
-    size = group_size(group)
-    nccl = dist.get_backend(group) == "nccl"
-    if not nccl and len(slices) <= max_rooted_calls_per_rank * size:
-        works = [
-            dist.reduce(buffer[start:end], dst=global_rank(group, owner), group=group, async_op=True)
-            for owner, start, end in slices
-        ]
-        return _when_done(works, buffer)
-    by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-    for owner, start, end in slices:
-        by_owner[owner].append((start, end))
-    sizes = [sum(end - start for start, end in ranges) for ranges in by_owner]
-    chunk = max(sizes) if nccl else 0
-    starts = [rank * chunk for rank in range(size)] if nccl else [sum(sizes[:rank]) for rank in range(size)]
-    stage = buffer.new_zeros(chunk * size if nccl else sum(sizes))
-    for ranges, at in zip(by_owner, starts):
-        for start, end in ranges:
-            stage[at : at + end - start].copy_(buffer[start:end])
-            at += end - start
-    mine = group_rank(group)
-    if nccl:
-        own = stage.new_empty(chunk)
-        works = [dist.reduce_scatter_tensor(own, stage, group=group, async_op=True)]
-    else:
-        own = stage[starts[mine] : starts[mine] + sizes[mine]]
-        works = [
-            dist.reduce(stage[at : at + n], dst=global_rank(group, rank), group=group, async_op=True)
-            for rank, (at, n) in enumerate(zip(starts, sizes))
-            if n
-        ]
-
-    def land(_: torch.futures.Future[Any]) -> Tensor:
-        at = 0
-        for start, end in by_owner[mine]:
-            buffer[start:end].copy_(own[at : at + end - start])
-            at += end - start
-        return buffer
-
-    landed: torch.futures.Future[Tensor] = torch.futures.collect_all([w.get_future() for w in works]).then(land)
+    works = [
+        dist.all_reduce(buffer[start:end], group=group, async_op=True)
+        for owner, start, end in slices
+        if owner == EVERY and end > start
+    ]
+    owned = [piece for piece in slices if piece[0] != EVERY]
+    reduced, land = _start_reduction(buffer, owned, group, collectives, max_rooted_calls_per_rank)
+    works += reduced
+    if replicas is not None:  # the owned sums exist once the shard group's reduction is done (ordered, not blocking
+        wait_all(works)  # the CPU, under NCCL); then they are summed across the shard groups
+        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in land.owned_pieces()]
+    landed: Future[Tensor] = _when_done(works, group).then(lambda _: land())
     return landed
 
 
-def _when_done(works: Sequence[Any], value: Tensor) -> torch.futures.Future[Tensor]:
-    """A future that yields ``value`` once every work in ``works`` has completed."""
-    done: torch.futures.Future[Tensor] = torch.futures.collect_all([w.get_future() for w in works]).then(
-        lambda _: value
-    )
-    return done
+class _Landing:
+    """What a reduction leaves where: the owned sums, and how they reach the buffer once the works are done."""
+
+    def __init__(self, buffer: Tensor, moves: list[tuple[Tensor, Tensor]], pieces: list[Tensor]) -> None:
+        self.buffer, self.moves, self.pieces = buffer, moves, pieces
+
+    def owned_pieces(self) -> list[Tensor]:
+        """The tensors holding this rank's owned sums (views of the buffer, or of the staging they land from)."""
+        return self.pieces
+
+    def __call__(self) -> Tensor:
+        for target, source in self.moves:
+            target.copy_(source)
+        return self.buffer
+
+
+def _start_reduction(
+    buffer: Tensor, owned: Sequence[tuple[int, int, int]], group: Group, collectives: Collectives, max_calls: int
+) -> tuple[list[Any], _Landing]:
+    size, mine = group_size(group), group_rank(group)
+    by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for owner, start, end in owned:
+        if end > start:
+            by_owner[owner].append((start, end))
+    shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
+    chunk = _equal_chunk(shares) if collectives is Collectives.CHUNKED else None
+    if chunk is not None:
+        stage = _rank_by_rank(buffer, by_owner, chunk)
+        own = stage.new_empty(chunk)
+        work = dist.reduce_scatter_tensor(own, stage, group=group, async_op=True)
+        return [work], _Landing(buffer, _scatter_moves(buffer, by_owner[mine], own), [own])
+    if sum(map(len, by_owner)) <= max_calls * size:  # in place, one reduce per slice
+        works = [
+            dist.reduce(buffer[start:end], dst=global_rank(group, owner), group=group, async_op=True)
+            for owner, ranges in enumerate(by_owner)
+            for start, end in ranges
+        ]
+        return works, _Landing(buffer, [], [buffer[start:end] for start, end in by_owner[mine]])
+    starts = [sum(shares[:rank]) for rank in range(size)]
+    stage = buffer.new_empty(sum(shares))
+    for ranges, at in zip(by_owner, starts):
+        _pack_into(stage[at:], buffer, ranges)
+    works = [
+        dist.reduce(stage[at : at + n], dst=global_rank(group, rank), group=group, async_op=True)
+        for rank, (at, n) in enumerate(zip(starts, shares))
+        if n
+    ]
+    own = stage[starts[mine] : starts[mine] + shares[mine]]
+    return works, _Landing(buffer, _scatter_moves(buffer, by_owner[mine], own), [own])
+
+
+def _rank_by_rank(buffer: Tensor, by_owner: list[list[tuple[int, int]]], chunk: int) -> Tensor:
+    """The owners' ranges one rank after another: the buffer itself when it already is, else a packed copy."""
+    first = by_owner[0][0][0]
+    if all(ranges == [(first + rank * chunk, first + (rank + 1) * chunk)] for rank, ranges in enumerate(by_owner)):
+        return buffer[first : first + chunk * len(by_owner)]
+    stage = buffer.new_empty(chunk * len(by_owner))
+    for rank, ranges in enumerate(by_owner):
+        _pack_into(stage[rank * chunk :], buffer, ranges)
+    return stage
+
+
+def _pack_into(target: Tensor, buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+    at = 0
+    for start, end in ranges:
+        target[at : at + end - start].copy_(buffer[start:end])
+        at += end - start
+
+
+def _scatter_moves(buffer: Tensor, ranges: Sequence[tuple[int, int]], own: Tensor) -> list[tuple[Tensor, Tensor]]:
+    moves, at = [], 0
+    for start, end in ranges:
+        moves.append((buffer[start:end], own[at : at + end - start]))
+        at += end - start
+    return moves
+
+
+def _when_done(works: Sequence[Any], group: Group) -> Future[Any]:
+    """A future that completes once every work has (device-aware under NCCL, as DDP's own futures are).
+
+    NCCL runs a group's works in order on one stream, so the last work's future (which carries its CUDA events) is
+    done when all are; gloo completes them out of order on its threads, so all are collected. gloo's
+    ``reduce_scatter_tensor`` returns a work without a future: it is finished here.
+    """
+    futures = []
+    for work in works:
+        try:
+            futures.append(work.get_future())
+        except RuntimeError:  # "Work::getFuture not implemented"
+            work.wait()
+    if not futures:
+        done: Future[Any] = Future()
+        done.set_result(None)
+        return done
+    if dist.get_backend(group) == "nccl":
+        last: Future[Any] = futures[-1]
+        return last
+    collected: Future[Any] = torch.futures.collect_all(futures)
+    return collected
 
 
 def all_reduce_(tensor: Tensor, group: Group, op: str = "sum") -> Tensor:

@@ -1,9 +1,15 @@
 """Overlap with DDP: the ZeRO step runs inside DDP's backward, through a DDP communication hook.
 
-``hook_with_zero_step`` steps every owned parameter once the last bucket is reduced, then syncs;
+``hook_with_zero_step`` steps every owned parameter at the end of the backward, then syncs;
 ``hook_with_zero_step_interleaved`` steps (and starts syncing) each bucket's owned parameters while the next bucket
-is being reduced. Both work from the first backward: ownership comes from ZeRO's own partition plan, never from
-DDP's buckets, so DDP rebuilding its buckets after the first iteration changes nothing.
+is being reduced, and finishes at the end of the backward. Both work from the first backward: ownership comes from
+ZeRO's own partition plan, never from DDP's buckets, so DDP rebuilding its buckets after the first iteration changes
+nothing. "The end of the backward" is the autograd engine's (a callback queued at a backward's first bucket), never
+DDP's bucket numbering: in DDP's static-graph first iteration every bucket arrives as index 0 and none as the last.
+
+Each backward the ranks agree (one small all-reduce on the control plane, as ``step()`` does) on the parameters they
+train and their hyperparameters, so that a parameter unfrozen between steps gets an owner before it is stepped, and a
+setting changed on one rank only raises everywhere instead of stepping each shard differently.
 
 The hooks hand the optimizer exactly what DDP would leave in ``.grad`` for a plain optimizer: each gradient read
 with the layout DDP gives it in the bucket, and no gradient at all for a parameter no rank computed one for.
@@ -19,12 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.autograd import Variable
 from torch.distributed import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from distoptim.zero import comm
 from distoptim.zero.buckets import view_like
+from distoptim.zero.grad_sharding import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero.overlap import OverlapStepper
 
 if TYPE_CHECKING:
@@ -82,7 +90,7 @@ class _BucketReduction:
         return grads
 
 
-def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> OverlapStepper:
+def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook) -> OverlapStepper:
     if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(
             f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
@@ -98,6 +106,8 @@ def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimize
     if stepper.hooked:
         raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
     _check_same_parameters(ddp, zero)
+    if hook is reduce_to_owners_hook:
+        check_ddp_group(zero, ddp)
     stepper.hooked = True
     return stepper
 
@@ -137,15 +147,44 @@ def _few(names: list[str], limit: int = 3) -> str:
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
+def _at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the autograd engine has finished the current backward (on its thread; before DDP's own
+    finalisation when queued from a bucket's hook, except in DDP's static-graph first iteration, which runs the
+    hooks from its own end-of-backward callback, so that ours runs after it)."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "ZeroRedundancyOptimizer") -> None:
+    """The hook was built for ``ddp``: registered on another model, it would step ZeRO with foreign gradients."""
+    known = {id(p) for p in ddp.module.parameters()}
+    if not all(id(p) in known for p in bucket.parameters()):
+        raise ValueError(
+            "this ZeRO overlap hook was built for another DistributedDataParallel model than the one running it: "
+            "build it with the model you register it on, hook_with_zero_step(hook, ddp, zero) then "
+            "ddp.register_comm_hook(state, the_hook) with the same ddp"
+        )
+
+
+class _Backward:
+    """What an overlap hook keeps during one backward: the buckets handed over so far, and whether the end of the
+    backward is already scheduled."""
+
+    def __init__(self) -> None:
+        self.pending: list[_BucketReduction] = []
+        self.scheduled = False
+        self.checked = False
+
+
 def hook_with_zero_step(
     hook: CommHook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", shard_buckets: bool = False
 ) -> CommHook:
-    """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once the last bucket is reduced, each rank steps
-    the parameters it owns with the averaged gradients and the updated parameters are broadcast from their owners.
+    """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once every bucket is reduced (the end of the backward),
+    each rank steps the parameters it owns with the averaged gradients and the updated parameters are broadcast from
+    their owners.
 
     Args:
         hook: the DDP communication hook that averages a bucket (``distoptim.hooks.allreduce_hook``, or any hook
-            that returns a future of the bucket's averaged gradients).
+            that returns a future of the bucket's averaged gradients, ``reduce_to_owners_hook`` included).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
             parameters (checked here; refused otherwise) and over DDP's process group.
@@ -162,27 +201,64 @@ def hook_with_zero_step(
 
     Gradients are those DDP + a plain optimizer would use (the bucket's layout, none for a parameter no rank
     used under ``find_unused_parameters``/``static_graph``), so the result is the same as stepping after backward.
+    Clipping cannot take part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
     """
-    stepper = _checked_stepper(ddp, zero)
-    pending: list[_BucketReduction] = []
+    stepper = _checked_stepper(ddp, zero, hook)
+    backward = _Backward()
 
-    def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
-        pending.append(reduction)
-        if not bucket.is_last():
-            return reduction.reduced
+    def finish() -> None:
+        pending, backward.pending, backward.scheduled = backward.pending, [], False
         params = [p for earlier in pending for p in earlier.params]
         used = _UsedFlags(params, zero).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
         grads: dict[int, Tensor | None] = {}
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
-        pending.clear()
-        stepper.step(grads)
+        zero._agreed(lambda: _step_after_repartition(zero, stepper, grads))
         zero.sync_parameters()
+
+    def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
+        _start_of_bucket(backward, ddp, bucket, zero, finish)
+        reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
+        backward.pending.append(reduction)
+        _end_of_shadow(bucket, finish)
         return reduction.reduced
 
     return hook_with_zero_step
+
+
+def _start_of_bucket(
+    backward: _Backward,
+    ddp: DistributedDataParallel,
+    bucket: GradBucket,
+    zero: "ZeroRedundancyOptimizer",
+    finish: Callable[[], None],
+) -> bool:
+    """At each bucket: the first one of a backward schedules ``finish`` at its end (and returns True).
+
+    A joined rank (``Join``) has no backward: DDP's join hook hands it zero buckets one after another outside of
+    any, and there (only) the bucket marked last is the end, so ``_end_of_shadow`` runs ``finish`` after it.
+    """
+    if not backward.checked:
+        _check_bucket_of(ddp, bucket, zero)
+        backward.checked = True
+    if backward.scheduled:
+        return False
+    backward.scheduled = True
+    if torch._C._current_graph_task_id() != -1:  # inside the autograd engine's backward
+        _at_end_of_backward(finish)
+    return True
+
+
+def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None]) -> None:
+    """On a joined rank, after the last zero bucket of DDP's join hook: the end of the shadowed backward."""
+    if torch._C._current_graph_task_id() == -1 and bucket.is_last():
+        finish()
+
+
+def _step_after_repartition(zero: "ZeroRedundancyOptimizer", stepper: OverlapStepper, grads: Any) -> None:
+    zero._repartition_if_trainability_changed()
+    stepper.step(grads)
 
 
 def hook_with_zero_step_interleaved(
@@ -190,15 +266,20 @@ def hook_with_zero_step_interleaved(
 ) -> CommHook:
     """Wrap ``hook`` so that ZeRO steps bucket by bucket inside DDP's backward: once a bucket is reduced (checked
     when the next one arrives), each rank steps the parameters of it that it owns and starts broadcasting them,
-    while the remaining buckets are still being reduced; the last bucket's hook waits for every broadcast.
+    while the remaining buckets are still being reduced; the end of the backward steps the last bucket and waits for
+    every broadcast.
 
     Args, requirements and result are those of :func:`hook_with_zero_step`; only the order of the work differs,
     which lets the step and the parameter sync hide behind the rest of the backward. Register it the same way::
 
         ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+
+    The ranks agree on what they train at a backward's first bucket (before any step). A local step that raises on
+    one rank only (a bucket's step runs unprotected, in the middle of the backward) leaves the others waiting in the
+    next collective until the group's timeout.
     """
-    stepper = _checked_stepper(ddp, zero)
-    pending: list[_BucketReduction] = []
+    stepper = _checked_stepper(ddp, zero, hook)
+    backward = _Backward()
     syncs: list[Any] = []
     direct: list[Any] = []
 
@@ -208,21 +289,26 @@ def hook_with_zero_step_interleaved(
         direct.extend(sync.launch_direct())
         syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
+    def finish() -> None:
+        pending, backward.pending, backward.scheduled = backward.pending, [], False
+        for earlier in pending:
+            step_and_launch(earlier)
+        for sync, flight in syncs:
+            sync.land(flight)
+        comm.wait_all(direct)
+        syncs.clear()
+        direct.clear()
+
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
+        if _start_of_bucket(backward, ddp, bucket, zero, finish):  # before anything is routed or stepped
+            zero._agreed(zero._repartition_if_trainability_changed)
         params = bucket.parameters()
         used = _UsedFlags(params, zero) if _finds_unused(ddp) else None  # read when this bucket is stepped
         reduction = _BucketReduction(params, hook(state, bucket), used)
-        for earlier in pending:
+        for earlier in backward.pending:
             step_and_launch(earlier)
-        pending[:] = [reduction]
-        if bucket.is_last():
-            step_and_launch(reduction)
-            pending.clear()
-            for sync, flight in syncs:
-                sync.land(flight)
-            comm.wait_all(direct)
-            syncs.clear()
-            direct.clear()
+        backward.pending[:] = [reduction]
+        _end_of_shadow(bucket, finish)
         return reduction.reduced
 
     return hook_with_zero_step_interleaved

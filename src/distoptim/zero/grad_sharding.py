@@ -7,116 +7,122 @@ the backward (the hook returns a future chained on it), overlapping the rest of 
 
 After the backward only the owned fragments of ``.grad`` are averaged; the rest holds this rank's partial values
 and must not be read (the library's own readers, ``zero.step()``, ``zero.clip_grad_norm_`` and the overlap hooks,
-read owned fragments only). The hook is also the inner hook of the overlap wrappers:
-``ddp.register_comm_hook(zero, hook_with_zero_step(reduce_to_owners_hook, ddp, zero))``.
+read owned fragments only; ``torch.nn.utils.clip_grad_norm_`` would read partial values). The hook is also the
+inner hook of the overlap wrappers: ``ddp.register_comm_hook(zero, hook_with_zero_step(reduce_to_owners_hook, ddp,
+zero))``.
+
+Each bucket is handled on its own: nothing depends on DDP's bucket numbering or on which bucket comes last (DDP's
+static-graph first iteration hands every bucket over as index 0, none as the last). Elements of a parameter that
+has become trainable since the plan was made (gradual unfreezing) have no owner yet: they are all-reduced, so that
+the owner ``step()`` then gives them sees the average. A GradScaler's inf/nan verdict is agreed in ``step()``
+(``zero/amp.py``), not here.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against the real classes.
-import weakref
+import gc
 from typing import TYPE_CHECKING, Any
 
-import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import GradBucket
 from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 
 from distoptim.zero import comm
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["reduce_to_owners_hook"]
+__all__ = ["check_ddp_group", "reduce_to_owners_hook", "route"]
+
+Route = list[tuple[int, int, int]]  # (owner, start, end) in a bucket's buffer; owner comm.EVERY: all-reduced
 
 
-_Reduction = tuple[Future[Tensor], Tensor, list[tuple[int, int]]]  # a bucket's reduction, its buffer, its owned ranges
-_PENDING: "weakref.WeakKeyDictionary[Any, list[_Reduction]]" = weakref.WeakKeyDictionary()  # this backward's so far
-
-_ROUTES: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[tuple[int, int, int]]]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _route(zero: "ZeroRedundancyOptimizer", params: list[Tensor]) -> list[tuple[int, int, int]]:
-    """``(owner, start, end)`` of the bucket's owned ranges, neighbours of one owner merged; computed once per
-    (partition plan, bucket) from the plan's fragments. Offsets count every parameter of the bucket."""
-    cache = _ROUTES.setdefault(zero, {})
-    key = (id(zero.plan), *map(id, params))
-    if key not in cache:
-        pieces, offset, foreign = [], 0, []
-        for param in params:
-            fragments = zero.fragments_of(param)
-            if fragments is None:
-                if param.requires_grad:
-                    foreign.append(tuple(param.shape))
-            else:
-                pieces += [(f.rank, offset + f.offset, offset + f.offset + f.length) for f in fragments if f.length]
-            offset += param.numel()
-        if foreign:
-            raise ValueError(
-                f"reduce_to_owners_hook: the DDP model trains parameters of shapes {foreign[:3]} that this "
-                "ZeroRedundancyOptimizer does not hold, so nobody would own their gradients; build ZeRO over all of "
-                "the DDP model's trainable parameters, or keep the default all-reduce"
-            )
-        merged: list[tuple[int, int, int]] = []
-        for rank, start, end in sorted(pieces, key=lambda piece: piece[1]):
-            if merged and merged[-1][0] == rank and merged[-1][2] == start:
-                merged[-1] = (rank, merged[-1][1], end)
-            else:
-                merged.append((rank, start, end))
-        cache[key] = merged
-    return cache[key]
+def route(zero: "ZeroRedundancyOptimizer", params: list[Tensor]) -> Route:
+    """``(owner, start, end)`` of the bucket's ranges, neighbours of one owner merged, from the plan's fragments
+    (cached on ``zero`` per plan, bucket and trainability). Offsets count every parameter of the bucket."""
+    key = (*map(id, params), *(p.requires_grad for p in params))
+    cached: Route | None = zero._routes.get(key)
+    if cached is not None:
+        return cached
+    pieces, offset, foreign = [], 0, []
+    for param in params:
+        fragments = zero.fragments_of(param)
+        if fragments is None:
+            if param.requires_grad:
+                foreign.append(tuple(param.shape))
+        elif fragments:
+            pieces += [(f.rank, offset + f.offset, offset + f.offset + f.length) for f in fragments if f.length]
+        elif param.requires_grad and param.numel():  # trainable since the plan was made: owned from the next step
+            pieces.append((comm.EVERY, offset, offset + param.numel()))
+        offset += param.numel()
+    if foreign:
+        raise ValueError(
+            f"reduce_to_owners_hook: the DDP model trains parameters of shapes {foreign[:3]} that this "
+            "ZeroRedundancyOptimizer does not hold, so nobody would own their gradients; build ZeRO over all of "
+            "the DDP model's trainable parameters, or keep the default all-reduce"
+        )
+    merged: Route = []
+    for rank, start, end in sorted(pieces, key=lambda piece: piece[1]):
+        if merged and merged[-1][0] == rank and merged[-1][2] == start:
+            merged[-1] = (rank, merged[-1][1], end)
+        else:
+            merged.append((rank, start, end))
+    zero._routes[key] = merged
+    return merged
 
 
 def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -> Future[Tensor]:
     """Average the bucket's gradients onto the ranks that own them (register with ``zero`` as the hook's state).
 
-    The bucket is divided by the world size first (as DDP's all-reduce does) and its owned ranges are summed onto
-    their owners by ``comm.reduce_to_owners_async``, which picks the collectives for the backend.
+    The bucket is divided by the number of ranks DDP averages over (as DDP's all-reduce does) and its owned ranges
+    are summed onto their owners by ``comm.reduce_to_owners_async``, in ``zero``'s style of collectives.
     """
     if not hasattr(zero, "fragments_of"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(
             "reduce_to_owners_hook needs the ZeroRedundancyOptimizer as its state: "
             f"ddp.register_comm_hook(zero, reduce_to_owners_hook), got {type(zero).__name__}"
         )
+    if not zero._ddp_group_checked:
+        check_ddp_group(zero, _running_ddp(zero))
     buffer = bucket.buffer()
-    buffer.div_(zero.world_size)
-    route = _route(zero, bucket.parameters())
-    reduced = comm.reduce_to_owners_async(buffer, route, zero.process_group)
-    if zero.overlap_stepper is not None:  # the step runs in the hook, where no GradScaler can take part
-        return reduced
-    mine = [(start, end) for owner, start, end in route if owner == zero.rank]
-    pending = _PENDING[zero] = [] if bucket.index() == 0 else _PENDING.get(zero, [])
-    pending.append((reduced, buffer, mine))
-    if not bucket.is_last():
-        return reduced
-    del _PENDING[zero]
-    return _agree_on_finiteness(zero, pending)
+    buffer.div_(zero.world_size * zero.replica_count)
+    bucket_route = route(zero, bucket.parameters())
+    return comm.reduce_to_owners_async(
+        buffer, bucket_route, zero.process_group, zero.collectives, replicas=zero.replicate_group
+    )
 
 
-def _agree_on_finiteness(zero: "ZeroRedundancyOptimizer", pending: list[_Reduction]) -> Future[Tensor]:
-    """At the end of the backward: if any owner's averaged gradient holds inf/nan, make every rank see one (a NaN in
-    the last bucket), so that checks of the local ``.grad`` (``GradScaler``'s) reach the same verdict everywhere.
-
-    Without one no rank sees any: a non-owned range holds partial sums of the world-size-divided local gradients,
-    which cannot overflow, and is non-finite only where some rank's gradient is, which its owner then sees too.
-    """
-    nonfinite = False
-    for reduced, buffer, mine in pending:
-        reduced.wait()
-        nonfinite = nonfinite or any(_has_nonfinite(buffer[start:end]) for start, end in mine)
-    verdict = torch.tensor([float(nonfinite)], device=pending[-1][1].device)
-    comm.all_reduce_(verdict, zero.process_group, "max")
-    last = pending[-1][1]
-    if bool(verdict.item()) and last.numel():
-        last[0] = float("nan")
-    done: Future[Tensor] = Future()
-    done.set_result(last)
-    return done
+def _running_ddp(zero: "ZeroRedundancyOptimizer") -> DistributedDataParallel | None:
+    """The DDP model whose comm hook has ``zero`` as its state (searched once: DDP does not hand it to the hook)."""
+    for candidate in gc.get_objects():
+        if isinstance(candidate, DistributedDataParallel):
+            hooks: list[tuple[Any, Any]] = getattr(candidate, "_comm_hooks", [])
+            if any(state is zero for _, state in hooks):
+                return candidate
+    return None
 
 
-def _has_nonfinite(piece: Tensor) -> bool:
-    """Whether ``piece`` holds an inf or a nan. A sum says it fast (inf and nan propagate; 25x cheaper than
-    ``isfinite`` on a CPU core); only a sum that is not finite, which an overflow could also cause, is checked
-    element by element."""
-    total = piece.sum(dtype=torch.float32) if piece.dtype in (torch.float16, torch.bfloat16) else piece.sum()
-    return not bool(torch.isfinite(total)) and not bool(piece.isfinite().all())
+def check_ddp_group(zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParallel | None) -> None:
+    """Refuse (on every rank of DDP's group: each sees the same groups) a DDP that averages over other ranks than
+    ``zero`` shards over (with its replicas): gradients reduced over ZeRO's group only would differ between the
+    shard groups, and the replicas would drift apart silently."""
+    zero._ddp_group_checked = True
+    if ddp is None:
+        return
+    ddp_ranks = sorted(dist.get_process_group_ranks(ddp.process_group))
+    known, spanned = zero.all_ranks()
+    if not set(known) <= set(ddp_ranks) or len(ddp_ranks) != spanned:
+        raise ValueError(
+            f"DDP averages gradients over ranks {_few(ddp_ranks)} but this ZeroRedundancyOptimizer shards over "
+            f"ranks {_few(sorted(dist.get_process_group_ranks(zero.process_group)))}"
+            + ("" if zero.replicate_group is None else f" with {zero.replica_count} replicas")
+            + f" ({spanned} ranks in all). For hybrid "
+            "sharding (shard within a group, replicate across groups) pass replicate_group= (the ranks holding the "
+            "same shard in the other shard groups) to ZeroRedundancyOptimizer; otherwise build DDP and ZeRO over "
+            "the same group"
+        )
+
+
+def _few(ranks: list[int], limit: int = 8) -> str:
+    return str(ranks) if len(ranks) <= limit else f"[{', '.join(map(str, ranks[:limit]))}, ...] ({len(ranks)})"

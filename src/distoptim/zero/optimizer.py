@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,14 +17,18 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from distoptim import _agreement as agreement
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import agreement, amp, checkpoint, clipping, comm, sharded, validation
+from distoptim.zero import amp, checkpoint, clipping, comm, sharded, validation
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard, copy_hyperparameters, stitch
 
 __all__ = ["ZeroRedundancyOptimizer"]
+
+_T = TypeVar("_T")
+_Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -83,10 +87,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         *,
         partition: str = "greedy",
         master_dtype: torch.dtype | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
         group = comm.default_group(process_group)
-        local_class, groups, device, functional_cls = validation.check_construction(
+        local_class, groups, device, functional_cls, collectives = validation.check_construction(
             params,
             optimizer_class,
             group,
@@ -95,17 +100,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             overlap_with_ddp=overlap_with_ddp,
             partition=partition,
             master_dtype=master_dtype,
+            replicate_group=replicate_group,
         )
 
         self._ready = False  # until then, add_param_group only records groups (Optimizer.__init__ calls it)
         super().__init__(groups, defaults)
         Joinable.__init__(self)
         self.process_group = group
+        self.replicate_group = replicate_group  # hybrid sharding: the ranks holding this shard in other shard groups
+        self.replica_count = 1 if replicate_group is None else comm.group_size(replicate_group)
+        self._ddp_group_checked = False  # reduce_to_owners_hook checks DDP's group against ours once
         self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.global_rank = comm.global_rank(group, self.rank)
         self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.collectives = collectives  # how gradients reach their owners and parameters leave them (comm.py)
         self.partition = partition
         self.master_dtype = master_dtype
         self._optimizer_class = local_class
@@ -114,6 +124,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
         self._sync: ParameterSync | None = None
+        self._routes: dict[tuple[Any, ...], Any] = {}  # the gradient routes of DDP buckets under this plan
         self._shard: LocalShard | None = None
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
@@ -171,21 +182,63 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def state(self, value: Any) -> None:  # Optimizer.__init__ assigns an empty state before the shard exists
         self.__dict__["_initial_state"] = value
 
+    def all_ranks(self) -> tuple[list[int], int]:
+        """The global ranks of this shard group and of its replicas, and how many ranks they span in all (the shard
+        groups times the replicas): the ranks DDP must average gradients over."""
+        ranks = set(dist.get_process_group_ranks(self.process_group))
+        if self.replicate_group is not None:
+            ranks |= set(dist.get_process_group_ranks(self.replicate_group))
+        return sorted(ranks), self.world_size * self.replica_count
+
+    @property
+    def agreement_groups(self) -> list[dist.ProcessGroup]:
+        """The groups whose union must agree on every step: this shard group, and its replicas if any."""
+        return [self.process_group] if self.replicate_group is None else [self.process_group, self.replicate_group]
+
     # ------------------------------------------------------------------------------------------ the step
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
+    ) -> float | None:
         """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync.
 
-        Before the sync the ranks agree (one small all-reduce) that the local part succeeded everywhere, with the
-        same parameters trainable: if it raised on one rank, every rank raises instead of waiting in the sync."""
+        Before the sync the ranks agree (one small all-reduce on the control plane) that the local part succeeded
+        everywhere, with the same parameters trainable and the same hyperparameters: if it raised on one rank, or a
+        setting was changed on one rank only, every rank raises instead of waiting in the sync or stepping with
+        different settings. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step`` (see ``zero/amp.py``)."""
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
-            return self.overlap_stepper.explicit_step(closure, kwargs)
+            return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
-        loss = self._agreed(lambda: self._step_locally(closure, kwargs))
+        try:
+            (loss, verdict), scaled, found_inf = self._agreed_step(
+                lambda: self._prepare_and_step(closure, kwargs, grad_scaler)
+            )
+            if verdict is not None:
+                verdict.record(found_inf)
+            if scaled and not found_inf:  # a GradScaler's step, and no rank's owned gradient held an inf or nan
+                self._agreed(lambda: None if verdict is None else self._step_local_optimizer(None, kwargs))
+        finally:
+            self.local_shard.detach_grads()  # no stale gradient piece outlives the step
+        self._pull_hyperparameters()
         self.sync_parameters()
         self._consolidated = None
         return loss
 
-    def _step_locally(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
+    def _agreed_step(self, action: Callable[[], _Prepared]) -> tuple[_Prepared, bool, bool]:
+        """``action()`` (``_prepare_and_step``, or nothing on a joined rank), agreed; then whether any rank steps
+        under a GradScaler, and whether any of those found an inf or nan (every rank then skips)."""
+        prepared, (scaled, found_inf) = agreement.run_step_agreed(
+            action,
+            self._step_fingerprint,
+            self.agreement_groups,
+            flags=lambda done: (False, False) if done is None or done[1] is None else (True, done[1].found_here),
+        )
+        return prepared, scaled, found_inf
+
+    def _prepare_and_step(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any
+    ) -> tuple[float | None, amp.Verdict | None]:
+        """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
+        waits for the ranks' verdict on inf/nan."""
         self._repartition_if_trainability_changed()
         loss: float | None = None
         if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
@@ -194,19 +247,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         validation.check_unowned_have_no_grad(self._unowned)
         self._push_hyperparameters()
         self.local_shard.attach_grads()
-        try:
-            if amp.unscale_or_skip(self, self.local_shard.step_grads()):  # a GradScaler's verdict, the same everywhere
-                local_loss = self.local_optimizer.step(closure, **kwargs)
-                loss = loss if closure is None else local_loss
-                self.local_shard.write_back()
-        finally:
-            self.local_shard.detach_grads()
-        self._pull_hyperparameters()
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads(), False)
+        if verdict is None:
+            local_loss = self._step_local_optimizer(closure, kwargs)
+            loss = loss if closure is None else local_loss
+        return loss, verdict
+
+    def _step_local_optimizer(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
+        loss: float | None = self.local_optimizer.step(closure, **kwargs)
+        self.local_shard.write_back()
         return loss
 
-    def _agreed(self, action: Callable[[], float | None]) -> float | None:
+    def _agreed(self, action: Callable[[], _T]) -> _T:
         """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing)."""
-        return agreement.run_step_agreed(action, lambda: self._trainability, self.process_group, self._comm_device)
+        return agreement.run_step_agreed(action, self._step_fingerprint, self.agreement_groups)[0]
+
+    def _step_fingerprint(self) -> agreement.Fingerprint:
+        """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
+        return validation.step_fingerprint(self._trainability, self.param_groups)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
@@ -231,6 +289,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         gradients still carry (``scaler.get_scale()`` where ``scaler.unscale_(zero)`` cannot run, as for fp16
         gradients): the norm and the clipping are then those of the unscaled gradient.
         """
+        if self.overlap_stepper is not None:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) cannot clip: its step already ran inside DDP's "
+                "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
+                "worked. Build it with overlap_with_ddp=False (with reduce_to_owners_hook for ZeRO-2) to clip"
+            )
         grads, group, device = self.local_shard.owned_grads(), self.process_group, self._comm_device
         return clipping.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
@@ -249,7 +313,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             super().add_param_group(param_group)
             return
         group = validation.agreed_param_group(
-            param_group, self._optimizer_class, self.param_groups, self._defaults, self.process_group, self._comm_device
+            param_group, self._optimizer_class, self.param_groups, self._defaults, self.process_group
         )
         super().add_param_group(group)
         self._repartition()
@@ -279,7 +343,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._sync is not None:
             self._sync.release()  # before the shard's views are made: bucket views replace the parameters' storage
         strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
-        self._sync = strategy(layouts_from_plan(self._plan.layouts, self._plan.fragments, params), self.process_group)
+        layouts = layouts_from_plan(self._plan.layouts, self._plan.fragments, params)
+        self._sync = strategy(layouts, self.process_group, self.collectives)
+        self._routes.clear()
         previous, self._shard = self._shard, LocalShard(self._plan, self.param_groups, self.rank, self.master_dtype)
         local_groups = self._shard.param_groups(self.param_groups)
         if self.optim is None:
@@ -307,7 +373,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Shards travel in messages of at most ``checkpoint.STAGING_BYTES`` through one reused staging buffer on the
         communication device: no GPU holds the whole state, no sender a second copy of its shard.
         """
-        checkpoint.agree_on_target(to, self.world_size, self.process_group, self._comm_device)
+        checkpoint.agree_on_target(to, self.world_size, self.process_group)
         mine = self.local_shard.global_state(self.local_optimizer.state)
         merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
         self._consolidated = None if merged is None else dict(sorted(stitch(merged, self.global_params).items()))
@@ -341,7 +407,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         state_dict = checkpoint.apply_hooks(self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
         by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
-            state_dict, self.param_groups, self._optimizer_class, self.process_group, self._comm_device
+            state_dict, self.param_groups, self._optimizer_class, self.process_group
         )
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
@@ -395,5 +461,7 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:  # in overlap mode the comm hook syncs, and DDP's own join hook shadows it
         if self.zero.overlap_stepper is None:
-            self.zero._agreed(lambda: None)
+            _, scaled, found_inf = self.zero._agreed_step(lambda: (None, None))
+            if scaled and not found_inf:
+                self.zero._agreed(lambda: None)
             self.zero.sync_parameters()

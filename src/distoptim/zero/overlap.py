@@ -82,13 +82,15 @@ class OverlapStepper:
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
 
-    def explicit_step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
+    def explicit_step(
+        self, closure: Callable[[], float] | None, grad_scaler: Any, kwargs: dict[str, Any]
+    ) -> float | None:
         """``zero.step()`` in overlap mode: the hook stepped during backward, so this only checks that it did.
 
         A ``closure`` is run first, as ``torch.optim`` runs it (it is expected to run the backward), and its loss is
         returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran.
         """
-        amp.refuse_in_overlap_mode(self._stepped_flag_on)
+        amp.refuse_in_overlap_mode(grad_scaler, self._stepped_flag_on)
         if kwargs:
             raise TypeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True).step() takes no keyword arguments, got "
@@ -122,7 +124,7 @@ class OverlapStepper:
             fragments = [f if id(p) in in_bucket else () for p, f in zip(held, plan.fragments)]
             stage_bytes = sum(p.numel() * p.element_size() for p in params)
             layouts = layouts_from_plan(plan.layouts, fragments, held)
-            self._bucket_syncs[key] = StagedSync(layouts, self.group, stage_bytes)
+            self._bucket_syncs[key] = StagedSync(layouts, self.group, stage_bytes=stage_bytes)
         return self._bucket_syncs[key]
 
     def check_stepped(self) -> None:

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim._agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim._flat import is_dense
+from distoptim._groups import control_group
+from distoptim._objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero import comm
-from distoptim.zero.agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
 from distoptim.zero.partition import MODES
 
@@ -35,6 +37,7 @@ __all__ = [
     "check_unowned_have_no_grad",
     "fingerprint",
     "normalize_param_groups",
+    "step_fingerprint",
     "try_optimizer_class",
 ]
 
@@ -207,11 +210,27 @@ def _canonical(value: Any) -> Any:
         return tuple(_canonical(item) for item in value)
     if isinstance(value, dict):
         return tuple(sorted((str(key), _canonical(item)) for key, item in value.items()))
-    if isinstance(value, Tensor):
-        return ("tensor", str(value.dtype), _canonical(value.detach().cpu().tolist()))
+    if isinstance(value, Tensor):  # a device tensor's value is not read: that would stall the CPU on the device
+        shown = value.detach().tolist() if value.device.type == "cpu" else f"on {value.device.type}"
+        return ("tensor", str(value.dtype), tuple(value.shape), _canonical(shown))
     if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
         return repr(value)
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
+
+
+def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) -> Fingerprint:
+    """What every rank must step with alike: which parameters are trainable (by global index), and each param group's
+    hyperparameters (tensor-valued ones on a device by dtype and shape only)."""
+    entries: Fingerprint = {"the parameters that require grad, by index: {}": _trainable_indices(trainability)}
+    for index, group in enumerate(param_groups):
+        for key, value in group.items():
+            if key != "params":
+                entries[f"param group {index}: {key!r} {{}}"] = _canonical(value)
+    return entries
+
+
+def _trainable_indices(trainability: Sequence[bool]) -> tuple[int, ...]:
+    return tuple(index for index, trainable in enumerate(trainability) if trainable)
 
 
 def check_construction(
@@ -224,10 +243,12 @@ def check_construction(
     overlap_with_ddp: bool,
     partition: str,
     master_dtype: torch.dtype | None,
-) -> tuple[type[Optimizer], ParamGroups, torch.device, type[FunctionalOptimizer] | None]:
+    replicate_group: comm.Group | None,
+) -> tuple[type[Optimizer], ParamGroups, torch.device, type[FunctionalOptimizer] | None, comm.Collectives]:
     """ZeroRedundancyOptimizer's arguments checked on this rank, the optimizer's own checks included, then one
     agreement, so that all ranks raise or none does. Returns the ``torch.optim`` class, the normalized param groups,
-    the communication device, and the functional class the overlap mode steps with (None without it)."""
+    the communication device, the functional class the overlap mode steps with (None without it), and the style
+    of collectives (``comm.choose_collectives``: the backend's, or ``$DISTOPTIM_COLLECTIVES``)."""
     local: Fingerprint | BaseException
     device = None  # the communication device, once the parameters are known
     try:
@@ -235,23 +256,50 @@ def check_construction(
         groups = normalize_param_groups(params)
         device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
         functional_cls = check_overlap_class(optimizer_class) if overlap_with_ddp else None
+        collectives = comm.choose_collectives(group)
         try_optimizer_class(local_class, groups, defaults)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
+        if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
+            raise TypeError(
+                f"replicate_group must be a torch.distributed.ProcessGroup or None, got {replicate_group!r}"
+            )
         settings = {
             "optimizer_class": f"{local_class.__module__}.{local_class.__qualname__}",
             "parameters_as_bucket_view": parameters_as_bucket_view,
             "overlap_with_ddp": overlap_with_ddp,
             "partition": partition,
             "master_dtype": str(master_dtype),
+            comm.ENVIRONMENT: collectives.value,
+            "replicas": 1 if replicate_group is None else comm.group_size(replicate_group),
             **defaults,
         }
         local = fingerprint(groups, defaults, settings)
     except Exception as error:
         local = error
-    agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction", device)
-    assert device is not None
-    return local_class, groups, device, functional_cls
+    agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction")
+    assert device is not None and not isinstance(local, BaseException)  # agreed: every rank succeeded
+    if replicate_group is not None:
+        check_replicas(group, replicate_group, local)
+    return local_class, groups, device, functional_cls, collectives
+
+
+def check_replicas(group: comm.Group, replicate_group: comm.Group, settings: Fingerprint) -> None:
+    """Hybrid sharding: ``replicate_group`` holds, from each shard group (all alike: ``settings``, agreed within each
+    shard group already), the rank at this rank's position; agreed over the union of the groups (collective)."""
+    mine = (comm.group_rank(group), comm.group_size(group))
+    positions = all_gather_objects(mine, control_group(replicate_group), torch.device("cpu"))
+    ours = set(torch.distributed.get_process_group_ranks(group))
+    theirs = set(torch.distributed.get_process_group_ranks(replicate_group))
+    local: Fingerprint | BaseException = settings
+    if any(position != mine for position in positions) or ours & theirs != {torch.distributed.get_rank()}:
+        local = ValueError(
+            f"replicate_group must hold one rank of each shard group, each at the same position in its group as this "
+            f"rank (rank {mine[0]} of {mine[1]}), and share only this rank with process_group; its members are at "
+            f"(rank, size) {positions}. Build the groups as a 2-D mesh: shard groups along one dimension, replicate "
+            "groups along the other"
+        )
+    agree_across_ranks(local, [group, replicate_group], "ZeroRedundancyOptimizer construction (replicas)")
 
 
 def check_unowned_have_no_grad(unowned: Iterable[Tensor]) -> None:
@@ -278,7 +326,6 @@ def agreed_param_group(
     param_groups: ParamGroups,
     defaults: dict[str, Any],
     group: comm.Group,
-    device: torch.device,
 ) -> dict[str, Any]:
     """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
     all agree on it: a bad group on one rank raises on every rank (``add_param_group``)."""
@@ -291,4 +338,4 @@ def agreed_param_group(
     def what_it_is(checked: dict[str, Any]) -> Fingerprint:
         return fingerprint([checked], defaults, first_group=len(param_groups))
 
-    return run_agreed(normalized, group, "add_param_group", device, then_agree_on=what_it_is)
+    return run_agreed(normalized, group, "add_param_group", then_agree_on=what_it_is)

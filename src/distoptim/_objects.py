@@ -1,0 +1,65 @@
+"""Picklable objects over a process group, as pickled bytes in uint8 tensors, length first.
+
+torch's own object collectives (``all_gather_object``, ``send_object_list``, ...) need numpy, which distoptim does not
+depend on; these need torch alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distoptim._groups import comm_device, group_size
+
+__all__ = ["all_gather_objects", "receive_object", "send_object"]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable), on every rank: lengths first, then the bytes padded to the longest.
+
+    ``device``: the communication device (``comm_device(group)`` when None).
+    """
+    device = comm_device(group) if device is None else device
+    mine = _to_bytes(obj, device)
+    lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]
+    dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    sizes = [int(length.item()) for length in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded, group=group)
+    return [_from_bytes(payload[:size]) for payload, size in zip(gathered, sizes)]
+
+
+def send_object(obj: Any, to: int, group: dist.ProcessGroup, device: torch.device | None = None) -> None:
+    """Send a picklable ``obj`` to group rank ``to``, which calls ``receive_object``; ``device`` as for receiving."""
+    payload = _to_bytes(obj, comm_device(group) if device is None else device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    destination = dist.get_global_rank(group, to)
+    dist.send(length, dst=destination, group=group)
+    dist.send(payload, dst=destination, group=group)
+
+
+def receive_object(source: int, group: dist.ProcessGroup, device: torch.device | None = None) -> Any:
+    """The object group rank ``source`` sends with ``send_object`` (``device``: the communication device)."""
+    device = comm_device(group) if device is None else device
+    origin = dist.get_global_rank(group, source)
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=origin, group=group)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=origin, group=group)
+    return _from_bytes(payload)
+
+
+def _to_bytes(obj: Any, device: torch.device) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(payload: Tensor) -> Any:
+    buffer = bytearray(payload.numel())
+    torch.frombuffer(buffer, dtype=torch.uint8).copy_(payload)  # the tensor writes into the bytearray it wraps
+    return pickle.loads(buffer)
