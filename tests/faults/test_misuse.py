@@ -196,6 +196,20 @@ def _hook_over_another_model(r: Rank, hook: Callable[..., Any]) -> None:
     hook(allreduce_hook, ddp, _zero(r, _model().parameters(), overlap_with_ddp=True))
 
 
+def _hook_registered_on_another_model(r: Rank, hook: Callable[..., Any]) -> None:
+    built_for, other = _ddp(r), _ddp(r)
+    other.register_comm_hook(None, hook(allreduce_hook, built_for, _overlap(r, built_for)))
+    _backward(other)
+
+
+def _clip_under_overlap(r: Rank) -> None:
+    ddp = _ddp(r)
+    zero = _overlap(r, ddp)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    _backward(ddp)
+    zero.clip_grad_norm_(1.0)
+
+
 def _zero_holds_more_than_ddp(r: Rank) -> None:
     ddp = _ddp(r)
     hook_with_zero_step(allreduce_hook, ddp, _zero(r, [*ddp.module.parameters(), _p(3)], overlap_with_ddp=True))
@@ -447,8 +461,8 @@ MISUSES: list[Misuse] = [
                        r"(\(0, 1, 2\) vs \(0, 2\)|\(0, 2\) vs \(0, 1, 2\))\); change requires_grad and "
                        r"hyperparameters alike on every rank"),
     Misuse("a hyperparameter changed on one rank only between steps", _lr_on_one_rank, ONE,
-           ValueError, r"step: rank \d and rank \d disagree \(param group 0: 'lr' (0\.1 vs 0\.5|0\.5 vs 0\.1)\); change "
-                       r"requires_grad and hyperparameters alike on every rank"),
+           ValueError, r"step: rank \d and rank \d disagree \(param group 0: 'lr' (0\.1 vs 0\.5|0\.5 vs 0\.1)\); "
+                       r"change requires_grad and hyperparameters alike on every rank"),
     Misuse("a non-finite gradient norm with error_if_nonfinite=True", _clip_non_finite, BOTH,
            RuntimeError, r"total norm of order 2\.0 of the gradients is non-finite .*pass error_if_nonfinite=False"),
     # --- Consolidated checkpoints (torch.optim's format).
@@ -529,6 +543,13 @@ MISUSES: list[Misuse] = [
     Misuse("overlap hook around allreduce_hook, registered with the optimizer as state",
            lambda r: _wrapped_hook_registered_with(r, allreduce_hook, zero_as_state=True), ALL,
            TypeError, r"process_group must be a torch\.distributed\.ProcessGroup or None, got ZeroRedundancyOptimizer"),
+    Misuse("overlap hook registered on another DDP model than the one it was built for",
+           lambda r: _hook_registered_on_another_model(r, hook_with_zero_step), ALL,
+           ValueError, r"this ZeRO overlap hook was built for another DistributedDataParallel model than the one "
+                       r"running it"),
+    Misuse("interleaved overlap hook registered on another DDP model than the one it was built for",
+           lambda r: _hook_registered_on_another_model(r, hook_with_zero_step_interleaved), ALL,
+           ValueError, r"built for another DistributedDataParallel model"),
     # --- Overlap with DDP: step() only confirms the step the hook ran in the backward.
     Misuse("step() under overlap_with_ddp with no hook registered", _overlap_step_without_hook, ALL,
            RuntimeError, r"no overlap hook is registered: call ddp\.register_comm_hook\(None, hook_with_zero_step"),
@@ -540,6 +561,8 @@ MISUSES: list[Misuse] = [
            RuntimeError, r"has gradients but no optimizer step ran: register hook_with_zero_step"),
     Misuse("step() under overlap_with_ddp with keyword arguments", _overlap_step_with_kwargs, ALL,
            TypeError, r"step\(\) takes no keyword arguments, got \['lr'\]: the step already ran inside DDP's backward"),
+    Misuse("clip_grad_norm_ under overlap_with_ddp (the step already ran)", _clip_under_overlap, ALL,
+           RuntimeError, r"overlap_with_ddp=True\) cannot clip: its step already ran inside DDP's backward"),
     # --- Gradient sharding (ZeRO-2) and the other DDP hooks: the hook's state must be what the hook expects.
     Misuse("reduce_to_owners_hook registered without the optimizer as its state", _reduce_to_owners_without_zero, ALL,
            TypeError, r"reduce_to_owners_hook needs the ZeroRedundancyOptimizer as its state: "
@@ -555,6 +578,10 @@ MISUSES: list[Misuse] = [
     Misuse("PostLocalSGDState with a negative start_localSGD_iter", lambda r: PostLocalSGDState(r.group, None, -1), ALL,
            ValueError, r"start_localSGD_iter must be >= 0, got -1"),
     # --- Post-local SGD and model averagers: checked when built or called, before any collective.
+    Misuse("PostLocalSGDOptimizer over a ZeroRedundancyOptimizer",
+           lambda r: PostLocalSGDOptimizer(_zero(r), _averager(r)), ALL,
+           ValueError, r"PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer: .*averaging would change "
+                       r"nothing"),
     Misuse("PostLocalSGDOptimizer given the optimizer class", lambda r: PostLocalSGDOptimizer(SGD, _averager(r)), ALL,
            TypeError, r"optim must be a torch\.optim\.Optimizer instance .*got the class SGD; build it first, e\.g\. "
                       r"torch\.optim\.SGD\(model\.parameters\(\), lr=0\.1\)"),

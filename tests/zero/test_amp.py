@@ -5,6 +5,7 @@ and the scales stay equal; the result equals a reference that does the same by h
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +24,34 @@ INF_AT = 1  # the iteration at which rank 1 alone produces an inf
 KWARGS = {"lr": 0.01, "weight_decay": 0.1}
 
 
-def _net(dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+class _Net(nn.Sequential):
+    """Three layers, and with ``unused`` two more that no rank ever uses: one before them, one after (DDP lays the
+    parameters into its buckets in reverse, so one of them sits at the start of a bucket, wherever it is)."""
+
+    def __init__(self, dtype: torch.dtype, unused: bool = False) -> None:
+        torch.manual_seed(0)
+        layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+        super().__init__(*([nn.Linear(3, 3)] if unused else []), *layers, *([nn.Linear(3, 3)] if unused else []))
+        self.skipped = {0, len(self) - 1} if unused else set()
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self):
+            x = x if index in self.skipped else layer(x)
+        return x
+
+
+def _net(dtype: torch.dtype, unused: bool = False) -> nn.Module:
+    return _Net(dtype, unused)
+
+
+def _ddp(model: nn.Module, ddp_mode: str) -> DDP:
+    return DDP(
+        model,
+        bucket_cap_mb=0.0005,
+        find_unused_parameters=ddp_mode == "find_unused",
+        static_graph=ddp_mode == "static_graph",
+    )
 
 
 def _loss(ddp: DDP, rank: int, iteration: int, dtype: torch.dtype) -> torch.Tensor:
@@ -33,10 +59,13 @@ def _loss(ddp: DDP, rank: int, iteration: int, dtype: torch.dtype) -> torch.Tens
     return ddp(x).float().square().mean()
 
 
-def _poison(grad: torch.Tensor) -> torch.Tensor:
-    grad = grad.clone()
-    grad.view(-1)[0] = float("inf")
-    return grad
+def _poison(at: int) -> Any:
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[at] = float("inf")
+        return grad
+
+    return poison
 
 
 class _ByHand:
@@ -50,13 +79,14 @@ class _ByHand:
         self.scale, self.growth = 1024.0, 0
 
     def step(self, clip: float | None) -> None:
-        grads = [p.grad.float() * torch.tensor(1 / self.scale) for p in self.params]
-        finite = all(bool(g.isfinite().all()) for g in grads)
+        grads = [None if p.grad is None else p.grad.float() * torch.tensor(1 / self.scale) for p in self.params]
+        finite = all(bool(g.isfinite().all()) for g in grads if g is not None)
         if finite:
             if clip is not None:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                present = [g for g in grads if g is not None]
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present]))
                 coefficient = torch.clamp(clip / (norm + 1e-6), max=1.0)
-                grads = [g * coefficient for g in grads]
+                grads = [None if g is None else g * coefficient for g in grads]
             for stepped, grad in zip(self.stepped, grads):
                 stepped.grad = grad
             self.optimizer.step()
@@ -68,12 +98,13 @@ class _ByHand:
         self.growth = 0 if not finite or self.growth + 1 == 2 else self.growth + 1
 
 
-def _body(rank: int, world_size: int) -> None:
+def _body(rank: int, world_size: int, ddp_mode: str) -> None:
     configs = itertools.product(["greedy", "even"], ["all_reduce", "to_owners"], [torch.float32, torch.float16])
     for (partition, reduction, dtype), clip in itertools.product(configs, [None, 0.05]):
-        what = f"{partition} {reduction} {dtype} clip={clip}"
-        model, reference = _net(dtype), _net(dtype)
-        ddp, reference_ddp = DDP(model, bucket_cap_mb=0.0005), DDP(reference, bucket_cap_mb=0.0005)
+        what = f"{partition} {reduction} {dtype} clip={clip} {ddp_mode}"
+        unused = ddp_mode != "all_used"
+        model, reference = _net(dtype, unused), _net(dtype, unused)
+        ddp, reference_ddp = _ddp(model, ddp_mode), _ddp(reference, ddp_mode)
         master = torch.float32 if dtype != torch.float32 else None
         zero = ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.AdamW, partition=partition, master_dtype=master, **KWARGS
@@ -81,13 +112,22 @@ def _body(rank: int, world_size: int) -> None:
         register(ddp, zero, reduction, "explicit")
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
         by_hand = _ByHand(reference)
-        target = next(i for i, p in enumerate(model.parameters()) if zero.fragments_of(p)[0].rank == 0)
+        # an element of a parameter some rank uses, which rank 1 owns
+        params = list(model.parameters())
+        used = {id(p) for index, layer in enumerate(model) if index not in model.skipped for p in layer.parameters()}
+        target, at = next(
+            (i, fragment.offset)
+            for i, p in enumerate(params)
+            if id(p) in used
+            for fragment in zero.fragments_of(p)
+            if fragment.rank == 1
+        )
         for iteration in range(ITERATIONS):
-            # at INF_AT rank 1's gradient of a parameter that rank 0 owns gets one inf: only its owner sums it
+            # at INF_AT rank 0's gradient of a parameter that rank 1 owns gets one inf: only its owner sums it
             poisoned = (
-                [list(m.parameters())[target] for m in (model, reference)] if (iteration, rank) == (INF_AT, 1) else []
+                [list(m.parameters())[target] for m in (model, reference)] if (iteration, rank) == (INF_AT, 0) else []
             )
-            handles = [param.register_hook(_poison) for param in poisoned]
+            handles = [param.register_hook(_poison(at)) for param in poisoned]
             zero.zero_grad()
             scaler.scale(_loss(ddp, rank, iteration, dtype)).backward()
             if clip is not None and dtype == torch.float32:
@@ -115,8 +155,11 @@ def _body(rank: int, world_size: int) -> None:
         assert scaler.get_scale() < 1024.0 * 2, f"{what}: the inf at iteration {INF_AT} must have backed off"
 
 
-def test_grad_scaler_skips_everywhere_and_matches_doing_it_by_hand() -> None:
-    run_on_ranks(_body, 3, timeout=240)
+@pytest.mark.parametrize("ddp_mode", ["all_used", "find_unused", "static_graph"])
+def test_grad_scaler_skips_everywhere_and_matches_doing_it_by_hand(ddp_mode: str) -> None:
+    """Also where DDP leaves a parameter no rank used without ``.grad`` (find_unused_parameters), and in a static
+    graph's first iteration (every bucket handed over as DDP's bucket 0, none as the last)."""
+    run_on_ranks(_body, 3, ddp_mode, timeout=240)
 
 
 def _overlap_body(rank: int, world_size: int) -> None:

@@ -19,8 +19,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     Param groups, state and defaults are the wrapped optimizer's own objects (read through, never copied), so
     learning-rate schedulers built on this wrapper drive the wrapped optimizer, also after ``load_state_dict``.
-    ``optim`` may be any optimizer, including a ``ZeroRedundancyOptimizer``; averaging writes in place, so
-    parameters that view into its buckets stay views.
+    ``optim`` may be any ``torch.optim`` optimizer but a ``ZeroRedundancyOptimizer`` (refused: its sharded state
+    cannot step every parameter locally on every rank, which is what post-local SGD does between averagings).
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
@@ -32,6 +32,14 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                     f"optim must be a torch.optim.Optimizer instance (it has no .{name}), got {got}; build it "
                     "first, e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
                 )
+        if hasattr(optim, "local_shard"):  # duck-typed: a ZeroRedundancyOptimizer
+            raise ValueError(
+                "PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer: post-local SGD has every rank step every "
+                "parameter with its own gradient between averagings, but ZeRO keeps each parameter's optimizer state "
+                "on one rank, whose update every rank then copies, so after the warm-up each parameter would follow "
+                "its owner's local gradient alone and the averaging would change nothing. Wrap a plain torch.optim "
+                "optimizer (post-local SGD replicates the state), or train ZeRO with DDP's gradient averaging"
+            )
         if not hasattr(averager, "average_parameters") or not hasattr(averager, "step"):
             raise TypeError(f"averager must be a ModelAverager, e.g. PeriodicModelAverager, got {type(averager)}")
         self.optim = optim

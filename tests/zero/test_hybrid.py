@@ -1,0 +1,111 @@
+"""Hybrid sharding: ZeRO shards within a group of ranks (a node), DDP averages over all of them, and the shard
+groups replicate one another. With ``replicate_group`` every way of reducing and stepping equals DDP + the plain
+optimizer on every rank; without it, gradients reduced to owners would be averaged within the shard group only and
+the replicas would drift apart, so the first backward raises on every rank."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests.zero._hooks import register
+
+WORLD, SHARD = 4, 2  # shard groups {0, 1} and {2, 3}; replicate groups {0, 2} and {1, 3}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _mesh(rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's shard group and replicate group (every rank creates every group, as dist.new_group needs)."""
+    shards = [dist.new_group(list(range(start, start + SHARD))) for start in range(0, WORLD, SHARD)]
+    replicas = [dist.new_group(list(range(offset, WORLD, SHARD))) for offset in range(SHARD)]
+    return shards[rank // SHARD], replicas[rank % SHARD]
+
+
+def _parity_body(rank: int, world_size: int) -> None:
+    shard, replicate = _mesh(rank)
+    configs = itertools.product(["greedy", "even"], ["all_reduce", "to_owners"], ["explicit", "hook", "interleaved"])
+    for partition, reduction, stepping in configs:
+        what = f"{partition} {reduction} {stepping}"
+        model, reference = _net(), _net()
+        ddp, reference_ddp = DDP(model), DDP(reference)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            process_group=shard,
+            overlap_with_ddp=stepping != "explicit",
+            partition=partition,
+            replicate_group=replicate,
+            lr=0.02,
+        )
+        register(ddp, zero, reduction, stepping)
+        plain = torch.optim.AdamW(reference.parameters(), lr=0.02)
+        for iteration in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
+            zero.zero_grad()
+            ddp(x).square().mean().backward()
+            if stepping == "explicit":
+                total = zero.clip_grad_norm_(0.1)
+                zero.step()
+            plain.zero_grad()
+            reference_ddp(x).square().mean().backward()
+            if stepping == "explicit":
+                expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+                torch.testing.assert_close(total, expected, rtol=1e-5, atol=0, msg=what)
+            plain.step()
+            for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
+                label = f"{what} iteration {iteration} parameter {index}"
+                torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, x=label: f"{x}: {m}")
+
+
+def test_hybrid_sharding_matches_ddp_on_every_rank() -> None:
+    run_on_ranks(_parity_body, WORLD, timeout=240)
+
+
+def _refusal_body(rank: int, world_size: int, stepping: str) -> str:
+    shard, _ = _mesh(rank)
+    model = _net()
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, process_group=shard, overlap_with_ddp=stepping != "explicit", lr=0.1
+    )
+    try:
+        register(ddp, zero, "to_owners", stepping)
+        ddp(torch.ones(2, 6)).sum().backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("stepping", ["explicit", "interleaved"])
+def test_zero_over_a_subgroup_of_ddp_without_replicas_is_refused(stepping: str) -> None:
+    for message in run_on_ranks(_refusal_body, WORLD, stepping):
+        assert "DDP averages gradients over ranks [0, 1, 2, 3]" in message, message
+        assert "pass replicate_group=" in message, message
+
+
+def _bad_replicas_body(rank: int, world_size: int) -> str:
+    shard, _ = _mesh(rank)
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]  # rank 0 of one shard group with rank 1 of the other
+    try:
+        ZeroRedundancyOptimizer(
+            _net().parameters(), torch.optim.SGD, process_group=shard, replicate_group=crossed[rank in (1, 2)], lr=0.1
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_replicas_at_other_positions_are_refused_on_every_rank() -> None:
+    for message in run_on_ranks(_bad_replicas_body, WORLD):
+        assert "replicate_group must hold one rank of each shard group" in message, message

@@ -1,0 +1,69 @@
+"""Gradual unfreezing: a layer frozen when ZeRO was built is made trainable (on every rank) between two steps, in
+every way of reducing and stepping. Its first step already uses the averaged gradient, as DDP + the plain optimizer
+does: reduced to owners, its elements (owned by nobody yet) are all-reduced; stepped inside the backward, the ranks
+agree on what they train and place it before the step."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests.zero._hooks import register
+
+ITERATIONS, UNFREEZE_AT = 5, 2
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _body(rank: int, world_size: int, configs: list[tuple[str, str, str]]) -> None:
+    for partition, reduction, stepping in configs:
+        what = f"{partition} {reduction} {stepping}"
+        model, reference = _net(), _net()
+        ddp = DDP(model, find_unused_parameters=True)
+        reference_ddp = DDP(reference, find_unused_parameters=True)
+        for net in (model, reference):
+            net[2].requires_grad_(False)  # frozen when the optimizers are built
+        kwargs: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1}
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            overlap_with_ddp=stepping != "explicit",
+            partition=partition,
+            **kwargs,
+        )
+        register(ddp, zero, reduction, stepping)
+        plain = torch.optim.AdamW(reference.parameters(), **kwargs)
+        for iteration in range(ITERATIONS):
+            if iteration == UNFREEZE_AT:
+                for net in (model, reference):
+                    net[2].requires_grad_(True)
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
+            zero.zero_grad()
+            ddp(x).square().mean().backward()
+            if stepping == "explicit":
+                zero.step()
+            plain.zero_grad()
+            reference_ddp(x).square().mean().backward()
+            plain.step()
+            for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
+                label = f"{what} iteration {iteration} parameter {index}"
+                torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, x=label: f"{x}: {m}")
+        assert all(zero.fragments_of(p) for p in model[2].parameters()), f"{what}: the unfrozen layer has no owner"
+
+
+CONFIGS = list(itertools.product(["greedy", "even"], ["all_reduce", "to_owners"], ["explicit", "hook", "interleaved"]))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_layer_unfrozen_between_steps_trains_as_with_ddp(world_size: int) -> None:
+    run_on_ranks(_body, world_size, CONFIGS, timeout=240)
