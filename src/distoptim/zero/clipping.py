@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from distoptim import _host
 from distoptim.zero import comm
 
 __all__ = ["clip_grad_norm_"]
@@ -40,7 +41,7 @@ def clip_grad_norm_(
         total = total.pow(1.0 / norm_type)
     if grad_scale is not None and norm_type != 0.0:  # a norm is homogeneous: |g / s| = |g| / s
         total = total / torch.as_tensor(grad_scale, dtype=torch.float32).to(total.device)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
+    if error_if_nonfinite and not _host.read(torch.isfinite(total), "clip_grad_norm_(error_if_nonfinite=True)"):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be "
             "clipped; pass error_if_nonfinite=False to clip anyway (the step will then see non-finite values)"

@@ -30,6 +30,7 @@ from torch.distributed import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from distoptim import _host
 from distoptim.zero import comm
 from distoptim.zero.buckets import view_like
 from distoptim.zero.grad_sharding import check_ddp_group, reduce_to_owners_hook
@@ -58,7 +59,7 @@ class _UsedFlags:
 
     def wait(self) -> list[bool]:
         comm.wait_all([self.work])
-        return [bool(flag) for flag in self.flags.tolist()]
+        return [bool(flag) for flag in _host.read(self.flags, "which parameters some rank used")]
 
 
 def _finds_unused(ddp: DistributedDataParallel) -> bool:

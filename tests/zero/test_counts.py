@@ -1,0 +1,212 @@
+"""What a steady-state iteration costs, counted rather than timed: the elements each mode hands to the collectives,
+in both styles (gloo's rooted calls and NCCL's equal-chunk ones, run here on gloo), and the host reads of tensor
+values that the hot path makes (on a GPU each one stalls the CPU until the device has drained its queue).
+
+Elements are counted by wrapping ``torch.distributed``'s functions: a reduce or a broadcast hands over its tensor, a
+reduce-scatter its whole input, an all-gather its whole output; the control plane's int64 agreements are left out.
+A step of every mode that reduces to owners hands the gradient reduction at most 1.01x the gradient's elements and
+the parameter sync at most 1.01x the parameters' (no padding to N times a share), at 2, 3 and 4 ranks.
+
+Host reads are counted two ways: the reasons ``distoptim._host.read`` records, and every ``item``/``tolist``/
+``bool``/``float``/``int`` of a tensor called from distoptim's own code anywhere else (which must be none, but for
+the control plane's CPU tensors in ``_agreement`` and ``_objects``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distoptim
+from distoptim import ZeroRedundancyOptimizer, _host
+from distoptim.zero import comm
+from tests._dist import run_on_ranks
+from tests.zero._hooks import register
+
+SOURCE = Path(distoptim.__file__).parent
+CONTROL_PLANE = {SOURCE / "_agreement.py", SOURCE / "_objects.py", SOURCE / "_host.py"}
+REDUCTIONS = {"reduce": 0, "reduce_scatter_tensor": 1, "all_reduce": 0}  # name -> which argument is handed over
+SYNCS = {"broadcast": 0, "all_gather_into_tensor": 0}
+
+
+class _Net(nn.Module):
+    """A channels_last convolution, fp32 and bf16 layers (a few thousand elements, so that the even partition's
+    padding, at most N-1 elements a layout, stays under 1%)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        self.body = nn.Linear(128, 48)
+        self.head = nn.Linear(48, 24).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last))).flatten(1)
+        return self.head(torch.tanh(self.body(h)).to(torch.bfloat16)).float()
+
+
+def _batch(rank: int, iteration: int) -> torch.Tensor:
+    return torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(100 * iteration + rank))
+
+
+@contextlib.contextmanager
+def _counting_elements(handed: Counter[str]) -> Iterator[None]:
+    """Count the float elements handed to each kind of collective (``handed["reduction"]``, ``handed["sync"]``)."""
+
+    def wrapper(name: str, kind: str, argument: int) -> Any:
+        original = getattr(dist, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[argument]
+            if tensor.is_floating_point():
+                handed[kind] += tensor.numel()
+            return original(*args, **kwargs)
+
+        return mock.patch.object(dist, name, counted)
+
+    patches = [wrapper(name, "reduction", argument) for name, argument in REDUCTIONS.items()]
+    patches += [wrapper(name, "sync", argument) for name, argument in SYNCS.items()]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+@contextlib.contextmanager
+def _counting_host_reads(stray: list[str]) -> Iterator[None]:
+    """Record every read of a tensor value called from distoptim's code outside the one door (``_host.read``) and
+    the control plane."""
+    methods = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__"]
+    originals = {name: getattr(torch.Tensor, name) for name in methods}
+
+    def wrapped(name: str) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if Path(caller).is_relative_to(SOURCE) and Path(caller) not in CONTROL_PLANE:
+                stray.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in methods:
+            setattr(torch.Tensor, name, wrapped(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _iteration(ddp: DDP, zero: Any, rank: int, iteration: int, stepping: str, scaler: Any = None) -> None:
+    zero.zero_grad()
+    loss = ddp(_batch(rank, iteration)).square().mean()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    if stepping == "explicit" and scaler is not None:
+        scaler.step(zero)
+        scaler.update()
+    elif stepping == "explicit":
+        zero.step()
+
+
+def _bytes_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
+    """For every mode that reduces to owners: (mode, reduction elements, sync elements, trainable elements)."""
+    results = []
+    configs = itertools.product(
+        ["greedy", "even"], ["explicit", "hook", "interleaved"], [False, True], list(comm.Collectives)
+    )
+    for partition, stepping, bucket_view, style in configs:
+        os.environ[comm.ENVIRONMENT] = style.value
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            parameters_as_bucket_view=bucket_view,
+            overlap_with_ddp=stepping != "explicit",
+            partition=partition,
+            lr=0.1,
+        )
+        register(ddp, zero, "to_owners", stepping)
+        _iteration(ddp, zero, rank, 0, stepping)  # DDP rebuilds its buckets after the first iteration
+        handed: Counter[str] = Counter()
+        with _counting_elements(handed):
+            _iteration(ddp, zero, rank, 1, stepping)
+        mode = f"{partition} {stepping} bucket_view={bucket_view} {style.value} world={world_size}"
+        results.append((mode, handed["reduction"], handed["sync"], sum(p.numel() for p in model.parameters())))
+    os.environ.pop(comm.ENVIRONMENT)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_mode_that_reduces_to_owners_hands_over_no_padding(world_size: int) -> None:
+    for results in run_on_ranks(_bytes_body, world_size, timeout=240):
+        for mode, reduced, synced, elements in results:
+            assert elements <= reduced <= 1.01 * elements, f"{mode}: reduction {reduced} for {elements} elements"
+            assert elements <= synced <= 1.01 * elements, f"{mode}: sync {synced} for {elements} elements"
+
+
+# (reduction, stepping, DDP looks for unused parameters, GradScaler) -> host reads per steady-state iteration
+EXPECTED_READS = {
+    **{
+        (reduction, stepping, False, False): {}
+        for reduction in ("all_reduce", "to_owners")
+        for stepping in ("explicit", "hook", "interleaved")
+    },
+    ("all_reduce", "explicit", False, True): {"GradScaler's skip decision": 1},
+    ("to_owners", "explicit", False, True): {"GradScaler's skip decision": 1},
+    ("all_reduce", "explicit", True, False): {},
+    ("to_owners", "explicit", True, False): {},
+    # the overlap hooks step a parameter no rank used as a plain optimizer would (not at all): they must know which
+    ("all_reduce", "hook", True, False): {"which parameters some rank used": 1},
+    ("to_owners", "interleaved", True, False): {"which parameters some rank used": "buckets"},
+}
+
+
+def _reads_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], int, list[str]]]:
+    results = []
+    for (reduction, stepping, unused, scaled), partition, bucket_view in itertools.product(
+        EXPECTED_READS, ["greedy", "even"], [False, True]
+    ):
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            parameters_as_bucket_view=bucket_view,
+            overlap_with_ddp=stepping != "explicit",
+            partition=partition,
+            lr=0.01,
+        )
+        register(ddp, zero, reduction, stepping)
+        scaler = torch.amp.GradScaler("cpu") if scaled else None
+        for iteration in range(2):  # the first iteration builds what later ones reuse
+            _iteration(ddp, zero, rank, iteration, stepping, scaler)
+        before, stray = Counter(_host.READS), []
+        with _counting_host_reads(stray):
+            _iteration(ddp, zero, rank, 2, stepping, scaler)
+        reads = {why: count for why, count in (Counter(_host.READS) - before).items()}
+        key = f"{reduction} {stepping} unused={unused} scaler={scaled} {partition} bucket_view={bucket_view}"
+        results.append((key, reads, len(ddp.reducer._get_zeros_like_grad_buckets()), stray))
+    return results
+
+
+def test_host_reads_per_iteration_in_every_mode() -> None:
+    expected = list(itertools.product(EXPECTED_READS.values(), [0, 1], [0, 1]))
+    for results in run_on_ranks(_reads_body, 2, timeout=240):
+        for (key, reads, buckets, stray), (want, _, _) in zip(results, expected):
+            want = {why: buckets if count == "buckets" else count for why, count in want.items()}
+            assert reads == want, f"{key}: {reads} (expected {want})"
+            assert not stray, f"{key}: host reads outside distoptim._host.read: {stray}"
