@@ -580,8 +580,8 @@ MISUSES: list[Misuse] = [
     # --- Post-local SGD and model averagers: checked when built or called, before any collective.
     Misuse("PostLocalSGDOptimizer over a ZeroRedundancyOptimizer",
            lambda r: PostLocalSGDOptimizer(_zero(r), _averager(r)), ALL,
-           ValueError, r"PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer: .*averaging would change "
-                       r"nothing"),
+           ValueError, r"PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer that shards over the ranks it "
+                       r"averages: .*the averaging would change nothing"),
     Misuse("PostLocalSGDOptimizer given the optimizer class", lambda r: PostLocalSGDOptimizer(SGD, _averager(r)), ALL,
            TypeError, r"optim must be a torch\.optim\.Optimizer instance .*got the class SGD; build it first, e\.g\. "
                       r"torch\.optim\.SGD\(model\.parameters\(\), lr=0\.1\)"),

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 
 from distoptim.averaging.averagers import ModelAverager
 
@@ -19,8 +20,10 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     Param groups, state and defaults are the wrapped optimizer's own objects (read through, never copied), so
     learning-rate schedulers built on this wrapper drive the wrapped optimizer, also after ``load_state_dict``.
-    ``optim`` may be any ``torch.optim`` optimizer but a ``ZeroRedundancyOptimizer`` (refused: its sharded state
-    cannot step every parameter locally on every rank, which is what post-local SGD does between averagings).
+    ``optim`` may be any optimizer. A ``ZeroRedundancyOptimizer`` must shard over a strict subgroup of the averaging
+    group, whose ranks keep averaging gradients every step after the warm-up (hierarchical local SGD: ZeRO within a
+    node, ``post_localSGD_hook``'s subgroup the same node, models averaged across nodes); averaging writes in place,
+    so parameters that view into its buckets stay views.
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
@@ -32,16 +35,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                     f"optim must be a torch.optim.Optimizer instance (it has no .{name}), got {got}; build it "
                     "first, e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
                 )
-        if hasattr(optim, "local_shard"):  # duck-typed: a ZeroRedundancyOptimizer
-            raise ValueError(
-                "PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer: post-local SGD has every rank step every "
-                "parameter with its own gradient between averagings, but ZeRO keeps each parameter's optimizer state "
-                "on one rank, whose update every rank then copies, so after the warm-up each parameter would follow "
-                "its owner's local gradient alone and the averaging would change nothing. Wrap a plain torch.optim "
-                "optimizer (post-local SGD replicates the state), or train ZeRO with DDP's gradient averaging"
-            )
         if not hasattr(averager, "average_parameters") or not hasattr(averager, "step"):
             raise TypeError(f"averager must be a ModelAverager, e.g. PeriodicModelAverager, got {type(averager)}")
+        _check_sharding_within_averaging(optim, averager)
         self.optim = optim
         self.averager = averager
 
@@ -118,3 +114,19 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
             self.averager.step = 0
+
+
+def _check_sharding_within_averaging(optim: Any, averager: Any) -> None:
+    """Refuse ZeRO over the ranks that train locally between averagings: each parameter would follow its owner's
+    local gradient alone (every rank copies the owner's update) and the averaging would change nothing."""
+    sharded_over = getattr(optim, "process_group", None)
+    if not hasattr(optim, "local_shard") or sharded_over is None:  # duck-typed: not a ZeroRedundancyOptimizer
+        return
+    if set(dist.get_process_group_ranks(sharded_over)) >= set(dist.get_process_group_ranks(averager.process_group)):
+        raise ValueError(
+            "PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer that shards over the ranks it averages: "
+            "between averagings each of those ranks steps with its own gradient, but ZeRO keeps each parameter's "
+            "state on one rank, whose update every rank copies, so each parameter would follow its owner's local "
+            "gradient alone and the averaging would change nothing. Shard over a subgroup whose gradients stay "
+            "averaged every step (post_localSGD_hook's subgroup, e.g. the ranks of a node), or wrap a plain optimizer"
+        )
