@@ -158,3 +158,20 @@ def test_random_plans_tile_their_parameters() -> None:
             plan = partition_parameters(numels, trainable, world_size, mode=mode, keys=[n % 2 for n in numels])
             _assert_fragments_tile(plan)
             assert sum(plan.loads()) == sum(n for n, t in zip(numels, trainable) if t)
+
+
+def test_even_regions_of_a_bucket_size_each_split_evenly() -> None:
+    """With region_numel every region holds whole parameters (cut walking from the last one) of at most that many
+    elements, or one larger parameter, and is cut into equal shares by itself; the plan still tiles every parameter."""
+    numels = [5, 3, 8, 20, 2, 2, 6]
+    plan = partition_parameters(numels, [True] * 7, 3, mode="even", region_numel={0: 10})
+    (layout,) = plan.layouts
+    regions = [bounds[-1] - bounds[0] for bounds in layout.bounds]
+    assert [len(set(b - a for a, b in itertools.pairwise(bounds))) for bounds in layout.bounds] == [1] * len(regions)
+    assert layout.params == (0, 1, 2, 3, 4, 5, 6)
+    assert [bounds[0] for bounds in layout.bounds] == [0, 9, 18, 39]  # [5, 3] [8] [20] [2, 2, 6], padded to 3s
+    for index, numel in enumerate(numels):
+        pieces = plan.fragments[index]
+        assert sum(f.length for f in pieces) == numel and pieces[0].offset == 0
+    grown = partition_parameters([*numels, 4, 9], [True] * 9, 3, previous=plan, mode="even", region_numel={0: 10})
+    assert grown.fragments[:7] == plan.fragments and [b[0] for b in grown.layouts[0].bounds][-2:] == [51, 57]

@@ -8,6 +8,11 @@ sync, checkpoints, hooks) reads fragments, never the mode that produced them. Tw
   lowest rank); a layout is ordered rank by rank, so each rank's range is contiguous and parameters never split.
 - ``even``: a layout keeps the parameters' order and is cut into ``world_size`` ranges of equal length (the last
   padded), so a parameter may straddle ranks. The largest shard is at most ``world_size - 1`` elements over ideal.
+  With ``region_numel`` (what ``ShardedDataParallel`` asks for: a gradient bucket of at most that many elements)
+  each layout is first cut into regions of whole parameters (walking from its last parameter, as gradients arrive)
+  and each region is cut evenly by itself, so that every bucket splits into equal shares, one per rank (FSDP2's
+  per-parameter shards, at bucket granularity); the largest shard is then at most ``world_size - 1`` elements a
+  region over ideal.
 
 Frozen parameters are owned by nobody (``UNOWNED``, no fragment): they have no optimizer state, take no part in the
 balance and are never communicated; zero-sized ones own no elements (greedy still gives them an owner, as torch
@@ -19,8 +24,10 @@ the end of their layout, cut evenly by itself).
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections.abc import Hashable, Sequence
+import itertools
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["MODES", "SPLIT", "UNOWNED", "Fragment", "LayoutPlan", "PartitionPlan", "partition_parameters"]
@@ -99,12 +106,14 @@ def partition_parameters(
     *,
     mode: str = "greedy",
     keys: Sequence[Hashable] | None = None,
+    region_numel: Mapping[Hashable, int] | None = None,
 ) -> PartitionPlan:
     """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
 
     ``keys`` names each parameter's layout (parameters of different keys never share a buffer); one layout when
-    omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. O(P log P) for P
-    parameters (and O(P log N) for N ranks in greedy mode).
+    omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. ``region_numel``
+    (even mode): the most elements a region of each key holds (a larger parameter gets a region of its own); one
+    region per key and growth when omitted. O(P log P) for P parameters (and O(P log N) for N ranks in greedy mode).
     """
     keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
@@ -132,7 +141,7 @@ def partition_parameters(
         owners = _greedy_owners(numels, new, world_size, previous)
         layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in _distinct(keys, placed)]
     else:
-        layouts = _grown_even_layouts(numels, keys, new, world_size, previous)
+        layouts = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {})
     fragments: list[tuple[Fragment, ...]] = [()] * len(numels)
     for layout in layouts:
         for index, position in zip(layout.params, layout.positions):
@@ -184,26 +193,47 @@ def _rank_major_layout(
 
 
 def _grown_even_layouts(
-    numels: Sequence[int], keys: Sequence[Hashable], new: Sequence[int], world_size: int, previous: PartitionPlan | None
+    numels: Sequence[int],
+    keys: Sequence[Hashable],
+    new: Sequence[int],
+    world_size: int,
+    previous: PartitionPlan | None,
+    region_numel: Mapping[Hashable, int],
 ) -> list[LayoutPlan]:
-    """Previous layouts as they were, each new parameter appended to its key's layout in a region of its own."""
+    """Previous layouts as they were, the new parameters of each key appended to its layout in regions of their own
+    (one, or of at most ``region_numel[key]`` elements each), each region cut evenly."""
     layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
     for key in dict.fromkeys(keys[index] for index in new):
         members = [index for index in new if keys[index] == key and numels[index] > 0]
         if not members:
             continue
-        old = layouts.get(key, LayoutPlan(key, (), (), ()))
-        start = old.numel
-        positions, position = [], start
-        for index in members:
-            positions.append(position)
-            position += numels[index]
-        chunk = -(-(position - start) // world_size)  # ceil: the last rank's range is padded
-        region = tuple(start + rank * chunk for rank in range(world_size + 1))
-        layouts[key] = LayoutPlan(
-            key, old.params + tuple(members), old.positions + tuple(positions), (*old.bounds, region)
-        )
+        layout = layouts.get(key, LayoutPlan(key, (), (), ()))
+        for region in _regions(members, numels, region_numel.get(key)):
+            start = layout.numel
+            positions = list(itertools.accumulate((numels[i] for i in region[:-1]), initial=start))
+            chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil: the last rank's range is padded
+            bounds = tuple(start + rank * chunk for rank in range(world_size + 1))
+            layout = LayoutPlan(
+                key, layout.params + region, layout.positions + tuple(positions), (*layout.bounds, bounds)
+            )
+        layouts[key] = layout
     return list(layouts.values())
+
+
+def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
+    """``members`` (in order) cut into runs of at most ``cap`` elements, walking from the last one (a parameter
+    larger than ``cap`` alone); one run without a cap."""
+    if cap is None:
+        return [tuple(members)]
+    runs: list[list[int]] = []
+    filled = 0
+    for index in reversed(members):
+        if not runs or filled + numels[index] > cap:
+            runs.append([])
+            filled = 0
+        runs[-1].append(index)
+        filled += numels[index]
+    return [tuple(reversed(run)) for run in reversed(runs)]
 
 
 def _fragments(layout: LayoutPlan, numel: int, position: int, owner: int | None) -> tuple[Fragment, ...]:
@@ -211,11 +241,11 @@ def _fragments(layout: LayoutPlan, numel: int, position: int, owner: int | None)
     if owner is not None:  # greedy: the parameter is whole on its owner (zero-sized ones too)
         return (Fragment(owner, 0, numel, position),)
     pieces = []
-    for bounds in layout.bounds:
-        if not bounds[0] <= position < bounds[-1]:
-            continue
-        for rank in range(len(bounds) - 1):
-            start, end = max(bounds[rank], position), min(bounds[rank + 1], position + numel)
-            if start < end:
-                pieces.append(Fragment(rank, start - position, end - start, start))
+    region = layout.bounds[bisect.bisect_right([bounds[0] for bounds in layout.bounds], position) - 1]
+    first = bisect.bisect_right(region, position) - 1  # the rank whose range holds the parameter's first element
+    for rank in range(first, len(region) - 1):
+        start, end = max(region[rank], position), min(region[rank + 1], position + numel)
+        if start >= end:
+            break
+        pieces.append(Fragment(rank, start - position, end - start, start))
     return tuple(pieces)
