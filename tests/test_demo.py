@@ -99,6 +99,25 @@ def test_text_directory_without_python_files_is_refused(tmp_path: Path, capsys: 
     assert "needs at least" in capsys.readouterr().err
 
 
+def test_resuming_at_or_past_the_last_step_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint already at --steps leaves nothing to train: a one-line error, not an IndexError in the table."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"step": 4, "weight": torch.zeros(2)}, checkpoint_id=tmp_path / "step-4", no_dist=True)
+    dcp.save({"weight": torch.zeros(2)}, checkpoint_id=tmp_path / "other", no_dist=True)
+    for steps in ("4", "3"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_options(["--steps", steps, "--resume", str(tmp_path / "step-4")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"already at step 4 and --steps is {steps}" in err and "--steps greater than 4" in err, err
+    assert parse_options(["--steps", "5", "--resume", str(tmp_path / "step-4")]).resume == str(tmp_path / "step-4")
+    with pytest.raises(SystemExit):
+        parse_options(["--steps", "5", "--resume", str(tmp_path / "other")])
+    assert "not a checkpoint of this demo" in capsys.readouterr().err
+
+
 def test_busy_port_missing_text_and_unknown_command_from_the_command_line() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -193,4 +212,5 @@ def test_a_checkpoint_resumes_the_demo_exactly(tmp_path: Path) -> None:
         return line.split("checksum ")[1]
 
     assert "step 3/4" in resumed.stderr and "step 1/4" not in resumed.stderr, "the resumed run starts at step 3"
+    _assert_one_line_error(_run(*common, "--resume", str(tmp_path / "step-4")), 2, "already at step 4")
     assert checksum(resumed) == checksum(straight), "2 steps + checkpoint + 2 steps in new processes = 4 steps"

@@ -192,6 +192,24 @@ class FunctionalOptimizer:
     hyperparameters and defaults>, foreach=None, maximize=False)``. ``param_group`` holds ``params`` and the
     hyperparameters and is read at every step, so ``opt.param_group["lr"] = 0.1`` applies from the next step.
     ``state`` maps each parameter that has been stepped to the same dict of tensors ``torch.optim`` keeps.
+
+    Args:
+        params: the parameters ``step`` updates (a list of tensors); empty only through ``as_functional_optim``.
+        *args: the ``torch.optim`` class's hyperparameters by position, in its order; omitted ones take its defaults.
+        **kwargs: the same by name, plus the keyword-only ``foreach`` (default ``None``: torch's choice) and
+            ``maximize`` (default ``False``).
+
+    Raises:
+        TypeError: ``FunctionalOptimizer`` itself is built, or an argument is unknown or given twice.
+        ValueError: ``params`` is empty, or a hyperparameter the ``torch.optim`` class refuses (``lr=-1`` ...),
+            with torch's own message.
+
+    Example:
+        ```python
+        opt = FunctionalAdam([weight], lr=1e-3)
+        opt.step([weight_grad])                 # one gradient per parameter, None to skip one
+        opt.param_group["lr"] = 1e-4            # applies from the next step
+        ```
     """
 
     spec: ClassVar[_Spec]
@@ -226,7 +244,14 @@ class FunctionalOptimizer:
                 self._state_of(param)
 
     def step(self, gradients: list[Tensor | None]) -> None:
-        """Update every parameter of ``param_group`` with its gradient, in one kernel call; None skips one."""
+        """Update every parameter of ``param_group`` with its gradient, in one kernel call; None skips one.
+
+        Args:
+            gradients: one gradient (or None) per parameter of ``param_group["params"]``, in its order.
+
+        Raises:
+            ValueError: the number of gradients differs from the number of parameters.
+        """
         params: list[Tensor] = self.param_group["params"]
         if len(gradients) != len(params):
             raise ValueError(
@@ -237,7 +262,12 @@ class FunctionalOptimizer:
         self._update([param for param, _ in stepped], [grad for _, grad in stepped])
 
     def step_param(self, param: Tensor, grad: Tensor | None) -> None:
-        """Update one parameter, which need not be in ``param_group``; with grad None only its state is created."""
+        """Update one parameter, which need not be in ``param_group``; with grad None only its state is created.
+
+        Args:
+            param: the parameter, updated in place; its state is created on first use, as ``torch.optim`` does.
+            grad: its gradient, or None.
+        """
         if grad is None:
             self._state_of(param)
         else:
@@ -289,49 +319,57 @@ def _refuse_what_torch_refuses(torch_cls: type[torch.optim.Optimizer], options: 
 
 
 class FunctionalSGD(FunctionalOptimizer):
-    """:class:`torch.optim.SGD`, taking gradients explicitly."""
+    """``torch.optim.SGD``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _SGD
 
 
 class FunctionalAdam(FunctionalOptimizer):
-    """:class:`torch.optim.Adam`, taking gradients explicitly."""
+    """``torch.optim.Adam``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _ADAM
 
 
 class FunctionalAdamW(FunctionalOptimizer):
-    """:class:`torch.optim.AdamW`, taking gradients explicitly."""
+    """``torch.optim.AdamW``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _ADAMW
 
 
 class FunctionalAdagrad(FunctionalOptimizer):
-    """:class:`torch.optim.Adagrad`, taking gradients explicitly."""
+    """``torch.optim.Adagrad``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _ADAGRAD
 
 
 class FunctionalAdadelta(FunctionalOptimizer):
-    """:class:`torch.optim.Adadelta`, taking gradients explicitly."""
+    """``torch.optim.Adadelta``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _ADADELTA
 
 
 class FunctionalAdamax(FunctionalOptimizer):
-    """:class:`torch.optim.Adamax`, taking gradients explicitly."""
+    """``torch.optim.Adamax``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _ADAMAX
 
 
 class FunctionalRMSprop(FunctionalOptimizer):
-    """:class:`torch.optim.RMSprop`, taking gradients explicitly."""
+    """``torch.optim.RMSprop``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _RMSPROP
 
 
 class FunctionalRprop(FunctionalOptimizer):
-    """:class:`torch.optim.Rprop`, taking gradients explicitly."""
+    """``torch.optim.Rprop``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
+    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
 
     spec = _RPROP
 
@@ -355,6 +393,17 @@ def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
     """The functional class for a ``torch.optim`` class (exact class, not subclasses) or a functional class; else None.
 
     Subclasses of ``torch.optim`` classes are not matched: they may change the math this module would run instead.
+
+    Args:
+        optim_cls: any class (``torch.optim.Adam``, ``FunctionalAdam``, ...); anything else returns None.
+
+    Never raises: anything unsupported gives None.
+
+    Example:
+        ```python
+        assert functional_class_for(torch.optim.AdamW) is FunctionalAdamW
+        assert functional_class_for(torch.optim.LBFGS) is None
+        ```
     """
     if isinstance(optim_cls, type) and issubclass(optim_cls, FunctionalOptimizer):
         return optim_cls if hasattr(optim_cls, "spec") else None
@@ -364,8 +413,22 @@ def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
 def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> FunctionalOptimizer:
     """The functional counterpart of ``optim_cls`` with an empty parameter list, to be driven by ``step_param``.
 
-    ``args`` and ``kwargs`` are ``optim_cls``'s hyperparameters (without ``params``). Raises ``ValueError`` naming the
-    supported classes when ``optim_cls`` has no functional counterpart.
+    Args:
+        optim_cls: a ``torch.optim`` class with a functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta,
+            Adamax, RMSprop, Rprop) or a ``distoptim.functional`` class.
+        *args: ``optim_cls``'s hyperparameters by position, without ``params``; omitted ones take its defaults.
+        **kwargs: the same by name (``lr=1e-3`` ...), plus ``foreach`` and ``maximize``.
+
+    Raises:
+        ValueError: ``optim_cls`` has no functional counterpart (the message names the supported classes), or it
+            refuses a hyperparameter.
+        TypeError: an unknown hyperparameter.
+
+    Example:
+        ```python
+        opt = as_functional_optim(torch.optim.SGD, lr=0.1, momentum=0.9)
+        opt.step_param(weight, weight.grad)     # update one parameter with the gradient handed to it
+        ```
     """
     functional_cls = functional_class_for(optim_cls)
     if functional_cls is None:

@@ -259,7 +259,16 @@ class DistributedOptimizer(Optimizer):
     Args:
         optimizer_class: a ``torch.optim`` class (or a ``distoptim.functional`` one) to run on every owner.
         params_rref: RRefs to the parameters to optimize, wherever they live.
-        args, kwargs: the optimizer's hyperparameters, as for ``optimizer_class(params, *args, **kwargs)``.
+        *args: the optimizer's hyperparameters by position, as for ``optimizer_class(params, *args)``; none by
+            default (``optimizer_class``'s own defaults apply).
+        **kwargs: the optimizer's hyperparameters by name (``lr=1e-3`` ...); they reach every owner.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a class, neither a ``torch.optim.Optimizer`` nor a functional
+            optimizer, or needs a closure in ``step``; an entry of ``params_rref`` is not an RRef.
+        ValueError: ``params_rref`` is empty.
+        Exception: an error raised on an owner while building its optimizer (a hyperparameter its class refuses)
+            reaches the caller with its own type and message; the remote traceback is its ``__cause__``.
 
     ``step(context_id)`` applies, on all owners concurrently, the gradients recorded in that distributed autograd
     context; steps from several trainers on one owner are serialized. ``param_groups`` is a single group with the
@@ -314,7 +323,17 @@ class DistributedOptimizer(Optimizer):
         """Whether the owners run a ``distoptim.functional`` optimizer (else ``optimizer_class`` behind an adapter)."""
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
-        """Apply the gradients of distributed autograd context ``context_id`` on every owner; wait for all."""
+        """Apply the gradients of distributed autograd context ``context_id`` on every owner; wait for all.
+
+        Args:
+            context_id: the id from ``with dist_autograd.context() as context_id:`` whose backward recorded the
+                gradients. Parameters without a gradient in that context are left untouched.
+
+        Raises:
+            TypeError: ``context_id`` is not an int.
+            RuntimeError: no distributed autograd context has that id (``step`` called outside its ``with`` block).
+            Exception: an owner's error, with its own type (remote traceback as ``__cause__``).
+        """
         if isinstance(context_id, bool) or not isinstance(context_id, int):
             raise TypeError(
                 f"context_id must be an int (from dist_autograd.context()), got {type(context_id).__name__}"
@@ -339,7 +358,15 @@ class DistributedOptimizer(Optimizer):
         return {"state": dict(sorted(state.items())), "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()`` (or a one-group ``torch.optim`` state dict over the same parameters)."""
+        """Restore a ``state_dict()`` (or a one-group ``torch.optim`` state dict over the same parameters).
+
+        Args:
+            state_dict: ``{"state": ..., "param_groups": [one group]}``, parameters numbered as in ``params_rref``.
+
+        Raises:
+            ValueError: other keys, more than one param group, another number of parameters, or state for a
+                parameter id the group does not list.
+        """
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("state_dict must be a dict with exactly the keys 'state' and 'param_groups'")
         groups = state_dict["param_groups"]
@@ -366,7 +393,14 @@ class DistributedOptimizer(Optimizer):
         self._shipped = copy.deepcopy(self._hyperparameters())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: the parameters are fixed by ``params_rref`` at construction."""
+        """Not supported: the parameters are fixed by ``params_rref`` at construction.
+
+        Args:
+            param_group: ignored.
+
+        Raises:
+            NotImplementedError: always (build another ``DistributedOptimizer`` for other parameters).
+        """
         if getattr(self, "_owners", None) is None:  # Optimizer.__init__ adding the hyperparameter group
             super().add_param_group(param_group)
             return

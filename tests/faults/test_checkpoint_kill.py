@@ -30,7 +30,7 @@ from tests.faults._training import MODES, build, load, parameters, save, train
 from tests.faults.test_peer_death import PEER_GONE, RAISE_WITHIN_S, assert_survivors_raised
 
 # 2 ranks: at 3, DDP's first iteration after a restart reduces with its initial bucket layout, which on gloo can
-# differ in the last bits from the rebuilt layout the uninterrupted run uses (plain torch.optim too; README)
+# differ in the last bits from the rebuilt layout the uninterrupted run uses (plain torch.optim too; docs: errors)
 WORLD_SIZE = 2
 PREVIOUS, KILLED, LAST = 4, 6, 8  # steps: the complete checkpoint, the one being written when a rank dies, the end
 DIES_AFTER_BYTES = 4096  # the consolidated checkpoint is about 30 kB

@@ -16,7 +16,7 @@ from tests._dist import run_on_ranks
 from tests.faults._training import MODES, build, load, parameters, save, train
 
 # At 3 ranks DDP's first iteration after a restart reduces with its initial bucket layout, which on gloo can differ
-# in the last bits from the layout an uninterrupted run rebuilt (plain DDP + torch.optim too; README, "Failures").
+# in the last bits from the layout an uninterrupted run rebuilt (plain DDP + torch.optim too; docs/guides/errors.md).
 WORLD_SIZE = 2
 STEPS, HALF = 20, 10
 

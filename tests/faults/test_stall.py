@@ -1,7 +1,7 @@
 """A rank that stays alive but stops taking part (it sleeps before a collective): with the process group's
 ``timeout`` set, every other rank raises gloo's "Timed out waiting ...ms" within that timeout plus a margin.
 
-With torch's default timeout (30 minutes for gloo) the others wait that long; README, "Failures and timeouts".
+With torch's default timeout (30 minutes for gloo) the others wait that long; docs/guides/errors.md.
 """
 
 from __future__ import annotations

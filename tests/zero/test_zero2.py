@@ -118,6 +118,14 @@ def _assert_only_owned_gradients_averaged(zero: Any, model: nn.Module, reference
             else:
                 foreign_differs |= not torch.allclose(got[piece], expected[piece])
     assert foreign_differs or zero.world_size == 1, f"{what}: gradients a rank does not own were averaged too"
+    # So torch.nn.utils.clip_grad_norm_, which reads all of .grad, gets a wrong norm, different on each rank (docs).
+    torch_norm = torch.nn.utils.get_total_norm([param.grad for param in model.parameters()]).reshape(1)
+    norms = [torch.empty_like(torch_norm) for _ in range(zero.world_size)]
+    dist.all_gather(norms, torch_norm)
+    expected_norm = torch.nn.utils.get_total_norm([param.grad for param in reference.parameters()])
+    assert zero.world_size == 1 or (
+        len({n.item() for n in norms}) > 1 and not torch.allclose(torch_norm, expected_norm)
+    ), f"{what}: torch's norm of .grad is {[n.item() for n in norms]} on the ranks, {expected_norm.item()} averaged"
     if zero.partition == "even":
         assert any(zero.owner_of(p) == SPLIT for p in model.parameters()), f"{what}: nothing straddles ranks"
 

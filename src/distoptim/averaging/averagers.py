@@ -65,7 +65,22 @@ def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
 class ModelAverager(ABC):
     """Base of the averagers: holds the process group and the visible step counter.
 
-    ``process_group`` defaults to the world group, resolved at construction.
+    Subclasses say when to average (``average_parameters``); ``step`` counts the calls and is saved by
+    ``PostLocalSGDOptimizer.state_dict()``.
+
+    Args:
+        process_group: the group to average over; ``None`` (default) is the world group, resolved at construction.
+
+    Raises:
+        TypeError: ``process_group`` is neither a ``ProcessGroup`` nor ``None``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        class EveryOtherStep(ModelAverager):
+            def average_parameters(self, params):
+                self._average_and_advance(params, self.process_group if self.step % 2 == 0 else None)
+        ```
     """
 
     def __init__(self, process_group: ProcessGroup | None = None) -> None:
@@ -74,7 +89,14 @@ class ModelAverager(ABC):
 
     @abstractmethod
     def average_parameters(self, params: ParamsLike) -> None:
-        """Average ``params`` if the schedule says so at ``step``, then advance ``step`` by one."""
+        """Average ``params`` if the schedule says so at ``step``, then advance ``step`` by one.
+
+        Args:
+            params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
+
+        Raises:
+            TypeError: ``params`` is a single tensor or param group, or holds something other than parameters.
+        """
 
     def _average_and_advance(self, params: ParamsLike, group: ProcessGroup | None) -> None:
         selected = params_to_average(params)  # validated every call, so bad input fails before warm-up ends
@@ -92,6 +114,26 @@ class PeriodicModelAverager(ModelAverager):
     """Average over the whole group every ``period`` steps once ``warmup_steps`` steps have passed.
 
     Averages when ``step >= warmup_steps and (step - warmup_steps) % period == 0`` (PyTorch's schedule).
+
+    Args:
+        period: steps between averagings, at least 1 (1 warns: plain DDP is cheaper).
+        warmup_steps: steps before the first averaging (default 0); pair it with the hook's ``start_localSGD_iter``.
+        process_group: the group to average over; ``None`` (default) is the world group.
+
+    Raises:
+        ValueError: ``period < 1`` or ``warmup_steps < 0``, or the ranks disagree on them: raised on every rank
+            (the others name the rank that failed).
+        TypeError: ``period`` or ``warmup_steps`` is not a number, or ``process_group`` not a ``ProcessGroup``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        averager = PeriodicModelAverager(period=4, warmup_steps=100)
+        for batch in loader:
+            ...
+            optimizer.step()
+            averager.average_parameters(model.parameters())   # or PostLocalSGDOptimizer(optimizer, averager)
+        ```
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: ProcessGroup | None = None) -> None:
@@ -110,13 +152,24 @@ class PeriodicModelAverager(ModelAverager):
         self.warmup_steps = warmup_steps
 
     def group_at(self, step: int) -> ProcessGroup | None:
-        """The group that averages at ``step``, or ``None`` when no averaging is due."""
+        """The group that averages at ``step``, or ``None`` when no averaging is due.
+
+        Args:
+            step: an averager step (``self.step`` is the next one).
+        """
         if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
             return self.process_group
         return None
 
     def average_parameters(self, params: ParamsLike) -> None:
-        """Average ``params`` (parameters or param groups) in place if due at ``step``; advance ``step``."""
+        """Average ``params`` (parameters or param groups) in place if due at ``step``; advance ``step``.
+
+        Args:
+            params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
+
+        Raises:
+            TypeError: ``params`` is a single tensor or param group, or holds something other than parameters.
+        """
         self._average_and_advance(params, self.group_at(self.step))
 
 
@@ -127,6 +180,27 @@ class HierarchicalModelAverager(ModelAverager):
     whole ``process_group``. At a step past warm-up, the level with the largest period dividing ``step`` averages
     (PyTorch's schedule: note it tests ``step % period``, not ``step - warmup_steps``). Subgroups are consecutive
     ranks, created here: a collective that every rank of the default group must enter, in the same order.
+
+    Args:
+        period_group_size_dict: ``{period: subgroup size}`` in increasing period order, each size dividing the
+            group's size and the last one the whole group, e.g. ``{2: 4, 8: 16}`` on 16 ranks. Required: the
+            default ``None`` is refused.
+        warmup_steps: steps before the first averaging (default 0).
+        process_group: the group to average over; ``None`` (default) is the world group.
+
+    Raises:
+        ValueError: no levels, a period below 1, periods not increasing, a size that does not divide the group,
+            a last level smaller than the group, ``warmup_steps < 0``, or ranks that disagree: raised on every
+            rank (the others name the rank that failed).
+        TypeError: ``process_group`` is not a ``ProcessGroup``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        # 8 ranks, 4 per node: within each node every 2 steps, across all ranks every 8 steps
+        averager = HierarchicalModelAverager({2: 4, 8: 8}, warmup_steps=100)
+        optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), averager)
+        ```
     """
 
     def __init__(
@@ -157,7 +231,11 @@ class HierarchicalModelAverager(ModelAverager):
         self._periods_largest_first = [period for period, _ in reversed(levels)]
 
     def group_at(self, step: int) -> ProcessGroup | None:
-        """The group that averages at ``step``, or ``None`` when no averaging is due."""
+        """The subgroup (of this rank) that averages at ``step``, or ``None`` when no averaging is due.
+
+        Args:
+            step: an averager step (``self.step`` is the next one).
+        """
         if step < self.warmup_steps:
             return None
         for period in self._periods_largest_first:
@@ -166,7 +244,14 @@ class HierarchicalModelAverager(ModelAverager):
         return None
 
     def average_parameters(self, params: ParamsLike) -> None:
-        """Average ``params`` (parameters or param groups) in place within the level due at ``step``; advance."""
+        """Average ``params`` (parameters or param groups) in place within the level due at ``step``; advance.
+
+        Args:
+            params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
+
+        Raises:
+            TypeError: ``params`` is a single tensor or param group, or holds something other than parameters.
+        """
         self._average_and_advance(params, self.group_at(self.step))
 
 

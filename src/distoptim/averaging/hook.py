@@ -28,10 +28,22 @@ class PostLocalSGDState:
             ``LOCAL_WORLD_SIZE`` (the whole group when unknown), created when local SGD starts (a collective of
             every rank; it assumes the group's ranks are numbered node by node, as launchers do).
         start_localSGD_iter: number of iterations that all-reduce globally.
-        post_local_gradient_allreduce: after warm-up, all-reduce within ``subgroup`` (``True``) or not at all.
+        post_local_gradient_allreduce: after warm-up, all-reduce within ``subgroup`` (``True``, the default) or not
+            at all.
 
     ``iter`` counts backward passes (advanced on DDP's last bucket, as PyTorch does). The state pickles; process
     groups cannot, so an unpickled state uses the default group and per-node subgroups.
+
+    Raises:
+        ValueError: ``start_localSGD_iter`` is negative.
+
+    Example:
+        ```python
+        state = PostLocalSGDState(None, None, start_localSGD_iter=100, post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        ...
+        checkpoint = {"hook": state.state_dict(), ...}   # to resume: state.load_state_dict(checkpoint["hook"])
+        ```
     """
 
     __slots__ = ("iter", "post_local_gradient_allreduce", "process_group", "start_localSGD_iter", "subgroup")
@@ -52,7 +64,11 @@ class PostLocalSGDState:
         self.iter = 0
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
-        """Count one iteration per backward pass: DDP reduces the last bucket last."""
+        """Count one iteration per backward pass: DDP reduces the last bucket last.
+
+        Args:
+            bucket: the bucket the hook was called with.
+        """
         if bucket.is_last():
             self.iter += 1
 
@@ -68,7 +84,14 @@ class PostLocalSGDState:
         return {"iter": self.iter}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the schedule from ``state_dict()`` of an earlier run."""
+        """Continue the schedule from ``state_dict()`` of an earlier run.
+
+        Args:
+            state_dict: ``{"iter": n}`` with ``n >= 0``, as ``state_dict()`` returned.
+
+        Raises:
+            ValueError: anything else.
+        """
         iteration = state_dict.get("iter") if isinstance(state_dict, dict) else None
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"expected PostLocalSGDState.state_dict(), {{'iter': n >= 0}}, got {state_dict!r}")
@@ -98,12 +121,46 @@ class PostLocalSGDState:
 
 
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default reduction as a comm hook: average the bucket over ``process_group`` (None: the world)."""
+    """DDP's default reduction as a comm hook: average the bucket over ``process_group`` (None: the world).
+
+    The inner hook for ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved`` when gradients are all-reduced.
+
+    Args:
+        process_group: the hook's state, as ``register_comm_hook`` passes it: the group, or ``None`` for the world.
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        A future holding the bucket's averaged gradients.
+
+    Raises:
+        TypeError: ``process_group`` is neither a ``ProcessGroup`` nor ``None``.
+
+    Example:
+        ```python
+        ddp.register_comm_hook(None, allreduce_hook)   # the same as DDP's own reduction
+        ```
+    """
     return comm.allreduce_mean_async(bucket.buffer(), comm.default_group(process_group))
 
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not)."""
+    """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not).
+
+    Args:
+        state: the ``PostLocalSGDState`` given to ``register_comm_hook``; its ``iter`` advances once per backward.
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        A future holding the bucket's gradients: averaged globally, within the subgroup, or this rank's own.
+
+    Raises:
+        TypeError: ``state`` is not a ``PostLocalSGDState``.
+
+    Example:
+        ```python
+        ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=100), post_localSGD_hook)
+        ```
+    """
     if not isinstance(state, PostLocalSGDState):
         raise TypeError(
             "post_localSGD_hook needs a PostLocalSGDState as its state: "

@@ -24,6 +24,26 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     group, whose ranks keep averaging gradients every step after the warm-up (hierarchical local SGD: ZeRO within a
     node, ``post_localSGD_hook``'s subgroup the same node, models averaged across nodes); averaging writes in place,
     so parameters that view into its buckets stay views.
+
+    Args:
+        optim: the local optimizer, already built over the model's parameters (an instance, not a class).
+        averager: the averaging schedule, e.g. ``PeriodicModelAverager(period=4, warmup_steps=100)``; its
+            ``warmup_steps`` should equal the DDP hook's ``start_localSGD_iter``.
+
+    Raises:
+        TypeError: ``optim`` is not an optimizer instance (a class, say), or ``averager`` is not a model averager.
+        ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` sharded over all the ranks ``averager`` averages.
+
+    Example:
+        ```python
+        ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=100), post_localSGD_hook)
+        local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = PostLocalSGDOptimizer(local, PeriodicModelAverager(period=4, warmup_steps=100))
+        for batch in loader:
+            optimizer.zero_grad()
+            loss_fn(ddp(batch)).backward()
+            optimizer.step()        # local step, then the model average when one is due
+        ```
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
@@ -43,6 +63,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (the same list: schedulers edit them)."""
         return self.optim.param_groups
 
     @param_groups.setter
@@ -51,6 +72,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> defaultdict[torch.Tensor, Any]:
+        """The wrapped optimizer's state."""
         return self.optim.state
 
     @state.setter
@@ -59,6 +81,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
         return self.optim.defaults
 
     @defaults.setter
@@ -75,17 +98,29 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step the local optimizer, then average parameters if the averager's schedule says so."""
+        """Step the local optimizer, then average parameters if the averager's schedule says so.
+
+        Args:
+            closure: passed to the local optimizer's ``step`` (default ``None``); its loss is returned.
+        """
         loss = self.optim.step() if closure is None else self.optim.step(closure)
         self.averager.average_parameters(self.param_groups)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the wrapped optimizer's gradients."""
+        """Clear the wrapped optimizer's gradients.
+
+        Args:
+            set_to_none: set ``.grad`` to None (default ``True``) instead of zeroing it.
+        """
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the wrapped optimizer."""
+        """Add a param group to the wrapped optimizer.
+
+        Args:
+            param_group: ``{"params": [...], <hyperparameters>}``, as for ``torch.optim.Optimizer.add_param_group``.
+        """
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
@@ -98,6 +133,12 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         """Load the wrapped optimizer's state and restore the averager's step, so the schedule resumes exactly.
 
         A dict without ``"step"`` (e.g. saved from the bare optimizer) warns and restarts the schedule at 0.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (this rank's: the ranks differ between averagings).
+
+        Raises:
+            ValueError: ``state_dict["step"]`` is negative, or the wrapped optimizer refuses the dict.
         """
         inner = {key: value for key, value in state_dict.items() if key != "step"}
         self.optim.load_state_dict(inner)

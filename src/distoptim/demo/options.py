@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
 from distoptim.demo.config import PRESETS
 from distoptim.demo.launch import port_is_free
 from distoptim.demo.source import TextSourceError, check_text_source, default_text_source, min_text_bytes
 
-__all__ = ["PROG", "DemoOptions", "OneLineParser", "build_parser", "parse_options"]
+__all__ = ["PROG", "DemoOptions", "OneLineParser", "build_parser", "checkpoint_step", "parse_options"]
 
 PROG = "python -m distoptim demo"
 
@@ -92,6 +96,15 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a ``--checkpoint`` checkpoint was written after, read in this process (no ranks needed)."""
+    state = {"step": 0}
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["step"]
+
+
 def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
     """Parse and check ``argv``; a bad option exits with a one-line error (status 2)."""
     parser = build_parser()
@@ -106,8 +119,20 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
             parser.error(f"--port must be in 1..65535, got {args.port}")
         if not port_is_free(args.port):
             parser.error(f"--port {args.port}: 127.0.0.1:{args.port} is already in use; pick another or omit --port")
-    if args.resume is not None and not (args.resume / ".metadata").is_file():
-        parser.error(f"--resume {args.resume}: no checkpoint there (write one with --checkpoint)")
+    if args.resume is not None:
+        if not (args.resume / ".metadata").is_file():
+            parser.error(f"--resume {args.resume}: no checkpoint there (write one with --checkpoint)")
+        try:
+            saved = checkpoint_step(args.resume)
+        except (Exception, CheckpointException) as error:  # another DCP checkpoint; DCP's message is many lines
+            parser.error(
+                f"--resume {args.resume}: not a checkpoint of this demo ({type(error).__name__} reading its step)"
+            )
+        if saved >= args.steps:
+            parser.error(
+                f"--resume {args.resume}: that checkpoint is already at step {saved} and --steps is {args.steps}, "
+                f"so nothing is left to train; pass --steps greater than {saved}"
+            )
     text = args.text if args.text is not None else default_text_source()
     try:
         text_bytes = check_text_source(text, min_text_bytes(PRESETS[args.size].context))
