@@ -134,7 +134,7 @@ def _ddp(inventory: Inventory, config: PlanConfig) -> ModePlan:
         + ", both full size"
     ]
     if master:
-        notes.append(f"master weights: a {_name(master)} copy of every trainable parameter, stepped by the plain optimizer")
+        notes.append(f"master weights: a {_name(master)} copy of every trainable parameter, which the optimizer steps")
     sends = (("all-reduce of gradients", _all_reduce(grad_bytes, config.world_size)),)
     return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
 
@@ -228,7 +228,8 @@ class _ZeroShards:
         )
         notes = (
             shard_note,
-            f"gradients: this rank's owned elements in {_name(reduce_dtype) if reduce_dtype else 'the parameters dtype'}, plus at most two "
+            f"gradients: this rank's owned elements in {_name(reduce_dtype) if reduce_dtype else 'their own dtype'}, "
+            "plus at most two "
             f"buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled: not yet measured)",
             "no parameter-sync staging buffers assumed (ShardedDataParallel syncs per bucket)",
         )
@@ -282,5 +283,5 @@ def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
         "padded per parameter; unsharded units modelled (FSDP2's own prefetching decides the real peak)"
     ]
     if master:
-        notes.append(f"sharded parameters are the {_name(master)} master weights (MixedPrecisionPolicy(param_dtype=...))")
+        notes.append(f"sharded parameters are the {_name(master)} master weights (MixedPrecisionPolicy(param_dtype))")
     return ModePlan("fsdp2", "FSDP2 (ZeRO-3)", ranks, sends, tuple(notes))
