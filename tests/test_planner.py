@@ -323,6 +323,12 @@ def test_state_cost_is_torch_optims_documented_state(
     assert (half.per_element, half.per_tensor) == (per_element_f32 // 2, per_tensor)
 
 
+def test_state_cost_knows_which_optimizers_make_state_at_construction() -> None:
+    """Adagrad fills its ``sum`` for every parameter it is given, frozen ones too; Adam waits for a gradient."""
+    assert state_cost(resolve_optimizer("adagrad"), F32).at_construction
+    assert not state_cost(resolve_optimizer("adamw"), F32).at_construction
+
+
 def test_state_cost_refuses_state_not_proportional_to_size() -> None:
     with pytest.raises(ValueError, match="not proportional"):
         state_cost(OptimizerSpec(torch.optim.Adafactor), F32)  # factored second moment of a matrix

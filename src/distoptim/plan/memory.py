@@ -14,6 +14,7 @@ sends ``(N-1) c`` where ``c`` is its largest rank's chunk (every chunk padded to
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -241,8 +242,8 @@ def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
     under ``MixedPrecisionPolicy(param_dtype=...)``. Each parameter is cut along dim 0 into ``ceil(rows / N)``-row
     chunks; parameters and gradients are stored padded to a full chunk, optimizer state unpadded (rank r's rows)."""
     size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
-    sharded = grads = 0  # the same on every rank (padded)
-    state = [0] * size
+    sharded = grads = empty = 0  # the same on every rank (padded); state every rank has, even for an empty shard
+    steps = [0] * (size + 1)  # state bytes beyond ``empty``, as differences between neighbouring ranks
     gathered: dict[int, int] = {}  # unit -> bytes of its gathered parameters (padded, in the compute dtype)
     gathered_grads: dict[int, int] = {}  # unit -> bytes of its unsharded gradient (in the reduce dtype)
     for param in inventory.params:
@@ -253,9 +254,12 @@ def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
         sharded += chunk * per_row * dtype.itemsize
         gathered[param.unit] = gathered.get(param.unit, 0) + size * chunk * per_row * param.dtype.itemsize
         cost = state_cost(config.optimizer, dtype)
-        if param.trainable or cost.at_construction:
-            for rank in range(size):
-                state[rank] += cost.bytes_for(min(chunk, max(0, rows - rank * chunk)) * per_row)
+        if param.trainable or cost.at_construction:  # ranks [0, full) hold a full chunk, rank full the rest
+            full, rest = divmod(rows, chunk) if chunk else (0, 0)
+            steps[0] += cost.bytes_for(chunk * per_row) - cost.bytes_for(0)
+            steps[full] += cost.bytes_for(rest * per_row) - cost.bytes_for(chunk * per_row)
+            steps[min(full + 1, size)] -= cost.bytes_for(rest * per_row) - cost.bytes_for(0)
+            empty += cost.bytes_for(0)
         if param.trainable:
             grads += chunk * per_row * dtype.itemsize
             grad_bytes = size * chunk * per_row * (reduce_dtype or param.dtype).itemsize
@@ -271,6 +275,7 @@ def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
         )
         if size_
     )
+    state = list(itertools.accumulate(steps[:size], initial=empty))[1:]
     ranks = tuple(RankMemory(sharded, grads, state[rank], 0, other) for rank in range(size))
     all_gathered = sum(gathered.values())
     sends = (
