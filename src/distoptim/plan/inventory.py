@@ -153,7 +153,8 @@ def transformer(total: int, dtype: torch.dtype = torch.float32) -> Inventory:
     if rest:
         params.append(ParamSpec("head.bias", (rest,), dtype, True))
     description = (
-        f"{total:,} parameters modelled as a GPT-style transformer: {layers} layers of width {width}, "
+        f"{total:,} parameters modelled as a GPT-style transformer: {layers} layer{'s' if layers > 1 else ''} "
+        f"of width {width}, "
         f"tied embedding {rows:,} x {width}{f' (+{rest} to make the total exact)' if rest else ''}; "
         "FSDP units: one per layer, the embedding and final norm in the root"
     )
