@@ -417,3 +417,11 @@ def test_bad_input_is_one_line_and_exit_status_2(
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("python -m distoptim plan: error:"), captured.err
     assert message in captured.err
+
+
+def test_python_m_distoptim_plan_runs_the_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    from distoptim.__main__ import main as distoptim_main
+
+    assert distoptim_main(["plan", "--params", "1e6", "--world-size", "2", "--optimizer", "sgd", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == 10**6 and report["world_size"] == 2
