@@ -400,6 +400,8 @@ def test_table_says_what_is_not_counted(capsys: pytest.CaptureFixture[str]) -> N
         (["--params", "7e9", "--world-size", "8", "--optimizer", "lion"], "unknown optimizer 'lion'"),
         (["--params", "7e9", "--world-size", "8", "--gpu-memory", "80 gigs"], "bad size '80 gigs'"),
         (["--params", "seven", "--world-size", "8"], "bad parameter count 'seven'"),
+        (["--params", "1e999", "--world-size", "8"], "bad parameter count '1e999': too large"),
+        (["--params", "7e9", "--world-size", "8", "--optimizer-arg", "momentum"], "expected KEY=VALUE"),
         (["--params", "7e9", "--world-size", "0"], "--world-size must be at least 1"),
         (["--params", "7e9", "--world-size", "8", "--dtype", "fp8"], "unknown dtype 'fp8'"),
         (["--params", "7e9"], "the following arguments are required: --world-size"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -41,8 +42,8 @@ def _parse(text: str, units: dict[str, int], what: str, example: str) -> int:
         choices = ", ".join(u for u in units if u) or "none"
         raise ValueError(f"bad {what} {text!r}: a number with an optional unit ({choices}), e.g. {example}")
     value = float(match.group(1)) * units[unit]
-    if value != int(value) and units[unit] == 1 and what == "parameter count":
-        raise ValueError(f"bad {what} {text!r}: a whole number of parameters, e.g. {example}")
+    if not math.isfinite(value):
+        raise ValueError(f"bad {what} {text!r}: too large")
     return round(value)
 
 

@@ -121,18 +121,19 @@ def _ddp(inventory: Inventory, config: PlanConfig) -> ModePlan:
     params, master = inventory.params, config.master_dtype
     trainable = [p for p in params if p.trainable]
     grad_bytes = sum(p.nbytes for p in trainable)
-    upcast = sum(p.numel * master.itemsize for p in trainable if _mastered(p, master)) if master else 0
+    masters = sum(p.numel * master.itemsize for p in trainable if _mastered(p, master)) if master else 0
     memory = RankMemory(
         params=sum(p.nbytes for p in params),
         grads=grad_bytes * (1 if config.gradient_as_bucket_view else 2),
         state=_plain_state(params, config),
-        master=upcast,
-        other=(("master gradients during step", upcast),) if upcast else (),
+        master=masters,
+        other=(("master gradients during step", masters),) if masters else (),
     )
     notes = [
-        "gradients: DDP's buckets and .grad"
-        + (" (gradient_as_bucket_view=True: .grad is a view of the buckets)" if config.gradient_as_bucket_view else "")
-        + ", both full size"
+        "gradients: DDP's buckets, which .grad views (gradient_as_bucket_view=True)"
+        if config.gradient_as_bucket_view
+        else "gradients: DDP's buckets and a separate .grad, each the full gradient (gradient_as_bucket_view=False, "
+        "DDP's default)"
     ]
     if master:
         notes.append(f"master weights: a {_name(master)} copy of every trainable parameter, which the optimizer steps")
