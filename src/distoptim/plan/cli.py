@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 
 from distoptim.plan.inventory import Inventory, from_factory, load_factory, transformer
-from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, plan_modes
+from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, dtype_name, plan_modes
 from distoptim.plan.state import resolve_optimizer, state_cost
 from distoptim.zero.partition import MODES as PARTITIONS
 
@@ -146,27 +146,23 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     return build_report(inventory, config, gpu_memory)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | None) -> dict[str, Any]:
     """Everything the table shows, as plain data (what ``--json`` prints)."""
     master = config.master_dtype
     step_dtypes = {master if master is not None else p.dtype for p in inventory.params if p.trainable}
-    costs = {_name(dtype): state_cost(config.optimizer, dtype) for dtype in sorted(step_dtypes, key=str)}
+    costs = {dtype_name(dtype): state_cost(config.optimizer, dtype) for dtype in sorted(step_dtypes, key=str)}
     return {
         "model": inventory.description,
         "parameters": inventory.numel,
         "trainable_parameters": sum(p.numel for p in inventory.params if p.trainable),
-        "parameter_dtypes": sorted({_name(p.dtype) for p in inventory.params}),
+        "parameter_dtypes": sorted({dtype_name(p.dtype) for p in inventory.params}),
         "world_size": config.world_size,
         "optimizer": config.optimizer.name,
         "state_bytes": {
             name: {"per_element": c.per_element, "per_tensor": c.per_tensor, "at_construction": c.at_construction}
             for name, c in costs.items()
         },
-        "master_dtype": None if master is None else _name(master),
+        "master_dtype": None if master is None else dtype_name(master),
         "partition": config.partition,
         "gpu_memory": gpu_memory,
         "counted": "parameters, gradients, optimizer state, master weights, communication buffers",

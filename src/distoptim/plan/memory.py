@@ -25,7 +25,7 @@ from distoptim.plan.state import OptimizerSpec, state_cost
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import PartitionPlan, partition_parameters
 
-__all__ = ["MODES", "ModePlan", "PlanConfig", "RankMemory", "plan_modes"]
+__all__ = ["MODES", "ModePlan", "PlanConfig", "RankMemory", "dtype_name", "plan_modes"]
 
 MODES = ("ddp", "zero1", "zero2_hook", "sharded_data_parallel", "fsdp2")
 DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
@@ -109,7 +109,8 @@ def _mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
     return master is not None and param.dtype != master
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -136,7 +137,9 @@ def _ddp(inventory: Inventory, config: PlanConfig) -> ModePlan:
         "DDP's default)"
     ]
     if master:
-        notes.append(f"master weights: a {_name(master)} copy of every trainable parameter, which the optimizer steps")
+        notes.append(
+            f"master weights: a {dtype_name(master)} copy of every trainable parameter, which the optimizer steps"
+        )
     sends = (("all-reduce of gradients", _all_reduce(grad_bytes, config.world_size)),)
     return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
 
@@ -230,9 +233,8 @@ class _ZeroShards:
         )
         notes = (
             shard_note,
-            f"gradients: this rank's owned elements in {_name(reduce_dtype) if reduce_dtype else 'their own dtype'}, "
-            "plus at most two "
-            f"buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled: not yet measured)",
+            f"gradients: this rank's owned elements in {dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, "
+            f"plus at most two buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled)",
             "no parameter-sync staging buffers assumed (ShardedDataParallel syncs per bucket)",
         )
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes)
@@ -289,5 +291,7 @@ def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
         "padded per parameter; unsharded units modelled (FSDP2's own prefetching decides the real peak)"
     ]
     if master:
-        notes.append(f"sharded parameters are the {_name(master)} master weights (MixedPrecisionPolicy(param_dtype))")
+        notes.append(
+            f"sharded parameters are the {dtype_name(master)} master weights (MixedPrecisionPolicy(param_dtype))"
+        )
     return ModePlan("fsdp2", "FSDP2 (ZeRO-3)", ranks, sends, tuple(notes))
