@@ -1,5 +1,5 @@
-"""``python -m distoptim {demo,bench,checkpoint} [options]``: the demo training run, the ZeRO benchmark, or a
-checkpoint conversion."""
+"""``python -m distoptim {demo,bench,checkpoint,plan} [options]``: the demo training run, the ZeRO benchmark, a
+checkpoint conversion, or the memory planner."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-USAGE = """usage: python -m distoptim {demo,bench,checkpoint} [options]
+USAGE = """usage: python -m distoptim {demo,bench,checkpoint,plan} [options]
 
   demo   train a small transformer LM on N local ranks with DDP + ZeroRedundancyOptimizer(AdamW)
   bench  compare DDP + AdamW, torch's ZeroRedundancyOptimizer and distoptim's (runs benchmarks/bench_zero.py;
          needs a source checkout)
   checkpoint  convert a sharded (torch.distributed.checkpoint) optimizer checkpoint to or from torch.optim's format
+  plan   bytes per rank (parameters, gradients, optimizer state, master weights) and bytes sent per step for DDP,
+         ZeRO-1, ZeRO-2, ShardedDataParallel and FSDP2, and which fit in --gpu-memory
 
-'python -m distoptim demo --help' and 'python -m distoptim bench --help' explain the options."""
+'python -m distoptim demo --help' (bench, plan likewise) explains the options."""
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_zero.py"
 
@@ -36,11 +38,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distoptim.zero.convert import main as convert_main
 
         return convert_main(rest)
+    if command == "plan":
+        from distoptim.plan.cli import main as plan_main
+
+        return plan_main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
     problem = f"unknown command {command!r}" if command else "a command is required"
-    print(f"python -m distoptim: error: {problem} (choose demo, bench or checkpoint; see --help)", file=sys.stderr)
+    print(
+        f"python -m distoptim: error: {problem} (choose demo, bench, checkpoint or plan; see --help)", file=sys.stderr
+    )
     return 2
 
 

@@ -1,0 +1,297 @@
+"""Bytes per rank for each way of training data-parallel, from the same arithmetic the library runs.
+
+ZeRO's shards come from ``distoptim.zero.partition.partition_parameters`` called exactly as
+``ZeroRedundancyOptimizer`` calls it (element counts, trainability, (device, dtype) keys, the chosen partition), the
+optimizer state from ``state.state_cost`` (measured from ``torch.optim``), and the parameter sync's staging buffers
+from ``distoptim.zero.buckets``' rule. DDP, ``ShardedDataParallel`` and FSDP2 are modelled from what they allocate;
+each mode's ``notes`` say what is assumed. Activations, the CUDA context, allocator fragmentation and
+``torch.optim``'s temporaries inside ``step()`` are not counted.
+
+Bytes sent per step (per rank, every rank alike) follow bandwidth-optimal ring collectives over equal chunks, which
+is what NCCL runs: an all-reduce of ``S`` bytes sends ``2 (N-1)/N S``; a reduce-scatter or all-gather of a layout
+sends ``(N-1) c`` where ``c`` is its largest rank's chunk (every chunk padded to it, ``(N-1)/N S`` when balanced).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
+from distoptim.plan.state import OptimizerSpec, state_cost
+from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
+from distoptim.zero.partition import PartitionPlan, partition_parameters
+
+__all__ = ["MODES", "ModePlan", "PlanConfig", "RankMemory", "dtype_name", "plan_modes"]
+
+MODES = ("ddp", "zero1", "zero2_hook", "sharded_data_parallel", "fsdp2")
+DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
+MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How the model is trained: the settings that change the bytes."""
+
+    world_size: int
+    optimizer: OptimizerSpec
+    master_dtype: torch.dtype | None = None
+    partition: str = "even"  # ZeRO's; the planner's default (ZeroRedundancyOptimizer's own default is greedy)
+    gradient_as_bucket_view: bool = False  # DDP's (its default: False)
+    bucket_cap_mb: float = 25.0  # ShardedDataParallel's
+    reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds: parameters, gradient storage, optimizer state, master weights, and ``other`` named
+    buffers (communication staging, unsharded FSDP units, gradients upcast for the step)."""
+
+    params: int
+    grads: int
+    state: int
+    master: int
+    other: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def other_total(self) -> int:
+        return sum(size for _, size in self.other)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.state + self.master + self.other_total
+
+
+@dataclass(frozen=True)
+class ModePlan:
+    """One mode's figures: per rank, bytes sent per step by collective, and what the model assumes."""
+
+    key: str
+    title: str
+    ranks: tuple[RankMemory, ...]
+    sends: tuple[tuple[str, int], ...]
+    notes: tuple[str, ...]
+
+    @property
+    def sends_total(self) -> int:
+        return sum(size for _, size in self.sends)
+
+    def peak(self) -> tuple[int, RankMemory]:
+        """The rank that holds the most (the lowest such rank) and its figures."""
+        rank = max(range(len(self.ranks)), key=lambda r: (self.ranks[r].total, -r))
+        return rank, self.ranks[rank]
+
+
+def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
+    """DDP, ZeRO-1, the ZeRO-2 hook, ShardedDataParallel and FSDP2 for ``inventory`` trained as ``config`` says."""
+    if config.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {config.world_size}")
+    plan = partition_parameters(
+        [p.numel for p in inventory.params],
+        [p.trainable for p in inventory.params],
+        config.world_size,
+        mode=config.partition,
+        keys=[(DEVICE, p.dtype) for p in inventory.params],
+    )
+    zero = _ZeroShards(inventory.params, plan, config)
+    return [_ddp(inventory, config), *zero.modes(), _fsdp2(inventory, config)]
+
+
+def _step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
+    """The dtype the optimizer steps ``param`` in: a master copy's unless the parameter already has that dtype."""
+    return master if master is not None and param.dtype != master else param.dtype
+
+
+def _mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
+    return master is not None and param.dtype != master
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _all_reduce(nbytes: int, world_size: int) -> int:
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def _ddp(inventory: Inventory, config: PlanConfig) -> ModePlan:
+    params, master = inventory.params, config.master_dtype
+    trainable = [p for p in params if p.trainable]
+    grad_bytes = sum(p.nbytes for p in trainable)
+    masters = sum(p.numel * master.itemsize for p in trainable if _mastered(p, master)) if master else 0
+    memory = RankMemory(
+        params=sum(p.nbytes for p in params),
+        grads=grad_bytes * (1 if config.gradient_as_bucket_view else 2),
+        state=_plain_state(params, config),
+        master=masters,
+        other=(("master gradients during step", masters),) if masters else (),
+    )
+    notes = [
+        "gradients: DDP's buckets, which .grad views (gradient_as_bucket_view=True)"
+        if config.gradient_as_bucket_view
+        else "gradients: DDP's buckets and a separate .grad, each the full gradient (gradient_as_bucket_view=False, "
+        "DDP's default)"
+    ]
+    if master:
+        notes.append(
+            f"master weights: a {dtype_name(master)} copy of every trainable parameter, which the optimizer steps"
+        )
+    sends = (("all-reduce of gradients", _all_reduce(grad_bytes, config.world_size)),)
+    return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
+
+
+def _plain_state(params: Sequence[ParamSpec], config: PlanConfig) -> int:
+    """A plain optimizer over every parameter: state for the trainable ones, and for frozen ones too when the
+    optimizer makes its state at construction (Adagrad)."""
+    total = 0
+    for param in params:
+        cost = state_cost(config.optimizer, _step_dtype(param, config.master_dtype if param.trainable else None))
+        if param.trainable or cost.at_construction:
+            total += cost.bytes_for(param.numel)
+    return total
+
+
+class _ZeroShards:
+    """What each rank owns under the partition plan, and the three modes that shard optimizer state by it."""
+
+    def __init__(self, params: Sequence[ParamSpec], plan: PartitionPlan, config: PlanConfig) -> None:
+        self.params, self.plan, self.config = params, plan, config
+        size, master = config.world_size, config.master_dtype
+        self.state, self.master, self.owned = [0] * size, [0] * size, [0] * size
+        self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
+        reduce_size = config.reduce_dtype.itemsize if config.reduce_dtype else None
+        for param, fragments in zip(params, plan.fragments):
+            cost = state_cost(config.optimizer, _step_dtype(param, master))
+            for fragment in fragments:
+                self.state[fragment.rank] += cost.bytes_for(fragment.length)
+                if master is not None and _mastered(param, master):
+                    self.master[fragment.rank] += fragment.length * master.itemsize
+                self.owned[fragment.rank] += fragment.length * (reduce_size or param.dtype.itemsize)
+                piece_bytes = fragment.length * param.dtype.itemsize
+                if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
+                    self.staging += piece_bytes
+
+    def _gather_bytes(self, itemsize: int | None = None) -> int:
+        """Sent by one rank to reduce-scatter or all-gather every layout in equal chunks of its largest rank's."""
+        total = 0
+        for layout in self.plan.layouts:
+            dtype: torch.dtype = layout.key[1]  # type: ignore[index]  # the (device, dtype) key given above
+            chunk = max((b[r + 1] - b[r] for b in layout.bounds for r in range(len(b) - 1)), default=0)
+            total += (self.config.world_size - 1) * chunk * (itemsize or dtype.itemsize)
+        return total
+
+    def _memory(self, rank: int, params: int, grads: int, extra: tuple[tuple[str, int], ...]) -> RankMemory:
+        other = list(extra)
+        if self.master[rank]:
+            other.append(("master gradients during step", self.master[rank]))
+        return RankMemory(params, grads, self.state[rank], self.master[rank], tuple(other))
+
+    def modes(self) -> list[ModePlan]:
+        """ZeRO-1 and the ZeRO-2 hook (under DDP, which keeps full gradients) and ShardedDataParallel."""
+        config, size = self.config, self.config.world_size
+        params = sum(p.nbytes for p in self.params)
+        grad_bytes = sum(p.nbytes for p in self.params if p.trainable)
+        ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
+        staging = (("parameter sync staging", self.staging),) if self.staging else ()
+        under_ddp = tuple(self._memory(rank, params, ddp_grads, staging) for rank in range(size))
+        gather = ("all-gather of parameters", self._gather_bytes())
+        loads = self.plan.loads()
+        largest = max(range(size), key=lambda rank: (loads[rank], -rank))
+        shard_note = (
+            f"optimizer state and master weights of this rank's shard only ({config.partition} partition; the "
+            f"largest shard, rank {largest}'s, has {loads[largest]:,} of {sum(loads):,} trainable elements)"
+        )
+        ddp_note = (
+            "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
+            "StagedSync (pieces under 1 MiB go through staging buffers kept between steps)"
+        )
+        all_reduce = ("all-reduce of gradients", _all_reduce(grad_bytes, size))
+        zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note))
+        reduce_scatter = ("reduce-scatter of gradients", self._gather_bytes())
+        zero2_note = "reduce_to_owners_hook: DDP still holds full gradients; only the bytes sent shrink"
+        zero2 = ModePlan(
+            "zero2_hook", "ZeRO-2 hook", under_ddp, (reduce_scatter, gather), (shard_note, ddp_note, zero2_note)
+        )
+        return [zero1, zero2, self._sharded_data_parallel(params, gather, shard_note)]
+
+    def _sharded_data_parallel(self, params: int, gather: tuple[str, int], shard_note: str) -> ModePlan:
+        config, reduce_dtype = self.config, self.config.reduce_dtype
+        grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
+        all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
+        in_flight = min(2 * int(config.bucket_cap_mb * MB), all_grads)
+        ranks = tuple(
+            self._memory(rank, params, self.owned[rank], (("gradient buckets in flight (at most)", in_flight),))
+            for rank in range(config.world_size)
+        )
+        reduce_scatter = (
+            "reduce-scatter of gradients",
+            self._gather_bytes(reduce_dtype.itemsize if reduce_dtype else None),
+        )
+        notes = (
+            shard_note,
+            f"gradients: this rank's owned elements in {dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, "
+            f"plus at most two buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled)",
+            "no parameter-sync staging buffers assumed (ShardedDataParallel syncs per bucket)",
+        )
+        return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes)
+
+
+def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
+    """``fully_shard`` on every unit, ``reshard_after_forward=True``; with master weights, fp32 sharded parameters
+    under ``MixedPrecisionPolicy(param_dtype=...)``. Each parameter is cut along dim 0 into ``ceil(rows / N)``-row
+    chunks; parameters and gradients are stored padded to a full chunk, optimizer state unpadded (rank r's rows)."""
+    size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
+    sharded = grads = empty = 0  # the same on every rank (padded); state every rank has, even for an empty shard
+    steps = [0] * (size + 1)  # state bytes beyond ``empty``, as differences between neighbouring ranks
+    gathered: dict[int, int] = {}  # unit -> bytes of its gathered parameters (padded, in the compute dtype)
+    gathered_grads: dict[int, int] = {}  # unit -> bytes of its unsharded gradient (in the reduce dtype)
+    for param in inventory.params:
+        rows = param.shape[0] if param.shape else 1
+        per_row = param.numel // rows if rows else 0
+        chunk = -(-rows // size)
+        dtype = _step_dtype(param, master)
+        sharded += chunk * per_row * dtype.itemsize
+        gathered[param.unit] = gathered.get(param.unit, 0) + size * chunk * per_row * param.dtype.itemsize
+        cost = state_cost(config.optimizer, dtype)
+        if param.trainable or cost.at_construction:  # ranks [0, full) hold a full chunk, rank full the rest
+            full, rest = divmod(rows, chunk) if chunk else (0, 0)
+            steps[0] += cost.bytes_for(chunk * per_row) - cost.bytes_for(0)
+            steps[full] += cost.bytes_for(rest * per_row) - cost.bytes_for(chunk * per_row)
+            steps[min(full + 1, size)] -= cost.bytes_for(rest * per_row) - cost.bytes_for(0)
+            empty += cost.bytes_for(0)
+        if param.trainable:
+            grads += chunk * per_row * dtype.itemsize
+            grad_bytes = size * chunk * per_row * (reduce_dtype or param.dtype).itemsize
+            gathered_grads[param.unit] = gathered_grads.get(param.unit, 0) + grad_bytes
+    root = gathered.get(ROOT_UNIT, 0)
+    blocks = sorted((b for unit, b in gathered.items() if unit != ROOT_UNIT), reverse=True)
+    other = tuple(
+        (name, size_)
+        for name, size_ in (
+            ("root unit gathered (not resharded after forward)", root),
+            ("two largest units gathered (computing + prefetched)", sum(blocks[:2])),
+            ("largest unit's unsharded gradient", max(gathered_grads.values(), default=0)),
+        )
+        if size_
+    )
+    state = list(itertools.accumulate(steps[:size], initial=empty))[1:]
+    ranks = tuple(RankMemory(sharded, grads, state[rank], 0, other) for rank in range(size))
+    all_gathered = sum(gathered.values())
+    sends = (
+        ("all-gather of parameters, forward", (size - 1) * all_gathered // size),
+        ("all-gather of parameters, backward", (size - 1) * (all_gathered - root) // size),
+        ("reduce-scatter of gradients", (size - 1) * sum(gathered_grads.values()) // size),
+    )
+    notes = [
+        "fully_shard on each unit and the root, reshard_after_forward=True; parameters sharded along dim 0, "
+        "padded per parameter; unsharded units modelled (FSDP2's own prefetching decides the real peak)"
+    ]
+    if master:
+        notes.append(
+            f"sharded parameters are the {dtype_name(master)} master weights (MixedPrecisionPolicy(param_dtype))"
+        )
+    return ModePlan("fsdp2", "FSDP2 (ZeRO-3)", ranks, sends, tuple(notes))

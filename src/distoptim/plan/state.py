@@ -1,0 +1,106 @@
+"""Optimizer-state bytes, measured from ``torch.optim`` itself rather than from a hand-written table.
+
+The planner steps the optimizer once on a few tiny CPU tensors in the dtype it will step in and counts the bytes of
+the state it made: ``per_element`` bytes for every element of the stepped tensor (Adam's two moments) plus
+``per_tensor`` bytes for every stepped tensor (Adam's ``step`` count, a 4-byte float32 scalar that torch keeps on
+the CPU unless ``capturable`` or ``fused``). Sizes 3, 7 and a (3, 5) matrix must agree on that line: an optimizer
+whose state is not proportional to its parameter's size (Adafactor's factored moments) is refused. Only the
+elementwise optimizers that ZeRO's even partition may split (``distoptim.zero.elementwise``) are accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from distoptim.zero.elementwise import is_elementwise
+
+__all__ = ["OptimizerSpec", "StateCost", "resolve_optimizer", "state_cost"]
+
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "sgd-momentum": ("SGD", {"momentum": 0.9}),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer class and the keyword arguments that decide its state (``momentum``, ``centered``...)."""
+
+    cls: type[Optimizer]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        settings = ", ".join(f"{key}={value!r}" for key, value in self.kwargs)
+        return f"{self.cls.__name__}({settings})" if settings else self.cls.__name__
+
+
+@dataclass(frozen=True)
+class StateCost:
+    """Bytes of state for a stepped tensor of ``n`` elements: ``per_element * n + per_tensor``. ``at_construction``:
+    the optimizer makes that state when it is built, for every parameter it is given, frozen ones too (Adagrad)."""
+
+    per_element: int
+    per_tensor: int
+    at_construction: bool = False
+
+    def bytes_for(self, numel: int) -> int:
+        return self.per_element * numel + self.per_tensor
+
+
+def resolve_optimizer(name: str, kwargs: Mapping[str, Any] | None = None) -> OptimizerSpec:
+    """``"adamw"``, ``"AdamW"``, ``"sgd-momentum"``...: a ``torch.optim`` class by name (case-insensitive)."""
+    settings = dict(kwargs or {})
+    alias = ALIASES.get(name.lower())
+    if alias is not None:
+        name, settings = alias[0], {**alias[1], **settings}
+    classes = {
+        attribute.lower(): value
+        for attribute in dir(torch.optim)
+        if isinstance(value := getattr(torch.optim, attribute), type) and issubclass(value, Optimizer)
+    }
+    cls = classes.get(name.lower())
+    if cls is None or not is_elementwise(cls):
+        choices = ", ".join(sorted([*ALIASES, *(key for key, value in classes.items() if is_elementwise(value))]))
+        raise ValueError(f"unknown optimizer {name!r}: choose one of {choices}")
+    return OptimizerSpec(cls, tuple(sorted(settings.items())))
+
+
+def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype) -> StateCost:
+    """What one step of ``optimizer`` leaves in its state for a tensor stepped in ``dtype`` (measured, cached)."""
+    return _measured(optimizer, dtype)
+
+
+@functools.cache
+def _measured(optimizer: OptimizerSpec, dtype: torch.dtype) -> StateCost:
+    sizes = {shape: _state_bytes(optimizer, dtype, shape) for shape in ((3,), (7,), (3, 5))}
+    per_element, remainder = divmod(sizes[(7,)] - sizes[(3,)], 4)
+    per_tensor = sizes[(3,)] - 3 * per_element
+    cost = StateCost(per_element, per_tensor, _state_bytes(optimizer, dtype, (3,), step=False) > 0)
+    if remainder or cost.bytes_for(15) != sizes[(3, 5)] or per_tensor < 0:
+        raise ValueError(
+            f"{optimizer.name}'s state is not proportional to its parameters' sizes (measured {sizes} bytes for "
+            "those shapes); the planner cannot model it"
+        )
+    return cost
+
+
+def _state_bytes(optimizer: OptimizerSpec, dtype: torch.dtype, shape: tuple[int, ...], step: bool = True) -> int:
+    """State bytes after one step on a tensor of ``shape`` (``step=False``: of a frozen one, after construction)."""
+    param = torch.zeros(shape, dtype=dtype, requires_grad=step)
+    try:
+        stepper = optimizer.cls([param], **dict(optimizer.kwargs))
+        if step:
+            param.grad = torch.ones_like(param)
+            stepper.step()
+    except Exception as error:
+        raise ValueError(
+            f"cannot step {optimizer.name} on a {dtype} tensor to measure its state: {type(error).__name__}: {error}"
+        ) from None
+    values = stepper.state[param].values()
+    return sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor))
