@@ -68,11 +68,23 @@ def _assert_same(actual: Any, expected: Any, where: str) -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
+def _errors(job: Path, rank: int) -> list[str]:
+    """What the job recorded: the plain Trainer's error with a ZeRO optimizer, then ZeroTrainer's for misuse."""
+    return (job / f"errors-rank{rank}.txt").read_text().split("\n")
+
+
 def test_the_plain_trainer_rejects_a_zero_optimizer(job: Path) -> None:
     """The premise: without the integration a ZeRO optimizer fails in ``prepare``, on every rank alike."""
     for rank in range(WORLD_SIZE):
-        error = (job / f"plain-zero-rank{rank}.txt").read_text()
+        error = _errors(job, rank)[0]
         assert "consolidate_state_dict" in error, f"rank {rank}: the plain Trainer did not fail as expected: {error!r}"
+
+
+def test_settings_zero_trainer_cannot_honour_raise_on_every_rank(job: Path) -> None:
+    expected = ["optimizer_checkpoint must be one of", "needs a distoptim ZeroRedundancyOptimizer", "overlap_with_ddp"]
+    for rank in range(WORLD_SIZE):
+        errors = _errors(job, rank)[1:]
+        assert len(errors) == len(expected) and all(e in error for e, error in zip(expected, errors)), errors
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -84,6 +96,8 @@ def test_resume_from_a_trainer_checkpoint_is_bitwise(job: Path, mode: str) -> No
     assert all(int(state["step"]) == 8 for state in full[0]["optimizer"]["state"].values())
     # the log history: the checkpoint's (steps 1-5), then the same gradient norms measured after the resume
     assert len(full[0]["grad_norms"]) == 8 and resumed[0]["grad_norms"] == full[0]["grad_norms"]
+    hook = "reduce_to_owners_hook" if mode == "zero2" else None  # registered on the DDP model anew
+    assert [r["comm_hook"] for r in full + resumed] == [hook] * 2 * WORLD_SIZE
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -5,7 +5,7 @@ rejects a ``ZeroRedundancyOptimizer``, then trains a tiny GPT-2 (built from a co
 ``STEPS`` optimizer steps with each of ``MODES`` (a checkpoint after ``SAVE_STEP``) and with the plain Trainer
 and torch's AdamW under DDP (the references); ``... OUTDIR resume`` resumes each mode from its checkpoint in these
 new processes. Every run writes OUTDIR/{run}-rank{r}.pt: the final parameters, the consolidated optimizer state
-(ZeRO runs) and the gradient norms the Trainer logged.
+(ZeRO runs), the gradient norms the Trainer logged and the DDP model's communication hook.
 
 All runs share the data, the arguments (AdamW with weight decay, clipping that bites, gradient accumulation, a
 linear schedule unless the user passes one) and no dropout, so that they differ only in the optimizer.
@@ -111,6 +111,7 @@ def record(trainer: Trainer, out: Path, run: str) -> None:
     result: dict[str, Any] = {
         "parameters": [p.detach().clone() for p in trainer.model.parameters()],
         "grad_norms": [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry],
+        "comm_hook": trainer.model_wrapped._get_ddp_logging_data().get("comm_hook"),  # the DDP model's, by name
     }
     if isinstance(trainer, ZeroTrainer):
         zero = trainer._zero()
@@ -136,9 +137,30 @@ def plain_trainer_error(out: Path) -> str:
     return ""
 
 
+def misuse_errors(out: Path) -> list[str]:
+    """What ZeroTrainer raises for settings it cannot honour (on every rank, before any collective)."""
+    common = {"args": arguments(out, "misuse", save=False), "train_dataset": TokenDataset()}
+    overlap = {"optimizer_class": torch.optim.AdamW, "lr": LR, "overlap_with_ddp": True}
+    attempts = [
+        lambda: ZeroTrainer(model=make_model(0), optimizer_checkpoint="sharded-please", **common),
+        lambda: ZeroTrainer(model=make_model(0), reduce_to_owners=True, **common).train(),  # the Trainer's AdamW
+        lambda: ZeroTrainer(
+            model=make_model(0), optimizer_cls_and_kwargs=(ZeroRedundancyOptimizer, overlap), **common
+        ).train(),
+    ]
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append("")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
 def full(out: Path) -> None:
-    error = plain_trainer_error(out)
-    (out / f"plain-zero-rank{dist.get_rank()}.txt").write_text(error)
+    errors = [plain_trainer_error(out), *misuse_errors(out)]
+    (out / f"errors-rank{dist.get_rank()}.txt").write_text("\n".join(errors))
     model = make_model(0)  # references: DDP + torch's AdamW, built by the user (as "zero") and by the Trainer
     reference = Trainer(
         model=model,

@@ -67,6 +67,12 @@ class ZeroTrainer(Trainer):
             ``torch.optim``'s format, as the Trainer does for a plain optimizer. A resume loads whichever of the two
             the checkpoint holds.
         *args, **kwargs: ``transformers.Trainer``'s.
+
+    Example, in the script every rank runs (``torchrun --nproc-per-node 2 train.py``)::
+
+        zero = (ZeroRedundancyOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": 3e-4})
+        trainer = ZeroTrainer(model=model, args=args, train_dataset=data, optimizer_cls_and_kwargs=zero)
+        trainer.train()  # trainer.train(resume_from_checkpoint=True) resumes, optimizer shards included
     """
 
     def __init__(
