@@ -1,11 +1,12 @@
 """A ``transformers.Trainer`` job that tests/integration/test_transformers.py starts as torchrun would, twice:
 
-``python -m tests.integration.transformers_job OUTDIR full`` (every rank) first checks that the plain Trainer
-rejects a ``ZeroRedundancyOptimizer``, then trains a tiny GPT-2 (built from a config: nothing is downloaded) for
-``STEPS`` optimizer steps with each of ``MODES`` (a checkpoint after ``SAVE_STEP``) and with the plain Trainer
-and torch's AdamW under DDP (the references); ``... OUTDIR resume`` resumes each mode from its checkpoint in these
-new processes. Every run writes OUTDIR/{run}-rank{r}.pt: the final parameters, the consolidated optimizer state
-(ZeRO runs), the gradient norms the Trainer logged and the DDP model's communication hook.
+``python -m tests.integration.transformers_job OUTDIR full`` (every rank) first records what the plain Trainer
+raises given a ``ZeroRedundancyOptimizer`` and what ZeroTrainer raises for settings it rejects, then trains a tiny
+GPT-2 (built from a config: nothing is downloaded) for ``STEPS`` optimizer steps with each of ``MODES`` (a
+checkpoint after ``SAVE_STEP``) and with the plain Trainer and torch's AdamW under DDP (the references);
+``... OUTDIR resume`` resumes each mode from its checkpoint in these new processes. Every run writes
+OUTDIR/{run}-rank{r}.pt: the final parameters, the consolidated optimizer state (ZeRO runs), the gradient norms the
+Trainer logged and the DDP model's communication hook.
 
 All runs share the data, the arguments (AdamW with weight decay, clipping that bites, gradient accumulation, a
 linear schedule unless the user passes one) and no dropout, so that they differ only in the optimizer.
