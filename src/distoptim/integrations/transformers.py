@@ -1,0 +1,219 @@
+"""``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` driving a ``ZeroRedundancyOptimizer`` (under ``torchrun``).
+
+The plain Trainer fails with a sharded optimizer in two places: Accelerate's ``prepare`` asks every rank for the
+optimizer's ``state_dict()`` (to move the state to the device), and a checkpoint is the main process's
+``state_dict()``; a ZeRO optimizer has its whole state only where ``consolidate_state_dict()``, a collective, put it.
+``ZeroTrainer`` prepares the ZeRO optimizer without that device placement (its state already lives on its
+parameters' device), saves and loads it on every rank, clips the gradient through ``zero.clip_grad_norm_``
+(right with gradients reduced to their owners too) and, with ``reduce_to_owners=True``, registers
+``distoptim.hooks.reduce_to_owners_hook`` on the DDP model Accelerate builds (ZeRO-2). With any other optimizer it is
+the plain Trainer. docs/guides/transformers.md says what is not supported and why.
+
+Accelerate's ``prepare`` moves the model to its device, ``cpu:0`` on CPU ranks, and ``Tensor.to("cpu:0")`` copies:
+every parameter gets new storage after the ZeRO optimizer was built, leaving behind the views it steps (the pieces of
+parameters an even partition splits) or syncs (``parameters_as_bucket_view``). When training begins, a ZeRO
+optimizer whose parameters moved is rebuilt over their new storage (state kept).
+
+This module imports ``transformers``; ``import distoptim`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer import SCHEDULER_NAME
+except ImportError as error:  # pragma: no cover - exercised only where transformers is missing
+    raise ImportError(
+        "distoptim.integrations.transformers needs Hugging Face transformers: pip install transformers"
+    ) from error
+
+from distoptim import checkpoint
+from distoptim.zero import agreement
+from distoptim.zero.grad_sharding import reduce_to_owners_hook
+from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["SHARDS_DIR", "ZeroTrainer"]
+
+SHARDS_DIR = "optimizer_shards"
+"""The sharded optimizer state's directory in a Trainer checkpoint (``torch.distributed.checkpoint``, one file per
+rank). Its name contains "optimizer", so a plain Trainer resuming from it fails loudly (no ``optimizer.pt``) instead
+of silently starting the optimizer afresh."""
+
+CHECKPOINT_FORMATS = ("sharded", "consolidated")
+
+
+class ZeroTrainer(Trainer):
+    """``transformers.Trainer`` that can step, checkpoint and resume a ``ZeroRedundancyOptimizer``.
+
+    Pass the optimizer as for any Trainer: ``optimizers=(zero, scheduler)`` (a scheduler or ``None``), or
+    ``optimizer_cls_and_kwargs=(ZeroRedundancyOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": ...})``, which
+    builds it over the Trainer's weight-decay groups. Launch every rank (``torchrun``).
+
+    Args:
+        reduce_to_owners: register ``reduce_to_owners_hook`` on the Trainer's DDP model, so that each rank receives
+            the averaged gradient of what it owns only (ZeRO-2); needs a ``ZeroRedundancyOptimizer`` over all of the
+            model's trainable parameters.
+        optimizer_checkpoint: ``"sharded"`` (default): every rank writes its shard into the checkpoint's
+            ``optimizer_shards/`` with ``distoptim.checkpoint.save`` (loadable at any world size and partition);
+            ``"consolidated"``: the shards are gathered onto rank 0, which writes ``optimizer.pt`` in
+            ``torch.optim``'s format, as the Trainer does for a plain optimizer. A resume loads whichever of the two
+            the checkpoint holds.
+        *args, **kwargs: ``transformers.Trainer``'s.
+
+    Example, in the script every rank runs (``torchrun --nproc-per-node 2 train.py``)::
+
+        zero = (ZeroRedundancyOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": 3e-4})
+        trainer = ZeroTrainer(model=model, args=args, train_dataset=data, optimizer_cls_and_kwargs=zero)
+        trainer.train()  # trainer.train(resume_from_checkpoint=True) resumes, optimizer shards included
+    """
+
+    def __init__(
+        self, *args: Any, reduce_to_owners: bool = False, optimizer_checkpoint: str = "sharded", **kwargs: Any
+    ) -> None:
+        if optimizer_checkpoint not in CHECKPOINT_FORMATS:
+            raise ValueError(f"optimizer_checkpoint must be one of {CHECKPOINT_FORMATS}, got {optimizer_checkpoint!r}")
+        super().__init__(*args, **kwargs)
+        if optimizer_checkpoint == "consolidated" and self.args.save_on_each_node:
+            raise ValueError(
+                "optimizer_checkpoint='consolidated' gathers the optimizer state onto rank 0 only, so it cannot be "
+                "saved on each node (save_on_each_node=True): use optimizer_checkpoint='sharded' on a file system "
+                "every node sees, or save_on_each_node=False"
+            )
+        self.reduce_to_owners = reduce_to_owners
+        self.optimizer_checkpoint = optimizer_checkpoint
+        self._hooked_model: nn.Module | None = None
+        self._storage = _storage_of(self._zero())  # where a ZeRO optimizer passed in found its parameters
+        self.add_callback(_AfterPrepare(self))
+
+    def _zero(self) -> ZeroRedundancyOptimizer | None:
+        """The ZeroRedundancyOptimizer this Trainer steps (inside Accelerate's wrapper once prepared), or None."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+    # ------------------------------------------------------------------------------------------- training
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer; a ZeRO one comes back prepared by Accelerate without device placement, which
+        would call ``state_dict()`` on every rank (``prepare`` keeps an optimizer it has prepared already)."""
+        optimizer = super().create_optimizer(model)
+        zero = self._zero()
+        if zero is None:
+            if self.reduce_to_owners:
+                raise ValueError(
+                    "ZeroTrainer(reduce_to_owners=True) needs a distoptim ZeroRedundancyOptimizer, got "
+                    f"{type(optimizer).__name__}: pass one (optimizers=... or optimizer_cls_and_kwargs=...) or drop "
+                    "reduce_to_owners"
+                )
+            return optimizer
+        if zero.overlap_stepper is not None:
+            raise ValueError(
+                "a ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, before the Trainer "
+                "clips the gradient and calls step(): build it with overlap_with_ddp=False (reduce_to_owners=True "
+                "keeps ZeRO-2's gradient sharding)"
+            )
+        if optimizer is zero:
+            optimizer = self.optimizer = self.accelerator.prepare(zero, device_placement=[False])
+        self._storage = self._storage or _storage_of(zero)
+        return optimizer
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """Clip to ``args.max_grad_norm`` from each rank's owned gradient (one scalar all-reduce)."""
+        zero = self._zero()
+        if zero is None:
+            return super()._clip_grad_norm(model)  # type: ignore[no-untyped-call]
+        self.accelerator.unscale_gradients()
+        return zero.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """The gradient norm the Trainer logs, measured as ``_clip_grad_norm`` does when it did not run."""
+        zero = self._zero()
+        if zero is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm)  # type: ignore[no-untyped-call]
+        self.accelerator.unscale_gradients()
+        return zero.clip_grad_norm_(math.inf)
+
+    def _after_prepare(self) -> None:
+        """Once Accelerate has wrapped the model: rebuild the ZeRO optimizer if its parameters moved, register the
+        ZeRO-2 hook on the DDP model (once per DDP model)."""
+        zero, model = self._zero(), self.model_wrapped
+        if zero is None:
+            return
+        if _storage_of(zero) != self._storage:
+            zero._repartition()  # its views follow the parameters to their new storage; owners and state stay
+            self._storage = _storage_of(zero)
+        if not self.reduce_to_owners or model is self._hooked_model:
+            return
+        if not isinstance(model, DistributedDataParallel):
+            if zero.world_size == 1:
+                return  # one rank owns everything: its gradient needs no reduction
+            raise ValueError(
+                f"reduce_to_owners=True needs the Trainer's model wrapped in DistributedDataParallel, got "
+                f"{type(model).__name__}: launch the ranks with torchrun and leave the DDP wrapping to the Trainer"
+            )
+        model.register_comm_hook(zero, reduce_to_owners_hook)
+        self._hooked_model = model
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank saves its shard (or sends it to rank 0, which writes ``optimizer.pt``); rank 0 the scheduler."""
+        zero = self._zero()
+        if zero is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.optimizer_checkpoint == "consolidated":
+            zero.consolidate_state_dict(to=0)  # the Trainer then writes rank 0's state_dict()
+            return super()._save_optimizer_and_scheduler(output_dir)
+        shards = os.path.join(output_dir, SHARDS_DIR)
+        checkpoint.save({"optim": zero.sharded_state_dict()}, shards, process_group=zero.process_group)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        """Load the shards every rank saved, or ``optimizer.pt`` on every rank (each keeps its shard); the scheduler."""
+        zero = self._zero()
+        if zero is None or checkpoint_dir is None or not self._holds_shards(zero, checkpoint_dir):
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        state = {"optim": zero.sharded_state_dict()}
+        checkpoint.load(state, os.path.join(checkpoint_dir, SHARDS_DIR), process_group=zero.process_group)
+        zero.load_sharded_state_dict(state["optim"])
+        scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        return None
+
+    @staticmethod
+    def _holds_shards(zero: ZeroRedundancyOptimizer, checkpoint_dir: str) -> bool:
+        """Whether ``checkpoint_dir`` has sharded optimizer state, agreed by all ranks (they load it together)."""
+        shards = os.path.join(checkpoint_dir, SHARDS_DIR)
+        return agreement.run_agreed(
+            lambda: os.path.isdir(shards),
+            zero.process_group,
+            f"looking for the optimizer shards in {shards}",
+            then_agree_on=lambda found: {"whether the directory exists: {}": found},
+            fix="resume from a checkpoint directory that every rank sees",
+        )
+
+
+def _storage_of(zero: ZeroRedundancyOptimizer | None) -> list[int] | None:
+    """Where the optimizer's parameters keep their elements now."""
+    return None if zero is None else [param.data_ptr() for param in zero.global_params]
+
+
+class _AfterPrepare(TrainerCallback):
+    """Calls ``ZeroTrainer._after_prepare`` when training begins: after Accelerate wrapped the model and a resume
+    loaded the state, before the first backward."""
+
+    def __init__(self, trainer: ZeroTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.trainer._after_prepare()
