@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from distoptim import ZeroRedundancyOptimizer, checkpoint
 from distoptim._flat import flat_view
-from distoptim.zero import convert
+from distoptim.zero import convert, sharded
 from distoptim.zero.boxes import memory_range_boxes
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
@@ -248,8 +248,9 @@ def test_conversion_reads_the_flat_format_of_distoptim_0_2(tmp_path: Path) -> No
 
 # --------------------------------------------------------------------------------------------- memory layouts
 def test_memory_range_boxes_tile_the_range_in_any_layout() -> None:
-    """Every range of a dense tensor's elements in memory order is the union of its boxes, each a strided view of
-    the range's 1-D copy that equals the logical slice it stands for."""
+    """Every range of a dense tensor's elements in memory order is the union of its boxes (at most 2 * ndim - 1, or
+    each within a size limit), each a strided view of the range's 1-D copy that equals the logical slice it stands
+    for."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(400):
         shape = [int(n) for n in torch.randint(1, 5, (int(torch.randint(1, 5, (), generator=generator)),))]
@@ -260,10 +261,12 @@ def test_memory_range_boxes_tile_the_range_in_any_layout() -> None:
         offset = int(torch.randint(0, memory.numel() + 1, (), generator=generator))
         length = int(torch.randint(0, memory.numel() - offset + 1, (), generator=generator))
         piece = memory[offset : offset + length].clone()
-        boxes = memory_range_boxes(laid_out.shape, laid_out.stride(), offset, length)
-        assert len(boxes) <= 2 * len(shape) - 1 or length == 0
+        limit = int(torch.randint(1, 9, (), generator=generator)) if offset % 2 else None
+        boxes = memory_range_boxes(laid_out.shape, laid_out.stride(), offset, length, limit)
+        assert limit is not None or len(boxes) <= 2 * len(shape) - 1 or length == 0
         covered = []
         for box in boxes:
+            assert limit is None or torch.Size(box.sizes).numel() <= limit
             window = tuple(slice(at, at + size) for at, size in zip(box.offsets, box.sizes))
             assert torch.equal(piece.as_strided(box.sizes, laid_out.stride(), box.start), logical[window])
             covered += logical[window].reshape(-1).tolist()
@@ -301,8 +304,9 @@ def _conv_zero(params: list[torch.Tensor], partition: str) -> ZeroRedundancyOpti
     return ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition=partition, **CONV_KWARGS)
 
 
-def _layout_save_body(rank: int, world_size: int, root: str, partition: str) -> None:
+def _layout_save_body(rank: int, world_size: int, root: str, partition: str, chunk_bytes: int) -> None:
     """Two steps in each layout; a sharded checkpoint and a consolidated one (``torch.optim``'s format) of each."""
+    sharded.CHUNK_BYTES = chunk_bytes
     for layout in LAYOUTS:
         params = _conv_params(layout)
         zero = _conv_zero(params, partition)
@@ -310,14 +314,17 @@ def _layout_save_body(rank: int, world_size: int, root: str, partition: str) -> 
             assert len(zero.plan.fragments[0]) > 1, "the first convolution straddles ranks"
         _conv_steps(zero, params, range(2))
         checkpoint.save({"optim": zero.sharded_state_dict(), "model": dict(enumerate(params))}, Path(root) / layout)
+        chunks = dcp.FileSystemReader(Path(root) / layout).read_metadata().state_dict_metadata["optim.state.0.exp_avg"]
+        assert all(4 * torch.Size(chunk.sizes).numel() <= chunk_bytes for chunk in chunks.chunks)  # type: ignore[union-attr]
         zero.consolidate_state_dict(to=0)
         if rank == 0:
             torch.save(zero.state_dict(), Path(root) / f"{layout}.pt")
 
 
-def _layout_load_body(rank: int, world_size: int, root: str, partition: str) -> None:
+def _layout_load_body(rank: int, world_size: int, root: str, partition: str, chunk_bytes: int) -> None:
     """Every checkpoint, sharded and consolidated, into every layout: the run goes on as a plain AdamW that never
     stopped (on contiguous parameters), and the consolidated dict loads into that plain AdamW too."""
+    sharded.CHUNK_BYTES = chunk_bytes
     reference = _conv_params("contiguous")
     plain = torch.optim.AdamW(reference, **CONV_KWARGS)
     at = {}
@@ -357,11 +364,15 @@ def _layout_load_body(rank: int, world_size: int, root: str, partition: str) -> 
         assert_same_tensors(params, at[4], f"consolidated from {saved}, into a plain AdamW")
 
 
-@pytest.mark.parametrize(("partition", "save_ranks", "load_ranks"), [("greedy", 2, 2), ("even", 2, 2), ("even", 3, 2)])
+@pytest.mark.parametrize(
+    ("partition", "save_ranks", "load_ranks", "chunk_bytes"),
+    [("greedy", 2, 2, sharded.CHUNK_BYTES), ("even", 2, 2, sharded.CHUNK_BYTES), ("even", 3, 2, 60)],
+)
 def test_checkpoints_are_independent_of_memory_layout(
-    tmp_path: Path, partition: str, save_ranks: int, load_ranks: int
+    tmp_path: Path, partition: str, save_ranks: int, load_ranks: int, chunk_bytes: int
 ) -> None:
     """A channels_last model's checkpoint loads into a contiguous one and back (sharded: by logical index, a split
-    parameter's boxes included; consolidated: torch.optim's parameter-shaped tensors)."""
-    run_on_ranks(_layout_save_body, save_ranks, str(tmp_path), partition)
-    run_on_ranks(_layout_load_body, load_ranks, str(tmp_path), partition, timeout=120)
+    parameter's boxes included, also when cut into chunks of 15 elements; consolidated: torch.optim's
+    parameter-shaped tensors)."""
+    run_on_ranks(_layout_save_body, save_ranks, str(tmp_path), partition, chunk_bytes)
+    run_on_ranks(_layout_load_body, load_ranks, str(tmp_path), partition, chunk_bytes, timeout=120)

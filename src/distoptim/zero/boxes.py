@@ -5,8 +5,10 @@ that is a range of row-major indices too, but not for a ``channels_last`` or tra
 visits the dimensions in another order. Memory order is row-major order over the dimensions sorted by stride, so
 a range of it is a union of at most ``2 * ndim - 1`` boxes of that permuted index space, and each is a box of the
 logical one (its axes permuted back). Sharded checkpoints describe a fragment by these boxes: a checkpoint then
-means the same elements whatever the memory layout of the run that saved it or of the one that loads it.
-Pure arithmetic: no tensors.
+means the same elements whatever the memory layout of the run that saved it or of the one that loads it. Boxes
+can be cut further to at most ``limit`` elements each (along their outermost axes): DCP copies a box that is a
+view before writing it and reads a saved box whole, so the largest box bounds the memory a save or load takes
+besides the state. Pure arithmetic: no tensors.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ class Box:
     start: int
 
 
-def memory_range_boxes(shape: Sequence[int], strides: Sequence[int], offset: int, length: int) -> list[Box]:
+def memory_range_boxes(
+    shape: Sequence[int], strides: Sequence[int], offset: int, length: int, limit: int | None = None
+) -> list[Box]:
     """The boxes that elements ``[offset, offset + length)`` in memory order of a dense tensor of ``shape`` and
-    ``strides`` make up, in memory order (empty for an empty range)."""
+    ``strides`` make up, in memory order (empty for an empty range), each of at most ``limit`` elements if given."""
     order = sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -strides[d], d))  # outermost first
     permuted = [shape[d] for d in order]
     boxes = []
-    for offsets, sizes in _row_major_boxes(offset, offset + length, permuted):
+    whole = _row_major_boxes(offset, offset + length, permuted)
+    for offsets, sizes in whole if limit is None else [cut for box in whole for cut in _cut(*box, max(1, limit))]:
         logical_offsets, logical_sizes = [0] * len(shape), [1] * len(shape)
         for axis, dim in enumerate(order):
             logical_offsets[dim], logical_sizes[dim] = offsets[axis], sizes[axis]
@@ -63,6 +68,22 @@ def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[
     if last * inner < stop:
         boxes += _in_row(last, 0, stop - last * inner, shape)
     return boxes
+
+
+def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A row-major box cut into boxes of at most ``limit`` elements: along its outermost axis longer than 1, each
+    cut holding as many slabs as fit (a slab larger than ``limit`` cut the same way one axis down)."""
+    if math.prod(sizes) <= limit:
+        return [(offsets, sizes)]
+    axis = next(a for a, size in enumerate(sizes) if size > 1)
+    slab = math.prod(sizes[axis + 1 :])
+    per_cut = max(1, limit // slab)
+    cuts = []
+    for begin in range(0, sizes[axis], per_cut):
+        at = (*offsets[:axis], offsets[axis] + begin, *offsets[axis + 1 :])
+        cut = (*sizes[:axis], min(per_cut, sizes[axis] - begin), *sizes[axis + 1 :])
+        cuts += _cut(at, cut, limit) if slab > limit else [(at, cut)]
+    return cuts
 
 
 def _in_row(row: int, start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

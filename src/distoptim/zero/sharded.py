@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from distoptim._flat import is_dense
 from distoptim.zero.boxes import memory_range_boxes
 from distoptim.zero.checkpoint import check_hyperparameters
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
@@ -53,6 +54,9 @@ __all__ = [
     "template_state",
 ]
 
+CHUNK_BYTES = 4 << 20
+"""The largest piece a save writes as one DCP chunk: DCP copies a piece that is a view before writing it, and a load
+reads a saved chunk whole, so this bounds the memory a save or load takes besides the state itself."""
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"
 """Each parameter's ``(shape, None)``: its state is saved by logical index. distoptim 0.2 saved ``(shape, strides)``,
@@ -115,11 +119,23 @@ class FragmentTensor(Tensor):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
         offsets = tuple(index.offset or ())
-        return next(local for at, local in self._pieces if at == offsets)
+        return _on_own_storage(next(local for at, local in self._pieces if at == offsets))
 
     def __repr__(self) -> str:  # type: ignore[override]
         boxes = [(at, tuple(local.shape)) for at, local in self._pieces]
         return f"FragmentTensor(shape={tuple(self.shape)}, boxes={boxes})"
+
+
+def _on_own_storage(box: Tensor) -> Tensor:
+    """``box`` (a view of a larger tensor that fills one stretch of its memory, as every box does) over a storage of
+    exactly its bytes, sharing them: DCP copies a tensor whose storage is larger before writing it (and keeps the
+    copy until the file is done), so a save then writes every box from the state's own memory."""
+    size = box.numel() * box.element_size()
+    if box.untyped_storage().nbytes() == size or not is_dense(box):
+        return box
+    begin = box.storage_offset() * box.element_size()
+    own = box.new_empty(0).set_(box.untyped_storage()[begin : begin + size], 0, box.shape, box.stride())
+    return own
 
 
 class Placeholder:
@@ -154,30 +170,39 @@ def sharded_state(
 
 
 def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
-    """A state tensor as a fragment: whole when ``local`` covers its parameter (or it is a scalar), else the boxes
-    of the parameter that its 1-D piece covers; anything else as it is. Wrapped as a placeholder unless ``saved``."""
+    """A state tensor as a fragment: the boxes of the parameter that its piece covers (the whole tensor when
+    ``local`` covers its parameter), each of at most ``CHUNK_BYTES``; anything else as it is. Wrapped as a
+    placeholder unless ``saved``."""
     if isinstance(value, Tensor) and (value.dim() > 0 or not saved):  # a saved scalar (a step) is saved as it is
         piece = value.detach()
         if local.whole or piece.dim() == 0:
-            whole = [((0,) * piece.dim(), piece)] if piece.numel() > 0 else []
-            return FragmentTensor(whole, tuple(piece.shape), value, saved)
-        return FragmentTensor(_boxes_of_piece(piece, local), tuple(local.param.shape), value, saved)
+            return FragmentTensor(_boxes(piece, piece, 0, piece.numel()), tuple(piece.shape), value, saved)
+        _check_piece(piece, local)
+        return FragmentTensor(
+            _boxes(piece, local.param, local.offset, local.length), tuple(local.param.shape), value, saved
+        )
     return value if saved else Placeholder(value)
 
 
-def _boxes_of_piece(piece: Tensor, local: LocalTensor) -> list[tuple[tuple[int, ...], Tensor]]:
-    """The boxes (logical offsets, a view of ``piece``) that a partial fragment's 1-D piece holds of its parameter,
-    whatever the parameter's memory layout."""
+def _check_piece(piece: Tensor, local: LocalTensor) -> None:
     if piece.dim() != 1 or piece.numel() != local.length or (local.length > 1 and piece.stride() != (1,)):
         raise ValueError(
             f"the optimizer state of parameter {local.index} holds a tensor of shape {tuple(piece.shape)} for a piece "
             f"of {local.length} elements: a parameter split across ranks (partition='even') needs an elementwise "
             "optimizer, whose state is shaped like the piece"
         )
-    param = local.param
+
+
+def _boxes(piece: Tensor, like: Tensor, offset: int, length: int) -> list[tuple[tuple[int, ...], Tensor]]:
+    """``piece`` (elements ``[offset, offset + length)`` of a tensor laid out as ``like``, in memory order) as
+    (logical offsets, view) boxes of at most ``CHUNK_BYTES``; a tensor that is not dense as one box, itself."""
+    if not is_dense(like) or not is_dense(piece):
+        return [((0,) * piece.dim(), piece)] if piece.numel() > 0 else []
+    limit = CHUNK_BYTES // piece.element_size()
+    base = piece.storage_offset()
     return [
-        (box.offsets, piece.as_strided(box.sizes, param.stride(), piece.storage_offset() + box.start))
-        for box in memory_range_boxes(param.shape, param.stride(), local.offset, local.length)
+        (box.offsets, piece.as_strided(box.sizes, like.stride(), base + box.start))
+        for box in memory_range_boxes(like.shape, like.stride(), offset, length, limit)
     ]
 
 
