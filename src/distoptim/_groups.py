@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["choose_comm_device", "comm_device", "default_group", "group_size", "is_member"]
+__all__ = ["choose_comm_device", "comm_device", "default_group", "group_size", "is_member", "new_gloo_group"]
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
@@ -31,6 +31,13 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
             "call torch.distributed.init_process_group() first (world size 1 works too), or pass process_group="
         )
     return dist.group.WORLD
+
+
+def new_gloo_group() -> ProcessGroup:
+    """A new gloo group of every rank (every rank of the default group must call this, in the same order): for
+    coordination that runs beside training, from another thread, and so must not share its group."""
+    group: ProcessGroup = dist.new_group(backend="gloo")
+    return group
 
 
 def is_member(group: object) -> bool:

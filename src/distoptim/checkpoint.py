@@ -3,11 +3,13 @@
 ``save(state, path)`` has every rank write its own shard (DCP) into a hidden sibling, ``.<name>.partial``, and
 rank 0 renames it to ``path`` once every rank has finished, so a save that dies half way (a rank killed, a full
 disk) leaves the previous checkpoint at ``path`` untouched. ``load(state, path)`` checks first, on every rank, that
-``path`` is a complete checkpoint holding what ``state`` asks for, and raises one clear error everywhere otherwise
-(never a hang, never a partial load). A save that dies between moving the old checkpoint aside and the new one into
-place leaves the old one complete beside ``path``: ``load`` then loads it (with a warning), and the next save puts
-it back first. ``path`` must be on a file system that every rank sees (as DCP needs for a
-load at another world size).
+``path`` is a complete checkpoint holding what ``state`` asks for in the shapes it asks for, and that every data
+file it will read is there and as long as the metadata says, and raises one ``ValueError`` everywhere otherwise
+(never a hang, never a partial load). Only a data file whose bytes were altered in place is found out while
+reading: a ``ValueError`` everywhere too, with the state then partly loaded. A save that dies between moving the
+old checkpoint aside and the new one into place leaves the old one complete beside ``path``: ``load`` then loads it
+(with a warning), and the next save puts it back first. ``path`` must be on a file system that every rank sees (as
+DCP needs for a load at another world size).
 
 ``save(..., async_save=True)`` copies the state to the CPU (DCP's staging) and returns a future at once; a thread
 writes the copy and renames it into place, and the future completes when the checkpoint is at ``path`` (or fails,
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distoptim import _dcp
+from distoptim._groups import new_gloo_group
 from distoptim.zero import agreement, comm, sharded
 
 __all__ = ["load", "save"]
@@ -84,7 +87,7 @@ def save(
     the checkpoint is at ``path`` and raises what the save raised. Its collectives need a group that nothing else
     uses meanwhile: by default one made for them (``dist.new_group(backend="gloo")``, once); a ``process_group``
     given must be such a group, with a CPU backend."""
-    wait_for_pending_save()
+    _wait_for_pending_save()
     group = _async_group(process_group) if async_save else comm.default_group(process_group)
     final = Path(path)
     leader = comm.group_rank(group) == 0
@@ -100,11 +103,13 @@ def save(
     return _pending
 
 
-def wait_for_pending_save() -> None:
-    """Block until the latest asynchronous save has finished; warn if it failed (its future has the error)."""
-    if _pending is None:
+def _wait_for_pending_save() -> None:
+    """Block until the latest asynchronous save has finished; warn (once) if it failed (its future has the error)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
         return
-    error = _pending.exception()
+    error = pending.exception()
     if error is not None:
         warnings.warn(f"an earlier asynchronous checkpoint save failed: {type(error).__name__}: {error}", stacklevel=3)
 
@@ -131,7 +136,7 @@ def _async_group(process_group: comm.Group | None) -> comm.Group:
         return group
     world = comm.default_group(None)
     if world not in _async_groups:
-        _async_groups[world] = dist.new_group(backend="gloo")
+        _async_groups[world] = new_gloo_group()
     return _async_groups[world]
 
 
@@ -153,7 +158,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
     checkpoint, lacks something ``state_dict`` asks for or holds it in another shape, or misses or has truncated
     a data file raises a ``ValueError`` on every rank before anything is loaded."""
-    wait_for_pending_save()
+    _wait_for_pending_save()
     group, final = comm.default_group(process_group), Path(path)
     state = _stateful_to_state_dict(state_dict)
     check = lambda: _checked_source(state, final)
