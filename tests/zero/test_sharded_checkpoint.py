@@ -250,7 +250,7 @@ def test_conversion_reads_the_flat_format_of_distoptim_0_2(tmp_path: Path) -> No
 def test_memory_range_boxes_tile_the_range_in_any_layout() -> None:
     """Every range of a dense tensor's elements in memory order is the union of its boxes (at most 2 * ndim - 1, or
     each within a size limit), each a strided view of the range's 1-D copy that equals the logical slice it stands
-    for."""
+    for and fills one stretch of that copy."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(400):
         shape = [int(n) for n in torch.randint(1, 5, (int(torch.randint(1, 5, (), generator=generator)),))]
@@ -268,7 +268,10 @@ def test_memory_range_boxes_tile_the_range_in_any_layout() -> None:
         for box in boxes:
             assert limit is None or torch.Size(box.sizes).numel() <= limit
             window = tuple(slice(at, at + size) for at, size in zip(box.offsets, box.sizes))
-            assert torch.equal(piece.as_strided(box.sizes, laid_out.stride(), box.start), logical[window])
+            view = piece.as_strided(box.sizes, laid_out.stride(), box.start)
+            assert torch.equal(view, logical[window])
+            stretch = piece[box.start : box.start + view.numel()]  # one stretch of memory (what DCP is handed)
+            assert sorted(view.reshape(-1).tolist()) == sorted(stretch.tolist())
             covered += logical[window].reshape(-1).tolist()
         assert sorted(covered) == sorted(piece.tolist()), (shape, order, offset, length)
 

@@ -6,9 +6,9 @@ visits the dimensions in another order. Memory order is row-major order over the
 a range of it is a union of at most ``2 * ndim - 1`` boxes of that permuted index space, and each is a box of the
 logical one (its axes permuted back). Sharded checkpoints describe a fragment by these boxes: a checkpoint then
 means the same elements whatever the memory layout of the run that saved it or of the one that loads it. Boxes
-can be cut further to at most ``limit`` elements each (along their outermost axes): DCP copies a box that is a
-view before writing it and reads a saved box whole, so the largest box bounds the memory a save or load takes
-besides the state. Pure arithmetic: no tensors.
+can be cut further to at most ``limit`` elements each (along their outermost axes): DCP reads a saved box whole,
+so the largest box bounds the memory a load takes besides the state. Every box, cut or not, fills one stretch of
+memory (from ``start``). Pure arithmetic: no tensors.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 4 << 20
-"""The largest piece a save writes as one DCP chunk: DCP copies a piece that is a view before writing it, and a load
-reads a saved chunk whole, so this bounds the memory a save or load takes besides the state itself."""
+"""The largest piece a save writes as one DCP chunk: a load reads a saved chunk whole before copying what it needs,
+so this bounds the memory a load takes besides the state (a save writes each chunk from the state's own memory)."""
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"
 """Each parameter's ``(shape, None)``: its state is saved by logical index. distoptim 0.2 saved ``(shape, strides)``,
@@ -105,20 +105,22 @@ class FragmentTensor(Tensor):
             return []
         return [
             WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets),
+                index=MetadataIndex(fqn, chunk.offsets, position),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=self.size()
                 ),
             )
-            for chunk, (_, local) in zip(self._chunks(), self._pieces)
+            for position, (chunk, (_, local)) in enumerate(zip(self._chunks(), self._pieces))
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return self._chunks()
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        offsets = tuple(index.offset or ())
+        offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
+        if hint is not None and hint < len(self._pieces) and self._pieces[hint][0] == offsets:
+            return _on_own_storage(self._pieces[hint][1])
         return _on_own_storage(next(local for at, local in self._pieces if at == offsets))
 
     def __repr__(self) -> str:  # type: ignore[override]
