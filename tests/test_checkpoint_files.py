@@ -1,19 +1,27 @@
-"""``distoptim.checkpoint``: a sharded save that appears only when complete, a load that refuses what is not one, and
-checkpoints in which a parameter had no optimizer state yet (or no master weights) resume exactly."""
+"""``distoptim.checkpoint``: a sharded save that appears only when complete (also when written in the background), a
+load that refuses what is not one (or is damaged) before loading anything, checkpoints in which a parameter had no
+optimizer state yet (or no master weights) resume exactly, and none of it needs numpy."""
 
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 import warnings
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from distoptim import ZeroRedundancyOptimizer, checkpoint
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
+from tests.zero.test_api import _without_numpy
+from tests.zero.test_sharded_checkpoint import _hold_writes
 
 SPEC = [[((6, 4), torch.float32, True), ((5,), torch.float32, True), ((7,), torch.bfloat16, True)]]
 LATE = 1  # the parameter that gets its first gradient only after the checkpoint
@@ -32,12 +40,12 @@ def _steps(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor], rank: int,
         zero.step()
 
 
-def _reference(rank: int) -> list[torch.Tensor]:
-    """Four uninterrupted steps of a plain AdamW (master copy of the bf16 parameter kept by hand)."""
+def _reference(rank: int, steps: int = 4) -> list[torch.Tensor]:
+    """Uninterrupted steps of a plain AdamW (master copy of the bf16 parameter kept by hand)."""
     params = flatten(make_params(SPEC))
     stepped = [p.detach().float().requires_grad_() if p.dtype != torch.float32 else p for p in params]
     optimizer = torch.optim.AdamW(stepped, lr=0.01)
-    for step in range(4):
+    for step in range(steps):
         grads = _gradients(params, rank, step)
         set_gradients([None if g is None else g.float() for g in grads], stepped)
         optimizer.step()
@@ -47,6 +55,7 @@ def _reference(rank: int) -> list[torch.Tensor]:
 
 
 def _resume_body(rank: int, world_size: int, root: str) -> None:
+    _without_numpy()  # distoptim depends on torch alone: saving and loading must work without numpy
     path = Path(root) / "ckpt"
     params = flatten(make_params(SPEC))
     zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition="even", master_dtype=torch.float32, lr=0.01)
@@ -103,27 +112,137 @@ def test_resume_with_a_parameter_that_had_no_state_and_without_master_weights(tm
     run_on_ranks(_resume_body, 2, str(tmp_path))
 
 
+def _async_body(rank: int, world_size: int, root: str) -> None:
+    _without_numpy()
+    path = Path(root) / "ckpt"
+    params = flatten(make_params(SPEC))
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition="even", master_dtype=torch.float32, lr=0.01)
+    _steps(zero, params, rank, range(2))
+    release = _hold_writes()
+    saving = checkpoint.save(
+        {"optim": zero.sharded_state_dict(), "model": dict(enumerate(params))}, path, async_save=True
+    )
+    _steps(zero, params, rank, range(2, 3))  # training goes on while the checkpoint is written (after step 2's copy)
+    assert not saving.done() and not path.exists()
+    release.set()
+    assert saving.result(timeout=30) is None
+    assert sorted(os.listdir(root)) == ["ckpt"], "the finished checkpoint, renamed into place"
+
+    # a fresh run at another partition resumes from it as if it had never stopped
+    resumed = flatten(make_params(SPEC, seed=7))
+    zero = ZeroRedundancyOptimizer(resumed, torch.optim.AdamW, partition="greedy", master_dtype=torch.float32, lr=0.5)
+    state = {"optim": zero.sharded_state_dict(), "model": dict(enumerate(resumed))}
+    checkpoint.load(state, path)
+    zero.load_sharded_state_dict(state["optim"])
+    _steps(zero, resumed, rank, range(2, 4))
+    assert_same_tensors(resumed, _reference(rank), "resumed from an asynchronous save")
+
+    # a background save that fails (a full disk on rank 1): its future raises on every rank, the checkpoint at
+    # the path is the previous one, and the next save says so before it starts
+    if rank == 1:
+        from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        mock.patch.object(_FileSystemWriter, "write_data", full).start()
+    failing = checkpoint.save({"optim": zero.sharded_state_dict()}, path, async_save=True)
+    error = failing.exception(timeout=30)
+    assert isinstance(error, OSError if rank == 1 else ValueError) and "No space left on device" in str(error)
+    with pytest.warns(UserWarning, match="an earlier asynchronous checkpoint save failed: .*No space left"):
+        checkpoint.load(state, path)
+    assert_same_tensors(resumed, _reference(rank, steps=2), "the checkpoint the failed save did not replace")
+
+
+def test_async_save_copies_the_state_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    run_on_ranks(_async_body, 2, str(tmp_path))
+
+
+def _state(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor]) -> dict[str, Any]:
+    return {"optim": zero.sharded_state_dict(), "model": {"w": params[0], "v": params[1], "u": params[2]}}
+
+
+def _write_flat_checkpoint_of_0_2(path: Path) -> None:
+    """A checkpoint as distoptim 0.2 wrote it: parameter-shaped state flat (memory order), layouts with strides."""
+    params = flatten(make_params(SPEC))
+    plain = torch.optim.AdamW(params, lr=0.01)
+    set_gradients([torch.full_like(p, 0.5) for p in params], params)
+    plain.step()
+    saved = plain.state_dict()
+    optim: dict[str, Any] = {
+        "param_groups": pickle.dumps(saved["param_groups"]),
+        "param_layouts": pickle.dumps([(tuple(p.shape), tuple(p.stride())) for p in params]),
+    }
+    for index, entry in saved["state"].items():
+        for name, value in entry.items():
+            optim[f"state.{index}.{name}"] = value.reshape(-1) if value.dim() > 0 else value
+    model = {"w": params[0], "v": params[1], "u": params[2]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": a save by this process alone
+        dcp.save({"optim": optim, "model": model}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+def _damage(root: Path) -> None:
+    """Copies of the checkpoint ``good`` with a data file missing, one truncated, the metadata truncated."""
+    for name, file, size in (("missing", "__1_0.distcp", None), ("truncated", "__0_0.distcp", 100)):
+        shutil.copytree(root / "good", root / name)
+        if size is None:
+            (root / name / file).unlink()
+        else:
+            os.truncate(root / name / file, size)
+    shutil.copytree(root / "good", root / "unreadable")
+    os.truncate(root / "unreadable" / ".metadata", 50)
+
+
+def _snapshot(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    tensors = [v for entry in zero.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    return [t.detach().clone() for t in params + tensors]
+
+
 def _refusal_body(rank: int, world_size: int, root: str) -> None:
     params = flatten(make_params(SPEC))
     zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.01)
+    _steps(zero, params, rank, range(3))
+    shapes, truncated = Path(root) / "shapes", Path(root) / "truncated"
     cases = {
         "missing": ("does not exist", Path(root) / "nowhere"),
         "foreign": ("not a checkpoint: it has no .metadata", Path(root) / "foreign"),
         "partial": ("did not finish", Path(root) / "partial"),
         "other model": ("lacks 2 of the entries", Path(root) / "other"),
+        "other shapes": (r"holds model\.w with shape \(4, 6\), but the state to load has shape \(6, 4\)", shapes),
+        "missing data file": (r"is damaged: its data file __1_0\.distcp is missing", Path(root) / "missing"),
+        "truncated data file": (r"__0_0\.distcp holds 100 bytes where its metadata says at least", truncated),
+        "unreadable metadata": (r"\.metadata cannot be read \(UnpicklingError", Path(root) / "unreadable"),
+        "flat state of distoptim 0.2": (r"saved by distoptim 0\.2.*--to-torch", Path(root) / "flat"),
     }
     if rank == 0:
         (Path(root) / "foreign").mkdir()
         (Path(root) / "foreign" / "weights.bin").write_bytes(b"\0")
         (Path(root) / ".partial.partial").mkdir()
         (Path(root) / ".partial.partial" / "__0_0.distcp").write_bytes(b"\0")
+        _write_flat_checkpoint_of_0_2(Path(root) / "flat")
     checkpoint.save({"optim": zero.sharded_state_dict(), "model": {"w": params[0]}}, Path(root) / "other")
+    other_shapes = {"w": params[0].detach().t().contiguous(), "v": params[1], "u": params[2]}
+    checkpoint.save({"optim": zero.sharded_state_dict(), "model": other_shapes}, shapes)
+    checkpoint.save(_state(zero, params), Path(root) / "good")
+    if rank == 0:
+        _damage(Path(root))
+    dist.barrier()
+    params = flatten(make_params(SPEC, seed=7))  # another run, stepped on other gradients: a load would change it
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.01)
+    _steps(zero, params, rank + 5, range(3))
+    before = _snapshot(zero, params)
     for name, (message, path) in cases.items():
-        state = {"optim": zero.sharded_state_dict(), "model": {"w": params[0], "v": params[1], "u": params[2]}}
-        with pytest.raises(ValueError, match=message):  # on every rank, never a partial load
-            checkpoint.load(state, path)
-        assert name
+        with pytest.raises(ValueError, match=message):  # on every rank
+            checkpoint.load(_state(zero, params), path)
+        assert_same_tensors(_snapshot(zero, params), before, f"{name}: nothing loaded")
+    state = _state(zero, params)
+    checkpoint.load(state, Path(root) / "good")  # the intact one loads
+    zero.load_sharded_state_dict(state["optim"])
+    assert not all(torch.equal(a, b) for a, b in zip(_snapshot(zero, params), before))
 
 
-def test_incomplete_or_foreign_directories_are_refused_on_every_rank(tmp_path: Path) -> None:
+def test_incomplete_foreign_or_damaged_checkpoints_are_refused_on_every_rank_before_loading_anything(
+    tmp_path: Path,
+) -> None:
     run_on_ranks(_refusal_body, 2, str(tmp_path))

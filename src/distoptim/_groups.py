@@ -9,7 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["choose_comm_device", "comm_device", "control_group", "default_group", "group_size", "is_member"]
+__all__ = [
+    "choose_comm_device",
+    "comm_device",
+    "control_group",
+    "default_group",
+    "group_size",
+    "is_member",
+    "new_gloo_group",
+]
 
 _CONTROL_TWINS: weakref.WeakKeyDictionary[ProcessGroup, ProcessGroup] = weakref.WeakKeyDictionary()
 
@@ -34,6 +42,13 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
             "call torch.distributed.init_process_group() first (world size 1 works too), or pass process_group="
         )
     return dist.group.WORLD
+
+
+def new_gloo_group() -> ProcessGroup:
+    """A new gloo group of every rank (every rank of the default group must call this, in the same order): for
+    coordination that runs beside training, from another thread, and so must not share its group."""
+    group: ProcessGroup = dist.new_group(backend="gloo")
+    return group
 
 
 def is_member(group: object) -> bool:

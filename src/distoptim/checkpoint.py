@@ -3,11 +3,20 @@
 ``save(state, path)`` has every rank write its own shard (DCP) into a hidden sibling, ``.<name>.partial``, and
 rank 0 renames it to ``path`` once every rank has finished, so a save that dies half way (a rank killed, a full
 disk) leaves the previous checkpoint at ``path`` untouched. ``load(state, path)`` checks first, on every rank, that
-``path`` is a complete checkpoint holding what ``state`` asks for, and raises one clear error everywhere otherwise
-(never a hang, never a partial load). A save that dies between moving the old checkpoint aside and the new one into
-place leaves the old one complete beside ``path``: ``load`` then loads it (with a warning), and the next save puts
-it back first. ``path`` must be on a file system that every rank sees (as DCP needs for a
-load at another world size).
+``path`` is a complete checkpoint holding what ``state`` asks for in the shapes it asks for, and that every data
+file it will read is there and as long as the metadata says, and raises one ``ValueError`` everywhere otherwise
+(never a hang, never a partial load). Only a data file whose bytes were altered in place is found out while
+reading: a ``ValueError`` everywhere too, with the state then partly loaded. A save that dies between moving the
+old checkpoint aside and the new one into place leaves the old one complete beside ``path``: ``load`` then loads it
+(with a warning), and the next save puts it back first. ``path`` must be on a file system that every rank sees (as
+DCP needs for a load at another world size).
+
+``save(..., async_save=True)`` copies the state to the CPU (DCP's staging) and returns a future at once; a thread
+writes the copy and renames it into place, and the future completes when the checkpoint is at ``path`` (or fails,
+with the error). It runs its collectives on a process group of its own, so training goes on meanwhile; a later
+``save`` or ``load`` first waits for it. The files are DCP's, written and read by DCP's planner and storage
+classes; the ranks coordinate over distoptim's collectives (``distoptim._dcp``), which need no numpy and turn any
+failure into one ordinary exception on every rank (``ValueError`` for a load).
 
 The state is any dict DCP takes: ``{"model": model.state_dict(), "optim": zero.sharded_state_dict()}``. A
 ``ZeroRedundancyOptimizer``'s entries that a checkpoint cannot have (the state of a parameter that never had a
@@ -21,60 +30,195 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
-import torch.distributed.checkpoint as dcp
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from distoptim import _agreement as agreement
+from distoptim import _dcp
+from distoptim._groups import new_gloo_group
 from distoptim.zero import comm, sharded
 
 __all__ = ["load", "save"]
 
 METADATA = ".metadata"  # DCP's index, written by its coordinator after every rank's data: its presence = complete
 
+_writer: ThreadPoolExecutor | None = None  # the thread that asynchronous saves write in, one at a time
+_pending: Future[None] | None = None  # the latest asynchronous save
+_async_groups: dict[comm.Group, comm.Group] = {}  # the default group -> the group asynchronous saves use
 
-def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: comm.Group | None = None) -> None:
+
+@overload
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: comm.Group | None = None,
+    async_save: Literal[False] = False,
+) -> None: ...
+
+
+@overload
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: comm.Group | None = None,
+    async_save: Literal[True],
+) -> Future[None]: ...
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: comm.Group | None = None,
+    async_save: bool = False,
+) -> Future[None] | None:
     """Save ``state_dict`` (every rank its own shard) to the directory ``path``, replacing any checkpoint there only
-    once the new one is complete (collective)."""
-    group = comm.default_group(process_group)
+    once the new one is complete (collective).
+
+    With ``async_save=True`` the state is copied to the CPU first and written by a background thread: the call
+    returns a ``Future`` as soon as the copy is made (the state may change from then on), which completes once
+    the checkpoint is at ``path`` and raises what the save raised. Its collectives need a group that nothing else
+    uses meanwhile: by default one made for them (``dist.new_group(backend="gloo")``, once); a ``process_group``
+    given must be such a group, with a CPU backend."""
+    _wait_for_pending_save()
+    group = _async_group(process_group) if async_save else comm.default_group(process_group)
     final = Path(path)
-    partial, previous = _sibling(final, "partial"), _sibling(final, "previous")
     leader = comm.group_rank(group) == 0
-    _on_leader(leader, group, "preparing the checkpoint directory", lambda: _fresh(partial))
-    dcp.save(state_dict, checkpoint_id=partial, process_group=group)
+    _on_leader(leader, group, "preparing the checkpoint directory", lambda: _fresh(_sibling(final, "partial")))
+    state = _stateful_to_state_dict(state_dict)
+    if not async_save:
+        _write(state, final, group)
+        return None
+    global _writer, _pending
+    staged = _staged(state)
+    _writer = _writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
+    _pending = _writer.submit(_write, staged, final, group)
+    return _pending
+
+
+def _wait_for_pending_save() -> None:
+    """Block until the latest asynchronous save has finished; warn (once) if it failed (its future has the error)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    error = pending.exception()
+    if error is not None:
+        warnings.warn(f"an earlier asynchronous checkpoint save failed: {type(error).__name__}: {error}", stacklevel=3)
+
+
+def _write(state: dict[str, Any], final: Path, group: comm.Group) -> None:
+    """Write ``state`` into ``final``'s partial sibling, then rename it into place (on rank 0, after every rank)."""
+    partial, previous = _sibling(final, "partial"), _sibling(final, "previous")
+    _dcp.save(state, partial, group)
     replace = lambda: _replace(partial, final, previous)
-    _on_leader(leader, group, f"moving the finished checkpoint into {final}", replace)
+    _on_leader(comm.group_rank(group) == 0, group, f"moving the finished checkpoint into {final}", replace)
+
+
+def _async_group(process_group: comm.Group | None) -> comm.Group:
+    """The group an asynchronous save coordinates over: a gloo group of the default group's ranks kept for it (made
+    on the first such save, by every rank), or the ``process_group`` given."""
+    if process_group is not None:
+        group = comm.default_group(process_group)
+        if str(dist.get_backend(group)) == "nccl":
+            raise ValueError(
+                "save(async_save=True) coordinates its ranks from a background thread and needs a group with a CPU "
+                "backend that nothing else uses meanwhile: pass process_group=dist.new_group(backend='gloo'), or "
+                "leave process_group unset for one made for it"
+            )
+        return group
+    world = comm.default_group(None)
+    if world not in _async_groups:
+        _async_groups[world] = new_gloo_group()
+    return _async_groups[world]
+
+
+def _staged(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` on the CPU (its tensors copied, sharded optimizer fragments included), made by DCP's
+    stager as ``dcp.async_save`` makes it."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # plain copies, in this thread
+    try:
+        staged: dict[str, Any] = stager.stage(state)  # type: ignore[assignment]
+        return staged
+    finally:
+        stager.close()
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: comm.Group | None = None) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), as ``dcp.load`` does; then call
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
-    checkpoint, or lacks something ``state_dict`` asks for, raises a ``ValueError`` on every rank."""
+    checkpoint, lacks something ``state_dict`` asks for or holds it in another shape, or misses or has truncated
+    a data file raises a ``ValueError`` on every rank before anything is loaded."""
+    _wait_for_pending_save()
     group, final = comm.default_group(process_group), Path(path)
-    check = lambda: _checked_source(state_dict, final)
+    state = _stateful_to_state_dict(state_dict)
+    check = lambda: _checked_source(state, final)
     source = agreement.run_agreed(check, group, f"loading the checkpoint at {final}", errors=(BaseException,))
-    dcp.load(state_dict, checkpoint_id=source, process_group=group)
+    _dcp.load(state, source, group)
+    for key, value in state_dict.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(state[key])
+        else:
+            state_dict[key] = state[key]
+
+
+def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of ``state_dict`` with each ``Stateful`` (a module, an optimizer) replaced by its state dict,
+    as DCP takes them."""
+    return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
 
 
 def _checked_source(state_dict: dict[str, Any], final: Path) -> Path:
     """Where the checkpoint for ``final`` is (``final``, or the previous one a save died replacing), once it is known
-    to be complete and to hold every entry ``state_dict`` asks for (entries it cannot have pruned first)."""
+    to be complete and to hold every entry ``state_dict`` asks for, in its shape (entries it cannot have pruned)."""
     source = final
     if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
         source = _sibling(final, "previous")
         warnings.warn(f"{final} is missing (a save was interrupted while replacing it): loading {source}", stacklevel=5)
     if not _complete(source):
         raise ValueError(_incomplete_message(final))
-    saved = set(dcp.FileSystemReader(source).read_metadata().state_dict_metadata)
+    metadata = _dcp.read_metadata(source)
+    saved = set(metadata.state_dict_metadata)
     _prune_unsaved_optimizer_state(state_dict, "", saved)
-    missing = sorted(set(_leaf_keys(state_dict, "")) - saved)
+    leaves = dict(_leaves(state_dict, ""))
+    missing = sorted(set(leaves) - saved)
     if missing:
         raise ValueError(
             f"the checkpoint at {final} lacks {len(missing)} of the entries asked for, e.g. {missing[:4]}: it was "
             "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
         )
+    _check_shapes(leaves, metadata, final)
     return source
+
+
+def _check_shapes(leaves: dict[str, Any], metadata: Metadata, final: Path) -> None:
+    """Every tensor asked for has the shape the checkpoint saved it in."""
+    for key, value in leaves.items():
+        saved = metadata.state_dict_metadata[key]
+        if not isinstance(value, torch.Tensor) or not isinstance(saved, TensorStorageMetadata):
+            continue
+        if value.shape == saved.size:
+            continue
+        hint = "it was saved from another model or with other parameters (check the model's configuration)"
+        if len(saved.size) == 1 and value.dim() > 1 and saved.size.numel() == value.numel():
+            hint = (
+                "it was saved by distoptim 0.2, which kept parameter-shaped optimizer state flat: convert it with "
+                "'python -m distoptim checkpoint DIR --to-torch optim.pt' and load that with load_state_dict"
+            )
+        raise ValueError(
+            f"the checkpoint at {final} holds {key} with shape {tuple(saved.size)}, but the state to load has shape "
+            f"{tuple(value.shape)}: {hint}"
+        )
 
 
 def _sibling(path: Path, role: str) -> Path:
@@ -127,10 +271,10 @@ def _prune_unsaved_optimizer_state(state: Mapping[str, Any], prefix: str, saved:
             _prune_unsaved_optimizer_state(value, f"{prefix}{key}.", saved)
 
 
-def _leaf_keys(state: Mapping[str, Any], prefix: str) -> Iterator[str]:
-    """The keys DCP gives the entries of nested dicts (lists that hold tensors are DCP's to check)."""
+def _leaves(state: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    """The entries of nested dicts under the keys DCP gives them (lists that hold tensors are DCP's to check)."""
     for key, value in state.items():
         if isinstance(value, Mapping):
-            yield from _leaf_keys(value, f"{prefix}{key}.")
+            yield from _leaves(value, f"{prefix}{key}.")
         elif not isinstance(value, (list, tuple)):
-            yield f"{prefix}{key}"
+            yield f"{prefix}{key}", value

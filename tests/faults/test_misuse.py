@@ -44,7 +44,13 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import DistributedOptimizer, PostLocalSGDOptimizer, ZeroRedundancyOptimizer, as_functional_optim
+from distoptim import (
+    DistributedOptimizer,
+    PostLocalSGDOptimizer,
+    ZeroRedundancyOptimizer,
+    as_functional_optim,
+    checkpoint,
+)
 from distoptim.averagers import HierarchicalModelAverager, PeriodicModelAverager
 from distoptim.functional import FunctionalAdam, FunctionalOptimizer
 from distoptim.hooks import (
@@ -139,6 +145,27 @@ def _load_sharded(r: Rank, path: str, zero: ZeroRedundancyOptimizer) -> None:
     state = {"optim": zero.sharded_state_dict()}
     dcp.load(state, checkpoint_id=path, process_group=r.group)
     zero.load_sharded_state_dict(state["optim"])
+
+
+def _save_checkpoint(r: Rank, zero: ZeroRedundancyOptimizer) -> str:
+    path = os.path.join(r.workdir, "checkpoint")
+    checkpoint.save({"optim": _stepped(zero).sharded_state_dict()}, path, process_group=r.group)
+    return path
+
+
+def _load_checkpoint(r: Rank, path: str, zero: ZeroRedundancyOptimizer) -> None:
+    """The crash-safe resume: distoptim.checkpoint.load into sharded_state_dict(), then load_sharded_state_dict."""
+    state = {"optim": zero.sharded_state_dict()}
+    checkpoint.load(state, path, process_group=r.group)
+    zero.load_sharded_state_dict(state["optim"])
+
+
+def _load_damaged_checkpoint(r: Rank) -> None:
+    path = _save_checkpoint(r, _zero(r, cls=ADAMW))
+    if r.rank == 0:
+        os.remove(os.path.join(path, "__1_0.distcp"))
+    dist.barrier(group=r.group)
+    _load_checkpoint(r, path, _zero(r, cls=ADAMW))
 
 
 def _model() -> nn.Module:
@@ -508,13 +535,28 @@ MISUSES: list[Misuse] = [
     Misuse("load_sharded_state_dict of another model's checkpoint (other param groups)",
            lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [{"params": [_p(3)]}, {"params": [_p(4)]}])), _zero(r)),
            ALL, ValueError, r"the checkpoint has 2 param groups but this optimizer has 1"),
+    Misuse("load_sharded_state_dict of another model's checkpoint (parameters without state, other shapes)",
+           lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [_p(4, 3)], SGD)), _zero(r, [_p(3, 4)], SGD)), ALL,
+           ValueError, r"saved for other parameters \(shapes \[\(4, 3\)\].*load a checkpoint of this model"),
+    # DCP's own message: it compares the shapes while loading, before distoptim sees the dict.
     Misuse("load_sharded_state_dict of another model's checkpoint (same sizes, other shapes)",
            lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [_p(4, 3)], ADAMW)), _zero(r, [_p(3, 4)], ADAMW)), ALL,
-           ValueError, r"saved for other parameters \(shapes \[\(4, 3\)\].*load a checkpoint of this model"),
-    # DCP's own message: it compares the sizes while loading, before distoptim sees the dict.
+           CheckpointException, r"Size mismatch between saved torch\.Size\(\[4, 3\]\) and current: "
+                                r"torch\.Size\(\[3, 4\]\)"),
     Misuse("load_sharded_state_dict of another model's checkpoint (other sizes)",
            lambda r: _load_sharded(r, _save_sharded(r, _zero(r, [_p(3), _p(5)], ADAMW)), _zero(r, cls=ADAMW)), ALL,
            CheckpointException, r"Size mismatch between saved torch\.Size\(\[5\]\) and current: torch\.Size\(\[4\]\)"),
+    # distoptim.checkpoint.load checks the checkpoint first, on every rank: a ValueError, and nothing loaded.
+    Misuse("distoptim.checkpoint.load of another model's checkpoint (other sizes)",
+           lambda r: _load_checkpoint(r, _save_checkpoint(r, _zero(r, [_p(3), _p(5)], ADAMW)), _zero(r, cls=ADAMW)),
+           ALL, ValueError, r"holds optim\.state\.1\.exp_avg with shape \(5,\), but the state to load has shape "
+                            r"\(4,\): it was saved from another model"),
+    Misuse("distoptim.checkpoint.load of another model's checkpoint (same sizes, other shapes)",
+           lambda r: _load_checkpoint(r, _save_checkpoint(r, _zero(r, [_p(4, 3)], ADAMW)), _zero(r, [_p(3, 4)], ADAMW)),
+           ALL, ValueError, r"holds optim\.state\.0\.exp_avg with shape \(4, 3\), but the state to load has shape "
+                            r"\(3, 4\)"),
+    Misuse("distoptim.checkpoint.load of a checkpoint whose data file is missing", _load_damaged_checkpoint, ALL,
+           ValueError, r"is damaged: its data file __1_0\.distcp is missing"),
     # --- Overlap with DDP: the hook and the optimizer are built for each other, over the same parameters.
     Misuse("overlap hook for an optimizer built without overlap_with_ddp",
            lambda r: hook_with_zero_step(allreduce_hook, (d := _ddp(r)), _zero(r, d.module.parameters())), ALL,

@@ -3,17 +3,28 @@ resumes bit-exactly at another world size and partition, master weights included
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
+import re
+import shutil
 import subprocess
 import sys
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ZeroRedundancyOptimizer, checkpoint
+from distoptim._flat import flat_view
+from distoptim.zero import convert, sharded
+from distoptim.zero.boxes import memory_range_boxes
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 
@@ -70,29 +81,52 @@ def _bytes(values: Any) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
-def _save_body(rank: int, world_size: int, path: str, partition: str, master: bool) -> dict[str, Any]:
+def _hold_writes() -> threading.Event:
+    """From now on DCP's file writer waits until the returned event is set: an asynchronous save that had not
+    copied the state before returning would write what the training changed meanwhile."""
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    release, write = threading.Event(), _FileSystemWriter.write_data
+
+    def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert release.wait(timeout=30), "the test never released the writer"
+        return write(self, *args, **kwargs)
+
+    mock.patch.object(_FileSystemWriter, "write_data", held).start()
+    return release
+
+
+def _save_body(
+    rank: int, world_size: int, path: str, partition: str, master: bool, asynchronous: bool = False
+) -> dict[str, Any]:
+    """Three steps, then a sharded checkpoint: with ``dcp.save``, or ``dcp.async_save`` while two more steps run."""
     ours, theirs = make_params(SPEC), make_params(SPEC)
     zero, reference = _zero(ours, partition, master), _Reference(theirs, master)
     _train(zero, reference, flatten(ours), rank, range(3))
-    dcp.save(
-        {"optim": zero.sharded_state_dict(), "model": {str(i): p for i, p in enumerate(flatten(ours))}},
-        checkpoint_id=path,
+    state = {"optim": zero.sharded_state_dict(), "model": {str(i): p for i, p in enumerate(flatten(ours))}}
+    saved = copy.deepcopy(
+        {
+            "params": [p.detach() for p in flatten(ours)],
+            "stepped": [p.detach() for p in reference.stepped],
+            "reference": reference.optimizer.state_dict(),
+        }
     )
+    if asynchronous:
+        release = _hold_writes()
+        future = dcp.async_save(state, checkpoint_id=path, process_group=dist.new_group(backend="gloo"))
+        _train(zero, reference, flatten(ours), rank, range(3, 5))
+        release.set()
+        future.result()
+    else:
+        dcp.save(state, checkpoint_id=path)
     own = sum(
         v.numel() * v.element_size() for e in zero.state.values() for v in e.values() if isinstance(v, torch.Tensor)
     )
     own += sum(t.tensor.numel() * t.tensor.element_size() for t in zero.local_shard.masters)
     written = os.path.getsize(os.path.join(path, f"__{rank}_0.distcp"))
     model_bytes = sum(p.numel() * p.element_size() for p in flatten(ours))
-    assert written <= own + model_bytes + 64 * 1024, (
-        written,
-        own,
-    )  # its own shard (and model copy), not the whole state
-    return {
-        "params": [p.detach().clone() for p in flatten(ours)],
-        "stepped": [p.detach().clone() for p in reference.stepped],
-        "reference": reference.optimizer.state_dict(),
-    }
+    assert written <= own + model_bytes + 64 * 1024, (written, own)  # its own shard (and model copy), not the whole
+    return saved
 
 
 def _load_body(rank: int, world_size: int, path: str, partition: str, master: bool, saved: dict[str, Any]) -> None:
@@ -128,13 +162,21 @@ def test_sharded_checkpoint_resumes_at_another_world_size_and_partition(
     run_on_ranks(_load_body, load[0], path, load[1], master, saved)
 
 
+def test_dcp_async_save_of_a_sharded_state_resumes_bit_exactly(tmp_path: Path) -> None:
+    """``dcp.async_save(zero.sharded_state_dict())``: its staging copies the fragments (the steps taken while the
+    save is written change nothing in it), and a run loaded from it at another world size goes on bit-exactly."""
+    path = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(_save_body, 2, path, "even", True, True)[0]
+    run_on_ranks(_load_body, 3, path, "greedy", True, saved)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "distoptim", "checkpoint", *args], capture_output=True, text=True, timeout=120
     )
 
 
-def test_conversion_to_and_from_torch_optim_format(tmp_path: Path) -> None:
+def test_conversion_to_and_from_torch_optim_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """DIR -> torch.optim's dict equals the reference optimizer's; torch.optim's dict -> DIR resumes bit-exactly."""
     sharded, converted = str(tmp_path / "sharded"), tmp_path / "optim.pt"
     saved = run_on_ranks(_save_body, 3, sharded, "even", False)[0]
@@ -160,3 +202,180 @@ def test_conversion_to_and_from_torch_optim_format(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "error:" in missing.stderr
     wrong_key = _cli(sharded, "--to-torch", str(converted), "--key", "model")
     assert wrong_key.returncode == 1 and "holds no distoptim optimizer under 'model'" in wrong_key.stderr
+
+    # a damaged checkpoint: one line saying what is wrong, no traceback
+    damages = {
+        "missing": ("__1_0.distcp", None, r"its data file __1_0\.distcp is missing"),
+        "truncated": ("__2_0.distcp", 100, r"__2_0\.distcp holds 100 bytes where its metadata says at least \d+"),
+        "metadata": (".metadata", 50, r"\.metadata cannot be read \(UnpicklingError: .*\): the checkpoint is damaged"),
+    }
+    for name, (file, size, says) in damages.items():
+        damaged = tmp_path / name
+        shutil.copytree(sharded, damaged)
+        if size is None:
+            (damaged / file).unlink()
+        else:
+            os.truncate(damaged / file, size)
+        assert convert.main([str(damaged), "--to-torch", str(converted)]) == 1, name  # what the CLI runs
+        stderr = capsys.readouterr().err
+        assert len(stderr.splitlines()) == 1 and re.search(says, stderr), (name, stderr)
+
+
+def test_conversion_reads_the_flat_format_of_distoptim_0_2(tmp_path: Path) -> None:
+    """distoptim 0.2 saved parameter-shaped state flat, in the parameter's memory order, with its strides: the
+    conversion still gives torch.optim's dict of such a checkpoint, for channels_last and transposed parameters."""
+    params = _conv_params("channels_last")
+    plain = torch.optim.AdamW(params, **CONV_KWARGS)
+    _conv_steps(plain, params, range(2))
+    expected = plain.state_dict()
+    payload: dict[str, Any] = {
+        "param_groups": pickle.dumps(expected["param_groups"]),
+        "param_layouts": pickle.dumps([(tuple(p.shape), tuple(p.stride())) for p in params]),
+    }
+    for index, entry in expected["state"].items():
+        for name, value in entry.items():
+            payload[f"state.{index}.{name}"] = flat_view(value).clone() if value.dim() > 0 else value
+    old = tmp_path / "old"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": a save in this one process, yes
+        dcp.save({"optim": payload}, storage_writer=dcp.FileSystemWriter(str(old)), no_dist=True)
+    converted = convert.dcp_to_torch_optim(old)
+    assert converted["param_groups"] == expected["param_groups"]
+    for index, entry in expected["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(converted["state"][index][name], value), (index, name)
+
+
+# --------------------------------------------------------------------------------------------- memory layouts
+def test_memory_range_boxes_tile_the_range_in_any_layout() -> None:
+    """Every range of a dense tensor's elements in memory order is the union of its boxes (at most 2 * ndim - 1, or
+    each within a size limit), each a strided view of the range's 1-D copy that equals the logical slice it stands
+    for and fills one stretch of that copy."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        shape = [int(n) for n in torch.randint(1, 5, (int(torch.randint(1, 5, (), generator=generator)),))]
+        order = torch.randperm(len(shape), generator=generator).tolist()
+        logical = torch.arange(torch.Size(shape).numel()).reshape(shape)
+        laid_out = logical.permute(order).contiguous().permute([order.index(d) for d in range(len(shape))])
+        memory = flat_view(laid_out)
+        offset = int(torch.randint(0, memory.numel() + 1, (), generator=generator))
+        length = int(torch.randint(0, memory.numel() - offset + 1, (), generator=generator))
+        piece = memory[offset : offset + length].clone()
+        limit = int(torch.randint(1, 9, (), generator=generator)) if offset % 2 else None
+        boxes = memory_range_boxes(laid_out.shape, laid_out.stride(), offset, length, limit)
+        assert limit is not None or len(boxes) <= 2 * len(shape) - 1 or length == 0
+        covered = []
+        for box in boxes:
+            assert limit is None or torch.Size(box.sizes).numel() <= limit
+            window = tuple(slice(at, at + size) for at, size in zip(box.offsets, box.sizes))
+            view = piece.as_strided(box.sizes, laid_out.stride(), box.start)
+            assert torch.equal(view, logical[window])
+            stretch = piece[box.start : box.start + view.numel()]  # one stretch of memory (what DCP is handed)
+            assert sorted(view.reshape(-1).tolist()) == sorted(stretch.tolist())
+            covered += logical[window].reshape(-1).tolist()
+        assert sorted(covered) == sorted(piece.tolist()), (shape, order, offset, length)
+
+
+CONV_SHAPES = [(6, 4, 3, 3), (6,), (5, 6, 2, 2), (5,), (3, 5)]  # even: the first split at 2 ranks, both at 3
+LAYOUTS = ("contiguous", "channels_last")  # channels_last: the convolutions channels_last, the matrix transposed
+CONV_KWARGS = {"lr": 0.01, "weight_decay": 0.1}
+
+
+def _laid_out(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "channels_last" and tensor.dim() == 4:
+        return tensor.contiguous(memory_format=torch.channels_last)
+    if layout == "channels_last" and tensor.dim() == 2:
+        return tensor.t().contiguous().t()
+    return tensor.contiguous()
+
+
+def _conv_params(layout: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [_laid_out(torch.randn(shape, generator=generator), layout).requires_grad_() for shape in CONV_SHAPES]
+
+
+def _conv_steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: range) -> None:
+    """Steps on gradients that depend on the step only (as after DDP's averaging), laid out like the parameters."""
+    for step in steps:
+        generator = torch.Generator().manual_seed(100 + step)
+        for param in params:
+            param.grad = torch.empty_like(param).copy_(torch.randn(param.shape, generator=generator))
+        optimizer.step()
+
+
+def _conv_zero(params: list[torch.Tensor], partition: str) -> ZeroRedundancyOptimizer:
+    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition=partition, **CONV_KWARGS)
+
+
+def _layout_save_body(rank: int, world_size: int, root: str, partition: str, chunk_bytes: int) -> None:
+    """Two steps in each layout; a sharded checkpoint and a consolidated one (``torch.optim``'s format) of each."""
+    sharded.CHUNK_BYTES = chunk_bytes
+    for layout in LAYOUTS:
+        params = _conv_params(layout)
+        zero = _conv_zero(params, partition)
+        if partition == "even":
+            assert len(zero.plan.fragments[0]) > 1, "the first convolution straddles ranks"
+        _conv_steps(zero, params, range(2))
+        checkpoint.save({"optim": zero.sharded_state_dict(), "model": dict(enumerate(params))}, Path(root) / layout)
+        chunks = dcp.FileSystemReader(Path(root) / layout).read_metadata().state_dict_metadata["optim.state.0.exp_avg"]
+        assert all(4 * torch.Size(chunk.sizes).numel() <= chunk_bytes for chunk in chunks.chunks)  # type: ignore[union-attr]
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save(zero.state_dict(), Path(root) / f"{layout}.pt")
+
+
+def _layout_load_body(rank: int, world_size: int, root: str, partition: str, chunk_bytes: int) -> None:
+    """Every checkpoint, sharded and consolidated, into every layout: the run goes on as a plain AdamW that never
+    stopped (on contiguous parameters), and the consolidated dict loads into that plain AdamW too."""
+    sharded.CHUNK_BYTES = chunk_bytes
+    reference = _conv_params("contiguous")
+    plain = torch.optim.AdamW(reference, **CONV_KWARGS)
+    at = {}
+    for step in range(4):
+        _conv_steps(plain, reference, range(step, step + 1))
+        at[step + 1] = [p.detach().clone() for p in reference]
+        if step == 1:
+            at_two = copy.deepcopy(plain.state_dict())
+    for saved in LAYOUTS:
+        consolidated = torch.load(Path(root) / f"{saved}.pt", weights_only=False)
+        for name, value in consolidated["state"][0].items():  # torch.optim's format: parameter-shaped, by position
+            assert torch.equal(value, at_two["state"][0][name]), f"consolidated from {saved}: {name}"
+        for layout in LAYOUTS:
+            for source in ("sharded", "consolidated"):
+                params = _conv_params(layout)
+                zero = _conv_zero(params, partition)
+                if source == "sharded":
+                    state = {"optim": zero.sharded_state_dict(), "model": dict(enumerate(params))}
+                    checkpoint.load(state, Path(root) / saved)
+                    zero.load_sharded_state_dict(state["optim"])
+                else:
+                    with torch.no_grad():
+                        for param, value in zip(params, at[2]):
+                            param.copy_(value)
+                    zero.load_state_dict(consolidated)
+                what = f"{source} checkpoint saved {saved}, loaded {layout}"
+                assert_same_tensors(params, at[2], what)
+                _conv_steps(zero, params, range(2, 4))
+                assert_same_tensors(params, at[4], f"{what}, two steps on")
+        params = _conv_params("contiguous")
+        with torch.no_grad():
+            for param, value in zip(params, at[2]):
+                param.copy_(value)
+        resumed = torch.optim.AdamW(params, **CONV_KWARGS)
+        resumed.load_state_dict(consolidated)
+        _conv_steps(resumed, params, range(2, 4))
+        assert_same_tensors(params, at[4], f"consolidated from {saved}, into a plain AdamW")
+
+
+@pytest.mark.parametrize(
+    ("partition", "save_ranks", "load_ranks", "chunk_bytes"),
+    [("greedy", 2, 2, sharded.CHUNK_BYTES), ("even", 2, 2, sharded.CHUNK_BYTES), ("even", 3, 2, 60)],
+)
+def test_checkpoints_are_independent_of_memory_layout(
+    tmp_path: Path, partition: str, save_ranks: int, load_ranks: int, chunk_bytes: int
+) -> None:
+    """A channels_last model's checkpoint loads into a contiguous one and back (sharded: by logical index, a split
+    parameter's boxes included, also when cut into chunks of 15 elements; consolidated: torch.optim's
+    parameter-shaped tensors)."""
+    run_on_ranks(_layout_save_body, save_ranks, str(tmp_path), partition, chunk_bytes)
+    run_on_ranks(_layout_load_body, load_ranks, str(tmp_path), partition, chunk_bytes, timeout=120)

@@ -35,8 +35,8 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "distoptim.integrations.transformers needs Hugging Face transformers: pip install transformers"
     ) from error
 
+from distoptim import _agreement as agreement
 from distoptim import checkpoint
-from distoptim.zero import agreement
 from distoptim.zero.grad_sharding import reduce_to_owners_hook
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 

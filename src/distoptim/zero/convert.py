@@ -19,8 +19,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from distoptim._dcp import check_files, read_metadata, underlying_error
 from distoptim._flat import flat_view
 from distoptim.zero.sharded import LAYOUTS, PARAM_GROUPS
 
@@ -31,8 +33,14 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
     """The ``torch.optim`` state dict of the optimizer saved under ``key`` in a sharded checkpoint."""
     if not (Path(directory) / ".metadata").is_file():
         raise ValueError(f"{directory} is not a torch.distributed.checkpoint directory (it has no .metadata)")
+    metadata = read_metadata(Path(directory))
+    check_files(Path(directory), (metadata.storage_data or {}).values())
     with _scratch() as scratch:
-        dcp_to_torch_save(str(directory), scratch)
+        try:
+            dcp_to_torch_save(str(directory), scratch)
+        except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+            cause = underlying_error(error)
+            raise ValueError(f"{directory} cannot be read: {type(cause).__name__}: {cause}") from cause
         flat: dict[str, Any] = torch.load(scratch, weights_only=False)
     saved = flat.get(key)
     if not isinstance(saved, dict) or PARAM_GROUPS not in saved:
@@ -50,29 +58,27 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
 def torch_optim_to_dcp(state_dict: dict[str, Any], directory: str | Path, key: str = "optim") -> None:
     """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes.
 
-    Parameter-shaped state tensors are saved flat in their own memory order (that of the parameters they belong to:
-    ``torch.optim`` lays state out like its parameter).
+    State tensors are saved as they are (parameter-shaped ones by their logical indices, as ZeRO saves them: the
+    memory layout does not matter).
     """
     count = sum(len(group["params"]) for group in state_dict["param_groups"])
-    layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * count  # None: unknown (no state)
+    layouts: list[tuple[tuple[int, ...], None] | None] = [None] * count  # None: unknown (no state)
     payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(state_dict["param_groups"])}
     for index, entry in sorted(state_dict["state"].items()):
         for name, value in entry.items():
-            flat = value
             if isinstance(value, Tensor) and value.dim() > 0:
-                flat = flat_view(value).clone()
-                layouts[index] = (tuple(value.shape), tuple(value.stride()))
-            payload[f"state.{index}.{name}"] = flat
+                layouts[index] = (tuple(value.shape), None)
+            payload[f"state.{index}.{name}"] = value
     payload[LAYOUTS] = pickle.dumps(layouts)
     dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
 
 
-def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Any:
-    """A saved 1-D tensor back in its parameter's shape and memory layout (``(shape, strides)``); anything else as
-    it is."""
-    if not isinstance(value, Tensor) or value.dim() == 0 or layout is None:
+def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...] | None] | None) -> Any:
+    """A saved state tensor as ``torch.optim`` keeps it: as saved, or, from a checkpoint of distoptim 0.2 (whose
+    layouts carry strides: it saved parameter-shaped state flat, in memory order), reshaped by them."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or layout is None or layout[1] is None:
         return value
-    whole = torch.empty_strided(*layout, dtype=value.dtype)
+    whole = torch.empty_strided(layout[0], layout[1], dtype=value.dtype)
     flat_view(whole).copy_(value)
     return whole
 
@@ -103,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.save(dcp_to_torch_optim(args.directory, args.key), args.to_torch)
         else:
             torch_optim_to_dcp(torch.load(args.from_torch, weights_only=False), args.directory, args.key)
-    except (OSError, ValueError, KeyError, RuntimeError) as error:
-        print(f"python -m distoptim checkpoint: error: {error}", file=sys.stderr)
+    except (Exception, CheckpointException) as error:  # one line saying what is wrong, not a traceback
+        cause = underlying_error(error)
+        what = "" if isinstance(cause, (ValueError, OSError)) else f"{type(cause).__name__}: "
+        print(f"python -m distoptim checkpoint: error: {what}{cause}", file=sys.stderr)
         return 1
     return 0

@@ -1,9 +1,12 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves and loads its fragments only.
 
-Each parameter-shaped state tensor (Adam's moments, a master weight) is presented to DCP as a 1-D tensor of the
-parameter's element count (memory order) of which this rank holds its fragment's range, with that range as DCP
-chunk metadata. DCP writes each rank's pieces from their own memory, and a load under another world size or
-partition reads, for each rank, exactly the byte ranges that overlap its new fragments. Step counts and other
+Each parameter-shaped state tensor (Adam's moments, a master weight) is presented to DCP as a tensor of the
+parameter's shape of which this rank holds its fragment: the whole tensor, or for a fragment of a split parameter
+the boxes of the parameter's (logical, row-major) index space that its range of elements in memory order covers
+(``boxes.memory_range_boxes``), each a view of the fragment's state as DCP chunk metadata. A checkpoint is thus
+independent of memory layout: one saved from a ``channels_last`` model loads into a contiguous one and back. DCP
+writes each rank's pieces from their own memory, and a load under another world size, partition or layout reads,
+for each rank, exactly the bytes that overlap its new fragments. Step counts and other
 per-parameter scalars are saved by every rank that holds a piece of the parameter (DCP keeps one copy), the
 hyperparameters once. No rank ever holds more than its own shard. Zero-sized parameters are left out (their state
 holds nothing). A plain ``dcp.load`` needs, for every fragment the new optimizer holds, the state the checkpoint's
@@ -17,6 +20,9 @@ Usage (the method names are the contract)::
     state = {"optim": zero.sharded_state_dict()}      # on the new optimizer, any world size or partition
     dcp.load(state, checkpoint_id=path)
     zero.load_sharded_state_dict(state["optim"])
+
+``dcp.async_save`` works too (its staging copies each fragment's pieces to the CPU), and so do
+``distoptim.checkpoint.save`` / ``load``, which need no numpy and make saves crash-safe.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from distoptim._flat import flat_view
+from distoptim._flat import is_dense
+from distoptim.zero.boxes import memory_range_boxes
 from distoptim.zero.checkpoint import check_hyperparameters
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 
@@ -47,40 +54,48 @@ __all__ = [
     "template_state",
 ]
 
+CHUNK_BYTES = 4 << 20
+"""The largest piece a save writes as one DCP chunk: a load reads a saved chunk whole before copying what it needs,
+so this bounds the memory a load takes besides the state (a save writes each chunk from the state's own memory)."""
 PARAM_GROUPS = "param_groups"
-LAYOUTS = "param_layouts"  # each parameter's (shape, strides): what turns a saved 1-D tensor back into its shape
+LAYOUTS = "param_layouts"
+"""Each parameter's ``(shape, None)``: its state is saved by logical index. distoptim 0.2 saved ``(shape, strides)``,
+the memory order in which it saved parameter-shaped state flat (``convert`` still reads those)."""
 
 
 class FragmentTensor(Tensor):
-    """A tensor of ``shape`` of which this rank holds ``local`` at ``offsets``: what DCP needs to save and load one
-    rank's piece of a tensor (DCP's checkpointable protocol, as DTensor implements it). ``source`` is the state value
-    it stands for; ``saved=False`` marks a placeholder that a load may fill but a save leaves out (the state a fresh
-    optimizer would have). It holds no data of its own and supports no operation."""
+    """A tensor of ``shape`` of which this rank holds ``pieces``, each a box ``(offsets, local)`` of its logical
+    index space: what DCP needs to save and load one rank's piece of a tensor (DCP's checkpointable protocol, as
+    DTensor implements it). ``source`` is the state value it stands for (the pieces are views of it); ``saved=False``
+    marks a placeholder that a load may fill but a save leaves out (the state a fresh optimizer would have). It holds
+    no data of its own and supports one operation: ``new_empty``, with which DCP's staging (``async_save``) makes
+    the shell it copies the pieces into."""
 
-    _local: Tensor
-    _offsets: tuple[int, ...]
+    _pieces: list[tuple[tuple[int, ...], Tensor]]
     source: Tensor
     saved: bool
 
     @staticmethod
     def __new__(
-        cls, local: Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], source: Tensor, saved: bool = True
+        cls, pieces: list[tuple[tuple[int, ...], Tensor]], shape: tuple[int, ...], source: Tensor, saved: bool = True
     ) -> FragmentTensor:
-        wrapper = Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
-        wrapper._local, wrapper._offsets, wrapper.source, wrapper.saved = local, offsets, source, saved
+        wrapper = Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype, device=source.device)
+        wrapper._pieces, wrapper.source, wrapper.saved = pieces, source, saved
         return wrapper
 
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
+        if func is torch.ops.aten.new_empty.default:  # the staging copies the attributes (pieces, source) over
+            fragment, device = args[0], (kwargs or {}).get("device") or args[0].device
+            shell = fragment.source.new_empty(0, device=device)
+            return FragmentTensor([], tuple(fragment.shape), shell, fragment.saved)
         raise NotImplementedError(f"{func} is not supported on a checkpoint fragment (save or load it with DCP)")
 
     def _chunks(self) -> list[ChunkStorageMetadata]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        if self._local.numel() == 0:
-            return []
-        return [ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=self._local.shape)]
+        return [ChunkStorageMetadata(offsets=torch.Size(at), sizes=local.shape) for at, local in self._pieces]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
@@ -88,24 +103,41 @@ class FragmentTensor(Tensor):
 
         if not self.saved:
             return []
-        properties = TensorProperties.create_from_tensor(self._local)
         return [
             WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets),
+                index=MetadataIndex(fqn, chunk.offsets, position),
                 type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.size()),
+                tensor_data=TensorWriteData(
+                    chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=self.size()
+                ),
             )
-            for chunk in self._chunks()
+            for position, (chunk, (_, local)) in enumerate(zip(self._chunks(), self._pieces))
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return self._chunks()
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        return self._local
+        offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
+        if hint is not None and hint < len(self._pieces) and self._pieces[hint][0] == offsets:
+            return _on_own_storage(self._pieces[hint][1])
+        return _on_own_storage(next(local for at, local in self._pieces if at == offsets))
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"FragmentTensor(shape={tuple(self.shape)}, offsets={self._offsets}, local={tuple(self._local.shape)})"
+        boxes = [(at, tuple(local.shape)) for at, local in self._pieces]
+        return f"FragmentTensor(shape={tuple(self.shape)}, boxes={boxes})"
+
+
+def _on_own_storage(box: Tensor) -> Tensor:
+    """``box`` (a view of a larger tensor that fills one stretch of its memory, as every box does) over a storage of
+    exactly its bytes, sharing them: DCP copies a tensor whose storage is larger before writing it (and keeps the
+    copy until the file is done), so a save then writes every box from the state's own memory."""
+    size = box.numel() * box.element_size()
+    if box.untyped_storage().nbytes() == size or not is_dense(box):
+        return box
+    begin = box.storage_offset() * box.element_size()
+    own = box.new_empty(0).set_(box.untyped_storage()[begin : begin + size], 0, box.shape, box.stride())
+    return own
 
 
 class Placeholder:
@@ -127,7 +159,7 @@ def sharded_state(
 ) -> dict[str, Any]:
     """``{"state.<index>.<name>": piece or scalar, "param_groups": pickled, "param_layouts": pickled}`` for this
     rank's fragments: their state, or for a fragment without any, ``placeholders`` that only a load fills."""
-    layouts = pickle.dumps([(tuple(p.shape), tuple(p.stride())) for p in params])
+    layouts = pickle.dumps([(tuple(p.shape), None) for p in params])
     exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: layouts}
     for local in (t for group in shard.groups for t in group if t.param.numel() > 0):  # zero-sized: nothing to keep
         saved = local.tensor in state
@@ -140,16 +172,40 @@ def sharded_state(
 
 
 def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
-    """A parameter-shaped tensor (or a fragment's 1-D piece of one) as a fragment of the whole, anything else whole;
-    wrapped as a placeholder unless ``saved``."""
-    if isinstance(value, Tensor) and value.dim() > 0:
-        piece = flat_view(value) if local.whole else value
-        return FragmentTensor(piece.detach(), (local.offset,), (local.param.numel(),), value, saved)
-    if saved:
-        return value
-    if isinstance(value, Tensor):
-        return FragmentTensor(value.detach(), (0,) * value.dim(), tuple(value.shape), value, saved)
-    return Placeholder(value)
+    """A state tensor as a fragment: the boxes of the parameter that its piece covers (the whole tensor when
+    ``local`` covers its parameter), each of at most ``CHUNK_BYTES``; anything else as it is. Wrapped as a
+    placeholder unless ``saved``."""
+    if isinstance(value, Tensor) and (value.dim() > 0 or not saved):  # a saved scalar (a step) is saved as it is
+        piece = value.detach()
+        if local.whole or piece.dim() == 0:
+            return FragmentTensor(_boxes(piece, piece, 0, piece.numel()), tuple(piece.shape), value, saved)
+        _check_piece(piece, local)
+        return FragmentTensor(
+            _boxes(piece, local.param, local.offset, local.length), tuple(local.param.shape), value, saved
+        )
+    return value if saved else Placeholder(value)
+
+
+def _check_piece(piece: Tensor, local: LocalTensor) -> None:
+    if piece.dim() != 1 or piece.numel() != local.length or (local.length > 1 and piece.stride() != (1,)):
+        raise ValueError(
+            f"the optimizer state of parameter {local.index} holds a tensor of shape {tuple(piece.shape)} for a piece "
+            f"of {local.length} elements: a parameter split across ranks (partition='even') needs an elementwise "
+            "optimizer, whose state is shaped like the piece"
+        )
+
+
+def _boxes(piece: Tensor, like: Tensor, offset: int, length: int) -> list[tuple[tuple[int, ...], Tensor]]:
+    """``piece`` (elements ``[offset, offset + length)`` of a tensor laid out as ``like``, in memory order) as
+    (logical offsets, view) boxes of at most ``CHUNK_BYTES``; a tensor that is not dense as one box, itself."""
+    if not is_dense(like) or not is_dense(piece):
+        return [((0,) * piece.dim(), piece)] if piece.numel() > 0 else []
+    limit = CHUNK_BYTES // piece.element_size()
+    base = piece.storage_offset()
+    return [
+        (box.offsets, piece.as_strided(box.sizes, like.stride(), base + box.start))
+        for box in memory_range_boxes(like.shape, like.stride(), offset, length, limit)
+    ]
 
 
 def template_state(

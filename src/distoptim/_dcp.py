@@ -1,0 +1,181 @@
+"""``torch.distributed.checkpoint``'s save and load, coordinated over distoptim's own collectives.
+
+``dcp.save`` and ``dcp.load`` move their plans between ranks with torch's object collectives (``gather_object``,
+``scatter_object_list``, ...), whose receiving side needs numpy (``Tensor.numpy()``), and report a failure on any
+rank as a ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses, its cause hidden in a
+per-rank table. Here the same planner and storage steps run (``DefaultSavePlanner`` / ``DefaultLoadPlanner`` over
+a ``FileSystemWriter`` / ``FileSystemReader``: the files are DCP's), with plans moved as pickled bytes
+(``comm.send_object``) and each step's success agreed across ranks (``agreement.run_agreed``): a failure raises an
+ordinary exception on every rank, the failing rank its own and the others a ``ValueError`` naming it. A load
+checks, before reading anything, that every file its plan reads is there and long enough, so that a missing or
+truncated file changes nothing in the state being loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+
+from distoptim import _agreement as agreement
+from distoptim.zero import comm
+
+__all__ = ["check_files", "load", "read_metadata", "save", "underlying_error"]
+
+_T = TypeVar("_T")
+_COORDINATOR = 0
+
+
+def save(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None:
+    """Write ``state_dict`` (this rank's part of it) into ``directory`` as ``dcp.save`` does (collective)."""
+    writer, planner = dcp.FileSystemWriter(str(directory)), DefaultSavePlanner()
+    rank, what = comm.group_rank(group), f"saving the checkpoint into {directory}"
+
+    def local_plan() -> Any:
+        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        _set_up(writer.set_up_storage_writer, rank)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list[Any]) -> tuple[list[Any], Metadata]:
+        plans, metadata = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(plans), metadata
+
+    plan, metadata = _planned(local_plan, global_plan, group, what)
+
+    def write() -> Any:
+        written = writer.write_data(planner.finish_plan(plan), planner)
+        written.wait()
+        return written.value()
+
+    results = _gathered(_agreed(write, group, what), group)
+
+    def finish() -> None:
+        if results is not None and metadata is not None:  # on the coordinator
+            writer.finish(metadata=metadata, results=results)
+
+    _agreed(finish, group, what)
+
+
+def load(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None:
+    """Fill ``state_dict`` in place from the checkpoint in ``directory`` as ``dcp.load`` does (collective); any
+    failure is a ``ValueError`` on every rank, and a missing or truncated file one before anything is loaded."""
+    reader, planner = dcp.FileSystemReader(str(directory)), DefaultLoadPlanner()
+    rank, what = comm.group_rank(group), f"loading the checkpoint at {directory}"
+    metadata: Metadata | None = None
+
+    def local_plan() -> Any:
+        nonlocal metadata
+        metadata = read_metadata(directory)
+        planner.set_up_planner(state_dict, metadata, rank == _COORDINATOR)
+        _set_up(lambda *args, **kwargs: reader.set_up_storage_reader(metadata, *args, **kwargs), rank)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list[Any]) -> tuple[list[Any], None]:
+        return reader.prepare_global_plan(planner.create_global_plan(plans)), None
+
+    plan, _ = _planned(_as_value_error(local_plan, what), _as_value_error(global_plan, what), group, what)
+
+    def checked_plan() -> Any:
+        final = planner.finish_plan(plan)
+        assert metadata is not None and metadata.storage_data is not None
+        check_files(directory, [metadata.storage_data[item.storage_index] for item in final.items])
+        return final
+
+    final = _agreed(_as_value_error(checked_plan, what), group, what)  # nothing is written into the state before
+    _agreed(_as_value_error(lambda: reader.read_data(final, planner).wait(), what), group, what)
+
+
+def _set_up(set_up: Callable[..., None], rank: int) -> None:
+    """A storage writer's or reader's set-up, with the rank where its signature takes keywords (as DCP does)."""
+    if "kwargs" in inspect.signature(set_up).parameters:
+        set_up(rank == _COORDINATOR, rank=rank, use_collectives=True)
+    else:
+        set_up(rank == _COORDINATOR)
+
+
+def _planned(
+    local_plan: Callable[[], Any],
+    global_plan: Callable[[list[Any]], tuple[list[Any], _T]],
+    group: comm.Group,
+    what: str,
+) -> tuple[Any, _T | None]:
+    """Every rank's plan to the coordinator, which makes the global plan and sends each rank its part; what else
+    the global plan returned stays on the coordinator (None elsewhere)."""
+    plans = _gathered(_agreed(local_plan, group, what), group)
+    coordinated = _agreed(lambda: None if plans is None else global_plan(plans), group, what)
+    if coordinated is None:
+        return comm.receive_object(_COORDINATOR, group), None
+    everyone, extra = coordinated
+    for rank in range(1, comm.group_size(group)):
+        comm.send_object(everyone[rank], rank, group)
+    return everyone[_COORDINATOR], extra
+
+
+def _gathered(mine: Any, group: comm.Group) -> list[Any] | None:
+    """Every rank's ``mine`` on the coordinator, in rank order (None elsewhere)."""
+    if comm.group_rank(group) != _COORDINATOR:
+        comm.send_object(mine, _COORDINATOR, group)
+        return None
+    ranks = range(comm.group_size(group))
+    return [mine if rank == _COORDINATOR else comm.receive_object(rank, group) for rank in ranks]
+
+
+def _agreed(action: Callable[[], _T], group: comm.Group, what: str) -> _T:
+    return agreement.run_agreed(action, group, what, errors=(Exception,))
+
+
+def _as_value_error(action: Callable[..., _T], what: str) -> Callable[..., _T]:
+    """``action`` raising a ``ValueError`` that names its cause, whatever DCP raised."""
+
+    def run(*args: Any) -> _T:
+        try:
+            return action(*args)
+        except Exception as error:
+            cause = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            raise ValueError(f"{what} failed: {cause}") from error
+
+    return run
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """The checkpoint's index (``.metadata``); a ``ValueError`` saying so if it cannot be read."""
+    try:
+        return dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as error:
+        raise ValueError(
+            f"{directory / '.metadata'} cannot be read ({type(error).__name__}: {error}): the checkpoint is damaged; "
+            "load another one"
+        ) from error
+
+
+def check_files(directory: Path, storage: Iterable[Any]) -> None:
+    """Every data file that ``storage`` (DCP's ``_StorageInfo`` entries: file, offset, length) names exists and
+    holds the bytes the entries say it does."""
+    needed: dict[str, int] = {}
+    for info in storage:
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ValueError(f"the checkpoint at {directory} is damaged: its data file {name} is missing")
+        if os.path.getsize(path) < size:
+            raise ValueError(
+                f"the checkpoint at {directory} is damaged: its data file {name} holds {os.path.getsize(path)} bytes "
+                f"where its metadata says at least {size} (the file was truncated)"
+            )
+
+
+def underlying_error(error: BaseException) -> BaseException:
+    """What a rank raised inside DCP, for DCP's ``CheckpointException`` (which wraps it); ``error`` itself else."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        cause, _ = next(iter(error.failures.values()))
+        return cause
+    return error
