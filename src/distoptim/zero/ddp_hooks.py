@@ -258,7 +258,7 @@ def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None]) -> None:
 
 
 def _step_after_repartition(zero: "ZeroRedundancyOptimizer", stepper: OverlapStepper, grads: Any) -> None:
-    zero._repartition_if_trainability_changed()
+    zero._repartition_if_changed()
     stepper.step(grads)
 
 
@@ -302,7 +302,7 @@ def hook_with_zero_step_interleaved(
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
         if _start_of_bucket(backward, ddp, bucket, zero, finish):  # before anything is routed or stepped
-            zero._agreed(zero._repartition_if_trainability_changed)
+            zero._agreed(zero._repartition_if_changed)
         params = bucket.parameters()
         used = _UsedFlags(params, zero) if _finds_unused(ddp) else None  # read when this bucket is stepped
         reduction = _BucketReduction(params, hook(state, bucket), used)

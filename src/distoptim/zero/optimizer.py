@@ -239,7 +239,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> tuple[float | None, amp.Verdict | None]:
         """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
         waits for the ranks' verdict on inf/nan."""
-        self._repartition_if_trainability_changed()
+        self._repartition_if_changed()
         loss: float | None = None
         if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
             with torch.enable_grad():
@@ -359,11 +359,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pull_hyperparameters()
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
+        self._bound = self._storages()
 
-    def _repartition_if_trainability_changed(self) -> None:
-        """Gradual unfreezing: a parameter made trainable since the last step gets an owner before this step
-        (detected locally, as torch does: every rank must change ``requires_grad`` alike, before the same step)."""
-        if tuple(p.requires_grad for p in self.global_params) != self._trainability:
+    def _storages(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.global_params)
+
+    def _repartition_if_changed(self) -> None:
+        """Before a step: gradual unfreezing (a parameter made trainable since the last step gets an owner; detected
+        locally, as torch does: every rank must change ``requires_grad`` alike, before the same step), and
+        parameters given new storage since the plan was bound (``param.data = ...``, ``model.to(...)`` copying):
+        fragment views and bucket views would otherwise step and sync the old memory. Both keep owners and state."""
+        if tuple(p.requires_grad for p in self.global_params) != self._trainability or self._storages() != self._bound:
             self._repartition()
 
     # -------------------------------------------------------------------------------------- checkpoints

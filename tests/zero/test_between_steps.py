@@ -1,7 +1,12 @@
-"""Gradual unfreezing: a layer frozen when ZeRO was built is made trainable (on every rank) between two steps, in
-every way of reducing and stepping. Its first step already uses the averaged gradient, as DDP + the plain optimizer
-does: reduced to owners, its elements (owned by nobody yet) are all-reduced; stepped inside the backward, the ranks
-agree on what they train and place it before the step."""
+"""What changes between two steps without ZeRO being told, in every way of reducing and stepping, against DDP + the
+plain optimizer:
+
+- gradual unfreezing: a layer frozen when ZeRO was built is made trainable (on every rank). Its first step already
+  uses the averaged gradient: reduced to owners, its elements (owned by nobody yet) are all-reduced; stepped inside
+  the backward, the ranks agree on what they train and place it before the step;
+- new storage: every parameter is given a copy of itself (``param.data = ...``, as ``model.to(...)`` does when it
+  copies; Accelerate's ``prepare`` does it on the CPU): the fragment views and bucket views are bound again to the
+  new storage, keeping the optimizer state, instead of stepping and syncing the old memory."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from distoptim import ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
 
-ITERATIONS, UNFREEZE_AT = 5, 2
+ITERATIONS, UNFREEZE_AT, MOVE_AT = 5, 2, 3
 
 
 def _net() -> nn.Module:
@@ -25,9 +30,9 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _body(rank: int, world_size: int, configs: list[tuple[str, str, str]]) -> None:
-    for partition, reduction, stepping in configs:
-        what = f"{partition} {reduction} {stepping}"
+def _body(rank: int, world_size: int, configs: list[tuple[str, str, str, bool]]) -> None:
+    for partition, reduction, stepping, bucket_view in configs:
+        what = f"{partition} {reduction} {stepping} bucket_view={bucket_view}"
         model, reference = _net(), _net()
         ddp = DDP(model, find_unused_parameters=True)
         reference_ddp = DDP(reference, find_unused_parameters=True)
@@ -47,6 +52,9 @@ def _body(rank: int, world_size: int, configs: list[tuple[str, str, str]]) -> No
             if iteration == UNFREEZE_AT:
                 for net in (model, reference):
                     net[2].requires_grad_(True)
+            if iteration == MOVE_AT:
+                for param in model.parameters():
+                    param.data = param.data.clone()
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
             zero.zero_grad()
             ddp(x).square().mean().backward()
@@ -61,9 +69,13 @@ def _body(rank: int, world_size: int, configs: list[tuple[str, str, str]]) -> No
         assert all(zero.fragments_of(p) for p in model[2].parameters()), f"{what}: the unfrozen layer has no owner"
 
 
-CONFIGS = list(itertools.product(["greedy", "even"], ["all_reduce", "to_owners"], ["explicit", "hook", "interleaved"]))
+CONFIGS = list(
+    itertools.product(
+        ["greedy", "even"], ["all_reduce", "to_owners"], ["explicit", "hook", "interleaved"], [False, True]
+    )
+)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_layer_unfrozen_between_steps_trains_as_with_ddp(world_size: int) -> None:
+def test_unfreezing_and_new_storage_between_steps_train_as_with_ddp(world_size: int) -> None:
     run_on_ranks(_body, world_size, CONFIGS, timeout=240)
