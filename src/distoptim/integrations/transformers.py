@@ -7,12 +7,9 @@ optimizer's ``state_dict()`` (to move the state to the device), and a checkpoint
 parameters' device), saves and loads it on every rank, clips the gradient through ``zero.clip_grad_norm_``
 (right with gradients reduced to their owners too) and, with ``reduce_to_owners=True``, registers
 ``distoptim.hooks.reduce_to_owners_hook`` on the DDP model Accelerate builds (ZeRO-2). With any other optimizer it is
-the plain Trainer. docs/guides/transformers.md says what is not supported and why.
-
-Accelerate's ``prepare`` moves the model to its device, ``cpu:0`` on CPU ranks, and ``Tensor.to("cpu:0")`` copies:
-every parameter gets new storage after the ZeRO optimizer was built, leaving behind the views it steps (the pieces of
-parameters an even partition splits) or syncs (``parameters_as_bucket_view``). When training begins, a ZeRO
-optimizer whose parameters moved is rebuilt over their new storage (state kept).
+the plain Trainer. docs/guides/transformers.md says what is not supported and why. (Accelerate's ``prepare`` moves
+the model to ``cpu:0`` on CPU ranks, which copies every parameter after the ZeRO optimizer was built: ZeRO binds its
+views to the new storage at its next step by itself.)
 
 This module imports ``transformers``; ``import distoptim`` does not import this module.
 """
@@ -90,7 +87,6 @@ class ZeroTrainer(Trainer):
         self.reduce_to_owners = reduce_to_owners
         self.optimizer_checkpoint = optimizer_checkpoint
         self._hooked_model: nn.Module | None = None
-        self._storage = _storage_of(self._zero())  # where a ZeRO optimizer passed in found its parameters
         self.add_callback(_AfterPrepare(self))
 
     def _zero(self) -> ZeroRedundancyOptimizer | None:
@@ -120,7 +116,6 @@ class ZeroTrainer(Trainer):
             )
         if optimizer is zero:
             optimizer = self.optimizer = self.accelerator.prepare(zero, device_placement=[False])
-        self._storage = self._storage or _storage_of(zero)
         return optimizer
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
@@ -140,14 +135,10 @@ class ZeroTrainer(Trainer):
         return zero.clip_grad_norm_(math.inf)
 
     def _after_prepare(self) -> None:
-        """Once Accelerate has wrapped the model: rebuild the ZeRO optimizer if its parameters moved, register the
-        ZeRO-2 hook on the DDP model (once per DDP model)."""
+        """Once Accelerate has wrapped the model: register the ZeRO-2 hook on the DDP model (once per DDP model)."""
         zero, model = self._zero(), self.model_wrapped
         if zero is None:
             return
-        if _storage_of(zero) != self._storage:
-            zero._repartition()  # its views follow the parameters to their new storage; owners and state stay
-            self._storage = _storage_of(zero)
         if not self.reduce_to_owners or model is self._hooked_model:
             return
         if not isinstance(model, DistributedDataParallel):
@@ -199,11 +190,6 @@ class ZeroTrainer(Trainer):
             then_agree_on=lambda found: {"whether the directory exists: {}": found},
             fix="resume from a checkpoint directory that every rank sees",
         )
-
-
-def _storage_of(zero: ZeroRedundancyOptimizer | None) -> list[int] | None:
-    """Where the optimizer's parameters keep their elements now."""
-    return None if zero is None else [param.data_ptr() for param in zero.global_params]
 
 
 class _AfterPrepare(TrainerCallback):
