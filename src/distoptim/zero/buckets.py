@@ -129,6 +129,10 @@ class ParameterSync:
     def sync_parameters(self) -> None:
         raise NotImplementedError
 
+    def finish(self) -> None:
+        """Land whatever ``sync_parameters`` left in flight (a strategy that overlaps the sync with the next forward
+        has some): called before anything reads or writes the parameters outside a forward."""
+
     def release(self) -> None:
         """Undo what construction did to the parameters (before a rebuild)."""
 

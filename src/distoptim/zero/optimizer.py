@@ -126,6 +126,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync: ParameterSync | None = None
         self._routes: dict[tuple[Any, ...], Any] = {}  # the gradient routes of DDP buckets under this plan
         self._shard: LocalShard | None = None
+        self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
+        self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
+        self._gradient_store: Any = None  # ShardedDataParallel's owned gradient, when it holds the gradient
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._ready = True
@@ -208,6 +211,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
+        self.sync_finished()
         try:
             (loss, verdict), scaled, found_inf = self._agreed_step(
                 lambda: self._prepare_and_step(closure, kwargs, grad_scaler)
@@ -271,6 +275,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         assert self._sync is not None
         self._sync.sync_parameters()
 
+    def sync_finished(self) -> None:
+        """Wait for any parameter sync still in flight (``ShardedDataParallel(overlap_param_sync=True)`` leaves the
+        sync of later buckets to finish during the next forward): after it every parameter holds its value."""
+        assert self._sync is not None
+        self._sync.finish()
+
     def _push_hyperparameters(self) -> None:
         copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
 
@@ -302,6 +312,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Clear the gradients of all parameters, owned or not."""
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
+        if self._gradient_store is not None:
+            self._gradient_store.clear()
         super().zero_grad(set_to_none)
         if self.overlap_stepper is not None:
             self.overlap_stepper.record_grads()
@@ -318,7 +330,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         super().add_param_group(group)
         self._repartition()
 
-    def _repartition(self) -> None:
+    def _repartition(self, fresh: bool = False) -> None:
         """Place the parameters that have no owner yet and rebuild what depends on the plan.
 
         Runs at construction, from ``add_param_group`` and when ``step()`` sees a change of ``requires_grad``.
@@ -331,9 +343,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             [p.numel() for p in params],
             list(self._trainability),
             self.world_size,
-            previous=self._plan,
+            previous=None if fresh else self._plan,
             mode=self.partition,
             keys=[(p.device, p.dtype) for p in params],
+            region_numel=self._region_numel,
         )
         self._unowned = [
             p
@@ -341,6 +354,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if owner == UNOWNED and not trainable
         ]
         if self._sync is not None:
+            self._sync.finish()
             self._sync.release()  # before the shard's views are made: bucket views replace the parameters' storage
         strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
         layouts = layouts_from_plan(self._plan.layouts, self._plan.fragments, params)
@@ -360,6 +374,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
         self._bound = self._storages()
+        for listener in self._plan_listeners:
+            listener()
+
+    def _use_regions(self, region_numel: dict[Any, int]) -> None:
+        """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
+        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
+        if region_numel == self._region_numel or self.partition != "even":
+            return
+        if any(self.local_optimizer.state.values()):
+            raise RuntimeError(
+                "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the model "
+                "before the optimizer has any state (before the first step() and before loading a checkpoint)"
+            )
+        self._region_numel = region_numel
+        self._repartition(fresh=True)
 
     def _storages(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.global_params)
@@ -380,6 +409,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         communication device: no GPU holds the whole state, no sender a second copy of its shard.
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
+        self.sync_finished()
         mine = self.local_shard.global_state(self.local_optimizer.state)
         merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
         self._consolidated = None if merged is None else dict(sorted(stitch(merged, self.global_params).items()))
@@ -410,6 +440,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         other parameters raises a ``ValueError``. Load pre-hooks (which get a shallow copy and may return a
         replacement) run before, load post-hooks after, as in ``torch.optim``.
         """
+        self.sync_finished()  # the load may write master weights into the parameters
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         state_dict = checkpoint.apply_hooks(self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
         by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
@@ -430,6 +461,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``torch.distributed.checkpoint``: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``;
         to resume (any world size, either partition), ``dcp.load`` into a new one's, then ``load_sharded_state_dict``.
         Fragments without state yet get placeholders that a load fills in and a save leaves out."""
+        self.sync_finished()
         shard, state = self.local_shard, self.local_optimizer.state
         placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         groups = pickle.dumps(checkpoint.global_param_groups(self.param_groups))
@@ -437,6 +469,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict (the state was loaded in place)."""
+        self.sync_finished()
         saved_groups = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
@@ -450,6 +483,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """While this rank has run out of inputs, shadow the others' parameter sync. Its shard stays as it is with
         ``step()`` (DDP discards a joined rank's gradients); in overlap mode DDP's join hook runs the comm hook on zero
         buckets, which hands the joined rank the true average, so its shard keeps being stepped."""
+        if self._gradient_store is not None:
+            raise NotImplementedError(
+                "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow "
+                "every bucket's reduction and the parameter sync; give every rank the same number of batches (drop "
+                "the last, uneven one: DistributedSampler(drop_last=True)), or use DDP with reduce_to_owners_hook"
+            )
         return _ZeroJoinHook(self)
 
     @property

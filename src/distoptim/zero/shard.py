@@ -17,7 +17,7 @@ consolidating rank stitches the pieces back into parameter-shaped tensors (``sti
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,9 @@ class LocalShard:
         self.by_tensor = {id(t.tensor): t for group in self.groups for t in group}
         self.detached = [t for group in self.groups for t in group if t.tensor is not t.param]  # needs .grad given
         self.masters = [t for t in self.detached if t.master]
+        self.source: Callable[[LocalTensor], Tensor | None] | None = None
+        """Where the owned gradient lives when not in ``.grad`` (``ShardedDataParallel``'s store): each local
+        tensor's piece, or None for a parameter no rank used."""
 
     @property
     def tensors(self) -> list[list[Tensor]]:
@@ -118,14 +121,22 @@ class LocalShard:
         ]
 
     def attach_grads(self) -> None:
-        """Give every fragment view and master copy its piece of its parameter's gradient (before the step)."""
+        """Give every fragment view and master copy its piece of its parameter's gradient (before the step); with a
+        ``source``, every local tensor its piece from there."""
+        if self.source is not None:
+            for local in (t for group in self.groups for t in group):
+                piece = self.source(local)
+                local.tensor.grad = (
+                    piece if piece is None or piece.dtype == local.tensor.dtype else piece.to(local.tensor.dtype)
+                )
+            return
         self._align_grads()
         for local in self.detached:
             local.tensor.grad = local.grad_for_step(local.param.grad)
 
     def detach_grads(self) -> None:
         """Drop the pieces again, so that no stale gradient outlives ``zero_grad``."""
-        for local in self.detached:
+        for local in self.detached if self.source is None else (t for group in self.groups for t in group):
             local.tensor.grad = None
 
     def write_back(self) -> None:
@@ -139,6 +150,8 @@ class LocalShard:
 
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
+        if self.source is not None:
+            return [grad for grad in map(self.source, (t for group in self.groups for t in group)) if grad is not None]
         self._align_grads()
         pieces = (t.grad_from(t.param.grad) for group in self.groups for t in group)
         return [grad for grad in pieces if grad is not None]

@@ -1,0 +1,159 @@
+"""Which gradients share a bucket, where each sits in it, and who owns which range: pure arithmetic over a partition
+plan, no tensors, no process group.
+
+A bucket holds whole parameters of one layout key (device, dtype). Buckets are reduced in one fixed order on every
+rank, the order gradients arrive in: walking the parameters from the last one, as the backward produces them
+(DDP's initial order too). Under the even partition that ``ShardedDataParallel`` asks for, each bucket is one region
+of the plan, cut into equal shares, one per rank: a reduce-scatter without padding, an all-gather likewise. Under the
+greedy partition a bucket gathers consecutive parameters up to the cap, each owned whole by one rank: one rooted
+reduce per owner's run.
+
+A rank's owned gradient (``store_plan``) is its owned ranges of every bucket, one after another in bucket order,
+per store key (device, gradient dtype): a bucket's owned part lands in one contiguous stretch of its store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from distoptim.zero.partition import PartitionPlan
+
+__all__ = ["BucketPlan", "Slot", "StorePlan", "plan_buckets", "store_plan"]
+
+Route = tuple[tuple[int, int, int], ...]  # (owner, start, end) in the bucket, neighbours of one owner merged
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Parameter ``index`` (global) at ``position`` of its bucket, ``numel`` elements in its memory order."""
+
+    index: int
+    position: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket: its parameters, its length (padding included), who owns which range of it, and, when it is one
+    region of an even layout, ``(layout, region)``: the flat buffer range a bucket view syncs in place."""
+
+    key: Hashable
+    slots: tuple[Slot, ...]
+    numel: int
+    route: Route
+    region: tuple[int, int] | None
+
+    def owned(self, rank: int) -> list[tuple[int, int]]:
+        """The ranges of this bucket that ``rank`` owns."""
+        return [(start, end) for owner, start, end in self.route if owner == rank]
+
+
+def plan_buckets(
+    plan: PartitionPlan, cap: Mapping[Hashable, int], previous: Sequence[BucketPlan] = ()
+) -> list[BucketPlan]:
+    """Buckets for every placed parameter of ``plan``, in the order they are reduced: ``previous`` first (a plan that
+    grew keeps its buckets), then new ones, the bucket of the last parameters first. ``cap``: the most elements a
+    greedy bucket holds, per key (an even plan's regions are cut already)."""
+    bucketed = {slot.index for bucket in previous for slot in bucket.slots}
+    new = _region_buckets(plan, bucketed) if plan.mode == "even" else _greedy_buckets(plan, cap, bucketed)
+    new.sort(key=lambda bucket: -max(slot.index for slot in bucket.slots))
+    return [*previous, *new]
+
+
+def _region_buckets(plan: PartitionPlan, bucketed: set[int]) -> list[BucketPlan]:
+    buckets = []
+    for layout_number, layout in enumerate(plan.layouts):
+        members = sorted(zip(layout.positions, layout.params))
+        for region_number, bounds in enumerate(layout.bounds):
+            start, end = bounds[0], bounds[-1]
+            slots = tuple(
+                Slot(index, position - start, plan.numels[index])
+                for position, index in members
+                if start <= position < end and index not in bucketed
+            )
+            if not slots:
+                continue
+            route = tuple((rank, a - start, b - start) for rank, (a, b) in enumerate(pairwise(bounds)) if b > a)
+            buckets.append(BucketPlan(layout.key, slots, end - start, route, (layout_number, region_number)))
+    return buckets
+
+
+def _greedy_buckets(plan: PartitionPlan, cap: Mapping[Hashable, int], bucketed: set[int]) -> list[BucketPlan]:
+    """Consecutive parameters of a key, walking from the last, cut at ``cap`` elements (a larger one alone)."""
+    runs: dict[Hashable, list[list[int]]] = {}
+    filled: dict[Hashable, int] = {}
+    for index in reversed(range(len(plan.numels))):
+        if index in bucketed or not plan.fragments[index] or plan.numels[index] == 0:
+            continue
+        key, numel = plan.keys[index], plan.numels[index]
+        open_runs = runs.setdefault(key, [])
+        if not open_runs or filled[key] + numel > cap[key]:
+            open_runs.append([])
+            filled[key] = 0
+        open_runs[-1].append(index)
+        filled[key] += numel
+    buckets = []
+    for key, key_runs in runs.items():
+        for run in key_runs:
+            slots, pieces, position = [], [], 0
+            for index in sorted(run):
+                slots.append(Slot(index, position, plan.numels[index]))
+                pieces += [(f.rank, position + f.offset, position + f.offset + f.length) for f in plan.fragments[index]]
+                position += plan.numels[index]
+            buckets.append(BucketPlan(key, tuple(slots), position, _merged(pieces), None))
+    return buckets
+
+
+def _merged(pieces: list[tuple[int, int, int]]) -> Route:
+    merged: list[tuple[int, int, int]] = []
+    for rank, start, end in sorted(pieces, key=lambda piece: piece[1]):
+        if merged and merged[-1][0] == rank and merged[-1][2] == start:
+            merged[-1] = (rank, merged[-1][1], end)
+        else:
+            merged.append((rank, start, end))
+    return tuple(merged)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Where a rank's owned gradient lives: each bucket's owned part starts at ``starts[bucket]`` of the store of
+    its key, which holds ``lengths[key]`` elements; ``fragments`` maps ``(index, offset)`` of each owned fragment to
+    ``(store key, start)``."""
+
+    starts: tuple[int, ...]
+    lengths: Mapping[Hashable, int]
+    fragments: Mapping[tuple[int, int], tuple[Hashable, int]]
+
+
+def store_plan(
+    buckets: Sequence[BucketPlan], rank: int, store_key: Mapping[Hashable, Hashable], plan: PartitionPlan
+) -> StorePlan:
+    """Lay out ``rank``'s owned ranges of ``buckets`` one after another per store key (``store_key[bucket.key]``:
+    the device and the dtype gradients are reduced in)."""
+    starts, lengths = [], dict.fromkeys(store_key.values(), 0)
+    fragments: dict[tuple[int, int], tuple[Hashable, int]] = {}
+    for bucket in buckets:
+        key = store_key[bucket.key]
+        starts.append(lengths[key])
+        owned, at = bucket.owned(rank), lengths[key]
+        for slot in bucket.slots:
+            for fragment in plan.fragments[slot.index]:
+                if fragment.rank == rank and fragment.length:
+                    fragments[(slot.index, fragment.offset)] = (
+                        key,
+                        at + _owned_offset(owned, slot.position + fragment.offset),
+                    )
+        lengths[key] += sum(end - start for start, end in owned)
+    return StorePlan(tuple(starts), lengths, fragments)
+
+
+def _owned_offset(owned: list[tuple[int, int]], element: int) -> int:
+    """How far ``element`` (an owned element of a bucket) lies into the bucket's owned part."""
+    skipped = 0
+    for start, end in owned:
+        if start <= element < end:
+            return skipped + element - start
+        skipped += end - start
+    raise ValueError(f"element {element} is not in the owned ranges {owned}")

@@ -1,0 +1,118 @@
+"""The parameter side of ``ShardedDataParallel``: after the local step, each bucket's parameters are gathered from
+their owners on their own, in the order the forward reads them (the reverse of the gradients'), so that with
+``overlap_param_sync`` the next forward starts while later buckets are still in flight: each module's forward
+pre-hook lands only what it reads (and what comes before it), as Megatron-Core's ``overlap_param_gather`` does.
+
+A bucket that is one region of an even layout with bucket views is gathered in place (one all-gather in the chunked
+style, a broadcast per owner in the rooted one); any other bucket goes through a ``StagedSync`` of its own pieces
+(large pieces broadcast in place, small ones packed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from distoptim.sharded.buckets import BucketPlan
+from distoptim.zero import comm
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
+from distoptim.zero.partition import PartitionPlan
+
+__all__ = ["BucketedSync"]
+
+
+class _Unit:
+    """One bucket's sync: ``launch`` starts it, ``land`` finishes it."""
+
+    def launch(self) -> Any:
+        raise NotImplementedError
+
+    def land(self, launched: Any) -> None:
+        raise NotImplementedError
+
+
+class _InPlace(_Unit):
+    """A region of a bucket-view buffer, gathered from its owners where it lies."""
+
+    def __init__(self, buffer: Tensor, bounds: tuple[int, ...], group: comm.Group, collectives: comm.Collectives):
+        self.buffer, self.bounds, self.group, self.collectives = buffer, bounds, group, collectives
+
+    def launch(self) -> Any:
+        return comm.gather_from_owners(self.buffer, [self.bounds], self.group, self.collectives, wait=False)
+
+    def land(self, launched: Any) -> None:
+        comm.wait_all(launched)
+
+
+class _Staged(_Unit):
+    """A bucket's pieces through a ``StagedSync`` of their own."""
+
+    def __init__(self, sync: StagedSync) -> None:
+        self.sync = sync
+
+    def launch(self) -> Any:
+        return self.sync.launch_direct(), [self.sync.launch(round_) for round_ in self.sync.rounds]
+
+    def land(self, launched: Any) -> None:
+        direct, flights = launched
+        for flight in flights:
+            self.sync.land(flight)
+        comm.wait_all(direct)
+
+
+class BucketedSync(ParameterSync):
+    """ZeRO's parameter sync bucket by bucket, in forward order; with ``overlap``, ``sync_parameters`` only launches
+    and ``land_for`` (each module's forward pre-hook) or ``finish`` lands."""
+
+    def __init__(
+        self,
+        inner: ParameterSync,
+        buckets: Sequence[BucketPlan],
+        plan: PartitionPlan,
+        params: Sequence[Tensor],
+        overlap: bool,
+    ) -> None:
+        super().__init__(inner.layouts, inner.group, inner.collectives)
+        self.inner, self.overlap = inner, overlap
+        forward = list(reversed(buckets))
+        self.units = [self._unit(bucket, plan, params) for bucket in forward]
+        self.unit_of = {id(params[slot.index]): number for number, b in enumerate(forward) for slot in b.slots}
+        self._launched: dict[int, Any] = {}
+
+    def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
+        if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
+            layout, region = bucket.region
+            return _InPlace(
+                self.inner.buffers[layout], plan.layouts[layout].bounds[region], self.group, self.collectives
+            )
+        inside = {slot.index for slot in bucket.slots}
+        fragments = [pieces if index in inside else () for index, pieces in enumerate(plan.fragments)]
+        stage_bytes = sum(params[slot.index].numel() * params[slot.index].element_size() for slot in bucket.slots)
+        pieces = layouts_from_plan(plan.layouts, fragments, params)
+        return _Staged(
+            StagedSync([layout for layout in pieces if layout.pieces], self.group, self.collectives, stage_bytes)
+        )
+
+    def sync_parameters(self) -> None:
+        self.finish()
+        self._launched = {number: unit.launch() for number, unit in enumerate(self.units)}
+        if not self.overlap:
+            self.finish()
+
+    def land_for(self, params: Iterable[Tensor]) -> None:
+        """Land the buckets holding ``params`` and every bucket before them (in forward order)."""
+        needed = [self.unit_of[id(param)] for param in params if id(param) in self.unit_of]
+        if needed and self._launched:
+            last = max(needed)
+            for number in sorted(n for n in self._launched if n <= last):
+                self.units[number].land(self._launched.pop(number))
+
+    def finish(self) -> None:
+        for number in sorted(self._launched):
+            self.units[number].land(self._launched.pop(number))
+
+    def release(self) -> None:
+        self.finish()
+        self.inner.release()

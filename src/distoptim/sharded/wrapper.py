@@ -1,0 +1,271 @@
+"""``ShardedDataParallel``: DDP's job done for a ``ZeroRedundancyOptimizer``, with the gradient sharded in memory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from distoptim import _agreement
+from distoptim._flat import pack, unpack_
+from distoptim.sharded.buckets import BucketPlan, plan_buckets
+from distoptim.sharded.gradients import OwnedGradients
+from distoptim.sharded.sync import BucketedSync
+from distoptim.zero import comm
+from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["ShardedDataParallel"]
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism for a model stepped by a ``ZeroRedundancyOptimizer``, holding 1/N of the gradient per rank.
+
+    Use it instead of ``DistributedDataParallel``: as each parameter's gradient is accumulated it goes into a
+    bucket and its ``.grad`` is released; full buckets are reduced to the ranks that own their elements (inside the
+    backward, in one fixed order on every rank), and each rank keeps only its owned part, which ``zero`` clips,
+    scales and steps. After the backward every parameter's ``.grad`` is None; ``zero.clip_grad_norm_`` returns the
+    whole gradient's norm. Parameters one rank did not use (a branch taken on some ranks) contribute zeros, and one
+    no rank used gets no gradient at the step (as under DDP with ``find_unused_parameters``): no flag is needed.
+    ``zero.step()`` then syncs the parameters bucket by bucket; with ``overlap_param_sync`` it returns with the sync
+    in flight, and each module's forward pre-hook waits for the buckets of its own parameters, so the next forward
+    starts while later layers' parameters still travel. ``state_dict()``, ``parameters()``, ``zero``'s checkpoints
+    and its next ``step()`` wait for it first; read parameters through the inner module only after
+    ``model.sync_finished()``.
+
+    Args:
+        module: the model; its trainable parameters must be exactly ``zero``'s.
+        zero: a ``ZeroRedundancyOptimizer`` over the model's parameters, built without ``overlap_with_ddp``, with
+            no optimizer state yet (an even partition is re-cut into buckets, one region each).
+        bucket_cap_mb: the most a gradient bucket holds, in MiB (default 25).
+        broadcast_buffers: broadcast rank 0's buffers before each forward, as DDP does (default True).
+        reduce_dtype: the dtype gradients are reduced and kept in (``torch.float32`` for a bf16 model); default:
+            the parameters' dtype.
+        overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward to wait for
+            bucket by bucket (default True); False: ``step()`` returns with every parameter synced.
+
+    Raises:
+        TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
+        ValueError: on every rank, when the trainable parameters of ``module`` and ``zero`` differ (the extra or
+            missing ones named), when the ranks' models or settings differ, for ``overlap_with_ddp=True``, a second
+            wrapper, a bad ``bucket_cap_mb`` or ``reduce_dtype``.
+        RuntimeError: when ``zero`` already has optimizer state and its even partition must be re-cut.
+
+    Example:
+        ```python
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", lr=1e-3)
+        model = distoptim.ShardedDataParallel(model, zero)     # instead of DDP(model)
+        for batch in loader:
+            zero.zero_grad()
+            loss_fn(model(batch)).backward()    # gradients reduced to their owners; every .grad freed
+            zero.clip_grad_norm_(1.0)
+            zero.step()                         # the parameter sync overlaps the next forward
+        ```
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        zero: ZeroRedundancyOptimizer,
+        *,
+        bucket_cap_mb: float = 25.0,
+        broadcast_buffers: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        overlap_param_sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not isinstance(zero, ZeroRedundancyOptimizer):
+            raise TypeError(
+                f"ShardedDataParallel needs the ZeroRedundancyOptimizer of the model, got {type(zero).__name__}"
+            )
+        settings: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": broadcast_buffers}
+        settings |= {"reduce_dtype": str(reduce_dtype), "overlap_param_sync": overlap_param_sync}
+        _agreement.run_agreed(
+            lambda: _check(module, zero, bucket_cap_mb, reduce_dtype),
+            zero.agreement_groups,
+            "ShardedDataParallel construction",
+            then_agree_on=lambda _: _fingerprint(module, settings),
+        )
+        self.module, self.zero = module, zero
+        self.broadcast_buffers, self.reduce_dtype, self.overlap_param_sync = (
+            broadcast_buffers,
+            reduce_dtype,
+            overlap_param_sync,
+        )
+        self._caps: dict[Any, int] = {}
+        cap_bytes = int(bucket_cap_mb * 2**20)
+        for param in zero.global_params:
+            size = torch.empty((), dtype=reduce_dtype or param.dtype).element_size()
+            self._caps[(param.device, param.dtype)] = max(1, cap_bytes // size)
+        zero.sync_finished()
+        _broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups)
+        zero._use_regions(self._caps)
+        self._buckets: list[BucketPlan] = []
+        self.gradients: OwnedGradients | None = None
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+        self._sync_buffers_next = True
+        self._rebuild()
+        zero._plan_listeners.append(self._rebuild)
+        if overlap_param_sync:
+            self._register_forward_pre_hooks()
+
+    # ---------------------------------------------------------------------------------------- building
+    def _rebuild(self) -> None:
+        """(Re)build the buckets, the owned gradient and the bucketed sync over ``zero``'s current plan (after
+        construction, ``add_param_group``, unfreezing or parameters given new storage: buckets already planned stay)."""
+        zero = self.zero
+        self._buckets = plan_buckets(zero.plan, self._caps, self._buckets)
+        self.gradients = OwnedGradients(zero, self._buckets, self.reduce_dtype, previous=self.gradients)
+        zero._gradient_store = self.gradients
+        zero.local_shard.source = self.gradients.grad_of
+        inner = zero._sync.inner if isinstance(zero._sync, BucketedSync) else zero._sync
+        assert inner is not None
+        zero._sync = BucketedSync(inner, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
+        for param in zero.global_params:
+            if param.requires_grad and id(param) not in self._hooked:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
+                self._hooked.add(id(param))
+
+    def _on_grad(self, param: Tensor) -> None:
+        assert self.gradients is not None
+        self.gradients.on_grad(param)
+
+    def _register_forward_pre_hooks(self) -> None:
+        held = {id(p) for p in self.zero.global_params}
+        for submodule in self.module.modules():
+            own = [p for p in submodule.parameters(recurse=False) if id(p) in held]
+            if own:
+                self._handles.append(submodule.register_forward_pre_hook(_Lander(self.zero, own)))
+
+    # ------------------------------------------------------------------------------------------ training
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, after broadcasting rank 0's buffers when DDP would (the previous forward ran with
+        gradients enabled, outside ``no_sync``)."""
+        if self.broadcast_buffers and self._sync_buffers_next:
+            buffers = list(self.module.buffers())
+            if buffers:
+                _broadcast_from_first(buffers, self.zero.agreement_groups)
+        output = self.module(*args, **kwargs)
+        assert self.gradients is not None
+        self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate each rank's full local gradient in ``.grad``, unreduced; the next
+        backward outside reduces it with its own (DDP's and FSDP's meaning: less communication, more memory)."""
+        assert self.gradients is not None
+        previous, self.gradients.no_sync = self.gradients.no_sync, True
+        try:
+            yield
+        finally:
+            self.gradients.no_sync = previous
+
+    def sync_finished(self) -> None:
+        """Wait for the parameter sync still in flight (``overlap_param_sync``): every parameter holds its value."""
+        self.zero.sync_finished()
+
+    # ------------------------------------------------------------------ what reads parameters waits first
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.sync_finished()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.sync_finished()
+        return super().load_state_dict(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        self.sync_finished()
+        return super().parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        self.sync_finished()
+        return super().named_parameters(*args, **kwargs)
+
+
+class _Lander:
+    """A forward pre-hook: land the parameter sync of the buckets holding ``params`` (and those before them)."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer, params: Sequence[Tensor]) -> None:
+        self.zero, self.params = zero, list(params)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        sync = self.zero._sync
+        if isinstance(sync, BucketedSync):
+            sync.land_for(self.params)
+
+
+def _check(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
+    """What must hold on this rank before anything is built (agreed across ranks by the caller)."""
+    if zero.overlap_stepper is not None:
+        raise ValueError(
+            "ShardedDataParallel reduces the gradients itself and zero.step() steps after the backward: build the "
+            "ZeroRedundancyOptimizer without overlap_with_ddp (the parameter sync overlaps the next forward instead)"
+        )
+    if zero._gradient_store is not None:
+        raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
+    held = {id(p) for p in zero.global_params}
+    extra = [f"'{name}'" for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    in_module = {id(p) for p in module.parameters()}
+    missing = [
+        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
+        for g, group in enumerate(zero.param_groups)
+        for i, p in enumerate(group["params"])
+        if p.requires_grad and id(p) not in in_module
+    ]
+    if extra or missing:
+        raise ValueError(
+            "the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: "
+            + "; ".join(
+                part
+                for part in (
+                    f"it does not hold the module's {_few(extra)}" if extra else "",
+                    f"the module has no {_few(missing)}" if missing else "",
+                )
+                if part
+            )
+            + ". Build ZeRO over module.parameters() (freeze what it should not train)"
+        )
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
+    entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
+    for name, p in module.named_parameters():
+        entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = (
+            tuple(p.shape),
+            str(p.dtype),
+            p.requires_grad,
+            p.stride(),
+        )
+    for name, buffer in module.named_buffers():
+        entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
+    return entries
+
+
+def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group]) -> None:
+    """Every rank's ``tensors`` made the first rank's: packed per (device, dtype), broadcast over each group in turn
+    from its first rank (shard group, then replicas: the first rank of the first shard group reaches everyone)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = pack(same_kind)
+            for group in groups:
+                comm.broadcast_slices(flat, [(0, 0, flat.numel())], group)
+            unpack_(flat, same_kind)
