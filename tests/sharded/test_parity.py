@@ -47,7 +47,7 @@ class Model(nn.Module):
         if rank == 0:
             h = h + torch.tanh(self.rank0(h))
         h = h + self.frozen(h)
-        return self.out(self.head(h.to(torch.bfloat16)).float())
+        return self.out(self.head(h.to(self.head.weight.dtype)).float())
 
 
 def groups(model: nn.Module) -> list[dict[str, Any]]:
