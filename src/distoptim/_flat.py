@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["flat_view", "is_dense", "pack", "unpack_"]
+__all__ = ["copy_each_", "flat_view", "is_dense", "pack", "unpack_"]
 
 
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
@@ -25,6 +25,16 @@ def unpack_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
     targets = [t.detach() for t in tensors]
     views = torch.split(flat[: sum(t.numel() for t in targets)], [t.numel() for t in targets])
     torch._foreach_copy_(targets, [view.view_as(target) for view, target in zip(views, targets)])
+
+
+def copy_each_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every ``i``, in one call and outside autograd (parameters included).
+
+    One ``torch._foreach_copy_`` instead of a Python loop: for many small tensors the loop, not the bytes, is the
+    cost."""
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources)
 
 
 def is_dense(tensor: Tensor) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim._flat import flat_view, is_dense, pack
+from distoptim._flat import copy_each_, flat_view, is_dense
 from distoptim.zero import comm
 from distoptim.zero.partition import Fragment, LayoutPlan
 
@@ -63,13 +63,6 @@ def piece_view(piece: Piece) -> Tensor:
     if piece.whole and not is_dense(piece.param):
         return piece.param.detach().reshape(-1)
     return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
-
-
-def _write_piece_(piece: Piece, values: Tensor) -> None:
-    if piece.whole and not is_dense(piece.param):
-        piece.param.detach().copy_(values.view(piece.param.shape))
-    else:
-        flat_view(piece.param)[piece.offset : piece.offset + piece.length].copy_(values)
 
 
 @dataclass
@@ -160,7 +153,9 @@ class StagedSync(ParameterSync):
     """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers.
 
     Small pieces are cut into chunks (per owner, at most ``stage_bytes`` each) and chunks are grouped into rounds of
-    at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts.
+    at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts. What a round
+    copies in and out of its stage is fixed by the layout, so it is worked out once (``_Copies``) and each step
+    packs and unpacks with one ``torch._foreach_copy_`` each, whatever the number of pieces.
     """
 
     def __init__(
@@ -172,6 +167,7 @@ class StagedSync(ParameterSync):
     ) -> None:
         super().__init__(layouts, group)
         self.rank = comm.group_rank(group)
+        self._others = comm.group_size(group) > 1  # whether anyone receives what this rank packs
         self.direct: list[Piece] = []
         self.rounds: list[_Round] = []
         for layout in layouts:
@@ -200,24 +196,52 @@ class StagedSync(ParameterSync):
 
     def launch(self, round_: _Round) -> _InFlight:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
-        if round_.stage is None:  # kept: a fresh buffer each step costs page faults, not just bytes
-            round_.stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
-        stage = round_.stage
-        for chunk in round_.chunks:
-            if chunk.src == self.rank:
-                pack([piece_view(piece) for piece in chunk.pieces], out=stage[chunk.start : chunk.end])
+        copies = self._copies(round_)
+        copy_each_(copies.pack_into, copies.pack_from)
+        assert round_.stage is not None
         slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
-        return _InFlight(round_, stage, comm.broadcast_slices(stage, slices, self.group, wait=False))
+        return _InFlight(round_, round_.stage, comm.broadcast_slices(round_.stage, slices, self.group, wait=False))
 
     def land(self, flight: _InFlight) -> None:
         """Wait for a launched round and copy the other ranks' chunks into their parameters."""
         comm.wait_all(flight.works)
-        for chunk in flight.round.chunks:
-            if chunk.src != self.rank:
+        copies = self._copies(flight.round)
+        copy_each_(copies.unpack_into, copies.unpack_from)
+
+    def _copies(self, round_: _Round) -> _Copies:
+        """The round's stage (kept: a fresh buffer each step costs page faults, not just bytes) and the copies in and
+        out of it, both made at the round's first launch."""
+        if round_.copies is None:
+            stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
+            round_.stage, round_.copies = stage, _Copies()
+            for chunk in round_.chunks:
                 start = chunk.start
                 for piece in chunk.pieces:
-                    _write_piece_(piece, flight.stage[start : start + piece.length])
+                    staged, own = _staged_view(stage, start, piece), _param_side(piece)
+                    if chunk.src != self.rank:
+                        round_.copies.unpack_into.append(own)
+                        round_.copies.unpack_from.append(staged)
+                    elif self._others:
+                        round_.copies.pack_into.append(staged)
+                        round_.copies.pack_from.append(own)
                     start += piece.length
+        return round_.copies
+
+
+def _param_side(piece: Piece) -> Tensor:
+    """What a piece's elements are copied from and into: the parameter itself when whole (so that a parameter whose
+    ``.data`` is replaced is still followed), a 1-D view of its elements otherwise."""
+    if piece.whole:
+        return piece.param
+    return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
+
+
+def _staged_view(stage: Tensor, start: int, piece: Piece) -> Tensor:
+    """The piece's place in a stage, shaped like ``_param_side(piece)``: a whole parameter's elements lie there in
+    memory order (row-major when it is not dense), as ``piece_view`` reads them."""
+    if piece.whole:
+        return view_like(stage, start, piece.param)
+    return stage[start : start + piece.length]
 
 
 @dataclass
@@ -229,12 +253,23 @@ class _Chunk:
 
 
 @dataclass
+class _Copies:
+    """A round's copies at every step: this rank's pieces into the stage, the other ranks' pieces out of it."""
+
+    pack_into: list[Tensor] = field(default_factory=list)
+    pack_from: list[Tensor] = field(default_factory=list)
+    unpack_into: list[Tensor] = field(default_factory=list)
+    unpack_from: list[Tensor] = field(default_factory=list)
+
+
+@dataclass
 class _Round:
     device: torch.device
     dtype: torch.dtype
     chunks: list[_Chunk] = field(default_factory=list)
     numel: int = 0
     stage: Tensor | None = None
+    copies: _Copies | None = None
 
 
 @dataclass
