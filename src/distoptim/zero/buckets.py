@@ -12,6 +12,9 @@ of its parameter's elements in memory order (``_flat.flat_view``), the order DDP
 - ``StagedSync`` (default): parameters keep their own storage. Small pieces are packed into staging buffers (kept
   between steps; together the size of the small pieces only), broadcast and unpacked; a piece of ``direct_bytes`` or
   more of a dense parameter is broadcast in place, since copying it twice costs more than one more call.
+
+What a step copies and sends is fixed by the layout, so both strategies work it out at construction (or first use):
+a step runs no Python per parameter. A group of one rank syncs nothing: its shard is every shard.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class ParameterSync:
     def __init__(self, layouts: list[FlatLayout], group: comm.Group) -> None:
         self.layouts = layouts
         self.group = group
+        self.alone = comm.group_size(group) == 1  # this rank's shard is every shard: nothing to send or receive
 
     def sync_parameters(self) -> None:
         raise NotImplementedError
@@ -139,6 +143,8 @@ class BucketViewSync(ParameterSync):
             self.buffers.append(buffer)
 
     def sync_parameters(self) -> None:
+        if self.alone:  # the buffers hold every shard already
+            return
         for layout, buffer in zip(self.layouts, self.buffers):
             comm.gather_from_owners(buffer, layout.bounds, self.group)
 
@@ -154,7 +160,7 @@ class StagedSync(ParameterSync):
 
     Small pieces are cut into chunks (per owner, at most ``stage_bytes`` each) and chunks are grouped into rounds of
     at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts. What a round
-    copies in and out of its stage is fixed by the layout, so it is worked out once (``_Copies``) and each step
+    copies in and out of its stage is fixed by the layout, so it is worked out once (``_RoundWork``) and each step
     packs and unpacks with one ``torch._foreach_copy_`` each, whatever the number of pieces.
     """
 
@@ -167,7 +173,6 @@ class StagedSync(ParameterSync):
     ) -> None:
         super().__init__(layouts, group)
         self.rank = comm.group_rank(group)
-        self._others = comm.group_size(group) > 1  # whether anyone receives what this rank packs
         self.direct: list[Piece] = []
         self.rounds: list[_Round] = []
         for layout in layouts:
@@ -190,42 +195,43 @@ class StagedSync(ParameterSync):
         """Start the in-place broadcasts of the large pieces; ``comm.wait_all`` finishes them."""
         return [
             work
-            for piece in self.direct
+            for piece in ([] if self.alone else self.direct)
             for work in comm.broadcast_slices(piece_view(piece), [(piece.rank, 0, piece.length)], self.group, False)
         ]
 
     def launch(self, round_: _Round) -> _InFlight:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
-        copies = self._copies(round_)
-        copy_each_(copies.pack_into, copies.pack_from)
-        assert round_.stage is not None
-        slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
-        return _InFlight(round_, round_.stage, comm.broadcast_slices(round_.stage, slices, self.group, wait=False))
+        work = self._work(round_)
+        copy_each_(work.pack_into, work.pack_from)
+        return _InFlight(round_, work.stage, comm.broadcast_slices(work.stage, work.slices, self.group, wait=False))
 
     def land(self, flight: _InFlight) -> None:
         """Wait for a launched round and copy the other ranks' chunks into their parameters."""
         comm.wait_all(flight.works)
-        copies = self._copies(flight.round)
-        copy_each_(copies.unpack_into, copies.unpack_from)
+        work = self._work(flight.round)
+        copy_each_(work.unpack_into, work.unpack_from)
 
-    def _copies(self, round_: _Round) -> _Copies:
-        """The round's stage (kept: a fresh buffer each step costs page faults, not just bytes) and the copies in and
-        out of it, both made at the round's first launch."""
-        if round_.copies is None:
-            stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
-            round_.stage, round_.copies = stage, _Copies()
-            for chunk in round_.chunks:
-                start = chunk.start
-                for piece in chunk.pieces:
-                    staged, own = _staged_view(stage, start, piece), _param_side(piece)
-                    if chunk.src != self.rank:
-                        round_.copies.unpack_into.append(own)
-                        round_.copies.unpack_from.append(staged)
-                    elif self._others:
-                        round_.copies.pack_into.append(staged)
-                        round_.copies.pack_from.append(own)
-                    start += piece.length
-        return round_.copies
+    def _work(self, round_: _Round) -> _RoundWork:
+        """What ``round_`` does at every step, worked out at its first launch (nothing when alone)."""
+        if round_.work is None:
+            round_.work = _RoundWork(round_.dtype, round_.device) if self.alone else self._round_work(round_)
+        return round_.work
+
+    def _round_work(self, round_: _Round) -> _RoundWork:
+        work = _RoundWork(round_.dtype, round_.device, round_.numel)
+        work.slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
+        for chunk in round_.chunks:
+            start = chunk.start
+            for piece in chunk.pieces:
+                staged, own = _staged_view(work.stage, start, piece), _param_side(piece)
+                if chunk.src == self.rank:
+                    work.pack_into.append(staged)
+                    work.pack_from.append(own)
+                else:
+                    work.unpack_into.append(own)
+                    work.unpack_from.append(staged)
+                start += piece.length
+        return work
 
 
 def _param_side(piece: Piece) -> Tensor:
@@ -252,14 +258,18 @@ class _Chunk:
     end: int = 0
 
 
-@dataclass
-class _Copies:
-    """A round's copies at every step: this rank's pieces into the stage, the other ranks' pieces out of it."""
+class _RoundWork:
+    """A round's work at every step: this rank's pieces copied into the stage, the stage's slices broadcast from their
+    owners, the other ranks' pieces copied out of it. The stage is kept: a fresh buffer each step costs page faults,
+    not just bytes."""
 
-    pack_into: list[Tensor] = field(default_factory=list)
-    pack_from: list[Tensor] = field(default_factory=list)
-    unpack_into: list[Tensor] = field(default_factory=list)
-    unpack_from: list[Tensor] = field(default_factory=list)
+    def __init__(self, dtype: torch.dtype, device: torch.device, numel: int = 0) -> None:
+        self.stage = torch.empty(numel, dtype=dtype, device=device)
+        self.slices: list[tuple[int, int, int]] = []
+        self.pack_into: list[Tensor] = []
+        self.pack_from: list[Tensor] = []
+        self.unpack_into: list[Tensor] = []
+        self.unpack_from: list[Tensor] = []
 
 
 @dataclass
@@ -268,8 +278,7 @@ class _Round:
     dtype: torch.dtype
     chunks: list[_Chunk] = field(default_factory=list)
     numel: int = 0
-    stage: Tensor | None = None
-    copies: _Copies | None = None
+    work: _RoundWork | None = None
 
 
 @dataclass
