@@ -41,6 +41,8 @@ def is_dense(tensor: Tensor) -> bool:
     """Whether ``tensor`` fills one stretch of memory without gaps or overlaps (contiguous, channels_last, a
     transposed matrix...): c10's non-overlapping-and-dense rule, by which DDP lays parameters into its buckets
     with their own strides. The dimensions of size 2 or more, sorted by stride, must tile memory exactly."""
+    if tensor.is_contiguous():  # the common case, decided in C (read per parameter in every overlapped backward)
+        return True
     expected = 1
     for stride, size in sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1):
         if stride != expected:
