@@ -62,11 +62,6 @@ class LocalTensor:
         param = self.param.detach()
         return param if self.whole else flat_view(param)[self.offset : self.offset + self.length]
 
-    def write_back(self) -> None:
-        """Round a master copy into the parameter after a step (nothing to do for the parameter or its views)."""
-        if self.master:
-            self.param_piece().copy_(self.tensor)
-
 
 def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
     """Every setting but ``params`` of each source param group into the matching target group (global <-> local)."""
