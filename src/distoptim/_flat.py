@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["flat_view", "is_dense", "pack", "unpack_"]
+__all__ = ["copy_each_", "flat_view", "is_dense", "pack", "unpack_"]
 
 
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
@@ -27,10 +27,22 @@ def unpack_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
     torch._foreach_copy_(targets, [view.view_as(target) for view, target in zip(views, targets)])
 
 
+def copy_each_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every ``i``, in one call and outside autograd (parameters included).
+
+    One ``torch._foreach_copy_`` instead of a Python loop: for many small tensors the loop, not the bytes, is the
+    cost."""
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources)
+
+
 def is_dense(tensor: Tensor) -> bool:
     """Whether ``tensor`` fills one stretch of memory without gaps or overlaps (contiguous, channels_last, a
     transposed matrix...): c10's non-overlapping-and-dense rule, by which DDP lays parameters into its buckets
     with their own strides. The dimensions of size 2 or more, sorted by stride, must tile memory exactly."""
+    if tensor.is_contiguous():  # the common case, decided in C (read per parameter in every overlapped backward)
+        return True
     expected = 1
     for stride, size in sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1):
         if stride != expected:

@@ -14,7 +14,7 @@ Skipping needs the flag on the host: one host read per step, only when a scaler 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,10 +40,10 @@ class Verdict:
 
 
 def check_and_unscale(
-    grad_scaler: Any, optimizer: object, grads: Sequence[Tensor], sharded_in_memory: bool
+    grad_scaler: Any, optimizer: object, grads: Callable[[], Sequence[Tensor]], sharded_in_memory: bool
 ) -> Verdict | None:
-    """With a scaler (None without one): check ``grads`` (this rank's owned fragments, as stepped) for inf/nan and
-    unscale them in place, unless ``scaler.unscale_(optimizer)`` did already. Local: the caller agrees on it."""
+    """With a scaler (None without one): check ``grads()`` (this rank's owned fragments, as stepped) for inf/nan
+    and unscale them in place, unless ``scaler.unscale_(optimizer)`` did already. Local: the caller agrees on it."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None
@@ -58,7 +58,7 @@ def check_and_unscale(
     scale: Tensor = grad_scaler._scale
     inverse = torch.ones((), dtype=torch.float32) if unscaled else scale.double().reciprocal().float()
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for grad in grads:
+    for grad in grads():
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     flags = [torch.zeros((), dtype=torch.float32, device=scale.device)]
     for (device, _), same_kind in by_kind.items():

@@ -12,6 +12,9 @@ of its parameter's elements in memory order (``_flat.flat_view``), the order DDP
 - ``StagedSync`` (default): parameters keep their own storage. Small pieces are packed into staging buffers (kept
   between steps; together the size of the small pieces only), broadcast and unpacked; a piece of ``direct_bytes`` or
   more of a dense parameter is broadcast in place, since copying it twice costs more than one more call.
+
+What a step copies and sends is fixed by the layout, so both strategies work it out at construction (or first use):
+a step runs no Python per parameter. A group of one rank syncs nothing: its shard is every shard.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim._flat import flat_view, is_dense, pack
+from distoptim._flat import copy_each_, flat_view, is_dense
 from distoptim.zero import comm
 from distoptim.zero.partition import Fragment, LayoutPlan
 
@@ -63,13 +66,6 @@ def piece_view(piece: Piece) -> Tensor:
     if piece.whole and not is_dense(piece.param):
         return piece.param.detach().reshape(-1)
     return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
-
-
-def _write_piece_(piece: Piece, values: Tensor) -> None:
-    if piece.whole and not is_dense(piece.param):
-        piece.param.detach().copy_(values.view(piece.param.shape))
-    else:
-        flat_view(piece.param)[piece.offset : piece.offset + piece.length].copy_(values)
 
 
 @dataclass
@@ -125,6 +121,7 @@ class ParameterSync:
         self.layouts = layouts
         self.group = group
         self.collectives = collectives
+        self.alone = comm.group_size(group) == 1  # this rank's shard is every shard: nothing to send or receive
 
     def sync_parameters(self) -> None:
         raise NotImplementedError
@@ -155,6 +152,8 @@ class BucketViewSync(ParameterSync):
             self.buffers.append(buffer)
 
     def sync_parameters(self) -> None:
+        if self.alone:  # the buffers hold every shard already
+            return
         for layout, buffer in zip(self.layouts, self.buffers):
             comm.gather_from_owners(buffer, layout.bounds, self.group, self.collectives)
 
@@ -169,7 +168,9 @@ class StagedSync(ParameterSync):
     """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers.
 
     Small pieces are cut into chunks (per owner, at most ``stage_bytes`` each) and chunks are grouped into rounds of
-    at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts.
+    at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts. What a round
+    copies in and out of its stage is fixed by the layout, so it is worked out once (``_RoundWork``) and each step
+    packs and unpacks with one ``torch._foreach_copy_`` each, whatever the number of pieces.
     """
 
     def __init__(
@@ -204,30 +205,59 @@ class StagedSync(ParameterSync):
         """Start the in-place broadcasts of the large pieces; ``comm.wait_all`` finishes them."""
         return [
             work
-            for piece in self.direct
+            for piece in ([] if self.alone else self.direct)
             for work in comm.broadcast_slices(piece_view(piece), [(piece.rank, 0, piece.length)], self.group, False)
         ]
 
     def launch(self, round_: _Round) -> _InFlight:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
-        if round_.stage is None:  # kept: a fresh buffer each step costs page faults, not just bytes
-            round_.stage = torch.empty(round_.numel, dtype=round_.dtype, device=round_.device)
-        stage = round_.stage
-        for chunk in round_.chunks:
-            if chunk.src == self.rank:
-                pack([piece_view(piece) for piece in chunk.pieces], out=stage[chunk.start : chunk.end])
-        slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
-        return _InFlight(round_, stage, comm.broadcast_slices(stage, slices, self.group, wait=False))
+        work = self._work(round_)
+        copy_each_(work.pack_into, work.pack_from)
+        return _InFlight(round_, work.stage, comm.broadcast_slices(work.stage, work.slices, self.group, wait=False))
 
     def land(self, flight: _InFlight) -> None:
         """Wait for a launched round and copy the other ranks' chunks into their parameters."""
         comm.wait_all(flight.works)
-        for chunk in flight.round.chunks:
-            if chunk.src != self.rank:
-                start = chunk.start
-                for piece in chunk.pieces:
-                    _write_piece_(piece, flight.stage[start : start + piece.length])
-                    start += piece.length
+        work = self._work(flight.round)
+        copy_each_(work.unpack_into, work.unpack_from)
+
+    def _work(self, round_: _Round) -> _RoundWork:
+        """What ``round_`` does at every step, worked out at its first launch (nothing when alone)."""
+        if round_.work is None:
+            round_.work = _RoundWork(round_.dtype, round_.device) if self.alone else self._round_work(round_)
+        return round_.work
+
+    def _round_work(self, round_: _Round) -> _RoundWork:
+        work = _RoundWork(round_.dtype, round_.device, round_.numel)
+        work.slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
+        for chunk in round_.chunks:
+            start = chunk.start
+            for piece in chunk.pieces:
+                staged, own = _staged_view(work.stage, start, piece), _param_side(piece)
+                if chunk.src == self.rank:
+                    work.pack_into.append(staged)
+                    work.pack_from.append(own)
+                else:
+                    work.unpack_into.append(own)
+                    work.unpack_from.append(staged)
+                start += piece.length
+        return work
+
+
+def _param_side(piece: Piece) -> Tensor:
+    """What a piece's elements are copied from and into: the parameter itself when whole (so that a parameter whose
+    ``.data`` is replaced is still followed), a 1-D view of its elements otherwise."""
+    if piece.whole:
+        return piece.param
+    return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
+
+
+def _staged_view(stage: Tensor, start: int, piece: Piece) -> Tensor:
+    """The piece's place in a stage, shaped like ``_param_side(piece)``: a whole parameter's elements lie there in
+    memory order (row-major when it is not dense), as ``piece_view`` reads them."""
+    if piece.whole:
+        return view_like(stage, start, piece.param)
+    return stage[start : start + piece.length]
 
 
 @dataclass
@@ -238,13 +268,27 @@ class _Chunk:
     end: int = 0
 
 
+class _RoundWork:
+    """A round's work at every step: this rank's pieces copied into the stage, the stage's slices broadcast from their
+    owners, the other ranks' pieces copied out of it. The stage is kept: a fresh buffer each step costs page faults,
+    not just bytes."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, numel: int = 0) -> None:
+        self.stage = torch.empty(numel, dtype=dtype, device=device)
+        self.slices: list[tuple[int, int, int]] = []
+        self.pack_into: list[Tensor] = []
+        self.pack_from: list[Tensor] = []
+        self.unpack_into: list[Tensor] = []
+        self.unpack_from: list[Tensor] = []
+
+
 @dataclass
 class _Round:
     device: torch.device
     dtype: torch.dtype
     chunks: list[_Chunk] = field(default_factory=list)
     numel: int = 0
-    stage: Tensor | None = None
+    work: _RoundWork | None = None
 
 
 @dataclass

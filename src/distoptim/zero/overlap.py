@@ -8,17 +8,19 @@ imports neither the optimizer nor the hooks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim._flat import copy_each_
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, comm
 from distoptim.zero.buckets import StagedSync, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
-from distoptim.zero.shard import LocalShard
+from distoptim.zero.shard import LocalShard, LocalTensor
 
 __all__ = ["OverlapStepper"]
 
@@ -37,13 +39,14 @@ class OverlapStepper:
         self.functional_cls = functional_cls
         self.group = group
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
-        self.functionals: list[FunctionalOptimizer] = []
         self.hooked = False
         self.stepped = False  # by a hook since the last zero_grad()
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
-        self._groups_of: dict[int, set[int]] = {}  # owned parameter id -> indices of the local groups holding it
+        self._parts: dict[tuple[int, ...], list[_Part]] = {}  # by the ids of the parameters stepped together
+        self._options: list[dict[str, Any]] = []  # each local group's settings for its functional optimizers
+        self._locals_of: dict[int, list[tuple[int, LocalTensor]]] = {}  # parameter id -> (group, local tensor)
 
     def rebuild(
         self,
@@ -53,34 +56,65 @@ class OverlapStepper:
         global_params: list[Tensor],
         param_groups: list[dict[str, Any]],
     ) -> None:
-        """(Re)create one functional optimizer per local param group over the local shard's tensors (after
-        construction, add_param_group or a change of trainability). ``param_groups`` is the global view, read at
-        every step."""
+        """Forget the functional optimizers over the local shard's tensors (after construction, add_param_group or
+        a change of trainability); ``step`` makes them again for each set of parameters it is given. ``param_groups``
+        is the global view, read at every step."""
         self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
         self.global_params, self.param_groups = global_params, param_groups
-        self.functionals = []
-        for group, tensors in zip(local_optimizer.param_groups, shard.tensors):
-            options = {k: v for k, v in group.items() if k in self.functional_cls.spec.defaults}
-            self.functionals.append(self.functional_cls(tensors, **options, _allow_empty_param_list=True))
-        self._groups_of = {}
+        defaults = self.functional_cls.spec.defaults
+        self._options = [{k: v for k, v in group.items() if k in defaults} for group in local_optimizer.param_groups]
+        self._locals_of = {}
         for index, locals_ in enumerate(shard.groups):
             for local in locals_:
-                self._groups_of.setdefault(id(local.param), set()).add(index)
+                self._locals_of.setdefault(id(local.param), []).append((index, local))
+        self._parts.clear()
         self._bucket_syncs.clear()
 
     def step(self, grads: dict[int, Tensor | None]) -> None:
         """Step the owned parameters (or fragments) of the parameters whose id is in ``grads`` with those gradients
-        (None: skip it, as torch.optim skips a parameter whose ``.grad`` is None)."""
-        state, shard = self.local_optimizer.state, self.shard
-        for index in sorted({i for key in grads for i in self._groups_of.get(key, ())}):
-            functional, group = self.functionals[index], self.param_groups[index]
+        (None: skip it, as torch.optim skips a parameter whose ``.grad`` is None).
+
+        The work is in the parameters given, not in the shard: each set of parameters (a DDP bucket) gets its own
+        functional optimizers over just its owned tensors, made at its first step."""
+        state = self.local_optimizer.state
+        for part in self._parts_for(grads):
+            functional, group = part.functional, self.param_groups[part.group]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
-            functional.step([local.grad_for_step(grads.get(id(local.param))) for local in shard.groups[index]])
-            for local in shard.groups[index]:
-                local.write_back()
+            if part.as_given:
+                functional.step([grads.get(key) for key in part.keys])
+            else:
+                functional.step([local.grad_for_step(grads.get(key)) for local, key in zip(part.locals, part.keys)])
+            copy_each_(part.write_into, part.write_from)  # master copies, rounded into their parameters
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
+
+    def _parts_for(self, grads: dict[int, Tensor | None]) -> list[_Part]:
+        """This rank's tensors of the parameters in ``grads``, one part per local param group (cached by ids)."""
+        key = tuple(grads)
+        parts = self._parts.get(key)
+        if parts is None:
+            by_group: dict[int, list[LocalTensor]] = {}
+            for param_id in key:
+                for index, local in self._locals_of.get(param_id, ()):
+                    by_group.setdefault(index, []).append(local)
+            parts = [self._part(index, locals_) for index, locals_ in sorted(by_group.items())]
+            self._parts[key] = parts
+        return parts
+
+    def _part(self, index: int, locals_: list[LocalTensor]) -> _Part:
+        tensors = [local.tensor for local in locals_]
+        functional = self.functional_cls(tensors, **self._options[index], _allow_empty_param_list=True)
+        masters = [local for local in locals_ if local.master]
+        return _Part(
+            group=index,
+            functional=functional,
+            locals=locals_,
+            keys=[id(local.param) for local in locals_],
+            as_given=all(local.whole and not local.master for local in locals_),
+            write_into=[local.param if local.whole else local.param_piece() for local in masters],
+            write_from=[local.tensor for local in masters],
+        )
 
     def explicit_step(
         self, closure: Callable[[], float] | None, grad_scaler: Any, kwargs: dict[str, Any]
@@ -145,3 +179,17 @@ class OverlapStepper:
         """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
         grad = next((p.grad for p in self.global_params if p.requires_grad), None)
         return None if grad is None else (id(grad), grad._version)
+
+
+@dataclass
+class _Part:
+    """The owned tensors of one local param group among a set of parameters, and the functional optimizer over them.
+    ``as_given``: every tensor is its whole parameter, so the parameters' gradients are stepped as they are."""
+
+    group: int
+    functional: FunctionalOptimizer
+    locals: list[LocalTensor]
+    keys: list[int]
+    as_given: bool
+    write_into: list[Tensor]
+    write_from: list[Tensor]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim._flat import flat_view
+from distoptim._flat import copy_each_, flat_view
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = ["MASTER_KEY", "LocalShard", "LocalTensor", "copy_hyperparameters", "fragment_of", "slice_entry", "stitch"]
@@ -61,11 +61,6 @@ class LocalTensor:
         """The parameter's elements this tensor stands for (a view)."""
         param = self.param.detach()
         return param if self.whole else flat_view(param)[self.offset : self.offset + self.length]
-
-    def write_back(self) -> None:
-        """Round a master copy into the parameter after a step (nothing to do for the parameter or its views)."""
-        if self.master:
-            self.param_piece().copy_(self.tensor)
 
 
 def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
@@ -107,6 +102,10 @@ class LocalShard:
         self.source: Callable[[LocalTensor], Tensor | None] | None = None
         """Where the owned gradient lives when not in ``.grad`` (``ShardedDataParallel``'s store): each local
         tensor's piece, or None for a parameter no rank used."""
+        # Fixed by the plan, so made once rather than per step: what step_grads reads and write_back copies.
+        self._stepped = [t.tensor for group in self.groups for t in group]
+        self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
+        self._masters_from = [t.tensor for t in self.masters]
 
     @property
     def tensors(self) -> list[list[Tensor]]:
@@ -141,12 +140,11 @@ class LocalShard:
 
     def write_back(self) -> None:
         """Round every master copy into its parameter (after a step)."""
-        for local in self.masters:
-            local.write_back()
+        copy_each_(self._masters_into, self._masters_from)
 
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
-        return [t.tensor.grad for group in self.groups for t in group if t.tensor.grad is not None]
+        return [grad for grad in (tensor.grad for tensor in self._stepped) if grad is not None]
 
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
