@@ -251,9 +251,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         validation.check_unowned_have_no_grad(self._unowned)
         self._push_hyperparameters()
         self.local_shard.attach_grads()
-        verdict = amp.check_and_unscale(
-            grad_scaler, self, self.local_shard.step_grads(), self._gradient_store is not None
-        )
+        sharded_in_memory = self._gradient_store is not None
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
         if verdict is None:
             local_loss = self._step_local_optimizer(closure, kwargs)
             loss = loss if closure is None else local_loss
