@@ -21,14 +21,7 @@ PUBLIC_MODULES = ("distoptim", "distoptim.functional", "distoptim.averagers", "d
 
 # Public names whose docstrings still lack a section (their modules are being edited elsewhere). Expected to fail
 # until completed; an entry that passes fails the suite, so that it is taken off this list.
-PENDING = {
-    "distoptim.ZeroRedundancyOptimizer",
-    "distoptim.hooks.hook_with_zero_step",
-    "distoptim.hooks.hook_with_zero_step_interleaved",
-    "distoptim.hooks.reduce_to_owners_hook",
-    "distoptim.checkpoint.save",
-    "distoptim.checkpoint.load",
-}
+PENDING: set[str] = set()
 
 
 def _public_names() -> list[tuple[str, object]]:

@@ -163,7 +163,7 @@ def _live_run(rank: int, world_size: int, config: dict[str, Any], baseline: set[
     counter.add("state", _storages(_state_tensors(local)))
     if mode != "ddp":
         counter.add("master", _storages(t.tensor for t in optimizer.local_shard.masters))
-        counter.add("staging", _storages(r.stage for r in optimizer._sync.rounds))
+        counter.add("staging", _storages(r.work.stage for r in optimizer._sync.rounds if r.work is not None))
     counter.add("unaccounted", {p: s for p, s in _all_live_tensors().items() if p not in baseline})
     return {**counter.bytes, "upcast": sum(upcast.values())}
 
@@ -260,7 +260,7 @@ def _sdp_body(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, i
     model = planner_net()
     optimizer = resolve_optimizer(config["optimizer"])
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer.cls, partition=config["partition"])
-    sdp = distoptim.ShardedDataParallel(model, zero, bucket_cap_mb=config["bucket_cap_mb"])  # type: ignore[attr-defined]
+    sdp = distoptim.ShardedDataParallel(model, zero, bucket_cap_mb=config["bucket_cap_mb"])
     counts = {}
     for iteration in range(2):
         zero.zero_grad()
@@ -281,10 +281,7 @@ def _sdp_body(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, i
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_plan_bounds_sharded_data_parallel_live_gradient_bytes(world_size: int) -> None:
     """ShardedDataParallel: after the backward a rank holds its owned gradient and at most two buckets; its state is
-    its shard's. Skipped ONLY while ``distoptim.ShardedDataParallel`` does not exist yet (remove the skip once it
-    lands)."""
-    if not hasattr(distoptim, "ShardedDataParallel"):
-        pytest.skip("distoptim.ShardedDataParallel does not exist yet")
+    its shard's."""
     config = {**LIVE_CONFIGS[0], "mode": "sharded_data_parallel", "bucket_cap_mb": 0.25}
     results = run_on_ranks(_sdp_body, world_size, config, timeout=240)
     sdp = _planned(config, world_size)["sharded_data_parallel"]

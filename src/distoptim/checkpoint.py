@@ -87,7 +87,28 @@ def save(
     returns a ``Future`` as soon as the copy is made (the state may change from then on), which completes once
     the checkpoint is at ``path`` and raises what the save raised. Its collectives need a group that nothing else
     uses meanwhile: by default one made for them (``dist.new_group(backend="gloo")``, once); a ``process_group``
-    given must be such a group, with a CPU backend."""
+    given must be such a group, with a CPU backend.
+
+    Args:
+        state_dict: what to save, any dict DCP takes: ``{"model": model.state_dict(), "optim":
+            zero.sharded_state_dict()}``; modules and optimizers (``Stateful``) are saved by their state dicts.
+        path: the checkpoint's directory, on a file system every rank sees.
+        process_group: the ranks saving together; default None: the default group (or, with ``async_save``, a
+            gloo group made once for background saves).
+        async_save: copy the state to the CPU and write it in the background, returning a ``Future``; default
+            False: write now and return None.
+
+    Raises:
+        ValueError: on every rank, when the save failed on any rank (naming it: a full disk, a rank's error);
+            the previous checkpoint at ``path`` stays whole. With ``async_save`` the future raises it.
+
+    Example:
+        ```python
+        checkpoint.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, "ckpt/step-100")
+        pending = checkpoint.save(state, "ckpt/step-200", async_save=True)   # training goes on
+        pending.result()                                                      # before the next save, or exit
+        ```
+    """
     _wait_for_pending_save()
     group = _async_group(process_group) if async_save else comm.default_group(process_group)
     final = Path(path)
@@ -158,7 +179,26 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), as ``dcp.load`` does; then call
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
     checkpoint, lacks something ``state_dict`` asks for or holds it in another shape, or misses or has truncated
-    a data file raises a ``ValueError`` on every rank before anything is loaded."""
+    a data file raises a ``ValueError`` on every rank before anything is loaded.
+
+    Args:
+        state_dict: what to load, laid out as it was saved (``{"model": model.state_dict(), "optim":
+            zero.sharded_state_dict()}``, built on the new run, at any world size and partition); filled in place.
+        path: the checkpoint's directory (a save interrupted while replacing it is found beside it).
+        process_group: the ranks loading together; default None: the default group.
+
+    Raises:
+        ValueError: on every rank, for a directory that is not a complete checkpoint or was saved from another
+            model or optimizer, or whose data files are missing or truncated.
+
+    Example:
+        ```python
+        state = {"model": model.state_dict(), "optim": zero.sharded_state_dict()}
+        checkpoint.load(state, "ckpt/step-100")
+        model.load_state_dict(state["model"])
+        zero.load_sharded_state_dict(state["optim"])
+        ```
+    """
     _wait_for_pending_save()
     group, final = comm.default_group(process_group), Path(path)
     state = _stateful_to_state_dict(state_dict)

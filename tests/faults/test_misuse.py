@@ -41,12 +41,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import (
     DistributedOptimizer,
     PostLocalSGDOptimizer,
+    ShardedDataParallel,
     ZeroRedundancyOptimizer,
     as_functional_optim,
     checkpoint,
@@ -364,6 +366,43 @@ def _lr_on_one_rank(r: Rank) -> None:
     _stepped(zero)
 
 
+def _sdp(r: Rank, model: nn.Module | None = None, **kwargs: Any) -> ShardedDataParallel:
+    """A ShardedDataParallel over a small model and a ZeRO over its parameters, on the row's group."""
+    model = _model() if model is None else model
+    return ShardedDataParallel(model, _zero(r, model.parameters(), partition="even", **kwargs), bucket_cap_mb=0.001)
+
+
+def _sdp_over_other_parameters(r: Rank) -> None:
+    model = _model()
+    params = list(model.parameters())
+    ShardedDataParallel(model, _zero(r, r.pick(params, [*params[1:], _p(3)])))
+
+
+def _sdp_buffers_differ(r: Rank) -> None:
+    model = _model()
+    model.register_buffer("running", torch.zeros(r.pick(2, 3)))  # not in ZeRO: SDP's own agreement sees it
+    ShardedDataParallel(model, _zero(r, model.parameters()))
+
+
+def _sdp_after_a_step(r: Rank) -> None:
+    model = _model()
+    zero = _stepped(_zero(r, model.parameters(), ADAMW, partition="even"))
+    ShardedDataParallel(model, zero)
+
+
+def _sdp_twice(r: Rank) -> None:
+    model = _model()
+    zero = _zero(r, model.parameters())
+    ShardedDataParallel(model, zero)
+    ShardedDataParallel(model, zero)
+
+
+def _sdp_under_join(r: Rank) -> None:
+    sdp = _sdp(r)
+    with Join([sdp.zero]):
+        sdp(torch.ones(2, 4)).sum().backward()
+
+
 def _averagers_disagree_on_period(r: Rank) -> None:
     averager, param = _averager(r, period=r.pick(2, 3)), _parameter()
     for _ in range(3):
@@ -654,6 +693,27 @@ MISUSES: list[Misuse] = [
     Misuse("HierarchicalModelAverager whose last level is not the whole group",
            lambda r: HierarchicalModelAverager({2: 1, 4: 1}, process_group=r.group), ALL,
            ValueError, r"the last level must average over the whole group \(2 ranks\), got size 1"),
+    # --- ShardedDataParallel: checked, and agreed, before anything is built.
+    Misuse("ShardedDataParallel over a ZeRO built with overlap_with_ddp",
+           lambda r: ShardedDataParallel((m := _model()), _zero(r, m.parameters(), overlap_with_ddp=True)), ALL,
+           ValueError, r"ShardedDataParallel reduces the gradients itself.*build the ZeroRedundancyOptimizer without "
+                       r"overlap_with_ddp"),
+    Misuse("ShardedDataParallel over a ZeRO that holds other parameters than the module trains",
+           _sdp_over_other_parameters, ALL,
+           ValueError, r"the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: it does not "
+                       r"hold the module's '0\.weight'.*the module has no param_groups\[0\]\['params'\]\[3\] \(3,\)"),
+    Misuse("ShardedDataParallel with another model (a buffer) on one rank", _sdp_buffers_differ, ONE,
+           ValueError, r"ShardedDataParallel construction: rank \d and rank \d disagree \(buffer 'running': \(shape, "
+                       r"dtype\) (\(\(2,\), 'torch.float32'\) vs \(\(3,\)|\(\(3,\), 'torch.float32'\) vs \(\(2,\))"),
+    Misuse("ShardedDataParallel over an even-partition ZeRO that has stepped already", _sdp_after_a_step, ALL,
+           RuntimeError, r"re-cuts an even partition into buckets.*wrap the model before the optimizer has any state"),
+    Misuse("ShardedDataParallel twice over one ZeRO", _sdp_twice, ALL,
+           ValueError, r"already belongs to a ShardedDataParallel: wrap the model once"),
+    Misuse("ShardedDataParallel with a bad bucket_cap_mb",
+           lambda r: ShardedDataParallel((m := _model()), _zero(r, m.parameters()), bucket_cap_mb=r.pick(1, -1)),
+           BOTH, ValueError, r"bucket_cap_mb must be a positive number of MiB, got -1"),
+    Misuse("ShardedDataParallel with Join (uneven inputs)", _sdp_under_join, ALL,
+           NotImplementedError, r"Join \(uneven inputs\) is not supported with ShardedDataParallel"),
     # --- Functional optimizers.
     Misuse("as_functional_optim of an optimizer without a functional form",
            lambda r: as_functional_optim(torch.optim.LBFGS), ALL,

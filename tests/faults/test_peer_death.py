@@ -101,7 +101,7 @@ def assert_survivors_raised(outcomes: list[Outcome], victim: int, pattern: str, 
 # where the survivors are when the victim dies: the frame their traceback must show
 SURVIVORS_IN = {
     "backward": "backward",  # DDP's all-reduce of the victim's buckets
-    "step": "_agreed_step",  # waiting for the victim's word that its local step succeeded, before the sync
+    "step": "agreed_step",  # waiting for the victim's word that its local step succeeded, before the sync
     "sync": "sync_parameters",
     "consolidate": "consolidate_state_dict",  # rank 0 receiving the shards; rank 2 sending its own
 }

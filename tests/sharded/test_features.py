@@ -59,7 +59,7 @@ def _in_flight_body(rank: int, world_size: int) -> None:
         model, zero, sdp = _build(partition, bucket_view)
         _train(sdp, zero, rank, range(1))
         sync = zero._sync
-        assert isinstance(sync, BucketedSync) and len(sync._launched) == len(sync.units) > 3  # all still in flight
+        assert isinstance(sync, BucketedSync) and len(sync.units) > 3 and sync._launched  # the sync is in flight
         first_landed: list[int] = []
         model.embed.register_forward_pre_hook(
             lambda module, args, s=sync, seen=first_landed: seen.append(len(s._launched))
@@ -67,7 +67,7 @@ def _in_flight_body(rank: int, world_size: int) -> None:
         with _InFlightReads(sync) as mode:
             sdp(*batch(rank, 1, 0), 1, rank).square().mean().backward()
         assert not mode.reads, mode.reads
-        assert 0 < first_landed[0] < len(sync.units), f"the first module landed {first_landed}: nothing overlapped"
+        assert first_landed[0] > 0, "the sync was over before the forward began: nothing overlapped"
         zero.step()  # everything else that reads parameters waits first: state_dict, consolidation, step
         assert sync._launched and sdp.state_dict() and not sync._launched
         zero.step()

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distoptim
-from distoptim import ZeroRedundancyOptimizer, _host
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, _host
 from distoptim.zero import comm
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
@@ -146,6 +146,22 @@ def _bytes_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
             _iteration(ddp, zero, rank, 1, stepping)
         mode = f"{partition} {stepping} bucket_view={bucket_view} {style.value} world={world_size}"
         results.append((mode, handed["reduction"], handed["sync"], sum(p.numel() for p in model.parameters())))
+    for partition, bucket_view, overlap, style in itertools.product(
+        ["greedy", "even"], [False, True], [False, True], list(comm.Collectives)
+    ):
+        os.environ[comm.ENVIRONMENT] = style.value
+        model = _Net()
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, parameters_as_bucket_view=bucket_view, partition=partition, lr=0.1
+        )
+        sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.004, overlap_param_sync=overlap)
+        _iteration(sdp, zero, rank, 0, "explicit")
+        handed = Counter()
+        with _counting_elements(handed):
+            _iteration(sdp, zero, rank, 1, "explicit")
+            sdp.sync_finished()
+        mode = f"SDP {partition} bucket_view={bucket_view} overlap={overlap} {style.value} world={world_size}"
+        results.append((mode, handed["reduction"], handed["sync"], sum(p.numel() for p in model.parameters())))
     os.environ.pop(comm.ENVIRONMENT)
     return results
 
@@ -172,6 +188,8 @@ EXPECTED_READS = {
     # the overlap hooks step a parameter no rank used as a plain optimizer would (not at all): they must know which
     ("all_reduce", "hook", True, False): {"which parameters some rank used": 1},
     ("to_owners", "interleaved", True, False): {"which parameters some rank used": "buckets"},
+    ("sharded", "explicit", False, False): {},  # ShardedDataParallel: which parameters were used is host data
+    ("sharded", "explicit", False, True): {"GradScaler's skip decision": 1},
 }
 
 
@@ -181,7 +199,6 @@ def _reads_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], i
         EXPECTED_READS, ["greedy", "even"], [False, True]
     ):
         model = _Net()
-        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
         zero = ZeroRedundancyOptimizer(
             model.parameters(),
             torch.optim.AdamW,
@@ -190,7 +207,11 @@ def _reads_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], i
             partition=partition,
             lr=0.01,
         )
-        register(ddp, zero, reduction, stepping)
+        if reduction == "sharded":
+            ddp: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
+        else:
+            ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
+            register(ddp, zero, reduction, stepping)
         scaler = torch.amp.GradScaler("cpu") if scaled else None
         for iteration in range(2):  # the first iteration builds what later ones reuse
             _iteration(ddp, zero, rank, iteration, stepping, scaler)
@@ -199,7 +220,8 @@ def _reads_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], i
             _iteration(ddp, zero, rank, 2, stepping, scaler)
         reads = {why: count for why, count in (Counter(_host.READS) - before).items()}
         key = f"{reduction} {stepping} unused={unused} scaler={scaled} {partition} bucket_view={bucket_view}"
-        results.append((key, reads, len(ddp.reducer._get_zeros_like_grad_buckets()), stray))
+        buckets = len(ddp.reducer._get_zeros_like_grad_buckets()) if isinstance(ddp, DDP) else 0
+        results.append((key, reads, buckets, stray))
     return results
 
 

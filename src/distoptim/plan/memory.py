@@ -15,7 +15,7 @@ sends ``(N-1) c`` where ``c`` is its largest rank's chunk (every chunk padded to
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,15 +89,27 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     """DDP, ZeRO-1, the ZeRO-2 hook, ShardedDataParallel and FSDP2 for ``inventory`` trained as ``config`` says."""
     if config.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {config.world_size}")
-    plan = partition_parameters(
+    zero = _ZeroShards(inventory.params, _plan(inventory, config, None), config)
+    # ShardedDataParallel re-cuts an even partition into buckets of its cap, each split evenly (its own plan)
+    cap_bytes = int(config.bucket_cap_mb * MB)
+    caps: dict[Hashable, int] = {
+        (DEVICE, p.dtype): max(1, cap_bytes // (config.reduce_dtype or p.dtype).itemsize) for p in inventory.params
+    }
+    sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
+    zero1, zero2 = zero.modes()
+    return [_ddp(inventory, config), zero1, zero2, sharded.sharded_data_parallel(), _fsdp2(inventory, config)]
+
+
+def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashable, int] | None) -> PartitionPlan:
+    """The partition plan ZeroRedundancyOptimizer makes (``region_numel``: ShardedDataParallel's buckets)."""
+    return partition_parameters(
         [p.numel for p in inventory.params],
         [p.trainable for p in inventory.params],
         config.world_size,
         mode=config.partition,
         keys=[(DEVICE, p.dtype) for p in inventory.params],
+        region_numel=region_numel if config.partition == "even" else None,
     )
-    zero = _ZeroShards(inventory.params, plan, config)
-    return [_ddp(inventory, config), *zero.modes(), _fsdp2(inventory, config)]
 
 
 def _step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
@@ -190,8 +202,17 @@ class _ZeroShards:
             other.append(("master gradients during step", self.master[rank]))
         return RankMemory(params, grads, self.state[rank], self.master[rank], tuple(other))
 
-    def modes(self) -> list[ModePlan]:
-        """ZeRO-1 and the ZeRO-2 hook (under DDP, which keeps full gradients) and ShardedDataParallel."""
+    def _shard_note(self) -> str:
+        config, size = self.config, self.config.world_size
+        loads = self.plan.loads()
+        largest = max(range(size), key=lambda rank: (loads[rank], -rank))
+        return (
+            f"optimizer state and master weights of this rank's shard only ({config.partition} partition; the "
+            f"largest shard, rank {largest}'s, has {loads[largest]:,} of {sum(loads):,} trainable elements)"
+        )
+
+    def modes(self) -> tuple[ModePlan, ModePlan]:
+        """ZeRO-1 and the ZeRO-2 hook (under DDP, which keeps full gradients)."""
         config, size = self.config, self.config.world_size
         params = sum(p.nbytes for p in self.params)
         grad_bytes = sum(p.nbytes for p in self.params if p.trainable)
@@ -199,12 +220,7 @@ class _ZeroShards:
         staging = (("parameter sync staging", self.staging),) if self.staging else ()
         under_ddp = tuple(self._memory(rank, params, ddp_grads, staging) for rank in range(size))
         gather = ("all-gather of parameters", self._gather_bytes())
-        loads = self.plan.loads()
-        largest = max(range(size), key=lambda rank: (loads[rank], -rank))
-        shard_note = (
-            f"optimizer state and master weights of this rank's shard only ({config.partition} partition; the "
-            f"largest shard, rank {largest}'s, has {loads[largest]:,} of {sum(loads):,} trainable elements)"
-        )
+        shard_note = self._shard_note()
         ddp_note = (
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
             "StagedSync (pieces under 1 MiB go through staging buffers kept between steps)"
@@ -216,10 +232,14 @@ class _ZeroShards:
         zero2 = ModePlan(
             "zero2_hook", "ZeRO-2 hook", under_ddp, (reduce_scatter, gather), (shard_note, ddp_note, zero2_note)
         )
-        return [zero1, zero2, self._sharded_data_parallel(params, gather, shard_note)]
+        return zero1, zero2
 
-    def _sharded_data_parallel(self, params: int, gather: tuple[str, int], shard_note: str) -> ModePlan:
+    def sharded_data_parallel(self) -> ModePlan:
+        """ShardedDataParallel, from the plan it makes (an even partition's regions of one bucket each)."""
         config, reduce_dtype = self.config, self.config.reduce_dtype
+        params = sum(p.nbytes for p in self.params)
+        gather = ("all-gather of parameters", self._gather_bytes())
+        shard_note = self._shard_note()
         grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
         all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
         in_flight = min(2 * int(config.bucket_cap_mb * MB), all_grads)

@@ -145,7 +145,15 @@ class ShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, after broadcasting rank 0's buffers when DDP would (the previous forward ran with
-        gradients enabled, outside ``no_sync``)."""
+        gradients enabled, outside ``no_sync``).
+
+        Args:
+            *args: the module's positional arguments.
+            **kwargs: the module's keyword arguments.
+
+        Raises:
+            Exception: whatever the module raises.
+        """
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
@@ -172,18 +180,41 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ what reads parameters waits first
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.state_dict`` (keys prefixed ``module.``, as DDP's), once the parameter sync has landed.
+
+        Args:
+            *args: ``nn.Module.state_dict``'s positional arguments.
+            **kwargs: its keyword arguments.
+        """
         self.sync_finished()
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.load_state_dict``, once the parameter sync has landed (it would overwrite what is loaded).
+
+        Args:
+            *args: ``nn.Module.load_state_dict``'s positional arguments.
+            **kwargs: its keyword arguments.
+        """
         self.sync_finished()
         return super().load_state_dict(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """``nn.Module.parameters``, once the parameter sync has landed.
+
+        Args:
+            recurse: include the submodules' parameters (default True).
+        """
         self.sync_finished()
         return super().parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters``, once the parameter sync has landed.
+
+        Args:
+            *args: ``nn.Module.named_parameters``'s positional arguments.
+            **kwargs: its keyword arguments.
+        """
         self.sync_finished()
         return super().named_parameters(*args, **kwargs)
 

@@ -189,16 +189,23 @@ def hook_with_zero_step(
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
             parameters (checked here; refused otherwise) and over DDP's process group.
-        shard_buckets: accepted for compatibility with torch; parameters are always sharded by ZeRO's own plan.
+        shard_buckets: accepted for compatibility with torch (default False); parameters are always sharded by
+            ZeRO's own plan.
 
-    Example::
+    Raises:
+        TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
+        ValueError: ``zero`` was built without ``overlap_with_ddp``, already has a hook, or holds other parameters
+            than the DDP model trains; at the first backward, when the hook runs on another DDP model than ``ddp``.
 
+    Example:
+        ```python
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)
         ddp = DistributedDataParallel(model)
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
         for batch in data:
             zero.zero_grad()
             loss_fn(ddp(batch)).backward()  # steps the optimizer; zero.step() afterwards is optional
+        ```
 
     Gradients are those DDP + a plain optimizer would use (the bucket's layout, none for a parameter no rank
     used under ``find_unused_parameters``/``static_graph``), so the result is the same as stepping after backward.
@@ -270,10 +277,23 @@ def hook_with_zero_step_interleaved(
     while the remaining buckets are still being reduced; the end of the backward steps the last bucket and waits for
     every broadcast.
 
-    Args, requirements and result are those of :func:`hook_with_zero_step`; only the order of the work differs,
-    which lets the step and the parameter sync hide behind the rest of the backward. Register it the same way::
+    Requirements and result are those of :func:`hook_with_zero_step`; only the order of the work differs, which
+    lets the step and the parameter sync hide behind the rest of the backward.
 
+    Args:
+        hook: the DDP communication hook that averages a bucket (``allreduce_hook``, ``reduce_to_owners_hook``).
+        ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
+        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over the DDP model's trainable parameters.
+        shard_buckets: accepted for compatibility with torch (default False).
+
+    Raises:
+        TypeError: as :func:`hook_with_zero_step`.
+        ValueError: as :func:`hook_with_zero_step`.
+
+    Example:
+        ```python
         ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+        ```
 
     The ranks agree on what they train at a backward's first bucket (before any step). A local step that raises on
     one rank only (a bucket's step runs unprotected, in the middle of the backward) leaves the others waiting in the

@@ -77,6 +77,21 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
 
     The bucket is divided by the number of ranks DDP averages over (as DDP's all-reduce does) and its owned ranges
     are summed onto their owners by ``comm.reduce_to_owners_async``, in ``zero``'s style of collectives.
+
+    Args:
+        zero: the ``ZeroRedundancyOptimizer`` over the DDP model's trainable parameters (the hook's state).
+        bucket: the gradient bucket DDP hands the hook.
+
+    Raises:
+        TypeError: the hook's state is not a ``ZeroRedundancyOptimizer``.
+        ValueError: on every rank, when the DDP model trains parameters ``zero`` does not hold, or when DDP
+            averages over other ranks than ``zero`` shards over (hybrid sharding needs ``replicate_group``).
+
+    Example:
+        ```python
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, partition="even", lr=1e-3)
+        ddp.register_comm_hook(zero, reduce_to_owners_hook)
+        ```
     """
     if not hasattr(zero, "fragments_of"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(

@@ -1,37 +1,32 @@
 """ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
 
-It composes three pieces: a partition plan (``partition``: who owns which parameter), a local optimizer over the
-owned parameters (plain ``torch.optim``), and a sync strategy (``buckets``: how updated shards reach every rank).
-A step is: hyperparameters global -> local, local step, sync, local-added keys back to the global view.
+It composes a partition plan (``partition``: who owns which parameter), a local optimizer over the owned parameters
+(plain ``torch.optim``) and a sync strategy (``buckets``: how updated shards reach every rank); ``placement`` builds
+them from the plan, ``stepping`` runs a step, ``state_dicts`` saves and loads. This module is the public surface.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
-from distoptim import _agreement as agreement
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, checkpoint, clipping, comm, sharded, validation
-from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
+from distoptim.zero import checkpoint, clipping, comm, placement, state_dicts, stepping, validation
+from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.overlap import OverlapStepper
-from distoptim.zero.partition import UNOWNED, Fragment, PartitionPlan, partition_parameters
-from distoptim.zero.shard import LocalShard, copy_hyperparameters, stitch
+from distoptim.zero.partition import Fragment, PartitionPlan
+from distoptim.zero.shard import LocalShard, copy_hyperparameters
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
-_T = TypeVar("_T")
-_Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
 
-
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Optimizer, Joinable):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     Every trainable element is owned by one rank (``partition``). ``step()`` expects gradients already averaged
@@ -47,32 +42,51 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
             ``distoptim.functional`` class. Pass the class, not an instance.
         process_group: the group to shard over; ``None`` is the default (world) group.
-        parameters_as_bucket_view: parameters become views into flat (device, dtype) buffers: the sync is in place.
+        parameters_as_bucket_view: parameters become views into flat (device, dtype) buffers: the sync is in place
+            (default False).
         overlap_with_ddp: step inside DDP's backward through ``distoptim.hooks.hook_with_zero_step`` (or
             ``hook_with_zero_step_interleaved``) registered on the DDP model; ``optimizer_class`` must have a
-            functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop).
+            functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop); default False.
         partition: ``"greedy"`` (default, torch's: each parameter whole on one rank, sorted-greedy by size) or
             ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
             largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
             update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
         master_dtype: step a copy in this dtype (``torch.float32`` for a bf16 model) of this rank's fragments of
             lower-precision parameters, rounded into them after each step; ``None`` (default): step the parameters.
+        replicate_group: hybrid sharding (shard within a node, replicate across nodes): the ranks that hold this
+            rank's shard in the other shard groups (one per group, at this rank's position), over which gradients
+            reduced to owners are summed too; ``None`` (default): ``process_group`` is every data-parallel rank.
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
 
     ``param_groups`` is the global view that schedulers and users edit; ``optim`` the local optimizer, ``state`` its
     shard. Checkpoints: ``consolidate_state_dict`` + ``state_dict`` (``torch.optim``'s format, on one rank) or
     ``sharded_state_dict`` (DCP, every rank its shard); either loads at any world size and partition. ``GradScaler``
-    drives it like any optimizer (``scaler.step(zero)``).
+    drives it like any optimizer (``scaler.step(zero)``). Defaults: ``parameters_as_bucket_view=False`` and
+    ``overlap_with_ddp=False`` (as torch's), ``process_group`` the default group.
 
-    Example, inside an initialised process group::
+    The collectives follow the backend (gloo: rooted reduces and broadcasts; NCCL: reduce-scatter and all-gather of
+    equal chunks where the shares are equal), or ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``rooted``, ``chunked``),
+    read at construction.
 
-        model = DDP(make_model())
+    Raises:
+        TypeError: ``params`` is a single tensor or not an iterable of tensors or dicts, ``optimizer_class`` is not
+            an optimizer class (an instance, say), ``process_group`` is not a group (a learning rate passed
+            positionally), or ``master_dtype`` is not a floating-point dtype.
+        ValueError: on every rank, when any rank's arguments are refused (an empty or sparse parameter list,
+            ``partition="even"`` with an optimizer that is not elementwise, a hyperparameter ``optimizer_class``
+            rejects, an unknown ``$DISTOPTIM_COLLECTIVES``), when the ranks disagree on parameters or settings, or
+            when ``replicate_group`` does not hold this shard's replicas.
+
+    Example:
+        ```python
+        model = DDP(make_model())                 # inside an initialised process group
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
         for batch in loader:
             optimizer.zero_grad()
             loss_fn(model(batch)).backward()
             optimizer.step()
         distoptim.checkpoint.save({"model": model.state_dict(), "optim": optimizer.sharded_state_dict()}, path)
+        ```
     """
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands step() its verdict and scale (see zero/amp.py)
@@ -131,6 +145,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._gradient_store: Any = None  # ShardedDataParallel's owned gradient, when it holds the gradient
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
+        self._trainability: tuple[bool, ...] = ()
+        self._unowned: list[Tensor] = []
+        self._bound: tuple[int, ...] = ()
         self._ready = True
         self._repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
@@ -148,13 +165,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._plan
 
     def owner_of(self, param: Tensor) -> int:
-        """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``)."""
+        """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
+
+        Args:
+            param: one of this optimizer's parameters.
+
+        Raises:
+            ValueError: this optimizer does not hold ``param``.
+        """
         if (index := self._index_of(param)) is None:
             raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
         return self.plan.owners[index]
 
     def fragments_of(self, param: Tensor) -> tuple[Fragment, ...] | None:
-        """Which ranks own which elements of ``param`` (memory order); None when this optimizer does not hold it."""
+        """Which ranks own which elements of ``param`` (memory order); None when this optimizer does not hold it.
+
+        Args:
+            param: a tensor, one of this optimizer's parameters or not.
+        """
         index = self._index_of(param)
         return None if index is None else self.plan.fragments[index]
 
@@ -172,6 +200,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def local_optimizer(self) -> Optimizer:
+        """The plain ``torch.optim`` optimizer over this rank's shard (``optim``)."""
         assert self.optim is not None
         return self.optim
 
@@ -202,74 +231,41 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
-        """Local step on this rank's shard (``closure`` and ``kwargs`` go to the local optimizer), then sync.
+        """Step this rank's shard with its local optimizer, then sync the parameters (collective).
 
-        Before the sync the ranks agree (one small all-reduce on the control plane) that the local part succeeded
-        everywhere, with the same parameters trainable and the same hyperparameters: if it raised on one rank, or a
-        setting was changed on one rank only, every rank raises instead of waiting in the sync or stepping with
-        different settings. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step`` (see ``zero/amp.py``)."""
+        The ranks first agree (one small all-reduce on the control plane) that the local part succeeded everywhere,
+        with the same parameters trainable and the same hyperparameters (``stepping.py``). A parameter made
+        trainable since the last step gets an owner first; parameters given new storage are bound again.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run before the step, as ``torch.optim`` does);
+                default None.
+            grad_scaler: passed by ``torch.amp.GradScaler.step(zero)``: the step then checks and unscales its owned
+                gradients and every rank skips alike (see ``zero/amp.py``); default None.
+            **kwargs: passed to the local optimizer's ``step``.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: on every rank, when the local part raised on another rank (naming it) or a setting (a
+                hyperparameter, ``requires_grad``) was changed on some ranks only; the failing rank raises its own.
+            RuntimeError: in overlap mode, when no hook stepped since the last ``step()``.
+
+        Example:
+            ```python
+            optimizer.zero_grad()
+            loss_fn(model(batch)).backward()
+            optimizer.step()
+            ```
+        """
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
-        self.sync_finished()
-        try:
-            (loss, verdict), scaled, found_inf = self._agreed_step(
-                lambda: self._prepare_and_step(closure, kwargs, grad_scaler)
-            )
-            if verdict is not None:
-                verdict.record(found_inf)
-            if scaled and not found_inf:  # a GradScaler's step, and no rank's owned gradient held an inf or nan
-                self._agreed(lambda: None if verdict is None else self._step_local_optimizer(None, kwargs))
-        finally:
-            self.local_shard.detach_grads()  # no stale gradient piece outlives the step
-        self._pull_hyperparameters()
-        self.sync_parameters()
-        self._consolidated = None
-        return loss
+        return stepping.step(self, closure, grad_scaler, kwargs)
 
-    def _agreed_step(self, action: Callable[[], _Prepared]) -> tuple[_Prepared, bool, bool]:
-        """``action()`` (``_prepare_and_step``, or nothing on a joined rank), agreed; then whether any rank steps
-        under a GradScaler, and whether any of those found an inf or nan (every rank then skips)."""
-        prepared, (scaled, found_inf) = agreement.run_step_agreed(
-            action,
-            self._step_fingerprint,
-            self.agreement_groups,
-            flags=lambda done: (False, False) if done is None or done[1] is None else (True, done[1].found_here),
-        )
-        return prepared, scaled, found_inf
-
-    def _prepare_and_step(
-        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any
-    ) -> tuple[float | None, amp.Verdict | None]:
-        """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
-        waits for the ranks' verdict on inf/nan."""
-        self._repartition_if_changed()
-        loss: float | None = None
-        if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
-            with torch.enable_grad():
-                loss, closure = closure(), None
-        validation.check_unowned_have_no_grad(self._unowned)
-        self._push_hyperparameters()
-        self.local_shard.attach_grads()
-        sharded_in_memory = self._gradient_store is not None
-        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
-        if verdict is None:
-            local_loss = self._step_local_optimizer(closure, kwargs)
-            loss = loss if closure is None else local_loss
-        return loss, verdict
-
-    def _step_local_optimizer(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
-        loss: float | None = self.local_optimizer.step(closure, **kwargs)
-        self.local_shard.write_back()
-        return loss
-
-    def _agreed(self, action: Callable[[], _T]) -> _T:
-        """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing)."""
-        return agreement.run_step_agreed(action, self._step_fingerprint, self.agreement_groups)[0]
-
-    def _step_fingerprint(self) -> agreement.Fingerprint:
-        """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return validation.step_fingerprint(self._trainability, self.param_groups)
+    def _agreed(self, action: Callable[[], Any]) -> Any:
+        return stepping.agreed(self, action)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
@@ -295,10 +291,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (collective: one scalar all-reduce; returns the total norm, the same on every rank).
 
         Each rank measures and scales the gradient of what it owns, so it is right with gradients reduced to their
-        owners (``reduce_to_owners_hook``) too; gradients a rank does not own are left as they are. Norms accumulate
-        in float32. Call it between ``backward()`` and ``step()`` on every rank. ``grad_scale``: the loss scale the
-        gradients still carry (``scaler.get_scale()`` where ``scaler.unscale_(zero)`` cannot run, as for fp16
-        gradients): the norm and the clipping are then those of the unscaled gradient.
+        owners (``reduce_to_owners_hook``, ``ShardedDataParallel``) too; gradients a rank does not own are left as
+        they are. Norms accumulate in float32. Call it between ``backward()`` and ``step()`` on every rank.
+
+        Args:
+            max_norm: the largest total norm the gradient may have.
+            norm_type: the order of the norm (default 2.0; ``math.inf`` for the largest element).
+            error_if_nonfinite: raise when the total norm is inf or nan (default False, as torch's).
+            grad_scale: the loss scale the gradients still carry (``scaler.get_scale()`` where
+                ``scaler.unscale_(zero)`` cannot run: fp16 gradients, ``ShardedDataParallel``): the norm returned
+                and the clipping are then those of the unscaled gradient; default None.
+
+        Raises:
+            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
+                ``overlap_with_ddp=True`` (the step ran inside the backward already: clipping could not take part).
+
+        Example:
+            ```python
+            loss_fn(model(batch)).backward()
+            total = zero.clip_grad_norm_(1.0)
+            zero.step()
+            ```
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(
@@ -310,7 +323,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return clipping.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of all parameters, owned or not."""
+        """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient).
+
+        Args:
+            set_to_none: set each ``.grad`` to None rather than to zeros (default True, as torch's).
+
+        Raises:
+            RuntimeError: in overlap mode, when gradients arrived but no hook stepped (the hook is missing).
+        """
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
         if self._gradient_store is not None:
@@ -321,7 +341,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------------------------ partitioning
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are."""
+        """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are.
+
+        Args:
+            param_group: ``{"params": [...], **hyperparameters}``, the same on every rank.
+
+        Raises:
+            ValueError: on every rank, when any rank's group is refused (a parameter already held, a bad
+                hyperparameter) or the ranks' groups differ.
+
+        Example:
+            ```python
+            layer.requires_grad_(True)
+            zero.add_param_group({"params": layer.parameters(), "lr": 1e-4})
+            ```
+        """
         if not self._ready:
             super().add_param_group(param_group)
             return
@@ -332,182 +366,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._repartition()
 
     def _repartition(self, fresh: bool = False) -> None:
-        """Place the parameters that have no owner yet and rebuild what depends on the plan.
-
-        Runs at construction, from ``add_param_group`` and when ``step()`` sees a change of ``requires_grad``.
-        Parameters that already have an owner keep it, and their state, even when frozen since (a frozen parameter
-        has no gradient, so its owner skips it as a plain optimizer would).
-        """
-        params = self.global_params
-        self._trainability = tuple(p.requires_grad for p in params)
-        self._plan = partition_parameters(
-            [p.numel() for p in params],
-            list(self._trainability),
-            self.world_size,
-            previous=None if fresh else self._plan,
-            mode=self.partition,
-            keys=[(p.device, p.dtype) for p in params],
-            region_numel=self._region_numel,
-        )
-        self._unowned = [
-            p
-            for p, owner, trainable in zip(params, self._plan.owners, self._trainability)
-            if owner == UNOWNED and not trainable
-        ]
-        if self._sync is not None:
-            self._sync.finish()
-            self._sync.release()  # before the shard's views are made: bucket views replace the parameters' storage
-        strategy = BucketViewSync if self.parameters_as_bucket_view else StagedSync
-        layouts = layouts_from_plan(self._plan.layouts, self._plan.fragments, params)
-        self._sync = strategy(layouts, self.process_group, self.collectives)
-        self._routes.clear()
-        previous, self._shard = self._shard, LocalShard(self._plan, self.param_groups, self.rank, self.master_dtype)
-        local_groups = self._shard.param_groups(self.param_groups)
-        if self.optim is None:
-            self.optim = self._optimizer_class(local_groups, **self._defaults)
-        else:
-            self._shard.move_state(self.optim.state, previous)  # kept for every fragment that stays here
-            for local_group, group in zip(self.optim.param_groups, local_groups):
-                local_group["params"] = group["params"]
-            for new_group in local_groups[len(self.optim.param_groups) :]:
-                self.optim.add_param_group(new_group)
-        self._pull_hyperparameters()
-        if self.overlap_stepper is not None:
-            self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
-        self._bound = self._storages()
-        for listener in self._plan_listeners:
-            listener()
-
-    def _use_regions(self, region_numel: dict[Any, int]) -> None:
-        """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
-        if region_numel == self._region_numel or self.partition != "even":
-            return
-        if any(self.local_optimizer.state.values()):
-            raise RuntimeError(
-                "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the model "
-                "before the optimizer has any state (before the first step() and before loading a checkpoint)"
-            )
-        self._region_numel = region_numel
-        self._repartition(fresh=True)
-
-    def _storages(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.global_params)
+        placement.repartition(self, fresh)
 
     def _repartition_if_changed(self) -> None:
-        """Before a step: gradual unfreezing (a parameter made trainable since the last step gets an owner; detected
-        locally, as torch does: every rank must change ``requires_grad`` alike, before the same step), and
-        parameters given new storage since the plan was bound (``param.data = ...``, ``model.to(...)`` copying):
-        fragment views and bucket views would otherwise step and sync the old memory. Both keep owners and state."""
-        if tuple(p.requires_grad for p in self.global_params) != self._trainability or self._storages() != self._bound:
-            self._repartition()
+        placement.repartition_if_changed(self)
 
-    # -------------------------------------------------------------------------------------- checkpoints
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard onto rank ``to``, on its CPU (collective; only ``to`` receives anything).
-
-        Shards travel in messages of at most ``checkpoint.STAGING_BYTES`` through one reused staging buffer on the
-        communication device: no GPU holds the whole state, no sender a second copy of its shard.
-        """
-        checkpoint.agree_on_target(to, self.world_size, self.process_group)
-        self.sync_finished()
-        mine = self.local_shard.global_state(self.local_optimizer.state)
-        merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
-        self._consolidated = None if merged is None else dict(sorted(stitch(merged, self.global_params).items()))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.
-
-        Runs the hooks registered with ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as
-        ``torch.optim`` does: pre-hooks first, post-hooks last (one returning a dict replaces the result).
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        if self._consolidated is None:
-            raise RuntimeError(
-                f"rank {self.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={self.rank}) "
-                "on all ranks (after the last step) before state_dict()"
-            )
-        state_dict = {
-            "state": dict(self._consolidated),
-            "param_groups": checkpoint.global_param_groups(self.param_groups),
-        }
-        return checkpoint.apply_hooks(self._optimizer_state_dict_post_hooks.values(), self, state_dict)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state.
-
-        The whole dict is checked first (same verdict on every rank): a dict saved by another optimizer class or for
-        other parameters raises a ``ValueError``. Load pre-hooks (which get a shallow copy and may return a
-        replacement) run before, load post-hooks after, as in ``torch.optim``.
-        """
-        self.sync_finished()  # the load may write master weights into the parameters
-        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        state_dict = checkpoint.apply_hooks(self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
-        by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
-            state_dict, self.param_groups, self._optimizer_class, self.process_group
-        )
-        for group, saved in zip(self.param_groups, hyperparameters):
-            group.update(saved)
-        local_state = self.local_shard.local_state(by_param)
-        self._push_hyperparameters()
-        local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
-        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
-        self._consolidated = None
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's fragments of the state (master weights included) and the hyperparameters, for
-        ``torch.distributed.checkpoint``: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``;
-        to resume (any world size, either partition), ``dcp.load`` into a new one's, then ``load_sharded_state_dict``.
-        Fragments without state yet get placeholders that a load fills in and a save leaves out."""
-        self.sync_finished()
-        shard, state = self.local_shard, self.local_optimizer.state
-        placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
-        groups = pickle.dumps(checkpoint.global_param_groups(self.param_groups))
-        return sharded.sharded_state(shard, state, placeholders, groups, self.global_params)
-
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Finish ``dcp.load`` into ``sharded_state_dict()``'s dict (the state was loaded in place)."""
-        self.sync_finished()
-        saved_groups = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update(saved)
-        self._push_hyperparameters()
-        sharded.install_loaded(self.local_shard, self.local_optimizer.state, state_dict)
-        self.local_shard.write_back()
-        self._consolidated = None
-
-    # --------------------------------------------------------------------------------------------- join
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, shadow the others' parameter sync. Its shard stays as it is with
-        ``step()`` (DDP discards a joined rank's gradients); in overlap mode DDP's join hook runs the comm hook on zero
-        buckets, which hands the joined rank the true average, so its shard keeps being stepped."""
-        if self._gradient_store is not None:
-            raise NotImplementedError(
-                "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow "
-                "every bucket's reduction and the parameter sync; give every rank the same number of batches (drop "
-                "the last, uneven one: DistributedSampler(drop_last=True)), or use DDP with reduce_to_owners_hook"
-            )
-        return _ZeroJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.global_params[0].device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
-
-
-class _ZeroJoinHook(JoinHook):
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:  # in overlap mode the comm hook syncs, and DDP's own join hook shadows it
-        if self.zero.overlap_stepper is None:
-            _, scaled, found_inf = self.zero._agreed_step(lambda: (None, None))
-            if scaled and not found_inf:
-                self.zero._agreed(lambda: None)
-            self.zero.sync_parameters()
+    def _use_regions(self, region_numel: dict[Any, int]) -> None:
+        placement.use_regions(self, region_numel)

@@ -1,0 +1,250 @@
+"""A ZeroRedundancyOptimizer's checkpoints, and its part under ``Join``.
+
+Two formats: ``torch.optim``'s (``consolidate_state_dict`` gathers every shard onto one rank, which then has a
+plain ``state_dict()``; ``load_state_dict`` cuts such a dict to each rank's shard, at any world size and partition)
+and DCP's (``sharded_state_dict``: every rank its fragments, with their global offsets). The formats themselves are
+``checkpoint.py`` (torch.optim's) and ``sharded.py`` (DCP's); this module applies them to an optimizer.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from distoptim.zero import checkpoint, sharded, stepping
+from distoptim.zero.shard import stitch
+
+if TYPE_CHECKING:
+    from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__ = [
+    "Checkpoints",
+    "Joining",
+    "ZeroJoinHook",
+    "consolidate",
+    "load_consolidated",
+    "load_sharded",
+    "sharded_state",
+    "state_dict",
+]
+
+
+class Checkpoints:
+    """ZeroRedundancyOptimizer's checkpoint methods (a base class of it: ``self`` is the optimizer)."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard onto rank ``to``, on its CPU (collective; only ``to`` receives anything).
+
+        Shards travel in messages of at most ``checkpoint.STAGING_BYTES`` through one reused staging buffer on the
+        communication device: no GPU holds the whole state, no sender a second copy of its shard.
+
+        Args:
+            to: the group rank that receives the whole state (default 0).
+
+        Raises:
+            ValueError: on every rank, when any rank names no valid rank or the ranks name different ones (a
+                TypeError on the rank whose ``to`` is not an int).
+
+        Example:
+            ```python
+            zero.consolidate_state_dict(to=0)             # on every rank
+            if rank == 0:
+                torch.save(zero.state_dict(), "optim.pt")
+            ```
+        """
+        consolidate(_zero(self), to)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.
+
+        Runs the hooks registered with ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as
+        ``torch.optim`` does: pre-hooks first, post-hooks last (one returning a dict replaces the result).
+
+        Raises:
+            RuntimeError: this rank holds no consolidated state (``consolidate_state_dict(to=this rank)`` first).
+
+        Example:
+            ```python
+            zero.consolidate_state_dict(to=0)
+            state = zero.state_dict() if rank == 0 else None
+            ```
+        """
+        return state_dict(_zero(self))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state.
+
+        The whole dict is checked first (same verdict on every rank). Load pre-hooks (which get a shallow copy and
+        may return a replacement) run before, load post-hooks after, as in ``torch.optim``.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (or a plain ``torch.optim`` optimizer's), at any world size.
+
+        Raises:
+            ValueError: on every rank, when the dict was saved by another optimizer class or for other parameters.
+
+        Example:
+            ```python
+            zero.load_state_dict(torch.load("optim.pt"))  # on every rank
+            ```
+        """
+        load_consolidated(_zero(self), state_dict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's fragments of the state (master weights included) and the hyperparameters, for
+        ``torch.distributed.checkpoint`` or ``distoptim.checkpoint``; a load at any world size and partition reads
+        only what overlaps its own fragments. Fragments without state yet get placeholders that a load fills in and
+        a save leaves out.
+
+        Raises:
+            Never raises for a built optimizer (it waits for a parameter sync in flight first).
+
+        Example:
+            ```python
+            distoptim.checkpoint.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, path)
+            ```
+        """
+        return sharded_state(_zero(self))
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Finish a load into ``sharded_state_dict()``'s dict (the state was loaded in place).
+
+        Args:
+            state_dict: the dict ``sharded_state_dict()`` returned, after ``dcp.load`` / ``checkpoint.load``.
+
+        Raises:
+            ValueError: the dict is not a loaded sharded state, or was saved for other parameters or another
+                optimizer class.
+
+        Example:
+            ```python
+            state = {"model": model.state_dict(), "optim": zero.sharded_state_dict()}
+            distoptim.checkpoint.load(state, path)
+            model.load_state_dict(state["model"])
+            zero.load_sharded_state_dict(state["optim"])
+            ```
+        """
+        load_sharded(_zero(self), state_dict)
+
+
+class Joining:
+    """ZeroRedundancyOptimizer's part under ``torch.distributed.algorithms.join.Join`` (a base class of it)."""
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """While this rank has run out of inputs, shadow the others' step (their agreements and parameter sync).
+
+        Its shard stays as it is with ``step()``: DDP discards a joined rank's gradients, so the elements this rank
+        owns pause while it is joined (DDP + a plain optimizer would go on stepping them on the other ranks; torch's
+        ZeRO steps them with this rank's stale gradient). In overlap mode DDP's join hook runs the comm hook on zero
+        buckets, which hands the joined rank the true average, so its shard keeps being stepped.
+
+        Args:
+            **kwargs: ``Join``'s keyword arguments (none are used).
+
+        Raises:
+            NotImplementedError: under ``ShardedDataParallel`` (on every rank).
+
+        Example:
+            ```python
+            with Join([ddp, zero]):
+                for batch in uneven_loader:
+                    ...
+            ```
+        """
+        if _zero(self)._gradient_store is not None:
+            raise NotImplementedError(
+                "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow "
+                "every bucket's reduction and the parameter sync; give every rank the same number of batches (drop "
+                "the last, uneven one: DistributedSampler(drop_last=True)), or use DDP with reduce_to_owners_hook"
+            )
+        return ZeroJoinHook(_zero(self))
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of Join's own collectives: the parameters'."""
+        return _zero(self).global_params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group of Join's own collectives: the one ZeRO shards over."""
+        return _zero(self).process_group
+
+
+def _zero(self: object) -> ZeroRedundancyOptimizer:
+    return cast("ZeroRedundancyOptimizer", self)
+
+
+def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> None:
+    checkpoint.agree_on_target(to, zero.world_size, zero.process_group)
+    zero.sync_finished()
+    mine = zero.local_shard.global_state(zero.local_optimizer.state)
+    merged = checkpoint.gather_state(mine, to, zero.process_group, zero._comm_device)
+    zero._consolidated = None if merged is None else dict(sorted(stitch(merged, zero.global_params).items()))
+
+
+def state_dict(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    for pre_hook in zero._optimizer_state_dict_pre_hooks.values():
+        pre_hook(zero)
+    if zero._consolidated is None:
+        raise RuntimeError(
+            f"rank {zero.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={zero.rank}) "
+            "on all ranks (after the last step) before state_dict()"
+        )
+    result = {"state": dict(zero._consolidated), "param_groups": checkpoint.global_param_groups(zero.param_groups)}
+    return checkpoint.apply_hooks(zero._optimizer_state_dict_post_hooks.values(), zero, result)
+
+
+def load_consolidated(zero: ZeroRedundancyOptimizer, state_dict: Any) -> None:
+    zero.sync_finished()  # the load may write master weights into the parameters
+    state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+    state_dict = checkpoint.apply_hooks(zero._optimizer_load_state_dict_pre_hooks.values(), zero, state_dict)
+    by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
+        state_dict, zero.param_groups, zero._optimizer_class, zero.process_group
+    )
+    for group, saved in zip(zero.param_groups, hyperparameters):
+        group.update(saved)
+    local_state = zero.local_shard.local_state(by_param)
+    zero._push_hyperparameters()
+    local_groups = checkpoint.global_param_groups(zero.local_optimizer.param_groups)
+    zero.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+    zero._consolidated = None
+    for post_hook in zero._optimizer_load_state_dict_post_hooks.values():
+        post_hook(zero)
+
+
+def sharded_state(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    zero.sync_finished()
+    shard, state = zero.local_shard, zero.local_optimizer.state
+    placeholders = sharded.template_state(shard, zero.local_optimizer.step, state)
+    groups = pickle.dumps(checkpoint.global_param_groups(zero.param_groups))
+    return sharded.sharded_state(shard, state, placeholders, groups, zero.global_params)
+
+
+def load_sharded(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
+    zero.sync_finished()
+    saved_groups = sharded.load_param_groups(state_dict, zero.param_groups, zero._optimizer_class)
+    for group, saved in zip(zero.param_groups, saved_groups):
+        group.update(saved)
+    zero._push_hyperparameters()
+    sharded.install_loaded(zero.local_shard, zero.local_optimizer.state, state_dict)
+    zero.local_shard.write_back()
+    zero._consolidated = None
+
+
+class ZeroJoinHook(JoinHook):
+    """A joined rank shadows the others' step: their agreements and their parameter sync (its shard stays as it is:
+    DDP discards a joined rank's gradients). In overlap mode DDP's own join hook runs the comm hook, which syncs."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        if self.zero.overlap_stepper is None:
+            _, scaled, found_inf = stepping.agreed_step(self.zero, lambda: (None, None))
+            if scaled and not found_inf:
+                stepping.agreed(self.zero, lambda: None)
+            self.zero.sync_parameters()
