@@ -6,13 +6,15 @@ import ctypes
 import resource
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from comm_bytes import CommCounter, all_reduce_bytes
 from harness import Harness, Variant
-from memory_census import census, peak_growth, reset_peak, rss_bytes
+from memory_census import census, peak_growth, reset_peak, rss_bytes, tensors_alive
+from torch import Tensor
 from zero_variants import VARIANTS
 
 from distoptim.demo.config import GPTConfig
@@ -64,8 +66,8 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _take_census(harness: Harness) -> dict[str, int]:
-    return census(harness.tensors(), harness.cpp_buffers())
+def _take_census(harness: Harness, before: list[weakref.ref[Tensor]]) -> dict[str, int]:
+    return census(harness.tensors(), harness.cpp_buffers(), before)
 
 
 def _warm_up(variant: Variant) -> None:
@@ -95,6 +97,7 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> RankResult:
     tokens = torch.randint(0, spec.config.vocab, (spec.batch, spec.seq + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     dist.barrier()
+    before = tensors_alive()  # the model's parameters, the batch, what the warm-up left
     result.model_rss_bytes = reset_peak()
     harness = variant.setup(model, {"lr": spec.lr})
     counter = CommCounter()
@@ -107,20 +110,20 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> RankResult:
         loss = harness.forward(inputs, targets)
         forward_s = time.perf_counter() - begin
         if iteration == last:
-            censuses["forward"] = _take_census(harness)
+            censuses["forward"] = _take_census(harness, before)
         dist.barrier()  # backward and step start together: their time is the slowest rank's
         with counter.counting(active=timed):
             begin = time.perf_counter()
             harness.backward(loss)
             middle = time.perf_counter()
             if iteration == last:
-                censuses["backward"] = _take_census(harness)
+                censuses["backward"] = _take_census(harness, before)
                 middle = time.perf_counter()
             if not variant.steps_in_backward:
                 harness.step()
             end = time.perf_counter()
         if iteration == last:
-            censuses["step"] = _take_census(harness)
+            censuses["step"] = _take_census(harness, before)
         if timed:
             result.forward_s.append(forward_s)
             result.backward_s.append(middle - begin)

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--memory-only",
         action="store_true",
-        help="for memory: 1 warm-up + 1 timed iteration, no compute pass, glibc's mmap threshold pinned",
+        help="for memory: 1 iteration (+ the census one), no compute pass, glibc's mmap threshold pinned",
     )
     parser.add_argument("--json", type=Path, default=Path("bench-results.json"), help="default: bench-results.json")
     parser.add_argument("--debug", action="store_true", help="show the ranks' output and tracebacks")
@@ -290,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config(args)
     except ValueError as error:
         parser.error(str(error))
-    if args.memory_only:
-        args.warmup, args.iters, args.compute_iters = 1, 1, 0
+    if args.memory_only:  # one step allocates the state, the census iteration then runs in the steady state
+        args.warmup, args.iters, args.compute_iters = 0, 1, 0
     if args.variants is None:
         args.variants = list(CORE) + (list(PEERS) if args.with_peers else [])
     skipped = {name: reason for name in args.variants if (reason := VARIANTS[name].missing()) is not None}

@@ -10,6 +10,7 @@ wrapper's own data structures) so that the memory census can name what it counts
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -89,20 +90,22 @@ class Variant:
 class _BucketRecorder:
     """DDP's gradient buckets, address -> bytes. DDP keeps them in C++; a comm hook sees them (and may keep Python
     views of them, which the census must not count twice), so a hook registered on the model is wrapped to record
-    the buckets of the latest backward. Without a hook, only their sizes are known (DDP's logging data)."""
+    the buckets of the latest backward. Without a hook, only their sizes are known (DDP's logging data). The
+    wrapper holds neither DDP nor this recorder: DDP's reducer holds the wrapper in C++, where a cycle back to DDP
+    would never be collected."""
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
+        self.ddp = weakref.ref(ddp)
         self.seen: dict[int, int] = {}
         self.hooked = False
-        register = ddp.register_comm_hook
+        register, seen = ddp.register_comm_hook, self.seen
 
         def register_recording(state: object, hook: Callable[[Any, Any], Any]) -> None:
             def recording(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations, if any
                 if bucket.index() == 0:
-                    self.seen = {}  # DDP rebuilds its buckets after the first backward
+                    seen.clear()  # DDP rebuilds its buckets after the first backward
                 storage = bucket.buffer().untyped_storage()
-                self.seen[storage.data_ptr()] = storage.nbytes()
+                seen[storage.data_ptr()] = storage.nbytes()
                 return hook(state, bucket)
 
             self.hooked = True
@@ -111,9 +114,10 @@ class _BucketRecorder:
         ddp.register_comm_hook = register_recording  # type: ignore[method-assign]
 
     def buffers(self) -> dict[int, int]:
-        if self.hooked:
+        ddp = self.ddp()
+        if self.hooked or ddp is None:
             return dict(self.seen)
-        data = self.ddp._get_ddp_logging_data()
+        data = ddp._get_ddp_logging_data()
         if data.get("gradient_as_bucket_view"):
             return {}
         sizes = [int(size) for size in str(data.get("bucket_sizes", "")).split(",") if size.strip()]

@@ -8,7 +8,9 @@ is VmHWM less that, read after the run: what building and training the variant c
 DTensor's local shard): first the categories a harness names (``params``, ``grads``, ``state``, ``master``, in that
 order: a storage counts in the first category that holds it), then ``buffers``: every other tensor the garbage
 collector can reach (communication buckets, unsharded FSDP parameters, DeepSpeed's IPG buffers, staging buffers),
-plus what the harness reports for buffers that live in C++ only (DDP's gradient buckets). Storage bytes are what a
+plus what the harness reports for buffers that live in C++ only (DDP's gradient buckets), less the tensors that were
+alive before the variant was built (``tensors_alive``: the batch, and what the warm-up iteration on a tiny model left
+in reference cycles through C++, which Python's collector cannot free). Storage bytes are what a
 GPU would hold; on the CPU an allocated but untouched storage is not resident, so the census can exceed the RSS.
 """
 
@@ -18,13 +20,14 @@ import contextlib
 import ctypes
 import gc
 import re
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["CATEGORIES", "census", "peak_growth", "reset_peak", "rss_bytes"]
+__all__ = ["CATEGORIES", "census", "peak_growth", "reset_peak", "rss_bytes", "tensors_alive"]
 
 CATEGORIES = ("params", "grads", "state", "master", "buffers")
 
@@ -82,13 +85,22 @@ def _flatten(value: Any) -> Iterable[Any]:
         yield value
 
 
-def census(named: dict[str, Any], cpp_buffers: dict[int, int] | None = None) -> dict[str, int]:
+def tensors_alive() -> list[weakref.ref[Tensor]]:
+    """Weak references to every tensor the garbage collector can reach now (``census``'s ``before``)."""
+    gc.collect()
+    return [weakref.ref(obj) for obj in gc.get_objects() if isinstance(obj, Tensor)]
+
+
+def census(
+    named: dict[str, Any], cpp_buffers: dict[int, int] | None = None, before: Sequence[weakref.ref[Tensor]] = ()
+) -> dict[str, int]:
     """Bytes per category (``CATEGORIES``), each storage counted once; ``named`` maps categories to (nested
     lists/dicts of) tensors; ``buffers`` holds ``cpp_buffers`` (storages held in C++, address -> bytes; Python views
-    of them are not counted again) and every other tensor the garbage collector can reach."""
+    of them are not counted again) and every other tensor the garbage collector can reach, except those of
+    ``before`` still alive (the batch; what a warm-up left in reference cycles through C++)."""
     cpp_buffers = cpp_buffers or {}
-    seen: set[int] = {address for address in cpp_buffers if address > 0}
     counts = dict.fromkeys(CATEGORIES, 0)
+    seen: set[int] = {address for address in cpp_buffers if address > 0}
 
     def add(category: str, tensor: Any) -> None:
         found = _storage(tensor)
@@ -101,6 +113,10 @@ def census(named: dict[str, Any], cpp_buffers: dict[int, int] | None = None) -> 
         for category in CATEGORIES[:-1]:
             for tensor in _flatten(named.get(category, [])):
                 add(category, tensor)
+        for ref in before:
+            found = _storage(ref())
+            if found is not None:
+                seen.add(found[0])
         for obj in gc.get_objects():
             if isinstance(obj, Tensor):
                 add("buffers", obj)
