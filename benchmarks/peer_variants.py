@@ -126,9 +126,10 @@ def _sdp(overlap_param_sync: bool) -> Any:
         sdp = distoptim.ShardedDataParallel(model, zero, overlap_param_sync=overlap_param_sync)  # type: ignore[attr-defined]
 
         def tensors() -> dict[str, list[Tensor]]:
+            local = [t for group in zero.local_optimizer.param_groups for t in group["params"]]
             return {
                 "params": params,
-                "grads": [p.grad for p in params if p.grad is not None],
+                "grads": [t.grad for t in params + local if t.grad is not None],  # owned gradients, where kept
                 "state": optimizer_state_tensors(zero.local_optimizer),
             }
 
