@@ -271,9 +271,9 @@ def peers(data: dict[str, Any], path: Path) -> Path:
             right.bar(x, value, 0.7, bottom=bottom, color=color, edgecolor="white", label=category if x == 0 else None)
             bottom += value
         growth = r["peak_growth_bytes_max"] / MB
-        label = "peak RSS growth over the model" if x == 0 else None
+        label = "peak RSS growth beyond the model's parameters" if x == 0 else None
         right.plot([x], [growth], marker="D", color="black", linestyle="none", label=label)
-        note = f"live {bottom:.3g}\nRSS {growth:.3g}"
+        note = f"live {_short(bottom)}\nRSS {_short(growth)}"
         right.text(x, max(bottom, growth) * 1.03, note, ha="center", va="bottom", fontsize=6.5)
     right.set_xticks(range(len(rows)), [r["variant"] for r in rows], rotation=35, ha="right", fontsize=7.5)
     right.set_ylim(0, right.get_ylim()[1] * 1.35)
@@ -290,6 +290,10 @@ def peers(data: dict[str, Any], path: Path) -> Path:
     )
     fig.subplots_adjust(left=0.06, right=0.98, top=0.86, bottom=0.24, wspace=0.22)
     return _finish(fig, data["machine"], path)
+
+
+def _short(megabytes: float) -> str:
+    return f"{megabytes:.0f}" if megabytes >= 100 else f"{megabytes:.3g}"
 
 
 def render_all(data: dict[str, Any], out: Path) -> list[Path]:
