@@ -7,6 +7,12 @@ AdamW step on this rank's shard, then the parameter sync). The reported time is 
 slowest rank's time. See benchmarks/README.md for the columns and the byte-counting convention.
 
     python benchmarks/bench_zero.py --world-sizes 2 4 --params-millions 20 --iters 10 --json bench-results.json
+    python benchmarks/bench_zero.py --with-peers ...          # + FSDP2, DeepSpeed, distoptim's ShardedDataParallel
+    python benchmarks/bench_zero.py --preset gpt-110m --world-sizes 4 --memory-only --with-peers
+
+Every variant also reports its whole iteration (zero_grad + forward + backward + step) and its per-rank memory:
+the peak resident growth from just before the variant is built, and the live tensor bytes (parameters, gradients,
+optimizer state, master copies, buffers) at the fullest point of an extra, untimed iteration (memory_census.py).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 import torch
 from bench_worker import RankResult, RunSpec, bench_rank
-from zero_variants import VARIANTS
+from zero_variants import CORE, PEERS, VARIANTS
 
 from distoptim.demo.config import GPTConfig, config_for_params
 from distoptim.demo.launch import PRELOAD, RankFailure, run_ranks
@@ -33,6 +39,8 @@ from distoptim.demo.options import OneLineParser
 
 PROG = "bench_zero.py"
 MB = 1e6
+# --preset: named model shapes (``gpt-110m``: a GPT-2-small-sized model for the per-rank memory target)
+PRESETS = {"gpt-110m": {"vocab": 16384, "layers": 12, "width": 768, "heads": 12}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds", type=int, default=1, help="run the variant list this many times, alternating order (default: 1)"
     )
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="NAME")
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=None, metavar="NAME", help="default: the DDP ones"
+    )
+    parser.add_argument(
+        "--with-peers", action="store_true", help="add FSDP2, DeepSpeed and distoptim's ShardedDataParallel"
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named model shape (gpt-110m)")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="for memory: 1 iteration (+ the census one), no compute pass, glibc's mmap threshold pinned",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench-results.json"), help="default: bench-results.json")
     parser.add_argument("--debug", action="store_true", help="show the ranks' output and tracebacks")
     return parser
@@ -58,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> GPTConfig:
     context = max(args.seq, 1)
+    if args.preset is not None:
+        return GPTConfig(context=context, **PRESETS[args.preset])
     if args.layers is not None:
         return GPTConfig(vocab=args.vocab, context=context, layers=args.layers, width=args.width, heads=8)
     return config_for_params(args.params_millions, width=args.width, vocab=args.vocab, context=context, heads=8)
@@ -84,25 +105,41 @@ def _run(spec: RunSpec, world_size: int, debug: bool) -> list[RankResult]:
     return results
 
 
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3 if values else float("nan")
+
+
 def _summarize(name: str, world_size: int, runs: list[list[RankResult]]) -> dict[str, Any]:
-    """Per-iteration slowest rank, medians over all iterations of all rounds; memory as max over ranks."""
+    """Per-iteration slowest rank, medians over all iterations of all rounds; memory of the largest rank."""
     variant = VARIANTS[name]
-    backward = [max(it) for ranks in runs for it in zip(*(r.backward_s for r in ranks))]
-    step = [max(it) for ranks in runs for it in zip(*(r.step_s for r in ranks))]
-    total = [max(b + s for b, s in it) for ranks in runs for it in zip(*(zip(r.backward_s, r.step_s) for r in ranks))]
+
+    def slowest(*parts: str) -> list[float]:
+        return [
+            max(sum(phases) for phases in iteration)
+            for ranks in runs
+            for iteration in zip(*(zip(*(getattr(r, part) for part in parts)) for r in ranks))
+        ]
+
+    total, iteration = slowest("backward_s", "step_s"), slowest("forward_s", "backward_s", "step_s")
     ranks = runs[-1]
     first = ranks[0]
     unsharded = 2 * 4 * first.num_params + 4 * first.num_tensors  # fp32 exp_avg + exp_avg_sq, a step scalar each
+    compute = [r.compute_backward_s for rs in runs for r in rs if r.compute_backward_s is not None]
+    fullest = max((r for rs in runs for r in rs), key=lambda r: sum(r.live_bytes.values()))
+    counted = [r.comm_bytes_per_step for r in ranks if r.comm_bytes_per_step is not None]
     return {
         "variant": name,
         "impl": variant.impl,
         "setting": variant.setting,
+        "family": variant.family,
         "world_size": world_size,
-        "median_total_ms": statistics.median(total) * 1e3,
-        "median_backward_ms": statistics.median(backward) * 1e3,
-        "median_step_ms": statistics.median(step) * 1e3,
-        "compute_backward_ms": statistics.median(r.compute_backward_s for rs in runs for r in rs) * 1e3,
-        "comm_bytes_per_rank_per_step": statistics.mean(r.comm_bytes_per_step for r in ranks),
+        "median_total_ms": _median_ms(total),
+        "median_iteration_ms": _median_ms(iteration),
+        "median_forward_ms": _median_ms(slowest("forward_s")),
+        "median_backward_ms": _median_ms(slowest("backward_s")),
+        "median_step_ms": _median_ms(slowest("step_s")),
+        "compute_backward_ms": statistics.median(compute) * 1e3 if compute else None,
+        "comm_bytes_per_rank_per_step": statistics.mean(counted) if len(counted) == len(ranks) else None,
         "comm_calls_per_step": max(r.comm_calls_per_step for r in ranks),
         "comm_calls_by_function": first.comm_by_function,
         "state_bytes_max": max(r.state_bytes for r in ranks),
@@ -111,24 +148,42 @@ def _summarize(name: str, world_size: int, runs: list[list[RankResult]]) -> dict
         "state_bytes_unsharded": unsharded,
         "peak_rss_bytes_max": max(r.peak_rss_bytes for rs in runs for r in rs),
         "start_rss_bytes_max": max(r.start_rss_bytes for rs in runs for r in rs),
+        "model_rss_bytes_max": max(r.model_rss_bytes for rs in runs for r in rs),
+        "peak_growth_bytes_max": max(r.peak_growth_bytes for rs in runs for r in rs),
+        "peak_growth_bytes_by_rank": [r.peak_growth_bytes for r in ranks],
+        "live_bytes": fullest.live_bytes,  # the rank and round with the most live bytes, by category
+        "live_phase": fullest.live_phase,
+        "live_by_phase": fullest.live_by_phase,
         "num_params": first.num_params,
         "total_ms_per_iteration": [t * 1e3 for t in total],
+        "iteration_ms_per_iteration": [t * 1e3 for t in iteration],
     }
 
 
 HEADER = (
-    f"{'N':>2} {'variant':<29} {'total ms':>8} {'net ms':>7} {'bwd ms':>7} {'step ms':>7} {'comm MB':>8} {'calls':>6} "
-    f"{'state MB':>8} {'ideal MB':>8} {'RSS MB':>7}"
+    f"{'N':>2} {'variant':<29} {'iter ms':>8} {'total ms':>8} {'net ms':>7} {'bwd ms':>7} {'step ms':>7} "
+    f"{'comm MB':>8} {'calls':>6} {'state MB':>8} {'ideal MB':>8} {'peak MB':>8} {'live MB':>8}"
 )
 
 
+def _mb_or_dash(value: float | None, width: int) -> str:
+    return f"{value / MB:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+
 def _row(s: dict[str, Any]) -> str:
+    compute = s["compute_backward_ms"]
+    net = f"{s['median_total_ms'] - compute:>7.1f}" if compute is not None else f"{'-':>7}"
     return (
-        f"{s['world_size']:>2} {s['variant']:<29} {s['median_total_ms']:>8.1f} "
-        f"{s['median_total_ms'] - s['compute_backward_ms']:>7.1f} {s['median_backward_ms']:>7.1f} "
-        f"{s['median_step_ms']:>7.1f} {s['comm_bytes_per_rank_per_step'] / MB:>8.1f} {s['comm_calls_per_step']:>6.0f} "
-        f"{s['state_bytes_max'] / MB:>8.1f} {s['state_bytes_ideal'] / MB:>8.1f} {s['peak_rss_bytes_max'] / MB:>7.0f}"
+        f"{s['world_size']:>2} {s['variant']:<29} {s['median_iteration_ms']:>8.1f} {s['median_total_ms']:>8.1f} "
+        f"{net} {s['median_backward_ms']:>7.1f} {s['median_step_ms']:>7.1f} "
+        f"{_mb_or_dash(s['comm_bytes_per_rank_per_step'], 8)} {s['comm_calls_per_step']:>6.0f} "
+        f"{s['state_bytes_max'] / MB:>8.1f} {s['state_bytes_ideal'] / MB:>8.1f} "
+        f"{s['peak_growth_bytes_max'] / MB:>8.0f} {sum(s['live_bytes'].values()) / MB:>8.0f}"
     )
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return None if ours is None or not theirs else ours / theirs
 
 
 def compare(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,8 +201,9 @@ def compare(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "setting": ours["setting"],
                         "time_ratio": ours["median_total_ms"] / theirs["median_total_ms"],
                         "step_time_ratio": ours["median_step_ms"] / theirs["median_step_ms"],
-                        "bytes_ratio": ours["comm_bytes_per_rank_per_step"]
-                        / max(theirs["comm_bytes_per_rank_per_step"], 1e-9),
+                        "bytes_ratio": _ratio(
+                            ours["comm_bytes_per_rank_per_step"], theirs["comm_bytes_per_rank_per_step"]
+                        ),
                     }
                 )
     return pairs
@@ -158,7 +214,7 @@ def best(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for world_size in sorted({s["world_size"] for s in summaries}):
         here = [s for s in summaries if s["world_size"] == world_size]
-        ours = [s for s in here if s["impl"] not in ("torch", "baseline")]
+        ours = [s for s in here if s["family"] != "peer" and s["impl"] not in ("torch", "baseline")]
         theirs = [s for s in here if s["impl"] == "torch"]
         ddp = [s for s in here if s["impl"] == "baseline"]
         if not ours:
@@ -167,9 +223,9 @@ def best(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"world_size": world_size, "ours": fastest["variant"], "ours_ms": fastest["median_total_ms"]}
         row["state_over_ideal"] = {s["variant"]: s["state_bytes_max"] / s["state_bytes_ideal"] for s in here}
         row["bytes_over_ddp"] = {
-            s["variant"]: s["comm_bytes_per_rank_per_step"] / max(ddp[0]["comm_bytes_per_rank_per_step"], 1e-9)
+            s["variant"]: _ratio(s["comm_bytes_per_rank_per_step"], ddp[0]["comm_bytes_per_rank_per_step"])
             for s in here
-            if ddp
+            if ddp and s["comm_bytes_per_rank_per_step"] is not None
         }
         if theirs:
             torch_best = min(theirs, key=lambda s: s["median_total_ms"])
@@ -181,6 +237,43 @@ def best(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["time_over_ddp"] = fastest["median_total_ms"] / ddp[0]["median_total_ms"]
         rows.append(row)
     return rows
+
+
+REFERENCE = "torch-zero-bucket"  # what the whole-iteration time and the per-rank memory are divided by
+
+
+def against_reference(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per variant and world size: whole iteration, peak resident growth and live bytes over ``REFERENCE``'s."""
+    rows = []
+    for s in summaries:
+        ref = next((r for r in summaries if r["variant"] == REFERENCE and r["world_size"] == s["world_size"]), None)
+        live = sum(s["live_bytes"].values())
+        rows.append(
+            {
+                "variant": s["variant"],
+                "world_size": s["world_size"],
+                "iteration_ms": s["median_iteration_ms"],
+                "peak_growth_bytes": s["peak_growth_bytes_max"],
+                "live_bytes": live,
+                "iteration_ratio": _ratio(s["median_iteration_ms"], ref["median_iteration_ms"]) if ref else None,
+                "peak_growth_ratio": _ratio(s["peak_growth_bytes_max"], ref["peak_growth_bytes_max"]) if ref else None,
+                "live_ratio": _ratio(live, sum(ref["live_bytes"].values())) if ref else None,
+            }
+        )
+    return rows
+
+
+def _print_against_reference(summaries: list[dict[str, Any]]) -> None:
+    rows = against_reference(summaries)
+    if all(row["iteration_ratio"] is None for row in rows):
+        return
+    print(f"\nover {REFERENCE} (same N):          whole iteration   peak RSS growth   live tensor bytes")
+    for row in rows:
+        cells = [row["iteration_ratio"], row["peak_growth_ratio"], row["live_ratio"]]
+        print(
+            f"  N={row['world_size']} {row['variant']:<29}"
+            + "".join(f"{value:>16.2f}" if value is not None else f"{'-':>16}" for value in cells)
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,6 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config(args)
     except ValueError as error:
         parser.error(str(error))
+    if args.memory_only:  # one step allocates the state, the census iteration then runs in the steady state
+        args.warmup, args.iters, args.compute_iters = 0, 1, 0
+    if args.variants is None:
+        args.variants = list(CORE) + (list(PEERS) if args.with_peers else [])
+    skipped = {name: reason for name in args.variants if (reason := VARIANTS[name].missing()) is not None}
+    for name, reason in skipped.items():
+        print(f"  {name}: skipped ({reason})", file=sys.stderr, flush=True)
+    args.variants = [name for name in args.variants if name not in skipped]
     print(
         f"GPT-shaped parameter set: {config.num_params / 1e6:.1f}M fp32 parameters ({config.layers} layers, width "
         f"{config.width}, vocab {config.vocab}); batch {args.batch}x{args.seq} tokens per rank; "
@@ -212,9 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = args.variants if round_ % 2 == 0 else list(reversed(args.variants))
             for name in order:
                 print(f"  N={world_size} {name} (round {round_ + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
-                spec = RunSpec(name, config, args.batch, args.seq, args.warmup, args.iters, args.compute_iters)
+                spec = RunSpec(
+                    name, config, args.batch, args.seq, args.warmup, args.iters, args.compute_iters,
+                    pin_malloc=args.memory_only,
+                )  # fmt: skip
                 try:
+                    begin = time.perf_counter()
                     runs[name].append(_run(spec, world_size, args.debug))
+                    print(f"    {time.perf_counter() - begin:.1f} s", file=sys.stderr, flush=True)
                 except RankFailure as failure:
                     if args.debug and failure.details:
                         print(failure.details.rstrip(), file=sys.stderr)
@@ -237,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"  N={pair['world_size']} {pair['setting']:<20} {pair['time_ratio']:>10.3f} "
                 f"{pair['step_time_ratio']:>14.3f} {pair['bytes_ratio']:>12.3f}"
             )
+    _print_against_reference(summaries)
     fastest = best(summaries)
     for row in fastest:
         print(
@@ -259,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": summaries,
         "comparisons": pairs,
         "best": fastest,
+        "skipped": skipped,
+        "reference": REFERENCE,
     }
     args.json.write_text(json.dumps(payload, indent=1))
     print(f"\nwrote {args.json} ({time.perf_counter() - started:.0f} s)")

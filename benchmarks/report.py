@@ -1,15 +1,18 @@
-"""The benchmark report: DDP + AdamW, torch's ZeroRedundancyOptimizer (both bucket-view settings) and every distoptim
-mode, measured on this machine in one run, written as Markdown + PNG plots (matplotlib: ``pip install -e .[bench]``).
+"""The benchmark report: DDP + AdamW, torch's ZeroRedundancyOptimizer (both bucket-view settings), every distoptim
+mode and the peers (FSDP2, DeepSpeed ZeRO-1/2, distoptim's ShardedDataParallel), measured on this machine in one
+run, written as Markdown + PNG plots (matplotlib: ``pip install -e .[bench]``; DeepSpeed: ``.[peers]``).
 
     .venv/bin/python benchmarks/report.py --out docs/report                    # full report
     .venv/bin/python benchmarks/report.py --out docs/report --world-sizes 2 4 8
-    .venv/bin/python benchmarks/report.py --quick --out /tmp/report            # tiny model, 2 ranks, seconds
+    .venv/bin/python benchmarks/report.py --quick --out /tmp/report            # tiny model, 2 ranks, a minute
 
-Each part comes from the script that measures it: step time, optimizer-state shards and bytes per variant from
-bench_zero.py (every variant of zero_variants.py, fresh ranks each); per-rank memory of parameters, gradients,
-optimizer state and master weights from memory_master.py; the partition balance for GPT-2 124M shapes from
-partition_balance.py (arithmetic). Everything lands in OUT: report.json (all figures, bench_zero's JSON inside),
-five PNGs and REPORT.md; ``--from-json OUT/report.json`` redraws them without measuring again.
+Each part comes from the script that measures it: step time, whole iteration, optimizer-state shards and bytes per
+variant from bench_zero.py (every variant of zero_variants.py, fresh ranks each); per-rank memory of every sharded
+data-parallel configuration from bench_zero.py --memory-only (glibc's mmap threshold pinned, so that resident memory
+follows live tensors), on the same model and on a 110M-parameter GPT at 4 ranks; per-rank memory of parameters,
+gradients, optimizer state and master weights from memory_master.py; the partition balance for GPT-2 124M shapes
+from partition_balance.py (arithmetic). Everything lands in OUT: report.json (all figures, bench_zero's JSON
+inside), six PNGs and REPORT.md; ``--from-json OUT/report.json`` redraws them without measuring again.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ if str(HERE) not in sys.path:  # the benchmark scripts import each other by modu
 
 QUICK = ["--layers", "1", "--width", "64", "--vocab", "512", "--seq", "16", "--warmup", "1", "--iters", "2"]
 QUICK += ["--compute-iters", "1"]
+# The sharded data-parallel configurations whose whole iteration and per-rank memory the peers section compares
+# (torch-zero-bucket is the reference); --quick runs one of each peer family.
+MEMORY_VARIANTS = [
+    "ddp-adamw", "torch-zero-bucket", "distoptim-zero-bucket", "distoptim-even-bucket", "zero2-even-bucket",
+    "sdp", "sdp-overlap", "fsdp2-zero2", "fsdp2-zero3", "deepspeed-zero1", "deepspeed-zero2",
+]  # fmt: skip
+QUICK_PEERS = ["sdp", "fsdp2-zero2", "deepspeed-zero2"]
+LARGE_PRESET, LARGE_WORLD_SIZE = "gpt-110m", 4  # the per-rank memory target: >= 100M fp32 parameters, 4 ranks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the variant list, alternating (default: 1)")
     parser.add_argument(
         "--quick", action="store_true", help="a tiny model at world size 2, 2 timed iterations: checks the machinery"
+    )
+    parser.add_argument(
+        "--skip-large", action="store_true", help=f"skip the memory pass on {LARGE_PRESET} at N={LARGE_WORLD_SIZE}"
     )
     parser.add_argument("--from-json", type=Path, default=None, help="redraw from a report.json; measure nothing")
     parser.add_argument("--debug", action="store_true", help="show the ranks' output and tracebacks")
@@ -111,16 +125,38 @@ def _bench_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
     argv = ["--world-sizes", *map(str, args.world_sizes), "--rounds", str(args.rounds), "--json", str(json_path)]
     argv += ["--debug"] if args.debug else []
     if args.quick:
-        return [*argv, *QUICK]
+        import zero_variants
+
+        return [*argv, *QUICK, "--variants", *zero_variants.CORE, *QUICK_PEERS]
     argv += ["--params-millions", str(args.params_millions), "--warmup", str(args.warmup), "--iters", str(args.iters)]
     for name in ("layers", "width", "vocab", "seq", "batch"):
         argv += [f"--{name}", str(getattr(args, name))] if getattr(args, name) is not None else []
-    return argv
+    return [*argv, "--with-peers"]
+
+
+def _bench(argv: list[str], json_path: Path) -> dict[str, Any]:
+    """Run bench_zero.py with ``argv`` (which names ``json_path``) and return its JSON."""
+    import bench_zero
+
+    status = bench_zero.main(argv)
+    if status != 0:
+        raise SystemExit(f"report.py: bench_zero.py failed (exit {status}); rerun with --debug")
+    data: dict[str, Any] = json.loads(json_path.read_text())
+    json_path.unlink()  # its content goes into report.json
+    return data
+
+
+def _memory_argv(bench_argv: list[str], args: argparse.Namespace) -> list[str]:
+    """The timing run's command as a memory-only run of the peers section's configurations."""
+    shown = [name for name in MEMORY_VARIANTS if not args.quick or name == "torch-zero-bucket" or name in QUICK_PEERS]
+    cut = bench_argv.index("--variants") if "--variants" in bench_argv else len(bench_argv)
+    kept = [a for a in bench_argv[:cut] if a != "--with-peers"]
+    return [*kept, "--rounds", "1", "--memory-only", "--variants", *shown]
 
 
 def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]:
-    """Run bench_zero.py, memory_master.py and partition_balance.py; return every figure as plain data."""
-    import bench_zero
+    """Run bench_zero.py (timing, then memory-only passes), memory_master.py and partition_balance.py; return every
+    figure as plain data."""
     import memory_master
     import partition_balance
 
@@ -129,12 +165,17 @@ def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]
     args.out.mkdir(parents=True, exist_ok=True)
     bench_json = args.out / "bench_zero.json"
     started = time.perf_counter()
-    print(f"== step time, state shards and bytes: bench_zero.py at N = {args.world_sizes}", flush=True)
-    status = bench_zero.main(_bench_argv(args, bench_json))
-    if status != 0:
-        raise SystemExit(f"report.py: bench_zero.py failed (exit {status}); rerun with --debug")
-    bench = json.loads(bench_json.read_text())
-    bench_json.unlink()  # its content goes into report.json
+    print(f"== step time, whole iteration, state shards and bytes: bench_zero.py at N = {args.world_sizes}", flush=True)
+    bench_argv = _bench_argv(args, bench_json)
+    bench = _bench(bench_argv, bench_json)
+    print(f"== per-rank memory of the sharded configurations, same model ({_since(started)})", flush=True)
+    peers_memory = {"same_model": _bench(_memory_argv(bench_argv, args), bench_json), "large": None}
+    if not (args.quick or args.skip_large):
+        print(f"== per-rank memory, {LARGE_PRESET} at N = {LARGE_WORLD_SIZE} ({_since(started)})", flush=True)
+        large = ["--preset", LARGE_PRESET, "--world-sizes", str(LARGE_WORLD_SIZE), "--json", str(bench_json)]
+        shown = [name for name in MEMORY_VARIANTS if name != "ddp-adamw"]  # unsharded: 20 bytes per parameter
+        argv = [*large, "--memory-only", "--variants", *shown, *(["--debug"] if args.debug else [])]
+        peers_memory["large"] = _bench(argv, bench_json)
     shape = GPTConfig(**bench["config"])
     print(f"== per-rank memory: memory_master.py at N = {args.world_sizes} ({_since(started)})", flush=True)
     memory: dict[str, dict[str, dict[str, float]]] = {}
@@ -149,6 +190,7 @@ def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]
         "quick": args.quick,
         "world_sizes": args.world_sizes,
         "bench": bench,
+        "peers_memory": peers_memory,
         "memory": memory,
         "memory_configs": memory_master.CONFIGS,
         "balance": {

@@ -1,4 +1,4 @@
-"""REPORT.md from report.py's data: where and how it was measured, caveats, ratio tables, and the five figures."""
+"""REPORT.md from report.py's data: where and how it was measured, caveats, ratio tables, and the six figures."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ __all__ = ["ratios", "write"]
 MB = 1e6
 _BALANCE_SHOWN = (2, 8, 64, 1024)
 FULL_COMMAND = "python benchmarks/report.py --out docs/report"
+PEERS_CAVEAT = (
+    "FSDP2 and DeepSpeed are designed around NCCL, CUDA streams that overlap communication with compute, fused "
+    "kernels and (DeepSpeed) mixed precision; here they run on the CPU over gloo, in fp32, one thread per rank, so "
+    "their figures say how they behave on this machine, not on a GPU cluster."
+)
+_LIVE = ("params", "grads", "state", "master", "buffers")
 
 
 def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -32,7 +38,7 @@ def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "over_ddp": r["median_total_ms"] / ddp["median_total_ms"] if ddp else None,
                 "state_over_ideal": r["state_bytes_max"] / r["state_bytes_ideal"],
                 "bytes_over_ddp": r["comm_bytes_per_rank_per_step"] / ddp["comm_bytes_per_rank_per_step"]
-                if ddp and ddp["comm_bytes_per_rank_per_step"]
+                if ddp and ddp["comm_bytes_per_rank_per_step"] and r["comm_bytes_per_rank_per_step"] is not None
                 else None,
             }
         )
@@ -132,6 +138,8 @@ def _caveats(data: dict[str, Any]) -> list[str]:
         "copy of the gradients unless `gradient_as_bucket_view=True`) nor allocator caches or torch itself.",
         "- Overlap variants (`distoptim-overlap*`, `zero2-even-interleaved`) step inside the backward; their "
         "'backward' holds the step and the sync. torch's own overlap mode refuses gloo, so it is absent.",
+        f"- **The peers are built for GPUs.** {PEERS_CAVEAT} Their bytes are not counted (their collectives do not "
+        "all pass through the counted functions).",
         "",
     ]
     return lines
@@ -210,6 +218,96 @@ def _balance_table(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _memory_rows(results: list[dict[str, Any]], world_size: int) -> dict[str, dict[str, Any]]:
+    return {r["variant"]: r for r in results if r["world_size"] == world_size}
+
+
+def _peers_table(memory: dict[str, Any], world_size: int, timing: dict[str, dict[str, Any]] | None) -> list[str]:
+    """One row per configuration: whole iteration (from ``timing``) and per-rank memory, over the reference's."""
+    rows = _memory_rows(memory["results"], world_size)
+    reference = rows.get(memory.get("reference", "torch-zero-bucket"))
+    ref_time = timing.get(reference["variant"]) if timing and reference else None
+    time_head = "iteration ms | / ref | " if timing is not None else ""
+    lines = [
+        f"| variant | {time_head}peak RSS growth MB | / ref | live MB | / ref | "
+        + " | ".join(_LIVE)
+        + " | fullest after |",
+        "|---|" + "---:|" * ((2 if timing is not None else 0) + 4 + len(_LIVE)) + "---|",
+    ]
+    for name, r in rows.items():
+        live = sum(r["live_bytes"].values())
+        cells = []
+        if timing is not None:
+            t = timing.get(name)
+            ratio = t["median_iteration_ms"] / ref_time["median_iteration_ms"] if t and ref_time else None
+            cells += [_num(t["median_iteration_ms"], 1) if t else "-", _num(ratio)]
+        ref_growth = reference["peak_growth_bytes_max"] if reference else None
+        ref_live = sum(reference["live_bytes"].values()) if reference else None
+        cells += [
+            _num(r["peak_growth_bytes_max"] / MB, 1),
+            _num(r["peak_growth_bytes_max"] / ref_growth if ref_growth else None),
+            _num(live / MB, 1),
+            _num(live / ref_live if ref_live else None),
+            *(_num(r["live_bytes"].get(k, 0) / MB, 1) for k in _LIVE),
+            r["live_phase"],
+        ]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    span = (2 if timing is not None else 0) + 5 + len(_LIVE)
+    for name, reason in memory.get("skipped", {}).items():
+        lines.append(f"| `{name}` | {reason} |" + " |" * (span - 1))
+    return [*lines, ""]
+
+
+def _peers_section(data: dict[str, Any]) -> list[str]:
+    """Section 6: the sharded data-parallel configurations side by side, time and per-rank memory."""
+    peers = data.get("peers_memory")
+    if not peers:
+        return []
+    same, large = peers["same_model"], peers.get("large")
+    reference = same.get("reference", "torch-zero-bucket")
+    lines = [
+        "## 6. Sharded data parallelism: FSDP2, DeepSpeed and ShardedDataParallel beside torch's ZeRO",
+        "",
+        "![peers](peers.png)",
+        "",
+        f"> **Built for GPUs.** {PEERS_CAVEAT}",
+        "",
+        "Variants: `fsdp2-zero2` / `fsdp2-zero3` are `fully_shard` on every transformer block and the root with "
+        "`reshard_after_forward=False` / `True`, AdamW over the DTensor shards; `deepspeed-zero1` / `-zero2` are "
+        "DeepSpeed's engine with `zero_optimization` stage 1 / 2, fp32, torch's AdamW as the client optimizer; "
+        "`sdp` / `sdp-overlap` are distoptim's `ShardedDataParallel` over `ZeroRedundancyOptimizer(AdamW, "
+        'partition="even", parameters_as_bucket_view=True)`, `overlap_param_sync=False` / `True`.',
+        "",
+        f"**ref** is `{reference}` at the same N. **Whole iteration**: `zero_grad` + forward + backward + step, "
+        "median of the slowest rank (the forward counts here: FSDP2 gathers parameters in it), from the timing run. "
+        "**Memory**, per rank, from a separate `bench_zero.py --memory-only` run (glibc's mmap threshold pinned at "
+        "128 KiB, so that resident memory follows live tensors instead of what the allocator keeps): **peak RSS "
+        "growth** from just before the variant is built (the model's parameters already exist) to the end, largest "
+        "rank; **live**: tensor bytes by storage, each storage once, at the fullest phase boundary (after the "
+        "forward, the backward or the step) of the last iteration, largest rank. *buffers* are every other tensor "
+        "Python can reach (communication buckets, FSDP2's unsharded parameters) plus DDP's C++ gradient buckets. "
+        "A peak between phase boundaries (gradients before their reduction, the step's temporaries) shows in the "
+        "RSS growth only.",
+        "",
+    ]
+    timing = {r["variant"]: r for r in data["bench"]["results"]}
+    for n in sorted({r["world_size"] for r in same["results"]}):
+        here = {name: r for name, r in timing.items() if r["world_size"] == n}
+        params = same["results"][0]["num_params"] / 1e6
+        lines += [f"**Same model ({params:.2f}M parameters), N={n}:**", "", *_peers_table(same, n, here)]
+    if large:
+        config, params = large["config"], large["results"][0]["num_params"] / 1e6
+        for n in sorted({r["world_size"] for r in large["results"]}):
+            lines += [
+                f"**{params:.1f}M parameters ({config['layers']} layers, width {config['width']}, vocab "
+                f"{config['vocab']}), N={n}, memory only** (unsharded DDP + AdamW would hold 20 bytes per parameter "
+                f"per rank: parameters, gradients, DDP's buckets, two AdamW moments = {20 * params:.0f} MB):",
+                "",
+                *_peers_table(large, n, None),
+            ]
+    return lines
+
+
 def write(data: dict[str, Any], out: Path) -> Path:
     """Write ``out/REPORT.md`` and return its path."""
     lines = _header(data) + _caveats(data) + _ratio_table(data)
@@ -252,6 +350,7 @@ def write(data: dict[str, Any], out: Path) -> Path:
         "own `ZeroRedundancyOptimizer._partition_parameters` on meta tensors, no process group.",
         "",
         *_balance_table(data),
+        *_peers_section(data),
         "## Data",
         "",
         "`report.json` holds every figure above (bench_zero.py's full JSON, per-iteration times included, under "

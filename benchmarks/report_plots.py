@@ -1,4 +1,4 @@
-"""The report's five figures, one PNG each, drawn from report.py's data (plain dicts, as in report.json).
+"""The report's six figures, one PNG each, drawn from report.py's data (plain dicts, as in report.json).
 
 Every figure carries a caption line with the machine, versions, backend, date and the command that made it.
 """
@@ -26,12 +26,15 @@ FIGURES = {
     "comm_bytes": "comm_bytes.png",
     "memory": "memory.png",
     "partition_balance": "partition_balance.png",
+    "peers": "peers.png",
 }
 _MARKERS = "os^vD<>ph*XP8"
 _COLORS = (  # tab10, then darker ones: distinct for a dozen variants
     "#1f77b4", "#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-    "#393b79", "#637939", "#843c39", "#7b4173",
+    "#393b79", "#637939", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363", "#9c9ede",
 )  # fmt: skip
+_LIVE = ("params", "grads", "state", "master", "buffers")
+_LIVE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 _COMPONENTS = ("params", "grads", "state", "master")
 _COMPONENT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 
@@ -137,9 +140,15 @@ def state_bytes(data: dict[str, Any], path: Path) -> Path:
 
 
 def comm_bytes(data: dict[str, Any], path: Path) -> Path:
-    """Bytes each rank communicates per step, over what DDP's gradient all-reduce alone costs (fp32)."""
+    """Bytes each rank communicates per step, over what DDP's gradient all-reduce alone costs (fp32); the variants
+    whose bytes are counted (not the peers)."""
     names, sizes, by_key = _results(data)
     styles = variant_styles(names)
+    names = [
+        name
+        for name in names
+        if any(r["comm_bytes_per_rank_per_step"] is not None for (v, _), r in by_key.items() if v == name)
+    ]
     fig, ax = plt.subplots(figsize=(11, 6.2))
     width = 0.8 / len(names)
     labels = []
@@ -147,7 +156,7 @@ def comm_bytes(data: dict[str, Any], path: Path) -> Path:
         ddp = by_key[("ddp-adamw", n)]["comm_bytes_per_rank_per_step"] if ("ddp-adamw", n) in by_key else None
         labels.append(f"N={n}" + (f"\n(DDP all-reduce: {ddp / MB:.1f} MB)" if ddp else ""))
         for index, name in enumerate(names):
-            if (name, n) not in by_key or not ddp:
+            if (name, n) not in by_key or not ddp or by_key[(name, n)]["comm_bytes_per_rank_per_step"] is None:
                 continue
             ratio = by_key[(name, n)]["comm_bytes_per_rank_per_step"] / ddp
             x = group - 0.4 + (index + 0.5) * width
@@ -224,13 +233,78 @@ def _model(data: dict[str, Any]) -> str:
     return f"\nGPT-shaped model, {millions:.2f}M parameters ({layers}, width {config['width']})"
 
 
+def peers(data: dict[str, Any], path: Path) -> Path:
+    """Left: whole iteration over torch's ZeRO with bucket views, per N. Right: per-rank memory (live tensor bytes
+    stacked by category, peak RSS growth as a marker) on the largest configuration measured."""
+    memory = data["peers_memory"]
+    same, large = memory["same_model"], memory.get("large")
+    reference = same.get("reference", "torch-zero-bucket")
+    names = list(dict.fromkeys(r["variant"] for r in same["results"]))
+    styles = variant_styles(names)
+    timing = {(r["variant"], int(r["world_size"])): r for r in data["bench"]["results"]}
+    sizes = sorted({int(r["world_size"]) for r in same["results"]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.6), gridspec_kw={"width_ratios": [1, 1.25]})
+    width = 0.8 / len(names)
+    for group, n in enumerate(sizes):
+        ref = timing.get((reference, n))
+        for index, name in enumerate(names):
+            if (name, n) not in timing or not ref:
+                continue
+            ratio = timing[(name, n)]["median_iteration_ms"] / ref["median_iteration_ms"]
+            x = group - 0.4 + (index + 0.5) * width
+            left.bar(x, ratio, width * 0.9, color=styles[name]["color"], label=name if group == 0 else None)
+            left.text(x, ratio, f"{ratio:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
+    left.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    left.set_ylim(0, left.get_ylim()[1] * 1.1)
+    left.set_xticks(range(len(sizes)), [f"N={n}" for n in sizes])
+    left.set_ylabel(f"whole iteration / {reference} (median, slowest rank)")
+    left.set_title(f"Whole iteration (zero_grad + forward + backward + step){_model(data)}", fontsize=10)
+    left.grid(axis="y", alpha=0.3)
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), fontsize=7, ncol=3)
+    source = large or same
+    n = max(int(r["world_size"]) for r in source["results"])
+    rows = [r for r in source["results"] if int(r["world_size"]) == n]
+    for x, r in enumerate(rows):
+        bottom = 0.0
+        for category, color in zip(_LIVE, _LIVE_COLORS):
+            value = r["live_bytes"].get(category, 0) / MB
+            right.bar(x, value, 0.7, bottom=bottom, color=color, edgecolor="white", label=category if x == 0 else None)
+            bottom += value
+        growth = r["peak_growth_bytes_max"] / MB
+        label = "peak RSS growth beyond the model's parameters" if x == 0 else None
+        right.plot([x], [growth], marker="D", color="black", linestyle="none", label=label)
+        note = f"live {_short(bottom)}\nRSS {_short(growth)}"
+        right.text(x, max(bottom, growth) * 1.03, note, ha="center", va="bottom", fontsize=6.5)
+    right.set_xticks(range(len(rows)), [r["variant"] for r in rows], rotation=35, ha="right", fontsize=7.5)
+    right.set_ylim(0, right.get_ylim()[1] * 1.35)
+    right.set_ylabel("MB per rank (largest rank): live tensors stacked; peak RSS growth")
+    params = source["results"][0]["num_params"] / 1e6
+    right.set_title(f"Per-rank memory, {params:.1f}M fp32 parameters, AdamW, N={n} (memory-only run)", fontsize=10)
+    right.grid(axis="y", alpha=0.3)
+    right.legend(loc="upper left", fontsize=7, ncol=3)
+    fig.suptitle(
+        "FSDP2 and DeepSpeed are built for GPUs (NCCL, CUDA streams, fused kernels, mixed precision): "
+        "here CPU + gloo, fp32, one thread per rank",
+        fontsize=9,
+        color="#a03030",
+    )
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.86, bottom=0.24, wspace=0.22)
+    return _finish(fig, data["machine"], path)
+
+
+def _short(megabytes: float) -> str:
+    return f"{megabytes:.0f}" if megabytes >= 100 else f"{megabytes:.3g}"
+
+
 def render_all(data: dict[str, Any], out: Path) -> list[Path]:
-    """Draw the five figures into ``out``; return their paths."""
+    """Draw the figures into ``out`` (the peers' only when the data has them); return their paths."""
     draw = {
         "step_time": step_time,
         "state_bytes": state_bytes,
         "comm_bytes": comm_bytes,
         "memory": memory,
         "partition_balance": partition_balance,
+        "peers": peers,
     }
-    return [draw[key](data, out / name) for key, name in FIGURES.items()]
+    keys = [key for key in FIGURES if key != "peers" or data.get("peers_memory")]
+    return [draw[key](data, out / FIGURES[key]) for key in keys]

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from zero_variants import VARIANTS
 
 from distoptim.demo.config import PRESETS
@@ -36,7 +35,7 @@ from distoptim.demo.launch import PRELOAD, RankContext, RankFailure, run_ranks
 from distoptim.demo.model import GPT
 from distoptim.demo.options import OneLineParser
 
-DEFAULT_VARIANTS = [name for name, variant in VARIANTS.items() if variant.impl != "torch"]
+DEFAULT_VARIANTS = [name for name, variant in VARIANTS.items() if variant.impl != "torch" and variant.family == "ddp"]
 
 
 @dataclass(frozen=True)
@@ -93,17 +92,18 @@ def soak_rank(ctx: RankContext, spec: SoakSpec) -> RankSoak:
     variant, config = VARIANTS[spec.variant], PRESETS[spec.size]
     torch.manual_seed(0)
     model = GPT(config).to(variant.dtype)
-    ddp = DistributedDataParallel(model)
-    optimizer: Any = variant.build(ddp, list(model.parameters()), {"lr": 1e-4})
+    variant.prepare()
+    harness = variant.setup(model, {"lr": 1e-4})
+    ddp, optimizer = harness.model, harness.optimizer
     generator = torch.Generator().manual_seed(ctx.rank)
     result = RankSoak(rank=ctx.rank)
     for step in range(spec.steps):
         tokens = torch.randint(0, config.vocab, (spec.batch, config.context + 1), generator=generator)
         begin = time.perf_counter()
-        optimizer.zero_grad()
-        ddp(tokens[:, :-1], tokens[:, 1:]).backward()
+        harness.zero_grad()
+        harness.backward(ddp(tokens[:, :-1], tokens[:, 1:]))
         if not variant.steps_in_backward:
-            optimizer.step()
+            harness.step()
         result.step_s.append(time.perf_counter() - begin)
         # consolidate before the warm sample too, so that rank 0's kept copy is in every sample
         due = spec.consolidate_every and ((step + 1) % spec.consolidate_every == 0 or step + 1 == spec.window)

@@ -1,21 +1,24 @@
 """The variants the ZeRO benchmark runs: one table entry each, so that adding one is adding a row.
 
-Every variant gets the same DDP-wrapped GPT-shaped model and returns the optimizer the timed loop steps; the loop
-is forward, then (timed) ``loss.backward()`` (DDP reduces the gradients during it) and ``optimizer.step()``.
-A variant whose gradients are reduced by something other than DDP's built-in C++ all-reduce (a comm hook, which
-calls the Python collectives and is therefore counted directly) sets ``ddp_cpp_allreduce=False``; one whose
-optimizer is stepped inside the backward by such a hook (``overlap_with_ddp=True``) sets ``steps_in_backward=True``
-and the loop does not call ``step()`` (the timed backward then holds reduction, step and sync). One that trains
-a low-precision model (``dtype``: bf16 with fp32 master weights) gets the model cast before DDP wraps it.
+The DDP-wrapped variants (``family="ddp"``, the default set) get the same DDP-wrapped GPT-shaped model; their
+builder returns the optimizer the timed loop steps, and the loop is forward, ``loss.backward()`` (DDP reduces the
+gradients during it) and ``optimizer.step()``. A variant whose gradients are reduced by something other than DDP's
+built-in C++ all-reduce (a comm hook, which calls the Python collectives and is therefore counted directly) sets
+``ddp_cpp_allreduce=False``; one whose optimizer is stepped inside the backward by such a hook
+(``overlap_with_ddp=True``) sets ``steps_in_backward=True`` and the loop does not call ``step()`` (the timed
+backward then holds reduction, step and sync). One that trains a low-precision model (``dtype``: bf16 with fp32
+master weights) gets the model cast before DDP wraps it. The peers (FSDP2, DeepSpeed) and distoptim's
+``ShardedDataParallel`` wrap the model themselves: ``peer_variants.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from harness import Builder, Variant, ddp_setup
+from peer_variants import PEER_VARIANTS
 from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel
@@ -24,27 +27,7 @@ from torch.optim import AdamW, Optimizer
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
 
-__all__ = ["VARIANTS", "Variant"]
-
-Builder = Callable[[DistributedDataParallel, Iterable[Tensor], dict[str, Any]], Optimizer]
-
-
-@dataclass(frozen=True)
-class Variant:
-    """``build(ddp_model, params, adamw_kwargs)`` makes the optimizer; ``local(optimizer)`` is what holds state here.
-
-    ``impl`` and ``setting`` pair variants for the closing comparison: distoptim's and torch's with the same
-    ``setting`` are compared (time, bytes); ``impl="baseline"`` is not paired. ``dtype``: the model's parameters.
-    """
-
-    name: str
-    impl: str
-    setting: str
-    build: Builder
-    local: Callable[[Any], Optimizer] = lambda optimizer: optimizer
-    ddp_cpp_allreduce: bool = True
-    steps_in_backward: bool = False
-    dtype: torch.dtype = torch.float32
+__all__ = ["CORE", "PEERS", "VARIANTS", "Variant"]
 
 
 def _adamw(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
@@ -102,20 +85,22 @@ def _our_overlap(interleaved: bool) -> Builder:
     return build
 
 
-VARIANTS: dict[str, Variant] = {
+def _ddp(name: str, impl: str, setting: str, build: Builder, local: Any = lambda o: o, **options: Any) -> Variant:
+    return Variant(name, impl, setting, ddp_setup(build, local), **options)
+
+
+CORE: dict[str, Variant] = {
     variant.name: variant
     for variant in [
-        Variant("ddp-adamw", "baseline", "unsharded", _adamw),
-        Variant("torch-zero", "torch", "bucket_view=False", _torch_zero(False), local=lambda z: z.optim),
-        Variant("torch-zero-bucket", "torch", "bucket_view=True", _torch_zero(True), local=lambda z: z.optim),
-        Variant(
-            "distoptim-zero", "distoptim", "bucket_view=False", _our_zero(False), local=lambda z: z.local_optimizer
-        ),
-        Variant(
+        _ddp("ddp-adamw", "baseline", "unsharded", _adamw),
+        _ddp("torch-zero", "torch", "bucket_view=False", _torch_zero(False), local=lambda z: z.optim),
+        _ddp("torch-zero-bucket", "torch", "bucket_view=True", _torch_zero(True), local=lambda z: z.optim),
+        _ddp("distoptim-zero", "distoptim", "bucket_view=False", _our_zero(False), local=lambda z: z.local_optimizer),
+        _ddp(
             "distoptim-zero-bucket", "distoptim", "bucket_view=True", _our_zero(True), local=lambda z: z.local_optimizer
         ),
         # Overlap: the step runs inside DDP's backward. Torch's overlap refuses gloo, so these are unpaired.
-        Variant(
+        _ddp(
             "distoptim-overlap",
             "overlap",
             "hook_with_zero_step",
@@ -124,7 +109,7 @@ VARIANTS: dict[str, Variant] = {
             ddp_cpp_allreduce=False,
             steps_in_backward=True,
         ),
-        Variant(
+        _ddp(
             "distoptim-overlap-interleaved",
             "overlap",
             "hook_with_zero_step_interleaved",
@@ -134,14 +119,14 @@ VARIANTS: dict[str, Variant] = {
             steps_in_backward=True,
         ),
         # The even partition, and ZeRO-2: gradients reduced to their owners inside the backward (reduce_to_owners_hook).
-        Variant(
+        _ddp(
             "distoptim-even-bucket",
             "even",
             "even, bucket_view=True",
             _our_zero(True, "even"),
             local=lambda z: z.local_optimizer,
         ),
-        Variant(
+        _ddp(
             "zero2-greedy-bucket",
             "zero2",
             "greedy, to owners",
@@ -149,7 +134,7 @@ VARIANTS: dict[str, Variant] = {
             local=lambda z: z.local_optimizer,
             ddp_cpp_allreduce=False,
         ),
-        Variant(
+        _ddp(
             "zero2-even-bucket",
             "zero2",
             "even, to owners",
@@ -157,7 +142,7 @@ VARIANTS: dict[str, Variant] = {
             local=lambda z: z.local_optimizer,
             ddp_cpp_allreduce=False,
         ),
-        Variant(
+        _ddp(
             "zero2-even-interleaved",
             "zero2",
             "even, to owners, interleaved",
@@ -168,7 +153,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         # Master weights: a bf16 model (half the parameter, gradient and sync bytes), AdamW on fp32 copies of the
         # owned fragments. Its backward runs in bf16, so its time is not the fp32 variants' compute.
-        Variant(
+        _ddp(
             "distoptim-master-bf16",
             "master",
             "even, bucket_view=True, bf16 + fp32 master",
@@ -178,3 +163,5 @@ VARIANTS: dict[str, Variant] = {
         ),
     ]
 }
+PEERS: dict[str, Variant] = {variant.name: variant for variant in PEER_VARIANTS}
+VARIANTS: dict[str, Variant] = CORE | PEERS

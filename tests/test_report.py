@@ -1,5 +1,7 @@
-"""benchmarks/report.py --quick renders the whole report (Markdown, five PNGs, report.json) in one command, and the
-figures that are arithmetic match references computed here: partition balance, byte counts, per-rank memory."""
+"""benchmarks/report.py --quick renders the whole report (Markdown, six PNGs, report.json) in one command, and the
+figures that are arithmetic match references computed here: partition balance, byte counts, per-rank memory (the
+buffers' count in memory_master.py and the live-tensor census of bench_zero.py, peers included). DeepSpeed and
+distoptim's ShardedDataParallel are optional: absent, they are reported as skipped with the reason, not as errors."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from distoptim.demo.model import GPT
 from tests.zero.test_partition import _gpt2_124m_numels
 
 ROOT = Path(__file__).resolve().parents[1]
-PNGS = ("step_time.png", "state_bytes.png", "comm_bytes.png", "memory.png", "partition_balance.png")
+PNGS = ("step_time.png", "state_bytes.png", "comm_bytes.png", "memory.png", "partition_balance.png", "peers.png")
+QUICK_PEERS = ("sdp", "fsdp2-zero2", "deepspeed-zero2")
+REASONS = {"sdp": "not available: distoptim.ShardedDataParallel", "deepspeed-zero2": "not installed: deepspeed"}
 ZERO1 = ("torch-zero", "torch-zero-bucket", "distoptim-zero", "distoptim-zero-bucket", "distoptim-even-bucket")
 ZERO2 = ("zero2-greedy-bucket", "zero2-even-bucket", "zero2-even-interleaved")
 
@@ -49,7 +53,15 @@ def _sorted_greedy(numels: list[int], world_size: int) -> tuple[list[int], list[
     return loads, counts
 
 
-def test_one_command_writes_markdown_and_five_pngs(report: Any) -> None:
+def _benchmarks_module(name: str) -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_one_command_writes_markdown_and_six_pngs(report: Any) -> None:
     out, data = report
     for name in PNGS:
         png = (out / name).read_bytes()
@@ -65,13 +77,15 @@ def test_one_command_writes_markdown_and_five_pngs(report: Any) -> None:
         assert f"]({name})" in text
     for variant in {r["variant"] for r in data["bench"]["results"]}:
         assert f"| `{variant}` |" in text
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from report_plots import caption
-        from zero_variants import VARIANTS
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    assert {r["variant"] for r in data["bench"]["results"]} == set(VARIANTS)  # every variant measured
+    caption = _benchmarks_module("report_plots").caption
+    core = _benchmarks_module("zero_variants").CORE
+    measured, skipped = {r["variant"] for r in data["bench"]["results"]}, data["bench"]["skipped"]
+    assert measured | set(skipped) == set(core) | set(QUICK_PEERS) and not measured & set(skipped)
+    assert "fsdp2-zero2" in measured  # FSDP2 runs wherever torch does
+    for name, reason in skipped.items():  # an optional peer that is absent says why, in the page too
+        assert reason == REASONS[name], (name, reason)
+        assert f"| `{name}` | {reason} |" in text
+    assert "## 6. Sharded data parallelism" in text and "Built for GPUs" in text
     line = caption(machine)  # what every figure carries at its foot
     for fact in (str(machine["cpus"]), machine["cpu_model"], machine["torch"], "gloo", machine["date"], "--quick"):
         assert fact in line, fact
@@ -97,7 +111,7 @@ def test_bytes_and_state_shards_match_arithmetic(report: Any) -> None:
     _, data = report
     config = GPTConfig(**data["bench"]["config"])
     numel, tensors = config.num_params, len(list(GPT(config).parameters()))
-    results = {r["variant"]: r for r in data["bench"]["results"]}
+    results = {r["variant"]: r for r in data["bench"]["results"] if r["family"] == "ddp"}
     assert all(r["world_size"] == 2 for r in results.values())
     ddp = results["ddp-adamw"]["comm_bytes_per_rank_per_step"]
     assert ddp == 2 * (2 - 1) / 2 * 4 * numel  # one all-reduce of the fp32 gradients
@@ -141,3 +155,30 @@ def test_memory_matches_the_buffers_arithmetic(report: Any) -> None:
     assert 8 * shard <= master["state"] <= 8 * shard + 4 * tensors
     total = {name: sum(row[k] for k in ("params", "grads", "state", "master")) for name, row in rows.items()}
     assert total["distoptim bf16 + fp32 master"] < total["distoptim fp32"] < total["ddp-adamw fp32"]
+
+
+def test_live_tensor_census_matches_the_arithmetic(report: Any) -> None:
+    """The memory-only run's census: each category's bytes are what the configuration must hold, each storage once
+    (DDP's buckets counted once even where a comm hook holds Python views of them), on the largest rank."""
+    _, data = report
+    config = GPTConfig(**data["bench"]["config"])
+    numel, tensors = config.num_params, len(list(GPT(config).parameters()))
+    memory = {r["variant"]: r for r in data["peers_memory"]["same_model"]["results"]}
+    assert set(memory) | set(data["peers_memory"]["same_model"]["skipped"]) == {"torch-zero-bucket", *QUICK_PEERS}
+    for r in memory.values():
+        assert r["peak_growth_bytes_max"] > 0 and r["live_phase"] in ("forward", "backward", "step"), r["variant"]
+    torch_zero = memory["torch-zero-bucket"]["live_bytes"]
+    assert (torch_zero["params"], torch_zero["grads"], torch_zero["master"]) == (4 * numel, 4 * numel, 0)
+    assert torch_zero["state"] == memory["torch-zero-bucket"]["state_bytes_max"]  # the fuller rank
+    assert 4 * numel <= torch_zero["buffers"] <= 4 * numel + 4096  # DDP's buckets, the batch and the loss
+    fsdp = memory["fsdp2-zero2"]["live_bytes"]  # after the forward: the gathered parameters are buffers
+    assert 4 * numel / 2 <= fsdp["params"] <= 4 * numel / 2 + 4 * tensors * config.width
+    assert fsdp["state"] == 2 * fsdp["params"] + 4 * tensors and fsdp["buffers"] >= 4 * numel
+    if "deepspeed-zero2" in memory:
+        deepspeed = memory["deepspeed-zero2"]["live_bytes"]
+        assert deepspeed["master"] == 4 * math.ceil(numel / 2)  # its fp32 copy of the owned partition
+        assert deepspeed["state"] == 2 * deepspeed["master"] + 4  # one param group: one step
+        assert 4 * numel <= deepspeed["params"] <= 4 * numel + 64
+    timed = {r["variant"]: r for r in data["bench"]["results"]}
+    for name in ("zero2-greedy-bucket", "zero2-even-bucket"):  # comm hooks see DDP's buckets: not counted twice
+        assert 4 * numel <= timed[name]["live_bytes"]["buffers"] <= 4 * numel + 4096, name
