@@ -252,3 +252,38 @@ def test_hook_state_round_trips_its_iteration() -> None:
     for bad in ({}, {"iter": -1}, {"iter": "7"}, [7]):
         with pytest.raises(ValueError, match="expected PostLocalSGDState.state_dict"):
             resumed.load_state_dict(bad)  # type: ignore[arg-type]
+
+
+class _TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16).double(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)).double())).float())
+
+
+def _static_graph_body(rank: int, world_size: int) -> None:
+    """A static graph with several buckets from the first iteration on (two dtypes): there DDP marks no bucket last,
+    and the hook must still count that iteration (the warm-up ends when it does without a static graph)."""
+    runs = []
+    for static_graph in (False, True):
+        torch.manual_seed(0)
+        model = _TwoDtypes()
+        ddp = DDP(model, bucket_cap_mb=0.0005, static_graph=static_graph)
+        state = PostLocalSGDState(None, None, start_localSGD_iter=2, post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            sgd.zero_grad()
+            ddp(x).square().mean().backward()
+            sgd.step()
+        assert state.iter == 4, (static_graph, state.iter)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_static_graph_counts_its_first_iteration() -> None:
+    run_on_ranks(_static_graph_body, 2)

@@ -156,6 +156,7 @@ def _bytes_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
         )
         sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.004, overlap_param_sync=overlap)
         _iteration(sdp, zero, rank, 0, "explicit")
+        sdp.sync_finished()  # the first step's sync, which the next forward would otherwise finish in the count
         handed = Counter()
         with _counting_elements(handed):
             _iteration(sdp, zero, rank, 1, "explicit")

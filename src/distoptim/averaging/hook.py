@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed import GradBucket, ProcessGroup
 
+from distoptim._backward import at_end_of_backward, in_backward
 from distoptim.averaging import comm
 
 __all__ = ["PostLocalSGDState", "allreduce_hook", "post_localSGD_hook"]
@@ -46,7 +47,14 @@ class PostLocalSGDState:
         ```
     """
 
-    __slots__ = ("iter", "post_local_gradient_allreduce", "process_group", "start_localSGD_iter", "subgroup")
+    __slots__ = (
+        "_counting",
+        "iter",
+        "post_local_gradient_allreduce",
+        "process_group",
+        "start_localSGD_iter",
+        "subgroup",
+    )
 
     def __init__(
         self,
@@ -62,15 +70,26 @@ class PostLocalSGDState:
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
+        self._counting = False  # the end of this backward is scheduled to count it
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
-        """Count one iteration per backward pass: DDP reduces the last bucket last.
+        """Count one iteration per backward pass, at its end as the autograd engine sees it (every bucket of a
+        backward sees the same ``iter``); outside a backward (a joined rank's shadow buckets), at the bucket DDP
+        marks last. Not at DDP's last bucket inside a backward: in DDP's static-graph first iteration no bucket is
+        marked last, and the warm-up would end an iteration late.
 
         Args:
             bucket: the bucket the hook was called with.
         """
-        if bucket.is_last():
-            self.iter += 1
+        if not in_backward():
+            self.iter += int(bucket.is_last())
+        elif not self._counting:
+            self._counting = True
+            at_end_of_backward(self._count)
+
+    def _count(self) -> None:
+        self.iter += 1
+        self._counting = False
 
     def local_subgroup(self) -> ProcessGroup:
         """The group used after warm-up, creating per-node subgroups on first use when none was given."""
@@ -118,6 +137,7 @@ class PostLocalSGDState:
         self.start_localSGD_iter = state["start_localSGD_iter"]
         self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
         self.iter = state["iter"]
+        self._counting = False
 
 
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.autograd import Variable
 
 from distoptim import _agreement
+from distoptim._backward import at_end_of_backward
 from distoptim.sharded.buckets import BucketPlan, store_plan
 from distoptim.zero import comm
 from distoptim.zero.buckets import view_like
@@ -102,7 +102,7 @@ class OwnedGradients:
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
-            Variable._execution_engine.queue_callback(self.flush)
+            at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
             return

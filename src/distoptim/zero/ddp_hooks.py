@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.autograd import Variable
 from torch.distributed import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from distoptim import _host
+from distoptim._backward import at_end_of_backward, in_backward
 from distoptim.zero import comm
 from distoptim.zero.buckets import view_like
 from distoptim.zero.grad_sharding import check_ddp_group, reduce_to_owners_hook
@@ -148,13 +148,6 @@ def _few(names: list[str], limit: int = 3) -> str:
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
-def _at_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the autograd engine has finished the current backward (on its thread; before DDP's own
-    finalisation when queued from a bucket's hook, except in DDP's static-graph first iteration, which runs the
-    hooks from its own end-of-backward callback, so that ours runs after it)."""
-    Variable._execution_engine.queue_callback(callback)
-
-
 def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook was built for ``ddp``: registered on another model, it would step ZeRO with foreign gradients."""
     known = {id(p) for p in ddp.module.parameters()}
@@ -253,14 +246,14 @@ def _start_of_bucket(
     if backward.scheduled:
         return False
     backward.scheduled = True
-    if torch._C._current_graph_task_id() != -1:  # inside the autograd engine's backward
-        _at_end_of_backward(finish)
+    if in_backward():
+        at_end_of_backward(finish)
     return True
 
 
 def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None]) -> None:
     """On a joined rank, after the last zero bucket of DDP's join hook: the end of the shadowed backward."""
-    if torch._C._current_graph_task_id() == -1 and bucket.is_last():
+    if not in_backward() and bucket.is_last():
         finish()
 
 
