@@ -35,7 +35,12 @@ TIMEOUT_S = 240  # per launch; a hung rank (the plain Trainer saving a ZeRO, say
 WORLD_SIZE = 2
 JOB = "tests.integration.transformers_job"
 SAVE_STEP = 5  # transformers_job.SAVE_STEP
-MODES = {"zero": "reference-user", "even": "reference-trainer", "zero2": "reference-trainer"}  # -> its reference
+MODES = {
+    "zero": "reference-user",
+    "even": "reference-trainer",
+    "zero2": "reference-trainer",
+    "sdp": "reference-trainer",
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,7 @@ def test_resume_from_a_trainer_checkpoint_is_bitwise(job: Path, mode: str) -> No
     assert all(int(state["step"]) == 8 for state in full[0]["optimizer"]["state"].values())
     # the log history: the checkpoint's (steps 1-5), then the same gradient norms measured after the resume
     assert len(full[0]["grad_norms"]) == 8 and resumed[0]["grad_norms"] == full[0]["grad_norms"]
-    hook = "reduce_to_owners_hook" if mode == "zero2" else None  # registered on the DDP model anew
+    hook = {"zero2": "reduce_to_owners_hook", "sdp": "ShardedDataParallel"}.get(mode)  # on the DDP model anew
     assert [r["comm_hook"] for r in full + resumed] == [hook] * 2 * WORLD_SIZE
 
 

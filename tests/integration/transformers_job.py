@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.integrations.transformers import ZeroTrainer
 
 VOCAB, SEQUENCE, BATCH, ACCUMULATION, EPOCHS = 64, 16, 4, 2, 2
@@ -42,6 +42,11 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "even": ({"partition": "even"}, {"optimizer_checkpoint": "consolidated"}),
     # reduce_to_owners_hook on the DDP model; parameters as views of flat buffers
     "zero2": ({"parameters_as_bucket_view": True}, {"reduce_to_owners": True}),
+    # ShardedDataParallel instead of DDP: 1/N of the gradient per rank, several buckets, the sync overlapped
+    "sdp": (
+        {"partition": "even", "parameters_as_bucket_view": True},
+        {"sharded_data_parallel": {"bucket_cap_mb": 0.05}},
+    ),
 }
 
 
@@ -112,7 +117,7 @@ def record(trainer: Trainer, out: Path, run: str) -> None:
     result: dict[str, Any] = {
         "parameters": [p.detach().clone() for p in trainer.model.parameters()],
         "grad_norms": [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry],
-        "comm_hook": trainer.model_wrapped._get_ddp_logging_data().get("comm_hook"),  # the DDP model's, by name
+        "comm_hook": _comm_hook(trainer.model_wrapped),
     }
     if isinstance(trainer, ZeroTrainer):
         zero = trainer._zero()
@@ -120,6 +125,14 @@ def record(trainer: Trainer, out: Path, run: str) -> None:
         zero.consolidate_state_dict(to=0)
         result["optimizer"] = zero.state_dict() if dist.get_rank() == 0 else None
     torch.save(result, out / f"{run}-rank{dist.get_rank()}.pt")
+
+
+def _comm_hook(wrapped: Any) -> str | None:
+    """The DDP model's comm hook, by name; ``ShardedDataParallel`` for a model it wraps instead of DDP."""
+    if isinstance(wrapped, ShardedDataParallel):
+        return "ShardedDataParallel"
+    hook: str | None = wrapped._get_ddp_logging_data().get("comm_hook")
+    return hook
 
 
 def plain_trainer_error(out: Path) -> str:

@@ -319,3 +319,29 @@ def _hybrid_body(rank: int, world_size: int) -> None:
 
 def test_hybrid_sharding_matches_ddp_on_every_rank() -> None:
     run_on_ranks(_hybrid_body, 4, timeout=120)
+
+
+def _model_zero_grad_body(rank: int, world_size: int) -> None:
+    """Clearing through the model (as the Hugging Face Trainer does) clears the owned gradient too: else the next
+    backward would add to the last step's."""
+    model, zero, sdp = _build("even")
+    reference = Model()
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(groups(reference), **KWARGS)
+    for step in range(3):
+        sdp.zero_grad()
+        sdp(*batch(rank, step, 0), step, rank).square().mean().backward()
+        zero.step()
+        sdp.to("cpu")  # a conversion while the sync is in flight sees synced values (on the CPU already: a no-op)
+        plain.zero_grad()
+        ddp(*batch(rank, step, 0), step, rank).square().mean().backward()
+        plain.step()
+        for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
+            rtol, atol = (1e-5, 2e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
+            torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"step {step} {name}")
+        with torch.no_grad():
+            for ours, want in zip(model.parameters(), reference.parameters()):
+                want.copy_(ours)
+
+
+def test_zero_grad_through_the_model_clears_the_owned_gradient() -> None:
+    run_on_ranks(_model_zero_grad_body, 2)

@@ -34,6 +34,7 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
 
 from distoptim import _agreement as agreement
 from distoptim import checkpoint
+from distoptim.sharded.wrapper import ShardedDataParallel
 from distoptim.zero.grad_sharding import reduce_to_owners_hook
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -58,6 +59,9 @@ class ZeroTrainer(Trainer):
         reduce_to_owners: register ``reduce_to_owners_hook`` on the Trainer's DDP model, so that each rank receives
             the averaged gradient of what it owns only (ZeRO-2); needs a ``ZeroRedundancyOptimizer`` over all of the
             model's trainable parameters.
+        sharded_data_parallel: wrap the model in ``distoptim.ShardedDataParallel`` instead of Accelerate's DDP
+            (every rank keeps 1/N of the gradient); ``True``, or a dict of its keyword arguments. Accelerate then
+            prepares the optimizer only: no bf16/fp16 autocast and no ``torch_compile`` from it (refused).
         optimizer_checkpoint: ``"sharded"`` (default): every rank writes its shard into the checkpoint's
             ``optimizer_shards/`` with ``distoptim.checkpoint.save`` (loadable at any world size and partition);
             ``"consolidated"``: the shards are gathered onto rank 0, which writes ``optimizer.pt`` in
@@ -73,11 +77,29 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(
-        self, *args: Any, reduce_to_owners: bool = False, optimizer_checkpoint: str = "sharded", **kwargs: Any
+        self,
+        *args: Any,
+        reduce_to_owners: bool = False,
+        optimizer_checkpoint: str = "sharded",
+        sharded_data_parallel: bool | dict[str, Any] = False,
+        **kwargs: Any,
     ) -> None:
         if optimizer_checkpoint not in CHECKPOINT_FORMATS:
             raise ValueError(f"optimizer_checkpoint must be one of {CHECKPOINT_FORMATS}, got {optimizer_checkpoint!r}")
+        if sharded_data_parallel and reduce_to_owners:
+            raise ValueError(
+                "reduce_to_owners=True registers ZeRO-2's hook on DDP, sharded_data_parallel replaces DDP (and "
+                "reduces to owners itself): pass one of them"
+            )
         super().__init__(*args, **kwargs)
+        if sharded_data_parallel and (self.args.bf16 or self.args.fp16 or self.args.torch_compile):
+            raise ValueError(
+                "sharded_data_parallel bypasses Accelerate's model preparation, which is what applies bf16/fp16 "
+                "autocast and torch_compile: cast the model to bf16 yourself (with master_dtype=torch.float32 on the "
+                "ZeroRedundancyOptimizer), or leave sharded_data_parallel off"
+            )
+        self.sharded_data_parallel = {} if sharded_data_parallel is True else sharded_data_parallel or None
+        self._sharded: ShardedDataParallel | None = None
         if optimizer_checkpoint == "consolidated" and self.args.save_on_each_node:
             raise ValueError(
                 "optimizer_checkpoint='consolidated' gathers the optimizer state onto rank 0 only, so it cannot be "
@@ -150,6 +172,45 @@ class ZeroTrainer(Trainer):
             )
         model.register_comm_hook(zero, reduce_to_owners_hook)
         self._hooked_model = model
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """With ``sharded_data_parallel``, training wraps the model in ``ShardedDataParallel`` (once), and the
+        Trainer then lets Accelerate prepare the optimizer only."""
+        if self.sharded_data_parallel is None or not training:
+            wrapped: nn.Module = super()._wrap_model(model, training, dataloader)
+            return wrapped
+        if self._sharded is None:
+            zero = self._zero()
+            if zero is None:
+                raise ValueError(
+                    "ZeroTrainer(sharded_data_parallel=...) needs a distoptim ZeroRedundancyOptimizer (optimizers=... "
+                    f"or optimizer_cls_and_kwargs=...), got {type(self.optimizer).__name__}"
+                )
+            assert isinstance(self.model, nn.Module)
+            self._sharded = ShardedDataParallel(self.model, zero, **self.sharded_data_parallel)
+        return self._sharded
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; with ``sharded_data_parallel``, it returns with the last step's parameter sync
+        landed (``ShardedDataParallel`` leaves it in flight for a next forward)."""
+        result = super().train(*args, **kwargs)
+        if self._sharded is not None:
+            self._sharded.sync_finished()
+        return result
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward has
+        landed (Accelerate moves the model to its device first, copying the parameters)."""
+        if self._sharded is not None:
+            self._sharded.sync_finished()
+        return super().evaluation_loop(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward has
+        landed."""
+        if self._sharded is not None:
+            self._sharded.sync_finished()
+        super().save_model(output_dir, _internal_call)
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -178,6 +178,21 @@ class ShardedDataParallel(nn.Module):
         """Wait for the parameter sync still in flight (``overlap_param_sync``): every parameter holds its value."""
         self.zero.sync_finished()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the owned gradient (as ``zero.zero_grad()`` does) and any ``.grad`` (left by ``no_sync``).
+
+        Args:
+            set_to_none: set each ``.grad`` to None rather than to zeros (default True).
+        """
+        super().zero_grad(set_to_none)
+        assert self.gradients is not None
+        self.gradients.clear()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``to()``, ``float()`` ... copy parameters: never one whose sync is still in flight."""
+        self.sync_finished()
+        return super()._apply(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+
     # ------------------------------------------------------------------ what reads parameters waits first
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """``nn.Module.state_dict`` (keys prefixed ``module.``, as DDP's), once the parameter sync has landed.
