@@ -109,3 +109,45 @@ def _bad_replicas_body(rank: int, world_size: int) -> str:
 def test_replicas_at_other_positions_are_refused_on_every_rank() -> None:
     for message in run_on_ranks(_bad_replicas_body, WORLD):
         assert "replicate_group must hold one rank of each shard group" in message, message
+
+
+def _unfreezing_body(rank: int, world_size: int) -> None:
+    """A layer unfrozen between steps has no owner at its first backward (``reduce_to_owners_hook`` all-reduces it,
+    owner EVERY): its sums must reach the other shard groups too, as the owned ones do."""
+    shard, replicate = _mesh(rank)
+    for partition, stepping in itertools.product(["greedy", "even"], ["explicit", "hook"]):
+        model, reference = _net(), _net()
+        ddp, reference_ddp = (DDP(net, find_unused_parameters=True) for net in (model, reference))
+        for net in (model, reference):
+            net[0].requires_grad_(False)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            process_group=shard,
+            overlap_with_ddp=stepping != "explicit",
+            partition=partition,
+            replicate_group=replicate,
+            lr=0.05,
+            momentum=0.9,
+        )
+        register(ddp, zero, "to_owners", stepping)
+        plain = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        for iteration in range(3):
+            if iteration == 1:
+                for net in (model, reference):
+                    net[0].requires_grad_(True)
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
+            zero.zero_grad()
+            ddp(x).square().mean().backward()
+            if stepping == "explicit":
+                zero.step()
+            plain.zero_grad()
+            reference_ddp(x).square().mean().backward()
+            plain.step()
+            for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
+                label = f"{partition} {stepping} iteration {iteration} parameter {index}"
+                torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, x=label: f"{x}: {m}")
+
+
+def test_a_layer_unfrozen_between_steps_is_averaged_over_every_shard_group() -> None:
+    run_on_ranks(_unfreezing_body, WORLD, timeout=240)

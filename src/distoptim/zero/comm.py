@@ -162,23 +162,20 @@ def reduce_to_owners_async(
     """Sum ``buffer[start:end]`` over the ranks onto group rank ``owner``, for every ``(owner, start, end)``,
     asynchronously; the future yields ``buffer``, whose owned slices then hold the sums (the rest is unspecified).
     Slices of owner ``EVERY`` are summed onto every rank. ``replicas``: a group of ranks that hold the same shard in
-    other shard groups (hybrid sharding), over which the owned sums are then summed too.
+    other shard groups (hybrid sharding), over which the owned sums and the ``EVERY`` slices are then summed too.
 
     Rooted: one reduce per slice, in place, concurrently, or, when the slices are many (owners interleaved), packed
     owner by owner into one staging tensor first. Chunked: one ``reduce_scatter_tensor`` when the owners' shares are
     equal (packed first unless the buffer already is rank by rank), rooted reduces otherwise.
     """
-    works = [
-        dist.all_reduce(buffer[start:end], group=group, async_op=True)
-        for owner, start, end in slices
-        if owner == EVERY and end > start
-    ]
+    everywhere = [buffer[start:end] for owner, start, end in slices if owner == EVERY and end > start]
+    works = [dist.all_reduce(piece, group=group, async_op=True) for piece in everywhere]
     owned = [piece for piece in slices if piece[0] != EVERY]
     reduced, land = _start_reduction(buffer, owned, group, collectives, max_rooted_calls_per_rank)
     works += reduced
     if replicas is not None:  # the owned sums exist once the shard group's reduction is done (ordered, not blocking
-        wait_all(works)  # the CPU, under NCCL); then they are summed across the shard groups
-        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in land.owned_pieces()]
+        wait_all(works)  # the CPU, under NCCL); then they (and EVERY slices) are summed across the shard groups
+        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in [*land.owned_pieces(), *everywhere]]
     landed: Future[Tensor] = _when_done(works, group).then(lambda _: land())
     return landed
 
