@@ -345,3 +345,81 @@ def _model_zero_grad_body(rank: int, world_size: int) -> None:
 
 def test_zero_grad_through_the_model_clears_the_owned_gradient() -> None:
     run_on_ranks(_model_zero_grad_body, 2)
+
+
+def _added_first_body(rank: int, world_size: int, partition: str) -> None:
+    """A layer added with add_param_group that the forward runs first gets its forward pre-hook: its parameters'
+    sync lands before it reads them. Each forward's loss against DDP's (no sync_finished() between steps: the
+    parameter sync is still in flight when the next forward begins)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(3)))
+    reference = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(3)))
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(reference, find_unused_parameters=True)
+    for net in (model, reference):
+        net[0].requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(list(model[1:].parameters()), torch.optim.AdamW, partition=partition, **KWARGS)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    plain = torch.optim.AdamW(reference[1:].parameters(), **KWARGS)
+    for step in range(4):
+        if step == 1:
+            for net in (model, reference):
+                net[0].requires_grad_(True)
+            zero.add_param_group({"params": list(model[0].parameters())})
+            plain.add_param_group({"params": list(reference[0].parameters())})
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        zero.zero_grad()
+        loss = sdp(x).square().mean()
+        loss.backward()
+        zero.step()
+        plain.zero_grad()
+        want = ddp(x).square().mean()
+        want.backward()
+        plain.step()
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-7, msg=lambda m, s=step: f"step {s} loss: {m}")
+
+
+@pytest.mark.parametrize("partition", ["greedy", "even"])
+def test_a_layer_added_later_lands_its_parameters_before_its_forward(partition: str) -> None:
+    run_on_ranks(_added_first_body, 2, partition)
+
+
+class _Tail(torch.nn.Module):
+    """Six layers; rank 0 runs them all, the others the first two."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers, self.used = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(6))), 6 if rank == 0 else 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: self.used]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _tail_body(rank: int, world_size: int, partition: str) -> None:
+    """Layers at the end of the model that only rank 0 runs: its forward pre-hooks land their buckets and so launch
+    the sync's later buckets, which the other rank launches only when it finishes the sync; that must happen before
+    the backward's first collective, or the ranks issue collectives in different orders (a hang)."""
+    model, reference = _Tail(rank), _Tail(rank)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition=partition, **KWARGS)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    inputs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)) for step in range(3)]
+    for x in inputs:  # SDP alone: no other collective between its own
+        zero.zero_grad()
+        sdp(x).square().mean().backward()
+        zero.step()
+    sdp.sync_finished()
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KWARGS)
+    for x in inputs:
+        plain.zero_grad()
+        ddp(x).square().mean().backward()
+        plain.step()
+    for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{partition} {n}: {m}")
+
+
+@pytest.mark.parametrize("partition", ["greedy", "even"])
+def test_layers_only_one_rank_runs_at_the_end_of_the_forward(partition: str) -> None:
+    run_on_ranks(_tail_body, 2, partition, timeout=60)

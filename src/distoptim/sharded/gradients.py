@@ -102,6 +102,10 @@ class OwnedGradients:
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
+            # Before this backward's first collective: the parameter sync's remaining launches. A forward that ran
+            # other modules on some ranks (a branch, an evaluation) launched more of them there; finished here, every
+            # rank issues them before the buckets below, in one order.
+            self.zero.sync_finished()
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
