@@ -270,6 +270,8 @@ def _sdp_body(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, i
         counter = _Counter()
         counter.add("params", _storages(model.parameters()))
         counter.add("state", _storages(_state_tensors(zero.local_optimizer)))
+        stages = (r.work.stage for unit in zero._sync.units for r in unit.sync.rounds if r.work is not None)
+        counter.add("staging", _storages(stages))
         counter.add("grads", {p: s for p, s in _all_live_tensors().items() if p not in baseline})
         counts = counter.bytes
         zero.step()
@@ -289,6 +291,7 @@ def test_plan_bounds_sharded_data_parallel_live_gradient_bytes(world_size: int) 
         planned = sdp.ranks[rank]
         in_flight = dict(planned.other)["gradient buckets in flight (at most)"]
         assert live["params"] == planned.params and live["state"] == planned.state, rank
+        assert live["staging"] == dict(planned.other)["parameter sync staging"], (rank, live, planned)
         assert planned.grads <= live["grads"] <= planned.grads + in_flight, (rank, live, planned)
 
 

@@ -49,7 +49,7 @@ class _InFlightReads(TorchFunctionMode):
         reads_values = getattr(func, "__name__", "") != "__get__"
         for value in itertools.chain(args, (kwargs or {}).values()) if reads_values else ():
             unit = self.sync.unit_of.get(id(value))
-            if unit is not None and unit in self.sync._launched:
+            if unit is not None and self.sync.in_flight(unit):
                 self.reads.append(f"{getattr(func, '__name__', func)} read a parameter of bucket {unit} in flight")
         return func(*args, **(kwargs or {}))
 
@@ -59,20 +59,21 @@ def _in_flight_body(rank: int, world_size: int) -> None:
         model, zero, sdp = _build(partition, bucket_view)
         _train(sdp, zero, rank, range(1))
         sync = zero._sync
-        assert isinstance(sync, BucketedSync) and len(sync.units) > 3 and sync._launched  # the sync is in flight
+        assert isinstance(sync, BucketedSync) and len(sync.units) > 3 and sync.in_flight(0)  # every bucket in flight
         first_landed: list[int] = []
         model.embed.register_forward_pre_hook(
-            lambda module, args, s=sync, seen=first_landed: seen.append(len(s._launched))
+            lambda module, args, s=sync, seen=first_landed: seen.append(sum(map(s.in_flight, range(len(s.units)))))
         )
         with _InFlightReads(sync) as mode:
             sdp(*batch(rank, 1, 0), 1, rank).square().mean().backward()
         assert not mode.reads, mode.reads
         assert first_landed[0] > 0, "the sync was over before the forward began: nothing overlapped"
         zero.step()  # everything else that reads parameters waits first: state_dict, consolidation, step
-        assert sync._launched and sdp.state_dict() and not sync._launched
+        last = len(sync.units) - 1
+        assert sync.in_flight(last) and sdp.state_dict() and not sync.in_flight(last)
         zero.step()
         zero.consolidate_state_dict()
-        assert not sync._launched
+        assert not sync.in_flight(last)
 
 
 def test_no_parameter_is_read_while_its_sync_is_in_flight() -> None:

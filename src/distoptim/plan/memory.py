@@ -243,10 +243,9 @@ class _ZeroShards:
         grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
         all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
         in_flight = min(2 * int(config.bucket_cap_mb * MB), all_grads)
-        ranks = tuple(
-            self._memory(rank, params, self.owned[rank], (("gradient buckets in flight (at most)", in_flight),))
-            for rank in range(config.world_size)
-        )
+        extra = (("gradient buckets in flight (at most)", in_flight),)
+        extra += (("parameter sync staging", self.staging),) if self.staging else ()
+        ranks = tuple(self._memory(rank, params, self.owned[rank], extra) for rank in range(config.world_size))
         reduce_scatter = (
             "reduce-scatter of gradients",
             self._gather_bytes(reduce_dtype.itemsize if reduce_dtype else None),
@@ -255,7 +254,8 @@ class _ZeroShards:
             shard_note,
             f"gradients: this rank's owned elements in {dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, "
             f"plus at most two buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled)",
-            "no parameter-sync staging buffers assumed (ShardedDataParallel syncs per bucket)",
+            "parameter sync: per bucket, pieces under 1 MiB through staging kept between steps (none with "
+            "parameters_as_bucket_view=True, whose even regions are gathered in place)",
         )
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes)
 

@@ -60,6 +60,8 @@ class OwnedGradients:
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the last clear()
         self.everywhere: tuple[bool, ...] | None = None  # used by some rank: agreed at the end of each backward
+        self.ever = [False] * len(self.params)  # used by some rank in some backward (since construction)
+        self.zeroed = False  # the last clear() zeroed the owned gradient (zero_grad(set_to_none=False))
         self.no_sync = False
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
@@ -75,10 +77,9 @@ class OwnedGradients:
         """``local``'s piece of the owned gradient (a view), or None when no rank used its parameter or no backward
         has landed it since ``clear()``."""
         where = self.layout.fragments.get((local.index, local.offset))
-        if where is None or not self._was_used(local.index):
+        if where is None or not self.landed[self.slot_of[id(local.param)][0]]:
             return None
-        bucket, _ = self.slot_of[id(local.param)]
-        if not self.landed[bucket]:
+        if not self._was_used(local.index) and not (self.zeroed and self.ever[local.index]):
             return None
         store, start = self.stores[where[0]], where[1]
         return view_like(store, start, local.param) if local.whole else store[start : start + local.length]
@@ -86,11 +87,17 @@ class OwnedGradients:
     def _was_used(self, index: int) -> bool:
         return self.everywhere is not None and index < len(self.everywhere) and self.everywhere[index]
 
-    def clear(self) -> None:
-        """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used."""
-        self.landed = [False] * len(self.buckets)
+    def clear(self, set_to_none: bool = True) -> None:
+        """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
+        ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that ever had a
+        gradient then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
+        self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
         self.everywhere = None
+        self.zeroed = not set_to_none
+        if self.zeroed:
+            for store in self.stores.values():
+                store.zero_()
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -102,10 +109,7 @@ class OwnedGradients:
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
-            # Before this backward's first collective: the parameter sync's remaining launches. A forward that ran
-            # other modules on some ranks (a branch, an evaluation) launched more of them there; finished here, every
-            # rank issues them before the buckets below, in one order.
-            self.zero.sync_finished()
+            self.zero.sync_finished()  # buckets no module of the forward read (local: step() launched every one)
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
@@ -194,6 +198,7 @@ class OwnedGradients:
             _agreement.STEP_FIX,
             flags=self.used,
         )
+        self.ever = [ever or now for ever, now in zip(self.ever, self.everywhere)]
         for index in unplaced:
             param = params[index]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -209,6 +214,8 @@ class OwnedGradients:
         self.landed[: len(previous.landed)] = previous.landed
         self.used[: len(previous.used)] = previous.used
         self.everywhere = previous.everywhere
+        self.ever[: len(previous.ever)] = previous.ever
+        self.zeroed = previous.zeroed
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])

@@ -1,13 +1,16 @@
 """The parameter side of ``ShardedDataParallel``: after the local step, each bucket's parameters are gathered from
 their owners on their own, in the order the forward reads them (the reverse of the gradients'), so that with
 ``overlap_param_sync`` the next forward starts while later buckets are still in flight: each module's forward
-pre-hook lands only what it reads (and what comes before it), as Megatron-Core's ``overlap_param_gather`` does.
+pre-hook lands what its parameters need (and every bucket before), as Megatron-Core's ``overlap_param_gather`` does.
+
+Every bucket's sync is launched by ``step()`` itself, on every rank in the same order; landing one afterwards only
+waits and copies, locally. So whatever runs on some ranks only between two steps (a branch, an evaluation, a
+``state_dict()`` on rank 0) cannot put the ranks' collectives out of order.
 
 A bucket that is one region of an even layout with bucket views is gathered in place (one all-gather in the chunked
-style, a broadcast per owner in the rooted one). Any other bucket is gathered through a staging buffer laid out
-as its gradient bucket, made when it is launched and dropped when it lands: at most ``MAX_STAGED`` of them are in
-flight (the next is launched as one lands, in the same order on every rank), so the sync never holds more than two
-buckets of parameters besides the parameters themselves.
+style, a broadcast per owner in the rooted one). Any other bucket goes through a ``StagedSync`` of its own pieces:
+large pieces broadcast in place, small ones (under ``buckets.DEFAULT_DIRECT_BYTES``) packed through staging kept
+between steps.
 """
 
 from __future__ import annotations
@@ -15,18 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from distoptim._flat import copy_each_, flat_view
 from distoptim.sharded.buckets import BucketPlan
 from distoptim.zero import comm
-from distoptim.zero.buckets import BucketViewSync, ParameterSync
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["MAX_STAGED", "BucketedSync"]
-
-MAX_STAGED = 2
+__all__ = ["BucketedSync"]
 
 
 class _Unit:
@@ -53,47 +52,24 @@ class _InPlace(_Unit):
 
 
 class _Staged(_Unit):
-    """A bucket gathered through a staging buffer laid out as its gradient bucket (this rank's owned pieces copied
-    in, everything gathered, the others' pieces copied out), made at launch and dropped when landed."""
+    """A bucket's pieces through a ``StagedSync`` of their own."""
 
-    def __init__(
-        self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor], rank: int, sync: ParameterSync
-    ) -> None:
-        self.bucket, self.group, self.collectives = bucket, sync.group, sync.collectives
-        first = params[bucket.slots[0].index]
-        self.dtype, self.device = first.dtype, first.device
-        self.bounds: tuple[int, ...] | None = None  # an even region's: equal shares, rank by rank
-        if bucket.region is not None:
-            region = plan.layouts[bucket.region[0]].bounds[bucket.region[1]]
-            self.bounds = tuple(bound - region[0] for bound in region)
-        self.mine: list[tuple[int, int, Tensor]] = []  # (start, length, the parameter's elements) owned here
-        self.theirs: list[tuple[int, int, Tensor]] = []
-        for slot in bucket.slots:
-            param = params[slot.index]
-            for fragment in plan.fragments[slot.index]:
-                if fragment.length:
-                    piece = flat_view(param)[fragment.offset : fragment.offset + fragment.length]
-                    place = (slot.position + fragment.offset, fragment.length, piece)
-                    (self.mine if fragment.rank == rank else self.theirs).append(place)
+    def __init__(self, sync: StagedSync) -> None:
+        self.sync = sync
 
     def launch(self) -> Any:
-        stage = torch.empty(self.bucket.numel, dtype=self.dtype, device=self.device)
-        copy_each_([stage[at : at + n] for at, n, _ in self.mine], [piece for _, _, piece in self.mine])
-        if self.bounds is not None:
-            works = comm.gather_from_owners(stage, [self.bounds], self.group, self.collectives, wait=False)
-        else:
-            works = comm.broadcast_slices(stage, self.bucket.route, self.group, wait=False)
-        return stage, works
+        return self.sync.launch_direct(), [self.sync.launch(round_) for round_ in self.sync.rounds]
 
     def land(self, launched: Any) -> None:
-        stage, works = launched
-        comm.wait_all(works)
-        copy_each_([piece for _, _, piece in self.theirs], [stage[at : at + n] for at, n, _ in self.theirs])
+        direct, flights = launched
+        for flight in flights:
+            self.sync.land(flight)
+        comm.wait_all(direct)
 
 
 class BucketedSync(ParameterSync):
     """ZeRO's parameter sync bucket by bucket, in forward order; with ``overlap``, ``sync_parameters`` only launches
-    and ``land_for`` (each module's forward pre-hook) or ``finish`` lands."""
+    and ``land_through`` (the forward pre-hooks) or ``finish`` lands."""
 
     def __init__(
         self,
@@ -108,8 +84,8 @@ class BucketedSync(ParameterSync):
         forward = list(reversed(buckets))
         self.units = [self._unit(bucket, plan, params) for bucket in forward]
         self.unit_of = {id(params[slot.index]): number for number, b in enumerate(forward) for slot in b.slots}
-        self._launched: dict[int, Any] = {}
-        self._next = len(self.units)  # the next bucket to launch (none before the first sync)
+        self._launched: list[Any] = []  # what each bucket's launch returned, in forward order, until landed
+        self._landed = 0  # how many of them (from the first) have landed
 
     def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
@@ -117,38 +93,35 @@ class BucketedSync(ParameterSync):
             return _InPlace(
                 self.inner.buffers[layout], plan.layouts[layout].bounds[region], self.group, self.collectives
             )
-        return _Staged(bucket, plan, params, comm.group_rank(self.group), self)
+        inside = {slot.index for slot in bucket.slots}
+        fragments = [pieces if index in inside else () for index, pieces in enumerate(plan.fragments)]
+        stage_bytes = sum(params[slot.index].numel() * params[slot.index].element_size() for slot in bucket.slots)
+        layouts = [layout for layout in layouts_from_plan(plan.layouts, fragments, params) if layout.pieces]
+        return _Staged(StagedSync(layouts, self.group, self.collectives, stage_bytes=max(1, stage_bytes)))
+
+    def last_unit(self, params: Iterable[Tensor]) -> int:
+        """The last bucket, in forward order, holding any of ``params`` (-1: none)."""
+        return max((self.unit_of[id(param)] for param in params if id(param) in self.unit_of), default=-1)
 
     def sync_parameters(self) -> None:
         self.finish()
-        self._next = 0
-        self._launch_more()
+        self._launched, self._landed = [unit.launch() for unit in self.units], 0
         if not self.overlap:
             self.finish()
 
-    def _launch_more(self) -> None:
-        """Launch, in order, every bucket up to ``MAX_STAGED`` staged ones in flight (in-place ones do not count)."""
-        while self._next < len(self.units):
-            staged = sum(isinstance(self.units[n], _Staged) for n in self._launched)
-            if isinstance(self.units[self._next], _Staged) and staged >= MAX_STAGED:
-                return
-            self._launched[self._next] = self.units[self._next].launch()
-            self._next += 1
+    def land_through(self, last: int) -> None:
+        """Land the buckets up to ``last`` (in forward order): local waiting and copying only."""
+        while self._landed <= last and self._landed < len(self._launched):
+            self.units[self._landed].land(self._launched[self._landed])
+            self._launched[self._landed] = None
+            self._landed += 1
 
-    def land_for(self, params: Iterable[Tensor]) -> None:
-        """Land the buckets holding ``params`` and every bucket before them (in forward order)."""
-        needed = [self.unit_of[id(param)] for param in params if id(param) in self.unit_of]
-        if needed and (self._launched or self._next < len(self.units)):
-            self._land_through(max(needed))
-
-    def _land_through(self, last: int) -> None:
-        while self._launched and min(self._launched) <= last:
-            number = min(self._launched)
-            self.units[number].land(self._launched.pop(number))
-            self._launch_more()
+    def in_flight(self, unit: int) -> bool:
+        """Whether bucket ``unit``'s sync has been launched and not landed."""
+        return self._landed <= unit < len(self._launched)
 
     def finish(self) -> None:
-        self._land_through(len(self.units))
+        self.land_through(len(self.units))
 
     def release(self) -> None:
         self.finish()

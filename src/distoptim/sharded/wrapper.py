@@ -109,10 +109,9 @@ class ShardedDataParallel(nn.Module):
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self._sync_buffers_next = True
+        self._landers: list[Any] = []  # the forward pre-hooks' handles (registered again when the buckets change)
         self._rebuild()
         zero._plan_listeners.append(self._rebuild)
-        if overlap_param_sync:
-            self._register_forward_pre_hooks()
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
@@ -130,17 +129,29 @@ class ShardedDataParallel(nn.Module):
             if param.requires_grad and id(param) not in self._hooked:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
+        if self.overlap_param_sync:
+            self._register_forward_pre_hooks(zero._sync)
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
         self.gradients.on_grad(param)
 
-    def _register_forward_pre_hooks(self) -> None:
-        held = {id(p) for p in self.zero.global_params}
+    def _register_forward_pre_hooks(self, sync: BucketedSync) -> None:
+        """Before each submodule's forward, land the buckets of every parameter in its subtree (a module may read
+        a child's parameter without running the child: ``nn.MultiheadAttention`` reads ``out_proj.weight``) and of
+        every bucket before them; before the root's, those of its own parameters only (its subtree is everything:
+        waiting for all of it would overlap nothing). A parameter read by a module outside its subtree before any
+        module holding it ran (the root reading a deep child's weight) needs ``model.sync_finished()`` first."""
+        for handle in self._landers:
+            handle.remove()
+        self._landers = []
         for submodule in self.module.modules():
-            own = [p for p in submodule.parameters(recurse=False) if id(p) in held]
-            if own:
-                self._handles.append(submodule.register_forward_pre_hook(_Lander(self.zero, own)))
+            params = submodule.parameters(recurse=submodule is not self.module)
+            last = sync.last_unit(params)
+            if last >= 0:
+                self._landers.append(submodule.register_forward_pre_hook(_Lander(self.zero, last)))
+                # model.module.state_dict(), DDP's saving idiom, reads every parameter: it waits for all of them
+                self._landers.append(submodule.register_state_dict_pre_hook(_Finisher(self.zero)))  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -186,7 +197,7 @@ class ShardedDataParallel(nn.Module):
         """
         super().zero_grad(set_to_none)
         assert self.gradients is not None
-        self.gradients.clear()
+        self.gradients.clear(set_to_none)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``to()``, ``float()`` ... copy parameters: never one whose sync is still in flight."""
@@ -235,15 +246,25 @@ class ShardedDataParallel(nn.Module):
 
 
 class _Lander:
-    """A forward pre-hook: land the parameter sync of the buckets holding ``params`` (and those before them)."""
+    """A forward pre-hook: land the parameter sync through bucket ``last`` (in forward order)."""
 
-    def __init__(self, zero: ZeroRedundancyOptimizer, params: Sequence[Tensor]) -> None:
-        self.zero, self.params = zero, list(params)
+    def __init__(self, zero: ZeroRedundancyOptimizer, last: int) -> None:
+        self.zero, self.last = zero, last
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         sync = self.zero._sync
         if isinstance(sync, BucketedSync):
-            sync.land_for(self.params)
+            sync.land_through(self.last)
+
+
+class _Finisher:
+    """A state-dict pre-hook: land the whole parameter sync."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.zero.sync_finished()
 
 
 def _check(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
@@ -303,8 +324,9 @@ def _fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fing
 
 
 def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group]) -> None:
-    """Every rank's ``tensors`` made the first rank's: packed per (device, dtype), broadcast over each group in turn
-    from its first rank (shard group, then replicas: the first rank of the first shard group reaches everyone)."""
+    """Every rank's ``tensors`` made the same: packed per (device, dtype), broadcast over each group in turn from its
+    first rank, the replicas first (each replica group takes its first member's; the shard groups' first members,
+    one replica group, then hold one value, which each shard group takes), whatever ranks the groups hold."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
         if tensor.numel():
@@ -312,6 +334,6 @@ def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group
     with torch.no_grad():
         for same_kind in by_kind.values():
             flat = pack(same_kind)
-            for group in groups:
+            for group in reversed(groups):
                 comm.broadcast_slices(flat, [(0, 0, flat.numel())], group)
             unpack_(flat, same_kind)

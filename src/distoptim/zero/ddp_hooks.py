@@ -222,7 +222,7 @@ def hook_with_zero_step(
         _start_of_bucket(backward, ddp, bucket, zero, finish)
         reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
         backward.pending.append(reduction)
-        _end_of_shadow(bucket, finish)
+        _end_of_shadow(bucket, finish, ddp, zero)
         return reduction.reduced
 
     return hook_with_zero_step
@@ -251,9 +251,15 @@ def _start_of_bucket(
     return True
 
 
-def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None]) -> None:
-    """On a joined rank, after the last zero bucket of DDP's join hook: the end of the shadowed backward."""
-    if not in_backward() and bucket.is_last():
+def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: DistributedDataParallel, zero: Any) -> None:
+    """On a joined rank, after the last zero bucket of DDP's join hook: the end of the shadowed backward. Under
+    ``find_unused_parameters`` DDP's join hook then shadows the used-parameter all-reduce, which the active ranks
+    made before their backward ended: ``finish`` waits for ZeRO's join hook (``Join([ddp, zero])``), after DDP's."""
+    if in_backward() or not bucket.is_last():
+        return
+    if ddp.find_unused_parameters:
+        zero.overlap_stepper.deferred_finish = finish
+    else:
         finish()
 
 
@@ -322,7 +328,7 @@ def hook_with_zero_step_interleaved(
         for earlier in backward.pending:
             step_and_launch(earlier)
         backward.pending[:] = [reduction]
-        _end_of_shadow(bucket, finish)
+        _end_of_shadow(bucket, finish, ddp, zero)
         return reduction.reduced
 
     return hook_with_zero_step_interleaved

@@ -334,7 +334,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
         if self._gradient_store is not None:
-            self._gradient_store.clear()
+            self._gradient_store.clear(set_to_none)
         super().zero_grad(set_to_none)
         if self.overlap_stepper is not None:
             self.overlap_stepper.record_grads()

@@ -42,6 +42,7 @@ class OverlapStepper:
         self.hooked = False
         self.stepped = False  # by a hook since the last zero_grad()
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
+        self.deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
         self._parts: dict[tuple[int, ...], list[_Part]] = {}  # by the ids of the parameters stepped together

@@ -243,6 +243,10 @@ class ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
+        stepper = self.zero.overlap_stepper
+        if stepper is not None and stepper.deferred_finish is not None:  # after DDP's join hook (Join([ddp, zero]))
+            finish, stepper.deferred_finish = stepper.deferred_finish, None
+            finish()
         if self.zero.overlap_stepper is None:
             _, scaled, found_inf = stepping.agreed_step(self.zero, lambda: (None, None))
             if scaled and not found_inf:
