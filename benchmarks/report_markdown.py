@@ -132,8 +132,9 @@ def _caveats(data: dict[str, Any]) -> list[str]:
         "all-reduce and parameter sync move half the bytes), with AdamW on fp32 master copies of the owned "
         "fragments. Its time is not comparable to the fp32 variants' (on a CPU without bf16 matrix instructions "
         "its forward and backward are several times slower); its bytes are divided by the fp32 DDP all-reduce.",
-        "- **ZeRO-2 here shards gradient communication, not gradient memory:** `.grad` stays full-size (each rank "
-        "reduces only what others own to them), so per-rank gradient bytes equal ZeRO-1's. The memory figure "
+        "- **ZeRO-2 under DDP (`zero2-*`) shards gradient communication, not gradient memory:** `.grad` stays "
+        "full-size (each rank reduces only what others own to them), so per-rank gradient bytes equal ZeRO-1's. "
+        "`ShardedDataParallel` (`sdp*`, section 6) keeps only the owned gradient slices. The memory figure "
         "counts parameters, `.grad`, optimizer state and master copies, not DDP's own gradient buckets (a second "
         "copy of the gradients unless `gradient_as_bucket_view=True`) nor allocator caches or torch itself.",
         "- Overlap variants (`distoptim-overlap*`, `zero2-even-interleaved`) step inside the backward; their "
@@ -290,9 +291,8 @@ def _peers_section(data: dict[str, Any]) -> list[str]:
         "RSS growth only.",
         "",
     ]
-    timing = {r["variant"]: r for r in data["bench"]["results"]}
     for n in sorted({r["world_size"] for r in same["results"]}):
-        here = {name: r for name, r in timing.items() if r["world_size"] == n}
+        here = {r["variant"]: r for r in data["bench"]["results"] if r["world_size"] == n}
         params = same["results"][0]["num_params"] / 1e6
         lines += [f"**Same model ({params:.2f}M parameters), N={n}:**", "", *_peers_table(same, n, here)]
     if large:
