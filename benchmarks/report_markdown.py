@@ -158,7 +158,9 @@ def _ratio_table(data: dict[str, Any]) -> list[str]:
         "Time: median backward + step + sync, slowest rank, in ms; then over torch's faster ZeroRedundancyOptimizer "
         "setting at that N ("
         + ", ".join(f"N={n}: `{torch_best[n]}`" for n in sizes)
-        + ") and over DDP + AdamW. Below 1 is faster.",
+        + ") and over DDP + AdamW. Below 1 is faster. The forward is left out, so work a variant moves into it "
+        "(`sdp-overlap` lands its parameter sync there, FSDP2 gathers its parameters there) does not count here; "
+        "section 6 times the whole iteration.",
         "",
         "| variant | " + " | ".join(f"N={n} ms | / torch ZeRO | / DDP + AdamW" for n in sizes) + " |",
         "|---|" + "---:|" * (3 * len(sizes)),
