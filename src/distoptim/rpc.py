@@ -1,11 +1,11 @@
 """DistributedOptimizer: step parameters that live on other RPC workers with a distributed-autograd context's gradients.
 
-Each worker that owns some of the parameters holds a ``_LocalOptimizer``: those parameters and one optimizer over
-them. ``step(context_id)`` asks every owner at once to read the gradients that ``torch.distributed.autograd``
-recorded for that context and hand them *explicitly* to its optimizer, so a parameter without a gradient in this
-context is not touched (nothing is parked in ``.grad``, nothing stale is re-applied). Optimizers with a functional
-counterpart in ``distoptim.functional`` run that; any other ``torch.optim`` class runs behind an adapter that sets
-``.grad`` to this context's gradients only for the duration of the step.
+Each worker that owns some of the parameters holds a ``LocalOptimizer`` (``_rpc_owner.py``): those parameters and one
+optimizer over them. ``step(context_id)`` asks every owner at once to read the gradients that
+``torch.distributed.autograd`` recorded for that context and hand them *explicitly* to its optimizer, so a parameter
+without a gradient in this context is not touched (nothing is parked in ``.grad``, nothing stale is re-applied).
+Optimizers with a functional counterpart in ``distoptim.functional`` run that; any other ``torch.optim`` class runs
+behind an adapter that sets ``.grad`` to this context's gradients only for the duration of the step.
 
 Beyond PyTorch's class: errors raised on an owner reach the caller with their own type and message (the remote
 traceback is the ``__cause__``); ``state_dict()`` / ``load_state_dict()`` gather and restore every owner's state in
@@ -17,220 +17,32 @@ from __future__ import annotations
 
 import copy
 import inspect
-import pickle
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.distributed.rpc import PyRRef  # what rpc.remote returns; rpc.RRef subclasses it for annotations only
 from torch.optim import Optimizer
 
+from distoptim import _rpc_owner as on_owner
 from distoptim.functional import functional_class_for
 
 __all__ = ["DistributedOptimizer"]
-
-Hyperparameters = dict[str, Any]
-
-# ------------------------------------------------------------------------------------------------ owner side
-
-_OWNER_LOCK = threading.Lock()
-"""One per process: steps, state reads and loads of every ``_LocalOptimizer`` here (one per trainer) run in turn."""
-
-
-class _GradientsAsArgument:
-    """A ``torch.optim`` optimizer behind the functional interface: ``step(gradients)``, ``state``, ``param_group``.
-
-    For optimizers without a functional counterpart. ``.grad`` holds this context's gradient (None: skipped) only
-    while the step runs and is restored afterwards, so no gradient outlives its context.
-    """
-
-    def __init__(self, optimizer_class: type[Optimizer], params: list[Tensor], *args: Any, **kwargs: Any) -> None:
-        self.params = params
-        self.optimizer = optimizer_class(params, *args, **kwargs)
-        if len(self.optimizer.param_groups) != 1:
-            raise ValueError(
-                f"{optimizer_class.__name__} made {len(self.optimizer.param_groups)} param groups; one is supported"
-            )
-
-    @property
-    def state(self) -> dict[Tensor, Any]:
-        return self.optimizer.state
-
-    @property
-    def param_group(self) -> dict[str, Any]:
-        return self.optimizer.param_groups[0]
-
-    def step(self, gradients: list[Tensor | None]) -> None:
-        saved = [param.grad for param in self.params]
-        try:
-            for param, grad in zip(self.params, gradients, strict=True):
-                param.grad = grad
-            self.optimizer.step()
-        finally:
-            for param, grad in zip(self.params, saved, strict=True):
-                param.grad = grad
-
-
-class _LocalOptimizer:
-    """The owner's half of a DistributedOptimizer: its parameters and one optimizer (functional or adapted)."""
-
-    def __init__(
-        self, optimizer_class: type, param_rrefs: list[PyRRef[Tensor]], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        self.params: list[Tensor] = [rref.local_value() for rref in param_rrefs]
-        if len({id(param) for param in self.params}) != len(self.params):
-            raise ValueError("a parameter appears more than once in params_rref")
-        functional_class = functional_class_for(optimizer_class)
-        if functional_class is not None:
-            self.optimizer: Any = functional_class(self.params, *args, **kwargs)
-        else:
-            self.optimizer = _GradientsAsArgument(optimizer_class, self.params, *args, **kwargs)
-
-    def hyperparameters(self) -> Hyperparameters:
-        return {key: value for key, value in self.optimizer.param_group.items() if key != "params"}
-
-    def step(self, context_id: int, hyperparameters: Hyperparameters | None) -> None:
-        gradients = _context_gradients(context_id, self.params)
-        with _OWNER_LOCK:
-            if hyperparameters is not None:
-                self.optimizer.param_group.update(hyperparameters)
-            if any(grad is not None for grad in gradients):
-                self.optimizer.step(gradients)
-
-    def state(self) -> list[dict[str, Any] | None]:
-        """Each parameter's state (None: not stepped yet), copied to the CPU so RPC needs no device map."""
-        with _OWNER_LOCK:
-            return [_cpu_copy(self.optimizer.state[p]) if p in self.optimizer.state else None for p in self.params]
-
-    def load(self, states: list[dict[str, Any] | None], hyperparameters: Hyperparameters) -> None:
-        """Replace the state of every parameter (None: no state) and the hyperparameters."""
-        with _OWNER_LOCK:
-            group = self.optimizer.param_group
-            group.update(hyperparameters)
-            for param, param_state in zip(self.params, states, strict=True):
-                if param_state is None:
-                    self.optimizer.state.pop(param, None)
-                else:
-                    self.optimizer.state[param] = {k: _cast_like(param, group, k, v) for k, v in param_state.items()}
-
-
-def _context_gradients(context_id: int, params: list[Tensor]) -> list[Tensor | None]:
-    """This context's gradient for each parameter, None where it recorded none (or never reached this worker)."""
-    recorded = _recorded_gradients(context_id)
-    if recorded is None:
-        return [None] * len(params)  # the caller checked the id: this owner just took no part in the context
-    by_id = {id(tensor): grad for tensor, grad in recorded.items()}
-    return [by_id.get(id(param)) for param in params]
-
-
-def _recorded_gradients(context_id: int) -> dict[Tensor, Tensor] | None:
-    """The gradients this worker recorded in distributed autograd context ``context_id``; None for an unknown id."""
-    try:
-        return dist_autograd.get_gradients(context_id)
-    except RuntimeError:
-        return None
-
-
-def _cpu_copy(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _cpu_copy(item) for key, item in value.items()}
-    return copy.deepcopy(value)
-
-
-def _cast_like(param: Tensor, group: dict[str, Any], key: str, value: Any) -> Any:
-    """As ``torch.optim`` loads state: tensors go to the parameter's device, floating ones take its dtype, and
-    ``step`` stays a CPU scalar unless the optimizer is capturable or fused."""
-    if not isinstance(value, Tensor):
-        return copy.deepcopy(value)
-    if key == "step":
-        if group.get("capturable") or group.get("fused"):
-            return value.to(dtype=torch.float32, device=param.device, copy=True)
-        return value.detach().clone()
-    if value.is_floating_point():
-        return value.to(dtype=param.dtype, device=param.device, copy=True)
-    return value.to(device=param.device, copy=True)
-
-
-@dataclass
-class _RemoteFailure:
-    """An owner-side exception in transit: pickled if it pickles, else its type name and message."""
-
-    pickled: bytes | None
-    description: str
-    remote_traceback: str
-
-    @classmethod
-    def capture(cls, exc: Exception) -> _RemoteFailure:
-        try:
-            pickled: bytes | None = pickle.dumps(exc)
-        except Exception:
-            pickled = None
-        where = rpc.get_worker_info().name
-        return cls(pickled, f"{type(exc).__name__}: {exc}", f"on RPC worker {where}:\n{traceback.format_exc()}")
-
-    def reraise(self) -> NoReturn:
-        exc: BaseException
-        try:
-            exc = pickle.loads(self.pickled) if self.pickled is not None else RuntimeError(self.description)
-        except Exception:
-            exc = RuntimeError(self.description)
-        raise exc from _RemoteTraceback(self.remote_traceback)
-
-
-class _RemoteTraceback(Exception):
-    """Carries the owner's traceback as the ``__cause__`` of the re-raised exception."""
-
-
-def _invoke(function: Callable[..., Any], *args: Any) -> Any:
-    """Runs on the owner; returns the result, or the exception as a value so that its type survives the trip."""
-    try:
-        return function(*args)
-    except Exception as exc:
-        return _RemoteFailure.capture(exc)
-
-
-def _create(
-    optimizer_class: type, param_rrefs: list[PyRRef[Tensor]], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[PyRRef[_LocalOptimizer], Hyperparameters]:
-    local = _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
-    return rpc.RRef(local), local.hyperparameters()
-
-
-def _step(local: PyRRef[_LocalOptimizer], context_id: int, hyperparameters: Hyperparameters | None) -> None:
-    local.local_value().step(context_id, hyperparameters)
-
-
-def _state(local: PyRRef[_LocalOptimizer]) -> list[dict[str, Any] | None]:
-    return local.local_value().state()  # type: ignore[no-any-return]
-
-
-def _load(
-    local: PyRRef[_LocalOptimizer], states: list[dict[str, Any] | None], hyperparameters: Hyperparameters
-) -> None:
-    local.local_value().load(states, hyperparameters)
-
-
-# ----------------------------------------------------------------------------------------------- caller side
 
 
 @dataclass
 class _Owner:
     name: str
     indices: list[int]  # positions in params_rref of the parameters this worker owns
-    local: PyRRef[_LocalOptimizer]  # RRef to its _LocalOptimizer
+    local: PyRRef[on_owner.LocalOptimizer]  # RRef to its LocalOptimizer
 
 
 def _on_owners(calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
     """Run ``function(*args)`` on every named worker concurrently; wait for all, then raise the first failure."""
-    futures = [rpc.rpc_async(name, _invoke, args=(function, *args)) for name, function, args in calls]
+    futures = [rpc.rpc_async(name, on_owner.invoke, args=(function, *args)) for name, function, args in calls]
     outcomes: list[Any] = []
     for future in futures:
         try:
@@ -238,7 +50,7 @@ def _on_owners(calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> 
         except Exception as exc:  # the call itself failed (worker gone, timeout), not the function on the owner
             outcomes.append(exc)
     for outcome in outcomes:
-        if isinstance(outcome, _RemoteFailure):
+        if isinstance(outcome, on_owner.RemoteFailure):
             outcome.reraise()
         if isinstance(outcome, Exception):
             raise outcome
@@ -305,11 +117,11 @@ class DistributedOptimizer(Optimizer):
             indices_by_owner.setdefault(rref.owner_name(), []).append(index)
         created = _on_owners(
             [
-                (name, _create, (optimizer_class, [params_rref[i] for i in indices], args, kwargs))
+                (name, on_owner.create, (optimizer_class, [params_rref[i] for i in indices], args, kwargs))
                 for name, indices in indices_by_owner.items()
             ]
         )
-        hyperparameters: Hyperparameters = created[0][1]
+        hyperparameters: on_owner.Hyperparameters = created[0][1]
         super().__init__([{"params": []}], hyperparameters)  # param_groups[0]: the hyperparameters, no tensors
         self._owners = [
             _Owner(name, indices, local)
@@ -338,19 +150,19 @@ class DistributedOptimizer(Optimizer):
             raise TypeError(
                 f"context_id must be an int (from dist_autograd.context()), got {type(context_id).__name__}"
             )
-        if _recorded_gradients(context_id) is None:
+        if on_owner.recorded_gradients(context_id) is None:
             raise RuntimeError(
                 f"unknown distributed autograd context id {context_id}: call step() inside the "
                 "`with dist_autograd.context() as context_id:` block whose backward pass recorded the gradients"
             )
         current = self._hyperparameters()
         changed = None if self._unchanged(current) else current
-        _on_owners([(owner.name, _step, (owner.local, context_id, changed)) for owner in self._owners])
+        _on_owners([(owner.name, on_owner.step, (owner.local, context_id, changed)) for owner in self._owners])
         self._shipped = copy.deepcopy(current)
 
     def state_dict(self) -> dict[str, Any]:
         """Every owner's state, gathered through RPC, as ``torch.optim`` would save it for ``params_rref``."""
-        gathered = _on_owners([(owner.name, _state, (owner.local,)) for owner in self._owners])
+        gathered = _on_owners([(owner.name, on_owner.state, (owner.local,)) for owner in self._owners])
         state: dict[int, Any] = {}
         for owner, states in zip(self._owners, gathered, strict=True):
             state.update((i, s) for i, s in zip(owner.indices, states, strict=True) if s is not None)
@@ -383,7 +195,7 @@ class DistributedOptimizer(Optimizer):
             [
                 (
                     owner.name,
-                    _load,
+                    on_owner.load,
                     (owner.local, [state_dict["state"].get(ids[i]) for i in owner.indices], hyperparameters),
                 )
                 for owner in self._owners
@@ -406,10 +218,10 @@ class DistributedOptimizer(Optimizer):
             return
         raise NotImplementedError("DistributedOptimizer has one param group; build another optimizer instead")
 
-    def _hyperparameters(self) -> Hyperparameters:
+    def _hyperparameters(self) -> on_owner.Hyperparameters:
         return {key: value for key, value in self.param_groups[0].items() if key != "params"}
 
-    def _unchanged(self, current: Hyperparameters) -> bool:
+    def _unchanged(self, current: on_owner.Hyperparameters) -> bool:
         return current.keys() == self._shipped.keys() and all(_same(v, self._shipped[k]) for k, v in current.items())
 
 

@@ -243,7 +243,7 @@ class _ZeroShards:
         grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
         all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
         in_flight = min(2 * int(config.bucket_cap_mb * MB), all_grads)
-        extra = (("gradient buckets in flight (at most)", in_flight),)
+        extra: tuple[tuple[str, int], ...] = (("gradient buckets in flight (at most)", in_flight),)
         extra += (("parameter sync staging", self.staging),) if self.staging else ()
         ranks = tuple(self._memory(rank, params, self.owned[rank], extra) for rank in range(config.world_size))
         reduce_scatter = (
