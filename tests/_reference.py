@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,7 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["assert_same_tensors", "averaged_gradients", "flatten", "make_params", "set_gradients"]
+__all__ = [
+    "MasterWeightsReference",
+    "assert_same_tensors",
+    "averaged_gradients",
+    "flatten",
+    "make_params",
+    "set_gradients",
+]
 
 # (shape, dtype, requires_grad) of the parameters most tests use: two groups, a frozen one, a bf16 one.
 MODEL_SPEC: list[list[tuple[tuple[int, ...], torch.dtype, bool]]] = [
@@ -69,3 +77,45 @@ def set_gradients(grads: Sequence[Tensor | None], *copies: Sequence[Tensor]) -> 
     for params in copies:
         for param, grad in zip(params, grads, strict=True):
             param.grad = None if grad is None else grad.clone()
+
+
+class MasterWeightsReference:
+    """The plain optimizer on the gradients DDP left in ``.grad``: over fp32 copies of the low-precision parameters
+    when ``master`` (copied back after each step), clipping as ``torch.nn.utils.clip_grad_norm_`` does with the norm
+    accumulated in fp32."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        groups: list[dict[str, Any]],
+        optimizer_class: type,
+        kwargs: dict[str, Any],
+        master: bool,
+    ) -> None:
+        self.params = list(params)
+        self.stepped = [
+            p.detach().float().requires_grad_() if master and p.dtype != torch.float32 else p for p in self.params
+        ]
+        by_param = dict(zip(map(id, self.params), self.stepped))
+        self.optimizer = optimizer_class(
+            [{**g, "params": [by_param[id(p)] for p in g["params"]]} for g in groups], **kwargs
+        )
+
+    def step(self, clip: tuple[float, float] | None) -> Tensor | None:
+        """Clip (``(max_norm, norm_type)``, or None) and step; return the total norm before clipping."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        total = None
+        if clip is not None:
+            max_norm, norm_type = clip
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+            total = norms.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for param, stepped in zip(self.params, self.stepped):
+            if stepped is not param:
+                stepped.grad = None if param.grad is None else param.grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, stepped in zip(self.params, self.stepped):
+                if stepped is not param:
+                    param.copy_(stepped)
+        return total

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, checkpoint
 from distoptim.sharded.sync import BucketedSync
 from tests._dist import run_on_ranks
-from tests.sharded.test_parity import KWARGS, Model, batch, groups
+from tests.sharded.test_parity import KWARGS, Model, assert_matches, batch, groups
 
 
 def _build(
@@ -165,9 +165,7 @@ def _scaler_body(rank: int, world_size: int) -> list[float]:
         scales.append(scaler.get_scale())
         assert scaler.get_scale() == by_hand_scale, (step, scaler.get_scale(), by_hand_scale)
         sdp.sync_finished()
-        for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
-            rtol, atol = (1e-5, 2e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
-            torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"step {step} {name}")
+        assert_matches(model, reference, f"step {step}", align=False)
     zero.zero_grad()
     scaler.scale(sdp(*batch(rank, 5, 0), 5, rank).square().mean()).backward()
     scaler.unscale_(zero)
@@ -248,12 +246,7 @@ def _growth_body(rank: int, world_size: int, way: str) -> None:
         ddp(*batch(rank, step, 0), step, rank).square().mean().backward()
         plain.step()
         sdp.sync_finished()
-        for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
-            rtol, atol = (1e-5, 2e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
-            torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"{way} step {step} {name}")
-        with torch.no_grad():
-            for ours, want in zip(model.parameters(), reference.parameters()):
-                want.copy_(ours)
+        assert_matches(model, reference, f"{way} step {step}")
 
 
 @pytest.mark.parametrize("way", ["add_param_group", "unfreeze"])
@@ -275,12 +268,7 @@ def _compile_body(rank: int, world_size: int) -> None:
         ddp(*batch(rank, step, 0), step, rank).square().mean().backward()
         plain.step()
         sdp.sync_finished()
-        for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
-            rtol, atol = (1e-5, 2e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
-            torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"compiled step {step} {name}")
-        with torch.no_grad():
-            for ours, want in zip(model.parameters(), reference.parameters()):
-                want.copy_(ours)
+        assert_matches(model, reference, f"compiled step {step}")
 
 
 def test_a_compiled_module_trains_as_eager_ddp() -> None:
@@ -336,12 +324,7 @@ def _model_zero_grad_body(rank: int, world_size: int) -> None:
         plain.zero_grad()
         ddp(*batch(rank, step, 0), step, rank).square().mean().backward()
         plain.step()
-        for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
-            rtol, atol = (1e-5, 2e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
-            torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"step {step} {name}")
-        with torch.no_grad():
-            for ours, want in zip(model.parameters(), reference.parameters()):
-                want.copy_(ours)
+        assert_matches(model, reference, f"step {step}")
 
 
 def test_zero_grad_through_the_model_clears_the_owned_gradient() -> None:

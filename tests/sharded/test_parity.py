@@ -9,6 +9,7 @@ round a few exact ties differently on a 1-D fragment than on the whole tensor)."
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
+from tests._reference import MasterWeightsReference
 
 STEPS, MICRO_BATCHES = 4, 2
 KWARGS = {"lr": 0.01, "weight_decay": 0.1}
@@ -60,49 +62,38 @@ def batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randint(0, 11, (4, 3), generator=generator), torch.randn(4, 1, 4, 4, generator=generator)
 
 
+def assert_matches(model: nn.Module, reference: nn.Module, what: str, align: bool = True) -> None:
+    """``model``'s parameters equal ``reference``'s (fp32 to rounding, bf16 to its precision); then, with ``align``,
+    the reference takes ``model``'s values so that the next step's differences do not compound."""
+    for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
+        rtol, atol = (1e-5, 2e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
+        torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"{what} {name}")
+    if align:
+        with torch.no_grad():
+            for ours, want in zip(model.parameters(), reference.parameters()):
+                want.copy_(ours)
+
+
 class Reference:
     """DDP (find_unused_parameters) + plain AdamW, over fp32 copies of the bf16 parameters with master weights."""
 
     def __init__(self, master: bool) -> None:
         self.model = Model()
         self.ddp = DDP(self.model, find_unused_parameters=True)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.stepped = [
-            p.detach().float().requires_grad_() if master and p.dtype != torch.float32 else p for p in self.params
-        ]
-        by_id = dict(zip(map(id, self.params), self.stepped))
-        self.optimizer = torch.optim.AdamW(
-            [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in groups(self.model)], **KWARGS
-        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.plain = MasterWeightsReference(params, groups(self.model), torch.optim.AdamW, KWARGS, master)
 
     def train_step(self, rank: int, step: int, accumulation: str) -> torch.Tensor:
-        self.optimizer.zero_grad()
+        self.plain.optimizer.zero_grad()
         self.model.zero_grad()
         for micro in range(MICRO_BATCHES):
             last = micro == MICRO_BATCHES - 1
-            context = self.ddp.no_sync() if accumulation == "no_sync" and not last else _nothing()
+            context = self.ddp.no_sync() if accumulation == "no_sync" and not last else contextlib.nullcontext()
             with context:
                 self.ddp(*batch(rank, step, micro), step, rank).square().mean().backward()
-        grads = [p.grad for p in self.params if p.grad is not None]  # torch's clip_grad_norm_, the norm in fp32
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-        torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
-        for param, stepped in zip(self.params, self.stepped):
-            if stepped is not param:
-                stepped.grad = None if param.grad is None else param.grad.float()
-        self.optimizer.step()
-        with torch.no_grad():
-            for param, stepped in zip(self.params, self.stepped):
-                if stepped is not param:
-                    param.copy_(stepped)
+        norm = self.plain.step(clip=(1.0, 2.0))  # torch's clip_grad_norm_(1.0), the norm in fp32
+        assert norm is not None
         return norm
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def _body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
@@ -130,7 +121,7 @@ def _body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
             zero.zero_grad()
             for micro in range(MICRO_BATCHES):
                 last = micro == MICRO_BATCHES - 1
-                with sdp.no_sync() if accumulation == "no_sync" and not last else _nothing():
+                with sdp.no_sync() if accumulation == "no_sync" and not last else contextlib.nullcontext():
                     sdp(*batch(rank, step, micro), step, rank).square().mean().backward()
             assert all(p.grad is None for p in model.parameters()), f"{what}: a .grad outlived the backward"
             norm = zero.clip_grad_norm_(1.0)

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.zero import comm
 from tests._dist import run_on_ranks
+from tests._reference import MasterWeightsReference
 from tests.zero._hooks import register
 
 ITERATIONS = 3
@@ -84,38 +85,6 @@ def _batch(rank: int, iteration: int) -> torch.Tensor:
     return torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(1000 * iteration + rank))
 
 
-class _Reference:
-    """The plain optimizer on DDP's gradients: over fp32 copies of the bf16 parameters when ``master``; clipping as
-    ``torch.nn.utils.clip_grad_norm_`` does, with the norm accumulated in fp32."""
-
-    def __init__(self, model: nn.Module, optimizer_class: type, kwargs: dict[str, Any], master: bool) -> None:
-        self.params = list(model.parameters())
-        self.stepped = [
-            p.detach().float().requires_grad_() if master and p.dtype != torch.float32 else p for p in self.params
-        ]
-        by_param = dict(zip(map(id, self.params), self.stepped))
-        groups = [{**g, "params": [by_param[id(p)] for p in g["params"]]} for g in _groups(model)]
-        self.optimizer = optimizer_class(groups, **kwargs)
-
-    def step(self, clip: tuple[float, float] | None) -> torch.Tensor | None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        total = None
-        if clip is not None:
-            max_norm, norm_type = clip
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-            total = norms.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        for param, stepped in zip(self.params, self.stepped):
-            if stepped is not param:
-                stepped.grad = None if param.grad is None else param.grad.float()
-        self.optimizer.step()
-        with torch.no_grad():
-            for param, stepped in zip(self.params, self.stepped):
-                if stepped is not param:
-                    param.copy_(stepped)
-        return total
-
-
 def _body(rank: int, world_size: int, configs: list[tuple[Any, ...]], ddp_modes: list[str]) -> None:
     optimizers = [
         (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
@@ -139,7 +108,9 @@ def _body(rank: int, world_size: int, configs: list[tuple[Any, ...]], ddp_modes:
         )
         assert zero.collectives.value == style
         register(ddp, zero, reduction, stepping)
-        reference = _Reference(reference_model, optimizer_class, kwargs, master is not None)
+        reference = MasterWeightsReference(
+            list(reference_model.parameters()), _groups(reference_model), optimizer_class, kwargs, master is not None
+        )
         for iteration in range(ITERATIONS):
             zero.zero_grad()
             ddp(_batch(rank, iteration), iteration, rank).square().mean().backward()
