@@ -27,6 +27,22 @@ def _same_loss(ours: torch.Tensor, want: torch.Tensor, label: str) -> None:
     torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{label} loss: {m}")
 
 
+def _step_both(
+    zero: ZeroRedundancyOptimizer, sdp: nn.Module, plain: Any, ddp: nn.Module, x: torch.Tensor, label: str
+) -> None:
+    """One step of ShardedDataParallel and of DDP + the plain optimizer on the same batch; their losses must agree
+    (no sync_finished here: the next forward overlaps the sync)."""
+    zero.zero_grad()
+    loss = sdp(x).square().mean()
+    loss.backward()
+    zero.step()
+    plain.zero_grad()
+    want = ddp(x).square().mean()
+    want.backward()
+    plain.step()
+    _same_loss(loss, want, label)
+
+
 def _compare(ours: nn.Module, ref: nn.Module, label: str) -> None:
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{label} {n}: {m}")
@@ -177,15 +193,7 @@ def _late_body(rank: int, world_size: int, partition: str, bucket_view: bool, ov
                 net.early.requires_grad_(True)
             zero.add_param_group({"params": list(model.early.parameters())})
             plain.add_param_group({"params": list(reference.early.parameters())})
-        zero.zero_grad()
-        loss = sdp(_x(rank, step)).square().mean()
-        loss.backward()
-        zero.step()
-        plain.zero_grad()
-        want = ddp(_x(rank, step)).square().mean()
-        want.backward()
-        plain.step()
-        _same_loss(loss, want, f"step {step}")  # no sync_finished here: the next forward overlaps the sync
+        _step_both(zero, sdp, plain, ddp, _x(rank, step), f"step {step}")
     sdp.sync_finished()
     _compare(model, reference, "at the end")
 
@@ -218,15 +226,7 @@ def _functional_body(rank: int, world_size: int, overlap: bool = True) -> None:
     zero, sdp = _sdp(model, overlap_param_sync=overlap)
     ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
     for step in range(3):
-        zero.zero_grad()
-        loss = sdp(_x(rank, step)).square().mean()
-        loss.backward()
-        zero.step()
-        plain.zero_grad()
-        want = ddp(_x(rank, step)).square().mean()
-        want.backward()
-        plain.step()
-        _same_loss(loss, want, f"step {step}")  # no sync_finished here: the next forward overlaps the sync
+        _step_both(zero, sdp, plain, ddp, _x(rank, step), f"step {step}")
     sdp.sync_finished()
     _compare(model, reference, "at the end")
 
@@ -456,15 +456,7 @@ def _attention_body(rank: int, world_size: int, partition: str, bucket_view: boo
     ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
     for step in range(3):
         x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        zero.zero_grad()
-        loss = sdp(x).square().mean()
-        loss.backward()
-        zero.step()
-        plain.zero_grad()
-        want = ddp(x).square().mean()
-        want.backward()
-        plain.step()
-        _same_loss(loss, want, f"step {step}")
+        _step_both(zero, sdp, plain, ddp, x, f"step {step}")
     sdp.sync_finished()
     _compare(model, reference, "at the end")
 

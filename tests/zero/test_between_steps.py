@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
-from tests.zero._hooks import register
+from tests.zero._hooks import lockstep, register
 
 ITERATIONS, UNFREEZE_AT, MOVE_AT = 5, 2, 3
 
@@ -56,16 +56,7 @@ def _body(rank: int, world_size: int, configs: list[tuple[str, str, str, bool]])
                 for param in model.parameters():
                     param.data = param.data.clone()
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
-            zero.zero_grad()
-            ddp(x).square().mean().backward()
-            if stepping == "explicit":
-                zero.step()
-            plain.zero_grad()
-            reference_ddp(x).square().mean().backward()
-            plain.step()
-            for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
-                label = f"{what} iteration {iteration} parameter {index}"
-                torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, x=label: f"{x}: {m}")
+            lockstep(ddp, zero, stepping, reference_ddp, plain, x, f"{what} iteration {iteration}")
         assert all(zero.fragments_of(p) for p in model[2].parameters()), f"{what}: the unfrozen layer has no owner"
 
 

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
-from tests.zero._hooks import register
+from tests.zero._hooks import lockstep, register
 
 WORLD, SHARD = 4, 2  # shard groups {0, 1} and {2, 3}; replicate groups {0, 2} and {1, 3}
 
@@ -137,16 +137,7 @@ def _unfreezing_body(rank: int, world_size: int) -> None:
                 for net in (model, reference):
                     net[0].requires_grad_(True)
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
-            zero.zero_grad()
-            ddp(x).square().mean().backward()
-            if stepping == "explicit":
-                zero.step()
-            plain.zero_grad()
-            reference_ddp(x).square().mean().backward()
-            plain.step()
-            for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
-                label = f"{partition} {stepping} iteration {iteration} parameter {index}"
-                torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, x=label: f"{x}: {m}")
+            lockstep(ddp, zero, stepping, reference_ddp, plain, x, f"{partition} {stepping} iteration {iteration}")
 
 
 def test_a_layer_unfrozen_between_steps_is_averaged_over_every_shard_group() -> None:
