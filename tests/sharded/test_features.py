@@ -90,9 +90,13 @@ def _memory_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
         original = gradients._buffer
 
         def measured(
-            bucket: int, original: Any = original, gradients: Any = gradients, peak: Any = peak
+            bucket: int,
+            gradient: torch.Tensor | None = None,
+            original: Any = original,
+            gradients: Any = gradients,
+            peak: Any = peak,
         ) -> torch.Tensor:
-            buffer = original(bucket)
+            buffer = original(bucket, gradient)
             held = sum(b.numel() * b.element_size() for b in gradients._buffers.values())
             held += sum(b.numel() * b.element_size() for _, b, _ in gradients._in_flight)
             peak[0] = max(peak[0], held)
@@ -124,6 +128,26 @@ def test_a_rank_holds_its_share_of_the_gradient_plus_two_buckets(world_size: int
         for what, held, full, cap, peak in results:
             assert held <= full / world_size + 2 * cap, f"{what}: {held} bytes held after the backward, of {full}"
             assert peak <= 2 * cap, f"{what}: {peak} bytes of buckets at once (cap {cap})"
+
+
+def _wrapping_body(rank: int, world_size: int) -> None:
+    """Wrapping re-cuts ZeRO's even partition into buckets: the parameters move within ZeRO's bucket-view buffers,
+    not into a second copy of the model, and every rank then holds rank 0's values (the ranks start apart)."""
+    model = Model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(rank)
+    zero = ZeroRedundancyOptimizer(groups(model), torch.optim.AdamW, partition="even", parameters_as_bucket_view=True)
+    storages = {key: a.untyped_storage().data_ptr() for key, a in zero._sync.allocations().items()}
+    ShardedDataParallel(model, zero, bucket_cap_mb=0.001)
+    assert {key: a.untyped_storage().data_ptr() for key, a in zero._sync.allocations().items()} == storages
+    assert all(param.untyped_storage().data_ptr() in storages.values() for param in groups_of(zero))
+    for param, reference in zip(model.parameters(), Model().parameters()):
+        assert torch.equal(param, reference), "every rank holds rank 0's values"
+
+
+def test_wrapping_moves_the_parameters_in_place() -> None:
+    run_on_ranks(_wrapping_body, 3)
 
 
 def _scaler_body(rank: int, world_size: int) -> list[float]:

@@ -78,8 +78,6 @@ def _strided_body(rank: int, world_size: int) -> None:
     assert [p.stride() for p in owned] == strides
     sync.sync_parameters()
     assert torch.equal(owned[0], conv) and torch.equal(owned[1], transposed + 1)
-    sync.release()
-    assert [p.stride() for p in owned] == strides
 
 
 def test_bucket_views_keep_parameter_strides() -> None:
@@ -125,3 +123,54 @@ def _index(params: list[torch.Tensor], param: torch.Tensor) -> int:
 
 def test_even_partition_sync_gives_every_rank_every_element() -> None:
     run_on_ranks(_even_body, 3)
+
+
+def _recut_body(rank: int, world_size: int) -> None:
+    """Re-cutting an even layout into padded regions (``ShardedDataParallel``'s buckets) moves the parameters within
+    their buffer: same allocation, same values and strides, zero padding, and the sync still right; a parameter the
+    new cut leaves out (frozen meanwhile) gets its own storage back, its values kept."""
+    generator = torch.Generator().manual_seed(1)
+    expected = [
+        torch.randn(61, generator=generator),
+        torch.randn(3, generator=generator),  # frozen before the re-cut: the later parameters move back
+        torch.randn(3, 5, 2, 2, generator=generator).to(memory_format=torch.channels_last),
+        torch.randn(4, 5, generator=generator).t(),
+        torch.randn(2, generator=generator),
+        torch.randn(2_500_003, generator=generator),  # moves forward (padding) through chunks, overlapping itself
+        torch.randn(5, generator=generator),
+    ]
+    strides = [t.stride() for t in expected]
+    numels = [t.numel() for t in expected]
+    keys = [(t.device, t.dtype) for t in expected]
+    params = [t.clone(memory_format=torch.preserve_format) for t in expected]
+    plan = partition_parameters(numels, [True] * len(params), world_size, mode="even", keys=keys)
+    first = BucketViewSync(layouts_from_plan(plan.layouts, plan.fragments, params), dist.group.WORLD)
+    allocation = first.allocations()[keys[0]]
+    trainable = [True, False, True, True, True, True, True]
+    recut = partition_parameters(numels, trainable, world_size, mode="even", keys=keys, region_numel={keys[0]: 30})
+    assert len(recut.layouts[0].bounds) > 2, "the cut must make several padded regions"
+    before = [p.storage_offset() for p in params]
+    second = BucketViewSync(layouts_from_plan(recut.layouts, recut.fragments, params), dist.group.WORLD, previous=first)
+    assert second.allocations()[keys[0]] is allocation, "moved in place, not copied into a second buffer"
+    moves = {p.storage_offset() - offset for p, offset in zip(params, before) if p is not params[1]}
+    assert min(moves) < 0 < max(moves), "some parameters must move back (the frozen one left), some forward (padding)"
+    for param, want, stride in zip(params, expected, strides):
+        assert torch.equal(param, want) and param.stride() == stride
+    assert params[1].untyped_storage().data_ptr() != allocation.untyped_storage().data_ptr()
+    buffer = second.buffers[0]
+    covered = torch.zeros(buffer.numel(), dtype=torch.bool)
+    for index in recut.layouts[0].params:
+        offset = params[index].storage_offset()
+        covered[offset : offset + numels[index]] = True
+    assert torch.count_nonzero(buffer[~covered]) == 0, "the padding is zero"
+    for index in recut.layouts[0].params:  # each rank garbles what it does not own; the sync restores it
+        for fragment in recut.fragments[index]:
+            if fragment.rank != rank:
+                buffer[fragment.position : fragment.position + fragment.length] = -1.0
+    second.sync_parameters()
+    for index in recut.layouts[0].params:
+        assert torch.equal(params[index], expected[index]), index
+
+
+def test_recutting_moves_parameters_in_place() -> None:
+    run_on_ranks(_recut_body, 3)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from distoptim import _agreement
 from distoptim._backward import at_end_of_backward
+from distoptim._flat import flat_view, is_dense
 from distoptim.sharded.buckets import BucketPlan, store_plan
 from distoptim.zero import comm
 from distoptim.zero.buckets import view_like
@@ -117,21 +118,43 @@ class OwnedGradients:
         bucket, slot = entry
         self._fill(bucket, slot, param)
         self._launch_ready()
+        while self._in_flight and self._in_flight[0][2].done():  # its buffer freed now, not when one is needed
+            self._land_oldest()
 
     def _fill(self, bucket: int, slot: Any, param: Tensor) -> None:
-        assert param.grad is not None
-        view_like(self._buffer(bucket), slot.position, param).copy_(param.grad)
+        grad = param.grad
+        assert grad is not None
+        if bucket not in self._buffers and self._is_whole_bucket(bucket, param, grad):
+            self._buffer(bucket, flat_view(grad))  # the gradient is the bucket (a parameter over the cap): no copy
+        else:
+            view_like(self._buffer(bucket), slot.position, param).copy_(grad)
         param.grad = None
         self._filled.add(slot.index)
         self._remaining[bucket] -= 1
 
-    def _buffer(self, bucket: int) -> Tensor:
+    def _is_whole_bucket(self, bucket: int, param: Tensor, grad: Tensor) -> bool:
+        """Whether ``grad`` laid out flat is exactly bucket ``bucket``: its only parameter, no padding, the bucket's
+        dtype, and the parameter's memory order (dense, with its strides)."""
+        plan = self.buckets[bucket]
+        return (
+            len(plan.slots) == 1
+            and plan.numel == grad.numel()
+            and (grad.device, grad.dtype) == self.store_keys[plan.key]
+            and grad.stride() == param.stride()
+            and is_dense(grad)
+        )
+
+    def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
+        """Bucket ``bucket``'s buffer (``gradient``, or zeros, when it has none yet), once fewer than
+        ``max_in_flight`` buckets are filling or in flight."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
-            self._buffers[bucket] = torch.zeros(plan.numel, dtype=dtype, device=device)
+            self._buffers[bucket] = (
+                gradient if gradient is not None else torch.zeros(plan.numel, dtype=dtype, device=device)
+            )
         return self._buffers[bucket]
 
     def _launch_ready(self) -> None:

@@ -123,6 +123,5 @@ class BucketedSync(ParameterSync):
     def finish(self) -> None:
         self.land_through(len(self.units))
 
-    def release(self) -> None:
-        self.finish()
-        self.inner.release()
+    def allocations(self) -> dict[Any, Tensor]:
+        return self.inner.allocations()

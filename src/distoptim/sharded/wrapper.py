@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from distoptim import _agreement
-from distoptim._flat import pack, unpack_
+from distoptim._flat import flat_view, is_dense, pack, unpack_
 from distoptim.sharded.buckets import BucketPlan, plan_buckets
 from distoptim.sharded.gradients import OwnedGradients
 from distoptim.sharded.sync import BucketedSync
@@ -97,12 +97,12 @@ class ShardedDataParallel(nn.Module):
             overlap_param_sync,
         )
         self._caps: dict[Any, int] = {}
-        cap_bytes = int(bucket_cap_mb * 2**20)
+        self._cap_bytes = cap_bytes = int(bucket_cap_mb * 2**20)
         for param in zero.global_params:
             size = torch.empty((), dtype=reduce_dtype or param.dtype).element_size()
             self._caps[(param.device, param.dtype)] = max(1, cap_bytes // size)
         zero.sync_finished()
-        _broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups)
+        _broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
         zero._use_regions(self._caps)
         self._buckets: list[BucketPlan] = []
         self.gradients: OwnedGradients | None = None
@@ -168,7 +168,7 @@ class ShardedDataParallel(nn.Module):
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
-                _broadcast_from_first(buffers, self.zero.agreement_groups)
+                _broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
         assert self.gradients is not None
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
@@ -323,17 +323,36 @@ def _fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fing
     return entries
 
 
-def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group]) -> None:
-    """Every rank's ``tensors`` made the same: packed per (device, dtype), broadcast over each group in turn from its
-    first rank, the replicas first (each replica group takes its first member's; the shard groups' first members,
-    one replica group, then hold one value, which each shard group takes), whatever ranks the groups hold."""
+def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group], cap_bytes: int) -> None:
+    """Every rank's ``tensors`` made the same: broadcast over each group in turn from its first rank, the replicas
+    first (each replica group takes its first member's; the shard groups' first members, one replica group, then hold
+    one value, which each shard group takes), whatever ranks the groups hold. Packed per (device, dtype) in batches
+    of at most ``cap_bytes``, a larger dense tensor broadcast in place: never a second copy of the model."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
         if tensor.numel():
             by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     with torch.no_grad():
         for same_kind in by_kind.values():
-            flat = pack(same_kind)
-            for group in reversed(groups):
-                comm.broadcast_slices(flat, [(0, 0, flat.numel())], group)
-            unpack_(flat, same_kind)
+            for batch in _batches(same_kind, cap_bytes):
+                alone = len(batch) == 1 and is_dense(batch[0])
+                flat = flat_view(batch[0]) if alone else pack(batch)
+                for group in reversed(groups):
+                    comm.broadcast_slices(flat, [(0, 0, flat.numel())], group)
+                if not alone:
+                    unpack_(flat, batch)
+
+
+def _batches(tensors: Sequence[Tensor], cap_bytes: int) -> Iterator[list[Tensor]]:
+    """``tensors`` in order, in runs of at most ``cap_bytes`` (a larger tensor alone)."""
+    batch: list[Tensor] = []
+    filled = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if batch and filled + size > cap_bytes:
+            yield batch
+            batch, filled = [], 0
+        batch.append(tensor)
+        filled += size
+    if batch:
+        yield batch

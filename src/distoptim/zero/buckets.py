@@ -130,26 +130,48 @@ class ParameterSync:
         """Land whatever ``sync_parameters`` left in flight (a strategy that overlaps the sync with the next forward
         has some): called before anything reads or writes the parameters outside a forward."""
 
-    def release(self) -> None:
-        """Undo what construction did to the parameters (before a rebuild)."""
+    def allocations(self) -> dict[tuple[torch.device, torch.dtype], Tensor]:
+        """The flat allocations the parameters are views into, by (device, dtype): what a rebuilt sync may move
+        them within (none here)."""
+        return {}
 
 
 class BucketViewSync(ParameterSync):
-    """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place."""
+    """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place.
+
+    Each buffer is allocated with room for the padding of a finer even cut (``ShardedDataParallel`` cuts a layout
+    into regions, each padded to a multiple of the group size; at most ``group size - 1`` elements per parameter),
+    so that re-cutting, given the ``previous`` sync, moves the parameters within their buffer instead of copying them
+    into a second one: constructing ``ShardedDataParallel`` costs no second copy of the parameters. A buffer is
+    written parameter by parameter (padding zeroed, the rest never touched twice), and each parameter's old storage
+    is freed as soon as it moved: on the CPU no moment holds a second copy of the layout either."""
 
     def __init__(
-        self, layouts: list[FlatLayout], group: comm.Group, collectives: comm.Collectives = comm.Collectives.ROOTED
+        self,
+        layouts: list[FlatLayout],
+        group: comm.Group,
+        collectives: comm.Collectives = comm.Collectives.ROOTED,
+        previous: ParameterSync | None = None,
     ) -> None:
         super().__init__(layouts, group, collectives)
+        spare = previous.allocations() if previous is not None else {}
+        if previous is not None:
+            _release_leavers(previous.layouts, layouts, spare)
+        room = comm.group_size(group) - 1
+        self._allocations: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.buffers: list[Tensor] = []
         for layout in layouts:
-            buffer = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)  # padding stays zero
-            for piece in layout.pieces:
-                if piece.offset == 0:  # the parameter starts here
-                    view = view_like(buffer, piece.position, piece.param)
-                    view.copy_(piece.param.detach())
-                    piece.param.data = view
-            self.buffers.append(buffer)
+            key = (layout.device, layout.dtype)
+            allocation = spare.pop(key, None)
+            if allocation is None or not _movable_within(layout, allocation):
+                allocation = torch.empty(
+                    layout.numel + room * len(layout.params), dtype=layout.dtype, device=layout.device
+                )
+            self._allocations[key] = allocation
+            self.buffers.append(_place(layout, allocation[: layout.numel]))
+
+    def allocations(self) -> dict[tuple[torch.device, torch.dtype], Tensor]:
+        return dict(self._allocations)
 
     def sync_parameters(self) -> None:
         if self.alone:  # the buffers hold every shard already
@@ -157,11 +179,70 @@ class BucketViewSync(ParameterSync):
         for layout, buffer in zip(self.layouts, self.buffers):
             comm.gather_from_owners(buffer, layout.bounds, self.group, self.collectives)
 
-    def release(self) -> None:
-        for layout in self.layouts:
-            for param in layout.params:
+
+def _release_leavers(before: Sequence[FlatLayout], after: Sequence[FlatLayout], spare: dict[Any, Tensor]) -> None:
+    """Parameters of the ``before`` layouts that the ``after`` ones leave out (a re-cut from scratch places frozen
+    parameters nowhere) get their own storage back: the buffer they view is about to be rewritten."""
+    staying = {id(param) for layout in after for param in layout.params}
+    reused = {_storage(allocation) for allocation in spare.values()}
+    for layout in before:
+        for param in layout.params:
+            if id(param) not in staying and _storage(param) in reused:
                 param.data = param.detach().clone()
-        self.buffers = []
+
+
+def _starts(layout: FlatLayout) -> list[tuple[int, Tensor]]:
+    """Each parameter's position in the layout's buffer, in buffer order."""
+    return [(piece.position, piece.param) for piece in layout.pieces if piece.offset == 0]
+
+
+def _movable_within(layout: FlatLayout, allocation: Tensor) -> bool:
+    """Whether ``layout`` can be laid out in ``allocation`` by moving its parameters in place: it fits, and the
+    parameters already viewing ``allocation`` keep their order."""
+    storage = _storage(allocation)
+    inside = [p.storage_offset() for _, p in _starts(layout) if _storage(p) == storage]
+    return layout.numel <= allocation.numel() and inside == sorted(inside)
+
+
+def _place(layout: FlatLayout, buffer: Tensor) -> Tensor:
+    """Make ``layout``'s parameters views into ``buffer`` at their positions, and zero what no parameter covers (the
+    padding). Those already in it move there (order kept): the ones moving back first to last, then the ones moving
+    forward last to first, so that no move overwrites a parameter that has not moved yet."""
+    storage = _storage(buffer)
+    starts = _starts(layout)
+    inside = [
+        (int(param.storage_offset()), position, param) for position, param in starts if _storage(param) == storage
+    ]
+    backward = [move for move in inside if move[1] < move[0]]
+    forward = [move for move in reversed(inside) if move[1] > move[0]]
+    for source, target, param in backward + forward:
+        _move(buffer, source, target, param.numel())
+        param.data = view_like(buffer, target, param)
+    for position, param in starts:
+        if _storage(param) != storage:  # its elements are elsewhere (a new parameter, a first layout): copy them
+            view = view_like(buffer, position, param)
+            view.copy_(param.detach())
+            param.data = view  # its old storage is freed here, unless something else holds it
+    covered = 0
+    for position, param in starts:
+        buffer[covered:position].zero_()  # empty where the parameters touch
+        covered = max(covered, position + param.numel())
+    buffer[covered:].zero_()
+    return buffer
+
+
+def _move(flat: Tensor, source: int, target: int, numel: int, chunk: int = 2**20) -> None:
+    """``flat[target:target + numel] = flat[source:source + numel]``, the ranges possibly overlapping: a chunk at a
+    time, from the end moving forward and from the start moving back, so that what it holds at once beyond ``flat``
+    is one chunk."""
+    starts = range(0, numel, chunk)
+    for start in reversed(starts) if target > source else starts:
+        end = min(numel, start + chunk)
+        flat[target + start : target + end].copy_(flat[source + start : source + end].clone())
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 class StagedSync(ParameterSync):

@@ -43,11 +43,11 @@ def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False) -> None:
     ]
     if zero._sync is not None:
         zero._sync.finish()
-        zero._sync.release()  # before the shard's views are made: bucket views replace the parameters' storage
-    strategy = BucketViewSync if zero.parameters_as_bucket_view else StagedSync
-    zero._sync = strategy(
-        layouts_from_plan(zero._plan.layouts, zero._plan.fragments, params), zero.process_group, zero.collectives
-    )
+    layouts = layouts_from_plan(zero._plan.layouts, zero._plan.fragments, params)
+    if zero.parameters_as_bucket_view:  # before the shard's views are made: bucket views move the parameters
+        zero._sync = BucketViewSync(layouts, zero.process_group, zero.collectives, previous=zero._sync)
+    else:
+        zero._sync = StagedSync(layouts, zero.process_group, zero.collectives)
     zero._routes.clear()
     previous, zero._shard = zero._shard, LocalShard(zero._plan, zero.param_groups, zero.rank, zero.master_dtype)
     local_groups = zero._shard.param_groups(zero.param_groups)
