@@ -464,3 +464,71 @@ def _attention_body(rank: int, world_size: int, partition: str, bucket_view: boo
 @pytest.mark.parametrize(("partition", "bucket_view"), [("greedy", False), ("even", False), ("even", True)])
 def test_transformer_encoder_layer(partition: str, bucket_view: bool) -> None:
     run_on_ranks(_attention_body, 2, partition, bucket_view)
+
+
+# ------------------------------------- a gradient sharing memory with one another branch still needs is not reduced
+class Positions(nn.Module):
+    """GPT-2's learned positions: a parameter added to the token embeddings through a view. Its gradient is a view
+    of the sum's, which the embedding's backward still reads after the parameter's hook ran; and it sits in an
+    ``nn.ParameterDict`` that is never called: the root's forward reads it, so the root's pre-hook lands it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(10, 6)
+        # in a submodule after the tokens: its bucket is reduced before the embedding's backward runs
+        self.learned = nn.ParameterDict({"positions": nn.Parameter(torch.randn(4, 6) * 0.1)})
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.tokens(tokens) + self.learned["positions"].unsqueeze(0)))
+
+
+def _positions_body(rank: int, world_size: int) -> None:
+    model, reference = Positions(), Positions()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="even", lr=0.01)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)  # the positions fill a bucket by themselves
+    ddp, plain = DDP(reference), torch.optim.SGD(reference.parameters(), lr=0.01)
+    for step in range(3):
+        tokens = torch.randint(0, 10, (1, 4), generator=torch.Generator().manual_seed(10 * step + rank))
+        _step_both(zero, sdp, plain, ddp, tokens, f"step {step}")
+    sdp.sync_finished()
+    _compare(model, reference, "after 3 steps")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_gradient_another_branch_still_reads_is_copied(world_size: int) -> None:
+    run_on_ranks(_positions_body, world_size)
+
+
+# --------------------------- fine-tuning: the optimizer built over the whole model, the backbone frozen, then wrapped
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(40, 1, bias=False)  # frozen before wrapping: the re-cut leaves it out
+        self.head = nn.Linear(1, 10, bias=False)  # lies beyond the end of the smaller layout: moves back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def _frozen_backbone_body(rank: int, world_size: int) -> None:
+    model, reference = Backbone(), Backbone()
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, partition="even", parameters_as_bucket_view=True, **KW
+    )
+    for net in (model, reference):
+        net.backbone.requires_grad_(False)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    _compare(model, reference, "after wrapping")
+    ddp = DDP(reference)
+    plain = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **KW)
+    for step in range(2):
+        _step_both(zero, sdp, plain, ddp, _x(rank, step, 40), f"step {step}")
+    sdp.sync_finished()
+    _compare(model, reference, "after 2 steps")
+
+
+def test_a_backbone_frozen_before_wrapping() -> None:
+    run_on_ranks(_frozen_backbone_body, 2)

@@ -1,7 +1,9 @@
 """What changes between two steps without ZeRO being told, in every way of reducing and stepping, against DDP + the
 plain optimizer:
 
-- gradual unfreezing: a layer frozen when ZeRO was built is made trainable (on every rank). Its first step already
+- gradual unfreezing: a layer (or a bias small enough that placing it moves bucket views within their spare room,
+  in the middle of the backward under the interleaved stepping) frozen when ZeRO was built is made trainable (on
+  every rank), with bucket views on and off and DDP's hooks firing a layer at a time. Its first step already
   uses the averaged gradient: reduced to owners, its elements (owned by nobody yet) are all-reduced; stepped inside
   the backward, the ranks agree on what they train and place it before the step;
 - new storage: every parameter is given a copy of itself (``param.data = ...``, as ``model.to(...)`` does when it
@@ -27,23 +29,32 @@ ITERATIONS, UNFREEZE_AT, MOVE_AT = 5, 2, 3
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+    return nn.Sequential(
+        nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)
+    )
 
 
-def _body(rank: int, world_size: int, configs: list[tuple[str, str, str, bool]]) -> None:
-    for partition, reduction, stepping, bucket_view in configs:
-        what = f"{partition} {reduction} {stepping} bucket_view={bucket_view}"
+def _frozen(net: nn.Module, which: str) -> Any:
+    """What is frozen when the optimizers are built: a layer, or a bias small enough that placing it moves the
+    bucket views within their spare room (in the middle of a backward, for the interleaved stepping)."""
+    return net[2] if which == "layer" else net[6].bias
+
+
+def _body(rank: int, world_size: int, configs: list[tuple[str, str, str, bool, str]]) -> None:
+    for partition, reduction, stepping, bucket_view, frozen in configs:
+        what = f"{partition} {reduction} {stepping} bucket_view={bucket_view} frozen={frozen}"
         model, reference = _net(), _net()
-        ddp = DDP(model, find_unused_parameters=True)
+        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=1e-4)  # a bucket a layer: hooks mid-backward
         reference_ddp = DDP(reference, find_unused_parameters=True)
         for net in (model, reference):
-            net[2].requires_grad_(False)  # frozen when the optimizers are built
+            _frozen(net, frozen).requires_grad_(False)
         kwargs: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1}
         zero = ZeroRedundancyOptimizer(
             model.parameters(),
             torch.optim.AdamW,
             overlap_with_ddp=stepping != "explicit",
             partition=partition,
+            parameters_as_bucket_view=bucket_view,
             **kwargs,
         )
         register(ddp, zero, reduction, stepping)
@@ -51,18 +62,24 @@ def _body(rank: int, world_size: int, configs: list[tuple[str, str, str, bool]])
         for iteration in range(ITERATIONS):
             if iteration == UNFREEZE_AT:
                 for net in (model, reference):
-                    net[2].requires_grad_(True)
+                    _frozen(net, frozen).requires_grad_(True)
             if iteration == MOVE_AT:
                 for param in model.parameters():
                     param.data = param.data.clone()
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
             lockstep(ddp, zero, stepping, reference_ddp, plain, x, f"{what} iteration {iteration}")
-        assert all(zero.fragments_of(p) for p in model[2].parameters()), f"{what}: the unfrozen layer has no owner"
+        unfrozen = _frozen(model, frozen)
+        params = list(unfrozen.parameters()) if isinstance(unfrozen, nn.Module) else [unfrozen]
+        assert all(zero.fragments_of(p) for p in params), f"{what}: what was unfrozen has no owner"
 
 
 CONFIGS = list(
     itertools.product(
-        ["greedy", "even"], ["all_reduce", "to_owners"], ["explicit", "hook", "interleaved"], [False, True]
+        ["greedy", "even"],
+        ["all_reduce", "to_owners"],
+        ["explicit", "hook", "interleaved"],
+        [False, True],
+        ["layer", "bias"],
     )
 )
 

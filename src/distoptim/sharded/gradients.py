@@ -133,8 +133,11 @@ class OwnedGradients:
         self._remaining[bucket] -= 1
 
     def _is_whole_bucket(self, bucket: int, param: Tensor, grad: Tensor) -> bool:
-        """Whether ``grad`` laid out flat is exactly bucket ``bucket``: its only parameter, no padding, the bucket's
-        dtype, and the parameter's memory order (dense, with its strides)."""
+        """Whether ``grad`` can be bucket ``bucket`` itself: laid out flat it is exactly the bucket (its only
+        parameter, no padding, the bucket's dtype, the parameter's memory order), and its memory is its own. Autograd
+        may hand a parameter a gradient that shares memory with one another branch of the backward still needs (a
+        parameter read through a view and added to an activation): reduced in place, that branch would read it
+        scaled and summed."""
         plan = self.buckets[bucket]
         return (
             len(plan.slots) == 1
@@ -142,6 +145,7 @@ class OwnedGradients:
             and (grad.device, grad.dtype) == self.store_keys[plan.key]
             and grad.stride() == param.stride()
             and is_dense(grad)
+            and _memory_is_its_own(grad)
         )
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
@@ -250,6 +254,15 @@ class OwnedGradients:
             self._in_flight.append((bucket, buffer, _done(buffer)))
             self.landed[bucket] = False
             self._land_oldest()
+
+
+def _memory_is_its_own(tensor: Tensor) -> bool:
+    """Whether no other tensor shares ``tensor``'s storage (False where torch cannot tell)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None or tensor._base is not None:
+        return False
+    storage = tensor.untyped_storage()  # this handle holds a reference of its own
+    return bool(count(storage._cdata) == 2)
 
 
 def _done(value: Tensor) -> Any:

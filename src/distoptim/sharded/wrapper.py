@@ -140,13 +140,15 @@ class ShardedDataParallel(nn.Module):
         """Before each submodule's forward, land the buckets of every parameter in its subtree (a module may read
         a child's parameter without running the child: ``nn.MultiheadAttention`` reads ``out_proj.weight``) and of
         every bucket before them; before the root's, those of its own parameters only (its subtree is everything:
-        waiting for all of it would overlap nothing). A parameter read by a module outside its subtree before any
-        module holding it ran (the root reading a deep child's weight) needs ``model.sync_finished()`` first."""
+        waiting for all of it would overlap nothing), counting those of its parameter containers (GPT-2's learned
+        positions in an ``nn.ParameterDict``: never called, read by the root). A parameter read by a module outside
+        its subtree before any module holding it ran (the root reading a deep child's weight) needs
+        ``model.sync_finished()`` first."""
         for handle in self._landers:
             handle.remove()
         self._landers = []
         for submodule in self.module.modules():
-            params = submodule.parameters(recurse=submodule is not self.module)
+            params = _held_directly(submodule) if submodule is self.module else submodule.parameters()
             last = sync.last_unit(params)
             if last >= 0:
                 self._landers.append(submodule.register_forward_pre_hook(_Lander(self.zero, last)))
@@ -321,6 +323,15 @@ def _fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fing
     for name, buffer in module.named_buffers():
         entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
     return entries
+
+
+def _held_directly(module: nn.Module) -> Iterator[Tensor]:
+    """``module``'s own parameters and those of the parameter containers under it (``nn.ParameterDict``,
+    ``nn.ParameterList``: never called, their parameters are read by the module holding them)."""
+    yield from module.parameters(recurse=False)
+    for child in module.children():
+        if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
+            yield from _held_directly(child)
 
 
 def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group], cap_bytes: int) -> None:

@@ -141,22 +141,23 @@ class BucketViewSync(ParameterSync):
 
     Each buffer is allocated with room for the padding of a finer even cut (``ShardedDataParallel`` cuts a layout
     into regions, each padded to a multiple of the group size; at most ``group size - 1`` elements per parameter),
-    so that re-cutting, given the ``previous`` sync, moves the parameters within their buffer instead of copying them
-    into a second one: constructing ``ShardedDataParallel`` costs no second copy of the parameters. A buffer is
-    written parameter by parameter (padding zeroed, the rest never touched twice), and each parameter's old storage
-    is freed as soon as it moved: on the CPU no moment holds a second copy of the layout either."""
+    so that re-cutting moves the parameters within the buffers of ``move_within`` (the sync being replaced) instead
+    of copying them into new ones: wrapping a model in ``ShardedDataParallel`` costs no second copy of it. Only
+    where no autograd graph can hold views of the parameters (a backward would read moved memory): any other rebuild
+    copies into new buffers, leaving the old ones to whatever still views them. A new buffer is written parameter by
+    parameter (padding zeroed, the rest never touched twice), each parameter's old storage freed once copied."""
 
     def __init__(
         self,
         layouts: list[FlatLayout],
         group: comm.Group,
         collectives: comm.Collectives = comm.Collectives.ROOTED,
-        previous: ParameterSync | None = None,
+        move_within: ParameterSync | None = None,
     ) -> None:
         super().__init__(layouts, group, collectives)
-        spare = previous.allocations() if previous is not None else {}
-        if previous is not None:
-            _release_leavers(previous.layouts, layouts, spare)
+        spare = move_within.allocations() if move_within is not None else {}
+        if move_within is not None:
+            _release_leavers(move_within.layouts, layouts, spare)
         room = comm.group_size(group) - 1
         self._allocations: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.buffers: list[Tensor] = []
@@ -168,7 +169,7 @@ class BucketViewSync(ParameterSync):
                     layout.numel + room * len(layout.params), dtype=layout.dtype, device=layout.device
                 )
             self._allocations[key] = allocation
-            self.buffers.append(_place(layout, allocation[: layout.numel]))
+            self.buffers.append(_place(layout, allocation))
 
     def allocations(self) -> dict[tuple[torch.device, torch.dtype], Tensor]:
         return dict(self._allocations)
@@ -204,11 +205,13 @@ def _movable_within(layout: FlatLayout, allocation: Tensor) -> bool:
     return layout.numel <= allocation.numel() and inside == sorted(inside)
 
 
-def _place(layout: FlatLayout, buffer: Tensor) -> Tensor:
-    """Make ``layout``'s parameters views into ``buffer`` at their positions, and zero what no parameter covers (the
-    padding). Those already in it move there (order kept): the ones moving back first to last, then the ones moving
-    forward last to first, so that no move overwrites a parameter that has not moved yet."""
-    storage = _storage(buffer)
+def _place(layout: FlatLayout, allocation: Tensor) -> Tensor:
+    """Make ``layout``'s parameters views into ``allocation`` at their positions, zero what no parameter covers (the
+    padding) and return the layout's buffer, its first ``layout.numel`` elements. Parameters already in it move there
+    (order kept; a parameter may lie beyond the new end, when the layout shrank): the ones moving back first to last,
+    then the ones moving forward last to first, so that no move overwrites a parameter that has not moved yet."""
+    buffer = allocation[: layout.numel]
+    storage = _storage(allocation)
     starts = _starts(layout)
     inside = [
         (int(param.storage_offset()), position, param) for position, param in starts if _storage(param) == storage
@@ -216,7 +219,7 @@ def _place(layout: FlatLayout, buffer: Tensor) -> Tensor:
     backward = [move for move in inside if move[1] < move[0]]
     forward = [move for move in reversed(inside) if move[1] > move[0]]
     for source, target, param in backward + forward:
-        _move(buffer, source, target, param.numel())
+        _move(allocation, source, target, param.numel())
         param.data = view_like(buffer, target, param)
     for position, param in starts:
         if _storage(param) != storage:  # its elements are elsewhere (a new parameter, a first layout): copy them

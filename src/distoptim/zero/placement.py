@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["repartition", "repartition_if_changed", "use_regions"]
 
 
-def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False) -> None:
-    """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the plan."""
+def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False, in_place: bool = False) -> None:
+    """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the plan.
+    ``in_place``: bucket views move within their buffers (only where no autograd graph can hold views of them)."""
     params = zero.global_params
     zero._trainability = tuple(p.requires_grad for p in params)
     zero._plan = partition_parameters(
@@ -45,7 +46,8 @@ def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False) -> None:
         zero._sync.finish()
     layouts = layouts_from_plan(zero._plan.layouts, zero._plan.fragments, params)
     if zero.parameters_as_bucket_view:  # before the shard's views are made: bucket views move the parameters
-        zero._sync = BucketViewSync(layouts, zero.process_group, zero.collectives, previous=zero._sync)
+        within = zero._sync if in_place else None
+        zero._sync = BucketViewSync(layouts, zero.process_group, zero.collectives, move_within=within)
     else:
         zero._sync = StagedSync(layouts, zero.process_group, zero.collectives)
     zero._routes.clear()
@@ -87,7 +89,7 @@ def use_regions(zero: ZeroRedundancyOptimizer, region_numel: dict[Hashable, int]
             "before the optimizer has any state (before the first step() and before loading a checkpoint)"
         )
     zero._region_numel = region_numel
-    repartition(zero, fresh=True)
+    repartition(zero, fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
 
 
 def _storages(zero: ZeroRedundancyOptimizer) -> tuple[int, ...]:
