@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
@@ -532,3 +533,44 @@ def _frozen_backbone_body(rank: int, world_size: int) -> None:
 
 def test_a_backbone_frozen_before_wrapping() -> None:
     run_on_ranks(_frozen_backbone_body, 2)
+
+
+# ------------------------------------------------------------- what cannot be made right is refused on every rank
+class Checkpointed(nn.Module):
+    """``a`` inside a reentrant activation checkpoint, and (``outside``) used once more outside it: its gradient
+    then arrives twice in one backward, the second time after its bucket was reduced."""
+
+    def __init__(self, outside: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.outside = nn.Linear(6, 6), nn.Linear(6, 6), outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=True)
+        return self.b(self.a(h) if self.outside else h)
+
+
+def _pending_and_twice_body(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)  # a forward through the bare model, its backward after wrapping: the moves (odd sizes pad)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))  # bump the versions the graph saved
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, partition="even", parameters_as_bucket_view=True, lr=0.1
+    )
+    loss = model(_x(rank, 0, 5)).square().sum()
+    ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    for outside in (False, True):
+        model, reference = Checkpointed(outside), Checkpointed(outside)
+        zero, sdp = _sdp(model, "even")
+        if outside:
+            with pytest.raises(RuntimeError, match=r"second gradient in one backward.*use_reentrant=False"):
+                sdp(_x(rank, 0).requires_grad_()).square().mean().backward()
+            continue
+        ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+        for step in range(2):
+            _step_both(zero, sdp, plain, ddp, _x(rank, step).requires_grad_(), f"checkpointed step {step}")
+
+
+def test_a_graph_pending_across_wrapping_and_a_gradient_twice_in_one_backward_raise() -> None:
+    run_on_ranks(_pending_and_twice_body, 2)

@@ -150,7 +150,9 @@ def _recut_body(rank: int, world_size: int) -> None:
     recut = partition_parameters(numels, trainable, world_size, mode="even", keys=keys, region_numel={keys[0]: 30})
     assert len(recut.layouts[0].bounds) > 2, "the cut must make several padded regions"
     before = [p.storage_offset() for p in params]
-    second = BucketViewSync(layouts_from_plan(recut.layouts, recut.fragments, params), dist.group.WORLD, previous=first)
+    second = BucketViewSync(
+        layouts_from_plan(recut.layouts, recut.fragments, params), dist.group.WORLD, move_within=first
+    )
     assert second.allocations()[keys[0]] is allocation, "moved in place, not copied into a second buffer"
     moves = {p.storage_offset() - offset for p, offset in zip(params, before) if p is not params[1]}
     assert min(moves) < 0 < max(moves), "some parameters must move back (the frozen one left), some forward (padding)"

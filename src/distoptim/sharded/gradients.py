@@ -124,6 +124,13 @@ class OwnedGradients:
     def _fill(self, bucket: int, slot: Any, param: Tensor) -> None:
         grad = param.grad
         assert grad is not None
+        if slot.index in self._filled:
+            raise RuntimeError(
+                f"ShardedDataParallel: parameter {slot.index} of the optimizer received a second gradient in one "
+                "backward, after its first went into its bucket (reentrant activation checkpointing, "
+                "checkpoint(..., use_reentrant=True), with the parameter also used outside the checkpoint does "
+                "this). Use checkpoint(..., use_reentrant=False), or use the parameter on one side only"
+            )
         if bucket not in self._buffers and self._is_whole_bucket(bucket, param, grad):
             self._buffer(bucket, flat_view(grad))  # the gradient is the bucket (a parameter over the cap): no copy
         else:

@@ -190,6 +190,7 @@ def _release_leavers(before: Sequence[FlatLayout], after: Sequence[FlatLayout], 
         for param in layout.params:
             if id(param) not in staying and _storage(param) in reused:
                 param.data = param.detach().clone()
+                torch.autograd.graph.increment_version(param)  # its old memory is about to be overwritten
 
 
 def _starts(layout: FlatLayout) -> list[tuple[int, Tensor]]:
@@ -221,6 +222,9 @@ def _place(layout: FlatLayout, allocation: Tensor) -> Tensor:
     for source, target, param in backward + forward:
         _move(allocation, source, target, param.numel())
         param.data = view_like(buffer, target, param)
+        # a graph recorded before the move (a forward whose backward is pending) saved views of the old memory: its
+        # backward now raises torch's "modified by an inplace operation" instead of reading other parameters' values
+        torch.autograd.graph.increment_version(param)
     for position, param in starts:
         if _storage(param) != storage:  # its elements are elsewhere (a new parameter, a first layout): copy them
             view = view_like(buffer, position, param)
