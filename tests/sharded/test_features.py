@@ -109,7 +109,7 @@ def _memory_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
             zero.step()
         size = (reduce_dtype or torch.float32).itemsize
         full = sum(p.numel() * (size if p.dtype == torch.float32 or reduce_dtype else 2) for p in groups_of(zero))
-        owned = sum(store.numel() * store.element_size() for store in gradients.stores.values())
+        owned = sum(t.numel() * t.element_size() for t in gradients.owned if t is not None)
         stray = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
         cap = max(b.numel for b in gradients.buckets) * size
         results.append((f"{partition} reduce_dtype={reduce_dtype}", owned + stray, full, cap, peak[0]))

@@ -8,8 +8,8 @@ of the plan, cut into equal shares, one per rank: a reduce-scatter without paddi
 greedy partition a bucket gathers consecutive parameters up to the cap, each owned whole by one rank: one rooted
 reduce per owner's run.
 
-A rank's owned gradient (``store_plan``) is its owned ranges of every bucket, one after another in bucket order,
-per store key (device, gradient dtype): a bucket's owned part lands in one contiguous stretch of its store.
+A rank's owned gradient (``store_plan``) is, per bucket, its owned ranges of that bucket one after another: one
+tensor a bucket, allocated when the bucket first lands in a backward and freed by ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -118,35 +118,28 @@ def _merged(pieces: list[tuple[int, int, int]]) -> Route:
 
 @dataclass(frozen=True)
 class StorePlan:
-    """Where a rank's owned gradient lives: each bucket's owned part starts at ``starts[bucket]`` of the store of
-    its key, which holds ``lengths[key]`` elements; ``fragments`` maps ``(index, offset)`` of each owned fragment to
-    ``(store key, start)``."""
+    """Where a rank's owned gradient lives: bucket ``b``'s owned ranges, one after another, in a tensor of
+    ``lengths[b]`` elements; ``fragments`` maps ``(index, offset)`` of each owned fragment to ``(bucket, start)``."""
 
-    starts: tuple[int, ...]
-    lengths: Mapping[Hashable, int]
-    fragments: Mapping[tuple[int, int], tuple[Hashable, int]]
+    lengths: tuple[int, ...]
+    fragments: Mapping[tuple[int, int], tuple[int, int]]
 
 
-def store_plan(
-    buckets: Sequence[BucketPlan], rank: int, store_key: Mapping[Hashable, Hashable], plan: PartitionPlan
-) -> StorePlan:
-    """Lay out ``rank``'s owned ranges of ``buckets`` one after another per store key (``store_key[bucket.key]``:
-    the device and the dtype gradients are reduced in)."""
-    starts, lengths = [], dict.fromkeys(store_key.values(), 0)
-    fragments: dict[tuple[int, int], tuple[Hashable, int]] = {}
-    for bucket in buckets:
-        key = store_key[bucket.key]
-        starts.append(lengths[key])
-        owned, at = bucket.owned(rank), lengths[key]
+def store_plan(buckets: Sequence[BucketPlan], rank: int, plan: PartitionPlan) -> StorePlan:
+    """Lay out ``rank``'s owned ranges of each of ``buckets`` one after another."""
+    lengths = []
+    fragments: dict[tuple[int, int], tuple[int, int]] = {}
+    for number, bucket in enumerate(buckets):
+        owned = bucket.owned(rank)
         for slot in bucket.slots:
             for fragment in plan.fragments[slot.index]:
                 if fragment.rank == rank and fragment.length:
                     fragments[(slot.index, fragment.offset)] = (
-                        key,
-                        at + _owned_offset(owned, slot.position + fragment.offset),
+                        number,
+                        _owned_offset(owned, slot.position + fragment.offset),
                     )
-        lengths[key] += sum(end - start for start, end in owned)
-    return StorePlan(tuple(starts), lengths, fragments)
+        lengths.append(sum(end - start for start, end in owned))
+    return StorePlan(tuple(lengths), fragments)
 
 
 def _owned_offset(owned: list[tuple[int, int]], element: int) -> int:

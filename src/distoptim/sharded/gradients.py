@@ -4,7 +4,9 @@ and each rank keeps only its owned part (``OwnedGradients``), which ZeRO then cl
 
 Memory: a rank holds its owned gradient (about 1/N of the gradient) plus the buckets being filled or reduced, at
 most ``max_in_flight`` of them while buckets fill in order (a bucket whose parameter this rank did not use is
-complete only at the end of the backward, and holds back the launches after it until then).
+complete only at the end of the backward, and holds back the launches after it until then). The owned gradient is
+one tensor a bucket, allocated as the bucket lands and freed by ``zero_grad()``: the forward and the start of the
+backward, where activations peak, hold none of it.
 
 At the end of the backward (the autograd engine's, not a bucket count) the remaining buckets are launched in the
 same order on every rank, unused parameters contributing zeros, and the ranks agree, on the control plane, on
@@ -52,11 +54,8 @@ class OwnedGradients:
         self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
             b.key: (p.device, reduce_dtype or p.dtype) for b, p in zip(self.buckets, first)
         }
-        self.layout = store_plan(self.buckets, zero.rank, self.store_keys, zero.plan)
-        self.stores: dict[Hashable, Tensor] = {
-            kind: torch.zeros(self.layout.lengths[kind], dtype=kind[1], device=kind[0])
-            for kind in set(self.store_keys.values())
-        }
+        self.layout = store_plan(self.buckets, zero.rank, zero.plan)
+        self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the last clear()
@@ -78,12 +77,13 @@ class OwnedGradients:
         """``local``'s piece of the owned gradient (a view), or None when no rank used its parameter or no backward
         has landed it since ``clear()``."""
         where = self.layout.fragments.get((local.index, local.offset))
-        if where is None or not self.landed[self.slot_of[id(local.param)][0]]:
+        if where is None or not self.landed[where[0]]:
             return None
         if not self._was_used(local.index) and not (self.zeroed and self.ever[local.index]):
             return None
-        store, start = self.stores[where[0]], where[1]
-        return view_like(store, start, local.param) if local.whole else store[start : start + local.length]
+        owned, start = self.owned[where[0]], where[1]
+        assert owned is not None  # landed
+        return view_like(owned, start, local.param) if local.whole else owned[start : start + local.length]
 
     def _was_used(self, index: int) -> bool:
         return self.everywhere is not None and index < len(self.everywhere) and self.everywhere[index]
@@ -96,9 +96,17 @@ class OwnedGradients:
         self.used = [False] * len(self.params)
         self.everywhere = None
         self.zeroed = not set_to_none
-        if self.zeroed:
-            for store in self.stores.values():
-                store.zero_()
+        for bucket, owned in enumerate(self.owned):
+            if set_to_none:
+                self.owned[bucket] = None
+            elif owned is None:
+                self.owned[bucket] = self._new_owned(bucket).zero_()
+            else:
+                owned.zero_()
+
+    def _new_owned(self, bucket: int) -> Tensor:
+        device, dtype = self.store_keys[self.buckets[bucket].key]
+        return torch.empty(self.layout.lengths[bucket], dtype=dtype, device=device)
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -189,11 +197,12 @@ class OwnedGradients:
         ``clear()``)."""
         bucket, buffer, reduced = self._in_flight.popleft()
         reduced.wait()
-        plan = self.buckets[bucket]
-        store = self.stores[self.store_keys[plan.key]]
-        at = self.layout.starts[bucket]
-        for start, end in plan.owned(self.zero.rank):
-            target = store[at : at + end - start]
+        owned = self.owned[bucket]
+        if owned is None or not self.landed[bucket]:  # the first landing since clear(): copied, not added
+            owned = self.owned[bucket] = owned if owned is not None else self._new_owned(bucket)
+        at = 0
+        for start, end in self.buckets[bucket].owned(self.zero.rank):
+            target = owned[at : at + end - start]
             target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])
             at += end - start
         self.landed[bucket] = True
@@ -243,8 +252,7 @@ class OwnedGradients:
     def _take_over(self, previous: OwnedGradients) -> None:
         """After the plan grew: keep what ``previous`` had landed (its buckets come first, laid out alike), and take
         the averaged ``.grad`` of parameters placed since into their new buckets."""
-        for key, store in previous.stores.items():
-            self.stores[key][: store.numel()].copy_(store)
+        self.owned[: len(previous.owned)] = previous.owned
         self.landed[: len(previous.landed)] = previous.landed
         self.used[: len(previous.used)] = previous.used
         self.everywhere = previous.everywhere
