@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["copy_each_", "flat_view", "is_dense", "pack", "unpack_"]
+__all__ = ["copy_each_", "flat_view", "is_dense", "pack", "unpack_", "view_like"]
 
 
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
@@ -59,3 +59,11 @@ def flat_view(tensor: Tensor) -> Tensor:
     if not is_dense(tensor):
         raise ValueError(f"a tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not dense")
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def view_like(buffer: Tensor, offset: int, param: Tensor) -> Tensor:
+    """``param``'s elements at ``buffer[offset:]`` laid out as DDP lays a parameter into its bucket: with the
+    parameter's own strides when it is dense (``_flat.is_dense``), row-major otherwise."""
+    if is_dense(param):
+        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, checkpoint
 from distoptim.sharded.sync import BucketedSync
 from tests._dist import run_on_ranks
+from tests.sharded.test_hard_cases import _step_both
 from tests.sharded.test_parity import KWARGS, Model, assert_matches, batch, groups
 
 
@@ -376,15 +377,7 @@ def _added_first_body(rank: int, world_size: int, partition: str) -> None:
             zero.add_param_group({"params": list(model[0].parameters())})
             plain.add_param_group({"params": list(reference[0].parameters())})
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
-        zero.zero_grad()
-        loss = sdp(x).square().mean()
-        loss.backward()
-        zero.step()
-        plain.zero_grad()
-        want = ddp(x).square().mean()
-        want.backward()
-        plain.step()
-        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-7, msg=lambda m, s=step: f"step {s} loss: {m}")
+        _step_both(zero, sdp, plain, ddp, x, f"step {step}")
 
 
 @pytest.mark.parametrize("partition", ["greedy", "even"])

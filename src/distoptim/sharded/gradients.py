@@ -25,10 +25,9 @@ from torch import Tensor
 
 from distoptim import _agreement
 from distoptim._backward import at_end_of_backward
-from distoptim._flat import flat_view, is_dense
+from distoptim._flat import flat_view, is_dense, view_like
 from distoptim.sharded.buckets import BucketPlan, store_plan
 from distoptim.zero import comm
-from distoptim.zero.buckets import view_like
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:
