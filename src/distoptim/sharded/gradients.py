@@ -197,8 +197,8 @@ class OwnedGradients:
         bucket, buffer, reduced = self._in_flight.popleft()
         reduced.wait()
         owned = self.owned[bucket]
-        if owned is None or not self.landed[bucket]:  # the first landing since clear(): copied, not added
-            owned = self.owned[bucket] = owned if owned is not None else self._new_owned(bucket)
+        if owned is None:  # its first landing since zero_grad(): allocated here, and copied into, not added to
+            owned = self.owned[bucket] = self._new_owned(bucket)
         at = 0
         for start, end in self.buckets[bucket].owned(self.zero.rank):
             target = owned[at : at + end - start]
