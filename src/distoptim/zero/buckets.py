@@ -147,8 +147,9 @@ class BucketViewSync(ParameterSync):
         move_within: ParameterSync | None = None,
     ) -> None:
         super().__init__(layouts, group, collectives)
-        spare = move_within.allocations() if move_within is not None else {}
+        spare: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         if move_within is not None:
+            spare = move_within.allocations()
             release_leavers(move_within.layouts, layouts, spare)
         room = comm.group_size(group) - 1
         self._allocations: dict[tuple[torch.device, torch.dtype], Tensor] = {}
