@@ -110,7 +110,8 @@ def _caveats(data: dict[str, Any]) -> list[str]:
         "## Caveats",
         "",
         "- **CPU and gloo, not GPUs and NCCL.** On gloo the bandwidth-optimal collectives (reduce-scatter, "
-        "all-gather) are the slow ones and rooted broadcasts/reduces the fast ones; NCCL is the other way round. "
+        "all-gather) are the slow ones and point-to-point messages to and from each owner the fast ones; NCCL is the "
+        "other way round. "
         "The time ratios below say how these implementations compare on this machine, not on a GPU cluster.",
         f"- **Cores.** Each rank runs one thread; this machine has {cpus} CPUs."
         + (

@@ -50,7 +50,15 @@ def test_library_does_not_import_torch_implementations() -> None:
 # ------------------------------------------------------------- communication lives in the comm modules only
 
 # rpc.py: the RPC framework is its comm; _agreement.py and _objects.py: the control plane (flags, digests, objects)
-COMM_MODULES = {"_groups.py", "_agreement.py", "_objects.py", "zero/comm.py", "averaging/comm.py", "rpc.py"}
+COMM_MODULES = {
+    "_groups.py",
+    "_agreement.py",
+    "_objects.py",
+    "zero/comm.py",
+    "zero/p2p.py",
+    "averaging/comm.py",
+    "rpc.py",
+}
 APPLICATION = "demo/"  # the demo is a program using the library, not library code
 COLLECTIVES = {
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",

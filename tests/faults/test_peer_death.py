@@ -1,5 +1,6 @@
-"""A rank SIGKILLed in the backward, in ``zero.step()``, in the parameter sync or in ``consolidate_state_dict``:
-every survivor raises within seconds, with an error saying a peer is gone, and no process is left behind.
+"""A rank SIGKILLed in the backward (DDP's, or ``ShardedDataParallel``'s point-to-point reduction), in
+``zero.step()``, in the parameter sync or in ``consolidate_state_dict``: every survivor raises within seconds, with
+an error saying a peer is gone, and no process is left behind.
 
 The process group's timeout is a minute, longer than the test waits: survivors must notice the death from the
 broken connections (gloo: "Connection reset by peer" / "Connection closed by peer [127.0.0.1]:port"), not time out.
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.zero import checkpoint
 from tests.faults._launcher import Outcome, die, run_with_faults
 
@@ -36,19 +37,19 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def _arm(where: str, ddp: DDP, zero: ZeroRedundancyOptimizer, now: dict[str, int]) -> None:
+def _arm(where: str, model: nn.Module, zero: ZeroRedundancyOptimizer, now: dict[str, int]) -> None:
     """Make this rank die at ``where`` in iteration ``KILL_AT``, through public hook points or a patched collective."""
 
     def die_in_iteration(*_: Any) -> None:
         if now["iteration"] == KILL_AT:
             die()
 
-    if where == "backward":  # the middle layer's gradients: DDP has launched the last layer's bucket already
-        ddp.module[2].register_full_backward_hook(die_in_iteration)
+    if where in ("backward", "sharded"):  # the middle layer's gradients: the last layer's bucket is launched already
+        model[2].register_full_backward_hook(die_in_iteration)
     elif where == "step":  # the local optimizer's step, inside zero.step(), before the sync
         zero.local_optimizer.register_step_pre_hook(die_in_iteration)
-    elif where in ("sync", "consolidate"):  # after this rank's first message of the sync / of its shard
-        name, after = ("broadcast", 1) if where == "sync" else ("send", 3)
+    elif where in ("sync", "consolidate"):  # at this rank's first message of the sync / after 3 of its shard
+        name, after = ("isend", 0) if where == "sync" else ("send", 3)  # (a rank its sync has reached goes on)
         real, calls = getattr(dist, name), [0]
 
         def dying(*args: Any, **kwargs: Any) -> Any:
@@ -64,17 +65,22 @@ def _arm(where: str, ddp: DDP, zero: ZeroRedundancyOptimizer, now: dict[str, int
 
 
 def _kill_body(rank: int, world_size: int, where: str) -> None:
-    ddp = DDP(_model(), bucket_cap_mb=0.001)  # a few buckets
-    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    model = _model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", lr=1e-2)
+    wrapped: nn.Module
+    if where == "sharded":
+        wrapped = ShardedDataParallel(model, zero, bucket_cap_mb=0.001)  # a few buckets
+    else:
+        wrapped = DDP(model, bucket_cap_mb=0.001)
     now = {"iteration": -1}
     if rank == VICTIM:
-        _arm(where, ddp, zero, now)
+        _arm(where, model, zero, now)
     checkpoint.STAGING_BYTES = 256  # several messages per shard
     for iteration in range(ITERATIONS):
         now["iteration"] = iteration
         zero.zero_grad()
         inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * iteration + rank))
-        ddp(inputs).square().mean().backward()
+        wrapped(inputs).square().mean().backward()
         zero.step()
         if where == "consolidate" and iteration == KILL_AT:
             zero.consolidate_state_dict(to=0)
@@ -98,12 +104,13 @@ def assert_survivors_raised(outcomes: list[Outcome], victim: int, pattern: str, 
         assert re.search(pattern, outcome.message), report
 
 
-# where the survivors are when the victim dies: the frame their traceback must show
+# where the survivors are when the victim dies: what their traceback must show
 SURVIVORS_IN = {
-    "backward": "backward",  # DDP's all-reduce of the victim's buckets
-    "step": "agreed_step",  # waiting for the victim's word that its local step succeeded, before the sync
-    "sync": "sync_parameters",
-    "consolidate": "consolidate_state_dict",  # rank 0 receiving the shards; rank 2 sending its own
+    "backward": "in backward\n",  # DDP's all-reduce of the victim's buckets
+    "sharded": "distoptim/sharded/gradients.py",  # sending to the victim, or waiting for what it sends
+    "step": "in agreed_step\n",  # waiting for the victim's word that its local step succeeded, before the sync
+    "sync": "in sync_parameters\n",
+    "consolidate": "in consolidate_state_dict\n",  # rank 0 receiving the shards; rank 2 sending its own
 }
 
 
@@ -113,4 +120,4 @@ def test_survivors_raise_when_a_rank_is_killed(where: str) -> None:
     assert_survivors_raised(outcomes, VICTIM, PEER_GONE, RAISE_WITHIN_S)
     for outcome in outcomes:
         if outcome.rank != VICTIM:
-            assert f"in {SURVIVORS_IN[where]}\n" in outcome.details, _report(outcomes)
+            assert SURVIVORS_IN[where] in outcome.details, _report(outcomes)

@@ -1,7 +1,7 @@
 """The CUDA paths, run where a GPU is (``benchmarks/gpu_check.sh`` on a lent machine); skipped elsewhere.
 
 - NCCL at world size 1 (one GPU): every mode of ZeRO (gradients all-reduced or reduced to owners, stepped explicitly
-  or inside DDP's backward, bucket views on and off, both partitions, both styles of collectives) and
+  or inside DDP's backward, bucket views on and off, both partitions, NCCL's chunked collectives; p2p is refused) and
   ShardedDataParallel (overlapped sync on and off) equal the plain optimizer, and two steady-state iterations run
   under ``torch.cuda.set_sync_debug_mode("error")``: any call that makes the CPU wait for the GPU raises.
 - gloo with 2 ranks on one GPU: ZeRO-2 and ShardedDataParallel with CUDA tensors, against DDP + the plain optimizer.
@@ -72,8 +72,11 @@ def _iteration(wrapped: Any, zero: Any, rank: int, step: int, device: torch.devi
 
 def _nccl_body(rank: int, world_size: int) -> None:
     device = torch.device("cuda", rank)
+    os.environ[comm.ENVIRONMENT] = comm.Collectives.POINT_TO_POINT.value  # gloo's: refused on NCCL, by every rank
+    with pytest.raises(ValueError, match="p2p is gloo's style"):
+        _build(MODES[0], "even", True, device, rank)
     for mode, partition, bucket_view, style in itertools.product(
-        MODES, ["greedy", "even"], [False, True], list(comm.Collectives)
+        MODES, ["greedy", "even"], [False, True], [comm.Collectives.CHUNKED]
     ):
         os.environ[comm.ENVIRONMENT] = style.value
         model, zero, wrapped = _build(mode, partition, bucket_view, device, rank)

@@ -145,7 +145,7 @@ def _body(rank: int, world_size: int, ddp_mode: str) -> None:
                 handle.remove()
             scales = all_gather_objects(scaler.get_scale(), dist.group.WORLD)
             assert scales == [by_hand.scale] * world_size, f"{what} iteration {iteration}: scales {scales}"
-            # Bitwise where the arithmetic is the same; reduced to owners, gloo's rooted reduce adds in another order
+            # Bitwise where the arithmetic is the same; reduced to owners, the ranks' shares add in another order
             # than its all-reduce (an ulp; a few in fp16); the fp16 clip scales fp16 gradients, the reference fp32.
             exact = clip is None and reduction == "all_reduce"
             rtol, atol = (0.0, 0.0) if exact else (1e-5, 1e-6) if dtype == torch.float32 else (5e-3, 1e-4)

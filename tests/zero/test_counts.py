@@ -1,11 +1,14 @@
 """What a steady-state iteration costs, counted rather than timed: the elements each mode hands to the collectives,
-in both styles (gloo's rooted calls and NCCL's equal-chunk ones, run here on gloo), and the host reads of tensor
+in both styles (gloo's point-to-point calls and NCCL's equal-chunk ones, run here on gloo), and the host reads of tensor
 values that the hot path makes (on a GPU each one stalls the CPU until the device has drained its queue).
 
 Elements are counted by wrapping ``torch.distributed``'s functions: a reduce or a broadcast hands over its tensor, a
 reduce-scatter its whole input, an all-gather its whole output; the control plane's int64 agreements are left out.
 A step of every mode that reduces to owners hands the gradient reduction at most 1.01x the gradient's elements and
-the parameter sync at most 1.01x the parameters' (no padding to N times a share), at 2, 3 and 4 ranks.
+the parameter sync at most 1.01x the parameters' (no padding to N times a share), at 2, 3 and 4 ranks. In the
+point-to-point style (gloo's) an ``isend`` hands over its tensor (a reduction's by its tag, else the sync's): over
+the N ranks, each sends every element it does not own once and every element it owns N-1 times, so each of the two
+sums to N-1 times the elements, at most 1.01x that.
 
 Host reads are counted two ways: the reasons ``distoptim._host.read`` records, and every ``item``/``tolist``/
 ``bool``/``float``/``int`` of a tensor called from distoptim's own code anywhere else (which must be none, but for
@@ -32,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distoptim
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, _host
-from distoptim.zero import comm
+from distoptim.zero import comm, p2p
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
 
@@ -77,8 +80,16 @@ def _counting_elements(handed: Counter[str]) -> Iterator[None]:
 
         return mock.patch.object(dist, name, counted)
 
+    def sent(*args: Any, **kwargs: Any) -> Any:
+        tensor = args[0]
+        if tensor.is_floating_point():
+            handed["reduction" if kwargs["tag"] >= p2p.FIRST_REDUCTION_TAG else "sync"] += tensor.numel()
+        return isend(*args, **kwargs)
+
+    isend = dist.isend
     patches = [wrapper(name, "reduction", argument) for name, argument in REDUCTIONS.items()]
     patches += [wrapper(name, "sync", argument) for name, argument in SYNCS.items()]
+    patches.append(mock.patch.object(dist, "isend", sent))
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
@@ -169,10 +180,16 @@ def _bytes_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_mode_that_reduces_to_owners_hands_over_no_padding(world_size: int) -> None:
-    for results in run_on_ranks(_bytes_body, world_size, timeout=240):
-        for mode, reduced, synced, elements in results:
-            assert elements <= reduced <= 1.01 * elements, f"{mode}: reduction {reduced} for {elements} elements"
-            assert elements <= synced <= 1.01 * elements, f"{mode}: sync {synced} for {elements} elements"
+    ranks = run_on_ranks(_bytes_body, world_size, timeout=240)
+    for by_rank in zip(*ranks):
+        mode, _, _, elements = by_rank[0]
+        reduced, synced = (sum(result[column] for result in by_rank) for column in (1, 2))
+        if comm.Collectives.POINT_TO_POINT.value in mode.split():  # sums over the ranks: N-1 times the elements
+            reduced, synced = reduced / (world_size - 1), synced / (world_size - 1)
+        else:  # every rank hands over every element
+            reduced, synced = reduced / world_size, synced / world_size
+        assert elements <= reduced <= 1.01 * elements, f"{mode}: reduction {reduced} for {elements} elements"
+        assert elements <= synced <= 1.01 * elements, f"{mode}: sync {synced} for {elements} elements"
 
 
 # (reduction, stepping, DDP looks for unused parameters, GradScaler) -> host reads per steady-state iteration

@@ -124,8 +124,10 @@ def _body(rank: int, world_size: int, configs: list[tuple[Any, ...]], ddp_modes:
                 zero.step()
             expected = reference.step(clip)
             if clip is not None:
-                # the bf16 gradients: at 3 ranks a reduction to owners adds in another order than the all-reduce
-                rtol = 1e-5 if world_size == 2 else 1e-3
+                # the bf16 gradients: at 3 ranks a reduction to owners adds in another order than the all-reduce,
+                # and point to point sums in fp32, rounding once where the all-reduce rounds at each rank: the head's
+                # largest elements may differ by a bf16 ulp (2^-8 relative), and the norm with them
+                rtol = 1e-5 if world_size == 2 else 2**-8
                 torch.testing.assert_close(total, expected, rtol=rtol, atol=0, msg=f"{what}: norm {clip[1]}")
             for index, (param, want) in enumerate(zip(model.parameters(), reference_model.parameters())):
                 label = f"{what} iteration {iteration} parameter {index}"

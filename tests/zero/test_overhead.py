@@ -19,6 +19,7 @@ from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import is_dense
 from distoptim.functional import FunctionalOptimizer
 from distoptim.hooks import allreduce_hook, hook_with_zero_step_interleaved
+from distoptim.zero import comm
 from distoptim.zero.buckets import StagedSync, layouts_from_plan, piece_view
 from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
@@ -67,7 +68,7 @@ def _sync_body(rank: int, world_size: int) -> None:
                 [t.numel() for t in params], [True] * count, world_size, mode=partition, keys=keys
             )
             layouts = layouts_from_plan(plan.layouts, plan.fragments, params)
-            sync = StagedSync(layouts, dist.group.WORLD)
+            sync = StagedSync(layouts, dist.group.WORLD, comm.Collectives.POINT_TO_POINT)
             index_of = {id(param): index for index, param in enumerate(params)}
             for step in range(2):  # the first sync works out the copies, the second only runs them
                 if partition == "greedy" and step == 1:  # a replaced .data is followed, as torch.optim follows it

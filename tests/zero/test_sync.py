@@ -1,16 +1,20 @@
-"""Parameter sync: every rank ends with every shard, in a few collectives, whatever the staging size."""
+"""Parameter sync: every rank ends with every shard, in a few collectives of either style, whatever the staging size."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 
+from distoptim.zero import comm
 from distoptim.zero.buckets import BucketViewSync, StagedSync, layouts_from_plan, piece_view
 from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
+
+P2P = comm.Collectives.POINT_TO_POINT
 
 SHAPES = [
     ((0,), torch.float32),  # zero-sized parameters (first, middle, last) have nothing to sync
@@ -40,26 +44,35 @@ def _sync_body(rank: int, world_size: int) -> None:
         torch.full(shape, float(owner + i), dtype=dtype)
         for i, ((shape, dtype), owner) in enumerate(zip(SHAPES, plan.owners))
     ]
-    for make_sync in (
-        lambda layouts: BucketViewSync(layouts, dist.group.WORLD),
-        lambda layouts: StagedSync(layouts, dist.group.WORLD),
-        lambda layouts: StagedSync(layouts, dist.group.WORLD, stage_bytes=40),  # forces many small rounds
-        lambda layouts: StagedSync(layouts, dist.group.WORLD, direct_bytes=40),  # large ones broadcast in place
+    for make_sync, style in itertools.product(
+        (
+            lambda layouts, style: BucketViewSync(layouts, dist.group.WORLD, style),
+            lambda layouts, style: StagedSync(layouts, dist.group.WORLD, style),
+            lambda layouts, style: StagedSync(layouts, dist.group.WORLD, style, stage_bytes=40),  # many small rounds
+            lambda layouts, style: StagedSync(layouts, dist.group.WORLD, style, direct_bytes=40),  # large in place
+        ),
+        comm.Collectives,
     ):
         params = _params_for(rank, plan.owners)
         layouts = layouts_from_plan(plan.layouts, plan.fragments, params)
         assert len(layouts) == 2  # one per dtype
-        sync = make_sync(layouts)
+        sync = make_sync(layouts, style)
         data_ptrs = [{param.data_ptr()} for param in params]
-        with mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as broadcast:
+        with (
+            mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as broadcast,
+            mock.patch.object(dist, "isend", wraps=dist.isend) as isend,
+        ):
             sync.sync_parameters()
         for param, want in zip(params, expected):
             assert torch.equal(param, want), (param, want)
         if isinstance(sync, StagedSync) and sync.direct:
             assert 0 < len(sync.direct) < len(params)
             assert all(param.data_ptr() in pointers for param, pointers in zip(params, data_ptrs))
-        elif not isinstance(sync, StagedSync) or sync.rounds[0].numel > 10:
-            assert broadcast.call_count <= world_size * len(layouts), broadcast.call_count
+        elif not isinstance(sync, StagedSync) or sync.rounds[0].numel > 10:  # one message per owner and layout
+            if style is comm.Collectives.POINT_TO_POINT:
+                assert broadcast.call_count == 0 and isend.call_count <= (world_size - 1) * len(layouts)
+            else:
+                assert isend.call_count == 0 and broadcast.call_count <= world_size * len(layouts)
 
 
 def test_every_rank_gets_every_shard() -> None:
@@ -74,7 +87,7 @@ def _strided_body(rank: int, world_size: int) -> None:
     strides = [p.stride() for p in owned]
     plan = partition_parameters([p.numel() for p in owned], [True, True], world_size)
     assert plan.owners == (0, 1)
-    sync = BucketViewSync(layouts_from_plan(plan.layouts, plan.fragments, owned), dist.group.WORLD)
+    sync = BucketViewSync(layouts_from_plan(plan.layouts, plan.fragments, owned), dist.group.WORLD, P2P)
     assert [p.stride() for p in owned] == strides
     sync.sync_parameters()
     assert torch.equal(owned[0], conv) and torch.equal(owned[1], transposed + 1)
@@ -99,14 +112,17 @@ def _even_body(rank: int, world_size: int) -> None:
         [t.numel() for t in expected], [True] * len(expected), world_size, mode="even", keys=keys
     )
     assert any(len({f.rank for f in pieces}) > 1 for pieces in plan.fragments), "some parameter must straddle"
-    for make_sync in (
-        lambda layouts: BucketViewSync(layouts, dist.group.WORLD),
-        lambda layouts: StagedSync(layouts, dist.group.WORLD),
-        lambda layouts: StagedSync(layouts, dist.group.WORLD, stage_bytes=24, direct_bytes=40),
+    for make_sync, style in itertools.product(
+        (
+            lambda layouts, style: BucketViewSync(layouts, dist.group.WORLD, style),
+            lambda layouts, style: StagedSync(layouts, dist.group.WORLD, style),
+            lambda layouts, style: StagedSync(layouts, dist.group.WORLD, style, stage_bytes=24, direct_bytes=40),
+        ),
+        comm.Collectives,
     ):
         params = [torch.full_like(t, -1.0) for t in expected]
         layouts = layouts_from_plan(plan.layouts, plan.fragments, params)
-        sync = make_sync(layouts)
+        sync = make_sync(layouts, style)
         for layout in layouts:
             for piece in layout.pieces:
                 if piece.rank == rank:
@@ -144,14 +160,14 @@ def _recut_body(rank: int, world_size: int) -> None:
     keys = [(t.device, t.dtype) for t in expected]
     params = [t.clone(memory_format=torch.preserve_format) for t in expected]
     plan = partition_parameters(numels, [True] * len(params), world_size, mode="even", keys=keys)
-    first = BucketViewSync(layouts_from_plan(plan.layouts, plan.fragments, params), dist.group.WORLD)
+    first = BucketViewSync(layouts_from_plan(plan.layouts, plan.fragments, params), dist.group.WORLD, P2P)
     allocation = first.allocations()[keys[0]]
     trainable = [True, False, True, True, True, True, True]
     recut = partition_parameters(numels, trainable, world_size, mode="even", keys=keys, region_numel={keys[0]: 30})
     assert len(recut.layouts[0].bounds) > 2, "the cut must make several padded regions"
     before = [p.storage_offset() for p in params]
     second = BucketViewSync(
-        layouts_from_plan(recut.layouts, recut.fragments, params), dist.group.WORLD, move_within=first
+        layouts_from_plan(recut.layouts, recut.fragments, params), dist.group.WORLD, P2P, move_within=first
     )
     assert second.allocations()[keys[0]] is allocation, "moved in place, not copied into a second buffer"
     moves = {p.storage_offset() - offset for p, offset in zip(params, before) if p is not params[1]}

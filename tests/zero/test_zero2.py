@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import flat_view
 from distoptim.hooks import reduce_to_owners_hook
-from distoptim.zero import comm
+from distoptim.zero import comm, p2p
 from distoptim.zero.partition import SPLIT
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
@@ -194,32 +196,60 @@ def test_clip_grad_norm_nonfinite_raises_on_every_rank() -> None:
 
 
 def _reduce_to_owners_body(rank: int, world_size: int) -> None:
-    """Every way comm.reduce_to_owners_async works, in both styles of collectives: rooted reduces in place or packed
-    owner by owner, one reduce_scatter over equal shares (the buffer rank by rank, or packed), all-reduced slices
-    (owner EVERY: elements nobody owns yet), and the owned sums summed once more across replicas."""
+    """Every way comm.reduce_to_owners_async works, in both styles of collectives: point to point (an owner's ranges
+    packed when several, received whole or two chunks of a few elements at a time from each rank; a rank that owns
+    nothing receives nothing), rooted reduces in place or packed owner by owner, one reduce_scatter over equal shares
+    (the buffer rank by rank, or packed), all-reduced slices (owner EVERY: elements nobody owns yet), and the owned
+    sums summed once more across replicas."""
     interleaved = [(2, 0, 3), (0, 3, 5), (1, 5, 9), (0, 9, 10), (2, 10, 11), (1, 11, 12)]
     cases = [
         (interleaved, 4),  # in place
         (interleaved, 0),  # too many slices for in-place reduces: packed
         ([(0, 0, 4), (1, 4, 8), (2, 8, 12)], 4),  # equal shares, rank by rank: the chunked style scatters in place
         ([(1, 0, 2), (comm.EVERY, 2, 4), (2, 4, 6), (0, 6, 8), (1, 8, 10), (2, 10, 12), (0, 12, 14)], 4),  # packed
+        ([(1, 0, 5), (0, 5, 7), (1, 7, 9)], 4),  # rank 2 owns nothing
     ]
-    for collectives, (slices, calls) in itertools.product(comm.Collectives, cases):
+    styles = [(style, p2p.STAGING_BYTES) for style in comm.Collectives]
+    styles.append((comm.Collectives.POINT_TO_POINT, 40))  # received 2-3 elements a chunk, two chunks in flight
+    for (collectives, staging), (slices, calls) in itertools.product(styles, cases):
+        p2p.STAGING_BYTES, default = staging, p2p.STAGING_BYTES
         size = slices[-1][2]
         buffer = torch.arange(size, dtype=torch.float32) * (rank + 1)
         summed = torch.arange(size, dtype=torch.float32) * sum(r + 1 for r in range(world_size))
         future = comm.reduce_to_owners_async(
             buffer, slices, dist.group.WORLD, collectives, max_rooted_calls_per_rank=calls
         )
+        p2p.STAGING_BYTES = default
         assert future.wait() is buffer
         for owner, start, end in slices:
             if owner in (rank, comm.EVERY):
                 assert torch.equal(buffer[start:end], summed[start:end]), (collectives, calls, owner, start, end)
-    shard, replicas = dist.new_group([rank]), dist.group.WORLD  # every rank a shard group of one, replicated N times
-    buffer = torch.ones(6) * (rank + 1)
-    comm.reduce_to_owners_async(buffer, [(0, 0, 6)], shard, comm.Collectives.ROOTED, replicas=replicas).wait()
-    assert torch.equal(buffer, torch.ones(6) * sum(r + 1 for r in range(world_size)))
+    shards = [dist.new_group([r]) for r in range(world_size)]  # every rank a shard group of one, replicated N times
+    for collectives in comm.Collectives:
+        buffer = torch.ones(6) * (rank + 1)
+        comm.reduce_to_owners_async(buffer, [(0, 0, 6)], shards[rank], collectives, replicas=dist.group.WORLD).wait()
+        assert torch.equal(buffer, torch.ones(6) * sum(r + 1 for r in range(world_size))), collectives
 
 
 def test_reduce_to_owners_in_every_style() -> None:
     run_on_ranks(_reduce_to_owners_body, 3)
+
+
+@pytest.mark.parametrize(
+    ("backend", "value", "chosen"),
+    [
+        ("gloo", "", comm.Collectives.POINT_TO_POINT),
+        ("gloo", "chunked", comm.Collectives.CHUNKED),
+        ("nccl", "auto", comm.Collectives.CHUNKED),
+        ("nccl", "p2p", "p2p is gloo's style"),  # NCCL pairs point-to-point messages by order, not by tag
+        ("gloo", "rooted", "not a collective style"),
+    ],
+)
+def test_the_style_of_collectives_follows_the_backend(backend: str, value: str, chosen: Any) -> None:
+    with mock.patch.object(dist, "get_backend", return_value=backend), mock.patch.dict(os.environ):
+        os.environ[comm.ENVIRONMENT] = value
+        if isinstance(chosen, comm.Collectives):
+            assert comm.choose_collectives(None) is chosen
+        else:
+            with pytest.raises(ValueError, match=chosen):
+                comm.choose_collectives(None)

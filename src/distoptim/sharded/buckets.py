@@ -4,9 +4,9 @@ plan, no tensors, no process group.
 A bucket holds whole parameters of one layout key (device, dtype). Buckets are reduced in one fixed order on every
 rank, the order gradients arrive in: walking the parameters from the last one, as the backward produces them
 (DDP's initial order too). Under the even partition that ``ShardedDataParallel`` asks for, each bucket is one region
-of the plan, cut into equal shares, one per rank: a reduce-scatter without padding, an all-gather likewise. Under the
-greedy partition a bucket gathers consecutive parameters up to the cap, each owned whole by one rank: one rooted
-reduce per owner's run.
+of the plan, cut into equal shares, one per rank: a reduce-scatter without padding, an all-gather likewise (or, on
+gloo, one message to each owner). Under the greedy partition a bucket gathers consecutive parameters up to the cap,
+each owned whole by one rank: one message (or one reduce) per owner's run.
 
 A rank's owned gradient (``store_plan``) is, per bucket, its owned ranges of that bucket one after another: one
 tensor a bucket, allocated when the bucket first lands in a backward and freed by ``zero_grad()``.

@@ -8,9 +8,9 @@ waits and copies, locally. So whatever runs on some ranks only between two steps
 ``state_dict()`` on rank 0) cannot put the ranks' collectives out of order.
 
 A bucket that is one region of an even layout with bucket views is gathered in place (one all-gather in the chunked
-style, a broadcast per owner in the rooted one). Any other bucket goes through a ``StagedSync`` of its own pieces:
-large pieces broadcast in place, small ones (under ``buckets.DEFAULT_DIRECT_BYTES``) packed through staging kept
-between steps.
+style, each owner sending its share to every rank in the point-to-point one). Any other bucket goes through a
+``StagedSync`` of its own pieces: large pieces sent in place, small ones (under ``buckets.DEFAULT_DIRECT_BYTES``)
+packed through staging kept between steps.
 """
 
 from __future__ import annotations

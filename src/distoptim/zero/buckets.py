@@ -107,9 +107,7 @@ def layouts_from_plan(
 class ParameterSync:
     """After the local step: every rank's updated shard reaches every rank of the group."""
 
-    def __init__(
-        self, layouts: list[FlatLayout], group: comm.Group, collectives: comm.Collectives = comm.Collectives.ROOTED
-    ) -> None:
+    def __init__(self, layouts: list[FlatLayout], group: comm.Group, collectives: comm.Collectives) -> None:
         self.layouts = layouts
         self.group = group
         self.collectives = collectives
@@ -143,7 +141,7 @@ class BucketViewSync(ParameterSync):
         self,
         layouts: list[FlatLayout],
         group: comm.Group,
-        collectives: comm.Collectives = comm.Collectives.ROOTED,
+        collectives: comm.Collectives,
         move_within: ParameterSync | None = None,
     ) -> None:
         super().__init__(layouts, group, collectives)
@@ -187,7 +185,7 @@ class StagedSync(ParameterSync):
         self,
         layouts: list[FlatLayout],
         group: comm.Group,
-        collectives: comm.Collectives = comm.Collectives.ROOTED,
+        collectives: comm.Collectives,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         direct_bytes: int = DEFAULT_DIRECT_BYTES,
     ) -> None:
@@ -216,14 +214,17 @@ class StagedSync(ParameterSync):
         return [
             work
             for piece in ([] if self.alone else self.direct)
-            for work in comm.broadcast_slices(piece_view(piece), [(piece.rank, 0, piece.length)], self.group, False)
+            for work in comm.broadcast_slices(
+                piece_view(piece), [(piece.rank, 0, piece.length)], self.group, False, self.collectives
+            )
         ]
 
     def launch(self, round_: _Round) -> _InFlight:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
         work = self._work(round_)
         copy_each_(work.pack_into, work.pack_from)
-        return _InFlight(round_, work.stage, comm.broadcast_slices(work.stage, work.slices, self.group, wait=False))
+        works = comm.broadcast_slices(work.stage, work.slices, self.group, wait=False, collectives=self.collectives)
+        return _InFlight(round_, work.stage, works)
 
     def land(self, flight: _InFlight) -> None:
         """Wait for a launched round and copy the other ranks' chunks into their parameters."""

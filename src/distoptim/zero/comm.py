@@ -1,13 +1,15 @@
-"""The only ZeRO module that calls ``torch.distributed``: a few collectives, always given an explicit group.
+"""With ``p2p.py`` (gloo's point-to-point transfers), the only ZeRO module that calls ``torch.distributed``: a few
+collectives, always given an explicit group.
 
 Ranks are group ranks everywhere in distoptim; translation to the global ranks that ``torch.distributed``'s
-point-to-point and rooted collectives expect happens here and nowhere else.
+point-to-point and rooted collectives expect happens in these two modules and nowhere else.
 
 Two styles of collectives move a step's bytes (``Collectives``), chosen once per optimizer (``choose_collectives``):
-gloo runs rooted calls fastest (N reduces or broadcasts of 1/N each beat its reduce-scatter and all-gather, measured
-at 2-16 ranks), NCCL its equal-chunk ones. ``DISTOPTIM_COLLECTIVES`` overrides the choice, so that CI runs NCCL's
-style on gloo. Neither style pads: the chunked one runs an equal-chunk collective only where the owners' shares are
-equal (the even partition's regions), and rooted calls elsewhere.
+gloo moves them fastest point to point (each rank sending each owner its share directly moves a bucket twice as fast
+as gloo's reduces, reduce-scatter or all-reduce of it), NCCL with its equal-chunk collectives.
+``DISTOPTIM_COLLECTIVES`` overrides the choice, so that CI runs NCCL's style on gloo. Neither style pads: the chunked
+one runs an equal-chunk collective only where the owners' shares are equal (the even partition's regions), and rooted
+calls (a reduce to each owner, a broadcast from it) elsewhere.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.futures import Future
 
 from distoptim._groups import comm_device, default_group, group_size
 from distoptim._objects import all_gather_objects, receive_object, send_object
+from distoptim.zero import p2p
 
 __all__ = [
     "ENVIRONMENT",
@@ -60,25 +63,34 @@ EVERY = -1
 class Collectives(enum.Enum):
     """How gradients reach their owners and parameters leave them."""
 
-    ROOTED = "rooted"
-    """A reduce to each owner, a broadcast from each owner (gloo's fastest)."""
+    POINT_TO_POINT = "p2p"
+    """Point to point (``p2p.py``): each rank sends each owner the owner's ranges and receives its own from every
+    rank, which it adds up; each owner sends its ranges to every rank (gloo's fastest). gloo's point-to-point calls
+    read host memory only, so GPU tensors on gloo go through rooted calls."""
     CHUNKED = "chunked"
     """``reduce_scatter_tensor`` / ``all_gather_into_tensor`` over equal chunks where the owners' shares are equal
     (NCCL's fastest), rooted calls elsewhere."""
 
 
 def choose_collectives(group: Group) -> Collectives:
-    """The style for ``group``: ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``rooted`` or ``chunked``); ``auto`` (the
-    default) picks chunked on NCCL and rooted elsewhere."""
+    """The style for ``group``: ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``p2p`` or ``chunked``); ``auto`` (the
+    default) picks chunked on NCCL and p2p elsewhere."""
     value = os.environ.get(ENVIRONMENT, "auto").strip().lower() or "auto"
+    nccl = dist.get_backend(group) == "nccl"
     if value == "auto":
-        return Collectives.CHUNKED if dist.get_backend(group) == "nccl" else Collectives.ROOTED
+        return Collectives.CHUNKED if nccl else Collectives.POINT_TO_POINT
     try:
-        return Collectives(value)
+        collectives = Collectives(value)
     except ValueError:
         raise ValueError(
-            f"{ENVIRONMENT}={value!r} is not a collective style: use auto (by backend), rooted or chunked"
+            f"{ENVIRONMENT}={value!r} is not a collective style: use auto (by backend), p2p or chunked"
         ) from None
+    if nccl and collectives is Collectives.POINT_TO_POINT:
+        raise ValueError(
+            f"{ENVIRONMENT}=p2p is gloo's style: it pairs messages by tag, which NCCL ignores. Use chunked (NCCL's "
+            "default) or auto"
+        )
+    return collectives
 
 
 def group_rank(group: Group) -> int:
@@ -91,18 +103,26 @@ def global_rank(group: Group, rank: int) -> int:
 
 
 def broadcast_slices(
-    buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: Group, wait: bool = True
+    buffer: Tensor,
+    slices: Sequence[tuple[int, int, int]],
+    group: Group,
+    wait: bool = True,
+    collectives: Collectives | None = None,
 ) -> list[Any]:
-    """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently.
+    """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently: rooted
+    broadcasts, or, in the p2p style, a send from ``src`` to every other rank.
 
     Empty slices are skipped on every rank alike since every rank knows the layout. With ``wait=False`` the pending
     works are returned for ``wait_all``.
     """
-    works = [
-        dist.broadcast(buffer[start:end], src=global_rank(group, src), group=group, async_op=True)
-        for src, start, end in slices
-        if end > start
-    ]
+    if collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu":  # gloo's sends read host memory
+        works = p2p.send_from_owners(buffer, slices, group)
+    else:
+        works = [
+            dist.broadcast(buffer[start:end], src=global_rank(group, src), group=group, async_op=True)
+            for src, start, end in slices
+            if end > start
+        ]
     if wait:
         wait_all(works)
     return works
@@ -132,8 +152,9 @@ def gather_from_owners(
 ) -> list[Any]:
     """Every rank's ranges of ``buffer`` (rank ``r`` owns ``[b[r], b[r+1])`` of each region ``b``) to every rank.
 
-    Chunked: one in-place ``all_gather_into_tensor`` per region whose ranges are equal (the even partition's); rooted
-    (and unequal ranges): one broadcast per owner. ``wait=False`` returns the pending works for ``wait_all``.
+    Chunked: one in-place ``all_gather_into_tensor`` per region whose ranges are equal (the even partition's), one
+    broadcast per owner otherwise; p2p: each owner sends its range to every rank. ``wait=False`` returns the
+    pending works for ``wait_all``.
     """
     works = []
     for region in bounds:
@@ -144,7 +165,7 @@ def gather_from_owners(
             works.append(dist.all_gather_into_tensor(output, piece, group=group, async_op=True))
         else:
             slices = [(rank, start, end) for rank, (start, end) in enumerate(pairwise(region))]
-            works.extend(broadcast_slices(buffer, slices, group, wait=False))
+            works.extend(broadcast_slices(buffer, slices, group, wait=False, collectives=collectives))
     if wait:
         wait_all(works)
     return works
@@ -164,9 +185,10 @@ def reduce_to_owners_async(
     Slices of owner ``EVERY`` are summed onto every rank. ``replicas``: a group of ranks that hold the same shard in
     other shard groups (hybrid sharding), over which the owned sums and the ``EVERY`` slices are then summed too.
 
-    Rooted: one reduce per slice, in place, concurrently, or, when the slices are many (owners interleaved), packed
-    owner by owner into one staging tensor first. Chunked: one ``reduce_scatter_tensor`` when the owners' shares are
-    equal (packed first unless the buffer already is rank by rank), rooted reduces otherwise.
+    Point to point (``p2p.ReductionExchange``): each owner's slices sent to it, this rank's received from every other
+    rank chunk by chunk and added in rank order. Chunked: one ``reduce_scatter_tensor`` when the owners' shares are
+    equal (packed first unless the buffer already is rank by rank), otherwise one reduce per slice, in place,
+    concurrently, or, when the slices are many (owners interleaved), packed owner by owner into one staging tensor.
     """
     everywhere = [buffer[start:end] for owner, start, end in slices if owner == EVERY and end > start]
     works = [dist.all_reduce(piece, group=group, async_op=True) for piece in everywhere]
@@ -183,8 +205,8 @@ def reduce_to_owners_async(
 class _Landing:
     """What a reduction leaves where: the owned sums, and how they reach the buffer once the works are done."""
 
-    def __init__(self, buffer: Tensor, moves: list[tuple[Tensor, Tensor]], pieces: list[Tensor]) -> None:
-        self.buffer, self.moves, self.pieces = buffer, moves, pieces
+    def __init__(self, buffer: Tensor, pieces: list[Tensor], moves: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
+        self.buffer, self.pieces, self.moves = buffer, pieces, moves
 
     def owned_pieces(self) -> list[Tensor]:
         """The tensors holding this rank's owned sums (views of the buffer, or of the staging they land from)."""
@@ -205,19 +227,22 @@ def _start_reduction(
         if end > start:
             by_owner[owner].append((start, end))
     shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
+    if collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu":  # gloo's sends read host memory
+        exchange = p2p.ReductionExchange(buffer, by_owner, group)  # summed in place as the chunks arrive
+        return [exchange], _Landing(buffer, [buffer[start:end] for start, end in by_owner[mine]])
     chunk = _equal_chunk(shares) if collectives is Collectives.CHUNKED else None
     if chunk is not None:
         stage = _rank_by_rank(buffer, by_owner, chunk)
         own = stage.new_empty(chunk)
         work = dist.reduce_scatter_tensor(own, stage, group=group, async_op=True)
-        return [work], _Landing(buffer, _scatter_moves(buffer, by_owner[mine], own), [own])
+        return [work], _Landing(buffer, [own], _scatter_moves(buffer, by_owner[mine], own))
     if sum(map(len, by_owner)) <= max_calls * size:  # in place, one reduce per slice
         works = [
             dist.reduce(buffer[start:end], dst=global_rank(group, owner), group=group, async_op=True)
             for owner, ranges in enumerate(by_owner)
             for start, end in ranges
         ]
-        return works, _Landing(buffer, [], [buffer[start:end] for start, end in by_owner[mine]])
+        return works, _Landing(buffer, [buffer[start:end] for start, end in by_owner[mine]])
     starts = [sum(shares[:rank]) for rank in range(size)]
     stage = buffer.new_empty(sum(shares))
     for ranges, at in zip(by_owner, starts):
@@ -228,7 +253,7 @@ def _start_reduction(
         if n
     ]
     own = stage[starts[mine] : starts[mine] + shares[mine]]
-    return works, _Landing(buffer, _scatter_moves(buffer, by_owner[mine], own), [own])
+    return works, _Landing(buffer, [own], _scatter_moves(buffer, by_owner[mine], own))
 
 
 def _rank_by_rank(buffer: Tensor, by_owner: list[list[tuple[int, int]]], chunk: int) -> Tensor:
@@ -261,15 +286,17 @@ def _when_done(works: Sequence[Any], group: Group) -> Future[Any]:
     """A future that completes once every work has (device-aware under NCCL, as DDP's own futures are).
 
     NCCL runs a group's works in order on one stream, so the last work's future (which carries its CUDA events) is
-    done when all are; gloo completes them out of order on its threads, so all are collected. gloo's
-    ``reduce_scatter_tensor`` returns a work without a future: it is finished here.
+    done when all are; gloo completes them out of order on its threads, so all are collected. gloo's point-to-point
+    works and its ``reduce_scatter_tensor`` have no future: ``p2p.future_of`` completes one for them.
     """
-    futures = []
+    futures, futureless = [], []
     for work in works:
         try:
             futures.append(work.get_future())
-        except RuntimeError:  # "Work::getFuture not implemented"
-            work.wait()
+        except (RuntimeError, AttributeError):  # "Work::getFuture not implemented"; a p2p.ReductionExchange
+            futureless.append(work)
+    if futureless:
+        futures.append(p2p.future_of(futureless))
     if not futures:
         done: Future[Any] = Future()
         done.set_result(None)

@@ -64,9 +64,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
     drives it like any optimizer (``scaler.step(zero)``). Defaults: ``parameters_as_bucket_view=False`` and
     ``overlap_with_ddp=False`` (as torch's), ``process_group`` the default group.
 
-    The collectives follow the backend (gloo: rooted reduces and broadcasts; NCCL: reduce-scatter and all-gather of
-    equal chunks where the shares are equal), or ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``rooted``, ``chunked``),
-    read at construction.
+    The collectives follow the backend (gloo: point to point, each rank sending each owner its share; NCCL:
+    reduce-scatter and all-gather of equal chunks where the shares are equal), or ``$DISTOPTIM_COLLECTIVES``
+    (``auto``, ``p2p``, ``chunked``), read at construction.
 
     Raises:
         TypeError: ``params`` is a single tensor or not an iterable of tensors or dicts, ``optimizer_class`` is not
@@ -133,7 +133,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         self.partition = partition
         self.master_dtype = master_dtype
         self._optimizer_class = local_class
-        self.overlap_stepper = None if functional_cls is None else OverlapStepper(functional_cls, group, self)
+        self.overlap_stepper = (
+            None if functional_cls is None else OverlapStepper(functional_cls, group, collectives, self)
+        )
         self._defaults = defaults
         self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})

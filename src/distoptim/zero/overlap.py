@@ -35,9 +35,15 @@ class OverlapStepper:
     read the global ``param_groups`` at every step (so schedulers work).
     """
 
-    def __init__(self, functional_cls: type[FunctionalOptimizer], group: comm.Group, stepped_flag_on: object) -> None:
+    def __init__(
+        self,
+        functional_cls: type[FunctionalOptimizer],
+        group: comm.Group,
+        collectives: comm.Collectives,
+        stepped_flag_on: object,
+    ) -> None:
         self.functional_cls = functional_cls
-        self.group = group
+        self.group, self.collectives = group, collectives
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
         self.hooked = False
         self.stepped = False  # by a hook since the last zero_grad()
@@ -159,7 +165,7 @@ class OverlapStepper:
             fragments = [f if id(p) in in_bucket else () for p, f in zip(held, plan.fragments)]
             stage_bytes = sum(p.numel() * p.element_size() for p in params)
             layouts = layouts_from_plan(plan.layouts, fragments, held)
-            self._bucket_syncs[key] = StagedSync(layouts, self.group, stage_bytes=stage_bytes)
+            self._bucket_syncs[key] = StagedSync(layouts, self.group, self.collectives, stage_bytes=stage_bytes)
         return self._bucket_syncs[key]
 
     def check_stepped(self) -> None:

@@ -1,0 +1,203 @@
+"""gloo's fastest way to move a step's bytes: point to point, each rank sending each owner its share directly.
+
+On gloo, N ranks sending each owner its share with ``isend``/``irecv`` move a bucket about twice as fast as its
+reduces, reduce-scatter or all-reduce of the same bucket, at 2 and 4 ranks (``benchmarks/collectives.py``). Two
+transfers are built from them:
+
+- ``ReductionExchange``: every rank's contributions to an owner's ranges, summed on the owner. The owner receives
+  them chunk by chunk into a staging of at most ``STAGING_BYTES`` and adds each chunk as it arrives, so a reduction
+  in flight holds no more than that beside its bucket, however large the bucket (a whole embedding's gradient).
+- ``send_from_owners``: each owner's ranges sent to every rank, received in place (the parameter sync).
+
+Receives are posted from two threads (the training loop's and the waiter's), so the order of posting cannot pair
+messages: every reduction's messages carry tags of their own (the group's count of reductions, and the chunk), which
+every rank derives alike since all start their reductions in the same order. gloo's point-to-point works have no
+future: ``future_of`` gives them one, from a daemon thread that waits for them in the order they were started.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from distoptim._groups import group_size
+
+__all__ = ["FIRST_REDUCTION_TAG", "STAGING_BYTES", "ReductionExchange", "future_of", "send_from_owners"]
+
+STAGING_BYTES = 8 << 20
+"""The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank)."""
+
+_SYNC_TAG = 0xD15
+"""The parameter sync's messages, posted by the training loop only, in the same order on every rank."""
+FIRST_REDUCTION_TAG = 1 << 30
+_CHUNK_BITS = 12
+_SEQUENCE_BITS = 30 - _CHUNK_BITS
+_reductions: dict[dist.ProcessGroup, int] = {}  # by group (kept alive: an id could be reused on some ranks only)
+
+
+def _global(group: dist.ProcessGroup, rank: int) -> int:
+    return dist.get_global_rank(group, rank)
+
+
+def send_from_owners(buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: dist.ProcessGroup) -> list[Any]:
+    """Each ``buffer[start:end]`` sent by group rank ``src`` to every other rank and received there in place, for
+    every ``(src, start, end)``; the pending works are returned for ``wait``."""
+    size, mine = group_size(group), dist.get_rank(group)
+    works = []
+    for src, start, end in slices:
+        if end <= start:
+            continue
+        piece = buffer[start:end]
+        if src == mine:
+            works += [
+                dist.isend(piece, dst=_global(group, peer), group=group, tag=_SYNC_TAG)
+                for peer in range(size)
+                if peer != mine
+            ]
+        else:
+            works.append(dist.irecv(piece, src=_global(group, src), group=group, tag=_SYNC_TAG))
+    return works
+
+
+class ReductionExchange:
+    """One reduction to owners, point to point; started when built, finished by ``wait()`` (once, in any thread).
+
+    ``by_owner[r]`` lists the ``(start, end)`` ranges of ``buffer`` that group rank ``r`` owns. This rank sends
+    every other owner its ranges (packed into one tensor when several) in chunks; it receives its own ranges' chunks
+    from every other rank, two at a time from each, and adds them into ``buffer`` in rank order (16-bit sums in fp32,
+    rounded once).
+    """
+
+    def __init__(self, buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup):
+        size, mine = group_size(group), dist.get_rank(group)
+        sequence = _reductions.get(group, 0)
+        _reductions[group] = sequence + 1
+        self.group, self.tag = group, FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+        self.peers = [rank for rank in range(size) if rank != mine]
+        self.chunk = max(1, STAGING_BYTES // (2 * max(1, len(self.peers)) * buffer.element_size()))
+        largest = max((sum(end - start for start, end in ranges) for ranges in by_owner), default=0)
+        if -(-largest // self.chunk) > 1 << _CHUNK_BITS:  # known alike on every rank: all raise
+            raise ValueError(
+                f"a bucket share of {largest} elements is more than {1 << _CHUNK_BITS} chunks of {self.chunk}: "
+                "use smaller buckets"
+            )
+        self.sends = [
+            work
+            for owner, ranges in enumerate(by_owner)
+            if owner != mine and ranges
+            for work in self._send_chunks(_packed(buffer, ranges), owner)
+        ]
+        self.targets = [buffer[start:end] for start, end in by_owner[mine]]
+        share = sum(target.numel() for target in self.targets) if self.peers else 0  # alone: nothing to receive
+        self.bounds = [(at, min(at + self.chunk, share)) for at in range(0, share, self.chunk)]
+        staged = min(self.chunk, share)
+        self.staging = {peer: [buffer.new_empty(staged) for _ in self.bounds[:2]] for peer in self.peers}
+        self.receives: dict[tuple[int, int], Any] = {}
+        for number in range(min(2, len(self.bounds))):
+            for peer in self.peers:
+                self._receive(number, peer)
+        self.done = False
+
+    def _send_chunks(self, outgoing: Tensor, owner: int) -> list[Any]:
+        return [
+            dist.isend(outgoing[at : at + self.chunk], dst=_global(self.group, owner), group=self.group, tag=tag)
+            for tag, at in enumerate(range(0, outgoing.numel(), self.chunk), start=self.tag)
+        ]
+
+    def _receive(self, number: int, peer: int) -> None:
+        start, end = self.bounds[number]
+        into = self.staging[peer][number % 2][: end - start]
+        self.receives[number, peer] = dist.irecv(
+            into, src=_global(self.group, peer), group=self.group, tag=self.tag + number
+        )
+
+    def wait(self) -> None:
+        """Receive and add every chunk (the next chunk from a rank posted into the staging its last one freed), then
+        wait for this rank's sends."""
+        if self.done:
+            return
+        for number, (start, end) in enumerate(self.bounds):
+            rows = []
+            for peer in self.peers:
+                self.receives.pop((number, peer)).wait()
+                rows.append(self.staging[peer][number % 2][: end - start])
+            _add_into(self.targets, start, rows)
+            if number + 2 < len(self.bounds):
+                for peer in self.peers:
+                    self._receive(number + 2, peer)
+        for work in self.sends:
+            work.wait()
+        self.done, self.staging, self.sends, self.targets = True, {}, [], []
+
+
+def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
+    """``buffer``'s ranges one after another: a view when there is one, a copy otherwise."""
+    if len(ranges) == 1:
+        return buffer[ranges[0][0] : ranges[0][1]]
+    packed = buffer.new_empty(sum(end - start for start, end in ranges))
+    at = 0
+    for start, end in ranges:
+        packed[at : at + end - start].copy_(buffer[start:end])
+        at += end - start
+    return packed
+
+
+def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> None:
+    """Add ``rows`` (elements ``start`` onwards of the targets laid end to end), in order, into the targets; a
+    16-bit sum is taken in fp32 and rounded once, not once a rank."""
+    at = 0
+    for target in targets:
+        lo, hi = max(start, at), min(start + rows[0].numel(), at + target.numel())
+        if lo < hi:
+            into = target[lo - at : hi - at]
+            total = into.float() if into.element_size() < 4 and into.is_floating_point() else into
+            for row in rows:
+                total.add_(row[lo - start : hi - start])
+            if total is not into:
+                into.copy_(total)
+        at += target.numel()
+
+
+def future_of(works: Sequence[Any]) -> Future[None]:
+    """A future completed (with the first error, if a work fails) once every one of ``works`` has been waited for,
+    in the waiter thread."""
+    return _WAITER.submit(lambda: [work.wait() for work in works])
+
+
+class _Waiter:
+    """One daemon thread a process that runs jobs (waiting for works) in the order they were submitted and completes
+    a future for each. ``Work.wait`` releases the GIL, so the thread costs the training loop nothing while it waits."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], object]) -> Future[None]:
+        future: Future[None] = Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._run, name="distoptim-p2p-waiter", daemon=True)
+                self._thread.start()
+        self._jobs.put((job, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            try:
+                job()
+            except BaseException as error:  # handed to whoever waits on the future
+                future.set_exception(error)  # type: ignore[arg-type]  # typed as the result in torch
+            else:
+                future.set_result(None)
+            del job, future  # the next get() may wait long: hold no bucket meanwhile
+
+
+_WAITER = _Waiter()
