@@ -242,7 +242,10 @@ def test_reduce_to_owners_in_every_style() -> None:
         ("gloo", "chunked", comm.Collectives.CHUNKED),
         ("nccl", "auto", comm.Collectives.CHUNKED),
         ("nccl", "p2p", "p2p is gloo's style"),  # NCCL pairs point-to-point messages by order, not by tag
-        ("gloo", "rooted", "not a collective style"),
+        ("mpi", "", comm.Collectives.CHUNKED),  # p2p only where its pairing by tag is known to hold
+        ("mpi", "p2p", "p2p is gloo's style"),
+        ("gloo", "rooted", "rooted is gone"),
+        ("gloo", "ring", "not a collective style"),
     ],
 )
 def test_the_style_of_collectives_follows_the_backend(backend: str, value: str, chosen: Any) -> None:

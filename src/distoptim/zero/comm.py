@@ -74,21 +74,23 @@ class Collectives(enum.Enum):
 
 def choose_collectives(group: Group) -> Collectives:
     """The style for ``group``: ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``p2p`` or ``chunked``); ``auto`` (the
-    default) picks chunked on NCCL and p2p elsewhere."""
+    default) picks p2p on gloo and chunked on any other backend (NCCL's style); p2p is refused off gloo."""
     value = os.environ.get(ENVIRONMENT, "auto").strip().lower() or "auto"
-    nccl = dist.get_backend(group) == "nccl"
+    backend = dist.get_backend(group)
     if value == "auto":
-        return Collectives.CHUNKED if nccl else Collectives.POINT_TO_POINT
+        return Collectives.POINT_TO_POINT if backend == "gloo" else Collectives.CHUNKED
+    if value == "rooted":  # the gloo style before p2p
+        raise ValueError(f"{ENVIRONMENT}=rooted is gone: gloo's style is now p2p (faster); use auto, p2p or chunked")
     try:
         collectives = Collectives(value)
     except ValueError:
         raise ValueError(
             f"{ENVIRONMENT}={value!r} is not a collective style: use auto (by backend), p2p or chunked"
         ) from None
-    if nccl and collectives is Collectives.POINT_TO_POINT:
+    if backend != "gloo" and collectives is Collectives.POINT_TO_POINT:
         raise ValueError(
-            f"{ENVIRONMENT}=p2p is gloo's style: it pairs messages by tag, which NCCL ignores. Use chunked (NCCL's "
-            "default) or auto"
+            f"{ENVIRONMENT}=p2p is gloo's style: it pairs messages by tag, which {backend} need not do. Use chunked "
+            f"({backend}'s default) or auto"
         )
     return collectives
 
@@ -198,8 +200,14 @@ def reduce_to_owners_async(
     if replicas is not None:  # the owned sums exist once the shard group's reduction is done (ordered, not blocking
         wait_all(works)  # the CPU, under NCCL); then they (and EVERY slices) are summed across the shard groups
         works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in [*land.owned_pieces(), *everywhere]]
-    landed: Future[Tensor] = _when_done(works, group).then(lambda _: land())
-    return landed
+
+    def landed(done: Future[Any]) -> Tensor:
+        done.wait()  # a work's error (a peer gone, a timeout) reaches the caller, never a partial sum
+        return land()
+
+    on_host = buffer.device.type == "cpu"
+    result: Future[Tensor] = _when_done(works, group, on_host).then(landed)
+    return result
 
 
 class _Landing:
@@ -282,12 +290,13 @@ def _scatter_moves(buffer: Tensor, ranges: Sequence[tuple[int, int]], own: Tenso
     return moves
 
 
-def _when_done(works: Sequence[Any], group: Group) -> Future[Any]:
+def _when_done(works: Sequence[Any], group: Group, on_host: bool) -> Future[Any]:
     """A future that completes once every work has (device-aware under NCCL, as DDP's own futures are).
 
     NCCL runs a group's works in order on one stream, so the last work's future (which carries its CUDA events) is
     done when all are; gloo completes them out of order on its threads, so all are collected. gloo's point-to-point
-    works and its ``reduce_scatter_tensor`` have no future: ``p2p.future_of`` completes one for them.
+    works and its ``reduce_scatter_tensor`` have no future: ``p2p.future_of`` completes one for them when their
+    tensors are on the host (``on_host``), else they are waited for here, on this thread's CUDA stream.
     """
     futures, futureless = [], []
     for work in works:
@@ -295,8 +304,10 @@ def _when_done(works: Sequence[Any], group: Group) -> Future[Any]:
             futures.append(work.get_future())
         except (RuntimeError, AttributeError):  # "Work::getFuture not implemented"; a p2p.ReductionExchange
             futureless.append(work)
-    if futureless:
-        futures.append(p2p.future_of(futureless))
+    if futureless and on_host:
+        futures.append(p2p.future_of(futureless, group))
+    else:
+        wait_all(futureless)
     if not futures:
         done: Future[Any] = Future()
         done.set_result(None)

@@ -5,23 +5,28 @@ reduces, reduce-scatter or all-reduce of the same bucket, at 2 and 4 ranks (``be
 transfers are built from them:
 
 - ``ReductionExchange``: every rank's contributions to an owner's ranges, summed on the owner. The owner receives
-  them chunk by chunk into a staging of at most ``STAGING_BYTES`` and adds each chunk as it arrives, so a reduction
-  in flight holds no more than that beside its bucket, however large the bucket (a whole embedding's gradient).
+  them chunk by chunk, two chunks from each rank at a time, and adds each as it arrives: a reduction holds at most
+  ``STAGING_BYTES`` of staging beside its bucket (or 2/4096 of its largest share, when that is more), and the
+  reductions of a group stage at most twice that at once (past it, reductions start receiving when waited for, in
+  order, once the earlier ones are done).
 - ``send_from_owners``: each owner's ranges sent to every rank, received in place (the parameter sync).
 
-Receives are posted from two threads (the training loop's and the waiter's), so the order of posting cannot pair
-messages: every reduction's messages carry tags of their own (the group's count of reductions, and the chunk), which
-every rank derives alike since all start their reductions in the same order. gloo's point-to-point works have no
-future: ``future_of`` gives them one, from a daemon thread that waits for them in the order they were started.
+Receives are posted from two threads (the training loop's and the group's waiter), so the order of posting cannot
+pair messages: every reduction's messages carry tags of their own (the group's count of reductions, and the chunk),
+which every rank derives alike since all start their reductions in the same order. gloo's point-to-point works have
+no future: ``future_of`` gives them one, from a daemon thread per group that waits for them in the order they were
+started (per group: ranks may interleave the reductions of different groups differently).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
@@ -31,14 +36,18 @@ from distoptim._groups import group_size
 __all__ = ["FIRST_REDUCTION_TAG", "STAGING_BYTES", "ReductionExchange", "future_of", "send_from_owners"]
 
 STAGING_BYTES = 8 << 20
-"""The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank)."""
+"""The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank); part of
+what ranks agree on when an optimizer is built, since it sets the chunks every rank cuts."""
 
 _SYNC_TAG = 0xD15
 """The parameter sync's messages, posted by the training loop only, in the same order on every rank."""
 FIRST_REDUCTION_TAG = 1 << 30
 _CHUNK_BITS = 12
 _SEQUENCE_BITS = 30 - _CHUNK_BITS
-_reductions: dict[dist.ProcessGroup, int] = {}  # by group (kept alive: an id could be reused on some ranks only)
+_reductions: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()  # started, by group
+_staged: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()  # staging bytes, by group
+_deferred: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()  # not yet receiving
+_staged_lock = threading.Lock()  # taken by the training thread (starting) and the waiters (finishing)
 
 
 def _global(group: dist.ProcessGroup, rank: int) -> int:
@@ -71,7 +80,7 @@ class ReductionExchange:
     ``by_owner[r]`` lists the ``(start, end)`` ranges of ``buffer`` that group rank ``r`` owns. This rank sends
     every other owner its ranges (packed into one tensor when several) in chunks; it receives its own ranges' chunks
     from every other rank, two at a time from each, and adds them into ``buffer`` in rank order (16-bit sums in fp32,
-    rounded once).
+    rounded once). Receiving starts when built if the group's staging allows, else when waited for.
     """
 
     def __init__(self, buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup):
@@ -80,35 +89,49 @@ class ReductionExchange:
         _reductions[group] = sequence + 1
         self.group, self.tag = group, FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
         self.peers = [rank for rank in range(size) if rank != mine]
-        self.chunk = max(1, STAGING_BYTES // (2 * max(1, len(self.peers)) * buffer.element_size()))
         largest = max((sum(end - start for start, end in ranges) for ranges in by_owner), default=0)
-        if -(-largest // self.chunk) > 1 << _CHUNK_BITS:  # known alike on every rank: all raise
-            raise ValueError(
-                f"a bucket share of {largest} elements is more than {1 << _CHUNK_BITS} chunks of {self.chunk}: "
-                "use smaller buckets"
-            )
+        staged_chunk = STAGING_BYTES // (2 * max(1, len(self.peers)) * buffer.element_size())
+        self.chunk = max(1, staged_chunk, -(-largest // (1 << _CHUNK_BITS)))  # alike on every rank: same chunks
         self.sends = [
             work
             for owner, ranges in enumerate(by_owner)
             if owner != mine and ranges
             for work in self._send_chunks(_packed(buffer, ranges), owner)
         ]
+        self.dtype, self.device = buffer.dtype, buffer.device
         self.targets = [buffer[start:end] for start, end in by_owner[mine]]
         share = sum(target.numel() for target in self.targets) if self.peers else 0  # alone: nothing to receive
         self.bounds = [(at, min(at + self.chunk, share)) for at in range(0, share, self.chunk)]
-        staged = min(self.chunk, share)
-        self.staging = {peer: [buffer.new_empty(staged) for _ in self.bounds[:2]] for peer in self.peers}
+        self.staging_bytes = min(2, len(self.bounds)) * min(self.chunk, share) * buffer.element_size()
+        self.staging_bytes *= len(self.peers)
+        self.staging: dict[int, list[Tensor]] = {}
         self.receives: dict[tuple[int, int], Any] = {}
-        for number in range(min(2, len(self.bounds))):
-            for peer in self.peers:
-                self._receive(number, peer)
         self.done = False
+        with _staged_lock:  # once one waits its turn, so do the later ones: the waiter finds the earlier ones done
+            staged, deferred = _staged.get(group, 0), _deferred.get(group, 0)
+            self.receiving = not deferred and (not staged or staged + self.staging_bytes <= 2 * STAGING_BYTES)
+            if self.receiving:
+                _staged[group] = staged + self.staging_bytes
+            else:
+                _deferred[group] = deferred + 1
+        if self.receiving:
+            self._start_receiving()
 
     def _send_chunks(self, outgoing: Tensor, owner: int) -> list[Any]:
         return [
             dist.isend(outgoing[at : at + self.chunk], dst=_global(self.group, owner), group=self.group, tag=tag)
             for tag, at in enumerate(range(0, outgoing.numel(), self.chunk), start=self.tag)
         ]
+
+    def _start_receiving(self) -> None:
+        staged = min(self.chunk, self.bounds[-1][1]) if self.bounds else 0
+        self.staging = {
+            peer: [torch.empty(staged, dtype=self.dtype, device=self.device) for _ in self.bounds[:2]]
+            for peer in self.peers
+        }
+        for number in range(min(2, len(self.bounds))):
+            for peer in self.peers:
+                self._receive(number, peer)
 
     def _receive(self, number: int, peer: int) -> None:
         start, end = self.bounds[number]
@@ -122,18 +145,29 @@ class ReductionExchange:
         wait for this rank's sends."""
         if self.done:
             return
-        for number, (start, end) in enumerate(self.bounds):
-            rows = []
-            for peer in self.peers:
-                self.receives.pop((number, peer)).wait()
-                rows.append(self.staging[peer][number % 2][: end - start])
-            _add_into(self.targets, start, rows)
-            if number + 2 < len(self.bounds):
+        if not self.receiving:
+            with _staged_lock:
+                _staged[self.group] = _staged.get(self.group, 0) + self.staging_bytes
+                _deferred[self.group] -= 1
+            self.receiving = True
+        try:
+            if not self.staging and self.bounds:  # not started when built
+                self._start_receiving()
+            for number, (start, end) in enumerate(self.bounds):
+                rows = []
                 for peer in self.peers:
-                    self._receive(number + 2, peer)
-        for work in self.sends:
-            work.wait()
-        self.done, self.staging, self.sends, self.targets = True, {}, [], []
+                    self.receives.pop((number, peer)).wait()
+                    rows.append(self.staging[peer][number % 2][: end - start])
+                _add_into(self.targets, start, rows)
+                if number + 2 < len(self.bounds):
+                    for peer in self.peers:
+                        self._receive(number + 2, peer)
+            for work in self.sends:
+                work.wait()
+        finally:
+            with _staged_lock:
+                _staged[self.group] = _staged.get(self.group, 0) - self.staging_bytes
+            self.done, self.staging, self.sends, self.targets = True, {}, [], []
 
 
 def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
@@ -164,40 +198,45 @@ def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> 
         at += target.numel()
 
 
-def future_of(works: Sequence[Any]) -> Future[None]:
+def future_of(works: Sequence[Any], group: dist.ProcessGroup) -> Future[None]:
     """A future completed (with the first error, if a work fails) once every one of ``works`` has been waited for,
-    in the waiter thread."""
-    return _WAITER.submit(lambda: [work.wait() for work in works])
+    in ``group``'s waiter thread, after the works handed to it before."""
+    waiter = _waiters.get(group)
+    if waiter is None:
+        waiter = _waiters[group] = _Waiter()
+    return waiter.submit(lambda: [work.wait() for work in works])
 
 
 class _Waiter:
-    """One daemon thread a process that runs jobs (waiting for works) in the order they were submitted and completes
-    a future for each. ``Work.wait`` releases the GIL, so the thread costs the training loop nothing while it waits."""
+    """A daemon thread that runs jobs (waiting for works) in the order they were submitted and completes a future for
+    each. ``Work.wait`` releases the GIL, so the thread costs the training loop nothing while it waits."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        weakref.finalize(self, self._jobs.put, None)  # the group is gone: its thread ends
 
     def submit(self, job: Callable[[], object]) -> Future[None]:
         future: Future[None] = Future()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-                self._thread = threading.Thread(target=self._run, name="distoptim-p2p-waiter", daemon=True)
+                self._thread = threading.Thread(target=_run, args=(self._jobs,), name="distoptim-p2p", daemon=True)
                 self._thread.start()
         self._jobs.put((job, future))
         return future
 
-    def _run(self) -> None:
-        while True:
-            job, future = self._jobs.get()
-            try:
-                job()
-            except BaseException as error:  # handed to whoever waits on the future
-                future.set_exception(error)  # type: ignore[arg-type]  # typed as the result in torch
-            else:
-                future.set_result(None)
-            del job, future  # the next get() may wait long: hold no bucket meanwhile
+
+def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | None]) -> None:
+    while (item := jobs.get()) is not None:
+        job, future = item
+        try:
+            job()
+        except BaseException as error:  # handed to whoever waits on the future
+            future.set_exception(error)  # type: ignore[arg-type]  # typed as the result in torch
+        else:
+            future.set_result(None)
+        del item, job, future  # the next get() may wait long: hold no bucket meanwhile
 
 
-_WAITER = _Waiter()
+_waiters: weakref.WeakKeyDictionary[dist.ProcessGroup, _Waiter] = weakref.WeakKeyDictionary()

@@ -22,7 +22,7 @@ from distoptim._flat import is_dense
 from distoptim._groups import control_group
 from distoptim._objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero import comm
+from distoptim.zero import comm, p2p
 from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
 from distoptim.zero.partition import MODES
 
@@ -271,6 +271,7 @@ def check_construction(
             "partition": partition,
             "master_dtype": str(master_dtype),
             comm.ENVIRONMENT: collectives.value,
+            "p2p.STAGING_BYTES": p2p.STAGING_BYTES,  # sets the chunks every rank cuts its messages into
             "replicas": 1 if replicate_group is None else comm.group_size(replicate_group),
             **defaults,
         }
