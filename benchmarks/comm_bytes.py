@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,7 +73,8 @@ class CommCounter:
         self.calls = 0
         self.by_function: dict[str, int] = {}
         self._active = False
-        self._depth = 0
+        self._depth = threading.local()  # per thread: distoptim's p2p waiters post receives from their own
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def counting(self, active: bool = True) -> Iterator[None]:
@@ -99,17 +101,19 @@ class CommCounter:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._depth == 0:  # a collective built from others is counted once, at the outside
+            depth = getattr(self._depth, "value", 0)
+            if depth == 0:  # a collective built from others is counted once, at the outside
                 bound = signature.bind(*args, **kwargs)
                 group = bound.arguments.get("group")
                 size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-                self.bytes += factor(size) * _nbytes(bound.arguments.get(argument))
-                self.calls += 1
-                self.by_function[name] = self.by_function.get(name, 0) + 1
-            self._depth += 1
+                with self._lock:
+                    self.bytes += factor(size) * _nbytes(bound.arguments.get(argument))
+                    self.calls += 1
+                    self.by_function[name] = self.by_function.get(name, 0) + 1
+            self._depth.value = depth + 1
             try:
                 return original(*args, **kwargs)
             finally:
-                self._depth -= 1
+                self._depth.value = depth
 
         return wrapper

@@ -7,7 +7,8 @@ the backward (the hook returns a future chained on it), overlapping the rest of 
 
 After the backward only the owned fragments of ``.grad`` are averaged; the rest holds this rank's partial values
 and must not be read (the library's own readers, ``zero.step()``, ``zero.clip_grad_norm_`` and the overlap hooks,
-read owned fragments only; ``torch.nn.utils.clip_grad_norm_`` would read partial values). The hook is also the
+read owned fragments only; ``torch.nn.utils.clip_grad_norm_`` would read partial values) nor added onto: a backward
+that would accumulate onto them is refused (``accumulation.py``; ``no_sync()`` accumulates right). The hook is also the
 inner hook of the overlap wrappers: ``ddp.register_comm_hook(zero, hook_with_zero_step(reduce_to_owners_hook, ddp,
 zero))``.
 
@@ -100,6 +101,7 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
         )
     if not zero._ddp_group_checked:
         check_ddp_group(zero, _running_ddp(zero))
+    zero._accumulation.saw_bucket(bucket.parameters())
     buffer = bucket.buffer()
     buffer.div_(zero.world_size * zero.replica_count)
     bucket_route = route(zero, bucket.parameters())

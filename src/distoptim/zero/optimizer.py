@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import checkpoint, clipping, comm, placement, state_dicts, stepping, validation
+from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
@@ -124,6 +125,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding this shard in other shard groups
         self.replica_count = 1 if replicate_group is None else comm.group_size(replicate_group)
         self._ddp_group_checked = False  # reduce_to_owners_hook checks DDP's group against ours once
+        self._accumulation = AccumulationGuard()  # and refuses backwards that would add onto what it left
         self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)

@@ -1,0 +1,76 @@
+"""Gradient accumulation with ``reduce_to_owners_hook``: a synced backward that would add onto the gradients a
+previous one reduced to owners is refused on every rank (it summed the ranks' leftovers: silently wrong); the ways
+that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views) and
+DDP's static graph train as DDP + the plain optimizer do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from distoptim.hooks import reduce_to_owners_hook
+from tests._dist import run_on_ranks
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(rank: int, step: int, micro: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+
+
+def _train(rank: int, how: str, partition: str) -> str:
+    """Two micro-batches a step, three steps, against DDP + SGD; returns "ok" or the error raised."""
+    bucket_view, static = how == "bucket_view", how == "static_graph"
+    model, reference = _net(), _net()
+    ddp = DDP(model, bucket_cap_mb=1e-4, gradient_as_bucket_view=bucket_view, static_graph=static)
+    reference_ddp = DDP(reference, bucket_cap_mb=1e-4)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition=partition, lr=0.1, momentum=0.9)
+    ddp.register_comm_hook(zero, reduce_to_owners_hook)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    try:
+        for step in range(3):
+            if how != "across_steps" or step == 0:
+                zero.zero_grad(set_to_none=how != "in_place")
+            plain.zero_grad()
+            for micro in range(2):
+                if how in ("no_sync", "bucket_view", "in_place") and micro == 0:
+                    with ddp.no_sync(), reference_ddp.no_sync():
+                        ddp(_batch(rank, step, micro)).square().mean().backward()
+                        reference_ddp(_batch(rank, step, micro)).square().mean().backward()
+                else:
+                    ddp(_batch(rank, step, micro)).square().mean().backward()
+                    reference_ddp(_batch(rank, step, micro)).square().mean().backward()
+                if how == "static_graph" or (how in ("synced", "across_steps") and step == 0):
+                    break  # one micro-batch (DDP's static graph has no no_sync); the refusals come later
+            zero.step()
+            plain.step()
+            for ours, want in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=f"{how} {partition} step {step}")
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
+def _body(rank: int, world_size: int) -> list[tuple[str, str, str]]:
+    return [
+        (how, partition, _train(rank, how, partition))
+        for how in ["synced", "across_steps", "no_sync", "in_place", "bucket_view", "static_graph"]
+        for partition in ["greedy", "even"]
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_accumulating_onto_reduced_gradients_is_refused_and_the_right_ways_train_as_ddp(world_size: int) -> None:
+    for results in run_on_ranks(_body, world_size, timeout=180):
+        for how, partition, outcome in results:
+            if how in ("synced", "across_steps"):  # two synced backwards with no clearing between them
+                assert "would add onto the gradients" in outcome, (how, partition, outcome)
+                assert "no_sync()" in outcome and "ShardedDataParallel" in outcome
+            else:
+                assert outcome == "ok", (how, partition, outcome)
