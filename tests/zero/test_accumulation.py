@@ -1,7 +1,8 @@
-"""Gradient accumulation with ``reduce_to_owners_hook``: a synced backward that would add onto the gradients a
+"""Gradient accumulation with ``reduce_to_owners_hook``: a step over gradients a synced backward added onto what a
 previous one reduced to owners is refused on every rank (it summed the ranks' leftovers: silently wrong); the ways
-that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views) and
-DDP's static graph train as DDP + the plain optimizer do."""
+that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views), DDP's
+static graph, a ``torch.autograd.grad`` between steps and a backward added onto the gradients but cleared before the
+next step (a GAN's generator step) train as DDP + the plain optimizer do."""
 
 from __future__ import annotations
 
@@ -46,23 +47,29 @@ def _train(rank: int, how: str, partition: str) -> str:
                 else:
                     ddp(_batch(rank, step, micro)).square().mean().backward()
                     reference_ddp(_batch(rank, step, micro)).square().mean().backward()
-                if how == "static_graph" or (how in ("synced", "across_steps") and step == 0):
+                if how in ("static_graph", "autograd_grad", "added_then_cleared") or (
+                    how in ("synced", "across_steps") and step == 0
+                ):
                     break  # one micro-batch (DDP's static graph has no no_sync); the refusals come later
             zero.step()
             plain.step()
             for ours, want in zip(model.parameters(), reference.parameters()):
                 torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=f"{how} {partition} step {step}")
+            if how == "autograd_grad":  # a diagnostic gradient, never written to .grad: not an accumulation
+                torch.autograd.grad(model(_batch(rank, step, 9)).sum(), list(model.parameters()))
+            if how == "added_then_cleared":  # a GAN's generator backward through the discriminator's DDP
+                ddp(_batch(rank, step, 8)).square().mean().backward()
     except RuntimeError as error:
         return str(error)
     return "ok"
 
 
+HOWS = ["synced", "across_steps", "no_sync", "in_place", "bucket_view", "static_graph"]
+HOWS += ["autograd_grad", "added_then_cleared"]
+
+
 def _body(rank: int, world_size: int) -> list[tuple[str, str, str]]:
-    return [
-        (how, partition, _train(rank, how, partition))
-        for how in ["synced", "across_steps", "no_sync", "in_place", "bucket_view", "static_graph"]
-        for partition in ["greedy", "even"]
-    ]
+    return [(how, partition, _train(rank, how, partition)) for how in HOWS for partition in ["greedy", "even"]]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -70,7 +77,7 @@ def test_accumulating_onto_reduced_gradients_is_refused_and_the_right_ways_train
     for results in run_on_ranks(_body, world_size, timeout=180):
         for how, partition, outcome in results:
             if how in ("synced", "across_steps"):  # two synced backwards with no clearing between them
-                assert "would add onto the gradients" in outcome, (how, partition, outcome)
+                assert "a backward added onto the gradients" in outcome, (how, partition, outcome)
                 assert "no_sync()" in outcome and "ShardedDataParallel" in outcome
             else:
                 assert outcome == "ok", (how, partition, outcome)

@@ -6,10 +6,15 @@ gradients come out wrong, silently (DDP's all-reduce leaves the average everywhe
 Accumulating under ``ddp.no_sync()`` for all micro-batches but the last is right (local gradients, reduced once),
 and so is ``ShardedDataParallel``, which keeps the owned gradient itself.
 
-The check: at the end of each backward through the hook, the ``.grad`` of each bucket's first trainable parameter is
-noted (the tensor and its version counter). When a later backward computes that parameter's gradient while its
-``.grad`` is still that tensor, unchanged, the parameter's gradient hook raises before autograd adds onto it: on
-every rank alike, since all run the same graph. Clearing the gradients (to None, or zeroed in place) passes.
+How it is caught: at the end of each backward through the hook, the ``.grad`` of every parameter of its buckets is
+noted (the tensor and its version counter). A parameter's gradient hook marks it when a later backward computes its
+gradient while ``.grad`` is still that tensor, unchanged; its post-accumulate hook confirms that the backward wrote
+``.grad`` (``torch.autograd.grad`` does not). ``zero.step()`` then refuses, through the step's agreement so that
+every rank raises, while such a ``.grad`` is still there: gradients added onto and then cleared (a GAN's generator
+backward through the discriminator, before the discriminator's ``zero_grad()``) are never read, and pass.
+
+Known gap: DDP with ``gradient_as_bucket_view=True`` re-creates each ``.grad`` as a view of its rebuilt buckets in the
+second forward, so accumulation within the very first step is not caught.
 """
 
 from __future__ import annotations
@@ -18,60 +23,90 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from distoptim._backward import at_end_of_backward, in_backward
+from distoptim._backward import at_end_of_backward
 
 __all__ = ["AccumulationGuard"]
+
+_Noted = tuple["weakref.ref[Tensor]", int]
 
 
 class AccumulationGuard:
     """One per ``ZeroRedundancyOptimizer`` whose gradients a DDP hook reduces to owners."""
 
     def __init__(self) -> None:
-        self._watched: dict[int, weakref.ref[Tensor]] = {}  # id(param) -> the parameter (its hook is registered)
-        self._left: dict[int, tuple[weakref.ref[Tensor], int]] = {}  # id(param) -> its .grad and version, noted
-        self._queued = False
+        self._watched: dict[int, weakref.ref[Tensor]] = {}  # id(param) -> the parameter (its hooks are registered)
+        self._left: dict[int, _Noted] = {}  # what the last reducing backward left in .grad
+        self._suspect: set[int] = set()  # a backward computes their gradient onto what it left
+        self._added_onto: dict[int, weakref.ref[Tensor]] = {}  # .grad holding such a sum
+        self._noting_for = -1  # the backward (graph task) whose end is to be noted
 
     def saw_bucket(self, params: Sequence[Tensor]) -> None:
-        """A bucket reached the hook: watch its first trainable parameter, and note the gradients once this backward
+        """A bucket reached the hook: watch its trainable parameters, and note their gradients once this backward
         ends (outside a backward, as DDP's join hook runs the hook, nothing reaches ``.grad``: nothing to note)."""
-        first = next((param for param in params if param.requires_grad), None)
-        if first is not None and id(first) not in self._watched:
-            self._watched[id(first)] = weakref.ref(first)
-            first.register_hook(_Check(self, first))  # type: ignore[no-untyped-call]
-        if not self._queued and in_backward():
-            self._queued = True
+        for param in params:
+            if param.requires_grad and id(param) not in self._watched:
+                self._watched[id(param)] = weakref.ref(param)
+                param.register_hook(_Hook(self, param, before=True))  # type: ignore[no-untyped-call]
+                param.register_post_accumulate_grad_hook(_Hook(self, param, before=False))  # type: ignore[no-untyped-call]
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._noting_for:
+            self._noting_for = task
             at_end_of_backward(lambda: at_end_of_backward(self._note))  # after DDP's own, queued at its last bucket
 
     def _note(self) -> None:
-        self._queued = False
+        self._noting_for = -1
         self._left = {}
         for key, ref in self._watched.items():
             param = ref()
             if param is not None and param.grad is not None:
                 self._left[key] = (weakref.ref(param.grad), param.grad._version)
 
-    def check(self, param: Tensor) -> None:
+    def before_gradient(self, param: Tensor) -> None:
         left, grad = self._left.get(id(param)), param.grad
         if left is not None and grad is not None and left[0]() is grad and grad._version == left[1]:
+            self._suspect.add(id(param))
+        else:
+            self._suspect.discard(id(param))
+
+    def after_accumulation(self, param: Tensor) -> None:
+        if id(param) in self._suspect and param.grad is not None:
+            self._suspect.discard(id(param))
+            self._added_onto[id(param)] = weakref.ref(param.grad)
+
+    def cleared(self) -> None:
+        """``zero.zero_grad()``: whatever was added onto is gone."""
+        self._added_onto.clear()
+
+    def check(self) -> None:
+        """Raise if a ``.grad`` still holds a sum onto what a reduction to owners left (call where it is read)."""
+        for key, grad_ref in list(self._added_onto.items()):
+            param = self._watched[key]()
+            if param is None or param.grad is None or param.grad is not grad_ref():
+                del self._added_onto[key]  # cleared since
+        if self._added_onto:
             raise RuntimeError(
-                "this backward would add onto the gradients of a backward that reduce_to_owners_hook reduced to "
-                "their owners: only the owned ranges of .grad hold the average (the rest are this rank's partial "
-                "values), so the accumulated gradient would be wrong. Clear the gradients between backwards "
+                "a backward added onto the gradients of a backward that reduce_to_owners_hook had reduced to their "
+                "owners: only the owned ranges of .grad held the average (the rest were this rank's partial "
+                "values), so the accumulated gradient is wrong. Clear the gradients between backwards "
                 "(zero.zero_grad()), accumulate the micro-batches but the last under ddp.no_sync(), or use "
                 "distoptim.ShardedDataParallel, which accumulates the owned gradient itself"
             )
 
 
-class _Check:
-    """A parameter's gradient hook: the guard's check, before autograd accumulates (holds the parameter weakly)."""
+class _Hook:
+    """A parameter's gradient hook (``before``) or post-accumulate hook; holds the parameter weakly."""
 
-    def __init__(self, guard: AccumulationGuard, param: Tensor) -> None:
-        self.guard, self.param = guard, weakref.ref(param)
+    def __init__(self, guard: AccumulationGuard, param: Tensor, before: bool) -> None:
+        self.guard, self.param, self.before = guard, weakref.ref(param), before
 
-    def __call__(self, grad: Tensor) -> Any:
+    def __call__(self, _: Tensor) -> Any:
         param = self.param()
         if param is not None:
-            self.guard.check(param)
+            if self.before:
+                self.guard.before_gradient(param)
+            else:
+                self.guard.after_accumulation(param)
         return None

@@ -7,10 +7,10 @@ the backward (the hook returns a future chained on it), overlapping the rest of 
 
 After the backward only the owned fragments of ``.grad`` are averaged; the rest holds this rank's partial values
 and must not be read (the library's own readers, ``zero.step()``, ``zero.clip_grad_norm_`` and the overlap hooks,
-read owned fragments only; ``torch.nn.utils.clip_grad_norm_`` would read partial values) nor added onto: a backward
-that would accumulate onto them is refused (``accumulation.py``; ``no_sync()`` accumulates right). The hook is also the
-inner hook of the overlap wrappers: ``ddp.register_comm_hook(zero, hook_with_zero_step(reduce_to_owners_hook, ddp,
-zero))``.
+read owned fragments only; ``torch.nn.utils.clip_grad_norm_`` would read partial values) nor added onto: ``step()``
+refuses gradients a backward added onto them (``accumulation.py``; ``no_sync()`` accumulates right). The hook is
+also the inner hook of the overlap wrappers: ``ddp.register_comm_hook(zero, hook_with_zero_step(reduce_to_owners_hook,
+ddp, zero))``.
 
 Each bucket is handled on its own: nothing depends on DDP's bucket numbering or on which bucket comes last (DDP's
 static-graph first iteration hands every bucket over as index 0, none as the last). Elements of a parameter that

@@ -125,7 +125,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding this shard in other shard groups
         self.replica_count = 1 if replicate_group is None else comm.group_size(replicate_group)
         self._ddp_group_checked = False  # reduce_to_owners_hook checks DDP's group against ours once
-        self._accumulation = AccumulationGuard()  # and refuses backwards that would add onto what it left
+        self._accumulation = AccumulationGuard()  # and step() refuses gradients added onto what it left
         self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
@@ -337,6 +337,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         """
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
+        self._accumulation.cleared()
         if self._gradient_store is not None:
             self._gradient_store.clear(set_to_none)
         super().zero_grad(set_to_none)

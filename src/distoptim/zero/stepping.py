@@ -74,6 +74,7 @@ def _prepare_and_step(
 ) -> Prepared:
     """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
     waits for the ranks' verdict on inf/nan."""
+    zero._accumulation.check()  # inside the agreement: every rank raises if one does
     zero._repartition_if_changed()
     loss: float | None = None
     if closure is not None and zero.local_shard.detached:  # pieces and master copies take .grad when attached
