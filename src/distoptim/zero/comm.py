@@ -117,7 +117,7 @@ def broadcast_slices(
     Empty slices are skipped on every rank alike since every rank knows the layout. With ``wait=False`` the pending
     works are returned for ``wait_all``.
     """
-    if collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu":  # gloo's sends read host memory
+    if _point_to_point(collectives, buffer):
         works = p2p.send_from_owners(buffer, slices, group)
     else:
         works = [
@@ -128,6 +128,11 @@ def broadcast_slices(
     if wait:
         wait_all(works)
     return works
+
+
+def _point_to_point(collectives: Collectives | None, buffer: Tensor) -> bool:
+    """Whether ``buffer`` moves point to point: the p2p style, on host memory (gloo's sends read no GPU memory)."""
+    return collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu"
 
 
 def wait_all(works: Sequence[Any]) -> None:
@@ -235,7 +240,7 @@ def _start_reduction(
         if end > start:
             by_owner[owner].append((start, end))
     shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
-    if collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu":  # gloo's sends read host memory
+    if _point_to_point(collectives, buffer):
         exchange = p2p.ReductionExchange(buffer, by_owner, group)  # summed in place as the chunks arrive
         return [exchange], _Landing(buffer, [buffer[start:end] for start, end in by_owner[mine]])
     chunk = _equal_chunk(shares) if collectives is Collectives.CHUNKED else None
