@@ -89,12 +89,12 @@ def _many_in_flight_body(rank: int, world_size: int) -> list[int]:
     futures = []
     for buffer in buffers:
         futures.append(comm.reduce_to_owners_async(buffer, slices, dist.group.WORLD, P2P))
-        staged.append(p2p._staged.get(dist.group.WORLD, 0))
+        staged.append(p2p._state(dist.group.WORLD).staged)
     for number, (future, buffer) in enumerate(zip(futures, buffers)):
         future.wait()
         start, end = slices[rank][1:]
         assert torch.equal(buffer[start:end], torch.full((100,), 3.0 + 2 * number))
-    assert p2p._staged.get(dist.group.WORLD, 0) == 0
+    assert p2p._state(dist.group.WORLD).staged == 0
     return staged
 
 

@@ -44,9 +44,6 @@ _SYNC_TAG = 0xD15
 FIRST_REDUCTION_TAG = 1 << 30
 _CHUNK_BITS = 12
 _SEQUENCE_BITS = 30 - _CHUNK_BITS
-_reductions: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()  # started, by group
-_staged: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()  # staging bytes, by group
-_deferred: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()  # not yet receiving
 _staged_lock = threading.Lock()  # taken by the training thread (starting) and the waiters (finishing)
 
 
@@ -85,8 +82,8 @@ class ReductionExchange:
 
     def __init__(self, buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup):
         size, mine = group_size(group), dist.get_rank(group)
-        sequence = _reductions.get(group, 0)
-        _reductions[group] = sequence + 1
+        self.state = state = _state(group)
+        sequence, state.reductions = state.reductions, state.reductions + 1
         self.group, self.tag = group, FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
         self.peers = [rank for rank in range(size) if rank != mine]
         largest = max((sum(end - start for start, end in ranges) for ranges in by_owner), default=0)
@@ -108,12 +105,12 @@ class ReductionExchange:
         self.receives: dict[tuple[int, int], Any] = {}
         self.done = False
         with _staged_lock:  # once one waits its turn, so do the later ones: the waiter finds the earlier ones done
-            staged, deferred = _staged.get(group, 0), _deferred.get(group, 0)
-            self.receiving = not deferred and (not staged or staged + self.staging_bytes <= 2 * STAGING_BYTES)
+            staged = state.staged
+            self.receiving = not state.deferred and (not staged or staged + self.staging_bytes <= 2 * STAGING_BYTES)
             if self.receiving:
-                _staged[group] = staged + self.staging_bytes
+                state.staged += self.staging_bytes
             else:
-                _deferred[group] = deferred + 1
+                state.deferred += 1
         if self.receiving:
             self._start_receiving()
 
@@ -147,8 +144,8 @@ class ReductionExchange:
             return
         if not self.receiving:
             with _staged_lock:
-                _staged[self.group] = _staged.get(self.group, 0) + self.staging_bytes
-                _deferred[self.group] -= 1
+                self.state.staged += self.staging_bytes
+                self.state.deferred -= 1
             self.receiving = True
         try:
             if not self.staging and self.bounds:  # not started when built
@@ -166,7 +163,7 @@ class ReductionExchange:
                 work.wait()
         finally:
             with _staged_lock:
-                _staged[self.group] = _staged.get(self.group, 0) - self.staging_bytes
+                self.state.staged -= self.staging_bytes
             self.done, self.staging, self.sends, self.targets = True, {}, [], []
 
 
@@ -201,10 +198,7 @@ def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> 
 def future_of(works: Sequence[Any], group: dist.ProcessGroup) -> Future[None]:
     """A future completed (with the first error, if a work fails) once every one of ``works`` has been waited for,
     in ``group``'s waiter thread, after the works handed to it before."""
-    waiter = _waiters.get(group)
-    if waiter is None:
-        waiter = _waiters[group] = _Waiter()
-    return waiter.submit(lambda: [work.wait() for work in works])
+    return _state(group).waiter.submit(lambda: [work.wait() for work in works])
 
 
 class _Waiter:
@@ -239,4 +233,20 @@ def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | Non
         del item, job, future  # the next get() may wait long: hold no bucket meanwhile
 
 
-_waiters: weakref.WeakKeyDictionary[dist.ProcessGroup, _Waiter] = weakref.WeakKeyDictionary()
+class _Group:
+    """What this module keeps for one process group: its count of reductions started (their tags), the staging its
+    reductions hold, how many wait to start receiving, and its waiter."""
+
+    def __init__(self) -> None:
+        self.reductions = self.staged = self.deferred = 0
+        self.waiter = _Waiter()
+
+
+_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _Group] = weakref.WeakKeyDictionary()  # a group gone: dropped
+
+
+def _state(group: dist.ProcessGroup) -> _Group:
+    state = _groups.get(group)
+    if state is None:
+        state = _groups[group] = _Group()
+    return state
