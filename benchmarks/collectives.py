@@ -3,7 +3,7 @@
 A 21M-element fp32 buffer (the benchmark GPT's gradient) in 9 buckets; every way starts all buckets concurrently and
 waits for all of them, as a backward's reduction or a step's sync does. Reductions: an all-reduce (DDP's, moving
 twice the bytes), a reduce to each owner (``DISTOPTIM_COLLECTIVES=chunked`` off the even regions; the "rooted" style
-before point to point), a reduce-scatter (chunked), and point to point (``zero/p2p.py``, the default on gloo). Syncs:
+before point to point), a reduce-scatter (chunked), and point to point (``comm/p2p.py``, the default on gloo). Syncs:
 a broadcast from each owner, an all-gather (chunked), and point to point. Prints the median of 7 runs of the slowest
 rank, in ms::
 
@@ -26,7 +26,7 @@ ELEMENTS, BUCKETS, RUNS = 21_000_000, 9, 7
 
 
 def _ways(rank: int, size: int, buckets: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
-    from distoptim.zero import comm
+    from distoptim.comm import collectives as comm
 
     group = dist.group.WORLD
     regions = [[b * len(bucket) // size for b in range(size + 1)] for bucket in buckets]

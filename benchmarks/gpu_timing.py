@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tests/ helpers
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
-from distoptim.zero import comm
+from distoptim.comm import collectives as comm
 from tests.zero._hooks import register
 
 

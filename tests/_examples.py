@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from distoptim.zero.convert import dcp_to_torch_optim
+from distoptim.checkpoint.convert import dcp_to_torch_optim
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

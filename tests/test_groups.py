@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distoptim._groups import choose_comm_device
+from distoptim.comm.groups import choose_comm_device
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 

@@ -30,7 +30,7 @@ _check_torch_version(str(torch.__version__))
 from distoptim.averaging import PostLocalSGDOptimizer  # noqa: E402 (after the version check)
 from distoptim.functional import as_functional_optim  # noqa: E402
 from distoptim.rpc import DistributedOptimizer  # noqa: E402
-from distoptim.sharded import ShardedDataParallel  # noqa: E402
+from distoptim.sharded_data_parallel import ShardedDataParallel  # noqa: E402
 from distoptim.zero import ZeroRedundancyOptimizer  # noqa: E402
 
 __all__ = [

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         return _bench(rest)
     if command == "checkpoint":
-        from distoptim.zero.convert import main as convert_main
+        from distoptim.checkpoint.convert import main as convert_main
 
         return convert_main(rest)
     if command == "plan":

@@ -10,7 +10,7 @@ import torch
 
 from distoptim.averagers import PeriodicModelAverager
 from distoptim.averaging.averagers import params_to_average
-from distoptim.averaging.comm import group_by_device_dtype, node_subgroup_size
+from distoptim.comm.averaging import group_by_device_dtype, node_subgroup_size
 from distoptim.hooks import PostLocalSGDState
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
-from distoptim.zero import comm
+from distoptim.comm import collectives as comm
 from tests._dist import cuda_world_size, run_on_ranks
 from tests.zero._hooks import register
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.comm.collectives import all_gather_objects
 from distoptim.hooks import hook_with_zero_step, reduce_to_owners_hook
-from distoptim.zero.comm import all_gather_objects
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
 

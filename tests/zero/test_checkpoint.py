@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.checkpoint.consolidated import STAGING_BYTES
+from distoptim.checkpoint.files import consolidated as checkpoint
+from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalAdamW
-from distoptim.zero import checkpoint, comm
-from distoptim.zero.checkpoint import STAGING_BYTES
 from distoptim.zero.elementwise import is_elementwise
 from tests._dist import cuda_world_size, run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params

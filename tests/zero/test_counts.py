@@ -35,12 +35,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distoptim
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, _host
-from distoptim.zero import comm, p2p
+from distoptim.comm import collectives as comm
+from distoptim.comm import p2p
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
 
 SOURCE = Path(distoptim.__file__).parent
-CONTROL_PLANE = {SOURCE / "_agreement.py", SOURCE / "_objects.py", SOURCE / "_host.py"}
+CONTROL_PLANE = {SOURCE / "comm/agreement.py", SOURCE / "comm/objects.py", SOURCE / "_host.py"}
 REDUCTIONS = {"reduce": 0, "reduce_scatter_tensor": 1, "all_reduce": 0}  # name -> which argument is handed over
 SYNCS = {"broadcast": 0, "all_gather_into_tensor": 0}
 

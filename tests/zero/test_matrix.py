@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
-from distoptim.zero import comm
+from distoptim.comm import collectives as comm
 from tests._dist import run_on_ranks
 from tests._reference import MasterWeightsReference
 from tests.zero._hooks import register

@@ -17,10 +17,11 @@ from torch import nn
 
 from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import is_dense
+from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.hooks import allreduce_hook, hook_with_zero_step_interleaved
-from distoptim.zero import comm
-from distoptim.zero.buckets import StagedSync, layouts_from_plan, piece_view
+from distoptim.zero.buckets import StagedSync
+from distoptim.zero.layouts import layouts_from_plan, piece_view
 from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, set_gradients

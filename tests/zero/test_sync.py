@@ -9,8 +9,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from distoptim.zero import comm
-from distoptim.zero.buckets import BucketViewSync, StagedSync, layouts_from_plan, piece_view
+from distoptim.comm import collectives as comm
+from distoptim.zero.buckets import BucketViewSync, StagedSync
+from distoptim.zero.layouts import layouts_from_plan, piece_view
 from distoptim.zero.partition import partition_parameters
 from tests._dist import run_on_ranks
 

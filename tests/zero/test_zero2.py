@@ -18,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import flat_view
+from distoptim.comm import collectives as comm
+from distoptim.comm import p2p
 from distoptim.hooks import reduce_to_owners_hook
-from distoptim.zero import comm, p2p
 from distoptim.zero.partition import SPLIT
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register

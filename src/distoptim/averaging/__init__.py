@@ -5,8 +5,8 @@ collective; ``optimizer`` wraps a local optimizer; ``hook`` is the DDP communica
 """
 
 from distoptim.averaging.averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from distoptim.averaging.hook import PostLocalSGDState, post_localSGD_hook
 from distoptim.averaging.optimizer import PostLocalSGDOptimizer
+from distoptim.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 
 __all__ = [
     "HierarchicalModelAverager",

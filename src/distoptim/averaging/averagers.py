@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from distoptim.averaging import comm
+from distoptim.comm import averaging as comm
 
 __all__ = ["HierarchicalModelAverager", "ModelAverager", "ParamsLike", "PeriodicModelAverager", "params_to_average"]
 

@@ -32,10 +32,10 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "distoptim.integrations.transformers needs Hugging Face transformers: pip install transformers"
     ) from error
 
-from distoptim import _agreement as agreement
 from distoptim import checkpoint
-from distoptim.sharded.wrapper import ShardedDataParallel
-from distoptim.zero.grad_sharding import reduce_to_owners_hook
+from distoptim.comm import agreement
+from distoptim.ddp.reduce_to_owners import reduce_to_owners_hook
+from distoptim.sharded_data_parallel.wrapper import ShardedDataParallel
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["SHARDS_DIR", "ZeroTrainer"]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from distoptim import _host
-from distoptim.zero import comm
+from distoptim.comm import collectives as comm
 
 __all__ = ["clip_grad_norm_"]
 

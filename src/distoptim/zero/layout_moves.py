@@ -13,7 +13,7 @@ from torch import Tensor
 from distoptim._flat import view_like
 
 if TYPE_CHECKING:
-    from distoptim.zero.buckets import FlatLayout
+    from distoptim.zero.layouts import FlatLayout
 
 __all__ = ["movable_within", "place", "release_leavers"]
 

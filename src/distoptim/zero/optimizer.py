@@ -16,8 +16,10 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
+from distoptim.checkpoint.files import consolidated as checkpoint
+from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import checkpoint, clipping, comm, placement, state_dicts, stepping, validation
+from distoptim.zero import clipping, placement, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.overlap import OverlapStepper

@@ -16,9 +16,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from distoptim._flat import copy_each_
+from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, comm
-from distoptim.zero.buckets import StagedSync, layouts_from_plan
+from distoptim.zero import amp
+from distoptim.zero.buckets import StagedSync
+from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, LocalTensor
 

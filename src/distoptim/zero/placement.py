@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from distoptim.zero.buckets import BucketViewSync, StagedSync, layouts_from_plan
+from distoptim.zero.buckets import BucketViewSync, StagedSync
+from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.partition import UNOWNED, partition_parameters
 from distoptim.zero.shard import LocalShard
 

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from distoptim.zero import checkpoint, sharded, stepping
+from distoptim.checkpoint.files import consolidated as checkpoint
+from distoptim.checkpoint.files import dcp_state as sharded
+from distoptim.zero import stepping
 from distoptim.zero.shard import stitch
 
 if TYPE_CHECKING:

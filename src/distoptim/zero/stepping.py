@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from distoptim import _agreement as agreement
+from distoptim.comm import agreement
 from distoptim.zero import amp, validation
 
 if TYPE_CHECKING:

@@ -17,12 +17,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from distoptim._agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim._flat import is_dense
-from distoptim._groups import control_group
-from distoptim._objects import all_gather_objects
+from distoptim.comm import collectives as comm
+from distoptim.comm import p2p
+from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
+from distoptim.comm.groups import control_group
+from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero import comm, p2p
 from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
 from distoptim.zero.partition import MODES
 

@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from distoptim import _agreement as agreement
-from distoptim.zero import comm
+from distoptim.comm import agreement
+from distoptim.comm import collectives as comm
 
 __all__ = ["check_files", "load", "read_metadata", "save", "underlying_error"]
 

@@ -1,4 +1,4 @@
-"""gloo's point-to-point transport (``zero/p2p.py``) under the conditions a training loop does not show: ranks that
+"""gloo's point-to-point transport (``comm/p2p.py``) under the conditions a training loop does not show: ranks that
 interleave two groups differently, a peer later than the group's timeout, a share too large for the chunk count,
 many reductions in flight, groups destroyed, and ranks that disagree on the staging size."""
 
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from distoptim import ZeroRedundancyOptimizer
-from distoptim.zero import comm, p2p
+from distoptim.comm import collectives as comm
+from distoptim.comm import p2p
 from tests._dist import run_on_ranks
 
 P2P = comm.Collectives.POINT_TO_POINT

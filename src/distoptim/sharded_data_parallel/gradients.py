@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from distoptim import _agreement
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, view_like
-from distoptim.sharded.buckets import BucketPlan, store_plan
-from distoptim.zero import comm
+from distoptim.comm import agreement as _agreement
+from distoptim.comm import collectives as comm
+from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """DistributedOptimizer: step parameters that live on other RPC workers with a distributed-autograd context's gradients.
 
-Each worker that owns some of the parameters holds a ``LocalOptimizer`` (``_rpc_owner.py``): those parameters and one
+Each worker that owns some of the parameters holds a ``LocalOptimizer`` (``rpc/owner.py``): those parameters and one
 optimizer over them. ``step(context_id)`` asks every owner at once to read the gradients that
 ``torch.distributed.autograd`` recorded for that context and hand them *explicitly* to its optimizer, so a parameter
 without a gradient in this context is not touched (nothing is parked in ``.grad``, nothing stale is re-applied).
@@ -27,8 +27,8 @@ from torch import Tensor
 from torch.distributed.rpc import PyRRef  # what rpc.remote returns; rpc.RRef subclasses it for annotations only
 from torch.optim import Optimizer
 
-from distoptim import _rpc_owner as on_owner
 from distoptim.functional import functional_class_for
+from distoptim.rpc.optimizer import owner as on_owner
 
 __all__ = ["DistributedOptimizer"]
 

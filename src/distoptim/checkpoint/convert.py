@@ -22,9 +22,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from distoptim._dcp import check_files, read_metadata, underlying_error
 from distoptim._flat import flat_view
-from distoptim.zero.sharded import LAYOUTS, PARAM_GROUPS
+from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
+from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS
 
 __all__ = ["dcp_to_torch_optim", "main", "torch_optim_to_dcp"]
 

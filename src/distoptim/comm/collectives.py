@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from distoptim._groups import comm_device, default_group, group_size
-from distoptim._objects import all_gather_objects, receive_object, send_object
-from distoptim.zero import p2p
+from distoptim.comm import p2p
+from distoptim.comm.groups import comm_device, default_group, group_size
+from distoptim.comm.objects import all_gather_objects, receive_object, send_object
 
 __all__ = [
     "ENVIRONMENT",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distoptim._groups import comm_device, group_size
+from distoptim.comm.groups import comm_device, group_size
 
 __all__ = ["all_gather_objects", "receive_object", "send_object"]
 

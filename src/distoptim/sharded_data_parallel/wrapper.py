@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distoptim import _agreement
 from distoptim._flat import flat_view, is_dense, pack, unpack_
-from distoptim.sharded.buckets import BucketPlan, plan_buckets
-from distoptim.sharded.gradients import OwnedGradients
-from distoptim.sharded.sync import BucketedSync
-from distoptim.zero import comm
+from distoptim.comm import agreement as _agreement
+from distoptim.comm import collectives as comm
+from distoptim.sharded_data_parallel.buckets import BucketPlan, plan_buckets
+from distoptim.sharded_data_parallel.gradients import OwnedGradients
+from distoptim.sharded_data_parallel.sync import BucketedSync
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedDataParallel"]

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from distoptim._agreement import agree_across_ranks
 from distoptim._flat import pack, unpack_
-from distoptim._groups import default_group, group_size, is_member
+from distoptim.comm.agreement import agree_across_ranks
+from distoptim.comm.groups import default_group, group_size, is_member
 
 __all__ = [
     "agree_on_settings",
@@ -34,7 +34,7 @@ __all__ = [
 
 def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: ProcessGroup | None, what: str) -> None:
     """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``
-    (one all-reduce; ``distoptim._agreement.agree_across_ranks``): ranks that average on different schedules would
+    (one all-reduce; ``distoptim.comm.agreement.agree_across_ranks``): ranks that average on different schedules would
     otherwise wait for each other in an all-reduce until the group's timeout. A failing rank raises its own error
     (at once where no process group exists yet), the others name it."""
     if isinstance(settings, BaseException) and process_group is None and not dist.is_initialized():

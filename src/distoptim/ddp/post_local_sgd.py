@@ -15,7 +15,7 @@ import torch
 from torch.distributed import GradBucket, ProcessGroup
 
 from distoptim._backward import at_end_of_backward, in_backward
-from distoptim.averaging import comm
+from distoptim.comm import averaging as comm
 
 __all__ = ["PostLocalSGDState", "allreduce_hook", "post_localSGD_hook"]
 

@@ -20,9 +20,10 @@ from typing import Any
 
 from torch import Tensor
 
-from distoptim.sharded.buckets import BucketPlan
-from distoptim.zero import comm
-from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, layouts_from_plan
+from distoptim.comm import collectives as comm
+from distoptim.sharded_data_parallel.buckets import BucketPlan
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
+from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = ["BucketedSync"]

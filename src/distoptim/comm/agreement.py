@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from distoptim._groups import control_group
-from distoptim._objects import all_gather_objects
+from distoptim.comm.groups import control_group
+from distoptim.comm.objects import all_gather_objects
 
 __all__ = ["SAME_EVERYWHERE", "STEP_FIX", "Fingerprint", "agree_across_ranks", "run_agreed", "run_step_agreed"]
 

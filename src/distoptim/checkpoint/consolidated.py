@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim import _agreement as agreement
-from distoptim.zero import comm
+from distoptim.comm import agreement
+from distoptim.comm import collectives as comm
 from distoptim.zero.elementwise import is_elementwise, torch_class_of
 
 __all__ = [

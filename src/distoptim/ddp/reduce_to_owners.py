@@ -29,7 +29,7 @@ from torch.distributed import GradBucket
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from distoptim.zero import comm
+from distoptim.comm import collectives as comm
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer

@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from distoptim import _host
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
-from distoptim.zero import comm
-from distoptim.zero.grad_sharding import check_ddp_group, reduce_to_owners_hook
+from distoptim.comm import collectives as comm
+from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero.overlap import OverlapStepper
 
 if TYPE_CHECKING:

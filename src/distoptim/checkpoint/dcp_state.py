@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from distoptim._flat import is_dense
-from distoptim.zero.boxes import memory_range_boxes
-from distoptim.zero.checkpoint import check_hyperparameters
+from distoptim.checkpoint.boxes import memory_range_boxes
+from distoptim.checkpoint.consolidated import check_hyperparameters
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 
 if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a third of distoptim's import time

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from distoptim import _kernel_specs as specs
+from distoptim.functional.optimizers import kernels as specs
 
 __all__ = [
     "FunctionalAdadelta",

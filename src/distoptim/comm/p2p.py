@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from distoptim._groups import group_size
+from distoptim.comm.groups import group_size
 
 __all__ = ["FIRST_REDUCTION_TAG", "STAGING_BYTES", "ReductionExchange", "future_of", "send_from_owners"]
 
