@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
-from distoptim.checkpoint.files import consolidated as checkpoint
+from distoptim.checkpoint import consolidated as checkpoint
 from tests.faults._launcher import Outcome, die, run_with_faults
 
 WORLD_SIZE = 3  # two survivors

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint.consolidated import STAGING_BYTES
-from distoptim.checkpoint.files import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalAdamW
 from distoptim.zero.elementwise import is_elementwise

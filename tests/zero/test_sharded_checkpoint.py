@@ -23,9 +23,9 @@ import torch.distributed.checkpoint as dcp
 
 from distoptim import ZeroRedundancyOptimizer, checkpoint
 from distoptim._flat import flat_view
+from distoptim.checkpoint import convert
+from distoptim.checkpoint import dcp_state as sharded
 from distoptim.checkpoint.boxes import memory_range_boxes
-from distoptim.checkpoint.files import convert
-from distoptim.checkpoint.files import dcp_state as sharded
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 

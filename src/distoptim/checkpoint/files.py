@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distoptim.checkpoint.files import dcp as _dcp
-from distoptim.checkpoint.files import dcp_state as sharded
+from distoptim.checkpoint import dcp as _dcp
+from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.groups import new_gloo_group

@@ -3,7 +3,7 @@
 The ZeRO/DDP overlap hooks step parameters one bucket at a time while gradients are still arriving, and the RPC
 ``DistributedOptimizer`` steps parameters whose gradients live in a distributed autograd context; both need an
 optimizer that is handed its gradients. ``FunctionalOptimizer`` is one generic class that runs ``torch.optim``'s own
-functional kernels (so the math is torch's, bit for bit); one row of ``_kernel_specs`` per optimizer says which
+functional kernels (so the math is torch's, bit for bit); one row of ``kernels`` per optimizer says which
 kernel, which hyperparameters (with ``torch.optim``'s defaults) and which per-parameter state it uses. State is
 created exactly as ``torch.optim`` creates it, so ``FunctionalAdam(...).state[p]`` and
 ``torch.optim.Adam(...).state[p]`` are interchangeable.
@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from distoptim.functional.optimizers import kernels as specs
+from distoptim.functional import kernels as specs
 
 __all__ = [
     "FunctionalAdadelta",

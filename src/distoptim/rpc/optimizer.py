@@ -28,7 +28,7 @@ from torch.distributed.rpc import PyRRef  # what rpc.remote returns; rpc.RRef su
 from torch.optim import Optimizer
 
 from distoptim.functional import functional_class_for
-from distoptim.rpc.optimizer import owner as on_owner
+from distoptim.rpc import owner as on_owner
 
 __all__ = ["DistributedOptimizer"]
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
-from distoptim.checkpoint.files import consolidated as checkpoint
+from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import clipping, placement, state_dicts, stepping, validation

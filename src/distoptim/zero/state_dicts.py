@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from distoptim.checkpoint.files import consolidated as checkpoint
-from distoptim.checkpoint.files import dcp_state as sharded
+from distoptim.checkpoint import consolidated as checkpoint
+from distoptim.checkpoint import dcp_state as sharded
 from distoptim.zero import stepping
 from distoptim.zero.shard import stitch
 
