@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from distoptim.zero.buckets import BucketViewSync, StagedSync, layouts_from_plan
 from distoptim.zero.partition import UNOWNED, partition_parameters
-from distoptim.zero.shard import LocalShard
+from distoptim.zero.shard import LocalShard, complete_hyperparameters
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -61,7 +61,8 @@ def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False, in_place: bo
             local_group["params"] = group["params"]
         for new_group in local_groups[len(zero.optim.param_groups) :]:
             zero.optim.add_param_group(new_group)
-    zero._pull_hyperparameters()
+    complete_hyperparameters(zero.param_groups, zero.optim.param_groups)
+    zero._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
     if zero.overlap_stepper is not None:
         zero.overlap_stepper.rebuild(zero.optim, zero._shard, zero._plan, params, zero.param_groups)
     zero._bound = _storages(zero)

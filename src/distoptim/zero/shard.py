@@ -27,7 +27,16 @@ from torch import Tensor
 from distoptim._flat import copy_each_, flat_view
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["MASTER_KEY", "LocalShard", "LocalTensor", "copy_hyperparameters", "fragment_of", "slice_entry", "stitch"]
+__all__ = [
+    "MASTER_KEY",
+    "LocalShard",
+    "LocalTensor",
+    "complete_hyperparameters",
+    "copy_hyperparameters",
+    "fragment_of",
+    "slice_entry",
+    "stitch",
+]
 
 MASTER_KEY = "master_weight"
 
@@ -67,6 +76,15 @@ def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[di
     """Every setting but ``params`` of each source param group into the matching target group (global <-> local)."""
     for source, target in zip(sources, targets):
         target.update((k, v) for k, v in source.items() if k != "params")
+
+
+def complete_hyperparameters(targets: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> None:
+    """Give each global (``targets``) group the settings only the local optimizer's defaults filled in (``betas``,
+    ``eps`` ...), so that ``param_groups`` shows them; a setting the global group has is never overwritten."""
+    for source, target in zip(sources, targets):
+        for key, value in source.items():
+            if key != "params":
+                target.setdefault(key, value)
 
 
 def fragment_of(tensor: Tensor, param: Tensor, offset: int, length: int) -> Tensor:

@@ -41,7 +41,6 @@ def step(
             agreed(zero, lambda: None if verdict is None else _step_local_optimizer(zero, None, kwargs))
     finally:
         zero.local_shard.detach_grads()  # no stale gradient piece outlives the step
-    zero._pull_hyperparameters()
     zero.sync_parameters()
     zero._consolidated = None
     return loss
