@@ -6,6 +6,7 @@ scheduler, or the plain optimizer on averaged gradients, in the same test."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from torch.optim.lr_scheduler import ExponentialLR, LambdaLR, LRScheduler
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
-from tests._reference import averaged_gradients, flatten, make_params, set_gradients
+from tests._reference import MasterWeightsReference, averaged_gradients, flatten, make_params, set_gradients
 from tests.zero._hooks import register
 
 STEPS = 6
@@ -27,8 +28,8 @@ SCHEDULES: dict[str, Callable[[Any], LRScheduler]] = {
 }
 
 
-def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
+def _model(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
 
 
@@ -149,3 +150,83 @@ def _unfreeze_body(rank: int, world_size: int) -> None:
 
 def test_hyperparameters_survive_unfreezing() -> None:
     run_on_ranks(_unfreeze_body, 2, timeout=300)
+
+
+BF16 = torch.bfloat16
+
+
+def _write_weights(model: nn.Module, step: int, load: Callable[[dict[str, torch.Tensor]], Any]) -> list[int]:
+    """Weights written into the model after the optimizer exists: before step 2 ``load_state_dict`` of other
+    weights (an ``nn.Module``'s ``copy_``), before step 4 one weight written through ``.data`` (as Hugging Face's
+    ``_init_weights`` does: no ``_version`` bump) and one given new storage with new values. Returns the indices
+    of the parameters written."""
+    if step == 2:
+        load({name: value.to(BF16) for name, value in _model(torch.float32, seed=1).state_dict().items()})
+        return list(range(len(list(model.parameters()))))
+    if step == 4:
+        first, *_, last = model.parameters()
+        first.data.mul_(0.5)
+        last.data = torch.full_like(last.data, -0.25)
+        return [0, len(list(model.parameters())) - 1]
+    return []
+
+
+def _load_prefixed(wrapped: nn.Module, state: dict[str, torch.Tensor]) -> Any:
+    """``ShardedDataParallel.load_state_dict`` (keys prefixed ``module.``, as DDP's)."""
+    return wrapped.load_state_dict({f"module.{k}": v for k, v in state.items()})
+
+
+def _master_body(rank: int, world_size: int) -> None:
+    """bf16 model, fp32 masters: ZeRO-1 (greedy/even x bucket views), reduce_to_owners_hook, the overlap hook and
+    ShardedDataParallel, against DDP + AdamW over fp32 copies re-seeded from the written weights."""
+    configs = [(p, v, "all_reduce", "explicit") for p, v in itertools.product(("greedy", "even"), (False, True))]
+    configs += [("even", False, "to_owners", "explicit"), ("greedy", False, "all_reduce", "hook")]
+    configs += [("even", True, "sharded", "explicit"), ("greedy", False, "sharded", "explicit")]
+    for partition, bucket_view, reduction, stepping in configs:
+        what = f"masters {partition} bucket_view={bucket_view} {reduction} {stepping}"
+        model, reference = _model(BF16), _model(BF16)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, partition=partition, parameters_as_bucket_view=bucket_view,
+            overlap_with_ddp=stepping != "explicit", master_dtype=torch.float32, lr=0.01,
+        )  # fmt: skip
+        if reduction == "sharded":
+            wrapped: nn.Module = ShardedDataParallel(model, zero)
+            load = functools.partial(_load_prefixed, wrapped)
+        else:
+            wrapped = DDP(model)
+            register(wrapped, zero, reduction, stepping)
+            load = model.load_state_dict
+        reference_ddp = DDP(reference)
+        params = list(reference.parameters())
+        plain = MasterWeightsReference(params, [{"params": params}], torch.optim.AdamW, {"lr": 0.01}, master=True)
+        for step in range(6):
+            _write_weights(model, step, load)
+            written = _write_weights(reference, step, reference.load_state_dict)
+            with torch.no_grad():  # the reference's masters start again from the written weights
+                for index in written:
+                    plain.stepped[index].copy_(plain.params[index])
+            zero.zero_grad()
+            wrapped(_batch(rank, step).to(BF16)).float().square().mean().backward()
+            if stepping == "explicit":
+                zero.step()
+            plain.optimizer.zero_grad()
+            reference.zero_grad()
+            reference_ddp(_batch(rank, step).to(BF16)).float().square().mean().backward()
+            plain.step(clip=None)
+            if reduction == "sharded":
+                wrapped.sync_finished()  # type: ignore[operator]
+            # bf16 gradients: SDP and reduce_to_owners sum them in another order than DDP's all-reduce
+            exact = reduction == "all_reduce"
+            for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
+                label = f"{what} step {step} parameter {index}"
+                torch.testing.assert_close(
+                    param,
+                    want,
+                    rtol=0 if exact else 1.6e-2,
+                    atol=0 if exact else 1e-3,
+                    msg=lambda m, x=label: f"{x}: {m}",
+                )
+
+
+def test_master_weights_take_weights_written_into_the_model() -> None:
+    run_on_ranks(_master_body, 2, timeout=300)

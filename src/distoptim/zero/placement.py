@@ -74,9 +74,11 @@ def repartition_if_changed(zero: ZeroRedundancyOptimizer) -> None:
     """Before a step: gradual unfreezing (a parameter made trainable since the last step gets an owner; detected
     locally, as torch does: every rank must change ``requires_grad`` alike, before the same step, which the step's
     agreement checks), and parameters given new storage since the plan was bound: fragment views and bucket views
-    would otherwise step and sync the old memory."""
+    would otherwise step and sync the old memory. Master copies then take the values of parameters written outside
+    the optimizer (``model.load_state_dict(...)``), which they would otherwise overwrite with their own."""
     if tuple(p.requires_grad for p in zero.global_params) != zero._trainability or _storages(zero) != zero._bound:
         repartition(zero)
+    zero.local_shard.reseed_masters()  # and master copies of parameters written since (a repartition kept them)
 
 
 def use_regions(zero: ZeroRedundancyOptimizer, region_numel: dict[Hashable, int]) -> None:

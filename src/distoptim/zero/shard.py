@@ -160,6 +160,16 @@ class LocalShard:
         """Round every master copy into its parameter (after a step)."""
         copy_each_(self._masters_into, self._masters_from)
 
+    def reseed_masters(self) -> None:
+        """Re-seed every master copy whose piece of its parameter was written outside the optimizer since the
+        optimizer last wrote it (``model.load_state_dict``, ``param.data.copy_``): the piece no longer equals the
+        master rounded to the parameter's dtype. Values, not ``_version``, decide: writes through ``.data`` leave the
+        version alone, and the parameter sync bumps it. Decided on the device, fragment by fragment: no host read."""
+        with torch.no_grad():
+            for into, master in zip(self._masters_into, self._masters_from):
+                written = torch.ne(into, master.to(into.dtype)).any()
+                master.copy_(torch.where(written, into, master))
+
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
         return [grad for grad in (tensor.grad for tensor in self._stepped) if grad is not None]
