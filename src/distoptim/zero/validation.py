@@ -134,11 +134,12 @@ def check_coupled(optimizer_class: type) -> None:
     its shard alone, a different optimization, without an error. Refused at every world size (at 1 it would be
     right), so that a script does not change meaning when it scales out."""
     if is_coupled(optimizer_class):
-        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        module = optimizer_class.__module__
+        name = f"{'torch.optim' if module.startswith('torch.optim.') else module}.{optimizer_class.__qualname__}"
         raise ValueError(
             f"{name} couples every parameter in one step (its curvature history and line search span all of them, "
             "and it evaluates the closure several times per step), but ZeroRedundancyOptimizer steps each rank's "
-            f"shard on its own: every rank would run its own, different optimization. Use {name} without "
+            f"shard on its own: every rank would run its own, different optimization; use {name} without "
             "ZeroRedundancyOptimizer (under DDP every rank steps all parameters alike; its state is a short history), "
             "or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
         )
