@@ -164,11 +164,12 @@ class LocalShard:
         """Re-seed every master copy whose piece of its parameter was written outside the optimizer since the
         optimizer last wrote it (``model.load_state_dict``, ``param.data.copy_``): the piece no longer equals the
         master rounded to the parameter's dtype. Values, not ``_version``, decide: writes through ``.data`` leave the
-        version alone, and the parameter sync bumps it. Decided on the device, fragment by fragment: no host read."""
+        version alone, and the parameter sync bumps it. Bits are compared (cheaper than a float compare on CPUs, and
+        a NaN the optimizer wrote equals itself). Decided on the device, fragment by fragment: no host read."""
         with torch.no_grad():
             for into, master in zip(self._masters_into, self._masters_from):
-                written = torch.ne(into, master.to(into.dtype)).any()
-                master.copy_(torch.where(written, into, master))
+                written = torch.ne(_bits(into), _bits(master.to(into.dtype))).any()
+                torch.where(written, into, master, out=master)
 
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
@@ -252,6 +253,14 @@ class LocalShard:
                 if old.master and new.master:
                     with torch.no_grad():
                         new.tensor.copy_(old.tensor)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """``tensor``'s bit patterns, as integers of its element size (a view)."""
+    return tensor.view(_BITS[tensor.element_size()])
 
 
 def _local_tensor(index: int, param: Tensor, offset: int, length: int, master_dtype: torch.dtype | None) -> LocalTensor:
