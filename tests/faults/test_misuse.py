@@ -452,13 +452,17 @@ MISUSES: list[Misuse] = [
            TypeError, r"process_group must be a torch\.distributed\.ProcessGroup or None, got float 0\.1; pass the "
                       r"optimizer's hyperparameters by keyword"),
     Misuse("overlap_with_ddp with an optimizer without a functional form",
-           lambda r: _zero(r, cls=r.pick(SGD, torch.optim.LBFGS), overlap_with_ddp=True), BOTH,
-           ValueError, r"LBFGS has none; use one of SGD, Adam, AdamW"),
+           lambda r: _zero(r, cls=r.pick(SGD, torch.optim.Adafactor), overlap_with_ddp=True), BOTH,
+           ValueError, r"Adafactor has none; use one of SGD, Adam, AdamW"),
+    Misuse("an optimizer that couples every parameter in its step (LBFGS)",
+           lambda r: _zero(r, cls=r.pick(SGD, torch.optim.LBFGS)), BOTH,
+           ValueError, r"torch\.optim\.LBFGS couples every parameter in one step.*use torch\.optim\.LBFGS without "
+                       r"ZeroRedundancyOptimizer"),
     Misuse("an unknown partition", lambda r: _zero(r, partition=r.pick("greedy", "flat")), BOTH,
            ValueError, r"partition must be one of 'greedy', 'even', got 'flat'"),
     Misuse("partition='even' with an optimizer that is not elementwise",
-           lambda r: _zero(r, cls=r.pick(SGD, torch.optim.LBFGS), partition="even"), BOTH,
-           ValueError, r"LBFGS does not update each element on its own.*use one of torch\.optim\.Adadelta"
+           lambda r: _zero(r, cls=r.pick(SGD, torch.optim.Adafactor), partition="even"), BOTH,
+           ValueError, r"Adafactor does not update each element on its own.*use one of torch\.optim\.Adadelta"
                        r".*or partition='greedy'"),
     Misuse("partition='even' with a parameter that does not fill its memory",
            lambda r: _zero(r, [r.pick(_p(4, 3), torch.zeros(4, 6)[:, ::2].requires_grad_())], partition="even"), BOTH,

@@ -79,6 +79,7 @@ def arguments(out: Path, run: str, save: bool) -> TrainingArguments:
         gradient_accumulation_steps=ACCUMULATION,
         num_train_epochs=EPOCHS,
         learning_rate=LR,
+        warmup_steps=2,  # the default linear schedule's warm-up: its first step at lr 0, set after ZeRO was built
         weight_decay=WEIGHT_DECAY,
         max_grad_norm=MAX_GRAD_NORM,
         save_strategy="steps" if save else "no",

@@ -138,8 +138,8 @@ def _errors_body(rank: int, world_size: int) -> None:
     plain = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="built with overlap_with_ddp=True"):
         hook_with_zero_step(allreduce_hook, ddp, plain)
-    with pytest.raises(ValueError, match="LBFGS has none"):
-        ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS, overlap_with_ddp=True)
+    with pytest.raises(ValueError, match="Adafactor has none"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adafactor, overlap_with_ddp=True)
 
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     with pytest.raises(RuntimeError, match="no overlap hook is registered"):

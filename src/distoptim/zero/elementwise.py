@@ -1,4 +1,5 @@
-"""Which optimizers update each element of a parameter on its own (Adam, SGD, ...), as opposed to whole tensors.
+"""Which optimizers update each element of a parameter on its own (Adam, SGD, ...), as opposed to whole tensors,
+and which couple every parameter in one step (LBFGS), which no shard can do on its own.
 
 For these, every non-scalar state tensor has its parameter's shape, and a parameter may be cut anywhere: loading
 checks shapes with it, and an even partition may split parameters across ranks. Exact classes only: a subclass may
@@ -11,7 +12,7 @@ import torch
 
 from distoptim.functional import functional_class_for
 
-__all__ = ["ELEMENTWISE_NAMES", "is_elementwise", "torch_class_of"]
+__all__ = ["ELEMENTWISE_NAMES", "is_coupled", "is_elementwise", "torch_class_of"]
 
 _ELEMENTWISE: frozenset[type] = frozenset(
     {
@@ -41,3 +42,14 @@ def torch_class_of(optimizer_class: type) -> type:
 def is_elementwise(optimizer_class: type) -> bool:
     """Whether ``optimizer_class`` updates every element independently (its state is shaped like its parameter)."""
     return torch_class_of(optimizer_class) in _ELEMENTWISE
+
+
+_COUPLED: tuple[type, ...] = (torch.optim.LBFGS,)
+"""Classes whose step treats all parameters as one vector (a curvature history and a line search over every
+parameter, the closure evaluated several times per step); subclasses included: they keep the coupling."""
+
+
+def is_coupled(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class``'s update of a parameter depends on every other parameter (so a shard differs)."""
+    cls = torch_class_of(optimizer_class)
+    return isinstance(cls, type) and issubclass(cls, _COUPLED)

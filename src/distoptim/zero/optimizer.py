@@ -285,10 +285,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         self._sync.finish()
 
     def _push_hyperparameters(self) -> None:
+        """``param_groups`` (what schedulers and users edit) into the local optimizer's groups: the one direction
+        hyperparameters flow (``load_state_dict`` sets ``param_groups`` from the checkpoint first)."""
         copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
-
-    def _pull_hyperparameters(self) -> None:
-        copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from distoptim.zero.buckets import BucketViewSync, StagedSync
 from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.partition import UNOWNED, partition_parameters
-from distoptim.zero.shard import LocalShard
+from distoptim.zero.shard import LocalShard, complete_hyperparameters
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -62,7 +62,8 @@ def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False, in_place: bo
             local_group["params"] = group["params"]
         for new_group in local_groups[len(zero.optim.param_groups) :]:
             zero.optim.add_param_group(new_group)
-    zero._pull_hyperparameters()
+    complete_hyperparameters(zero.param_groups, zero.optim.param_groups)
+    zero._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
     if zero.overlap_stepper is not None:
         zero.overlap_stepper.rebuild(zero.optim, zero._shard, zero._plan, params, zero.param_groups)
     zero._bound = _storages(zero)
@@ -74,9 +75,11 @@ def repartition_if_changed(zero: ZeroRedundancyOptimizer) -> None:
     """Before a step: gradual unfreezing (a parameter made trainable since the last step gets an owner; detected
     locally, as torch does: every rank must change ``requires_grad`` alike, before the same step, which the step's
     agreement checks), and parameters given new storage since the plan was bound: fragment views and bucket views
-    would otherwise step and sync the old memory."""
+    would otherwise step and sync the old memory. Master copies then take the values of parameters written outside
+    the optimizer (``model.load_state_dict(...)``), which they would otherwise overwrite with their own."""
     if tuple(p.requires_grad for p in zero.global_params) != zero._trainability or _storages(zero) != zero._bound:
         repartition(zero)
+    zero.local_shard.reseed_masters()  # and master copies of parameters written since (a repartition kept them)
 
 
 def use_regions(zero: ZeroRedundancyOptimizer, region_numel: dict[Hashable, int]) -> None:

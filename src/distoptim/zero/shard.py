@@ -27,7 +27,16 @@ from torch import Tensor
 from distoptim._flat import copy_each_, flat_view
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["MASTER_KEY", "LocalShard", "LocalTensor", "copy_hyperparameters", "fragment_of", "slice_entry", "stitch"]
+__all__ = [
+    "MASTER_KEY",
+    "LocalShard",
+    "LocalTensor",
+    "complete_hyperparameters",
+    "copy_hyperparameters",
+    "fragment_of",
+    "slice_entry",
+    "stitch",
+]
 
 MASTER_KEY = "master_weight"
 
@@ -67,6 +76,15 @@ def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[di
     """Every setting but ``params`` of each source param group into the matching target group (global <-> local)."""
     for source, target in zip(sources, targets):
         target.update((k, v) for k, v in source.items() if k != "params")
+
+
+def complete_hyperparameters(targets: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> None:
+    """Give each global (``targets``) group the settings only the local optimizer's defaults filled in (``betas``,
+    ``eps`` ...), so that ``param_groups`` shows them; a setting the global group has is never overwritten."""
+    for source, target in zip(sources, targets):
+        for key, value in source.items():
+            if key != "params":
+                target.setdefault(key, value)
 
 
 def fragment_of(tensor: Tensor, param: Tensor, offset: int, length: int) -> Tensor:
@@ -141,6 +159,17 @@ class LocalShard:
     def write_back(self) -> None:
         """Round every master copy into its parameter (after a step)."""
         copy_each_(self._masters_into, self._masters_from)
+
+    def reseed_masters(self) -> None:
+        """Re-seed every master copy whose piece of its parameter was written outside the optimizer since the
+        optimizer last wrote it (``model.load_state_dict``, ``param.data.copy_``): the piece no longer equals the
+        master rounded to the parameter's dtype. Values, not ``_version``, decide: writes through ``.data`` leave the
+        version alone, and the parameter sync bumps it. Bits are compared (cheaper than a float compare on CPUs, and
+        a NaN the optimizer wrote equals itself). Decided on the device, fragment by fragment: no host read."""
+        with torch.no_grad():
+            for into, master in zip(self._masters_into, self._masters_from):
+                written = torch.ne(_bits(into), _bits(master.to(into.dtype))).any()
+                torch.where(written, into, master, out=master)
 
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
@@ -224,6 +253,14 @@ class LocalShard:
                 if old.master and new.master:
                     with torch.no_grad():
                         new.tensor.copy_(old.tensor)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """``tensor``'s bit patterns, as integers of its element size (a view)."""
+    return tensor.view(_BITS[tensor.element_size()])
 
 
 def _local_tensor(index: int, param: Tensor, offset: int, length: int, master_dtype: torch.dtype | None) -> LocalTensor:

@@ -41,7 +41,6 @@ def step(
             agreed(zero, lambda: None if verdict is None else _step_local_optimizer(zero, None, kwargs))
     finally:
         zero.local_shard.detach_grads()  # no stale gradient piece outlives the step
-    zero._pull_hyperparameters()
     zero.sync_parameters()
     zero._consolidated = None
     return loss
@@ -94,6 +93,13 @@ def _prepare_and_step(
 def _step_local_optimizer(
     zero: ZeroRedundancyOptimizer, closure: Callable[[], float] | None, kwargs: dict[str, Any]
 ) -> float | None:
+    """The local optimizer's step and the master copies' write-back. Hyperparameters flow from ``zero.param_groups``
+    to the local groups only; a value the local step itself sets in its groups (no torch.optim optimizer does) is
+    shown in ``zero.param_groups`` right after it, so no later copy can bring an old value back."""
+    local_groups = zero.local_optimizer.param_groups
+    before = [dict(group) for group in local_groups]
     loss: float | None = zero.local_optimizer.step(closure, **kwargs)
     zero.local_shard.write_back()
+    for saved, group, shown in zip(before, local_groups, zero.param_groups):  # what the step itself set in its groups
+        shown.update((k, v) for k, v in group.items() if k != "params" and (k not in saved or saved[k] is not v))
     return loss

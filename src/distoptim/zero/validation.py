@@ -24,13 +24,14 @@ from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_elementwise
+from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_coupled, is_elementwise
 from distoptim.zero.partition import MODES
 
 __all__ = [
     "ParamGroups",
     "agreed_param_group",
     "check_construction",
+    "check_coupled",
     "check_master_dtype",
     "check_optimizer_class",
     "check_overlap_class",
@@ -127,6 +128,22 @@ def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, d
             raise
         except Exception:
             optimizer_class([dict(group) for group in groups], **defaults)
+
+
+def check_coupled(optimizer_class: type) -> None:
+    """Refuse a class whose step couples every parameter (``elementwise.is_coupled``): each rank would run it on
+    its shard alone, a different optimization, without an error. Refused at every world size (at 1 it would be
+    right), so that a script does not change meaning when it scales out."""
+    if is_coupled(optimizer_class):
+        module = optimizer_class.__module__
+        name = f"{'torch.optim' if module.startswith('torch.optim.') else module}.{optimizer_class.__qualname__}"
+        raise ValueError(
+            f"{name} couples every parameter in one step (its curvature history and line search span all of them, "
+            "and it evaluates the closure several times per step), but ZeroRedundancyOptimizer steps each rank's "
+            f"shard on its own: every rank would run its own, different optimization; use {name} without "
+            "ZeroRedundancyOptimizer (under DDP every rank steps all parameters alike; its state is a short history), "
+            "or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
+        )
 
 
 def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
@@ -254,6 +271,7 @@ def check_construction(
     device = None  # the communication device, once the parameters are known
     try:
         local_class = check_optimizer_class(optimizer_class)
+        check_coupled(local_class)
         groups = normalize_param_groups(params)
         device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
         functional_cls = check_overlap_class(optimizer_class) if overlap_with_ddp else None
