@@ -7,9 +7,11 @@ from ``distoptim.zero.buckets``' rule. DDP, ``ShardedDataParallel`` and FSDP2 ar
 each mode's ``notes`` say what is assumed. Activations, the CUDA context, allocator fragmentation and
 ``torch.optim``'s temporaries inside ``step()`` are not counted.
 
-Bytes sent per step (per rank, every rank alike) follow bandwidth-optimal ring collectives over equal chunks, which
-is what NCCL runs: an all-reduce of ``S`` bytes sends ``2 (N-1)/N S``; a reduce-scatter or all-gather of a layout
-sends ``(N-1) c`` where ``c`` is its largest rank's chunk (every chunk padded to it, ``(N-1)/N S`` when balanced).
+Bytes sent per step are what one rank receives, counted as ``benchmarks/comm_bytes.py`` counts the collectives the
+library calls in its chunked style (NCCL's), where every rank receives alike: an all-reduce of ``S`` bytes
+``2 (N-1)/N S``; a rooted reduce or broadcast, or an all-gather or reduce-scatter of ``S``, ``(N-1)/N S``. An
+equal-chunk collective runs over a whole region of the even partition, padding included. On gloo (point to point)
+the ranks' figures differ by their shards' sizes and average to the same figure.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PlanConfig:
     partition: str = "even"  # ZeRO's; the planner's default (ZeroRedundancyOptimizer's own default is greedy)
     gradient_as_bucket_view: bool = False  # DDP's (its default: False)
     bucket_cap_mb: float = 25.0  # ShardedDataParallel's
+    parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
     reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
 
 
@@ -187,14 +190,29 @@ class _ZeroShards:
                 if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
                     self.staging += piece_bytes
 
-    def _gather_bytes(self, itemsize: int | None = None) -> int:
-        """Sent by one rank to reduce-scatter or all-gather every layout in equal chunks of its largest rank's."""
-        total = 0
+    def _moved(self, in_chunks: bool, itemsize: int | None = None) -> int:
+        """Bytes one rank receives when every owned range travels to its owner or from it, as the library moves them
+        (``comm``) and ``benchmarks/comm_bytes.py`` counts them: a region whose ranks' shares are equal in one
+        equal-chunk collective where ``in_chunks`` (the whole region, padding included: ``(N-1)`` chunks), anything
+        else in rooted calls over the owned elements (``(N-1)/N`` of them). Summed over every region of every
+        layout, in ``itemsize`` bytes an element (default: the layout's dtype)."""
+        size = self.config.world_size
+        scaled = 0  # size times the bytes, so that the one division is the last step
         for layout in self.plan.layouts:
             dtype: torch.dtype = layout.key[1]  # type: ignore[index]  # the (device, dtype) key given above
-            chunk = max((b[r + 1] - b[r] for b in layout.bounds for r in range(len(b) - 1)), default=0)
-            total += (self.config.world_size - 1) * chunk * (itemsize or dtype.itemsize)
-        return total
+            width = itemsize or dtype.itemsize
+            for bounds in layout.bounds:
+                shares = {end - start for start, end in itertools.pairwise(bounds)}
+                if in_chunks and len(shares) == 1 and 0 not in shares:
+                    scaled += size * (size - 1) * shares.pop() * width
+                else:  # the parameters whose first element lies in the region (regions hold whole parameters)
+                    owned = sum(
+                        self.plan.numels[index]
+                        for index, position in zip(layout.params, layout.positions)
+                        if bounds[0] <= position < bounds[-1]
+                    )
+                    scaled += (size - 1) * owned * width
+        return scaled // size
 
     def _memory(self, rank: int, params: int, grads: int, extra: tuple[tuple[str, int], ...]) -> RankMemory:
         other = list(extra)
@@ -219,7 +237,7 @@ class _ZeroShards:
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
         staging = (("parameter sync staging", self.staging),) if self.staging else ()
         under_ddp = tuple(self._memory(rank, params, ddp_grads, staging) for rank in range(size))
-        gather = ("all-gather of parameters", self._gather_bytes())
+        gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         shard_note = self._shard_note()
         ddp_note = (
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
@@ -227,7 +245,7 @@ class _ZeroShards:
         )
         all_reduce = ("all-reduce of gradients", _all_reduce(grad_bytes, size))
         zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note))
-        reduce_scatter = ("reduce-scatter of gradients", self._gather_bytes())
+        reduce_scatter = ("reduction of gradients to owners", self._moved(False))  # per DDP bucket: rooted calls
         zero2_note = "reduce_to_owners_hook: DDP still holds full gradients; only the bytes sent shrink"
         zero2 = ModePlan(
             "zero2_hook", "ZeRO-2 hook", under_ddp, (reduce_scatter, gather), (shard_note, ddp_note, zero2_note)
@@ -238,7 +256,7 @@ class _ZeroShards:
         """ShardedDataParallel, from the plan it makes (an even partition's regions of one bucket each)."""
         config, reduce_dtype = self.config, self.config.reduce_dtype
         params = sum(p.nbytes for p in self.params)
-        gather = ("all-gather of parameters", self._gather_bytes())
+        gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         shard_note = self._shard_note()
         grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
         all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
@@ -246,10 +264,8 @@ class _ZeroShards:
         extra: tuple[tuple[str, int], ...] = (("gradient buckets in flight (at most)", in_flight),)
         extra += (("parameter sync staging", self.staging),) if self.staging else ()
         ranks = tuple(self._memory(rank, params, self.owned[rank], extra) for rank in range(config.world_size))
-        reduce_scatter = (
-            "reduce-scatter of gradients",
-            self._gather_bytes(reduce_dtype.itemsize if reduce_dtype else None),
-        )
+        reduce_itemsize = reduce_dtype.itemsize if reduce_dtype else None
+        reduce_scatter = ("reduction of gradients to owners", self._moved(True, reduce_itemsize))  # per bucket
         notes = (
             shard_note,
             f"gradients: this rank's owned elements in {dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, "
