@@ -24,6 +24,7 @@ import torch
 
 from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
 from distoptim.plan.state import OptimizerSpec, state_cost
+from distoptim.sharded.buckets import plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import PartitionPlan, partition_parameters
 
@@ -100,7 +101,8 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     }
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     zero1, zero2 = zero.modes()
-    return [_ddp(inventory, config), zero1, zero2, sharded.sharded_data_parallel(), _fsdp2(inventory, config)]
+    sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
+    return [_ddp(inventory, config), zero1, zero2, sdp, _fsdp2(inventory, config)]
 
 
 def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashable, int] | None) -> PartitionPlan:
@@ -214,10 +216,19 @@ class _ZeroShards:
                     scaled += (size - 1) * owned * width
         return scaled // size
 
-    def _memory(self, rank: int, params: int, grads: int, extra: tuple[tuple[str, int], ...]) -> RankMemory:
+    def _memory(
+        self,
+        rank: int,
+        params: int,
+        grads: int,
+        extra: tuple[tuple[str, int], ...],
+        casts: int | None = None,
+        cast_name: str = "master gradients during step",
+    ) -> RankMemory:
         other = list(extra)
-        if self.master[rank]:
-            other.append(("master gradients during step", self.master[rank]))
+        casts = self.master[rank] if casts is None else casts
+        if casts:
+            other.append((cast_name, casts))
         return RankMemory(params, grads, self.state[rank], self.master[rank], tuple(other))
 
     def _shard_note(self) -> str:
@@ -232,10 +243,11 @@ class _ZeroShards:
     def modes(self) -> tuple[ModePlan, ModePlan]:
         """ZeRO-1 and the ZeRO-2 hook (under DDP, which keeps full gradients)."""
         config, size = self.config, self.config.world_size
-        params = sum(p.nbytes for p in self.params)
+        params = self.params_bytes()
         grad_bytes = sum(p.nbytes for p in self.params if p.trainable)
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
-        staging = (("parameter sync staging", self.staging),) if self.staging else ()
+        staged = self.staging and not config.parameters_as_bucket_view
+        staging = (("parameter sync staging", self.staging),) if staged else ()
         under_ddp = tuple(self._memory(rank, params, ddp_grads, staging) for rank in range(size))
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         shard_note = self._shard_note()
@@ -252,28 +264,72 @@ class _ZeroShards:
         )
         return zero1, zero2
 
-    def sharded_data_parallel(self) -> ModePlan:
-        """ShardedDataParallel, from the plan it makes (an even partition's regions of one bucket each)."""
-        config, reduce_dtype = self.config, self.config.reduce_dtype
-        params = sum(p.nbytes for p in self.params)
+    def params_bytes(self) -> int:
+        """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the flat buffers of this
+        plan's layouts (padding included, and room for ``N - 1`` more elements a parameter, which a re-cut into
+        ``ShardedDataParallel``'s regions moves them within) beside the frozen parameters' own storage."""
+        if not self.config.parameters_as_bucket_view:
+            return sum(p.nbytes for p in self.params)
+        room = self.config.world_size - 1
+        flat = sum(
+            (layout.numel + room * sum(1 for i in layout.params if self.plan.numels[i])) * layout.key[1].itemsize  # type: ignore[index]  # the (device, dtype) key given above
+            for layout in self.plan.layouts
+        )
+        return flat + sum(p.nbytes for p in self.params if not p.trainable)
+
+    def sharded_data_parallel(self, caps: Mapping[Hashable, int], params: int) -> ModePlan:
+        """ShardedDataParallel, from the plan and the buckets it makes (``sharded.buckets.plan_buckets``: an even
+        partition's regions, one bucket each; greedy runs of at most ``caps`` elements). ``params``: the parameters'
+        storage as the ZeroRedundancyOptimizer it wraps laid them out."""
+        config, reduce_dtype, size = self.config, self.config.reduce_dtype, self.config.world_size
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
-        shard_note = self._shard_note()
-        grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
-        all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
-        in_flight = min(2 * int(config.bucket_cap_mb * MB), all_grads)
+        buckets = plan_buckets(self.plan, caps)
+        store = [(reduce_dtype or self.params[b.slots[0].index].dtype).itemsize for b in buckets]
+        owned = [  # this rank's ranges of every bucket (the last rank's of a region with the padding)
+            sum(width * (end - start) for b, width in zip(buckets, store) for start, end in b.owned(rank))
+            for rank in range(size)
+        ]
+        # held whole until it lands: at most two buckets, each of its full length (a parameter over the cap is one)
+        in_flight = sum(sorted((b.numel * width for b, width in zip(buckets, store)), reverse=True)[:2])
+        copied = [  # a gradient copied into its bucket (not the bucket itself) lives beside it while it is copied
+            self.params[slot.index].nbytes
+            for b, width in zip(buckets, store)
+            for slot in b.slots
+            if not (len(b.slots) == 1 and b.numel == slot.numel and width == self.params[slot.index].dtype.itemsize)
+        ]
         extra: tuple[tuple[str, int], ...] = (("gradient buckets in flight (at most)", in_flight),)
-        extra += (("parameter sync staging", self.staging),) if self.staging else ()
-        ranks = tuple(self._memory(rank, params, self.owned[rank], extra) for rank in range(config.world_size))
+        if max(copied, default=0):
+            extra += (("a gradient being copied into its bucket (at most)", max(copied)),)
+        staged = not (config.parameters_as_bucket_view and config.partition == "even")
+        extra += (("parameter sync staging", self.staging),) if self.staging and staged else ()
+        casts = self._step_casts(reduce_dtype)
+        ranks = tuple(
+            self._memory(rank, params, owned[rank], extra, casts[rank], "gradients cast to the step's dtype")
+            for rank in range(size)
+        )
         reduce_itemsize = reduce_dtype.itemsize if reduce_dtype else None
         reduce_scatter = ("reduction of gradients to owners", self._moved(True, reduce_itemsize))  # per bucket
         notes = (
-            shard_note,
-            f"gradients: this rank's owned elements in {dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, "
-            f"plus at most two buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled)",
+            self._shard_note(),
+            f"gradients: this rank's owned ranges of every bucket in "
+            f"{dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, plus, during the backward, at most two "
+            "buckets being filled or reduced (a parameter over the cap is a bucket of its own) and the gradient "
+            "being copied into one",
             "parameter sync: per bucket, pieces under 1 MiB through staging kept between steps (none with "
-            "parameters_as_bucket_view=True, whose even regions are gathered in place)",
+            "parameters_as_bucket_view=True and the even partition, whose regions are gathered in place)",
         )
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes)
+
+    def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
+        """Per rank, the bytes of owned gradient pieces made for the step in another dtype than they arrive in
+        (``grad_dtype``, default the parameter's): the master's, or the parameter's for a plain parameter."""
+        casts = [0] * self.config.world_size
+        for param, fragments in zip(self.params, self.plan.fragments):
+            step = _step_dtype(param, self.config.master_dtype)
+            if (grad_dtype or param.dtype) != step:
+                for fragment in fragments:
+                    casts[fragment.rank] += fragment.length * step.itemsize
+        return casts
 
 
 def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
