@@ -476,6 +476,17 @@ def test_json_and_fits_for_a_model_built_on_the_meta_device(capsys: pytest.Captu
     assert fits["ddp"] is False and fits["sharded_data_parallel"] is True
 
 
+def test_parameters_as_bucket_view_option_reaches_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--parameters-as-bucket-view``: no sync staging in ZeRO-1 (PlannerNet's fragments are all staged without)."""
+    argv = ["--model", FACTORY, "--world-size", "2", "--json"]
+    staging = {}
+    for extra in ([], ["--parameters-as-bucket-view"]):
+        assert main([*argv, *extra]) == 0
+        modes = {mode["mode"]: mode for mode in json.loads(capsys.readouterr().out)["modes"]}
+        staging[bool(extra)] = modes["zero1"]["peak"]["other"].get("parameter sync staging", 0)
+    assert staging[False] > 0 and staging[True] == 0
+
+
 def test_table_says_what_is_not_counted(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--params", "7e9", "--world-size", "64", "--dtype", "bf16", "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out

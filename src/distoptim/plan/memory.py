@@ -178,16 +178,14 @@ class _ZeroShards:
     def __init__(self, params: Sequence[ParamSpec], plan: PartitionPlan, config: PlanConfig) -> None:
         self.params, self.plan, self.config = params, plan, config
         size, master = config.world_size, config.master_dtype
-        self.state, self.master, self.owned = [0] * size, [0] * size, [0] * size
+        self.state, self.master = [0] * size, [0] * size
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
-        reduce_size = config.reduce_dtype.itemsize if config.reduce_dtype else None
         for param, fragments in zip(params, plan.fragments):
             cost = state_cost(config.optimizer, _step_dtype(param, master))
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
                 if master is not None and _mastered(param, master):
                     self.master[fragment.rank] += fragment.length * master.itemsize
-                self.owned[fragment.rank] += fragment.length * (reduce_size or param.dtype.itemsize)
                 piece_bytes = fragment.length * param.dtype.itemsize
                 if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
                     self.staging += piece_bytes
