@@ -7,8 +7,8 @@ bandwidth-optimal algorithm for it, with N the group size and S the bytes of the
 |--------------------------------------------|------------------------------|--------------------|
 | all_reduce                                 | the tensor                   | 2 (N-1)/N x S      |
 | broadcast, reduce                          | the tensor                   | (N-1)/N x S        |
-| all_gather, all_gather_into_tensor         | the whole output             | (N-1)/N x S        |
-| reduce_scatter, reduce_scatter_tensor      | the whole input              | (N-1)/N x S        |
+| all_gather[_into_tensor/_single]           | the whole output             | (N-1)/N x S        |
+| reduce_scatter[_tensor/_single]            | the whole input              | (N-1)/N x S        |
 | all_to_all, all_to_all_single              | the whole input              | (N-1)/N x S        |
 | recv, irecv                                | the tensor (on the receiver) | S                  |
 | send, isend                                | (counted at the receiver)    | 0                  |
@@ -41,8 +41,10 @@ _RULES: dict[str, tuple[str, Callable[[int], float]]] = {
     "reduce": ("tensor", lambda n: (n - 1) / n),
     "all_gather": ("tensor_list", lambda n: (n - 1) / n),
     "all_gather_into_tensor": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),  # torch 2.13's name (FSDP2 calls it)
     "reduce_scatter": ("input_list", lambda n: (n - 1) / n),
     "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter_single": ("input", lambda n: (n - 1) / n),
     "all_to_all": ("input_tensor_list", lambda n: (n - 1) / n),
     "all_to_all_single": ("input", lambda n: (n - 1) / n),
     "recv": ("tensor", lambda n: 1.0),
@@ -52,11 +54,11 @@ _RULES: dict[str, tuple[str, Callable[[int], float]]] = {
 }
 
 
-def _nbytes(value: Any) -> int:
+def _nbytes(value: Any, floating_only: bool = False) -> int:
     if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
+        return value.numel() * value.element_size() if value.is_floating_point() or not floating_only else 0
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(item) for item in value)
+        return sum(_nbytes(item, floating_only) for item in value)
     return 0
 
 
@@ -66,9 +68,11 @@ def all_reduce_bytes(numel_bytes: int, world_size: int) -> float:
 
 
 class CommCounter:
-    """``with counter.counting(): ...`` credits every collective called inside to ``bytes`` and ``calls``."""
+    """``with counter.counting(): ...`` credits every collective called inside to ``bytes`` and ``calls``.
+    ``floating_only``: bytes of floating-point tensors only (data, not the control plane's integer agreements)."""
 
-    def __init__(self) -> None:
+    def __init__(self, floating_only: bool = False) -> None:
+        self.floating_only = floating_only
         self.bytes = 0.0
         self.calls = 0
         self.by_function: dict[str, int] = {}
@@ -107,7 +111,7 @@ class CommCounter:
                 group = bound.arguments.get("group")
                 size = dist.get_world_size(group) if group is not None else dist.get_world_size()
                 with self._lock:
-                    self.bytes += factor(size) * _nbytes(bound.arguments.get(argument))
+                    self.bytes += factor(size) * _nbytes(bound.arguments.get(argument), self.floating_only)
                     self.calls += 1
                     self.by_function[name] = self.by_function.get(name, 0) + 1
             self._depth.value = depth + 1

@@ -103,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpu-memory", help="memory per GPU (80GiB, 80GB = 80e9 bytes): which modes fit")
     parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's option (default off)")
+    parser.add_argument(
+        "--parameters-as-bucket-view",
+        action="store_true",
+        help="ZeroRedundancyOptimizer's option (default off): parameters view flat buffers, no sync staging",
+    )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ShardedDataParallel's (default 25)")
     parser.add_argument("--reduce-dtype", help="ShardedDataParallel's and FSDP2's gradient reduction dtype")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -139,6 +144,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         master_dtype=master,
         partition=args.partition,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
+        parameters_as_bucket_view=args.parameters_as_bucket_view,
         bucket_cap_mb=args.bucket_cap_mb,
         reduce_dtype=parse_dtype(args.reduce_dtype) if args.reduce_dtype else None,
     )

@@ -7,9 +7,11 @@ from ``distoptim.zero.buckets``' rule. DDP, ``ShardedDataParallel`` and FSDP2 ar
 each mode's ``notes`` say what is assumed. Activations, the CUDA context, allocator fragmentation and
 ``torch.optim``'s temporaries inside ``step()`` are not counted.
 
-Bytes sent per step (per rank, every rank alike) follow bandwidth-optimal ring collectives over equal chunks, which
-is what NCCL runs: an all-reduce of ``S`` bytes sends ``2 (N-1)/N S``; a reduce-scatter or all-gather of a layout
-sends ``(N-1) c`` where ``c`` is its largest rank's chunk (every chunk padded to it, ``(N-1)/N S`` when balanced).
+Bytes sent per step are what one rank receives, counted as ``benchmarks/comm_bytes.py`` counts the collectives the
+library calls in its chunked style (NCCL's), where every rank receives alike: an all-reduce of ``S`` bytes
+``2 (N-1)/N S``; a rooted reduce or broadcast, or an all-gather or reduce-scatter of ``S``, ``(N-1)/N S``. An
+equal-chunk collective runs over a whole region of the even partition, padding included. On gloo (point to point)
+the ranks' figures differ by their shards' sizes and average to the same figure.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
 from distoptim.plan.state import OptimizerSpec, state_cost
+from distoptim.sharded.buckets import plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import PartitionPlan, partition_parameters
 
@@ -42,6 +45,7 @@ class PlanConfig:
     partition: str = "even"  # ZeRO's; the planner's default (ZeroRedundancyOptimizer's own default is greedy)
     gradient_as_bucket_view: bool = False  # DDP's (its default: False)
     bucket_cap_mb: float = 25.0  # ShardedDataParallel's
+    parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
     reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
 
 
@@ -97,7 +101,8 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     }
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     zero1, zero2 = zero.modes()
-    return [_ddp(inventory, config), zero1, zero2, sharded.sharded_data_parallel(), _fsdp2(inventory, config)]
+    sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
+    return [_ddp(inventory, config), zero1, zero2, sdp, _fsdp2(inventory, config)]
 
 
 def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashable, int] | None) -> PartitionPlan:
@@ -173,33 +178,55 @@ class _ZeroShards:
     def __init__(self, params: Sequence[ParamSpec], plan: PartitionPlan, config: PlanConfig) -> None:
         self.params, self.plan, self.config = params, plan, config
         size, master = config.world_size, config.master_dtype
-        self.state, self.master, self.owned = [0] * size, [0] * size, [0] * size
+        self.state, self.master = [0] * size, [0] * size
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
-        reduce_size = config.reduce_dtype.itemsize if config.reduce_dtype else None
         for param, fragments in zip(params, plan.fragments):
             cost = state_cost(config.optimizer, _step_dtype(param, master))
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
                 if master is not None and _mastered(param, master):
                     self.master[fragment.rank] += fragment.length * master.itemsize
-                self.owned[fragment.rank] += fragment.length * (reduce_size or param.dtype.itemsize)
                 piece_bytes = fragment.length * param.dtype.itemsize
                 if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
                     self.staging += piece_bytes
 
-    def _gather_bytes(self, itemsize: int | None = None) -> int:
-        """Sent by one rank to reduce-scatter or all-gather every layout in equal chunks of its largest rank's."""
-        total = 0
+    def _moved(self, in_chunks: bool, itemsize: int | None = None) -> int:
+        """Bytes one rank receives when every owned range travels to its owner or from it, as the library moves them
+        (``comm``) and ``benchmarks/comm_bytes.py`` counts them: a region whose ranks' shares are equal in one
+        equal-chunk collective where ``in_chunks`` (the whole region, padding included: ``(N-1)`` chunks), anything
+        else in rooted calls over the owned elements (``(N-1)/N`` of them). Summed over every region of every
+        layout, in ``itemsize`` bytes an element (default: the layout's dtype)."""
+        size = self.config.world_size
+        scaled = 0  # size times the bytes, so that the one division is the last step
         for layout in self.plan.layouts:
             dtype: torch.dtype = layout.key[1]  # type: ignore[index]  # the (device, dtype) key given above
-            chunk = max((b[r + 1] - b[r] for b in layout.bounds for r in range(len(b) - 1)), default=0)
-            total += (self.config.world_size - 1) * chunk * (itemsize or dtype.itemsize)
-        return total
+            width = itemsize or dtype.itemsize
+            for bounds in layout.bounds:
+                shares = {end - start for start, end in itertools.pairwise(bounds)}
+                if in_chunks and len(shares) == 1 and 0 not in shares:
+                    scaled += size * (size - 1) * shares.pop() * width
+                else:  # the parameters whose first element lies in the region (regions hold whole parameters)
+                    owned = sum(
+                        self.plan.numels[index]
+                        for index, position in zip(layout.params, layout.positions)
+                        if bounds[0] <= position < bounds[-1]
+                    )
+                    scaled += (size - 1) * owned * width
+        return scaled // size
 
-    def _memory(self, rank: int, params: int, grads: int, extra: tuple[tuple[str, int], ...]) -> RankMemory:
+    def _memory(
+        self,
+        rank: int,
+        params: int,
+        grads: int,
+        extra: tuple[tuple[str, int], ...],
+        casts: int | None = None,
+        cast_name: str = "master gradients during step",
+    ) -> RankMemory:
         other = list(extra)
-        if self.master[rank]:
-            other.append(("master gradients during step", self.master[rank]))
+        casts = self.master[rank] if casts is None else casts
+        if casts:
+            other.append((cast_name, casts))
         return RankMemory(params, grads, self.state[rank], self.master[rank], tuple(other))
 
     def _shard_note(self) -> str:
@@ -214,12 +241,13 @@ class _ZeroShards:
     def modes(self) -> tuple[ModePlan, ModePlan]:
         """ZeRO-1 and the ZeRO-2 hook (under DDP, which keeps full gradients)."""
         config, size = self.config, self.config.world_size
-        params = sum(p.nbytes for p in self.params)
+        params = self.params_bytes()
         grad_bytes = sum(p.nbytes for p in self.params if p.trainable)
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
-        staging = (("parameter sync staging", self.staging),) if self.staging else ()
+        staged = self.staging and not config.parameters_as_bucket_view
+        staging = (("parameter sync staging", self.staging),) if staged else ()
         under_ddp = tuple(self._memory(rank, params, ddp_grads, staging) for rank in range(size))
-        gather = ("all-gather of parameters", self._gather_bytes())
+        gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         shard_note = self._shard_note()
         ddp_note = (
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
@@ -227,37 +255,79 @@ class _ZeroShards:
         )
         all_reduce = ("all-reduce of gradients", _all_reduce(grad_bytes, size))
         zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note))
-        reduce_scatter = ("reduce-scatter of gradients", self._gather_bytes())
+        reduce_scatter = ("reduction of gradients to owners", self._moved(False))  # per DDP bucket: rooted calls
         zero2_note = "reduce_to_owners_hook: DDP still holds full gradients; only the bytes sent shrink"
         zero2 = ModePlan(
             "zero2_hook", "ZeRO-2 hook", under_ddp, (reduce_scatter, gather), (shard_note, ddp_note, zero2_note)
         )
         return zero1, zero2
 
-    def sharded_data_parallel(self) -> ModePlan:
-        """ShardedDataParallel, from the plan it makes (an even partition's regions of one bucket each)."""
-        config, reduce_dtype = self.config, self.config.reduce_dtype
-        params = sum(p.nbytes for p in self.params)
-        gather = ("all-gather of parameters", self._gather_bytes())
-        shard_note = self._shard_note()
-        grad_size = {id(p): (reduce_dtype or p.dtype).itemsize for p in self.params}
-        all_grads = sum(p.numel * grad_size[id(p)] for p in self.params if p.trainable)
-        in_flight = min(2 * int(config.bucket_cap_mb * MB), all_grads)
-        extra: tuple[tuple[str, int], ...] = (("gradient buckets in flight (at most)", in_flight),)
-        extra += (("parameter sync staging", self.staging),) if self.staging else ()
-        ranks = tuple(self._memory(rank, params, self.owned[rank], extra) for rank in range(config.world_size))
-        reduce_scatter = (
-            "reduce-scatter of gradients",
-            self._gather_bytes(reduce_dtype.itemsize if reduce_dtype else None),
+    def params_bytes(self) -> int:
+        """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the flat buffers of this
+        plan's layouts (padding included, and room for ``N - 1`` more elements a parameter, which a re-cut into
+        ``ShardedDataParallel``'s regions moves them within) beside the frozen parameters' own storage."""
+        if not self.config.parameters_as_bucket_view:
+            return sum(p.nbytes for p in self.params)
+        room = self.config.world_size - 1
+        flat = sum(
+            (layout.numel + room * sum(1 for i in layout.params if self.plan.numels[i])) * layout.key[1].itemsize  # type: ignore[index]  # the (device, dtype) key given above
+            for layout in self.plan.layouts
         )
+        return flat + sum(p.nbytes for p in self.params if not p.trainable)
+
+    def sharded_data_parallel(self, caps: Mapping[Hashable, int], params: int) -> ModePlan:
+        """ShardedDataParallel, from the plan and the buckets it makes (``sharded.buckets.plan_buckets``: an even
+        partition's regions, one bucket each; greedy runs of at most ``caps`` elements). ``params``: the parameters'
+        storage as the ZeroRedundancyOptimizer it wraps laid them out."""
+        config, reduce_dtype, size = self.config, self.config.reduce_dtype, self.config.world_size
+        gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
+        buckets = plan_buckets(self.plan, caps)
+        store = [(reduce_dtype or self.params[b.slots[0].index].dtype).itemsize for b in buckets]
+        owned = [  # this rank's ranges of every bucket (the last rank's of a region with the padding)
+            sum(width * (end - start) for b, width in zip(buckets, store) for start, end in b.owned(rank))
+            for rank in range(size)
+        ]
+        # held whole until it lands: at most two buckets, each of its full length (a parameter over the cap is one)
+        in_flight = sum(sorted((b.numel * width for b, width in zip(buckets, store)), reverse=True)[:2])
+        copied = [  # a gradient copied into its bucket (not the bucket itself) lives beside it while it is copied
+            self.params[slot.index].nbytes
+            for b, width in zip(buckets, store)
+            for slot in b.slots
+            if not (len(b.slots) == 1 and b.numel == slot.numel and width == self.params[slot.index].dtype.itemsize)
+        ]
+        extra: tuple[tuple[str, int], ...] = (("gradient buckets in flight (at most)", in_flight),)
+        if max(copied, default=0):
+            extra += (("a gradient being copied into its bucket (at most)", max(copied)),)
+        staged = not (config.parameters_as_bucket_view and config.partition == "even")
+        extra += (("parameter sync staging", self.staging),) if self.staging and staged else ()
+        casts = self._step_casts(reduce_dtype)
+        ranks = tuple(
+            self._memory(rank, params, owned[rank], extra, casts[rank], "gradients cast to the step's dtype")
+            for rank in range(size)
+        )
+        reduce_itemsize = reduce_dtype.itemsize if reduce_dtype else None
+        reduce_scatter = ("reduction of gradients to owners", self._moved(True, reduce_itemsize))  # per bucket
         notes = (
-            shard_note,
-            f"gradients: this rank's owned elements in {dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, "
-            f"plus at most two buckets of {config.bucket_cap_mb:g} MiB in flight during the backward (modelled)",
+            self._shard_note(),
+            f"gradients: this rank's owned ranges of every bucket in "
+            f"{dtype_name(reduce_dtype) if reduce_dtype else 'their dtype'}, plus, during the backward, at most two "
+            "buckets being filled or reduced (a parameter over the cap is a bucket of its own) and the gradient "
+            "being copied into one",
             "parameter sync: per bucket, pieces under 1 MiB through staging kept between steps (none with "
-            "parameters_as_bucket_view=True, whose even regions are gathered in place)",
+            "parameters_as_bucket_view=True and the even partition, whose regions are gathered in place)",
         )
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes)
+
+    def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
+        """Per rank, the bytes of owned gradient pieces made for the step in another dtype than they arrive in
+        (``grad_dtype``, default the parameter's): the master's, or the parameter's for a plain parameter."""
+        casts = [0] * self.config.world_size
+        for param, fragments in zip(self.params, self.plan.fragments):
+            step = _step_dtype(param, self.config.master_dtype)
+            if (grad_dtype or param.dtype) != step:
+                for fragment in fragments:
+                    casts[fragment.rank] += fragment.length * step.itemsize
+        return casts
 
 
 def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:

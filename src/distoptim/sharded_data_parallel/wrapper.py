@@ -75,6 +75,18 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: torch.dtype | None = None,
         overlap_param_sync: bool = True,
     ) -> None:
+        """Wrap ``module`` so that its gradients reach ``zero``'s owners bucket by bucket during the backward.
+
+        The arguments (each described, with what it raises, in the class docstring, which the API reference shows):
+
+        - ``module``: the model; its trainable parameters must be exactly ``zero``'s.
+        - ``zero``: its ``ZeroRedundancyOptimizer``, built without ``overlap_with_ddp``, with no state yet.
+        - ``bucket_cap_mb``: the most a gradient bucket holds, in MiB (default 25).
+        - ``broadcast_buffers``: broadcast rank 0's buffers before each forward, as DDP does (default True).
+        - ``reduce_dtype``: the dtype gradients are reduced and kept in (default: the parameters').
+        - ``overlap_param_sync``: leave the parameter sync in flight after ``step()`` for the next forward
+          (default True).
+        """
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
