@@ -19,13 +19,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distoptim
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.comm import collectives as comm
 from distoptim.hooks import allreduce_hook, reduce_to_owners_hook
 from distoptim.plan.cli import main, parse_bytes, parse_count
 from distoptim.plan.inventory import Inventory, ParamSpec, from_factory, load_factory, transformer
 from distoptim.plan.memory import PlanConfig, plan_modes
 from distoptim.plan.state import OptimizerSpec, resolve_optimizer, state_cost
-from distoptim.sharded.gradients import OwnedGradients
-from distoptim.zero import comm
+from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from tests._dist import run_on_ranks
 
 FACTORY = "tests.test_planner:planner_net"

@@ -17,11 +17,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distoptim
 from benchmarks.comm_bytes import CommCounter
 from distoptim import ZeroRedundancyOptimizer
+from distoptim.comm import collectives as comm
 from distoptim.hooks import allreduce_hook, reduce_to_owners_hook
 from distoptim.plan.inventory import from_factory, load_factory
 from distoptim.plan.memory import PlanConfig, plan_modes
 from distoptim.plan.state import resolve_optimizer
-from distoptim.zero import comm
 from tests._dist import run_on_ranks
 from tests.test_planner import FACTORY, planner_net
 

@@ -24,7 +24,7 @@ import torch
 
 from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
 from distoptim.plan.state import OptimizerSpec, state_cost
-from distoptim.sharded.buckets import plan_buckets
+from distoptim.sharded_data_parallel.buckets import plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import PartitionPlan, partition_parameters
 
