@@ -167,22 +167,9 @@ def test_cycle_finder_finds_cycles() -> None:
     assert _cycle({"p": {"p.a"}, "p.a": {"p"}}) is None
 
 
-# The one circle left (issue 29): the optimizer's helper modules take the optimizer itself and reach into it. It is
-# named here so that any other cycle fails now, and this one fails the test the day it is broken (then delete it).
-KNOWN_CYCLE = {
-    "distoptim.zero.optimizer",
-    "distoptim.zero.placement",
-    "distoptim.zero.state_dicts",
-    "distoptim.zero.stepping",
-}
-
-
 def test_no_import_cycles_between_library_modules() -> None:
-    graph = _import_graph()
-    cycle = _cycle({name: edges - KNOWN_CYCLE if name in KNOWN_CYCLE else edges for name, edges in graph.items()})
+    cycle = _cycle(_import_graph())
     assert cycle is None, f"import cycle (TYPE_CHECKING imports count): {' -> '.join(cycle)}"
-    known = _cycle({name: graph[name] & KNOWN_CYCLE for name in KNOWN_CYCLE})
-    assert known is not None, "the optimizer's helper circle is gone: delete KNOWN_CYCLE"
 
 
 def test_library_uses_public_torch_names_only() -> None:

@@ -2,7 +2,8 @@
 
 It composes a partition plan (``partition``: who owns which parameter), a local optimizer over the owned parameters
 (plain ``torch.optim``) and a sync strategy (``buckets``: how updated shards reach every rank); ``placement`` builds
-them from the plan, ``stepping`` runs a step, ``state_dicts`` saves and loads. This module is the public surface.
+them from the plan, ``stepping`` agrees on a step and runs the local one, ``state_dicts`` saves and loads. Each of
+those takes what it needs as arguments; this module is the public surface and the only one holding the optimizer.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from torch.optim import Optimizer
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import clipping, placement, state_dicts, stepping, validation
+from distoptim.zero import amp, clipping, placement, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
-from distoptim.zero.shard import LocalShard, copy_hyperparameters
+from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -136,6 +137,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         self.collectives = collectives  # how gradients reach their owners and parameters leave them (comm.py)
         self.partition = partition
         self.master_dtype = master_dtype
+        self._settings = placement.PlacementSettings(
+            group, self.rank, self.world_size, partition, master_dtype, parameters_as_bucket_view, collectives
+        )
         self._optimizer_class = local_class
         self.overlap_stepper = (
             None if functional_cls is None else OverlapStepper(functional_cls, group, collectives, self)
@@ -151,9 +155,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         self._gradient_store: Any = None  # ShardedDataParallel's owned gradient, when it holds the gradient
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
+        self._placement: placement.Placement | None = None
         self._trainability: tuple[bool, ...] = ()
         self._unowned: list[Tensor] = []
-        self._bound: tuple[int, ...] = ()
         self._ready = True
         self._repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
@@ -268,10 +272,52 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
-        return stepping.step(self, closure, grad_scaler, kwargs)
+        self.sync_finished()
+        try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
+            (loss, verdict), scaled, found_inf = self._agreed_step(lambda: self._prepare(closure, kwargs, grad_scaler))
+            if verdict is not None:
+                verdict.record(found_inf)
+            if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient held an inf or nan
+                self._agreed(lambda: None if verdict is None else self._step_local(None, kwargs))
+        finally:
+            self.local_shard.detach_grads()  # no stale gradient piece outlives the step
+        self.sync_parameters()  # 3. every rank's updated shard to every rank
+        self._consolidated = None
+        return loss
+
+    def _prepare(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any
+    ) -> stepping.Prepared:
+        """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
+        waits for the ranks' verdict on inf/nan."""
+        self._accumulation.check()  # inside the agreement: every rank raises if one does
+        self._repartition_if_changed()
+        loss: float | None = None
+        if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
+            with torch.enable_grad():
+                loss, closure = closure(), None
+        validation.check_unowned_have_no_grad(self._unowned)
+        self._push_hyperparameters()
+        self.local_shard.attach_grads()
+        sharded_in_memory = self._gradient_store is not None
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
+        if verdict is None:
+            local_loss = self._step_local(closure, kwargs)
+            loss = loss if closure is None else local_loss
+        return loss, verdict
+
+    def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
+        return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
+
+    def _fingerprint(self) -> Any:
+        """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
+        return validation.step_fingerprint(self._trainability, self.param_groups)
+
+    def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]:
+        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups)
 
     def _agreed(self, action: Callable[[], Any]) -> Any:
-        return stepping.agreed(self, action)
+        return stepping.agreed(action, self._fingerprint, self.agreement_groups)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
@@ -371,11 +417,52 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         super().add_param_group(group)
         self._repartition()
 
-    def _repartition(self, fresh: bool = False) -> None:
-        placement.repartition(self, fresh)
+    def _repartition(self, fresh: bool = False, in_place: bool = False) -> None:
+        """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
+        plan (``placement.py``). ``in_place``: bucket views move within their buffers."""
+        if self._sync is not None:
+            self._sync.finish()
+        params, previous_shard = self.global_params, self._shard
+        placed = placement.place(
+            params,
+            self.param_groups,
+            self._settings,
+            previous=None if fresh else self._plan,
+            region_numel=self._region_numel,
+            moving_within=self._sync if in_place else None,
+        )
+        self._placement = placed
+        self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
+        self._trainability = placed.trainability
+        self._routes.clear()
+        self.optim = placement.bind_local_optimizer(
+            self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
+        )
+        complete_hyperparameters(self.param_groups, self.optim.param_groups)
+        self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
+        if self.overlap_stepper is not None:
+            self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
+        for listener in self._plan_listeners:
+            listener()
 
     def _repartition_if_changed(self) -> None:
-        placement.repartition_if_changed(self)
+        """Before a step: a new placement where the last one is stale (``placement.is_stale``); then master copies
+        take the values of parameters written outside the optimizer (``model.load_state_dict(...)``), which they
+        would otherwise overwrite with their own."""
+        assert self._placement is not None
+        if placement.is_stale(self._placement, self.global_params):
+            self._repartition()
+        self.local_shard.reseed_masters()
 
     def _use_regions(self, region_numel: dict[Any, int]) -> None:
-        placement.use_regions(self, region_numel)
+        """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
+        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
+        if region_numel == self._region_numel or self.partition != "even":
+            return
+        if any(self.local_optimizer.state.values()):
+            raise RuntimeError(
+                "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the "
+                "model before the optimizer has any state (before the first step() and before loading a checkpoint)"
+            )
+        self._region_numel = region_numel
+        self._repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper

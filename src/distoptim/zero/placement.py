@@ -10,91 +10,113 @@ owner skips it as a plain optimizer would).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from distoptim.zero.buckets import BucketViewSync, StagedSync
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from distoptim.comm import collectives as comm
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
 from distoptim.zero.layouts import layouts_from_plan
-from distoptim.zero.partition import UNOWNED, partition_parameters
-from distoptim.zero.shard import LocalShard, complete_hyperparameters
+from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
+from distoptim.zero.shard import LocalShard
 
-if TYPE_CHECKING:
-    from distoptim.zero.optimizer import ZeroRedundancyOptimizer
-
-__all__ = ["repartition", "repartition_if_changed", "use_regions"]
+__all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "is_stale", "place"]
 
 
-def repartition(zero: ZeroRedundancyOptimizer, fresh: bool = False, in_place: bool = False) -> None:
-    """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the plan.
-    ``in_place``: bucket views move within their buffers (only where no autograd graph can hold views of them)."""
-    params = zero.global_params
-    zero._trainability = tuple(p.requires_grad for p in params)
-    zero._plan = partition_parameters(
+@dataclass(frozen=True)
+class PlacementSettings:
+    """What a placement depends on besides the parameters, fixed at construction."""
+
+    group: comm.Group
+    rank: int
+    world_size: int
+    partition: str
+    master_dtype: torch.dtype | None
+    bucket_view: bool
+    collectives: comm.Collectives
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A plan and what is built from it: the local shard, the parameter sync, and what the plan was made for
+    (which parameters were trainable, where each parameter's storage was), to tell when it must be made again."""
+
+    plan: PartitionPlan
+    shard: LocalShard
+    sync: ParameterSync
+    trainability: tuple[bool, ...]
+    unowned: list[Tensor]
+    """Frozen parameters nobody owns: a gradient on one is refused (it would be silently ignored)."""
+    bound: tuple[int, ...]
+
+
+def place(
+    params: Sequence[Tensor],
+    param_groups: Sequence[dict[str, Any]],
+    settings: PlacementSettings,
+    *,
+    previous: PartitionPlan | None,
+    region_numel: Mapping[Hashable, int] | None,
+    moving_within: ParameterSync | None = None,
+) -> Placement:
+    """Place the parameters ``previous`` has no owner for (all of them without one) and build the shard and the
+    sync. ``moving_within``: bucket views move within that sync's buffers (only where no autograd graph can hold
+    views of them). The caller finishes any sync in flight first."""
+    trainability = tuple(p.requires_grad for p in params)
+    plan = partition_parameters(
         [p.numel() for p in params],
-        list(zero._trainability),
-        zero.world_size,
-        previous=None if fresh else zero._plan,
-        mode=zero.partition,
+        list(trainability),
+        settings.world_size,
+        previous=previous,
+        mode=settings.partition,
         keys=[(p.device, p.dtype) for p in params],
-        region_numel=zero._region_numel,
+        region_numel=region_numel,
     )
-    zero._unowned = [
-        p
-        for p, owner, trainable in zip(params, zero._plan.owners, zero._trainability)
-        if owner == UNOWNED and not trainable
+    unowned = [
+        p for p, owner, trainable in zip(params, plan.owners, trainability) if owner == UNOWNED and not trainable
     ]
-    if zero._sync is not None:
-        zero._sync.finish()
-    layouts = layouts_from_plan(zero._plan.layouts, zero._plan.fragments, params)
-    if zero.parameters_as_bucket_view:  # before the shard's views are made: bucket views move the parameters
-        within = zero._sync if in_place else None
-        zero._sync = BucketViewSync(layouts, zero.process_group, zero.collectives, move_within=within)
+    layouts = layouts_from_plan(plan.layouts, plan.fragments, params)
+    sync: ParameterSync
+    if settings.bucket_view:  # before the shard's views are made: bucket views move the parameters
+        sync = BucketViewSync(layouts, settings.group, settings.collectives, move_within=moving_within)
     else:
-        zero._sync = StagedSync(layouts, zero.process_group, zero.collectives)
-    zero._routes.clear()
-    previous, zero._shard = zero._shard, LocalShard(zero._plan, zero.param_groups, zero.rank, zero.master_dtype)
-    local_groups = zero._shard.param_groups(zero.param_groups)
-    if zero.optim is None:
-        zero.optim = zero._optimizer_class(local_groups, **zero._defaults)
-    else:
-        zero._shard.move_state(zero.optim.state, previous)  # kept for every fragment that stays here
-        for local_group, group in zip(zero.optim.param_groups, local_groups):
-            local_group["params"] = group["params"]
-        for new_group in local_groups[len(zero.optim.param_groups) :]:
-            zero.optim.add_param_group(new_group)
-    complete_hyperparameters(zero.param_groups, zero.optim.param_groups)
-    zero._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-    if zero.overlap_stepper is not None:
-        zero.overlap_stepper.rebuild(zero.optim, zero._shard, zero._plan, params, zero.param_groups)
-    zero._bound = _storages(zero)
-    for listener in zero._plan_listeners:
-        listener()
+        sync = StagedSync(layouts, settings.group, settings.collectives)
+    shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
+    return Placement(plan, shard, sync, trainability, unowned, _storages(params))
 
 
-def repartition_if_changed(zero: ZeroRedundancyOptimizer) -> None:
-    """Before a step: gradual unfreezing (a parameter made trainable since the last step gets an owner; detected
-    locally, as torch does: every rank must change ``requires_grad`` alike, before the same step, which the step's
-    agreement checks), and parameters given new storage since the plan was bound: fragment views and bucket views
-    would otherwise step and sync the old memory. Master copies then take the values of parameters written outside
-    the optimizer (``model.load_state_dict(...)``), which they would otherwise overwrite with their own."""
-    if tuple(p.requires_grad for p in zero.global_params) != zero._trainability or _storages(zero) != zero._bound:
-        repartition(zero)
-    zero.local_shard.reseed_masters()  # and master copies of parameters written since (a repartition kept them)
+def bind_local_optimizer(
+    optim: Optimizer | None,
+    optimizer_class: type[Optimizer],
+    defaults: dict[str, Any],
+    shard: LocalShard,
+    previous_shard: LocalShard | None,
+    param_groups: Sequence[dict[str, Any]],
+) -> Optimizer:
+    """The local optimizer over ``shard``: a new one, or ``optim`` given the new shard's tensors, its state kept
+    for every fragment that stays on this rank."""
+    local_groups = shard.param_groups(param_groups)
+    if optim is None:
+        return optimizer_class(local_groups, **defaults)
+    shard.move_state(optim.state, previous_shard)
+    for local_group, group in zip(optim.param_groups, local_groups):
+        local_group["params"] = group["params"]
+    for new_group in local_groups[len(optim.param_groups) :]:
+        optim.add_param_group(new_group)
+    return optim
 
 
-def use_regions(zero: ZeroRedundancyOptimizer, region_numel: dict[Hashable, int]) -> None:
-    """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-    (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
-    if region_numel == zero._region_numel or zero.partition != "even":
-        return
-    if any(zero.local_optimizer.state.values()):
-        raise RuntimeError(
-            "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the model "
-            "before the optimizer has any state (before the first step() and before loading a checkpoint)"
-        )
-    zero._region_numel = region_numel
-    repartition(zero, fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
+def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
+    """Whether ``placement`` must be made again before a step: gradual unfreezing (a parameter made trainable since
+    gets an owner; detected locally, as torch does: every rank must change ``requires_grad`` alike, before the same
+    step, which the step's agreement checks), or parameters given new storage since it was made (fragment views and
+    bucket views would otherwise step and sync the old memory)."""
+    return tuple(p.requires_grad for p in params) != placement.trainability or _storages(params) != placement.bound
 
 
-def _storages(zero: ZeroRedundancyOptimizer) -> tuple[int, ...]:
-    return tuple(p.data_ptr() for p in zero.global_params)
+def _storages(params: Sequence[Tensor]) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in params)

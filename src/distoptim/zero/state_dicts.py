@@ -3,42 +3,66 @@
 Two formats: ``torch.optim``'s (``consolidate_state_dict`` gathers every shard onto one rank, which then has a
 plain ``state_dict()``; ``load_state_dict`` cuts such a dict to each rank's shard, at any world size and partition)
 and DCP's (``sharded_state_dict``: every rank its fragments, with their global offsets). The formats themselves are
-``checkpoint.py`` (torch.optim's) and ``sharded.py`` (DCP's); this module applies them to an optimizer.
+``checkpoint/consolidated.py`` (torch.optim's) and ``checkpoint/dcp_state.py`` (DCP's); this module applies them
+to an optimizer. The two base classes here type ``self`` as ``ZeroParts``: the members of the optimizer they read,
+named in one protocol rather than by importing the class they are part of.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
+from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.zero import stepping
-from distoptim.zero.shard import stitch
+from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.shard import LocalShard, stitch
 
-if TYPE_CHECKING:
-    from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+__all__ = ["Checkpoints", "Joining", "ZeroJoinHook", "ZeroParts"]
 
-__all__ = [
-    "Checkpoints",
-    "Joining",
-    "ZeroJoinHook",
-    "consolidate",
-    "load_consolidated",
-    "load_sharded",
-    "sharded_state",
-    "state_dict",
-]
+
+class ZeroParts(Protocol):
+    """What checkpoints and Join read of a ZeroRedundancyOptimizer."""
+
+    param_groups: list[dict[str, Any]]
+    process_group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    overlap_stepper: OverlapStepper | None
+    _consolidated: Any
+    _comm_device: torch.device
+    _gradient_store: Any
+    _optimizer_class: type[Optimizer]
+    _optimizer_state_dict_pre_hooks: Any
+    _optimizer_state_dict_post_hooks: Any
+    _optimizer_load_state_dict_pre_hooks: Any
+    _optimizer_load_state_dict_post_hooks: Any
+
+    @property
+    def global_params(self) -> list[Tensor]: ...
+    @property
+    def local_shard(self) -> LocalShard: ...
+    @property
+    def local_optimizer(self) -> Optimizer: ...
+    def sync_finished(self) -> None: ...
+    def sync_parameters(self) -> None: ...
+    def _push_hyperparameters(self) -> None: ...
+    def _agreed(self, action: Callable[[], Any]) -> Any: ...
+    def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]: ...
 
 
 class Checkpoints:
     """ZeroRedundancyOptimizer's checkpoint methods (a base class of it: ``self`` is the optimizer)."""
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
+    def consolidate_state_dict(self: ZeroParts, to: int = 0) -> None:
         """Gather every rank's shard onto rank ``to``, on its CPU (collective; only ``to`` receives anything).
 
         Shards travel in messages of at most ``checkpoint.STAGING_BYTES`` through one reused staging buffer on the
@@ -58,9 +82,9 @@ class Checkpoints:
                 torch.save(zero.state_dict(), "optim.pt")
             ```
         """
-        consolidate(_zero(self), to)
+        _consolidate(self, to)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self: ZeroParts) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it.
 
         Runs the hooks registered with ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as
@@ -75,9 +99,9 @@ class Checkpoints:
             state = zero.state_dict() if rank == 0 else None
             ```
         """
-        return state_dict(_zero(self))
+        return _state_dict(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
         """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state.
 
         The whole dict is checked first (same verdict on every rank). Load pre-hooks (which get a shallow copy and
@@ -94,9 +118,9 @@ class Checkpoints:
             zero.load_state_dict(torch.load("optim.pt"))  # on every rank
             ```
         """
-        load_consolidated(_zero(self), state_dict)
+        _load_consolidated(self, state_dict)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
         """This rank's fragments of the state (master weights included) and the hyperparameters, for
         ``torch.distributed.checkpoint`` or ``distoptim.checkpoint``; a load at any world size and partition reads
         only what overlaps its own fragments. Fragments without state yet get placeholders that a load fills in and
@@ -110,9 +134,9 @@ class Checkpoints:
             distoptim.checkpoint.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, path)
             ```
         """
-        return sharded_state(_zero(self))
+        return _sharded_state(self)
 
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_sharded_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
         """Finish a load into ``sharded_state_dict()``'s dict (the state was loaded in place).
 
         Args:
@@ -130,13 +154,13 @@ class Checkpoints:
             zero.load_sharded_state_dict(state["optim"])
             ```
         """
-        load_sharded(_zero(self), state_dict)
+        _load_sharded(self, state_dict)
 
 
 class Joining:
     """ZeroRedundancyOptimizer's part under ``torch.distributed.algorithms.join.Join`` (a base class of it)."""
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
+    def join_hook(self: ZeroParts, **kwargs: Any) -> JoinHook:
         """While this rank has run out of inputs, shadow the others' step (their agreements and parameter sync).
 
         Its shard stays as it is with ``step()``: DDP discards a joined rank's gradients, so the elements this rank
@@ -157,30 +181,26 @@ class Joining:
                     ...
             ```
         """
-        if _zero(self)._gradient_store is not None:
+        if self._gradient_store is not None:
             raise NotImplementedError(
                 "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow "
                 "every bucket's reduction and the parameter sync; give every rank the same number of batches (drop "
                 "the last, uneven one: DistributedSampler(drop_last=True)), or use DDP with reduce_to_owners_hook"
             )
-        return ZeroJoinHook(_zero(self))
+        return ZeroJoinHook(self)
 
     @property
-    def join_device(self) -> torch.device:
+    def join_device(self: ZeroParts) -> torch.device:
         """The device of Join's own collectives: the parameters'."""
-        return _zero(self).global_params[0].device
+        return self.global_params[0].device
 
     @property
-    def join_process_group(self) -> dist.ProcessGroup:
+    def join_process_group(self: ZeroParts) -> dist.ProcessGroup:
         """The group of Join's own collectives: the one ZeRO shards over."""
-        return _zero(self).process_group
+        return self.process_group
 
 
-def _zero(self: object) -> ZeroRedundancyOptimizer:
-    return cast("ZeroRedundancyOptimizer", self)
-
-
-def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> None:
+def _consolidate(zero: ZeroParts, to: int) -> None:
     checkpoint.agree_on_target(to, zero.world_size, zero.process_group)
     zero.sync_finished()
     mine = zero.local_shard.global_state(zero.local_optimizer.state)
@@ -188,7 +208,7 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> None:
     zero._consolidated = None if merged is None else dict(sorted(stitch(merged, zero.global_params).items()))
 
 
-def state_dict(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+def _state_dict(zero: ZeroParts) -> dict[str, Any]:
     for pre_hook in zero._optimizer_state_dict_pre_hooks.values():
         pre_hook(zero)
     if zero._consolidated is None:
@@ -200,7 +220,7 @@ def state_dict(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
     return checkpoint.apply_hooks(zero._optimizer_state_dict_post_hooks.values(), zero, result)
 
 
-def load_consolidated(zero: ZeroRedundancyOptimizer, state_dict: Any) -> None:
+def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
     zero.sync_finished()  # the load may write master weights into the parameters
     state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
     state_dict = checkpoint.apply_hooks(zero._optimizer_load_state_dict_pre_hooks.values(), zero, state_dict)
@@ -218,7 +238,7 @@ def load_consolidated(zero: ZeroRedundancyOptimizer, state_dict: Any) -> None:
         post_hook(zero)
 
 
-def sharded_state(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
     zero.sync_finished()
     shard, state = zero.local_shard, zero.local_optimizer.state
     placeholders = sharded.template_state(shard, zero.local_optimizer.step, state)
@@ -226,7 +246,7 @@ def sharded_state(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
     return sharded.sharded_state(shard, state, placeholders, groups, zero.global_params)
 
 
-def load_sharded(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
+def _load_sharded(zero: ZeroParts, state_dict: dict[str, Any]) -> None:
     zero.sync_finished()
     saved_groups = sharded.load_param_groups(state_dict, zero.param_groups, zero._optimizer_class)
     for group, saved in zip(zero.param_groups, saved_groups):
@@ -241,7 +261,7 @@ class ZeroJoinHook(JoinHook):
     """A joined rank shadows the others' step: their agreements and their parameter sync (its shard stays as it is:
     DDP discards a joined rank's gradients). In overlap mode DDP's own join hook runs the comm hook, which syncs."""
 
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+    def __init__(self, zero: ZeroParts) -> None:
         self.zero = zero
 
     def main_hook(self) -> None:
@@ -250,7 +270,7 @@ class ZeroJoinHook(JoinHook):
             finish, stepper.deferred_finish = stepper.deferred_finish, None
             finish()
         if self.zero.overlap_stepper is None:
-            _, scaled, found_inf = stepping.agreed_step(self.zero, lambda: (None, None))
+            _, scaled, found_inf = self.zero._agreed_step(lambda: (None, None))
             if scaled and not found_inf:
-                stepping.agreed(self.zero, lambda: None)
+                self.zero._agreed(lambda: None)
             self.zero.sync_parameters()

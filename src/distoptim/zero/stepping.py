@@ -1,105 +1,64 @@
-"""A ZeroRedundancyOptimizer's ``step()``: the local part on every rank, agreed, then the parameter sync.
+"""The pieces of a ZeroRedundancyOptimizer's ``step()``: the agreement around its local part, and the local step.
 
 Before the sync the ranks agree (one small all-reduce on the control plane) that the local part succeeded
 everywhere, with the same parameters trainable and the same hyperparameters: if it raised on one rank, or a setting
 was changed on one rank only, every rank raises instead of waiting in the sync or stepping with other settings.
 Under a ``torch.amp.GradScaler`` the same agreement carries each rank's inf/nan flag, and the local optimizer steps
-after it (agreed once more) only when no rank found one: every rank skips the same steps.
+after it (agreed once more) only when no rank found one: every rank skips the same steps. The optimizer's ``step``
+composes them (``optimizer.py``); the overlap hooks and the Join hook use the agreements too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
 
 from distoptim.comm import agreement
-from distoptim.zero import amp, validation
+from distoptim.zero import amp
+from distoptim.zero.shard import LocalShard
 
-if TYPE_CHECKING:
-    from distoptim.zero.optimizer import ZeroRedundancyOptimizer
-
-__all__ = ["agreed", "agreed_step", "step"]
+__all__ = ["Prepared", "agreed", "agreed_step", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
+Fingerprint = Callable[[], agreement.Fingerprint]  # what every rank must step with alike
 
 
-def step(
-    zero: ZeroRedundancyOptimizer, closure: Callable[[], float] | None, grad_scaler: Any, kwargs: dict[str, Any]
-) -> float | None:
-    """``zero.step()`` outside the overlap mode (collective)."""
-    zero.sync_finished()
-    try:
-        (loss, verdict), scaled, found_inf = agreed_step(
-            zero, lambda: _prepare_and_step(zero, closure, kwargs, grad_scaler)
-        )
-        if verdict is not None:
-            verdict.record(found_inf)
-        if scaled and not found_inf:  # a GradScaler's step, and no rank's owned gradient held an inf or nan
-            agreed(zero, lambda: None if verdict is None else _step_local_optimizer(zero, None, kwargs))
-    finally:
-        zero.local_shard.detach_grads()  # no stale gradient piece outlives the step
-    zero.sync_parameters()
-    zero._consolidated = None
-    return loss
-
-
-def agreed_step(zero: ZeroRedundancyOptimizer, action: Callable[[], Prepared]) -> tuple[Prepared, bool, bool]:
-    """``action()`` (the local part, or nothing on a joined rank), agreed; then whether any rank steps under a
-    GradScaler, and whether any of those found an inf or nan (every rank then skips)."""
+def agreed_step(
+    action: Callable[[], Prepared], fingerprint: Fingerprint, groups: Sequence[dist.ProcessGroup]
+) -> tuple[Prepared, bool, bool]:
+    """``action()`` (the local part, or nothing on a joined rank), agreed over ``groups``; then whether any rank
+    steps under a GradScaler, and whether any of those found an inf or nan (every rank then skips)."""
     prepared, (scaled, found_inf) = agreement.run_step_agreed(
         action,
-        lambda: fingerprint(zero),
-        zero.agreement_groups,
+        fingerprint,
+        list(groups),
         flags=lambda done: (False, False) if done is None or done[1] is None else (True, done[1].found_here),
     )
     return prepared, scaled, found_inf
 
 
-def agreed(zero: ZeroRedundancyOptimizer, action: Callable[[], _T]) -> _T:
+def agreed(action: Callable[[], _T], fingerprint: Fingerprint, groups: Sequence[dist.ProcessGroup]) -> _T:
     """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing)."""
-    return agreement.run_step_agreed(action, lambda: fingerprint(zero), zero.agreement_groups)[0]
+    return agreement.run_step_agreed(action, fingerprint, list(groups))[0]
 
 
-def fingerprint(zero: ZeroRedundancyOptimizer) -> agreement.Fingerprint:
-    """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-    return validation.step_fingerprint(zero._trainability, zero.param_groups)
-
-
-def _prepare_and_step(
-    zero: ZeroRedundancyOptimizer, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any
-) -> Prepared:
-    """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
-    waits for the ranks' verdict on inf/nan."""
-    zero._accumulation.check()  # inside the agreement: every rank raises if one does
-    zero._repartition_if_changed()
-    loss: float | None = None
-    if closure is not None and zero.local_shard.detached:  # pieces and master copies take .grad when attached
-        with torch.enable_grad():
-            loss, closure = closure(), None
-    validation.check_unowned_have_no_grad(zero._unowned)
-    zero._push_hyperparameters()
-    zero.local_shard.attach_grads()
-    sharded_in_memory = zero._gradient_store is not None
-    verdict = amp.check_and_unscale(grad_scaler, zero, zero.local_shard.step_grads, sharded_in_memory)
-    if verdict is None:
-        local_loss = _step_local_optimizer(zero, closure, kwargs)
-        loss = loss if closure is None else local_loss
-    return loss, verdict
-
-
-def _step_local_optimizer(
-    zero: ZeroRedundancyOptimizer, closure: Callable[[], float] | None, kwargs: dict[str, Any]
+def step_local_optimizer(
+    optim: Optimizer,
+    shard: LocalShard,
+    shown_groups: Sequence[dict[str, Any]],
+    closure: Callable[[], float] | None,
+    kwargs: dict[str, Any],
 ) -> float | None:
-    """The local optimizer's step and the master copies' write-back. Hyperparameters flow from ``zero.param_groups``
-    to the local groups only; a value the local step itself sets in its groups (no torch.optim optimizer does) is
-    shown in ``zero.param_groups`` right after it, so no later copy can bring an old value back."""
-    local_groups = zero.local_optimizer.param_groups
-    before = [dict(group) for group in local_groups]
-    loss: float | None = zero.local_optimizer.step(closure, **kwargs)
-    zero.local_shard.write_back()
-    for saved, group, shown in zip(before, local_groups, zero.param_groups):  # what the step itself set in its groups
+    """The local optimizer's step and the master copies' write-back. Hyperparameters flow from the global groups
+    (``shown_groups``) to the local ones only; a value the local step itself sets in its groups (no torch.optim
+    optimizer does) is shown in the global groups right after it, so no later copy can bring an old value back."""
+    before = [dict(group) for group in optim.param_groups]
+    loss: float | None = optim.step(closure, **kwargs)
+    shard.write_back()
+    for saved, group, shown in zip(before, optim.param_groups, shown_groups):  # what the step itself set
         shown.update((k, v) for k, v in group.items() if k != "params" and (k not in saved or saved[k] is not v))
     return loss
