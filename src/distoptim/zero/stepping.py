@@ -75,6 +75,8 @@ def _prepare_and_step(
     """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
     waits for the ranks' verdict on inf/nan."""
     zero._accumulation.check()  # inside the agreement: every rank raises if one does
+    if zero._sync is not None:
+        zero._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
     zero._repartition_if_changed()
     loss: float | None = None
     if closure is not None and zero.local_shard.detached:  # pieces and master copies take .grad when attached
