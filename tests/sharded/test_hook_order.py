@@ -101,10 +101,12 @@ def _global_shift(module: nn.Module, args: Any) -> None:
         _shift(module, args)
 
 
-def _hook_after(model: Hooked, how: str) -> None:
+def _hook_after(model: Hooked, how: str, wrapper: nn.Module) -> None:
     """What the user registers after wrapping (the same on the reference)."""
     if how == "prepend_after":
         model.shifted.register_forward_pre_hook(_shift, prepend=True)
+    if how == "on_wrapper":
+        wrapper.register_forward_pre_hook(lambda module, args, shifted=model.shifted: _shift(shifted, args))
     if how == "parametrize_after":
         parametrize.register_parametrization(model.block.inner, "weight", Doubled())
 
@@ -117,13 +119,13 @@ def _hook_order_body(rank: int, world_size: int, configs: list[tuple[Any, ...]])
         try:
             model, reference = Hooked(how), Hooked(how)
             if how == "parametrize_after":  # the reference is parametrized alike (before DDP: its buckets)
-                _hook_after(reference, how)
+                _hook_after(reference, how, reference)
             ddp = DDP(reference, find_unused_parameters=True)  # Shifted's delta: read by the hooks only
             plain = torch.optim.AdamW(reference.parameters(), **KW)
             zero, sdp = _sdp(model, partition, bucket_view, overlap)
-            _hook_after(model, how)
-            if how == "prepend_after":
-                _hook_after(reference, how)
+            _hook_after(model, how, sdp)
+            if how in ("prepend_after", "on_wrapper"):
+                _hook_after(reference, how, ddp)
             for step in range(3):
                 _step_both(zero, sdp, plain, ddp, _x(rank, step), f"{label} step {step}")
             sdp.sync_finished()
@@ -134,6 +136,7 @@ def _hook_order_body(rank: int, world_size: int, configs: list[tuple[Any, ...]])
 
 
 HOWS = [
+    "on_wrapper",
     "pre_hook",
     "prepend_after",
     "global",
@@ -146,7 +149,8 @@ HOWS = [
 
 @pytest.mark.parametrize("how", HOWS)
 def test_user_pre_hooks_run_after_the_landing_hook(how: str) -> None:
-    """A pre-hook registered before wrapping, one registered after it with ``prepend=True``, a module-global one,
+    """A pre-hook registered before wrapping, one registered after it with ``prepend=True``, a module-global one, one
+    on the wrapper,
     the old ``weight_norm`` (a pre-hook; one rank raised in the backward while the other waited) and
     ``spectral_norm``, parametrizations
     registered before and after wrapping (read through a property in the parent's forward): every forward's loss is
