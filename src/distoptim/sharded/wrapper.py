@@ -34,9 +34,10 @@ class ShardedDataParallel(nn.Module):
     in flight, and each module's forward pre-hook waits for the buckets of its own parameters, so the next forward
     starts while later layers' parameters still travel. ``state_dict()``, ``parameters()``, ``zero``'s checkpoints
     and its next ``step()`` wait for it first, and the end of each forward lands the rest (the loss may read
-    parameters the forward did not: weight decay). Hooks, in order: module-global forward pre-hooks (while any is
-    registered, the wrapper lands the whole sync before its forward), then on each module the landing hook, then
-    the user's pre-hooks, registered before or after wrapping, with ``prepend=True`` or not (``hook_order.py``).
+    parameters the forward did not: weight decay). Hooks, in order: module-global forward pre-hooks and the user's
+    on the wrapper itself (while any is registered, the whole sync lands before the forward), then on each module
+    the landing hook, then the user's pre-hooks, registered before or after wrapping, with ``prepend=True`` or not
+    (``hook_order.py``).
     Between ``step()`` and the next forward, read or write parameters through the inner module only after
     ``model.sync_finished()``: a write before it is overwritten on the ranks not owning the element, and the next
     ``step()`` raises on every rank saying so.
