@@ -207,8 +207,13 @@ EXPECTED_READS = {
     # the overlap hooks step a parameter no rank used as a plain optimizer would (not at all): they must know which
     ("all_reduce", "hook", True, False): {"which parameters some rank used": 1},
     ("to_owners", "interleaved", True, False): {"which parameters some rank used": "buckets"},
-    ("sharded", "explicit", False, False): {},  # ShardedDataParallel: which parameters were used is host data
-    ("sharded", "explicit", False, True): {"GradScaler's skip decision": 1},
+    # ShardedDataParallel: which parameters were used is host data; with the sync overlapped (the default), whether
+    # a write while it was in flight changed an owned element (sharded_data_parallel/sync.py)
+    ("sharded", "explicit", False, False): {"writes to parameters while their sync was in flight": 1},
+    ("sharded", "explicit", False, True): {
+        "GradScaler's skip decision": 1,
+        "writes to parameters while their sync was in flight": 1,
+    },
 }
 
 

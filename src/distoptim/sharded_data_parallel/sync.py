@@ -11,6 +11,23 @@ A bucket that is one region of an even layout with bucket views is gathered in p
 style, each owner sending its share to every rank in the point-to-point one). Any other bucket goes through a
 ``StagedSync`` of its own pieces: large pieces sent in place, small ones (under ``buckets.DEFAULT_DIRECT_BYTES``)
 packed through staging kept between steps.
+
+With ``overlap``, between a bucket's launch and its landing its parameters hold, on a rank that does not own a piece,
+the value before the step: a write in that window (WGAN's ``p.data.clamp_`` through ``model.module`` right after
+``step()``) is overwritten there by the landing, and only the owners keep it. It cannot be made right locally (a
+non-owner does not know the written value) and a write through ``.data`` leaves no trace in the parameter's version
+counter, so the owners watch their own elements instead: an exact checksum of the raw bits of what each rank owns in
+a bucket is taken at launch and again at landing (a read of 1/N of the parameters, twice a step). Every rank runs the
+same program, so a write that changes anything changes some owner's elements; a write that changes no owned value
+(a clamp already satisfied) leaves every rank right. ``check_untouched`` raises it from inside the next step's
+agreement, so every rank raises (one host read a step).
+
+A read in that window (a loss term computed before ``model(x)``, the root's forward reading a deep child's weight
+before the child ran) sees the value before the step on the non-owners. Landing a bucket with ``overlap`` therefore
+bumps its parameters' version counters on every rank (the non-owners' copies bump some of them only, and an in-place
+gather none): a read that autograd saved for the backward then raises torch's "modified by an inplace operation"
+on every rank, instead of one rank raising while the others wait in a reduction, or none. A read autograd did not
+save is not detected.
 """
 
 from __future__ import annotations
@@ -18,12 +35,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from distoptim import _host
+from distoptim._flat import copy_each_
 from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel.buckets import BucketPlan
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
-from distoptim.zero.layouts import layouts_from_plan
+from distoptim.zero.layouts import layouts_from_plan, piece_view
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = ["BucketedSync"]
@@ -38,6 +58,10 @@ class _Unit:
     def land(self, launched: Any) -> None:
         raise NotImplementedError
 
+    def owned(self, landed: bool) -> list[Tensor]:
+        """This rank's elements of the bucket as it sends them, 1-D (right after ``launch``, or after ``land``)."""
+        raise NotImplementedError
+
 
 class _InPlace(_Unit):
     """A region of a bucket-view buffer, gathered from its owners where it lies."""
@@ -50,6 +74,10 @@ class _InPlace(_Unit):
 
     def land(self, launched: Any) -> None:
         comm.wait_all(launched)
+
+    def owned(self, landed: bool) -> list[Tensor]:
+        rank = comm.group_rank(self.group)
+        return [self.buffer[self.bounds[rank] : self.bounds[rank + 1]]]
 
 
 class _Staged(_Unit):
@@ -66,6 +94,17 @@ class _Staged(_Unit):
         for flight in flights:
             self.sync.land(flight)
         comm.wait_all(direct)
+
+    def owned(self, landed: bool) -> list[Tensor]:
+        """The small pieces as packed into the stages (packed again once landed: the broadcasts from them are over),
+        the large ones where they lie."""
+        sync, owned = self.sync, list[Tensor]()
+        for round_ in sync.rounds:
+            work = sync._work(round_)
+            if landed:
+                copy_each_(work.pack_into, work.pack_from)
+            owned.extend(work.stage[start:end] for src, start, end in work.slices if src == sync.rank)
+        return owned + [piece_view(piece) for piece in sync.direct if piece.rank == sync.rank]
 
 
 class BucketedSync(ParameterSync):
@@ -85,8 +124,11 @@ class BucketedSync(ParameterSync):
         forward = list(reversed(buckets))
         self.units = [self._unit(bucket, plan, params) for bucket in forward]
         self.unit_of = {id(params[slot.index]): number for number, b in enumerate(forward) for slot in b.slots}
+        self.params_of = [[params[slot.index] for slot in bucket.slots] for bucket in forward]
         self._launched: list[Any] = []  # what each bucket's launch returned, in forward order, until landed
         self._landed = 0  # how many of them (from the first) have landed
+        self._sums: list[Tensor | None] = []  # with overlap: each launched bucket's checksum of this rank's elements
+        self._changed: list[Tensor] = []  # whether they changed before landing, for each landed bucket
 
     def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
@@ -109,11 +151,19 @@ class BucketedSync(ParameterSync):
         self._launched, self._landed = [unit.launch() for unit in self.units], 0
         if not self.overlap:
             self.finish()
+        elif not self.alone:  # nothing is overwritten in a group of one
+            self._sums = [_checksum(unit.owned(landed=False)) for unit in self.units]
 
     def land_through(self, last: int) -> None:
         """Land the buckets up to ``last`` (in forward order): local waiting and copying only."""
         while self._landed <= last and self._landed < len(self._launched):
-            self.units[self._landed].land(self._launched[self._landed])
+            unit, before = self.units[self._landed], self._sums[self._landed] if self._sums else None
+            unit.land(self._launched[self._landed])
+            if self.overlap:  # a read saved for the backward before landing fails on every rank (docstring)
+                torch.autograd.graph.increment_version(self.params_of[self._landed])
+            if before is not None:
+                now = _checksum(unit.owned(landed=True))
+                self._changed.append(before.new_ones((), dtype=torch.bool) if now is None else (now != before).any())
             self._launched[self._landed] = None
             self._landed += 1
 
@@ -124,5 +174,40 @@ class BucketedSync(ParameterSync):
     def finish(self) -> None:
         self.land_through(len(self.units))
 
+    def check_untouched(self) -> None:
+        """Raise if this rank's elements of a bucket changed between its launch and its landing (see the module's
+        docstring); called inside the step's agreement, after ``finish``."""
+        changed, self._changed = self._changed, []
+        flags = torch.stack([flag.to(changed[0].device) for flag in changed]) if changed else None
+        if flags is not None and _host.read(flags.any(), "writes to parameters while their sync was in flight"):
+            raise RuntimeError(
+                "ShardedDataParallel(overlap_param_sync=True): parameters were written while their sync from the "
+                "last step was still in flight (through model.module or a module reference, such as WGAN's "
+                "p.data.clamp_ right after zero.step()); the sync overwrote the write on the ranks that do not own "
+                "those elements, so the ranks' parameters differ. Call model.sync_finished() before writing "
+                "parameters outside the forward (model.parameters() waits for it too), or build the wrapper with "
+                "overlap_param_sync=False"
+            )
+
     def allocations(self) -> dict[Any, Tensor]:
         return self.inner.allocations()
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wide accumulator is 10x slower)
+
+
+def _checksum(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The sums of ``tensors``' raw bits, one per tensor (None without elements), each 1-D tensor read as the widest
+    words its bytes allow and summed modulo 2^64 or 2^32 (as fast as a float sum; a 64-bit accumulator of 32-bit
+    words is ten times slower): a change of one value always changes them, several only cancel by summing to a
+    multiple of the modulus (a clamp lowers every changed element's bits: only by wrapping around)."""
+    sums = [_bit_sum(t) for t in tensors if t.numel()]
+    return torch.stack(sums) if sums else None
+
+
+def _bit_sum(tensor: Tensor) -> Tensor:
+    size = tensor.element_size()
+    for width, dtype in _WORDS:
+        if (tensor.numel() * size) % width == 0 and (tensor.storage_offset() * size) % width == 0:
+            return tensor.view(dtype).sum(dtype=dtype)
+    return tensor.view(torch.int16 if size == 2 else torch.uint8).sum(dtype=torch.int64)

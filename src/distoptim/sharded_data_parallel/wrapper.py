@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from distoptim._flat import flat_view, is_dense, pack, unpack_
 from distoptim.comm import agreement as _agreement
 from distoptim.comm import collectives as comm
+from distoptim.sharded_data_parallel import hook_order
 from distoptim.sharded_data_parallel.buckets import BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
@@ -32,8 +33,14 @@ class ShardedDataParallel(nn.Module):
     ``zero.step()`` then syncs the parameters bucket by bucket; with ``overlap_param_sync`` it returns with the sync
     in flight, and each module's forward pre-hook waits for the buckets of its own parameters, so the next forward
     starts while later layers' parameters still travel. ``state_dict()``, ``parameters()``, ``zero``'s checkpoints
-    and its next ``step()`` wait for it first; read parameters through the inner module only after
-    ``model.sync_finished()``.
+    and its next ``step()`` wait for it first, and the end of each forward lands the rest (the loss may read
+    parameters the forward did not: weight decay). Hooks, in order: module-global forward pre-hooks and the user's
+    on the wrapper itself (while any is registered, the whole sync lands before the forward), then on each module
+    the landing hook, then the user's pre-hooks, registered before or after wrapping, with ``prepend=True`` or not
+    (``hook_order.py``).
+    Between ``step()`` and the next forward, read or write parameters through the inner module only after
+    ``model.sync_finished()``: a write before it is overwritten on the ranks not owning the element, and the next
+    ``step()`` raises on every rank saying so.
 
     Args:
         module: the model; its trainable parameters must be exactly ``zero``'s.
@@ -122,6 +129,8 @@ class ShardedDataParallel(nn.Module):
         self._handles: list[Any] = []
         self._sync_buffers_next = True
         self._landers: list[Any] = []  # the forward pre-hooks' handles (registered again when the buckets change)
+        self._first: list[tuple[nn.Module, int]] = []  # (module, id) of each landing pre-hook: kept first
+        self.register_forward_pre_hook(self._before_forward, prepend=True)
         self._rebuild()
         zero._plan_listeners.append(self._rebuild)
 
@@ -158,12 +167,13 @@ class ShardedDataParallel(nn.Module):
         ``model.sync_finished()`` first."""
         for handle in self._landers:
             handle.remove()
-        self._landers = []
+        self._landers, self._first = [], []
         for submodule in self.module.modules():
             params = _held_directly(submodule) if submodule is self.module else submodule.parameters()
             last = sync.last_unit(params)
-            if last >= 0:
-                self._landers.append(submodule.register_forward_pre_hook(_Lander(self.zero, last)))
+            if last >= 0:  # before the user's pre-hooks, whenever registered (hook_order.py)
+                self._landers.append(submodule.register_forward_pre_hook(_Lander(self.zero, last), prepend=True))
+                self._first.append((submodule, self._landers[-1].id))
                 # model.module.state_dict(), DDP's saving idiom, reads every parameter: it waits for all of them
                 self._landers.append(submodule.register_state_dict_pre_hook(_Finisher(self.zero)))  # type: ignore[no-untyped-call]
 
@@ -184,9 +194,17 @@ class ShardedDataParallel(nn.Module):
             if buffers:
                 _broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
+        self.sync_finished()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         assert self.gradients is not None
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
         return output
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """The wrapper's first forward pre-hook: the landing hooks first among the user's (``hook_order.py``)."""
+        if hook_order.others_run_first(self):
+            self.sync_finished()
+        else:
+            hook_order.keep_first(self._first)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -53,6 +53,10 @@ class ParameterSync:
         """Land whatever ``sync_parameters`` left in flight (a strategy that overlaps the sync with the next forward
         has some): called before anything reads or writes the parameters outside a forward."""
 
+    def check_untouched(self) -> None:
+        """Raise if a write to the parameters while ``finish`` was pending was lost (a strategy that leaves the sync
+        in flight watches for them): called inside the step's agreement, so every rank raises."""
+
     def allocations(self) -> dict[tuple[torch.device, torch.dtype], Tensor]:
         """The flat allocations the parameters are views into, by (device, dtype): what a rebuilt sync may move
         them within (none here)."""

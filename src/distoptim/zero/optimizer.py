@@ -291,6 +291,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
         waits for the ranks' verdict on inf/nan."""
         self._accumulation.check()  # inside the agreement: every rank raises if one does
+        if self._sync is not None:
+            self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
         self._repartition_if_changed()
         loss: float | None = None
         if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
