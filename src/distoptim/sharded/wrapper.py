@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from distoptim._flat import flat_view, is_dense, pack, unpack_
 from distoptim.sharded.buckets import BucketPlan, plan_buckets
 from distoptim.sharded.gradients import OwnedGradients
 from distoptim.sharded.sync import BucketedSync
-from distoptim.zero import comm
+from distoptim.zero import comm, validation
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedDataParallel"]
@@ -128,6 +129,7 @@ class ShardedDataParallel(nn.Module):
         for param in zero.global_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
+                self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
         if self.overlap_param_sync:
             self._register_forward_pre_hooks(zero._sync)
@@ -247,6 +249,18 @@ class ShardedDataParallel(nn.Module):
         return super().named_parameters(*args, **kwargs)
 
 
+class _BeforeGradient:
+    """A parameter's gradient hook: ``OwnedGradients.before_gradient`` (the parameter held weakly)."""
+
+    def __init__(self, wrapper: ShardedDataParallel, param: Tensor) -> None:
+        self.wrapper, self.param = wrapper, weakref.ref(param)
+
+    def __call__(self, _: Tensor) -> None:
+        param, gradients = self.param(), self.wrapper.gradients
+        if param is not None and gradients is not None:
+            gradients.before_gradient(param)
+
+
 class _Lander:
     """A forward pre-hook: land the parameter sync through bucket ``last`` (in forward order)."""
 
@@ -278,6 +292,7 @@ def _check(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any,
         )
     if zero._gradient_store is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
+    validation.refuse_sparse_gradients(module, "ShardedDataParallel")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):

@@ -77,7 +77,10 @@ def _prepare_and_step(
     zero._accumulation.check()  # inside the agreement: every rank raises if one does
     zero._repartition_if_changed()
     loss: float | None = None
-    if closure is not None and zero.local_shard.detached:  # pieces and master copies take .grad when attached
+    shard = zero.local_shard
+    # torch.optim's order, the closure's backward first, wherever the step does not read the parameters' own .grad
+    # (pieces and master copies take .grad when attached; ShardedDataParallel's owned gradient is attached likewise)
+    if closure is not None and (shard.detached or shard.source is not None):
         with torch.enable_grad():
             loss, closure = closure(), None
     validation.check_unowned_have_no_grad(zero._unowned)
