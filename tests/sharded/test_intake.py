@@ -158,11 +158,11 @@ def test_a_hand_set_grad_is_used_as_is() -> None:
     run_on_ranks(_hand_set_body, 2, timeout=120)
 
 
-# ------------------------------------------------------- no_sync's gradient, never reduced, is refused everywhere
-def _no_sync_only_body(rank: int, world_size: int) -> list[str]:
+# ---------------------- no_sync's gradient, never reduced, and torch's clip_grad_norm_ are refused on every rank
+def _refusals_body(rank: int, world_size: int) -> list[str]:
     outcomes = []
     for partition in PARTITIONS:
-        _, zero, sdp, *_ = _pair(partition)
+        model, zero, sdp, *_ = _pair(partition)
         zero.zero_grad()
         with sdp.no_sync():
             sdp(_x(rank, 0)).square().mean().backward()
@@ -171,13 +171,22 @@ def _no_sync_only_body(rank: int, world_size: int) -> list[str]:
             outcomes.append("stepped")
         except RuntimeError as error:
             outcomes.append(str(error))
+        zero.zero_grad()
+        sdp(_x(rank, 0)).square().mean().backward()
+        try:  # it would read no gradient at all: a silent no-op before the markers
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            outcomes.append("clipped")
+        except RuntimeError as error:
+            outcomes.append(str(error))
     return outcomes
 
 
-def test_a_step_on_no_syncs_unreduced_gradient_is_refused_on_every_rank() -> None:
-    for outcomes in run_on_ranks(_no_sync_only_body, 2, timeout=60):
-        for outcome in outcomes:
+def test_no_syncs_unreduced_gradient_and_torchs_clipping_are_refused_on_every_rank() -> None:
+    for outcomes in run_on_ranks(_refusals_body, 2, timeout=60):
+        for outcome in outcomes[0::2]:
             assert "no_sync" in outcome and "outside" in outcome, outcome
+        for outcome in outcomes[1::2]:
+            assert "zero.clip_grad_norm_()" in outcome, outcome
 
 
 # ------------------------------------------------------------------ 9. sparse gradients are refused at wrapping

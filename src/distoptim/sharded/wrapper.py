@@ -27,7 +27,10 @@ class ShardedDataParallel(nn.Module):
     Use it instead of ``DistributedDataParallel``: as each parameter's gradient is accumulated it goes into a
     bucket and its ``.grad`` is released; full buckets are reduced to the ranks that own their elements (inside the
     backward, in one fixed order on every rank), and each rank keeps only its owned part, which ``zero`` clips,
-    scales and steps. After the backward every parameter's ``.grad`` is None; ``zero.clip_grad_norm_`` returns the
+    scales and steps. After the backward ``.grad`` holds a marker (no values) where ``zero`` holds the gradient, so
+    that one intake decides what the step uses: a ``.grad`` set to None through any object (this wrapper, the inner
+    module, ``p.grad = None``) clears the owned gradient, one zeroed in place zeroes it, one set by hand is used as
+    it is; ``zero.step(closure)`` steps what the closure's backward reduced. ``zero.clip_grad_norm_`` returns the
     whole gradient's norm. Parameters one rank did not use (a branch taken on some ranks) contribute zeros, and one
     no rank used gets no gradient at the step (as under DDP with ``find_unused_parameters``): no flag is needed.
     ``zero.step()`` then syncs the parameters bucket by bucket; with ``overlap_param_sync`` it returns with the sync
@@ -50,8 +53,8 @@ class ShardedDataParallel(nn.Module):
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
         ValueError: on every rank, when the trainable parameters of ``module`` and ``zero`` differ (the extra or
-            missing ones named), when the ranks' models or settings differ, for ``overlap_with_ddp=True``, a second
-            wrapper, a bad ``bucket_cap_mb`` or ``reduce_dtype``.
+            missing ones named), when an embedding makes sparse gradients, when the ranks' models or settings
+            differ, for ``overlap_with_ddp=True``, a second wrapper, a bad ``bucket_cap_mb`` or ``reduce_dtype``.
         RuntimeError: when ``zero`` already has optimizer state and its even partition must be re-cut.
 
     Example:
