@@ -80,7 +80,8 @@ def test_a_closures_backward_is_what_the_step_uses() -> None:
 
 
 # -------------------------------------------------- 5. clearing through the inner module, by hand, in place
-CLEARS = ["inner_module", "inner_module_in_place", "grad_none_by_hand", "wrapper_in_place", "zero_in_place"]
+CLEARS = ["inner_module", "inner_module_in_place", "grad_none_by_hand", "wrapper", "wrapper_in_place", "zero"]
+CLEARS += ["zero_in_place"]
 
 
 def _clear(how: str, model: nn.Module, sdp: ShardedDataParallel, zero: ZeroRedundancyOptimizer) -> None:
@@ -91,10 +92,10 @@ def _clear(how: str, model: nn.Module, sdp: ShardedDataParallel, zero: ZeroRedun
     elif how == "grad_none_by_hand":
         for p in model.parameters():
             p.grad = None
-    elif how == "wrapper_in_place":
-        sdp.zero_grad(set_to_none=False)
+    elif how.startswith("wrapper"):
+        sdp.zero_grad(set_to_none="in_place" not in how)
     else:
-        zero.zero_grad(set_to_none=False)
+        zero.zero_grad(set_to_none="in_place" not in how)
 
 
 def _clears_body(rank: int, world_size: int) -> None:
