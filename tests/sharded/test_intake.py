@@ -136,15 +136,18 @@ def _replace_first(model: nn.Module, step: int) -> None:
 
 def _hand_set_body(rank: int, world_size: int) -> None:
     for partition in PARTITIONS:
-        for how in ["all_by_hand", "mixed"]:
+        for how in ["all_by_hand", "mixed", "by_hand_then_backward"]:
             model, zero, sdp, reference, ddp, plain = _pair(partition)
             for step in range(3):
                 zero.zero_grad()
                 plain.zero_grad()
-                if how == "all_by_hand":
+                if how != "mixed":
                     _hand_set(model, rank, step, sdp)
                     _hand_set(reference, rank, step, reference)
-                else:
+                if how == "by_hand_then_backward":  # adds onto the hand-set .grad, and the sum is reduced
+                    sdp(_x(rank, 50 + step)).square().mean().backward()
+                    ddp(_x(rank, 50 + step)).square().mean().backward()
+                elif how == "mixed":
                     sdp(_x(rank, step)).square().mean().backward()
                     ddp(_x(rank, step)).square().mean().backward()
                     _replace_first(model, step)

@@ -2,7 +2,8 @@
 previous one reduced to owners is refused on every rank (it summed the ranks' leftovers: silently wrong); the ways
 that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views), DDP's
 static graph, a ``torch.autograd.grad`` between steps and a backward added onto the gradients but cleared before the
-next step (a GAN's generator step) train as DDP + the plain optimizer do."""
+next step (a GAN's generator step; cleared to None, or in place with ``zero_grad(set_to_none=False)``) train as DDP +
+the plain optimizer do."""
 
 from __future__ import annotations
 
