@@ -2,7 +2,8 @@
 previous one reduced to owners is refused on every rank (it summed the ranks' leftovers: silently wrong); the ways
 that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views), DDP's
 static graph, a ``torch.autograd.grad`` between steps and a backward added onto the gradients but cleared before the
-next step (a GAN's generator step) train as DDP + the plain optimizer do."""
+next step (a GAN's generator step; cleared to None, or in place with ``zero_grad(set_to_none=False)``) train as DDP +
+the plain optimizer do."""
 
 from __future__ import annotations
 
@@ -81,3 +82,42 @@ def test_accumulating_onto_reduced_gradients_is_refused_and_the_right_ways_train
                 assert "no_sync()" in outcome and "ShardedDataParallel" in outcome
             else:
                 assert outcome == "ok", (how, partition, outcome)
+
+
+def _gan(rank: int, partition: str) -> None:
+    """A GAN whose discriminator is cleared in place (``ddp_D.zero_grad(set_to_none=False)``): the generator's
+    backward adds onto D's reduced gradients, the in-place clear zeroes them; every step equals DDP + the plain
+    optimizers."""
+    torch.manual_seed(0)
+    generator, discriminator = nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ref_generator, ref_discriminator = nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ref_generator.load_state_dict(generator.state_dict())
+    ref_discriminator.load_state_dict(discriminator.state_dict())
+    ddp_g, ddp_d = DDP(generator), DDP(discriminator, bucket_cap_mb=1e-4)
+    ref_g, ref_d = DDP(ref_generator), DDP(ref_discriminator, bucket_cap_mb=1e-4)
+    zero = ZeroRedundancyOptimizer(discriminator.parameters(), torch.optim.AdamW, partition=partition, lr=0.01)
+    ddp_d.register_comm_hook(zero, reduce_to_owners_hook)
+    plain_d = torch.optim.AdamW(ref_discriminator.parameters(), lr=0.01)
+    opt_g, plain_g = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (generator, ref_generator))
+    for step in range(3):
+        data = torch.Generator().manual_seed(100 * step + rank)
+        real, noise = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)
+        for g, d, opt_d, opt in ((ddp_g, ddp_d, zero, opt_g), (ref_g, ref_d, plain_d, plain_g)):
+            d.zero_grad(set_to_none=False)  # the discriminator's step
+            d(torch.cat([real, g(noise).detach()])).mean().backward()
+            opt_d.step()
+            g.zero_grad()  # the generator's step: its backward goes through D, adding onto D's gradients
+            (-d(g(noise)).mean()).backward()
+            opt.step()
+        ours_all = [*generator.parameters(), *discriminator.parameters()]
+        for ours, want in zip(ours_all, [*ref_generator.parameters(), *ref_discriminator.parameters()]):
+            torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=f"GAN {partition} step {step}")
+
+
+def _gan_body(rank: int, world_size: int) -> None:
+    for partition in ["greedy", "even"]:
+        _gan(rank, partition)
+
+
+def test_a_gan_whose_discriminator_is_cleared_in_place_trains_as_ddp() -> None:
+    run_on_ranks(_gan_body, 2, timeout=120)

@@ -23,6 +23,7 @@ the owner ``step()`` then gives them sees the average. A GradScaler's inf/nan ve
 import gc
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import GradBucket
@@ -30,6 +31,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from distoptim.comm import collectives as comm
+from distoptim.zero import validation
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -103,6 +105,8 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
         check_ddp_group(zero, _running_ddp(zero))
     zero._accumulation.saw_bucket(bucket.parameters())
     buffer = bucket.buffer()
+    if buffer.layout != torch.strided:  # every rank's bucket alike: every rank raises here, before any collective
+        raise ValueError("reduce_to_owners_hook reduces dense gradients only: build the embedding with sparse=False")
     buffer.div_(zero.world_size * zero.replica_count)
     bucket_route = route(zero, bucket.parameters())
     return comm.reduce_to_owners_async(
@@ -127,6 +131,7 @@ def check_ddp_group(zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParalle
     zero._ddp_group_checked = True
     if ddp is None:
         return
+    validation.refuse_sparse_gradients(ddp.module, "reduce_to_owners_hook")
     ddp_ranks = sorted(dist.get_process_group_ranks(ddp.process_group))
     known, spanned = zero.all_ranks()
     if not set(known) <= set(ddp_ranks) or len(ddp_ranks) != spanned:

@@ -12,10 +12,20 @@ At the end of the backward (the autograd engine's, not a bucket count) the remai
 same order on every rank, unused parameters contributing zeros, and the ranks agree, on the control plane, on
 which parameters some rank used: a parameter no rank used has no gradient at the step, as under DDP with
 ``find_unused_parameters``, so an optimizer skips it instead of stepping it with zeros.
+
+One gradient intake: after each backward every parameter whose gradient the store holds gets a marker in ``.grad``
+(its shape, one element of storage, NaN), so that whatever the program does to ``.grad`` afterwards is seen, through
+whatever object it goes: set to None (``zero_grad`` of the wrapper, of the inner module or of a reference to the bare
+model kept from before wrapping, ``p.grad = None``) forgets the parameter's owned gradient; zeroed in place
+(``zero_grad(set_to_none=False)`` anywhere) zeroes it; replaced by a tensor of the user's (``p.grad = g`` after
+``torch.autograd.grad`` and an all-reduce) makes the step use that tensor as it is, as a plain optimizer under DDP
+would, and a later backward adds onto it. The step, ``clip_grad_norm_`` and the next backward read that verdict
+parameter by parameter (``settle``); a ``.grad`` that ``no_sync()`` left and no backward outside reduced is refused.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -59,8 +69,15 @@ class OwnedGradients:
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the last clear()
         self.everywhere: tuple[bool, ...] | None = None  # used by some rank: agreed at the end of each backward
-        self.ever = [False] * len(self.params)  # used by some rank in some backward (since construction)
-        self.zeroed = False  # the last clear() zeroed the owned gradient (zero_grad(set_to_none=False))
+        self.holds = [False] * len(self.params)  # the store holds the parameter's gradient (zeros included)
+        self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
+        for (index, offset), (bucket, start) in self.layout.fragments.items():
+            length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
+            self.pieces.setdefault(index, []).append((bucket, start, length))
+        self._markers: dict[int, tuple[Tensor, int]] = {}  # index -> the marker in .grad, and its version then
+        self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
+        self._swapped: set[int] = set()  # markers taken out of .grad for this backward to accumulate into
+        self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
         self.no_sync = False
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
@@ -73,28 +90,107 @@ class OwnedGradients:
 
     # ------------------------------------------------------------------------------- what the step reads
     def grad_of(self, local: LocalTensor) -> Tensor | None:
-        """``local``'s piece of the owned gradient (a view), or None when no rank used its parameter or no backward
-        has landed it since ``clear()``."""
+        """``local``'s piece of its parameter's gradient: of a ``.grad`` set by hand, used as it is; else of the
+        owned gradient (a view); None when the parameter has none (no rank used it since it was cleared)."""
+        param = self.params[local.index]
+        self.settle(local.index)
+        if param.grad is not None and not self._is_marker(local.index, param.grad):
+            if not local.whole and param.grad.stride() != param.stride():  # its pieces as views, for clipping
+                param.grad = torch.empty_like(param).copy_(param.grad)
+            return local.grad_from(param.grad)
         where = self.layout.fragments.get((local.index, local.offset))
-        if where is None or not self.landed[where[0]]:
-            return None
-        if not self._was_used(local.index) and not (self.zeroed and self.ever[local.index]):
+        if where is None or not self.holds[local.index] or self.owned[where[0]] is None:
             return None
         owned, start = self.owned[where[0]], where[1]
-        assert owned is not None  # landed
+        assert owned is not None
         return view_like(owned, start, local.param) if local.whole else owned[start : start + local.length]
 
-    def _was_used(self, index: int) -> bool:
-        return self.everywhere is not None and index < len(self.everywhere) and self.everywhere[index]
+    # ------------------------------------------------------------------------- what .grad says, per parameter
+    def settle(self, index: int, before_backward: bool = False) -> None:
+        """Take in what the program did to parameter ``index``'s ``.grad`` since the store last marked it: None
+        forgets its owned gradient; the marker zeroed in place zeroes it; a tensor of the user's replaces it (the
+        step reads that tensor; a backward adds onto it and reduces the sum). ``before_backward``: its gradient
+        hook, before the backward accumulates into ``.grad``, which then must not hold the marker.
+
+        Raises:
+            RuntimeError: at a step, when ``.grad`` holds the local gradient of backwards run under ``no_sync()``
+                and no backward outside it reduced it (local to this rank: the caller agrees on it).
+        """
+        param, marker = self.params[index], self._markers.get(index)
+        grad = param.grad
+        if grad is None:
+            if self.holds[index] and index not in self._swapped:
+                self._forget(index)
+        elif marker is not None and grad is marker[0]:
+            if grad._version != marker[1]:  # zero_grad(set_to_none=False), through whatever object
+                self._zero(index)
+                self._markers[index] = (grad, grad._version)
+            if before_backward:
+                param.grad = None
+                self._swapped.add(index)
+        elif self._unreduced.get(index, _dead)() is grad:
+            if not before_backward:
+                raise RuntimeError(
+                    "ShardedDataParallel: zero.step() found gradients that backward passes under model.no_sync() "
+                    "accumulated and no backward outside no_sync() reduced (each rank's own, unaveraged). Run the "
+                    "last micro-batch's backward outside no_sync(), or call zero.zero_grad() to drop them"
+                )
+        elif self.holds[index]:  # set by hand: it replaces the owned gradient
+            self._forget(index)
+
+    def _is_marker(self, index: int, grad: Tensor) -> bool:
+        marker = self._markers.get(index)
+        return marker is not None and grad is marker[0]
+
+    def _forget(self, index: int) -> None:
+        self._zero(index)
+        self.holds[index] = self.used[index] = False
+
+    def _zero(self, index: int) -> None:
+        for bucket, start, length in self.pieces.get(index, ()):
+            owned = self.owned[bucket]
+            if owned is not None:
+                owned[start : start + length].zero_()
+
+    def mark(self) -> None:
+        """Put a marker into the ``.grad`` of every parameter whose gradient the store holds and whose ``.grad`` is
+        free (after each backward)."""
+        for index, param in enumerate(self.params):
+            if self.holds[index] and param.grad is None and id(param) in self.slot_of:
+                marker = _Marker.like(param)
+                param.grad = marker
+                self._markers[index] = (marker, marker._version)
+
+    def before_gradient(self, param: Tensor) -> None:
+        """A parameter's gradient hook, before the backward accumulates into ``.grad``: at the first of a backward,
+        settle every parameter (markers taken out of ``.grad``, to be put back at its end where nothing accumulated:
+        ``torch.autograd.grad``, a parameter this backward did not reach), before any bucket lands."""
+        if self._task != -1 or self.zero._index_of(param) is None:
+            return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)
+        self._task = torch._C._current_graph_task_id()
+        at_end_of_backward(self._unswap)
+        for index in range(len(self.params)):
+            self.settle(index, before_backward=True)
+
+    def _unswap(self) -> None:
+        for index in self._swapped:
+            param = self.params[index]
+            if param.grad is None and index in self._markers:
+                param.grad = self._markers[index][0]
+        self._swapped.clear()
+        self._task = -1
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
-        ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that ever had a
-        gradient then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
+        ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
+        then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
         self.everywhere = None
-        self.zeroed = not set_to_none
+        if set_to_none:
+            self.holds = [False] * len(self.params)
+        self._unreduced.clear()
+        self._unswap()  # a backward that raised left its markers out
         for bucket, owned in enumerate(self.owned):
             if set_to_none:
                 self.owned[bucket] = None
@@ -113,7 +209,10 @@ class OwnedGradients:
         index = self.zero._index_of(param)
         if index is not None:
             self.used[index] = True
+            self._swapped.discard(index)
         if self.no_sync:
+            if index is not None and param.grad is not None:
+                self._unreduced[index] = weakref.ref(param.grad)
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
@@ -143,6 +242,7 @@ class OwnedGradients:
         else:
             view_like(self._buffer(bucket), slot.position, param).copy_(grad)
         param.grad = None
+        self._unreduced.pop(slot.index, None)
         self._filled.add(slot.index)
         self._remaining[bucket] -= 1
 
@@ -214,7 +314,8 @@ class OwnedGradients:
         for bucket in range(self._next, len(self.buckets)):
             for slot in self.buckets[bucket].slots:
                 param = self.params[slot.index]
-                if slot.index not in self._filled and param.grad is not None:
+                grad = param.grad  # one this backward did not reach: no_sync()'s or set by hand, not a marker
+                if slot.index not in self._filled and grad is not None and not self._is_marker(slot.index, grad):
                     self._fill(bucket, slot, param)
             self._launch(bucket)
         while self._in_flight:
@@ -223,6 +324,8 @@ class OwnedGradients:
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
         self._next = 0
         self._agree_on_use()
+        self.holds = [held or now for held, now in zip(self.holds, self.everywhere or ())]
+        self.mark()
 
     def _agree_on_use(self) -> None:
         """One all-reduce on the control plane: which parameters some rank used (MAX), and that every rank trains
@@ -240,7 +343,6 @@ class OwnedGradients:
             _agreement.STEP_FIX,
             flags=self.used,
         )
-        self.ever = [ever or now for ever, now in zip(self.ever, self.everywhere)]
         for index in unplaced:
             param = params[index]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -255,8 +357,8 @@ class OwnedGradients:
         self.landed[: len(previous.landed)] = previous.landed
         self.used[: len(previous.used)] = previous.used
         self.everywhere = previous.everywhere
-        self.ever[: len(previous.ever)] = previous.ever
-        self.zeroed = previous.zeroed
+        self.holds[: len(previous.holds)] = previous.holds
+        self._markers, self._unreduced = previous._markers, previous._unreduced
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
@@ -265,9 +367,42 @@ class OwnedGradients:
                 if param.grad is not None:
                     view_like(buffer, slot.position, param).copy_(param.grad)
                     param.grad = None
+                    self.holds[slot.index] = True
             self._in_flight.append((bucket, buffer, _done(buffer)))
             self.landed[bucket] = False
             self._land_oldest()
+        self.mark()
+
+
+class _Marker(Tensor):
+    """What ``.grad`` holds while the store holds the parameter's gradient: the parameter's shape, one element of
+    storage (NaN). Its metadata can be read, ``module.to()`` can convert it and ``zero_grad(set_to_none=False)`` can
+    zero it (the store sees that); what reads a gradient's values (norms, sums, copies) or writes them in place
+    raises, saying where the gradient is."""
+
+    _CLEARS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_"})
+    _READS = frozenset({"norm", "vector_norm", "linalg_vector_norm", "_foreach_norm", "sum", "mean", "abs", "any"})
+    _READS |= {"all", "isfinite", "isnan", "item", "tolist", "numpy", "__bool__", "clone", "__mul__", "__add__"}
+
+    @staticmethod
+    def like(param: Tensor) -> _Marker:
+        base = torch.full((), float("nan"), dtype=param.dtype, device=param.device)
+        return base.expand(param.shape).as_subclass(_Marker)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        writes = name.endswith("_") and not name.endswith("__") and name not in cls._CLEARS
+        if writes or name in cls._READS:
+            raise RuntimeError(
+                f"ShardedDataParallel holds this parameter's gradient sharded in the ZeroRedundancyOptimizer: its "
+                f".grad is a marker without values, which {name}() cannot use. Clip with zero.clip_grad_norm_() "
+                "(not torch.nn.utils.clip_grad_norm_), drive a GradScaler with scaler.step(zero) (without "
+                "scaler.unscale_(zero)); to replace the gradient, set .grad to a full tensor of your own, or to "
+                "None (zero_grad) to clear it"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def _memory_is_its_own(tensor: Tensor) -> bool:
@@ -277,6 +412,10 @@ def _memory_is_its_own(tensor: Tensor) -> bool:
         return False
     storage = tensor.untyped_storage()  # this handle holds a reference of its own
     return bool(count(storage._cdata) == 2)
+
+
+def _dead() -> None:
+    return None
 
 
 def _done(value: Tensor) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from distoptim.sharded_data_parallel import hook_order
 from distoptim.sharded_data_parallel.buckets import BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
+from distoptim.zero import validation
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedDataParallel"]
@@ -27,7 +29,10 @@ class ShardedDataParallel(nn.Module):
     Use it instead of ``DistributedDataParallel``: as each parameter's gradient is accumulated it goes into a
     bucket and its ``.grad`` is released; full buckets are reduced to the ranks that own their elements (inside the
     backward, in one fixed order on every rank), and each rank keeps only its owned part, which ``zero`` clips,
-    scales and steps. After the backward every parameter's ``.grad`` is None; ``zero.clip_grad_norm_`` returns the
+    scales and steps. After the backward ``.grad`` holds a marker (no values) where ``zero`` holds the gradient, so
+    that one intake decides what the step uses: a ``.grad`` set to None through any object (this wrapper, the inner
+    module, ``p.grad = None``) clears the owned gradient, one zeroed in place zeroes it, one set by hand is used as
+    it is; ``zero.step(closure)`` steps what the closure's backward reduced. ``zero.clip_grad_norm_`` returns the
     whole gradient's norm. Parameters one rank did not use (a branch taken on some ranks) contribute zeros, and one
     no rank used gets no gradient at the step (as under DDP with ``find_unused_parameters``): no flag is needed.
     ``zero.step()`` then syncs the parameters bucket by bucket; with ``overlap_param_sync`` it returns with the sync
@@ -56,8 +61,8 @@ class ShardedDataParallel(nn.Module):
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
         ValueError: on every rank, when the trainable parameters of ``module`` and ``zero`` differ (the extra or
-            missing ones named), when the ranks' models or settings differ, for ``overlap_with_ddp=True``, a second
-            wrapper, a bad ``bucket_cap_mb`` or ``reduce_dtype``.
+            missing ones named), when an embedding makes sparse gradients, when the ranks' models or settings
+            differ, for ``overlap_with_ddp=True``, a second wrapper, a bad ``bucket_cap_mb`` or ``reduce_dtype``.
         RuntimeError: when ``zero`` already has optimizer state and its even partition must be re-cut.
 
     Example:
@@ -149,6 +154,7 @@ class ShardedDataParallel(nn.Module):
         for param in zero.global_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
+                self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
         if self.overlap_param_sync:
             self._register_forward_pre_hooks(zero._sync)
@@ -277,6 +283,18 @@ class ShardedDataParallel(nn.Module):
         return super().named_parameters(*args, **kwargs)
 
 
+class _BeforeGradient:
+    """A parameter's gradient hook: ``OwnedGradients.before_gradient`` (the parameter held weakly)."""
+
+    def __init__(self, wrapper: ShardedDataParallel, param: Tensor) -> None:
+        self.wrapper, self.param = wrapper, weakref.ref(param)
+
+    def __call__(self, _: Tensor) -> None:
+        param, gradients = self.param(), self.wrapper.gradients
+        if param is not None and gradients is not None:
+            gradients.before_gradient(param)
+
+
 class _Lander:
     """A forward pre-hook: land the parameter sync through bucket ``last`` (in forward order)."""
 
@@ -308,6 +326,7 @@ def _check(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any,
         )
     if zero._gradient_store is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
+    validation.refuse_sparse_gradients(module, "ShardedDataParallel")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):

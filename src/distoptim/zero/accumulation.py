@@ -10,8 +10,12 @@ How it is caught: at the end of each backward through the hook, the ``.grad`` of
 noted (the tensor and its version counter). A parameter's gradient hook marks it when a later backward computes its
 gradient while ``.grad`` is still that tensor, unchanged; its post-accumulate hook confirms that the backward wrote
 ``.grad`` (``torch.autograd.grad`` does not). ``zero.step()`` then refuses, through the step's agreement so that
-every rank raises, while such a ``.grad`` is still there: gradients added onto and then cleared (a GAN's generator
-backward through the discriminator, before the discriminator's ``zero_grad()``) are never read, and pass.
+every rank raises, while such a ``.grad`` still holds the sum: gradients added onto and then cleared (a GAN's
+generator backward through the discriminator, before the discriminator's ``zero_grad()``) are never read, and pass,
+whether the clear set ``.grad`` to None or zeroed it in place (``zero_grad(set_to_none=False)``: the same tensor,
+written since the backward that added onto it ended). Whether such a write left zeros is taken where the next
+backward reaches the parameter (before it accumulates) or else at the step, and read at the step: one host read, in
+a step that finds such a ``.grad`` only.
 
 Known gap: DDP with ``gradient_as_bucket_view=True`` re-creates each ``.grad`` as a view of its rebuilt buckets in the
 second forward, so accumulation within the very first step is not caught.
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distoptim import _host
 from distoptim._backward import at_end_of_backward
 
 __all__ = ["AccumulationGuard"]
@@ -40,7 +45,9 @@ class AccumulationGuard:
         self._watched: dict[int, weakref.ref[Tensor]] = {}  # id(param) -> the parameter (its hooks are registered)
         self._left: dict[int, _Noted] = {}  # what the last reducing backward left in .grad
         self._suspect: set[int] = set()  # a backward computes their gradient onto what it left
-        self._added_onto: dict[int, weakref.ref[Tensor]] = {}  # .grad holding such a sum
+        self._added_onto: dict[int, _Noted] = {}  # .grad holding such a sum, and its version once the backward ended
+        self._flagged: set[int] = set()  # added onto in the backward running now
+        self._was_zero: dict[int, Tensor] = {}  # such a .grad, written in place since: not any(), before accumulating
         self._noting_for = -1  # the backward (graph task) whose end is to be noted
 
     def saw_bucket(self, params: Sequence[Tensor]) -> None:
@@ -63,9 +70,15 @@ class AccumulationGuard:
             param = ref()
             if param is not None and param.grad is not None:
                 self._left[key] = (weakref.ref(param.grad), param.grad._version)
+                if key in self._flagged:  # its version after DDP's finalisation, which writes into .grad
+                    self._added_onto[key] = self._left[key]
+        self._flagged.clear()
 
     def before_gradient(self, param: Tensor) -> None:
         left, grad = self._left.get(id(param)), param.grad
+        added = self._added_onto.get(id(param))
+        if added is not None and grad is not None and added[0]() is grad and grad._version != added[1]:
+            self._was_zero[id(param)] = grad.any().logical_not()  # cleared in place? (read at the step)
         if left is not None and grad is not None and left[0]() is grad and grad._version == left[1]:
             self._suspect.add(id(param))
         else:
@@ -74,18 +87,35 @@ class AccumulationGuard:
     def after_accumulation(self, param: Tensor) -> None:
         if id(param) in self._suspect and param.grad is not None:
             self._suspect.discard(id(param))
-            self._added_onto[id(param)] = weakref.ref(param.grad)
+            self._added_onto[id(param)] = (weakref.ref(param.grad), param.grad._version)
+            self._flagged.add(id(param))
+            self._was_zero.pop(id(param), None)
 
     def cleared(self) -> None:
         """``zero.zero_grad()``: whatever was added onto is gone."""
         self._added_onto.clear()
+        self._was_zero.clear()
 
     def check(self) -> None:
         """Raise if a ``.grad`` still holds a sum onto what a reduction to owners left (call where it is read)."""
-        for key, grad_ref in list(self._added_onto.items()):
+        written: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for key, (grad_ref, version) in list(self._added_onto.items()):
             param = self._watched[key]()
             if param is None or param.grad is None or param.grad is not grad_ref():
                 del self._added_onto[key]  # cleared since
+            elif param.grad._version != version:  # written in place since: zeroed (then maybe a fresh backward)?
+                probe = self._was_zero.get(key)
+                written.setdefault(param.grad.device, []).append(
+                    (key, param.grad.any().logical_not() if probe is None else probe)
+                )
+        for same_device in written.values():
+            cleared = _host.read(
+                torch.stack([probe for _, probe in same_device]), "accumulation guard: cleared in place"
+            )
+            for (key, _), zeroed in zip(same_device, cleared):
+                if zeroed:
+                    del self._added_onto[key]
+                    self._was_zero.pop(key, None)
         if self._added_onto:
             raise RuntimeError(
                 "a backward added onto the gradients of a backward that reduce_to_owners_hook had reduced to their "

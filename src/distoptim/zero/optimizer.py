@@ -295,7 +295,10 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
         self._repartition_if_changed()
         loss: float | None = None
-        if closure is not None and self.local_shard.detached:  # pieces and master copies take .grad when attached
+        shard = self.local_shard
+        # torch.optim's order, the closure's backward first, wherever the step does not read the parameters' own .grad
+        # (pieces and master copies take .grad when attached; ShardedDataParallel's owned gradient is attached likewise)
+        if closure is not None and (shard.detached or shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
         validation.check_unowned_have_no_grad(self._unowned)

@@ -120,6 +120,7 @@ class LocalShard:
         self.source: Callable[[LocalTensor], Tensor | None] | None = None
         """Where the owned gradient lives when not in ``.grad`` (``ShardedDataParallel``'s store): each local
         tensor's piece, or None for a parameter no rank used."""
+        self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
         # Fixed by the plan, so made once rather than per step: what step_grads reads and write_back copies.
         self._stepped = [t.tensor for group in self.groups for t in group]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
@@ -141,6 +142,7 @@ class LocalShard:
         """Give every fragment view and master copy its piece of its parameter's gradient (before the step); with a
         ``source``, every local tensor its piece from there."""
         if self.source is not None:
+            self._given_back = [(t.param, t.param.grad) for group in self.groups for t in group if t.tensor is t.param]
             for local in (t for group in self.groups for t in group):
                 piece = self.source(local)
                 local.tensor.grad = (
@@ -155,6 +157,9 @@ class LocalShard:
         """Drop the pieces again, so that no stale gradient outlives ``zero_grad``."""
         for local in self.detached if self.source is None else (t for group in self.groups for t in group):
             local.tensor.grad = None
+        for param, grad in self._given_back:  # what .grad held before the step (a source's marker, or the user's)
+            param.grad = grad
+        self._given_back = []
 
     def write_back(self) -> None:
         """Round every master copy into its parameter (after a step)."""

@@ -39,6 +39,7 @@ __all__ = [
     "check_unowned_have_no_grad",
     "fingerprint",
     "normalize_param_groups",
+    "refuse_sparse_gradients",
     "step_fingerprint",
     "try_optimizer_class",
 ]
@@ -110,6 +111,24 @@ def check_parameter(param: Any, group_index: int) -> None:
         raise ValueError(
             f"param group {group_index} holds a sparse parameter (layout {param.layout}); ZeroRedundancyOptimizer "
             "shards dense parameters only: keep sparse parameters in a separate, unsharded optimizer"
+        )
+
+
+def refuse_sparse_gradients(module: torch.nn.Module, who: str) -> None:
+    """Refuse a module whose embeddings make sparse gradients (``sparse=True``): reduced to owners, a sparse gradient
+    cannot be copied into a dense bucket. Every rank sees the same module property, so every rank raises alike."""
+    sparse = [
+        f"'{name}'"
+        for name, child in module.named_modules()
+        if isinstance(child, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        and child.sparse
+        and child.weight.requires_grad
+    ]
+    if sparse:
+        raise ValueError(
+            f"{who} reduces dense gradients only, but {', '.join(sparse[:3])} (nn.Embedding or nn.EmbeddingBag with "
+            "sparse=True) makes sparse gradients. Build it with sparse=False (its gradient is then dense), or keep "
+            "DDP's default all-reduce"
         )
 
 
