@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, checkpoint
 from distoptim.sharded_data_parallel.sync import BucketedSync
 from tests._dist import run_on_ranks
-from tests.sharded.test_hard_cases import _step_both
-from tests.sharded.test_parity import KWARGS, Model, assert_matches, batch, groups
+from tests.sharded_data_parallel.test_hard_cases import _step_both
+from tests.sharded_data_parallel.test_parity import KWARGS, Model, assert_matches, batch, groups
 
 
 def _build(

@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
-from tests.sharded.test_hard_cases import _compare, _step_both, _x
+from tests.sharded_data_parallel.test_hard_cases import _compare, _step_both, _x
 
 KW = {"lr": 0.05, "weight_decay": 0.1}
 LAYOUTS = [("greedy", False), ("even", True)]  # (partition, parameters_as_bucket_view): staged and in-place buckets
