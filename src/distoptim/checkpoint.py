@@ -7,10 +7,9 @@ disk) leaves the previous checkpoint at ``path`` untouched. ``load(state, path)`
 file it will read is there and unchanged since the save (its size and CRC-32 as the manifest that the save wrote
 last records), and raises one ``ValueError`` everywhere otherwise, naming the file (never a hang, never a partial
 load). A checkpoint without a manifest (``dcp.save``'s, an older distoptim's) loads with a warning that it cannot be
-checked. A save that dies between moving the
-old checkpoint aside and the new one into place leaves the old one complete beside ``path``: ``load`` then loads it
-(with a warning), and the next save puts it back first. ``path`` must be on a file system that every rank sees (as
-DCP needs for a load at another world size).
+checked. A save that dies between moving the old checkpoint aside and the new one into place leaves the old one
+complete beside ``path``: ``load`` then loads it (with a warning), and the next save puts it back first. ``path``
+must be on a file system that every rank sees (as DCP needs for a load at another world size).
 
 ``save(..., async_save=True)`` copies the state to the CPU (DCP's staging) and returns a future at once; a thread
 writes the copy and renames it into place, and the future completes when the checkpoint is at ``path`` (or fails,
