@@ -133,7 +133,7 @@ def check_zero_torchrun(output: str, checkpoint: Path, world_size: int, steps: i
     assert_checksum(common_checksum(rank_lines(output, world_size)), model, "zero_torchrun")
 
     files = sorted(path.name for path in checkpoint.iterdir())
-    assert files == [".metadata", *(f"__{rank}_0.distcp" for rank in range(world_size))], files
+    assert files == [".checksums", ".metadata", *(f"__{rank}_0.distcp" for rank in range(world_size))], files
     saved = {"model": example.make_model().state_dict()}
     with warnings.catch_warnings():  # "torch.distributed is disabled ...: loading in a single process", as meant
         warnings.simplefilter("ignore", UserWarning)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from distoptim import ZeroRedundancyOptimizer, checkpoint
+from distoptim.checkpoint.convert import dcp_to_torch_optim
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 from tests.zero.test_api import _without_numpy
@@ -182,8 +184,10 @@ def _write_flat_checkpoint_of_0_2(path: Path) -> None:
         dcp.save({"optim": optim, "model": model}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
 
 
-def _damage(root: Path) -> None:
-    """Copies of the checkpoint ``good`` with a data file missing, one truncated, the metadata truncated."""
+def _damage(root: Path, weight: torch.Tensor) -> None:
+    """Copies of the checkpoint ``good`` with a data file missing, one truncated, the metadata truncated, bytes of
+    ``weight`` (a saved tensor) changed in place in the data file holding it, bytes of the metadata changed, the
+    manifest unreadable, and the manifest gone."""
     for name, file, size in (("missing", "__1_0.distcp", None), ("truncated", "__0_0.distcp", 100)):
         shutil.copytree(root / "good", root / name)
         if size is None:
@@ -192,6 +196,27 @@ def _damage(root: Path) -> None:
             os.truncate(root / name / file, size)
     shutil.copytree(root / "good", root / "unreadable")
     os.truncate(root / "unreadable" / ".metadata", 50)
+    shutil.copytree(root / "good", root / "flipped")
+    pattern = bytes(weight.detach().contiguous().view(torch.uint8).flatten().tolist())
+    assert sum(_flip(file, pattern) for file in (root / "flipped").glob("*.distcp")) == 1
+    shutil.copytree(root / "good", root / "flipped metadata")
+    _flip(root / "flipped metadata" / ".metadata")
+    shutil.copytree(root / "good", root / "bad manifest")
+    (root / "bad manifest" / ".checksums").write_text("{not json")
+    shutil.copytree(root / "good", root / "unchecked")  # as dcp.save or an older distoptim wrote it: no checksums
+    (root / "unchecked" / ".checksums").unlink(missing_ok=True)
+
+
+def _flip(path: Path, pattern: bytes | None = None) -> bool:
+    """Invert 16 bytes of the file at ``path`` in place (its size unchanged): at the start of ``pattern`` if the
+    file holds it (False if not), else in the middle."""
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2 if pattern is None else data.find(pattern)
+    if start < 0:
+        return False
+    data[start : start + 16] = bytes(255 - b for b in data[start : start + 16])
+    path.write_bytes(bytes(data))
+    return True
 
 
 def _snapshot(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -211,8 +236,11 @@ def _refusal_body(rank: int, world_size: int, root: str) -> None:
         "other model": ("lacks 2 of the entries", Path(root) / "other"),
         "other shapes": (r"holds model\.w with shape \(4, 6\), but the state to load has shape \(6, 4\)", shapes),
         "missing data file": (r"is damaged: its data file __1_0\.distcp is missing", Path(root) / "missing"),
+        "flipped data bytes": (r"bytes of its file __\d_0\.distcp changed since the save", Path(root) / "flipped"),
+        "flipped metadata": (r"bytes of its file \.metadata changed since the save", Path(root) / "flipped metadata"),
         "truncated data file": (r"__0_0\.distcp holds 100 bytes where its metadata says at least", truncated),
-        "unreadable metadata": (r"\.metadata cannot be read \(UnpicklingError", Path(root) / "unreadable"),
+        "truncated metadata": (r"its file \.metadata holds 50 bytes where \d+ were saved", Path(root) / "unreadable"),
+        "damaged manifest": (r"its manifest \.checksums cannot be read", Path(root) / "bad manifest"),
         "flat state of distoptim 0.2": (r"saved by distoptim 0\.2.*--to-torch", Path(root) / "flat"),
     }
     if rank == 0:
@@ -226,7 +254,7 @@ def _refusal_body(rank: int, world_size: int, root: str) -> None:
     checkpoint.save({"optim": zero.sharded_state_dict(), "model": other_shapes}, shapes)
     checkpoint.save(_state(zero, params), Path(root) / "good")
     if rank == 0:
-        _damage(Path(root))
+        _damage(Path(root), params[0])
     dist.barrier()
     params = flatten(make_params(SPEC, seed=7))  # another run, stepped on other gradients: a load would change it
     zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.01)
@@ -236,6 +264,8 @@ def _refusal_body(rank: int, world_size: int, root: str) -> None:
         with pytest.raises(ValueError, match=message):  # on every rank
             checkpoint.load(_state(zero, params), path)
         assert_same_tensors(_snapshot(zero, params), before, f"{name}: nothing loaded")
+    with pytest.warns(UserWarning, match=r"has no \.checksums .*cannot be checked for damage"):
+        checkpoint.load(_state(zero, params), Path(root) / "unchecked")  # loads, unverified, with a warning
     state = _state(zero, params)
     checkpoint.load(state, Path(root) / "good")  # the intact one loads
     zero.load_sharded_state_dict(state["optim"])
@@ -246,3 +276,13 @@ def test_incomplete_foreign_or_damaged_checkpoints_are_refused_on_every_rank_bef
     tmp_path: Path,
 ) -> None:
     run_on_ranks(_refusal_body, 2, str(tmp_path))
+    # the converter refuses the damaged ones too: exit code 1 and the message
+    from tests.zero.test_sharded_checkpoint import _cli
+
+    flipped = _cli(str(tmp_path / "flipped"), "--to-torch", str(tmp_path / "optim.pt"))
+    assert flipped.returncode == 1 and re.search(r"bytes of its file __\d_0\.distcp changed since", flipped.stderr)
+    assert not (tmp_path / "optim.pt").exists()
+    for name, says in (("flipped metadata", ".metadata changed since the save"), ("unreadable", "holds 50 bytes")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            dcp_to_torch_optim(tmp_path / name)
+    assert dcp_to_torch_optim(tmp_path / "good")["state"]  # the intact one converts

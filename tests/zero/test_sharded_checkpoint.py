@@ -218,8 +218,8 @@ def test_conversion_to_and_from_torch_optim_format(tmp_path: Path, capsys: pytes
         else:
             os.truncate(damaged / file, size)
         assert convert.main([str(damaged), "--to-torch", str(converted)]) == 1, name  # what the CLI runs
-        stderr = capsys.readouterr().err
-        assert len(stderr.splitlines()) == 1 and re.search(says, stderr), (name, stderr)
+        errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]
+        assert len(errors) == 1 and re.search(says, errors[0]), (name, errors)  # dcp.save's: no checksums
 
 
 def test_conversion_reads_the_flat_format_of_distoptim_0_2(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distoptim._flat import flat_view
+from distoptim.checkpoint import checksums
 from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
 from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS
 
@@ -33,8 +34,18 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
     """The ``torch.optim`` state dict of the optimizer saved under ``key`` in a sharded checkpoint."""
     if not (Path(directory) / ".metadata").is_file():
         raise ValueError(f"{directory} is not a torch.distributed.checkpoint directory (it has no .metadata)")
+    manifest = checksums.read_manifest(Path(directory))
+    if manifest is None:
+        print(
+            f"warning: {directory} has no {checksums.MANIFEST}: its files cannot be checked for damage", file=sys.stderr
+        )
+    else:
+        checksums.verify(Path(directory), [".metadata"], manifest)
     metadata = read_metadata(Path(directory))
-    check_files(Path(directory), (metadata.storage_data or {}).values())
+    storage = (metadata.storage_data or {}).values()
+    check_files(Path(directory), storage)
+    if manifest is not None:
+        checksums.verify(Path(directory), [info.relative_path for info in storage], manifest)
     with _scratch() as scratch:
         try:
             dcp_to_torch_save(str(directory), scratch)
@@ -71,6 +82,8 @@ def torch_optim_to_dcp(state_dict: dict[str, Any], directory: str | Path, key: s
             payload[f"state.{index}.{name}"] = value
     payload[LAYOUTS] = pickle.dumps(layouts)
     dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    written = (dcp.FileSystemReader(str(directory)).read_metadata().storage_data or {}).values()
+    checksums.write_manifest(Path(directory), checksums.checksums(Path(directory), [w.relative_path for w in written]))
 
 
 def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...] | None] | None) -> Any:

@@ -6,9 +6,10 @@ rank as a ``CheckpointException``, a ``BaseException`` that ``except Exception``
 per-rank table. Here the same planner and storage steps run (``DefaultSavePlanner`` / ``DefaultLoadPlanner`` over
 a ``FileSystemWriter`` / ``FileSystemReader``: the files are DCP's), with plans moved as pickled bytes
 (``comm.send_object``) and each step's success agreed across ranks (``agreement.run_agreed``): a failure raises an
-ordinary exception on every rank, the failing rank its own and the others a ``ValueError`` naming it. A load
-checks, before reading anything, that every file its plan reads is there and long enough, so that a missing or
-truncated file changes nothing in the state being loaded.
+ordinary exception on every rank, the failing rank its own and the others a ``ValueError`` naming it. A save ends
+with a manifest of every file's size and checksum (``_checksums``); a load checks, before reading anything, that
+every file its plan reads is there, long enough and, with a manifest, unchanged, so that a missing, truncated or
+damaged file changes nothing in the state being loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from distoptim.checkpoint import checksums
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 
@@ -48,23 +50,28 @@ def save(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None
 
     plan, metadata = _planned(local_plan, global_plan, group, what)
 
-    def write() -> Any:
+    def write() -> tuple[Any, dict[str, checksums.Entry]]:
         written = writer.write_data(planner.finish_plan(plan), planner)
         written.wait()
-        return written.value()
+        results = written.value()
+        return results, checksums.checksums(directory, [result.storage_data.relative_path for result in results])
 
-    results = _gathered(_agreed(write, group, what), group)
+    everyone = _gathered(_agreed(write, group, what), group)
 
     def finish() -> None:
-        if results is not None and metadata is not None:  # on the coordinator
-            writer.finish(metadata=metadata, results=results)
+        if everyone is not None and metadata is not None:  # on the coordinator: the manifest last, once complete
+            writer.finish(metadata=metadata, results=[results for results, _ in everyone])
+            checksums.write_manifest(directory, {name: entry for _, mine in everyone for name, entry in mine.items()})
 
     _agreed(finish, group, what)
 
 
-def load(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None:
+def load(
+    state_dict: dict[str, Any], directory: Path, group: comm.Group, manifest: dict[str, checksums.Entry] | None
+) -> None:
     """Fill ``state_dict`` in place from the checkpoint in ``directory`` as ``dcp.load`` does (collective); any
-    failure is a ``ValueError`` on every rank, and a missing or truncated file one before anything is loaded."""
+    failure is a ``ValueError`` on every rank, and a missing, truncated or (with its ``manifest``, from
+    ``checksums.read_manifest``) changed file one before anything is loaded."""
     reader, planner = dcp.FileSystemReader(str(directory)), DefaultLoadPlanner()
     rank, what = comm.group_rank(group), f"loading the checkpoint at {directory}"
     metadata: Metadata | None = None
@@ -84,7 +91,10 @@ def load(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None
     def checked_plan() -> Any:
         final = planner.finish_plan(plan)
         assert metadata is not None and metadata.storage_data is not None
-        check_files(directory, [metadata.storage_data[item.storage_index] for item in final.items])
+        storage = [metadata.storage_data[item.storage_index] for item in final.items]
+        check_files(directory, storage)
+        if manifest is not None:
+            checksums.verify(directory, [info.relative_path for info in storage], manifest)
         return final
 
     final = _agreed(_as_value_error(checked_plan, what), group, what)  # nothing is written into the state before

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distoptim.checkpoint import checksums
 from distoptim.checkpoint import dcp as _dcp
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import agreement
@@ -156,8 +157,9 @@ def _staged(state: dict[str, Any]) -> dict[str, Any]:
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: comm.Group | None = None) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), as ``dcp.load`` does; then call
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
-    checkpoint, lacks something ``state_dict`` asks for or holds it in another shape, or misses or has truncated
-    a data file raises a ``ValueError`` on every rank before anything is loaded.
+    checkpoint, lacks something ``state_dict`` asks for or holds it in another shape, or misses a file or
+    holds one that changed since the save (truncated, bytes altered) raises a ``ValueError`` on every rank before
+    anything is loaded.
 
     Args:
         state_dict: what to load, laid out as it was saved (``{"model": model.state_dict(), "optim":
@@ -167,7 +169,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
     Raises:
         ValueError: on every rank, for a directory that is not a complete checkpoint or was saved from another
-            model or optimizer, or whose data files are missing or truncated.
+            model or optimizer, or whose files are missing, truncated or changed (naming the file).
 
     Example:
         ```python
@@ -181,8 +183,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     group, final = comm.default_group(process_group), Path(path)
     state = _stateful_to_state_dict(state_dict)
     check = lambda: _checked_source(state, final)
-    source = agreement.run_agreed(check, group, f"loading the checkpoint at {final}", errors=(BaseException,))
-    _dcp.load(state, source, group)
+    what = f"loading the checkpoint at {final}"
+    source, manifest = agreement.run_agreed(check, group, what, errors=(BaseException,))
+    _dcp.load(state, source, group, manifest)
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
             value.load_state_dict(state[key])
@@ -196,15 +199,25 @@ def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
 
 
-def _checked_source(state_dict: dict[str, Any], final: Path) -> Path:
+def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict[str, checksums.Entry] | None]:
     """Where the checkpoint for ``final`` is (``final``, or the previous one a save died replacing), once it is known
-    to be complete and to hold every entry ``state_dict`` asks for, in its shape (entries it cannot have pruned)."""
+    to be complete, its metadata unchanged since the save, and to hold every entry ``state_dict`` asks for, in its
+    shape (entries it cannot have pruned); and its manifest (None, with a warning, for one saved without)."""
     source = final
     if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
         source = _sibling(final, "previous")
         warnings.warn(f"{final} is missing (a save was interrupted while replacing it): loading {source}", stacklevel=5)
     if not _complete(source):
         raise ValueError(_incomplete_message(final))
+    manifest = checksums.read_manifest(source)
+    if manifest is None:
+        warnings.warn(
+            f"the checkpoint at {source} has no {checksums.MANIFEST} (it was written by dcp.save or an older "
+            "distoptim): its files cannot be checked for damage; save it again with distoptim.checkpoint.save",
+            stacklevel=5,
+        )
+    else:
+        checksums.verify(source, [METADATA], manifest)
     metadata = _dcp.read_metadata(source)
     saved = set(metadata.state_dict_metadata)
     _prune_unsaved_optimizer_state(state_dict, "", saved)
@@ -216,7 +229,7 @@ def _checked_source(state_dict: dict[str, Any], final: Path) -> Path:
             "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
         )
     _check_shapes(leaves, metadata, final)
-    return source
+    return source, manifest
 
 
 def _check_shapes(leaves: dict[str, Any], metadata: Metadata, final: Path) -> None:
@@ -250,8 +263,8 @@ def _fresh(directory: Path) -> None:
 
 def _replace(partial: Path, final: Path, previous: Path) -> None:
     """Move ``partial`` to ``final``; an older checkpoint there is parked at ``previous`` until the move is done."""
-    if not _complete(partial):
-        raise RuntimeError(f"the save finished without writing {partial / METADATA}")
+    if not _complete(partial) or not (partial / checksums.MANIFEST).is_file():
+        raise RuntimeError(f"the save finished without writing {partial / METADATA} and {checksums.MANIFEST}")
     if not final.exists() and _complete(previous):  # an earlier save died between the renames: restore it first
         previous.rename(final)
     shutil.rmtree(previous, ignore_errors=True)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
+from distoptim.comm.released import release
 
 __all__ = ["SAME_EVERYWHERE", "STEP_FIX", "Fingerprint", "agree_across_ranks", "run_agreed", "run_step_agreed"]
 
@@ -61,6 +62,7 @@ def agree_across_ranks(
     )
     for control in controls:  # the maxima over each group in turn: the maxima over their union
         dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=control)
+    release(summary)  # gloo's thread lets go of it now, not while the interpreter exits (an abort)
     maxima = summary.tolist()  # a CPU tensor: no device to wait for
     any_failed, all_failed = maxima[0] == 1, -maxima[1] == 1
     flagged, digests = tuple(value == 1 for value in maxima[2 : 2 + len(flags)]), maxima[2 + len(flags) :]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distoptim.comm.groups import comm_device, group_size
+from distoptim.comm.released import release
 
 __all__ = ["all_gather_objects", "receive_object", "send_object"]
 
@@ -26,12 +27,15 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device 
     device = comm_device(group) if device is None else device
     mine = _to_bytes(obj, device)
     lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]
-    dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    dist.all_gather(lengths, length, group=group)
     sizes = [int(length.item()) for length in lengths]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded, group=group)
+    if device.type == "cpu":  # gloo's thread lets go of them now, not while the interpreter exits (an abort)
+        release(length, padded, *lengths, *gathered)
     return [_from_bytes(payload[:size]) for payload, size in zip(gathered, sizes)]
 
 

@@ -1,0 +1,94 @@
+"""A sharded checkpoint's manifest: every file's size and checksum, written last, checked before a load.
+
+DCP's files carry no checksum: a data file whose bytes changed in place (a bad disk, a partial copy over an old
+checkpoint) loads without an error, with changed values. A save therefore records, in ``MANIFEST`` (JSON, written
+by the coordinator after DCP's ``.metadata``), the size and CRC-32 of each file it wrote (each rank checksums its own
+files, right after writing them); a load checks the metadata and every file it will read against it before
+anything is read into the state. CRC-32 (``zlib.crc32``) finds any burst of changed bytes up to 32 bits long and
+any other change but with probability 2**-32, which is what guards against damage (not against tampering), at the
+speed of reading the file back from the page cache. A checkpoint without a manifest (written by ``dcp.save``, or by an
+older distoptim) cannot be checked: ``read_manifest`` returns None for it, and the caller warns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+__all__ = ["MANIFEST", "checksum", "checksums", "read_manifest", "verify", "write_manifest"]
+
+MANIFEST = ".checksums"
+_FORMAT = "distoptim checksums 1"
+_ALGORITHM = "crc32"
+_CHUNK = 4 << 20
+
+Entry = tuple[int, str]  # (size in bytes, checksum as 8 hex digits)
+
+
+def checksum(path: Path) -> Entry:
+    """The size and CRC-32 of the file at ``path``, read in 4 MiB chunks."""
+    crc, size, buffer = 0, 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            crc, size = zlib.crc32(view[:count], crc), size + count
+    return size, f"{crc:08x}"
+
+
+def checksums(directory: Path, names: Iterable[str]) -> dict[str, Entry]:
+    """The entry of each file ``names`` in ``directory``."""
+    return {name: checksum(directory / name) for name in sorted(set(names))}
+
+
+def write_manifest(directory: Path, entries: Mapping[str, Entry]) -> None:
+    """Write ``MANIFEST`` (``entries``, and ``.metadata``'s own, which it adds) into ``directory``, durably."""
+    files = {**entries, **checksums(directory, [".metadata"])}
+    text = json.dumps({"format": _FORMAT, "algorithm": _ALGORITHM, "files": dict(sorted(files.items()))}, indent=1)
+    path = directory / MANIFEST
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_manifest(directory: Path) -> dict[str, Entry] | None:
+    """The entries of ``directory``'s manifest; None when it has none; a ``ValueError`` when it cannot be read."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if saved["format"] != _FORMAT or saved["algorithm"] != _ALGORITHM:
+            raise ValueError(f"unknown format {saved['format']!r} / {saved['algorithm']!r}")
+        return {str(name): (int(size), str(crc)) for name, (size, crc) in saved["files"].items()}
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"the checkpoint at {directory} is damaged: its manifest {MANIFEST} cannot be read ({error}); load "
+            "another checkpoint"
+        ) from error
+
+
+def verify(directory: Path, names: Iterable[str], manifest: Mapping[str, Entry]) -> None:
+    """Each file ``names`` in ``directory`` has the size and checksum ``manifest`` recorded; a ``ValueError`` naming
+    the first that does not."""
+    for name in sorted(set(names)):
+        path = directory / name
+        if name not in manifest:
+            raise ValueError(f"the checkpoint at {directory} is damaged: its manifest does not list {name}")
+        if not path.is_file():
+            raise ValueError(f"the checkpoint at {directory} is damaged: its file {name} is missing")
+        size, crc = manifest[name]
+        actual_size, actual_crc = checksum(path)
+        if actual_size != size:
+            raise ValueError(
+                f"the checkpoint at {directory} is damaged: its file {name} holds {actual_size} bytes where "
+                f"{size} were saved (the file was truncated or overwritten); load another checkpoint"
+            )
+        if actual_crc != crc:
+            raise ValueError(
+                f"the checkpoint at {directory} is damaged: the bytes of its file {name} changed since the save "
+                f"(CRC-32 {actual_crc}, saved {crc}); load another checkpoint"
+            )
