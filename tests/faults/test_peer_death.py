@@ -107,7 +107,7 @@ def assert_survivors_raised(outcomes: list[Outcome], victim: int, pattern: str, 
 # where the survivors are when the victim dies: what their traceback must show
 SURVIVORS_IN = {
     "backward": "in backward\n",  # DDP's all-reduce of the victim's buckets
-    "sharded": "distoptim/sharded/gradients.py",  # sending to the victim, or waiting for what it sends
+    "sharded": "distoptim/sharded_data_parallel/gradients.py",  # sending to the victim, or waiting for what it sends
     "step": "in agreed_step\n",  # waiting for the victim's word that its local step succeeded, before the sync
     "sync": "in sync_parameters\n",
     "consolidate": "in consolidate_state_dict\n",  # rank 0 receiving the shards; rank 2 sending its own
