@@ -52,9 +52,9 @@ def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
             + [raised[0].get("traceback", "")]}
 
 
-def _session(rank: int, world_size: int, programs: list[str], workdir: str) -> None:
+def _session(rank: int, world_size: int, programs: list[str], workdir: str, pg_timeout: float) -> None:
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT), rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout), rank=rank, world_size=world_size)
     for index, text in enumerate(programs):
         with open(os.path.join(workdir, f"progress-{rank}"), "w") as handle:
             handle.write(str(index))
@@ -69,7 +69,7 @@ def _session(rank: int, world_size: int, programs: list[str], workdir: str) -> N
     dist.destroy_process_group()
 
 
-def run_programs(programs: list[Program], world_size: int = 2) -> list[dict[str, Any]]:
+def run_programs(programs: list[Program], world_size: int = 2, pg_timeout: float = PG_TIMEOUT) -> list[dict[str, Any]]:
     """Every program's verdict (``category``: pass, refused, mismatch, divergent, crash, hang, oracle_error)."""
     verdicts: list[dict[str, Any]] = []
     pending = list(programs)
@@ -78,8 +78,8 @@ def run_programs(programs: list[Program], world_size: int = 2) -> list[dict[str,
         failure = ""
         try:
             run_on_ranks(
-                _session, world_size, [p.to_json() for p in pending], workdir,
-                timeout=30 + SECONDS_PER_PROGRAM * len(pending), backend=None,
+                _session, world_size, [p.to_json() for p in pending], workdir, pg_timeout,
+                timeout=30 + pg_timeout + SECONDS_PER_PROGRAM * len(pending), backend=None,
             )
         except RankFailure as error:
             failure = str(error)
