@@ -30,9 +30,28 @@ def run_batched(programs: list[Program], world_size: int) -> list[dict]:
     return verdicts
 
 
+def blame(failed: list[tuple[Program, dict]], world_size: int) -> dict[int, list[str]]:
+    """For each failing program, the action kinds (and model features) whose removal alone makes it pass: a cheap
+    first triage, all variants of all failures run in one batch."""
+    variants: list[tuple[int, str, Program]] = []
+    for program, _ in failed:
+        for name in sorted({a.name for a in program.actions}):
+            kept = [a for a in program.actions if a.name != name]
+            variants.append((program.seed, name, program.replace(actions=kept)))
+        for feature in program.features:
+            smaller = program.replace(features=[f for f in program.features if f != feature])
+            variants.append((program.seed, f"model:{feature}", smaller))
+    verdicts = run_batched([v[2] for v in variants], world_size)
+    culprits: dict[int, list[str]] = {}
+    for (seed, name, _), verdict in zip(variants, verdicts):
+        if verdict["category"] in ("pass", "refused"):
+            culprits.setdefault(seed, []).append(name)
+    return culprits
+
+
 def report(program: Program, verdict: dict, world_size: int, do_shrink: bool) -> None:
     print(f"\n=== seed {program.seed}: {verdict['category']} ({program.mode})")
-    for line in verdict["detail"][:4]:
+    for line in verdict["detail"][: 40 if do_shrink else 4]:
         print("   ", str(line)[-1500:])
     if do_shrink:
         program = shrink(program, verdict["category"], lambda ps: run_batched(ps, world_size))
@@ -48,6 +67,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--shrink", action="store_true", help="shrink each failure to a minimal program")
     parser.add_argument("--program", help="a program's JSON, as a failure prints it")
+    parser.add_argument("--blame", action="store_true", help="name the action kinds each failure needs")
     parser.add_argument("--only", help="comma-separated seeds to run (instead of --start/--seeds)")
     parser.add_argument("--actions", help=f"comma-separated subset of {','.join(ACTIONS)}")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
@@ -62,9 +82,14 @@ def main() -> None:
     began = time.monotonic()
     verdicts = run_batched(programs, args.world_size)
     counts = collections.Counter((v["category"], p.mode) for p, v in zip(programs, verdicts))
-    for program, verdict in zip(programs, verdicts):
-        if verdict["category"] in FAILURES:
-            report(program, verdict, args.world_size, args.shrink)
+    failed = [(p, v) for p, v in zip(programs, verdicts) if v["category"] in FAILURES]
+    for program, verdict in failed:
+        report(program, verdict, args.world_size, args.shrink)
+    if args.blame and failed:
+        print("\nblame (removing these alone makes the program pass):")
+        culprits = blame(failed, args.world_size)
+        for program, verdict in failed:
+            print(f"  seed {program.seed:5d} {program.mode:12s} {verdict['category']:9s} {culprits.get(program.seed, ['(no single kind)'])}")
     print(f"\n{len(programs)} programs at {args.world_size} ranks in {time.monotonic() - began:.0f} s")
     for (category, mode), count in sorted(counts.items()):
         print(f"  {category:12s} {mode:12s} {count}")

@@ -77,6 +77,17 @@ class Run:
     def compare(self, where: str, align: bool = True) -> None:
         self.subject.sync_finished()
         ours = dict(self.subject.model.named_parameters())
+        # every rank must hold the same parameters: on the oracle's side, or the program is one DDP cannot run; on
+        # the subject's, or a sync went wrong
+        theirs = dict(self.oracle.model.named_parameters())
+        sums = torch.stack([p.detach().double().sum() for p in [*ours.values(), *theirs.values()]])
+        gathered = [torch.empty_like(sums) for _ in range(self.world_size)]
+        dist.all_gather(gathered, sums)
+        names = [*(f"subject {n}" for n in ours), *(f"oracle {n}" for n in theirs)]
+        differ = [name for name, *values in zip(names, *gathered) if len({float(v) for v in values}) > 1]
+        if any(name.startswith("oracle") for name in differ):
+            raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
+        self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
         for name, want in self.oracle.model.named_parameters():
             got = ours[name]
             rtol, atol = self.tol[want.dtype]
@@ -267,11 +278,18 @@ class Run:
         for module in self._layers(layer):
             dtype = next(module.parameters()).dtype
             module.to(torch.float64).to(dtype)
+        self._rewrap()
 
     def data_clone(self, layer: str) -> None:
         for module in self._layers(layer):
             for p in module.parameters():
                 p.data = p.data.clone()
+        self._rewrap()
+
+    def _rewrap(self) -> None:
+        """DDP does not follow parameters given new storage (its ranks then disagree): wrap again, as a user must."""
+        self.subject.rewrap_after_structure_change()
+        self.oracle.rewrap()
 
     def clamp(self, layer: str) -> None:
         for module in self._layers(layer):

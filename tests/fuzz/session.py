@@ -32,7 +32,7 @@ def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     statuses = {o["status"] for o in outcomes}
     if statuses == {"ok"}:
         mismatches = [f"rank {r}: {m}" for r, o in enumerate(outcomes) for m in o["mismatches"]]
-        return {"category": "mismatch" if mismatches else "pass", "detail": mismatches[:8]}
+        return {"category": "mismatch" if mismatches else "pass", "detail": mismatches[:40]}
     raised = [o for o in outcomes if o["status"] == "raised"]
     if len(raised) < len(outcomes):
         first = raised[0]
