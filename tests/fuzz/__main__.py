@@ -11,6 +11,7 @@ import argparse
 import collections
 import time
 
+from tests.fuzz import known
 from tests.fuzz.program import ACTIONS, MODES, Program, generate
 from tests.fuzz.session import run_programs
 from tests.fuzz.shrink import shrink
@@ -31,10 +32,12 @@ def run_batched(programs: list[Program], world_size: int) -> list[dict]:
 
 
 def blame(failed: list[tuple[Program, dict]], world_size: int) -> dict[int, list[str]]:
-    """For each failing program, the action kinds (and model features) whose removal alone makes it pass: a cheap
-    first triage, all variants of all failures run in one batch."""
+    """For each failing program, the known bugs (``known.py``), action kinds and model features whose removal alone
+    makes it pass: a cheap first triage, all variants of all failures run in one batch."""
     variants: list[tuple[int, str, Program]] = []
     for program, _ in failed:
+        for bug in known.triggered(program):
+            variants.append((program.seed, bug, known.without(program, bug)))
         for name in sorted({a.name for a in program.actions}):
             kept = [a for a in program.actions if a.name != name]
             variants.append((program.seed, name, program.replace(actions=kept)))
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--shrink", action="store_true", help="shrink each failure to a minimal program")
     parser.add_argument("--program", help="a program's JSON, as a failure prints it")
     parser.add_argument("--blame", action="store_true", help="name the action kinds each failure needs")
+    parser.add_argument("--avoid-known", action="store_true", help="drop the actions that trigger known bugs")
     parser.add_argument("--only", help="comma-separated seeds to run (instead of --start/--seeds)")
     parser.add_argument("--actions", help=f"comma-separated subset of {','.join(ACTIONS)}")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
@@ -79,6 +83,8 @@ def main() -> None:
         modes = tuple(args.modes.split(",")) if args.modes else MODES
         seeds = [int(s) for s in args.only.split(",")] if args.only else range(args.start, args.start + args.seeds)
         programs = [generate(seed, actions, modes) for seed in seeds]
+        if args.avoid_known:
+            programs = [known.avoiding_known(p) for p in programs]
     began = time.monotonic()
     verdicts = run_batched(programs, args.world_size)
     counts = collections.Counter((v["category"], p.mode) for p, v in zip(programs, verdicts))
