@@ -95,7 +95,8 @@ def main() -> None:
         print("\nblame (removing these alone makes the program pass):")
         culprits = blame(failed, args.world_size)
         for program, verdict in failed:
-            print(f"  seed {program.seed:5d} {program.mode:12s} {verdict['category']:9s} {culprits.get(program.seed, ['(no single kind)'])}")
+            named = culprits.get(program.seed, ["(no single kind)"])
+            print(f"  seed {program.seed:5d} {program.mode:12s} {verdict['category']:9s} {named}")
     print(f"\n{len(programs)} programs at {args.world_size} ranks in {time.monotonic() - began:.0f} s")
     for (category, mode), count in sorted(counts.items()):
         print(f"  {category:12s} {mode:12s} {count}")

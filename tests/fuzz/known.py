@@ -13,19 +13,28 @@ from tests.fuzz.program import Action, Program
 Trigger = Callable[[Program, Action], bool]
 
 KNOWN: dict[str, tuple[str, Trigger]] = {
-    "K1": ("closures under ShardedDataParallel ignored",
-           lambda p, a: p.mode == "sdp" and a.name == "closure_step"),
-    "K3": ("master weights stale after the model is written (model.load_state_dict, p.data.clamp_)",
-           lambda p, a: bool(p.options.get("master")) and a.name in ("load_model", "clamp")),
-    "K4": ("hyperparameter edits lost when parameters get new storage (.to(), param.data =, unfreezing)",
-           lambda p, a: a.name in ("retype", "data_clone", "unfreeze")),
-    "K5": ("model.module.zero_grad() (and p.grad = None, bare submodules) not clearing under ShardedDataParallel",
-           lambda p, a: p.mode == "sdp" and a.name == "zero_grad" and a.args["via"] in ("module", "bare", "param_none")),
-    "K6": ("hand-set .grad ignored by ShardedDataParallel",
-           lambda p, a: p.mode == "sdp" and a.name == "hand_grad"),
-    "K7": ("writes to parameters after step() overwritten under overlap_param_sync",
-           lambda p, a: p.mode == "sdp" and bool(p.options.get("overlap"))
-           and a.name in ("clamp", "load_model", "retype", "data_clone")),
+    "K1": ("closures under ShardedDataParallel ignored", lambda p, a: p.mode == "sdp" and a.name == "closure_step"),
+    "K3": (
+        "master weights stale after the model is written (model.load_state_dict, p.data.clamp_)",
+        lambda p, a: bool(p.options.get("master")) and a.name in ("load_model", "clamp"),
+    ),
+    "K4": (
+        "hyperparameter edits lost when parameters get new storage (.to(), param.data =, unfreezing)",
+        lambda p, a: a.name in ("retype", "data_clone", "unfreeze"),
+    ),
+    "K5": (
+        "model.module.zero_grad() (and p.grad = None, bare submodules) not clearing under ShardedDataParallel",
+        lambda p, a: p.mode == "sdp" and a.name == "zero_grad" and a.args["via"] in ("module", "bare", "param_none"),
+    ),
+    "K6": ("hand-set .grad ignored by ShardedDataParallel", lambda p, a: p.mode == "sdp" and a.name == "hand_grad"),
+    "K7": (
+        "writes to parameters after step() overwritten under overlap_param_sync",
+        lambda p, a: (
+            p.mode == "sdp"
+            and bool(p.options.get("overlap"))
+            and a.name in ("clamp", "load_model", "retype", "data_clone")
+        ),
+    ),
 }
 NOT_EXERCISED = {
     "K2": "forward pre-hooks registered before wrapping reading in-flight parameters (no user hooks in the zoo)",

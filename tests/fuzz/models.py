@@ -69,8 +69,11 @@ def param_groups(model: FuzzModel, lr: float) -> list[dict[str, Any]]:
     params = [p for name, p in model.named_parameters() if not name.startswith("extra.")]
     if "groups3" in model.features:
         third = len(params) // 3
-        return [{"params": params[:third], "lr": lr * 2}, {"params": params[third : 2 * third]},
-                {"params": params[2 * third :], "lr": lr / 2}]
+        return [
+            {"params": params[:third], "lr": lr * 2},
+            {"params": params[third : 2 * third]},
+            {"params": params[2 * third :], "lr": lr / 2},
+        ]
     return [{"params": params[:3], "lr": lr * 2}, {"params": params[3:]}]
 
 

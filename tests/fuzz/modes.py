@@ -184,6 +184,8 @@ class Oracle:
         """``torch.nn.utils.clip_grad_norm_``'s arithmetic with the norm accumulated in fp32 (as ZeRO's)."""
         if grads is None:
             grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:  # torch's clip_grad_norm_ of no gradients
+            return torch.tensor(0.0)
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
         total = norms.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
         torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))

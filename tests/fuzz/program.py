@@ -15,7 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The model zoo's switches (tests/fuzz/models.py says what each adds).
-MODEL_FEATURES = ("groups3", "tied", "unused", "rank_branch", "odd_branch", "frozen", "extra", "bf16", "batchnorm", "conv")
+MODEL_FEATURES = (
+    "groups3",
+    "tied",
+    "unused",
+    "rank_branch",
+    "odd_branch",
+    "frozen",
+    "extra",
+    "bf16",
+    "batchnorm",
+    "conv",
+)
 
 MODES = ("zero1", "zero2_hook", "sdp", "overlap_hook")
 
@@ -52,8 +63,20 @@ ACTIONS: dict[str, tuple[str, ...] | None] = {
     "clamp": None,
     "check": None,
 }
-BETWEEN = ("sched_step", "edit_lr", "eval", "retype", "data_clone", "unfreeze", "add_group", "load_model",
-           "load_optim", "resume", "clamp", "check")
+BETWEEN = (
+    "sched_step",
+    "edit_lr",
+    "eval",
+    "retype",
+    "data_clone",
+    "unfreeze",
+    "add_group",
+    "load_model",
+    "load_optim",
+    "resume",
+    "clamp",
+    "check",
+)
 LAYERS = ("body", "head", "frozen", "extra")  # layers an action may name (models.py)
 
 
@@ -127,7 +150,9 @@ def _step_block(rng: random.Random, mode: str, allowed: set[str]) -> list[Action
         micro = rng.choice([1, 1, 2, 3])
         block.append(Action("backward", {"micro": micro, "no_sync": micro > 1 and rng.random() < 0.6}))
     if "clip" in allowed and mode in (ACTIONS["clip"] or ()) and rng.random() < 0.3:
-        block.append(Action("clip", {"max_norm": rng.choice([0.05, 0.5, 10.0]), "norm_type": rng.choice([2.0, 1.0, "inf"])}))
+        block.append(
+            Action("clip", {"max_norm": rng.choice([0.05, 0.5, 10.0]), "norm_type": rng.choice([2.0, 1.0, "inf"])})
+        )
     if kind is not None:
         block.append(Action("step"))
     return block

@@ -27,6 +27,12 @@ SECONDS_PER_PROGRAM = 6.0  # the session's budget per program, beyond a fixed st
 REFUSALS = ("ValueError", "RuntimeError", "TypeError")  # what distoptim documents raising
 
 
+def _raised_in_fuzzer(text: str) -> bool:
+    """The innermost frame with source is the fuzzer's own (the oracle's side or its arithmetic), not distoptim's."""
+    frames = [line for line in text.splitlines() if line.strip().startswith("File ") and "/torch/" not in line]
+    return bool(frames) and "tests/fuzz/" in frames[-1]
+
+
 def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     """One program's verdict from every rank's outcome."""
     statuses = {o["status"] for o in outcomes}
@@ -36,11 +42,14 @@ def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     raised = [o for o in outcomes if o["status"] == "raised"]
     if len(raised) < len(outcomes):
         first = raised[0]
-        return {"category": "divergent", "detail": [f"{first['type']} at {first['at']} on some ranks only: "
-                                                   f"{first['message']}", first.get("traceback", "")]}
-    if any(o["side"] == "oracle" for o in raised) or any(
-        "tests/fuzz/" in o.get("traceback", "").strip().splitlines()[-3] for o in raised if o.get("traceback")
-    ):
+        return {
+            "category": "divergent",
+            "detail": [
+                f"{first['type']} at {first['at']} on some ranks only: {first['message']}",
+                first.get("traceback", ""),
+            ],
+        }
+    if any(o["side"] == "oracle" for o in raised) or any(_raised_in_fuzzer(o.get("traceback", "")) for o in raised):
         return {"category": "oracle_error", "detail": [raised[0]["message"], raised[0].get("traceback", "")]}
     signatures = {(o["type"], o["at"]) for o in raised}
     text = " ".join(o["message"] for o in raised)
@@ -48,8 +57,10 @@ def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         return {"category": "hang", "detail": [raised[0]["message"], raised[0].get("traceback", "")]}
     if len(signatures) == 1 and raised[0]["type"] in REFUSALS and "/distoptim/" in raised[0].get("traceback", ""):
         return {"category": "refused", "detail": [f"{raised[0]['type']} at {raised[0]['at']}: {raised[0]['message']}"]}
-    return {"category": "crash", "detail": [f"{o['type']} at {o['at']}: {o['message']}" for o in raised]
-            + [raised[0].get("traceback", "")]}
+    return {
+        "category": "crash",
+        "detail": [f"{o['type']} at {o['at']}: {o['message']}" for o in raised] + [raised[0].get("traceback", "")],
+    }
 
 
 def _session(rank: int, world_size: int, programs: list[str], workdir: str, pg_timeout: float) -> None:
@@ -78,8 +89,13 @@ def run_programs(programs: list[Program], world_size: int = 2, pg_timeout: float
         failure = ""
         try:
             run_on_ranks(
-                _session, world_size, [p.to_json() for p in pending], workdir, pg_timeout,
-                timeout=30 + pg_timeout + SECONDS_PER_PROGRAM * len(pending), backend=None,
+                _session,
+                world_size,
+                [p.to_json() for p in pending],
+                workdir,
+                pg_timeout,
+                timeout=30 + pg_timeout + SECONDS_PER_PROGRAM * len(pending),
+                backend=None,
             )
         except RankFailure as error:
             failure = str(error)
@@ -90,7 +106,7 @@ def run_programs(programs: list[Program], world_size: int = 2, pg_timeout: float
                 done = [json.loads(line) for line in handle if line.strip()]
         shutil.rmtree(workdir, ignore_errors=True)
         verdicts += done
-        pending = pending[len(done):]
+        pending = pending[len(done) :]
         if pending and (failure or not done):
             verdicts.append({"category": "hang", "detail": [failure[-3000:]]})
             pending = pending[1:]

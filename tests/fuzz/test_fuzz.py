@@ -23,14 +23,24 @@ def test_generator_is_pure_and_covers_every_action_and_mode() -> None:
     assert set(used) == set(ACTIONS), f"actions the CI seeds never run: {set(ACTIONS) - set(used)}"
     assert {p.mode for p in programs} == set(MODES)
     options = {(p.mode, k, str(v)) for p in programs for k, v in p.options.items()}
-    for mode, key, value in [("sdp", "overlap", "True"), ("sdp", "overlap", "False"), ("zero1", "master", "True"),
-                             ("overlap_hook", "stepping", "hook"), ("overlap_hook", "stepping", "interleaved")]:
+    for mode, key, value in [
+        ("sdp", "overlap", "True"),
+        ("sdp", "overlap", "False"),
+        ("zero1", "master", "True"),
+        ("overlap_hook", "stepping", "hook"),
+        ("overlap_hook", "stepping", "interleaved"),
+    ]:
         assert (mode, key, value) in options
 
 
 def _sabotaged(kind: str) -> Program:
-    actions = [Action("zero_grad", {"via": "optimizer", "set_to_none": True}), Action("backward", {"micro": 2, "no_sync": True}),
-               Action("step"), Action("edit_lr", {"group": 0, "factor": 0.5}), Action("check")]
+    actions = [
+        Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+        Action("backward", {"micro": 2, "no_sync": True}),
+        Action("step"),
+        Action("edit_lr", {"group": 0, "factor": 0.5}),
+        Action("check"),
+    ]
     options = {"partition": "even", "bucket_view": True, "master": False, "sabotage": kind}
     return Program(10**6, ["tied"], "zero1", options, "SGD", {"lr": 0.05, "momentum": 0.9}, actions)
 
@@ -57,5 +67,7 @@ def test_ci_seeds() -> None:
     failed = [(p, v) for p, v in zip(programs, verdicts) if v["category"] in FAILURES]
     if failed:
         lines = [f"seed {p.seed} ({p.mode}): {v['category']}: {str(v['detail'][:1])[:300]}" for p, v in failed]
-        pytest.fail(f"{len(failed)} of {len(programs)} fuzz programs failed (rerun one with python -m tests.fuzz "
-                    "--only SEED --shrink):\n" + "\n".join(lines))
+        pytest.fail(
+            f"{len(failed)} of {len(programs)} fuzz programs failed (rerun one with python -m tests.fuzz "
+            "--only SEED --shrink):\n" + "\n".join(lines)
+        )
