@@ -202,6 +202,9 @@ class Oracle:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.from_masters()
+        for p in self.params:  # the scaler unscaled the masters' gradients in place: as it would the model's
+            if id(p) in self.masters and p.grad is not None:
+                p.grad.copy_(self.masters[id(p)].grad)
         return total
 
 
