@@ -64,6 +64,7 @@ class Run:
         self.workdir = workdir
         self.structure = Structure()
         self.step_number = 0
+        self.aligned_at = 0  # the step number at the last alignment (check)
         self.counter = 0
         self.mismatches: list[str] = []
         self.tol = tolerances(program, self.world_size)
@@ -97,9 +98,12 @@ class Run:
         if any(name.startswith("oracle") for name in differ):
             raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
         self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
+        steps = max(1, self.step_number - self.aligned_at)  # rounding differences add up over unaligned steps
         for name, want in self.oracle.model.named_parameters():
             got = ours[name]
             rtol, atol = self.tol[want.dtype]
+            if want.dtype == torch.float32:
+                rtol, atol = rtol * steps, atol * steps
             try:
                 torch.testing.assert_close(got.detach(), want.detach(), rtol=rtol, atol=atol)
             except AssertionError as error:
@@ -107,6 +111,7 @@ class Run:
             if got.stride() != want.stride():
                 self.mismatches.append(f"{where}: parameter {name} lost its layout {got.stride()} != {want.stride()}")
         if align:
+            self.aligned_at = self.step_number
             with torch.no_grad():
                 for name, want in self.oracle.model.named_parameters():
                     want.copy_(ours[name])
