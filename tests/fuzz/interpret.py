@@ -382,6 +382,7 @@ class Run:
         if old.scaler is not None:
             new.scaler.load_state_dict(old.scaler.state_dict())
         self.subject = new
+        self.oracle.model.zero_grad(set_to_none=True)  # a resumed job starts without gradients
 
     def check(self) -> None:
         self.compare(f"check at action {self.counter}")

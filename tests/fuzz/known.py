@@ -35,6 +35,11 @@ KNOWN: dict[str, tuple[str, Trigger]] = {
             and a.name in ("clamp", "load_model", "retype", "data_clone")
         ),
     ),
+    # found by this fuzzer (not in issue 32's list): probably K4's cause, reached through add_param_group
+    "N1": (
+        "hyperparameter edits (by hand or a scheduler) made before zero.add_param_group lost at the next step",
+        lambda p, a: a.name == "add_group",
+    ),
 }
 NOT_EXERCISED = {
     "K2": "forward pre-hooks registered before wrapping reading in-flight parameters (no user hooks in the zoo)",
