@@ -1,0 +1,109 @@
+"""``python -m tests.fuzz --seeds N [--start S] [--world-size W] [--shrink]``: run fuzz programs, print failures.
+
+``--program JSON`` reruns one (shrunk) program as printed; ``--actions``/``--modes`` switch parts off.
+Failures are mismatch, divergent (ranks disagree: a hang risk), crash and hang; refused (the same documented error
+on every rank) and oracle_error (plain DDP could not run the program) are counted, not failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from tests.fuzz import known
+from tests.fuzz.program import ACTIONS, MODES, Program, generate
+from tests.fuzz.session import run_programs
+from tests.fuzz.shrink import shrink
+
+FAILURES = ("mismatch", "divergent", "crash", "hang")
+BATCH = 25  # programs per spawned session (a hang costs at most the rest of a batch's budget)
+
+
+def rerun_command(program: Program, world_size: int) -> str:
+    return f"PYTHONPATH=$PWD/src python -m tests.fuzz --world-size {world_size} --program '{program.to_json()}'"
+
+
+def run_batched(programs: list[Program], world_size: int) -> list[dict]:
+    verdicts: list[dict] = []
+    for start in range(0, len(programs), BATCH):
+        verdicts += run_programs(programs[start : start + BATCH], world_size)
+    return verdicts
+
+
+def blame(failed: list[tuple[Program, dict]], world_size: int) -> dict[int, list[str]]:
+    """For each failing program, the known bugs (``known.py``), action kinds and model features whose removal alone
+    makes it pass: a cheap first triage, all variants of all failures run in one batch."""
+    variants: list[tuple[int, str, Program]] = []
+    for program, _ in failed:
+        for bug in known.triggered(program):
+            variants.append((program.seed, bug, known.without(program, bug)))
+        for name in sorted({a.name for a in program.actions}):
+            kept = [a for a in program.actions if a.name != name]
+            variants.append((program.seed, name, program.replace(actions=kept)))
+        for feature in program.features:
+            smaller = program.replace(features=[f for f in program.features if f != feature])
+            variants.append((program.seed, f"model:{feature}", smaller))
+    verdicts = run_batched([v[2] for v in variants], world_size)
+    culprits: dict[int, list[str]] = {}
+    for (seed, name, _), verdict in zip(variants, verdicts):
+        if verdict["category"] in ("pass", "refused"):
+            culprits.setdefault(seed, []).append(name)
+    return culprits
+
+
+def report(program: Program, verdict: dict, world_size: int, do_shrink: bool) -> None:
+    print(f"\n=== seed {program.seed}: {verdict['category']} ({program.mode})")
+    for line in verdict["detail"][: 40 if do_shrink else 4]:
+        print("   ", str(line)[-1500:])
+    if do_shrink:
+        program = shrink(program, verdict["category"], lambda ps: run_batched(ps, world_size))
+        print("--- shrunk program:")
+    print(program.text())
+    print("--- rerun:", rerun_command(program, world_size))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__)
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--shrink", action="store_true", help="shrink each failure to a minimal program")
+    parser.add_argument("--program", help="a program's JSON, as a failure prints it")
+    parser.add_argument("--blame", action="store_true", help="name the action kinds each failure needs")
+    parser.add_argument("--avoid-known", action="store_true", help="drop the actions that trigger known bugs")
+    parser.add_argument("--only", help="comma-separated seeds to run (instead of --start/--seeds)")
+    parser.add_argument("--actions", help=f"comma-separated subset of {','.join(ACTIONS)}")
+    parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
+    args = parser.parse_args()
+    if args.program:
+        programs = [Program.from_json(args.program)]
+    else:
+        actions = set(args.actions.split(",")) if args.actions else None
+        modes = tuple(args.modes.split(",")) if args.modes else MODES
+        seeds = [int(s) for s in args.only.split(",")] if args.only else range(args.start, args.start + args.seeds)
+        programs = [generate(seed, actions, modes) for seed in seeds]
+        if args.avoid_known:
+            programs = [known.avoiding_known(p) for p in programs]
+    began = time.monotonic()
+    verdicts = run_batched(programs, args.world_size)
+    counts = collections.Counter((v["category"], p.mode) for p, v in zip(programs, verdicts))
+    failed = [(p, v) for p, v in zip(programs, verdicts) if v["category"] in FAILURES]
+    for program, verdict in failed:
+        report(program, verdict, args.world_size, args.shrink)
+    if args.blame and failed:
+        print("\nblame (removing these alone makes the program pass):")
+        culprits = blame(failed, args.world_size)
+        for program, verdict in failed:
+            named = culprits.get(program.seed, ["(no single kind)"])
+            print(f"  seed {program.seed:5d} {program.mode:12s} {verdict['category']:9s} {named}")
+    print(f"\n{len(programs)} programs at {args.world_size} ranks in {time.monotonic() - began:.0f} s")
+    for (category, mode), count in sorted(counts.items()):
+        print(f"  {category:12s} {mode:12s} {count}")
+    refusals = collections.Counter(v["detail"][0][:160] for v in verdicts if v["category"] == "refused")
+    for message, count in refusals.most_common():
+        print(f"  refused x{count}: {message}")
+
+
+if __name__ == "__main__":
+    main()

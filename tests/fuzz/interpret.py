@@ -1,0 +1,437 @@
+"""Running one fuzz program on both sides in this rank, action by action, and comparing them.
+
+Each action is done on the subject, then on the oracle (collectives in the same order on every rank). ``check``
+compares every parameter and then gives the oracle the subject's values (so a rounding difference does not compound
+into the next steps' gradients; a wrong value is caught where it first appears). The end compares parameters,
+buffers and the optimizer state (the consolidated ``state_dict()`` against the plain optimizer's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import distoptim.checkpoint
+from distoptim.zero.shard import MASTER_KEY
+from tests.fuzz.models import batch, layer
+from tests.fuzz.modes import Oracle, Structure, build_subject
+from tests.fuzz.program import Action, Program
+
+EVAL_STEP = 999  # the eval batches' step number (data no step trains on)
+STEPS = ("step", "closure_step", "scaler_step", "backward")  # actions after which the step may have run
+
+
+class OracleFailed(Exception):
+    """The oracle itself raised: the program is not one plain DDP runs (a fuzzer problem, not distoptim's)."""
+
+
+def tolerances(program: Program, world_size: int) -> dict[torch.dtype, tuple[float, float]]:
+    """(rtol, atol) per dtype. Exact where the gradient bits are DDP's (ZeRO-1 under DDP, fp32, no clipping: ZeRO
+    steps the same kernels on the same gradients). Otherwise the reduction order differs (a reduction to owners,
+    micro-batches summed before or after the average, the clipping norm summed over fragments): a few fp32 ulps of
+    a gradient, ~1e-7 relative, give parameter differences below lr * 1e-6 per step; 1e-6 absolute / 1e-5 relative
+    is ten times that at our learning rates, while the bugs we hunt (a stale value, a lost step or edit, a gradient
+    not averaged) move a parameter by lr * |update| ~ 1e-4 or more. bf16: one bf16 ulp (2^-8) of either side."""
+    fp32 = (1e-5, 1e-6)
+    if (
+        "bf16" in program.features
+        and program.mode != "zero1"
+        and any(a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions)
+    ):
+        # the bf16 gradient summed in another order (or in fp32, reduce_dtype) moves the clipping norm by up to a
+        # bf16 ulp (2^-8 relative), and the coefficient it gives every fp32 update with it: lr * |update| * 2^-8
+        fp32 = (1e-4, 2e-5)
+    exact = (
+        program.mode == "zero1"
+        and "bf16" not in program.features
+        and world_size == 2
+        and not any(a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions)
+    )
+    return {torch.float32: (0.0, 0.0) if exact else fp32, torch.bfloat16: (1.6e-2, 1e-3)}
+
+
+class Run:
+    def __init__(self, program: Program, workdir: str) -> None:
+        self.program = program
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.workdir = workdir
+        self.structure = Structure()
+        self.step_number = 0
+        self.aligned_at = 0  # the step number at the last alignment (check)
+        self.counter = 0
+        self.mismatches: list[str] = []
+        self.tol = tolerances(program, self.world_size)
+        self.subject = build_subject(program, self.structure)
+        self.oracle = self._oracle(lambda: Oracle(program))
+        sabotage = program.options.get("sabotage")  # the fuzzer's own tests: a subject wrong on purpose
+        if sabotage == "lr":
+            for group in self.subject.zero.param_groups:
+                group["lr"] *= 1.5
+        elif sabotage == "hang" and self.rank == 0:
+            dist.barrier()  # a collective the other ranks never join
+
+    def _oracle(self, action: Any) -> Any:
+        try:
+            return action()
+        except Exception as error:
+            raise OracleFailed(f"{type(error).__name__}: {error}") from error
+
+    # ------------------------------------------------------------------------------------- comparing
+    def compare(self, where: str, align: bool = True) -> None:
+        self.subject.sync_finished()
+        ours = dict(self.subject.model.named_parameters())
+        # every rank must hold the same parameters: on the oracle's side, or the program is one DDP cannot run; on
+        # the subject's, or a sync went wrong
+        theirs = dict(self.oracle.model.named_parameters())
+        sums = torch.stack([p.detach().double().sum() for p in [*ours.values(), *theirs.values()]])
+        gathered = [torch.empty_like(sums) for _ in range(self.world_size)]
+        dist.all_gather(gathered, sums)
+        names = [*(f"subject {n}" for n in ours), *(f"oracle {n}" for n in theirs)]
+        differ = [name for name, *values in zip(names, *gathered) if len({float(v) for v in values}) > 1]
+        if any(name.startswith("oracle") for name in differ):
+            raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
+        self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
+        steps = max(1, self.step_number - self.aligned_at)  # rounding differences add up over unaligned steps
+        for name, want in self.oracle.model.named_parameters():
+            got = ours[name]
+            rtol, atol = self.tol[want.dtype]
+            if want.dtype == torch.float32:
+                rtol, atol = rtol * steps, atol * steps
+            try:
+                torch.testing.assert_close(got.detach(), want.detach(), rtol=rtol, atol=atol)
+            except AssertionError as error:
+                self.mismatches.append(f"{where}: parameter {name}: {str(error).splitlines()[-3:]}")
+            if got.stride() != want.stride():
+                self.mismatches.append(f"{where}: parameter {name} lost its layout {got.stride()} != {want.stride()}")
+        if align:
+            self.aligned_at = self.step_number
+            with torch.no_grad():
+                for name, want in self.oracle.model.named_parameters():
+                    want.copy_(ours[name])
+
+    def compare_values(self, where: str, got: Any, want: Any, dtype: torch.dtype = torch.float32) -> None:
+        if got is None and want is None:
+            return
+        if (got is None) != (want is None):
+            self.mismatches.append(f"{where}: {got!r} != {want!r}")
+            return
+        rtol, atol = self.tol[torch.bfloat16 if "bf16" in self.program.features else dtype]
+        try:
+            torch.testing.assert_close(
+                torch.as_tensor(got).float(), torch.as_tensor(want).float(), rtol=max(rtol, 1e-5), atol=max(atol, 1e-6)
+            )
+        except AssertionError as error:
+            self.mismatches.append(f"{where}: {str(error).splitlines()[-3:]}")
+
+    def compare_end(self) -> None:
+        self.compare("end", align=False)
+        ours = dict(self.subject.model.named_buffers())
+        rtol, atol = self.tol[torch.float32]  # running statistics of activations that carry the parameters' rounding
+        for name, want in self.oracle.model.named_buffers():
+            if not torch.allclose(ours[name].float(), want.float(), rtol=rtol * 10, atol=atol * 10):
+                self.mismatches.append(f"end: buffer {name} differs")
+        zero = self.subject.zero
+        zero.consolidate_state_dict(0)
+        if self.rank != 0:
+            return
+        got, want = zero.state_dict(), self.oracle.optimizer.state_dict()
+        for index, (g, w) in enumerate(zip(got["param_groups"], want["param_groups"], strict=False)):
+            if not math.isclose(g["lr"], w["lr"], rel_tol=1e-12):
+                self.mismatches.append(f"end: param_groups[{index}]['lr'] {g['lr']} != {w['lr']}")
+        if len(got["param_groups"]) != len(want["param_groups"]):
+            self.mismatches.append(f"end: {len(got['param_groups'])} param groups != {len(want['param_groups'])}")
+        for key, state in want["state"].items():
+            theirs_all = got["state"].get(key)
+            if theirs_all is None:
+                if any(torch.as_tensor(v).abs().sum() > 0 for v in state.values()):  # not just torch's eager zeros
+                    self.mismatches.append(f"end: optimizer state of parameter {key} missing")
+                continue
+            for name, value in state.items():
+                theirs = theirs_all.get(name)
+                if theirs is None:
+                    self.mismatches.append(f"end: state[{key}][{name!r}] missing")
+                    continue
+                # a bf16 parameter's state integrates its gradient, which SDP keeps in reduce_dtype (fp32) where DDP
+                # leaves bf16: a bf16 ulp apart
+                dtype = self.oracle.params[key].dtype if key < len(self.oracle.params) else torch.float32
+                self._compare_state(f"end: state[{key}][{name!r}]", theirs, value, self.tol[dtype])
+        for key, state in got["state"].items():
+            master = self.oracle.masters.get(id(self.oracle.params[key])) if key < len(self.oracle.params) else None
+            if MASTER_KEY in state:
+                if master is None:
+                    self.mismatches.append(f"end: a master weight for parameter {key}, which has none")
+                else:  # a bf16 ulp of a gradient moves the fp32 master by lr * 2^-8 |g| (the bf16 tolerance)
+                    self._compare_state(
+                        f"end: master weight {key}", state[MASTER_KEY], master, self.tol[torch.bfloat16]
+                    )
+            others = {k: v for k, v in state.items() if k != MASTER_KEY}
+            if key not in want["state"] and any(torch.as_tensor(v).abs().sum() > 0 for v in others.values()):
+                self.mismatches.append(f"end: state of parameter {key} present, the plain optimizer has none")
+
+    def _compare_state(self, where: str, got: Any, want: Any, tol: tuple[float, float]) -> None:
+        rtol, atol = tol
+        a, b = torch.as_tensor(got).float(), torch.as_tensor(want).detach().float()
+        # state integrates every step's gradient without the parameters' alignment: ten times the per-check rtol
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=rtol * 10, atol=atol * 10):
+            worst = (a - b).abs().max() if a.shape == b.shape else f"shapes {a.shape} {b.shape}"
+            self.mismatches.append(f"{where} differs (max {worst:.3g})" if a.shape == b.shape else f"{where}: {worst}")
+
+    # ------------------------------------------------------------------------------------- actions
+    def forward_loss(self, wrapper: Any, micro: int = 0) -> Tensor:
+        return wrapper(*batch(self.rank, self.step_number, micro), self.step_number, self.rank).square().mean()
+
+    def zero_grad(self, via: str, set_to_none: bool) -> None:
+        s = self.subject
+        if via == "optimizer":
+            s.zero.zero_grad(set_to_none)
+        elif via == "wrapper":
+            s.wrapper.zero_grad(set_to_none)
+        elif via == "module":
+            s.model.zero_grad(set_to_none)
+        elif via == "bare":
+            for child in s.model.children():
+                child.zero_grad(set_to_none)
+        else:
+            for p in s.model.parameters():
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+        self.oracle.model.zero_grad(set_to_none)
+
+    def backward(self, micro: int, no_sync: bool) -> None:
+        """``micro`` backward passes, all but the last under ``no_sync()`` when asked. Under the overlap hooks the
+        step runs inside each backward that reduces (the documented meaning), so the oracle steps after each."""
+        overlap = self.program.mode == "overlap_hook"
+        for side, wrapper in (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp)):
+            for m in range(micro):
+                quiet = no_sync and m < micro - 1
+                with wrapper.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+                    self.forward_loss(wrapper, m).backward()
+                if side == "oracle" and overlap and not quiet:
+                    self.oracle.step()
+
+    def hand_grad(self) -> None:
+        for model in (self.subject.model, self.oracle.model):
+            params = [p for p in model.parameters() if p.requires_grad]
+            loss = self.forward_loss(model)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for p, g in zip(params, grads):
+                g = torch.zeros_like(p) if g is None else g
+                dist.all_reduce(g)
+                p.grad = g / self.world_size
+
+    def clip(self, max_norm: float, norm_type: Any) -> None:
+        norm_type = math.inf if norm_type == "inf" else float(norm_type)
+        got = self.subject.zero.clip_grad_norm_(max_norm, norm_type)
+        want = self.oracle.clip(max_norm, norm_type)
+        self.compare_values(f"action {self.counter} clip norm", got, want)
+
+    def step(self) -> None:
+        self.subject.zero.step()
+        if self.program.mode != "overlap_hook":  # there the oracle stepped in backward()
+            self.oracle.step()
+        self.step_number += 1
+
+    def closure_step(self) -> None:
+        def closure(side: Any, optimizer: Any) -> Any:
+            def run() -> Tensor:
+                optimizer.zero_grad()
+                side.model.zero_grad()
+                loss = self.forward_loss(side.wrapper if side is self.subject else side.ddp)
+                loss.backward()
+                return loss.detach()
+
+            return run
+
+        got = self.subject.zero.step(closure(self.subject, self.subject.zero))
+        want = self.oracle.step(closure(self.oracle, self.oracle.optimizer))
+        self.compare_values(f"action {self.counter} closure loss", got, want)
+        self.step_number += 1
+
+    def scaler_step(self, clip: bool) -> None:
+        s = self.subject
+        s.scaler.scale(self.forward_loss(s.wrapper)).backward()
+        got = None
+        if clip:
+            if self.program.mode == "sdp":  # unscale_ cannot run on SDP's owned gradient (the guide)
+                got = s.zero.clip_grad_norm_(0.5, grad_scale=s.scaler.get_scale())
+            else:
+                s.scaler.unscale_(s.zero)
+                got = s.zero.clip_grad_norm_(0.5)
+        s.scaler.step(s.zero)
+        s.scaler.update()
+        want = self.oracle.scaler_step(self.forward_loss(self.oracle.ddp), (0.5, 2.0) if clip else None)
+        self.compare_values(f"action {self.counter} scaled clip norm", got, want)
+        self.step_number += 1
+
+    def sched_step(self) -> None:
+        self.subject.scheduler.step()
+        self.oracle.scheduler.step()
+
+    def edit_lr(self, group: int, factor: float) -> None:
+        for optimizer in (self.subject.zero, self.oracle.optimizer):
+            optimizer.param_groups[group % len(optimizer.param_groups)]["lr"] *= factor
+
+    def eval(self, mode_switch: bool) -> None:
+        outputs = []
+        for wrapper in (self.subject.wrapper, self.oracle.ddp):
+            if mode_switch:
+                wrapper.eval()
+            with torch.no_grad():
+                outputs.append(wrapper(*batch(self.rank, EVAL_STEP, 0), self.step_number, self.rank))
+            wrapper.train()
+        self.compare_values(f"action {self.counter} eval output", outputs[0], outputs[1])
+
+    def _layers(self, name: str) -> list[Any]:
+        found = [layer(self.subject.model, name), layer(self.oracle.model, name)]
+        return [] if None in found else found
+
+    def retype(self, layer: str) -> None:
+        for module in self._layers(layer):
+            dtype = next(module.parameters()).dtype
+            module.to(torch.float64).to(dtype)
+        self._rewrap()
+
+    def data_clone(self, layer: str) -> None:
+        for module in self._layers(layer):
+            for p in module.parameters():
+                p.data = p.data.clone()
+        self._rewrap()
+
+    def _rewrap(self) -> None:
+        """DDP does not follow parameters given new storage (its ranks then disagree): wrap again, as a user must."""
+        self.subject.rewrap_after_structure_change()
+        self.oracle.rewrap()
+
+    def clamp(self, layer: str) -> None:
+        for module in self._layers(layer):
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.data.clamp_(-0.1, 0.1)
+        self.oracle.refresh_masters()
+
+    def unfreeze(self) -> None:
+        if self.subject.model.frozen is None:
+            return
+        self.structure.unfrozen = True
+        self.subject.model.frozen.requires_grad_(True)
+        self.oracle.model.frozen.requires_grad_(True)  # type: ignore[union-attr]
+        self.subject.rewrap_after_structure_change()
+        self.oracle.rewrap()
+
+    def add_group(self) -> None:
+        if self.subject.model.extra is None or self.structure.added:
+            return
+        self.structure.added = True
+        from tests.fuzz.modes import extra_group
+
+        self.subject.model.extra.requires_grad_(True)
+        self.subject.zero.add_param_group(extra_group(self.subject.model, self.program.kwargs["lr"]))
+        self.oracle.model.extra.requires_grad_(True)  # type: ignore[union-attr]
+        self.oracle.add_group()
+        self.subject.rewrap_after_structure_change()
+        self.oracle.rewrap()
+
+    def load_model(self, via: str, scale: float) -> None:
+        for model, wrapper in ((self.subject.model, self.subject.wrapper), (self.oracle.model, self.oracle.ddp)):
+            target = wrapper if via == "wrapper" else model
+            state = {k: v * scale if v.is_floating_point() else v for k, v in target.state_dict().items()}
+            target.load_state_dict(state)
+        self.oracle.refresh_masters()
+
+    def load_optim(self) -> None:
+        zero = self.subject.zero
+        zero.consolidate_state_dict(0)
+        box = [zero.state_dict() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        zero.load_state_dict(box[0])
+
+    def resume(self, kind: str) -> None:
+        old = self.subject
+        old.sync_finished()
+        # the ranks' buffers differ until DDP's next forward broadcasts rank 0's; a checkpoint keeps one rank's copy
+        # (DCP deduplicates replicated entries onto any rank): give every rank rank 0's on both sides first
+        for model in (old.model, self.oracle.model):
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        if kind == "sharded":
+            path = os.path.join(self.workdir, f"ckpt-{self.program.seed}-{self.counter}")
+            distoptim.checkpoint.save({"model": old.model.state_dict(), "optim": old.zero.sharded_state_dict()}, path)
+            new = build_subject(self.program, self.structure, seed=1)
+            state = {"model": new.model.state_dict(), "optim": new.zero.sharded_state_dict()}
+            distoptim.checkpoint.load(state, path)
+            new.model.load_state_dict(state["model"])
+            new.zero.load_sharded_state_dict(state["optim"])
+        else:
+            old.zero.consolidate_state_dict(0)
+            box = [old.zero.state_dict() if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            model_state = {k: v.clone() for k, v in old.model.state_dict().items()}
+            new = build_subject(self.program, self.structure, seed=1, model_state=model_state)
+            new.zero.load_state_dict(box[0])
+        if old.scheduler is not None:
+            new.scheduler.load_state_dict(old.scheduler.state_dict())
+        if old.scaler is not None:
+            new.scaler.load_state_dict(old.scaler.state_dict())
+        self.subject = new
+        self.oracle.model.zero_grad(set_to_none=True)  # a resumed job starts without gradients
+
+    def check(self) -> None:
+        self.compare(f"check at action {self.counter}")
+
+    def do(self, action: Action) -> None:
+        getattr(self, action.name)(**action.args)
+        self.counter += 1
+        if action.name in STEPS and any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters()):
+            self.align_bf16(f"after action {self.counter - 1}")
+
+    def align_bf16(self, where: str) -> None:
+        """Compare the bf16 parameters after every step and give the oracle the subject's: the CPU's bf16 kernels
+        round a few ties differently on a fragment than on the whole tensor, and a bf16 ulp of a weight would grow
+        through the forward into every later fp32 gradient (tests/zero/test_matrix.py). It waits for the parameter
+        sync, so a bf16 program under overlap_param_sync is not left with the sync in flight."""
+        self.subject.sync_finished()
+        ours = dict(self.subject.model.named_parameters())
+        with torch.no_grad():
+            for name, want in self.oracle.model.named_parameters():
+                if want.dtype == torch.bfloat16:
+                    rtol, atol = self.tol[torch.bfloat16]
+                    if not torch.allclose(ours[name].float(), want.float(), rtol=rtol, atol=atol):
+                        self.mismatches.append(f"{where}: bf16 parameter {name} differs")
+                    want.copy_(ours[name])
+
+
+def run_program(program: Program, workdir: str) -> dict[str, Any]:
+    """This rank's outcome: ``{"status": "ok", "mismatches": [...]}`` or ``{"status": "raised", "side": ...}``."""
+    run: Run | None = None
+    try:
+        run = Run(program, workdir)
+        for action in program.actions:
+            run.do(action)
+        run.compare_end()
+        return {"status": "ok", "mismatches": run.mismatches}
+    except OracleFailed as error:
+        return {"status": "raised", "side": "oracle", "type": "OracleFailed", "message": str(error), "at": _at(run)}
+    except Exception as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return {
+            "status": "raised",
+            "side": "subject",
+            "type": type(error).__name__,
+            "message": message[:300],
+            "at": _at(run),
+            "traceback": traceback.format_exc()[-3000:],
+            "mismatches": [] if run is None else run.mismatches,
+        }
+
+
+def _at(run: Run | None) -> str:
+    return "construction" if run is None else f"action {run.counter}"

@@ -1,0 +1,90 @@
+"""The fuzzer's model zoo: one small model (a few thousand parameters) whose features the program switches on.
+
+Features (``program.MODEL_FEATURES``): ``groups3`` three param groups instead of two; ``tied`` an embedding whose
+weight is the output head's; ``unused`` a layer no forward uses; ``rank_branch`` a layer rank 0 alone uses;
+``odd_branch`` one used on odd steps only; ``frozen`` a frozen layer in the main path (the ``unfreeze`` action
+thaws it); ``extra`` a frozen layer outside the optimizer (``add_group`` thaws it and adds it as a group); ``bf16``
+a bf16 head (``master`` in the mode adds fp32 master weights); ``batchnorm`` BatchNorm buffers; ``conv`` a
+channels_last convolution on an image input. Every rank builds the same values from the seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+WIDTH, VOCAB, BATCH = 16, 11, 4
+
+
+class FuzzModel(nn.Module):
+    def __init__(self, features: list[str], seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.features = set(features)
+        has = self.features.__contains__
+        self.inp = nn.Linear(8, WIDTH)
+        self.embed = nn.Embedding(VOCAB, WIDTH) if has("tied") else None
+        self.conv = nn.Conv2d(1, 2, 3).to(memory_format=torch.channels_last) if has("conv") else None
+        self.norm = nn.BatchNorm1d(WIDTH) if has("batchnorm") else None
+        self.body = nn.Linear(WIDTH + (8 if has("conv") else 0), WIDTH)
+        self.odd = nn.Linear(WIDTH, WIDTH) if has("odd_branch") else None
+        self.rank0 = nn.Linear(WIDTH, WIDTH) if has("rank_branch") else None
+        self.never = nn.Linear(WIDTH, 4) if has("unused") else None
+        self.frozen = nn.Linear(WIDTH, WIDTH).requires_grad_(False) if has("frozen") else None
+        self.extra = nn.Linear(WIDTH, WIDTH).requires_grad_(False) if has("extra") else None
+        self.head = nn.Linear(WIDTH, WIDTH)
+        if has("bf16"):
+            self.head.to(torch.bfloat16)
+        self.out = nn.Linear(WIDTH, VOCAB, bias=False)
+        if self.embed is not None:
+            self.out.weight = self.embed.weight
+
+    def forward(self, x: Tensor, tokens: Tensor, image: Tensor, step: int, rank: int) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.embed is not None:
+            h = h + self.embed(tokens).mean(1)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.conv is not None:
+            picture = torch.tanh(self.conv(image.contiguous(memory_format=torch.channels_last))).flatten(1)
+            h = torch.cat([h, picture], 1)
+        h = torch.tanh(self.body(h))
+        if self.odd is not None and step % 2 == 1:
+            h = h + torch.tanh(self.odd(h))
+        if self.rank0 is not None and rank == 0:
+            h = h + torch.tanh(self.rank0(h))
+        if self.frozen is not None:
+            h = h + self.frozen(h)
+        if self.extra is not None:
+            h = h + self.extra(h)
+        h = self.head(h.to(self.head.weight.dtype)).float()
+        return self.out(torch.tanh(h))
+
+
+def param_groups(model: FuzzModel, lr: float) -> list[dict[str, Any]]:
+    """Two or three groups over every parameter but ``extra``'s (frozen ones included: unfreezing needs them there);
+    the first has its own learning rate."""
+    params = [p for name, p in model.named_parameters() if not name.startswith("extra.")]
+    if "groups3" in model.features:
+        third = len(params) // 3
+        return [
+            {"params": params[:third], "lr": lr * 2},
+            {"params": params[third : 2 * third]},
+            {"params": params[2 * third :], "lr": lr / 2},
+        ]
+    return [{"params": params[:3], "lr": lr * 2}, {"params": params[3:]}]
+
+
+def batch(rank: int, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's inputs for one micro-batch of one step (x, tokens, image): the same on the subject and oracle."""
+    generator = torch.Generator().manual_seed(100_000 + 1000 * step + 10 * micro + rank)
+    x = torch.randn(BATCH, 8, generator=generator)
+    tokens = torch.randint(0, VOCAB, (BATCH, 3), generator=generator)
+    image = torch.randn(BATCH, 1, 4, 4, generator=generator)
+    return x, tokens, image
+
+
+def layer(model: FuzzModel, name: str) -> nn.Module | None:
+    return getattr(model, name, None)

@@ -1,0 +1,212 @@
+"""Setting up both sides of a fuzz program: the subject (distoptim in the program's mode) and the oracle (DDP with
+``find_unused_parameters`` + the plain ``torch.optim`` optimizer, over fp32 copies of bf16 parameters when the
+mode keeps master weights), each on its own copy of the model built from the same seed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
+from distoptim.hooks import reduce_to_owners_hook
+from tests.fuzz.models import FuzzModel, param_groups
+from tests.fuzz.program import Program
+from tests.zero._hooks import register
+
+MODEL_SEED = 0
+BUCKET_CAP_MB = 0.002  # several buckets per dtype, on both sides
+
+
+@dataclass
+class Structure:
+    """What the program changed in the model's structure so far (a resume rebuilds it)."""
+
+    unfrozen: bool = False
+    added: bool = False
+
+
+def _scheduler(optimizer: Any, program: Program) -> Any:
+    if any(a.name == "sched_step" for a in program.actions):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    return None
+
+
+def _scaler(program: Program) -> Any:
+    if any(a.name == "scaler_step" for a in program.actions):
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    return None
+
+
+def extra_group(model: FuzzModel, lr: float) -> dict[str, Any]:
+    assert model.extra is not None
+    return {"params": list(model.extra.parameters()), "lr": lr * 3}
+
+
+def _ddp(model: nn.Module) -> DDP:
+    return DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB)
+
+
+def _thaw(model: FuzzModel, structure: Structure) -> None:
+    if structure.unfrozen and model.frozen is not None:
+        model.frozen.requires_grad_(True)
+    if structure.added and model.extra is not None:
+        model.extra.requires_grad_(True)
+
+
+@dataclass
+class Subject:
+    program: Program
+    model: FuzzModel
+    zero: ZeroRedundancyOptimizer
+    wrapper: nn.Module = field(init=False)
+    scheduler: Any = None
+    scaler: Any = None
+
+    def wrap(self) -> None:
+        """(Re)wrap the model as the mode says; DDP modes wrap again after a structure change, as a user must."""
+        mode, options = self.program.mode, self.program.options
+        if mode == "sdp":
+            master = options["master"]
+            self.wrapper = ShardedDataParallel(
+                self.model,
+                self.zero,
+                bucket_cap_mb=BUCKET_CAP_MB,
+                reduce_dtype=torch.float32 if master else None,
+                overlap_param_sync=options["overlap"],
+            )
+            return
+        self.wrapper = ddp = _ddp(self.model)
+        if mode == "zero2_hook":
+            ddp.register_comm_hook(self.zero, reduce_to_owners_hook)
+        elif mode == "overlap_hook":
+            register(ddp, self.zero, options.get("reduction", "all_reduce"), options["stepping"])
+
+    def rewrap_after_structure_change(self) -> None:
+        if self.program.mode != "sdp":
+            self.wrap()
+
+    def sync_finished(self) -> None:
+        self.zero.sync_finished()
+
+
+def build_subject(
+    program: Program, structure: Structure, seed: int = MODEL_SEED, model_state: dict[str, Tensor] | None = None
+) -> Subject:
+    model = FuzzModel(program.features, seed)
+    _thaw(model, structure)
+    if model_state is not None:
+        model.load_state_dict(model_state)
+    options, lr = program.options, program.kwargs["lr"]
+    zero = ZeroRedundancyOptimizer(
+        param_groups(model, lr),
+        getattr(torch.optim, program.optimizer),
+        parameters_as_bucket_view=options["bucket_view"],
+        overlap_with_ddp=program.mode == "overlap_hook",
+        partition=options["partition"],
+        master_dtype=torch.float32 if options["master"] else None,
+        **program.kwargs,
+    )
+    if structure.added:
+        zero.add_param_group(extra_group(model, lr))
+    subject = Subject(program, model, zero, scheduler=_scheduler(zero, program), scaler=_scaler(program))
+    subject.wrap()
+    return subject
+
+
+class Oracle:
+    """DDP + the plain optimizer; with master weights the optimizer steps fp32 copies of the bf16 parameters, which
+    follow the model whenever the program writes to it (a load, a clamp): the model is what the user sees."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.model = FuzzModel(program.features, MODEL_SEED)
+        self.lr = program.kwargs["lr"]
+        self.masters: dict[int, Tensor] = {}
+        groups = param_groups(self.model, self.lr)
+        if program.options["master"]:
+            for group in groups:
+                for p in group["params"]:
+                    if p.dtype != torch.float32:
+                        self.masters[id(p)] = p.detach().float().requires_grad_()
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer = getattr(torch.optim, program.optimizer)(
+            [{**g, "params": [self._stepped(p) for p in g["params"]]} for g in groups], **program.kwargs
+        )
+        self.scheduler = _scheduler(self.optimizer, program)
+        self.scaler = _scaler(program)
+        self.ddp = _ddp(self.model)
+
+    def _stepped(self, p: Tensor) -> Tensor:
+        return self.masters.get(id(p), p)
+
+    def rewrap(self) -> None:
+        self.ddp = _ddp(self.model)
+
+    def add_group(self) -> None:
+        group = extra_group(self.model, self.lr)
+        self.params += group["params"]
+        self.optimizer.add_param_group(group)
+
+    def to_masters(self) -> None:
+        for p in self.params:
+            if id(p) in self.masters:
+                self.masters[id(p)].grad = None if p.grad is None else p.grad.float()
+
+    def from_masters(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if id(p) in self.masters:
+                    p.copy_(self.masters[id(p)])
+
+    def refresh_masters(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if id(p) in self.masters:
+                    self.masters[id(p)].copy_(p.float())
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.to_masters()
+        self.optimizer.step()
+        self.from_masters()
+        return loss
+
+    def clip(self, max_norm: float, norm_type: float, grads: list[Tensor] | None = None) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_``'s arithmetic with the norm accumulated in fp32 (as ZeRO's)."""
+        if grads is None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:  # torch's clip_grad_norm_ of no gradients
+            return torch.tensor(0.0)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+        total = norms.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def scaler_step(self, loss: Tensor, clip: tuple[float, float] | None) -> Tensor | None:
+        self.scaler.scale(loss).backward()
+        self.to_masters()
+        total = None
+        if clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            grads = [q.grad for g in self.optimizer.param_groups for q in g["params"] if q.grad is not None]
+            total = self.clip(*clip, grads=grads)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.from_masters()
+        for p in self.params:  # the scaler unscaled the masters' gradients in place: as it would the model's
+            if id(p) in self.masters and p.grad is not None:
+                p.grad.copy_(self.masters[id(p)].grad)
+        return total
+
+
+def world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()

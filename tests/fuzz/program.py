@@ -1,0 +1,203 @@
+"""Random user programs for the differential fuzzer: plain data, printable as Python-like text, no torch.distributed.
+
+A ``Program`` is a model spec (which features the model zoo's one configurable model has), a mode (how distoptim
+is set up: ZeRO-1 under DDP, the ZeRO-2 hook, ShardedDataParallel, the overlap hooks), an optimizer and a list of
+actions (``zero_grad``, ``backward``, ``step`` ... see ``ACTIONS``). ``generate(seed)`` is pure: the same seed gives
+the same program; ``Program.to_json``/``from_json`` carry a (shrunk) program to the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+# The model zoo's switches (tests/fuzz/models.py says what each adds).
+MODEL_FEATURES = (
+    "groups3",
+    "tied",
+    "unused",
+    "rank_branch",
+    "odd_branch",
+    "frozen",
+    "extra",
+    "bf16",
+    "batchnorm",
+    "conv",
+)
+
+MODES = ("zero1", "zero2_hook", "sdp", "overlap_hook")
+
+OPTIMIZERS: dict[str, list[dict[str, Any]]] = {
+    "SGD": [{"lr": 0.05}, {"lr": 0.05, "momentum": 0.9}, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1}],
+    "Adam": [{"lr": 0.01}, {"lr": 0.01, "weight_decay": 0.01}],
+    "AdamW": [{"lr": 0.01, "weight_decay": 0.1}],
+    "RMSprop": [{"lr": 0.01}],
+    "Adagrad": [{"lr": 0.05}],
+    "NAdam": [{"lr": 0.01}],
+}
+
+# Every action the interpreter knows, with the modes it makes sense in (None: all). Steps are built as blocks
+# (zero_grad, backward or hand_grad, maybe clip, step); the others are sprinkled between blocks.
+ACTIONS: dict[str, tuple[str, ...] | None] = {
+    "zero_grad": None,
+    "backward": None,
+    "hand_grad": ("zero1", "zero2_hook", "sdp"),
+    "clip": ("zero1", "zero2_hook", "sdp"),
+    "step": None,
+    "closure_step": ("zero1", "zero2_hook", "sdp"),
+    "scaler_step": ("zero1", "zero2_hook", "sdp"),
+    "sched_step": None,
+    "edit_lr": None,
+    "eval": None,
+    # DDP must be wrapped again after these; the overlap hooks refuse a second DDP for their ZeRO (documented)
+    "retype": ("zero1", "zero2_hook", "sdp"),
+    "data_clone": ("zero1", "zero2_hook", "sdp"),
+    "unfreeze": ("zero1", "zero2_hook", "sdp"),
+    "add_group": ("zero1", "zero2_hook", "sdp"),
+    "load_model": None,
+    "load_optim": None,
+    "resume": None,
+    "clamp": None,
+    "check": None,
+}
+BETWEEN = (
+    "sched_step",
+    "edit_lr",
+    "eval",
+    "retype",
+    "data_clone",
+    "unfreeze",
+    "add_group",
+    "load_model",
+    "load_optim",
+    "resume",
+    "clamp",
+    "check",
+)
+LAYERS = ("body", "head", "frozen", "extra")  # layers an action may name (models.py)
+
+
+@dataclass
+class Action:
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def text(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.args.items())})"
+
+
+@dataclass
+class Program:
+    seed: int
+    features: list[str]
+    mode: str
+    options: dict[str, Any]  # the mode's settings: partition, bucket_view, master, overlap, stepping
+    optimizer: str
+    kwargs: dict[str, Any]
+    actions: list[Action]
+
+    def text(self) -> str:
+        lines = [
+            f"# fuzz program, seed {self.seed}",
+            f"model = Model({', '.join(self.features) or 'plain'})",
+            f"mode = {self.mode}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})",
+            f"optimizer = {self.optimizer}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})",
+        ]
+        return "\n".join(lines + [a.text() for a in self.actions])
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> Program:
+        data = json.loads(text)
+        data["actions"] = [Action(**a) for a in data["actions"]]
+        return Program(**data)
+
+    def replace(self, **changes: Any) -> Program:
+        return dataclasses.replace(self, **changes)
+
+
+def _mode_options(rng: random.Random, mode: str, features: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {"partition": rng.choice(["greedy", "even"]), "bucket_view": rng.random() < 0.5}
+    options["master"] = "bf16" in features and rng.random() < 0.7
+    if mode == "sdp":
+        options["overlap"] = rng.random() < 0.5
+    if mode == "overlap_hook":
+        options["stepping"] = rng.choice(["hook", "interleaved"])
+    return options
+
+
+def _step_block(rng: random.Random, mode: str, allowed: set[str]) -> list[Action]:
+    block = []
+    if "zero_grad" in allowed:
+        via = rng.choice(["optimizer", "wrapper", "module", "bare", "param_none"])
+        block.append(Action("zero_grad", {"via": via, "set_to_none": rng.random() < 0.6}))
+    use = {a for a in ("closure_step", "scaler_step") if a in allowed and mode in (ACTIONS[a] or MODES)}
+    kind = rng.choice(["step"] * 4 + sorted(use)) if "step" in allowed or use else None
+    if kind == "closure_step":
+        block.append(Action("closure_step"))
+        return block
+    if kind == "scaler_step":  # its own scaled backward (scaler.scale(loss).backward())
+        block.append(Action("scaler_step", {"clip": rng.random() < 0.5}))
+        return block
+    if "hand_grad" in allowed and mode in (ACTIONS["hand_grad"] or ()) and rng.random() < 0.15:
+        block.append(Action("hand_grad"))
+    elif "backward" in allowed:
+        micro = rng.choice([1, 1, 2, 3])
+        block.append(Action("backward", {"micro": micro, "no_sync": micro > 1 and rng.random() < 0.6}))
+    if "clip" in allowed and mode in (ACTIONS["clip"] or ()) and rng.random() < 0.3:
+        block.append(
+            Action("clip", {"max_norm": rng.choice([0.05, 0.5, 10.0]), "norm_type": rng.choice([2.0, 1.0, "inf"])})
+        )
+    if kind is not None:
+        block.append(Action("step"))
+    return block
+
+
+def _between(rng: random.Random, name: str, features: list[str]) -> Action:
+    layers = [layer for layer in LAYERS if layer in ("body", "head") or layer in features]
+    if name == "edit_lr":
+        return Action(name, {"group": rng.randrange(2), "factor": rng.choice([0.5, 2.0])})
+    if name == "eval":
+        return Action(name, {"mode_switch": rng.random() < 0.5})
+    if name in ("retype", "data_clone", "clamp"):
+        return Action(name, {"layer": rng.choice(layers)})
+    if name == "load_model":
+        return Action(name, {"via": rng.choice(["module", "wrapper"]), "scale": rng.choice([0.5, 0.9])})
+    if name == "resume":
+        return Action(name, {"kind": rng.choice(["sharded", "consolidated"])})
+    return Action(name)
+
+
+def generate(seed: int, actions: set[str] | None = None, modes: tuple[str, ...] = MODES) -> Program:
+    """A random program (pure: the same arguments give the same program); ``actions``/``modes`` switch off the rest."""
+    rng = random.Random(seed)
+    allowed = set(ACTIONS) if actions is None else set(actions)
+    features = sorted(f for f in MODEL_FEATURES if rng.random() < 0.4)
+    mode = modes[seed % len(modes)]  # every mode equally often over consecutive seeds
+    options = _mode_options(rng, mode, features)
+    optimizer = rng.choice(sorted(OPTIMIZERS))
+    if mode == "overlap_hook" and optimizer == "NAdam":  # no functional counterpart: refused at construction
+        optimizer = "AdamW"
+    kwargs = dict(rng.choice(OPTIMIZERS[optimizer]))
+    between = [a for a in BETWEEN if a in allowed and mode in (ACTIONS[a] or MODES)]
+    if "frozen" not in features:
+        between = [a for a in between if a != "unfreeze"]
+    if "extra" not in features:
+        between = [a for a in between if a != "add_group"]
+    program: list[Action] = []
+    for _ in range(rng.randint(2, 5)):
+        program += _step_block(rng, mode, allowed)
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if between:
+                program.append(_between(rng, rng.choice(between), features))
+    used = {a.name for a in program}
+    for name in ("unfreeze", "add_group"):
+        if name in used:  # once is what a user does; a second time is a no-op or a refusal
+            first = next(i for i, a in enumerate(program) if a.name == name)
+            program = [a for i, a in enumerate(program) if a.name != name or i == first]
+    return Program(seed, features, mode, options, optimizer, kwargs, program)

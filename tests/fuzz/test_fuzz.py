@@ -1,0 +1,73 @@
+"""The differential fuzzer in CI: a fixed set of seeds at 2 ranks (every action and mode among them), and the
+fuzzer's own checks: a subject wrong on purpose is caught and shrunk, and a hang fails with its seed."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from tests.fuzz.__main__ import FAILURES, rerun_command
+from tests.fuzz.program import ACTIONS, MODES, Action, Program, generate
+from tests.fuzz.session import run_programs
+from tests.fuzz.shrink import shrink
+
+CI_SEEDS = range(0, 160)
+
+
+def test_generator_is_pure_and_covers_every_action_and_mode() -> None:
+    programs = [generate(seed) for seed in CI_SEEDS]
+    assert [p.to_json() for p in programs[:5]] == [generate(seed).to_json() for seed in range(5)]
+    assert Program.from_json(programs[3].to_json()) == programs[3]
+    used = collections.Counter(a.name for p in programs for a in p.actions)
+    assert set(used) == set(ACTIONS), f"actions the CI seeds never run: {set(ACTIONS) - set(used)}"
+    assert {p.mode for p in programs} == set(MODES)
+    options = {(p.mode, k, str(v)) for p in programs for k, v in p.options.items()}
+    for mode, key, value in [
+        ("sdp", "overlap", "True"),
+        ("sdp", "overlap", "False"),
+        ("zero1", "master", "True"),
+        ("overlap_hook", "stepping", "hook"),
+        ("overlap_hook", "stepping", "interleaved"),
+    ]:
+        assert (mode, key, value) in options
+
+
+def _sabotaged(kind: str) -> Program:
+    actions = [
+        Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+        Action("backward", {"micro": 2, "no_sync": True}),
+        Action("step"),
+        Action("edit_lr", {"group": 0, "factor": 0.5}),
+        Action("check"),
+    ]
+    options = {"partition": "even", "bucket_view": True, "master": False, "sabotage": kind}
+    return Program(10**6, ["tied"], "zero1", options, "SGD", {"lr": 0.05, "momentum": 0.9}, actions)
+
+
+def test_a_wrong_subject_is_caught_and_shrunk() -> None:
+    program = _sabotaged("lr")
+    [verdict] = run_programs([program])
+    assert verdict["category"] == "mismatch", verdict
+    small = shrink(program, "mismatch", run_programs)
+    assert [a.name for a in small.actions] == ["backward", "step"] or len(small.actions) < len(program.actions)
+    assert not small.features and small.options["partition"] == "greedy", small.text()
+    assert "--program" in rerun_command(small, 2)
+
+
+def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
+    fine = generate(0)
+    verdicts = run_programs([fine, _sabotaged("hang"), fine], pg_timeout=3.0)
+    assert [v["category"] for v in verdicts] == [verdicts[0]["category"], "hang", verdicts[0]["category"]], verdicts
+
+
+def test_ci_seeds() -> None:
+    programs = [generate(seed) for seed in CI_SEEDS]
+    verdicts = run_programs(programs, 2)
+    failed = [(p, v) for p, v in zip(programs, verdicts) if v["category"] in FAILURES]
+    if failed:
+        lines = [f"seed {p.seed} ({p.mode}): {v['category']}: {str(v['detail'][:1])[:300]}" for p, v in failed]
+        pytest.fail(
+            f"{len(failed)} of {len(programs)} fuzz programs failed (rerun one with python -m tests.fuzz "
+            "--only SEED --shrink):\n" + "\n".join(lines)
+        )
