@@ -1,7 +1,19 @@
 """Functional optimizers: ``torch.optim`` update rules that take gradients as arguments (``optimizers``: one generic
 class; ``kernels``: the table of ``torch.optim`` functional kernels it runs). Imports torch only."""
 
-from distoptim.functional.optimizers import FunctionalAdadelta, FunctionalAdagrad, FunctionalAdam, FunctionalAdamax, FunctionalAdamW, FunctionalOptimizer, FunctionalRMSprop, FunctionalRprop, FunctionalSGD, as_functional_optim, functional_class_for
+from distoptim.functional.optimizers import (
+    FunctionalAdadelta,
+    FunctionalAdagrad,
+    FunctionalAdam,
+    FunctionalAdamax,
+    FunctionalAdamW,
+    FunctionalOptimizer,
+    FunctionalRMSprop,
+    FunctionalRprop,
+    FunctionalSGD,
+    as_functional_optim,
+    functional_class_for,
+)
 
 __all__ = [
     "FunctionalAdadelta",
