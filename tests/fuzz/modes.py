@@ -145,8 +145,15 @@ class Oracle:
     def _stepped(self, p: Tensor) -> Tensor:
         return self.masters.get(id(p), p)
 
-    def rewrap(self) -> None:
+    def rewrap(self, keep_buffers: bool = False) -> None:
+        """DDP again after parameters got new storage (DDP does not follow them). Its construction broadcasts rank
+        0's buffers; ``keep_buffers``: each rank keeps its own, as a DDP that followed the storage would (where the
+        subject is not rewrapped: ShardedDataParallel follows the storage itself)."""
+        buffers = [b.detach().clone() for b in self.model.buffers()] if keep_buffers else []
         self.ddp = _ddp(self.model)
+        with torch.no_grad():
+            for buffer, saved in zip(self.model.buffers(), buffers):
+                buffer.copy_(saved)
 
     def add_group(self) -> None:
         group = extra_group(self.model, self.lr)

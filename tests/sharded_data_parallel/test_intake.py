@@ -225,3 +225,24 @@ def _sparse_body(rank: int, world_size: int, where: str) -> str:
 def test_sparse_gradients_are_refused_on_every_rank(where: str) -> None:
     for outcome in run_on_ranks(_sparse_body, 2, where, timeout=60):
         assert "sparse" in outcome and "embed" in outcome, outcome
+
+
+# ------------------------------------------- a hand-set .grad on a parameter the backward did not reach; reads
+def _unreached_body(rank: int, world_size: int) -> None:
+    """A hand-set (zero) ``.grad`` on ``side``, then a backward that does not use ``side``: DDP leaves the ``.grad``
+    as set and the plain optimizer steps it (weight decay); so must the step here. And in the default mode every
+    rank reads the stepped parameters right after ``step()``, without a forward (an EMA of the weights, logging)."""
+    for partition in PARTITIONS:
+        model, zero, sdp, reference, ddp, plain = _pair(partition)
+        for ours, wrapper, optimizer in ((model, sdp, zero), (reference, ddp, plain)):
+            ours.side.weight.grad, ours.side.bias.grad = torch.zeros_like(ours.side.weight), torch.zeros(6)
+            wrapper(_x(rank, 0), use_side=False).square().mean().backward()
+            optimizer.step()
+        _compare(model, reference, f"{partition}: a hand-set .grad the backward did not reach")
+        gathered = [torch.empty(6) for _ in range(world_size)]
+        dist.all_gather(gathered, model.layers[0].bias.detach().clone())
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{partition}: ranks read different parameters"
+
+
+def test_a_hand_set_grad_the_backward_did_not_reach_is_stepped_and_reads_after_step_agree() -> None:
+    run_on_ranks(_unreached_body, 2, timeout=120)

@@ -316,6 +316,7 @@ class OwnedGradients:
                 param = self.params[slot.index]
                 grad = param.grad  # one this backward did not reach: no_sync()'s or set by hand, not a marker
                 if slot.index not in self._filled and grad is not None and not self._is_marker(slot.index, grad):
+                    self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
                     self._fill(bucket, slot, param)
             self._launch(bucket)
         while self._in_flight:

@@ -56,7 +56,10 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: the dtype gradients are reduced and kept in (``torch.float32`` for a bf16 model); default:
             the parameters' dtype.
         overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward to wait for
-            bucket by bucket (default True); False: ``step()`` returns with every parameter synced.
+            bucket by bucket; then read or write parameters outside the forward only after ``sync_finished()``
+            (a read before it is stale on the ranks not owning the element). Default False: ``step()`` returns
+            with every parameter synced, so anything may read them (an EMA of the weights, logging); on this
+            machine the overlap gained nothing measurable (``docs/report``).
 
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
@@ -85,7 +88,7 @@ class ShardedDataParallel(nn.Module):
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
         reduce_dtype: torch.dtype | None = None,
-        overlap_param_sync: bool = True,
+        overlap_param_sync: bool = False,
     ) -> None:
         """Wrap ``module`` so that its gradients reach ``zero``'s owners bucket by bucket during the backward.
 
@@ -97,7 +100,7 @@ class ShardedDataParallel(nn.Module):
         - ``broadcast_buffers``: broadcast rank 0's buffers before each forward, as DDP does (default True).
         - ``reduce_dtype``: the dtype gradients are reduced and kept in (default: the parameters').
         - ``overlap_param_sync``: leave the parameter sync in flight after ``step()`` for the next forward
-          (default True).
+          (default False: ``step()`` returns with every parameter synced).
         """
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -322,7 +325,8 @@ def _check(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any,
     if zero.overlap_stepper is not None:
         raise ValueError(
             "ShardedDataParallel reduces the gradients itself and zero.step() steps after the backward: build the "
-            "ZeroRedundancyOptimizer without overlap_with_ddp (the parameter sync overlaps the next forward instead)"
+            "ZeroRedundancyOptimizer without overlap_with_ddp (overlap_param_sync=True overlaps the parameter sync "
+            "with the next forward instead)"
         )
     if zero._gradient_store is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")

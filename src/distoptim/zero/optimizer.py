@@ -459,6 +459,13 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             self._repartition()
         self.local_shard.reseed_masters()
 
+    def _masters_follow_parameters(self) -> None:
+        """Before a checkpoint takes the master copies: re-seed those whose parameters were written since the last
+        step (a write after the last step would otherwise be saved as the old master). A parameter given new storage
+        since is compared where it was (harmless: that memory holds what it held); the next step places it again
+        and compares it where it is."""
+        self.local_shard.reseed_masters()
+
     def _use_regions(self, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
         (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""

@@ -55,6 +55,7 @@ class ZeroParts(Protocol):
     def sync_finished(self) -> None: ...
     def sync_parameters(self) -> None: ...
     def _push_hyperparameters(self) -> None: ...
+    def _masters_follow_parameters(self) -> None: ...
     def _agreed(self, action: Callable[[], Any]) -> Any: ...
     def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]: ...
 
@@ -203,6 +204,7 @@ class Joining:
 def _consolidate(zero: ZeroParts, to: int) -> None:
     checkpoint.agree_on_target(to, zero.world_size, zero.process_group)
     zero.sync_finished()
+    zero._masters_follow_parameters()
     mine = zero.local_shard.global_state(zero.local_optimizer.state)
     merged = checkpoint.gather_state(mine, to, zero.process_group, zero._comm_device)
     zero._consolidated = None if merged is None else dict(sorted(stitch(merged, zero.global_params).items()))
@@ -240,6 +242,7 @@ def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
 
 def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
     zero.sync_finished()
+    zero._masters_follow_parameters()
     shard, state = zero.local_shard, zero.local_optimizer.state
     placeholders = sharded.template_state(shard, zero.local_optimizer.step, state)
     groups = pickle.dumps(checkpoint.global_param_groups(zero.param_groups))
