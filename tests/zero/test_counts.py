@@ -232,7 +232,7 @@ def _reads_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], i
             lr=0.01,
         )
         if reduction == "sharded":
-            ddp: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
+            ddp: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004, overlap_param_sync=True)
         else:
             ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
             register(ddp, zero, reduction, stepping)
