@@ -23,6 +23,7 @@ from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, placement, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.local_optimizer import CLASS_KEY, whole_tensor_weights
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
@@ -414,13 +415,25 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             ```
         """
         if not self._ready:
-            super().add_param_group(param_group)
+            self._add_group(param_group)
             return
         group = validation.agreed_param_group(
             param_group, self._optimizer_class, self.param_groups, self._defaults, self.process_group
         )
-        super().add_param_group(group)
+        self._add_group(group)
         self._repartition()
+
+    def _add_group(self, group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
+        (its class's own fill it in, ``local_optimizer.py``)."""
+        if CLASS_KEY not in group:
+            super().add_param_group(group)
+            return
+        constructor_defaults, self.defaults = self.defaults, {}
+        try:
+            super().add_param_group(group)
+        finally:
+            self.defaults = constructor_defaults
 
     def _repartition(self, fresh: bool = False, in_place: bool = False) -> None:
         """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
@@ -428,6 +441,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         if self._sync is not None:
             self._sync.finish()
         params, previous_shard = self.global_params, self._shard
+        whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
         placed = placement.place(
             params,
             self.param_groups,
@@ -435,6 +449,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             previous=None if fresh else self._plan,
             region_numel=self._region_numel,
             moving_within=self._sync if in_place else None,
+            whole=whole,
+            costs=costs,
         )
         self._placement = placed
         self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
