@@ -258,9 +258,7 @@ def test_newton_schulz_cost_is_balanced_on_a_llama_model(world_size: int) -> Non
     costs = [newton_schulz_cost(s) for s in shapes]
     numels = [int(torch.Size(s).numel()) for s in shapes]
     for mode in ("greedy", "even"):
-        plan = partition_parameters(
-            numels, [True] * len(shapes), world_size, mode=mode, whole=whole, costs=costs
-        )
+        plan = partition_parameters(numels, [True] * len(shapes), world_size, mode=mode, whole=whole, costs=costs)
         loads = [0] * world_size
         for index in range(len(matrices)):
             (fragment,) = plan.fragments[index]  # never cut
@@ -295,4 +293,3 @@ def _refusals_body(rank: int, world_size: int) -> None:
 
 def test_refusals_and_per_group_classes_on_every_rank() -> None:
     run_on_ranks(_refusals_body, 2, timeout=120)
-

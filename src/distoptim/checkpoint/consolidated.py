@@ -204,7 +204,10 @@ def check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: 
     name the class the group names (``optimizer_class``, a per-group key), if any."""
     own, theirs = group.get("optimizer_class"), saved.get("optimizer_class")
     if own is not theirs:
-        shown = [getattr(cls, "__qualname__", "the constructor's optimizer_class") if cls else "none" for cls in (theirs, own)]
+        shown = [
+            getattr(cls, "__qualname__", "the constructor's optimizer_class") if cls else "none"
+            for cls in (theirs, own)
+        ]
         raise ValueError(
             f"param group {number} of the state dict names optimizer_class {shown[0]}, but this optimizer's names "
             f"{shown[1]}: load a state dict saved with the same optimizer class per group"

@@ -33,7 +33,9 @@ __all__ = [
 
 CLASS_KEY = "optimizer_class"
 
-Kind = tuple[type, bool]  # (the torch.optim class, whether the group named it: then the constructor's defaults don't apply)
+Kind = tuple[
+    type, bool
+]  # (the torch.optim class, whether the group named it: then the constructor's defaults don't apply)
 
 
 def group_class(group: dict[str, Any], default: type) -> type:
@@ -85,7 +87,7 @@ class CompositeOptimizer(Optimizer):
         for group in groups:
             self.add_param_group(group)
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [self.parts[kind].param_groups[number] for kind, number in self._order]
 
@@ -94,7 +96,7 @@ class CompositeOptimizer(Optimizer):
         if value:
             raise AttributeError("a CompositeOptimizer's param groups are its parts': use add_param_group")
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> defaultdict[Tensor, Any]:
         return self._shared
 
@@ -135,7 +137,7 @@ class CompositeOptimizer(Optimizer):
         per_part: dict[Hashable, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in self.parts}
         for (kind, _), saved in zip(self._order, state_dict["param_groups"]):
             part = per_part[kind]
-            numbers = []
+            numbers: list[int] = []
             for saved_position in saved["params"]:
                 number = sum(len(g["params"]) for g in part["param_groups"]) + len(numbers)
                 if saved_position in state_dict["state"]:

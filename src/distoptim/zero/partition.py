@@ -276,7 +276,9 @@ def _whole_region(
         for rank in range(owner + 1, world_size + 1):
             ends[rank] += numels[index]
     params = tuple(index for _, index in kept)
-    return LayoutPlan(layout.key, layout.params + params, layout.positions + tuple(positions), (*layout.bounds, tuple(ends)))
+    return LayoutPlan(
+        layout.key, layout.params + params, layout.positions + tuple(positions), (*layout.bounds, tuple(ends))
+    )
 
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:

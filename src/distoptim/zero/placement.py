@@ -21,8 +21,8 @@ from torch.optim import Optimizer
 from distoptim.comm import collectives as comm
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
 from distoptim.zero.layouts import layouts_from_plan
-from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optimizer, kind_of
+from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard
 
 __all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "is_stale", "place"]
@@ -67,8 +67,9 @@ def place(
     costs: Sequence[int] | None = None,
 ) -> Placement:
     """Place the parameters ``previous`` has no owner for (all of them without one) and build the shard and the
-    sync. ``whole``/``costs``: parameters never cut and what each costs to step (``partition_parameters``). ``moving_within``: bucket views move within that sync's buffers (only where no autograd graph can hold
-    views of them). The caller finishes any sync in flight first."""
+    sync. ``moving_within``: bucket views move within that sync's buffers (only where no autograd graph can hold
+    views of them). ``whole``/``costs``: parameters never cut and what each costs to step (``partition_parameters``).
+    The caller finishes any sync in flight first."""
     trainability = tuple(p.requires_grad for p in params)
     plan = partition_parameters(
         [p.numel() for p in params],
