@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distoptim
-from distoptim import ZeroRedundancyOptimizer, checkpoint
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, checkpoint
 from distoptim.hooks import reduce_to_owners_hook
 from distoptim.zero.partition import newton_schulz_cost, partition_parameters
 from tests._dist import run_on_ranks
@@ -161,6 +161,24 @@ def _parity_body(rank: int, world_size: int) -> None:
     ddp.register_comm_hook(zero, reduce_to_owners_hook)
     _train(ddp, zero, rank, steps)
     assert _distance(model, reference.model) <= tolerance, (_distance(model, reference.model), tolerance)
+    # ShardedDataParallel: each whole matrix's gradient delivered whole to its owner, the rest cut evenly
+    for partition in ("greedy", "even"):
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            model = Block()
+            zero = ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, partition=partition, **ADAMW)
+            sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.004, overlap_param_sync=overlap)
+            _train(sdp, zero, rank, steps)
+            zero.sync_finished()
+            for param in model.matrices():
+                (fragment,) = zero.fragments_of(param) or ()
+                assert fragment.length == param.numel()
+            distance = _distance(model, reference.model)
+            assert distance <= tolerance, (f"ShardedDataParallel {partition} {overlap}", distance, tolerance)
+    # master weights: a float32 model stepped through float32 masters is the plain run, bit for bit
+    model, ddp, zero = _zero_model(partition="even", master_dtype=torch.float32)
+    _train(ddp, zero, rank, steps)
+    assert _distance(model, reference.model) == 0, "master_dtype"
     # clipping over all groups, before orthogonalization, as torch's clip on DDP's gradient
     clipped = Reference()
     clipped.train(rank, steps, clip=0.5)
