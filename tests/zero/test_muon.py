@@ -293,16 +293,30 @@ def _refusals_body(rank: int, world_size: int) -> None:
     cases = [
         ([{"params": [model.norm1.weight], "optimizer_class": torch.optim.Muon}], {}, "vector or scalar"),
         ([{"params": [conv.weight], "optimizer_class": torch.optim.Muon}], {}, "flattening it to a matrix"),
+        ([{"params": [conv.weight], "optimizer_class": torch.optim.LBFGS}], {}, "couples every parameter"),
         (groups, {"overlap_with_ddp": True}, "overlap_with_ddp=True steps every group"),
         ([{"params": [model.q.weight], "optimizer_class": torch.optim.Muon(model.matrices())}], {}, "pass the class"),
     ]
     for params, kwargs, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             ZeroRedundancyOptimizer(params, torch.optim.AdamW, **kwargs)
+    with pytest.raises(ValueError, match="vector or scalar"):  # the constructor's class is Muon
+        ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.Muon)
+    with pytest.raises(ValueError, match="has none"):
+        ZeroRedundancyOptimizer(model.matrices(), torch.optim.Muon, overlap_with_ddp=True)
     # add_param_group takes the key, and the constructor's class may be Muon or Adafactor itself
     zero = ZeroRedundancyOptimizer([groups[1]], torch.optim.AdamW, lr=1e-3)
+    model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+    zero.step()
+    before = {id(p): {k: v.clone() for k, v in zero.state[p].items()} for p in groups[1]["params"] if p in zero.state}
     zero.add_param_group(groups[0])
     assert zero.param_groups[1]["optimizer_class"] is torch.optim.Muon and "betas" not in zero.param_groups[1]
+    assert zero.param_groups[1]["lr"] == MUON["lr"] and zero.param_groups[0]["lr"] == 1e-3
+    for p in groups[1]["params"]:  # the AdamW state survives the switch to one optimizer per class
+        if id(p) in before:
+            assert all(torch.equal(zero.state[p][k], v) for k, v in before[id(p)].items())
+    zero.step()
+    assert sum(1 for p in model.matrices() if p in zero.state) == len(zero.local_shard.groups[1])
     for cls in (torch.optim.Muon, torch.optim.Adafactor):
         zero = ZeroRedundancyOptimizer(model.matrices(), cls, partition="even")
         assert all(len(zero.fragments_of(p) or ()) == 1 for p in model.matrices())

@@ -143,7 +143,7 @@ def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, d
     memory), so it can neither touch the parameters nor allocate eager state (Adagrad's) for all of them. A class
     that fails on meta tensors for another reason than its arguments is tried once more on the real parameters.
     """
-    check_group_classes(groups)
+    check_group_classes(groups, optimizer_class)
     with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
         warnings.simplefilter("ignore")
         try:
@@ -154,17 +154,17 @@ def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, d
             build_local_optimizer([dict(group) for group in groups], optimizer_class, defaults)
 
 
-def check_group_classes(groups: ParamGroups) -> None:
+def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
     """Each group's own ``optimizer_class`` is a class we can shard, and a Muon group holds matrices only (torch's
     Muon orthogonalizes 2-D gradients; it would refuse others at the first step, on the ranks that own them)."""
     for index, group in enumerate(groups):
-        if CLASS_KEY not in group:
-            continue
-        try:
-            cls = check_optimizer_class(group[CLASS_KEY])
-        except TypeError as error:
-            raise TypeError(f"param group {index}: 'optimizer_class': {error}") from None
-        check_coupled(cls)
+        cls = optimizer_class
+        if CLASS_KEY in group:
+            try:
+                cls = check_optimizer_class(group[CLASS_KEY])
+            except TypeError as error:
+                raise TypeError(f"param group {index}: 'optimizer_class': {error}") from None
+            check_coupled(cls)
         if not issubclass(cls, torch.optim.Muon):
             continue
         for position, param in enumerate(group["params"]):
