@@ -43,7 +43,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
     Args:
         params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors or of
             param-group dicts. Every rank must pass the same parameters (shapes, dtypes, ``requires_grad``, groups)
-            in the same order; a mismatch raises on every rank.
+            in the same order; a mismatch raises on every rank. A group may name its own ``"optimizer_class"``
+            (``torch.optim.Muon`` for the matrices beside AdamW): it then takes that class's defaults, not
+            ``**defaults`` (see the Muon guide).
         optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
             ``distoptim.functional`` class. Pass the class, not an instance.
         process_group: the group to shard over; ``None`` is the default (world) group.
@@ -54,8 +56,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop); default False.
         partition: ``"greedy"`` (default, torch's: each parameter whole on one rank, sorted-greedy by size) or
             ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
-            largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
-            update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
+            largest shard is within ``world_size - 1`` elements of the ideal). Either way, parameters of an
+            optimizer that is not elementwise (Muon, Adafactor) are never cut: each is owned whole by one rank,
+            balanced by cost (Muon: Newton-Schulz's ``m * n * min(m, n)``) among themselves.
         master_dtype: step a copy in this dtype (``torch.float32`` for a bf16 model) of this rank's fragments of
             lower-precision parameters, rounded into them after each step; ``None`` (default): step the parameters.
         replicate_group: hybrid sharding (shard within a node, replicate across nodes): the ranks that hold this
@@ -78,8 +81,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             an optimizer class (an instance, say), ``process_group`` is not a group (a learning rate passed
             positionally), or ``master_dtype`` is not a floating-point dtype.
         ValueError: on every rank, when any rank's arguments are refused (an empty or sparse parameter list,
-            ``partition="even"`` with an optimizer that is not elementwise, a hyperparameter ``optimizer_class``
-            rejects, an unknown ``$DISTOPTIM_COLLECTIVES``), when the ranks disagree on parameters or settings, or
+            a hyperparameter ``optimizer_class`` rejects, a parameter that is not a matrix in a Muon group, a group
+            naming another class under ``overlap_with_ddp=True``, an unknown ``$DISTOPTIM_COLLECTIVES``), when the ranks disagree on parameters or settings, or
             when ``replicate_group`` does not hold this shard's replicas.
 
     Example:
