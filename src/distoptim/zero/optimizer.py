@@ -82,8 +82,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             positionally), or ``master_dtype`` is not a floating-point dtype.
         ValueError: on every rank, when any rank's arguments are refused (an empty or sparse parameter list,
             a hyperparameter ``optimizer_class`` rejects, a parameter that is not a matrix in a Muon group, a group
-            naming another class under ``overlap_with_ddp=True``, an unknown ``$DISTOPTIM_COLLECTIVES``), when the ranks disagree on parameters or settings, or
-            when ``replicate_group`` does not hold this shard's replicas.
+            naming another class under ``overlap_with_ddp=True``, an unknown ``$DISTOPTIM_COLLECTIVES``), when the
+            ranks disagree on parameters or settings, or when ``replicate_group`` does not hold this shard's
+            replicas.
 
     Example:
         ```python
