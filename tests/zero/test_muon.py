@@ -175,10 +175,36 @@ def _parity_body(rank: int, world_size: int) -> None:
                 assert fragment.length == param.numel()
             distance = _distance(model, reference.model)
             assert distance <= tolerance, (f"ShardedDataParallel {partition} {overlap}", distance, tolerance)
-    # master weights: a float32 model stepped through float32 masters is the plain run, bit for bit
-    model, ddp, zero = _zero_model(partition="even", master_dtype=torch.float32)
-    _train(ddp, zero, rank, steps)
-    assert _distance(model, reference.model) == 0, "master_dtype"
+    # master weights: a bfloat16 model, its owned pieces stepped as float32 copies, as plain optimizers on float32
+    # copies of every parameter (gradients upcast, results rounded back)
+    torch.manual_seed(0)
+    plain_model = Block().to(torch.bfloat16)
+    plain_ddp = DDP(plain_model)
+    copies = {p: p.detach().float().requires_grad_() for p in plain_model.parameters()}
+    muon_params, rest = (g["params"] for g in _groups(plain_model, muon_key=False))
+    plain = [
+        torch.optim.Muon([copies[p] for p in muon_params], **MUON),
+        torch.optim.AdamW([copies[p] for p in rest], **ADAMW),
+    ]
+    for step in steps:
+        plain_model.zero_grad()
+        _loss(plain_ddp, rank, step).backward()
+        for p, copy_ in copies.items():
+            copy_.grad = p.grad.float()
+        for optim in plain:
+            optim.step()
+        with torch.no_grad():
+            for p, copy_ in copies.items():
+                p.copy_(copy_)
+    for partition in ("greedy", "even"):
+        torch.manual_seed(0)
+        model = Block().to(torch.bfloat16)
+        ddp = DDP(model)
+        zero = ZeroRedundancyOptimizer(
+            _groups(model), torch.optim.AdamW, partition=partition, master_dtype=torch.float32, **ADAMW
+        )
+        _train(ddp, zero, rank, steps)
+        assert _distance(model, plain_model) == 0, f"master_dtype, {partition}"
     # clipping over all groups, before orthogonalization, as torch's clip on DDP's gradient
     clipped = Reference()
     clipped.train(rank, steps, clip=0.5)
@@ -221,6 +247,11 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
                 zero2.load_sharded_state_dict(shard["optim"])
             _train(ddp2, zero2, rank, range(2, 4))
             assert _distance(resumed, reference.model) == 0, load
+        torch.manual_seed(0)
+        other = Block()  # the same groups, all AdamW: the Muon group's checkpoint does not load into it
+        adamw_only = ZeroRedundancyOptimizer(_groups(other, muon_key=False), torch.optim.AdamW, **ADAMW)
+        with pytest.raises(ValueError, match="names optimizer_class Muon"):
+            adamw_only.load_state_dict(state)
         return {"state": state, "model": model_state, "dir": saved_dir}
     for load in ("consolidated", "sharded"):  # at 3 ranks: plain optimizers loaded from the consolidated dict
         reference = Reference()
