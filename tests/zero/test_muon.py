@@ -356,3 +356,19 @@ def _refusals_body(rank: int, world_size: int) -> None:
 
 def test_refusals_and_per_group_classes_on_every_rank() -> None:
     run_on_ranks(_refusals_body, 2, timeout=120)
+
+
+def test_whole_tensors_stay_whole_when_an_even_plan_grows() -> None:
+    numels, whole, costs = [100, 50, 30, 40, 60], [False, True, True, False, True], [100, 500, 300, 40, 600]
+    plan = partition_parameters(numels, [True] * 5, 2, mode="even", whole=whole, costs=costs)
+    grown = partition_parameters(
+        [*numels, 20, 30], [True] * 7, 2, plan, mode="even", whole=[*whole, True, False], costs=[*costs, 20, 30]
+    )
+    assert grown.fragments[:5] == plan.fragments  # what was placed stays put
+    for index, is_whole in enumerate([*whole, True, False]):
+        if is_whole:
+            (fragment,) = grown.fragments[index]
+            assert fragment.length == grown.numels[index]
+    # whole ones balanced by cost among themselves (600 | 500 + 300), the new one to the lighter rank
+    assert [grown.owners[i] for i in (4, 1, 2, 5)] == [0, 1, 1, 0]
+    assert grown.owners[0] == grown.owners[6] == -2  # elementwise ones cut evenly (these straddle ranks)
