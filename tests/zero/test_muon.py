@@ -372,3 +372,15 @@ def test_whole_tensors_stay_whole_when_an_even_plan_grows() -> None:
     # whole ones balanced by cost among themselves (600 | 500 + 300), the new one to the lighter rank
     assert [grown.owners[i] for i in (4, 1, 2, 5)] == [0, 1, 1, 0]
     assert grown.owners[0] == grown.owners[6] == -2  # elementwise ones cut evenly (these straddle ranks)
+
+
+def test_whole_tensors_are_cut_into_buckets_but_never_cut() -> None:
+    """ShardedDataParallel's regions (``region_numel``): whole-tensor parameters fill regions of their own, each
+    parameter inside its owner's range."""
+    numels, whole = [100, 50, 30, 40, 60], [False, True, True, False, True]
+    plan = partition_parameters(numels, [True] * 5, 2, mode="even", whole=whole, region_numel={0: 60})
+    (layout,) = plan.layouts
+    assert len(layout.bounds) == 3 + 2  # three whole-tensor regions (60 | 30 | 50), two for the others
+    for index in (1, 2, 4):
+        (fragment,) = plan.fragments[index]
+        assert fragment.length == numels[index]

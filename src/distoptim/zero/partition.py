@@ -24,8 +24,8 @@ the end of their layout, cut evenly by itself).
 Whole-tensor parameters (``whole``: those of optimizers that are not elementwise, Muon, Adafactor) are never cut,
 in either mode: each is one fragment on one rank, chosen by ``costs`` (Muon: its Newton-Schulz cost), largest first
 to the least-costly rank (ties to the lowest), balanced among themselves only: the elementwise parameters are
-balanced by element count without them. In an even layout each growth's whole-tensor parameters form a region of
-their own, ordered rank by rank (unequal ranges, as a greedy layout has).
+balanced by element count without them. In an even layout each growth's whole-tensor parameters form regions of
+their own (cut like the others by ``region_numel``), ordered rank by rank (unequal ranges, as a greedy layout has).
 """
 
 from __future__ import annotations
@@ -241,17 +241,17 @@ def _grown_even_layouts(
     owners: Sequence[int],
 ) -> list[LayoutPlan]:
     """Previous layouts as they were, the new parameters of each key appended to its layout in regions of their own
-    (one, or of at most ``region_numel[key]`` elements each), each region cut evenly; then the new whole-tensor
-    parameters in one region, rank by rank (each inside its owner's range)."""
+    (one, or of at most ``region_numel[key]`` elements each): first the whole-tensor ones, each region rank by rank
+    (each parameter inside its owner's range), then the others, each region cut evenly."""
     layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
     for key in dict.fromkeys(keys[index] for index in new):
         members = [index for index in new if keys[index] == key and numels[index] > 0 and not whole[index]]
-        kept = sorted((owners[i], i) for i in new if keys[i] == key and numels[i] > 0 and whole[i])
+        kept = [i for i in new if keys[i] == key and numels[i] > 0 and whole[i]]
         if not members and not kept:
             continue
         layout = layouts.get(key, LayoutPlan(key, (), (), ()))
-        if kept:
-            layout = _whole_region(layout, kept, numels, world_size)
+        for run in _regions(kept, numels, region_numel.get(key)) if kept else ():
+            layout = _whole_region(layout, sorted((owners[i], i) for i in run), numels, world_size)
         for region in _regions(members, numels, region_numel.get(key)):
             start = layout.numel
             positions = list(itertools.accumulate((numels[i] for i in region[:-1]), initial=start))
