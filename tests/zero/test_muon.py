@@ -205,6 +205,24 @@ def _parity_body(rank: int, world_size: int) -> None:
         )
         _train(ddp, zero, rank, steps)
         assert _distance(model, plain_model) == 0, f"master_dtype, {partition}"
+    # torch.amp.GradScaler drives the composite like one optimizer: the same scaled steps as plain optimizers
+    scaled_ref = Reference()
+    scaler_ref = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    model, ddp, zero = _zero_model(partition="even")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    for step in steps:
+        for optim in (scaled_ref.muon, scaled_ref.adamw):
+            optim.zero_grad()
+        scaler_ref.scale(_loss(scaled_ref.ddp, rank, step)).backward()
+        scaler_ref.step(scaled_ref.muon)
+        scaler_ref.step(scaled_ref.adamw)
+        scaler_ref.update()
+        zero.zero_grad()
+        scaler.scale(_loss(ddp, rank, step)).backward()
+        scaler.step(zero)
+        scaler.update()
+    assert scaler.get_scale() == scaler_ref.get_scale()
+    assert _distance(model, scaled_ref.model) == 0, "GradScaler"
     # clipping over all groups, before orthogonalization, as torch's clip on DDP's gradient
     clipped = Reference()
     clipped.train(rank, steps, clip=0.5)
