@@ -180,7 +180,7 @@ def select_shard(
         for index, param in zip(saved["params"], group["params"]):
             if index in state_dict["state"]:
                 by_param[param] = state_dict["state"][index]
-                _check_state_shapes(by_param[param], param, index, optimizer_class)
+                _check_state_shapes(by_param[param], param, index, group.get("optimizer_class", optimizer_class))
     hyperparameters = [{k: v for k, v in saved.items() if k != "params"} for saved in saved_groups]
     return by_param, hyperparameters
 
@@ -200,7 +200,19 @@ def _hyperparameter_names(optimizer_class: type) -> set[str]:
 
 
 def check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: int, optimizer_class: type) -> None:
-    """A saved group must carry the hyperparameters this optimizer's groups have (an SGD dict has no 'betas')."""
+    """A saved group must carry the hyperparameters this optimizer's groups have (an SGD dict has no 'betas'), and
+    name the class the group names (``optimizer_class``, a per-group key), if any."""
+    own, theirs = group.get("optimizer_class"), saved.get("optimizer_class")
+    if own is not theirs:
+        shown = [
+            getattr(cls, "__qualname__", "the constructor's optimizer_class") if cls else "none"
+            for cls in (theirs, own)
+        ]
+        raise ValueError(
+            f"param group {number} of the state dict names optimizer_class {shown[0]}, but this optimizer's names "
+            f"{shown[1]}: load a state dict saved with the same optimizer class per group"
+        )
+    optimizer_class = own or optimizer_class
     missing = sorted(name for name in _hyperparameter_names(optimizer_class) & group.keys() if name not in saved)
     if missing:
         name = torch_class_of(optimizer_class).__qualname__

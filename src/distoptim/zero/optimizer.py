@@ -23,6 +23,7 @@ from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, placement, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.local_optimizer import CLASS_KEY, whole_tensor_weights
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
@@ -42,7 +43,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
     Args:
         params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors or of
             param-group dicts. Every rank must pass the same parameters (shapes, dtypes, ``requires_grad``, groups)
-            in the same order; a mismatch raises on every rank.
+            in the same order; a mismatch raises on every rank. A group may name its own ``"optimizer_class"``
+            (``torch.optim.Muon`` for the matrices beside AdamW): it then takes that class's defaults, not
+            ``**defaults`` (see the Muon guide).
         optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
             ``distoptim.functional`` class. Pass the class, not an instance.
         process_group: the group to shard over; ``None`` is the default (world) group.
@@ -53,8 +56,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop); default False.
         partition: ``"greedy"`` (default, torch's: each parameter whole on one rank, sorted-greedy by size) or
             ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
-            largest shard is within ``world_size - 1`` elements of the ideal). ``"even"`` needs an optimizer whose
-            update is elementwise (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam).
+            largest shard is within ``world_size - 1`` elements of the ideal). Either way, parameters of an
+            optimizer that is not elementwise (Muon, Adafactor) are never cut: each is owned whole by one rank,
+            balanced by cost (Muon: Newton-Schulz's ``m * n * min(m, n)``) among themselves.
         master_dtype: step a copy in this dtype (``torch.float32`` for a bf16 model) of this rank's fragments of
             lower-precision parameters, rounded into them after each step; ``None`` (default): step the parameters.
         replicate_group: hybrid sharding (shard within a node, replicate across nodes): the ranks that hold this
@@ -77,9 +81,10 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             an optimizer class (an instance, say), ``process_group`` is not a group (a learning rate passed
             positionally), or ``master_dtype`` is not a floating-point dtype.
         ValueError: on every rank, when any rank's arguments are refused (an empty or sparse parameter list,
-            ``partition="even"`` with an optimizer that is not elementwise, a hyperparameter ``optimizer_class``
-            rejects, an unknown ``$DISTOPTIM_COLLECTIVES``), when the ranks disagree on parameters or settings, or
-            when ``replicate_group`` does not hold this shard's replicas.
+            a hyperparameter ``optimizer_class`` rejects, a parameter that is not a matrix in a Muon group, a group
+            naming another class under ``overlap_with_ddp=True``, an unknown ``$DISTOPTIM_COLLECTIVES``), when the
+            ranks disagree on parameters or settings, or when ``replicate_group`` does not hold this shard's
+            replicas.
 
     Example:
         ```python
@@ -414,13 +419,25 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             ```
         """
         if not self._ready:
-            super().add_param_group(param_group)
+            self._add_group(param_group)
             return
         group = validation.agreed_param_group(
             param_group, self._optimizer_class, self.param_groups, self._defaults, self.process_group
         )
-        super().add_param_group(group)
+        self._add_group(group)
         self._repartition()
+
+    def _add_group(self, group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
+        (its class's own fill it in, ``local_optimizer.py``)."""
+        if CLASS_KEY not in group:
+            super().add_param_group(group)
+            return
+        constructor_defaults, self.defaults = self.defaults, {}
+        try:
+            super().add_param_group(group)
+        finally:
+            self.defaults = constructor_defaults
 
     def _repartition(self, fresh: bool = False, in_place: bool = False) -> None:
         """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
@@ -428,6 +445,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         if self._sync is not None:
             self._sync.finish()
         params, previous_shard = self.global_params, self._shard
+        whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
         placed = placement.place(
             params,
             self.param_groups,
@@ -435,6 +453,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             previous=None if fresh else self._plan,
             region_numel=self._region_numel,
             moving_within=self._sync if in_place else None,
+            whole=whole,
+            costs=costs,
         )
         self._placement = placed
         self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned

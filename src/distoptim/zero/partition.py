@@ -20,6 +20,12 @@ does, so the local optimizer holds them). A plan can grow from a previous one (`
 parameter made trainable): parameters that have fragments keep them, with their optimizer state, even when frozen
 since; only newly trainable parameters are placed (greedy: onto the least-loaded ranks; even: as a new region at
 the end of their layout, cut evenly by itself).
+
+Whole-tensor parameters (``whole``: those of optimizers that are not elementwise, Muon, Adafactor) are never cut,
+in either mode: each is one fragment on one rank, chosen by ``costs`` (Muon: its Newton-Schulz cost), largest first
+to the least-costly rank (ties to the lowest), balanced among themselves only: the elementwise parameters are
+balanced by element count without them. In an even layout each growth's whole-tensor parameters form regions of
+their own (cut like the others by ``region_numel``), ordered rank by rank (unequal ranges, as a greedy layout has).
 """
 
 from __future__ import annotations
@@ -27,10 +33,20 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["MODES", "SPLIT", "UNOWNED", "Fragment", "LayoutPlan", "PartitionPlan", "partition_parameters"]
+__all__ = [
+    "MODES",
+    "SPLIT",
+    "UNOWNED",
+    "Fragment",
+    "LayoutPlan",
+    "PartitionPlan",
+    "newton_schulz_cost",
+    "partition_parameters",
+]
 
 UNOWNED = -1
 SPLIT = -2  # ``owners`` of a parameter split between ranks (even mode)
@@ -107,21 +123,29 @@ def partition_parameters(
     mode: str = "greedy",
     keys: Sequence[Hashable] | None = None,
     region_numel: Mapping[Hashable, int] | None = None,
+    whole: Sequence[bool] | None = None,
+    costs: Sequence[int] | None = None,
 ) -> PartitionPlan:
     """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
 
     ``keys`` names each parameter's layout (parameters of different keys never share a buffer); one layout when
     omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. ``region_numel``
     (even mode): the most elements a region of each key holds (a larger parameter gets a region of its own); one
-    region per key and growth when omitted. O(P log P) for P parameters (and O(P log N) for N ranks in greedy mode).
+    region per key and growth when omitted. ``whole`` marks parameters never to cut, placed by ``costs`` (element
+    counts when omitted). O(P log P) for P parameters (and O(P log N) for N ranks in greedy mode).
     """
     keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if mode not in MODES:
         raise ValueError(f"partition must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-    if not len(numels) == len(trainable) == len(keys):
-        raise ValueError(f"got {len(numels)} element counts, {len(trainable)} trainable flags and {len(keys)} keys")
+    whole = tuple(whole) if whole is not None else (False,) * len(numels)
+    costs = tuple(costs) if costs is not None else tuple(numels)
+    if not len(numels) == len(trainable) == len(keys) == len(whole) == len(costs):
+        raise ValueError(
+            f"got {len(numels)} element counts, {len(trainable)} trainable flags, {len(keys)} keys, {len(whole)} "
+            f"whole flags and {len(costs)} costs"
+        )
     placed = (
         [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
         if previous is not None
@@ -137,11 +161,16 @@ def partition_parameters(
     new = [index for index, done in enumerate(placed) if trainable[index] and not done]
     for index in new:
         placed[index] = True
+    owners = list(previous.owners) if previous is not None else []
+    owners += [UNOWNED] * (len(numels) - len(owners))
+    for weights, members in ((costs, [i for i in new if whole[i]]), (numels, [i for i in new if not whole[i]])):
+        if mode == "greedy" or weights is costs:
+            peers = [i for i in range(len(placed)) if whole[i] == (weights is costs)]
+            _greedy_owners(owners, weights, members, peers, world_size)
     if mode == "greedy":
-        owners = _greedy_owners(numels, new, world_size, previous)
         layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in _distinct(keys, placed)]
     else:
-        layouts = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {})
+        layouts = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {}, whole, owners)
     fragments: list[tuple[Fragment, ...]] = [()] * len(numels)
     for layout in layouts:
         for index, position in zip(layout.params, layout.positions):
@@ -149,6 +178,14 @@ def partition_parameters(
     if mode == "even":
         owners = [_single_owner(pieces) for pieces in fragments]
     return PartitionPlan(world_size, mode, tuple(numels), keys, tuple(fragments), tuple(layouts), tuple(owners))
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> int:
+    """What orthogonalizing an ``m x n`` matrix costs, up to a constant: ``m * n * min(m, n)`` (Newton-Schulz's
+    matrix products); the element count for any other shape."""
+    if len(shape) == 2:
+        return shape[0] * shape[1] * min(shape[0], shape[1])
+    return math.prod(shape)
 
 
 def _single_owner(pieces: Sequence[Fragment]) -> int:
@@ -161,19 +198,20 @@ def _distinct(keys: Sequence[Hashable], placed: Sequence[bool]) -> list[Hashable
 
 
 def _greedy_owners(
-    numels: Sequence[int], new: Sequence[int], world_size: int, previous: PartitionPlan | None
-) -> list[int]:
-    """Sorted greedy with a heap of loads: the largest new parameter to the least-loaded rank, ties to the lowest."""
-    owners = list(previous.owners) if previous is not None else []
-    owners += [UNOWNED] * (len(numels) - len(owners))
-    loads = previous.loads() if previous is not None else [0] * world_size
+    owners: list[int], weights: Sequence[int], new: Sequence[int], peers: Sequence[int], world_size: int
+) -> None:
+    """Sorted greedy with a heap of loads: the heaviest new parameter to the least-loaded rank (by ``weights``,
+    counting the owned ``peers``, the parameters balanced with them), ties to the lowest; ``owners`` is filled in."""
+    loads = [0] * world_size
+    for index in peers:
+        if owners[index] >= 0:
+            loads[owners[index]] += weights[index]
     heap = [(load, rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
-    for index in sorted(new, key=lambda i: (-numels[i], i)):
+    for index in sorted(new, key=lambda i: (-weights[i], i)):
         load, rank = heap[0]
         owners[index] = rank
-        heapq.heapreplace(heap, (load + numels[index], rank))
-    return owners
+        heapq.heapreplace(heap, (load + weights[index], rank))
 
 
 def _rank_major_layout(
@@ -199,15 +237,21 @@ def _grown_even_layouts(
     world_size: int,
     previous: PartitionPlan | None,
     region_numel: Mapping[Hashable, int],
+    whole: Sequence[bool],
+    owners: Sequence[int],
 ) -> list[LayoutPlan]:
     """Previous layouts as they were, the new parameters of each key appended to its layout in regions of their own
-    (one, or of at most ``region_numel[key]`` elements each), each region cut evenly."""
+    (one, or of at most ``region_numel[key]`` elements each): first the whole-tensor ones, each region rank by rank
+    (each parameter inside its owner's range), then the others, each region cut evenly."""
     layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
     for key in dict.fromkeys(keys[index] for index in new):
-        members = [index for index in new if keys[index] == key and numels[index] > 0]
-        if not members:
+        members = [index for index in new if keys[index] == key and numels[index] > 0 and not whole[index]]
+        kept = [i for i in new if keys[i] == key and numels[i] > 0 and whole[i]]
+        if not members and not kept:
             continue
         layout = layouts.get(key, LayoutPlan(key, (), (), ()))
+        for run in _regions(kept, numels, region_numel.get(key)) if kept else ():
+            layout = _whole_region(layout, sorted((owners[i], i) for i in run), numels, world_size)
         for region in _regions(members, numels, region_numel.get(key)):
             start = layout.numel
             positions = list(itertools.accumulate((numels[i] for i in region[:-1]), initial=start))
@@ -218,6 +262,23 @@ def _grown_even_layouts(
             )
         layouts[key] = layout
     return list(layouts.values())
+
+
+def _whole_region(
+    layout: LayoutPlan, kept: Sequence[tuple[int, int]], numels: Sequence[int], world_size: int
+) -> LayoutPlan:
+    """``layout`` with a region of whole parameters appended, ``kept`` as ``(owner, index)`` sorted: each owner's
+    parameters one after another, its range exactly theirs."""
+    start = layout.numel
+    positions = list(itertools.accumulate((numels[i] for _, i in kept[:-1]), initial=start))
+    ends = [start] * (world_size + 1)
+    for owner, index in kept:
+        for rank in range(owner + 1, world_size + 1):
+            ends[rank] += numels[index]
+    params = tuple(index for _, index in kept)
+    return LayoutPlan(
+        layout.key, layout.params + params, layout.positions + tuple(positions), (*layout.bounds, tuple(ends))
+    )
 
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from distoptim.comm import collectives as comm
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
 from distoptim.zero.layouts import layouts_from_plan
+from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optimizer, kind_of
 from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard
 
@@ -62,10 +63,13 @@ def place(
     previous: PartitionPlan | None,
     region_numel: Mapping[Hashable, int] | None,
     moving_within: ParameterSync | None = None,
+    whole: Sequence[bool] | None = None,
+    costs: Sequence[int] | None = None,
 ) -> Placement:
     """Place the parameters ``previous`` has no owner for (all of them without one) and build the shard and the
     sync. ``moving_within``: bucket views move within that sync's buffers (only where no autograd graph can hold
-    views of them). The caller finishes any sync in flight first."""
+    views of them). ``whole``/``costs``: parameters never cut and what each costs to step (``partition_parameters``).
+    The caller finishes any sync in flight first."""
     trainability = tuple(p.requires_grad for p in params)
     plan = partition_parameters(
         [p.numel() for p in params],
@@ -75,6 +79,8 @@ def place(
         mode=settings.partition,
         keys=[(p.device, p.dtype) for p in params],
         region_numel=region_numel,
+        whole=whole,
+        costs=costs,
     )
     unowned = [
         p for p, owner, trainable in zip(params, plan.owners, trainability) if owner == UNOWNED and not trainable
@@ -98,11 +104,19 @@ def bind_local_optimizer(
     param_groups: Sequence[dict[str, Any]],
 ) -> Optimizer:
     """The local optimizer over ``shard``: a new one, or ``optim`` given the new shard's tensors, its state kept
-    for every fragment that stays on this rank."""
+    for every fragment that stays on this rank (a plain one becomes a composite when a group of another kind
+    arrives: ``local_optimizer.py``)."""
     local_groups = shard.param_groups(param_groups)
     if optim is None:
-        return optimizer_class(local_groups, **defaults)
+        return build_local_optimizer(local_groups, optimizer_class, defaults)
     shard.move_state(optim.state, previous_shard)
+    kinds = {kind_of(group, optimizer_class) for group in local_groups}
+    if len(kinds) > 1 and not isinstance(optim, CompositeOptimizer):
+        composite = build_local_optimizer(local_groups, optimizer_class, defaults)
+        for old, new in zip(optim.param_groups, composite.param_groups):  # settings the old groups hold
+            new.update((k, v) for k, v in old.items() if k != "params")
+        composite.state.update(optim.state)
+        return composite
     for local_group, group in zip(optim.param_groups, local_groups):
         local_group["params"] = group["params"]
     for new_group in local_groups[len(optim.param_groups) :]:

@@ -24,7 +24,8 @@ from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_coupled, is_elementwise
+from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
+from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, group_class
 from distoptim.zero.partition import MODES
 
 __all__ = [
@@ -32,9 +33,11 @@ __all__ = [
     "agreed_param_group",
     "check_construction",
     "check_coupled",
+    "check_group_classes",
     "check_master_dtype",
     "check_optimizer_class",
     "check_overlap_class",
+    "check_overlap_classes",
     "check_partition",
     "check_unowned_have_no_grad",
     "fingerprint",
@@ -133,20 +136,51 @@ def refuse_sparse_gradients(module: torch.nn.Module, who: str) -> None:
 
 
 def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, defaults: dict[str, Any]) -> None:
-    """Build a throwaway ``optimizer_class(groups, **defaults)`` so that what it rejects raises here, locally.
+    """Build a throwaway local optimizer (``local_optimizer.build_local_optimizer``: ``optimizer_class(groups,
+    **defaults)``, or one per class where groups name their own) so that what it rejects raises here, locally.
 
     It is built over stand-ins on the meta device (same shapes, dtypes, requires_grad, leaf-ness and identity, no
     memory), so it can neither touch the parameters nor allocate eager state (Adagrad's) for all of them. A class
     that fails on meta tensors for another reason than its arguments is tried once more on the real parameters.
     """
+    check_group_classes(groups, optimizer_class)
     with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
         warnings.simplefilter("ignore")
         try:
-            optimizer_class(_stand_in_groups(groups), **defaults)
+            build_local_optimizer(_stand_in_groups(groups), optimizer_class, defaults)
         except (TypeError, ValueError):
             raise
         except Exception:
-            optimizer_class([dict(group) for group in groups], **defaults)
+            build_local_optimizer([dict(group) for group in groups], optimizer_class, defaults)
+
+
+def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
+    """Each group's own ``optimizer_class`` is a class we can shard, and a Muon group holds matrices only (torch's
+    Muon orthogonalizes 2-D gradients; it would refuse others at the first step, on the ranks that own them)."""
+    for index, group in enumerate(groups):
+        cls = optimizer_class
+        if CLASS_KEY in group:
+            try:
+                cls = check_optimizer_class(group[CLASS_KEY])
+            except TypeError as error:
+                raise TypeError(f"param group {index}: 'optimizer_class': {error}") from None
+            check_coupled(cls)
+        if not issubclass(cls, torch.optim.Muon):
+            continue
+        for position, param in enumerate(group["params"]):
+            if param.dim() == 2:
+                continue
+            what = (
+                "a vector or scalar (a bias, a norm's weight)"
+                if param.dim() < 2
+                else "a convolution's weight or another tensor of more than 2 dimensions (flattening it to a matrix "
+                "is not supported)"
+            )
+            raise ValueError(
+                f"param group {index} (torch.optim.Muon), parameter {position} has shape {tuple(param.shape)}: "
+                f"{what}. Muon orthogonalizes matrices only: put this parameter in a group of an elementwise "
+                "optimizer (the constructor's optimizer_class, torch.optim.AdamW ...)"
+            )
 
 
 def check_coupled(optimizer_class: type) -> None:
@@ -177,19 +211,33 @@ def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
     return functional_cls
 
 
+def check_overlap_classes(optimizer_class: type, groups: ParamGroups) -> type[FunctionalOptimizer]:
+    """``check_overlap_class``, and every group stepped by that one class: the overlap hooks step one functional
+    optimizer, so a group naming another class (Muon has no functional form) is refused."""
+    functional_cls = check_overlap_class(optimizer_class)
+    for index, group in enumerate(groups):
+        cls = group.get(CLASS_KEY)
+        if cls is not None and group_class(group, optimizer_class) is not torch_class_of(optimizer_class):
+            name = getattr(cls, "__qualname__", repr(cls))
+            raise ValueError(
+                f"overlap_with_ddp=True steps every group with one functional optimizer "
+                f"({functional_cls.__qualname__}), but param group {index} names optimizer_class={name}: build it "
+                "with overlap_with_ddp=False (with distoptim.hooks.reduce_to_owners_hook for ZeRO-2) to step groups "
+                "with their own classes"
+            )
+    return functional_cls
+
+
 def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) -> None:
-    """``partition`` is a mode the plan knows, and an even one only splits what can be stepped in pieces."""
+    """``partition`` is a mode the plan knows, and an even one only splits what can be stepped in pieces (dense
+    parameters of elementwise classes; the others are placed whole)."""
     if partition not in MODES:
         raise ValueError(f"partition must be one of {', '.join(map(repr, MODES))}, got {partition!r}")
     if partition != "even":
         return
-    if not is_elementwise(optimizer_class):
-        raise ValueError(
-            f"partition='even' splits parameters between ranks, and {optimizer_class.__qualname__} does not update "
-            f"each element on its own, so it would be wrong on a piece; use one of {ELEMENTWISE_NAMES} (or their "
-            "distoptim.functional classes), or partition='greedy'"
-        )
     for index, group in enumerate(groups):
+        if not is_elementwise(group_class(group, optimizer_class)):
+            continue  # never cut: its parameters are placed whole (partition.py)
         for position, param in enumerate(group["params"]):
             if not is_dense(param):
                 raise ValueError(
@@ -250,6 +298,8 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, Tensor):  # a device tensor's value is not read: that would stall the CPU on the device
         shown = value.detach().tolist() if value.device.type == "cpu" else f"on {value.device.type}"
         return ("tensor", str(value.dtype), tuple(value.shape), _canonical(shown))
+    if isinstance(value, type):  # an optimizer_class key: by name
+        return f"{value.__module__}.{value.__qualname__}"
     if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
         return repr(value)
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
@@ -293,7 +343,7 @@ def check_construction(
         check_coupled(local_class)
         groups = normalize_param_groups(params)
         device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
-        functional_cls = check_overlap_class(optimizer_class) if overlap_with_ddp else None
+        functional_cls = check_overlap_classes(optimizer_class, groups) if overlap_with_ddp else None
         collectives = comm.choose_collectives(group)
         try_optimizer_class(local_class, groups, defaults)
         check_partition(partition, local_class, groups)

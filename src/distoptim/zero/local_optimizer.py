@@ -1,0 +1,151 @@
+"""The local optimizer: plain ``torch.optim`` over this rank's shard, one optimizer per class when groups name their
+own (``{"params": matrices, "optimizer_class": torch.optim.Muon}``).
+
+A group's class is its ``"optimizer_class"`` key, or the constructor's class without one. A group that names its
+class takes that class's own defaults plus its keys (the constructor's ``**defaults`` are the constructor class's);
+plain ``torch.optim`` optimizers ignore the key, so it can stay in the group. Where every group is of one kind the
+local optimizer is that plain optimizer (``zero.optim``, as before); otherwise a ``CompositeOptimizer``: its
+``param_groups`` are its parts' group dicts in the global order, its ``state`` one dict the parts share (so
+consolidation, loading, ``state``, clipping and GradScaler see one optimizer), its ``step`` each part's step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from distoptim.zero.elementwise import is_elementwise, torch_class_of
+from distoptim.zero.partition import newton_schulz_cost
+
+__all__ = [
+    "CLASS_KEY",
+    "CompositeOptimizer",
+    "build_local_optimizer",
+    "group_class",
+    "kind_of",
+    "whole_tensor_weights",
+]
+
+CLASS_KEY = "optimizer_class"
+
+Kind = tuple[
+    type, bool
+]  # (the torch.optim class, whether the group named it: then the constructor's defaults don't apply)
+
+
+def group_class(group: dict[str, Any], default: type) -> type:
+    """The ``torch.optim`` class that steps ``group`` (a ``distoptim.functional`` class stands for its own)."""
+    return torch_class_of(group.get(CLASS_KEY, default))
+
+
+def kind_of(group: dict[str, Any], default: type) -> Kind:
+    return group_class(group, default), CLASS_KEY in group
+
+
+def whole_tensor_weights(groups: Sequence[dict[str, Any]], default: type) -> tuple[list[bool], list[int]]:
+    """For each parameter (global order): whether its class needs it whole (not elementwise: Muon, Adafactor), and
+    what stepping it costs (Muon: Newton-Schulz's ``m * n * min(m, n)``; otherwise its element count)."""
+    whole, costs = [], []
+    for group in groups:
+        cls = group_class(group, default)
+        for param in group["params"]:
+            whole.append(not is_elementwise(cls))
+            muon = issubclass(cls, torch.optim.Muon)
+            costs.append(newton_schulz_cost(tuple(param.shape)) if muon else param.numel())
+    return whole, costs
+
+
+def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defaults: dict[str, Any]) -> Optimizer:
+    """The local optimizer over ``groups`` (this rank's, in global order): plain where every group is of one kind."""
+    kinds = [kind_of(group, default) for group in groups]
+    if len(set(kinds)) == 1:
+        cls, named = kinds[0]
+        optim: Optimizer = cls(list(groups), **({} if named else defaults))
+        return optim
+    return CompositeOptimizer(groups, lambda kind, parts: kind[0](parts, **({} if kind[1] else defaults)), default)
+
+
+class CompositeOptimizer(Optimizer):
+    """Several plain optimizers, one per kind of group, seen as one (see the module's docstring)."""
+
+    def __init__(
+        self,
+        groups: Sequence[dict[str, Any]],
+        make: Callable[[Kind, list[dict[str, Any]]], Optimizer],
+        default: type,
+    ) -> None:
+        self._make, self._default = make, default
+        self.parts: dict[Hashable, Optimizer] = {}
+        self._shared: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        super().__init__([{"params": []}], {})  # the hook registries; the groups are the parts'
+        self._order: list[tuple[Hashable, int]] = []  # global group number -> (part, its group number)
+        for group in groups:
+            self.add_param_group(group)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [self.parts[kind].param_groups[number] for kind, number in self._order]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:  # Optimizer.__init__ assigns [] first
+        if value:
+            raise AttributeError("a CompositeOptimizer's param groups are its parts': use add_param_group")
+
+    @property
+    def state(self) -> defaultdict[Tensor, Any]:
+        return self._shared
+
+    @state.setter
+    def state(self, value: Any) -> None:  # Optimizer.__init__ assigns an empty state
+        if value:
+            raise AttributeError("a CompositeOptimizer's state is its parts' shared dict")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not hasattr(self, "_order"):
+            return
+        kind = kind_of(param_group, self._default)
+        part = self.parts.get(kind)
+        if part is None:
+            part = self.parts[kind] = self._make(kind, [param_group])
+            part.state = self._shared
+        else:
+            part.add_param_group(param_group)
+        self._order.append((kind, len(part.param_groups) - 1))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts.values():
+            part.step(**kwargs)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts.values():
+            part.zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim``'s format over the composite's groups (positions numbered through them in order), split
+        into each part's own and loaded there; the parts then share the loaded state again."""
+        per_part: dict[Hashable, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in self.parts}
+        for (kind, _), saved in zip(self._order, state_dict["param_groups"]):
+            part = per_part[kind]
+            numbers: list[int] = []
+            for saved_position in saved["params"]:
+                number = sum(len(g["params"]) for g in part["param_groups"]) + len(numbers)
+                if saved_position in state_dict["state"]:
+                    part["state"][number] = state_dict["state"][saved_position]
+                numbers.append(number)
+            part["param_groups"].append({**saved, "params": numbers})
+        self._shared.clear()
+        for kind, optim in self.parts.items():
+            optim.load_state_dict(per_part[kind])
+            self._shared.update(optim.state)
+            optim.state = self._shared
