@@ -28,4 +28,5 @@ def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < MAPPED_BYTES:
         return torch.zeros(numel, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+    private = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared with forked children
+    return torch.frombuffer(private, dtype=dtype, count=numel)
