@@ -26,11 +26,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from distoptim._host_memory import host_zeros
 from distoptim.comm.groups import group_size
 
 __all__ = ["FIRST_REDUCTION_TAG", "STAGING_BYTES", "ReductionExchange", "future_of", "send_from_owners"]
@@ -123,8 +123,7 @@ class ReductionExchange:
     def _start_receiving(self) -> None:
         staged = min(self.chunk, self.bounds[-1][1]) if self.bounds else 0
         self.staging = {
-            peer: [torch.empty(staged, dtype=self.dtype, device=self.device) for _ in self.bounds[:2]]
-            for peer in self.peers
+            peer: [host_zeros(staged, self.dtype, self.device) for _ in self.bounds[:2]] for peer in self.peers
         }
         for number in range(min(2, len(self.bounds))):
             for peer in self.peers:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, view_like
+from distoptim._host_memory import host_zeros
 from distoptim.comm import agreement as _agreement
 from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
@@ -201,7 +202,7 @@ class OwnedGradients:
 
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
-        return torch.empty(self.layout.lengths[bucket], dtype=dtype, device=device)
+        return host_zeros(self.layout.lengths[bucket], dtype, device)
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -270,9 +271,7 @@ class OwnedGradients:
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
-            self._buffers[bucket] = (
-                gradient if gradient is not None else torch.zeros(plan.numel, dtype=dtype, device=device)
-            )
+            self._buffers[bucket] = gradient if gradient is not None else host_zeros(plan.numel, dtype, device)
         return self._buffers[bucket]
 
     def _launch_ready(self) -> None:
