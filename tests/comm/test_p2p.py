@@ -112,8 +112,13 @@ def _destroyed_body(rank: int, world_size: int) -> int:
         refs.append(weakref.ref(group))
         dist.destroy_process_group(group)
         del group
-    gc.collect()
-    return sum(ref() is not None for ref in refs)
+    deadline = time.monotonic() + 5.0  # the group's waiter thread lets go of its last work asynchronously
+    while True:
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
+        if alive == 0 or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
 
 
 def test_a_destroyed_group_is_freed() -> None:
