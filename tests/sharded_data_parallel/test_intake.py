@@ -7,6 +7,7 @@ cannot be right (``no_sync``'s, never reduced) is refused on every rank, as are 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -191,6 +192,57 @@ def test_no_syncs_unreduced_gradient_and_torchs_clipping_are_refused_on_every_ra
             assert "no_sync" in outcome and "outside" in outcome, outcome
         for outcome in outcomes[1::2]:
             assert "zero.clip_grad_norm_()" in outcome, outcome
+
+
+# ------------- the marker in .grad refuses every read of values; module.to() and deepcopy keep it a marker
+READS_OF_A_MARKER = {
+    "detach().norm()": lambda g: g.detach().norm(),
+    ".data.sum()": lambda g: g.data.sum(),
+    "pow(2).sum()": lambda g: g.pow(2).sum(),
+    "max()": lambda g: g.max(),
+    "isinf().any()": lambda g: torch.isinf(g).any(),
+    "linalg.norm": lambda g: torch.linalg.norm(g),
+    "clone()": lambda g: g.clone(),
+    "g * 2": lambda g: g * 2,
+    "copy into a buffer": lambda g: torch.zeros(g.shape).copy_(g),
+    "float(g[0].sum())": lambda g: float(g[0].sum()),
+    "g.data = values": lambda g: setattr(g, "data", torch.zeros(g.shape)),
+}
+
+
+def _marker_body(rank: int, world_size: int) -> dict[str, Any]:
+    model, zero, sdp, reference, ddp, plain = _pair("greedy")
+    outcomes: dict[str, Any] = {}
+    for step in range(2):
+        for optimizer, wrapped in ((zero, sdp), (plain, ddp)):
+            optimizer.zero_grad()
+            wrapped(_x(rank, step)).square().mean().backward()
+        grad = model.layers[0].weight.grad
+        for name, read in READS_OF_A_MARKER.items():
+            try:
+                outcomes[name] = f"returned {read(grad)!r}"
+            except RuntimeError as error:
+                outcomes[name] = str(error)
+        outcomes["repr"] = repr(grad)
+        copy.deepcopy(model)  # an EMA or best-model copy taken after a backward
+        outcomes["deepcopy"] = type(copy.deepcopy(grad)).__name__
+        # module.to() converts .grad too: the held gradient must survive it (DDP must be wrapped again after it)
+        for module in (model, reference):
+            module.to(torch.float64).to(torch.float32)
+        ddp = DDP(reference, find_unused_parameters=True)
+        zero.step()
+        plain.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"step {step} after module.to()")
+    return outcomes
+
+
+def test_the_marker_refuses_every_read_and_survives_module_to() -> None:
+    for outcomes in run_on_ranks(_marker_body, 2, timeout=60):
+        for name in READS_OF_A_MARKER:
+            assert "zero.clip_grad_norm_()" in outcomes[name], f"{name}: {outcomes[name]}"
+        assert "held sharded" in outcomes["repr"], outcomes["repr"]
+        assert outcomes["deepcopy"] == "_Marker"
 
 
 # ------------------------------------------------------------------ 9. sparse gradients are refused at wrapping

@@ -119,6 +119,14 @@ class OwnedGradients:
         """
         param, marker = self.params[index], self._markers.get(index)
         grad = param.grad
+        if isinstance(grad, _Marker) and (marker is None or grad is not marker[0]):
+            if marker is None or not self.holds[index] or grad.shape != param.shape:
+                raise RuntimeError(
+                    "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is "
+                    "not the one this store put there, copied from another parameter or model. Set .grad to a "
+                    "full tensor of your own, or to None"
+                )
+            marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
         if grad is None:
             if self.holds[index] and index not in self._swapped:
                 self._forget(index)
@@ -140,8 +148,7 @@ class OwnedGradients:
             self._forget(index)
 
     def _is_marker(self, index: int, grad: Tensor) -> bool:
-        marker = self._markers.get(index)
-        return marker is not None and grad is marker[0]
+        return isinstance(grad, _Marker)
 
     def _forget(self, index: int) -> None:
         self._zero(index)
@@ -376,13 +383,17 @@ class OwnedGradients:
 
 class _Marker(Tensor):
     """What ``.grad`` holds while the store holds the parameter's gradient: the parameter's shape, one element of
-    storage (NaN). Its metadata can be read, ``module.to()`` can convert it and ``zero_grad(set_to_none=False)`` can
-    zero it (the store sees that); what reads a gradient's values (norms, sums, copies) or writes them in place
-    raises, saying where the gradient is."""
+    storage, no values. Refused by default: every operation that would read its values or write into it raises,
+    saying where the gradient is (a NaN norm or a False ``isinf`` would be a silent wrong answer). Allowed: its
+    metadata, clearing it (``zero_grad`` either way, through any object: the store sees it), and what ``module.to()``,
+    ``.data``, ``.detach()`` and ``copy.deepcopy`` do to it, whose results stay markers."""
 
-    _CLEARS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_"})
-    _READS = frozenset({"norm", "vector_norm", "linalg_vector_norm", "_foreach_norm", "sum", "mean", "abs", "any"})
-    _READS |= {"all", "isfinite", "isnan", "item", "tolist", "numpy", "__bool__", "clone", "__mul__", "__add__"}
+    _CLEARS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_", "__set__"})
+    _METADATA = frozenset({"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "__len__"})
+    _METADATA |= {"is_floating_point", "is_complex", "is_contiguous", "get_device", "__hash__"}
+    _METADATA |= {"_has_compatible_shallow_copy_type", "_is_view", "storage_offset", "untyped_storage", "data_ptr"}
+    _STAY_MARKERS = frozenset({"__get__", "to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda"})
+    _STAY_MARKERS |= {"detach", "_to_copy", "as_subclass"}
 
     @staticmethod
     def like(param: Tensor) -> _Marker:
@@ -392,17 +403,28 @@ class _Marker(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", str(func))
-        writes = name.endswith("_") and not name.endswith("__") and name not in cls._CLEARS
-        if writes or name in cls._READS:
+        if name in cls._STAY_MARKERS:
+            return super().__torch_function__(func, types, args, kwargs)
+        assigns_values = name == "__set__" and any(type(a) is Tensor for a in args[1:])  # marker.data = values
+        if assigns_values or (name not in cls._CLEARS and name not in cls._METADATA):
             raise RuntimeError(
                 f"ShardedDataParallel holds this parameter's gradient sharded in the ZeroRedundancyOptimizer: its "
                 f".grad is a marker without values, which {name}() cannot use. Clip with zero.clip_grad_norm_() "
                 "(not torch.nn.utils.clip_grad_norm_), drive a GradScaler with scaler.step(zero) (without "
-                "scaler.unscale_(zero)); to replace the gradient, set .grad to a full tensor of your own, or to "
-                "None (zero_grad) to clear it"
+                "scaler.unscale_(zero)), read norms through zero.clip_grad_norm_(float('inf')); to replace the "
+                "gradient, set .grad to a full tensor of your own, or to None (zero_grad) to clear it"
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (
+            f"<gradient held sharded by ShardedDataParallel: shape {tuple(self.shape)}, {self.dtype}; no values "
+            "in .grad (read norms with zero.clip_grad_norm_)>"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Marker:
+        return _Marker.like(self)
 
 
 def _memory_is_its_own(tensor: Tensor) -> bool:
