@@ -404,7 +404,7 @@ class _Marker(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", str(func))
         if name in cls._STAY_MARKERS:
-            return super().__torch_function__(func, types, args, kwargs)
+            return super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         assigns_values = name == "__set__" and any(type(a) is Tensor for a in args[1:])  # marker.data = values
         if assigns_values or (name not in cls._CLEARS and name not in cls._METADATA):
             raise RuntimeError(
@@ -417,7 +417,7 @@ class _Marker(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:
         return (
             f"<gradient held sharded by ShardedDataParallel: shape {tuple(self.shape)}, {self.dtype}; no values "
             "in .grad (read norms with zero.clip_grad_norm_)>"
