@@ -417,7 +417,7 @@ class _Marker(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
-    def __repr__(self, *, tensor_contents: Any = None) -> Any:
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         return (
             f"<gradient held sharded by ShardedDataParallel: shape {tuple(self.shape)}, {self.dtype}; no values "
             "in .grad (read norms with zero.clip_grad_norm_)>"
