@@ -242,7 +242,7 @@ def test_the_marker_refuses_every_read_and_survives_module_to() -> None:
         for name in READS_OF_A_MARKER:
             assert "zero.clip_grad_norm_()" in outcomes[name], f"{name}: {outcomes[name]}"
         assert "held sharded" in outcomes["repr"], outcomes["repr"]
-        assert outcomes["deepcopy"] == "_Marker"
+        assert outcomes["deepcopy"] == "GradientMarker"
 
 
 # ------------------------------------------------------------------ 9. sparse gradients are refused at wrapping

@@ -39,6 +39,7 @@ from distoptim._host_memory import host_zeros
 from distoptim.comm import agreement as _agreement
 from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
+from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class OwnedGradients:
         """
         param, marker = self.params[index], self._markers.get(index)
         grad = param.grad
-        if isinstance(grad, _Marker) and (marker is None or grad is not marker[0]):
+        if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
             if marker is None or not self.holds[index] or grad.shape != param.shape:
                 raise RuntimeError(
                     "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is "
@@ -148,7 +149,7 @@ class OwnedGradients:
             self._forget(index)
 
     def _is_marker(self, index: int, grad: Tensor) -> bool:
-        return isinstance(grad, _Marker)
+        return isinstance(grad, GradientMarker)
 
     def _forget(self, index: int) -> None:
         self._zero(index)
@@ -165,7 +166,7 @@ class OwnedGradients:
         free (after each backward)."""
         for index, param in enumerate(self.params):
             if self.holds[index] and param.grad is None and id(param) in self.slot_of:
-                marker = _Marker.like(param)
+                marker = GradientMarker.like(param)
                 param.grad = marker
                 self._markers[index] = (marker, marker._version)
 
@@ -379,52 +380,6 @@ class OwnedGradients:
             self.landed[bucket] = False
             self._land_oldest()
         self.mark()
-
-
-class _Marker(Tensor):
-    """What ``.grad`` holds while the store holds the parameter's gradient: the parameter's shape, one element of
-    storage, no values. Refused by default: every operation that would read its values or write into it raises,
-    saying where the gradient is (a NaN norm or a False ``isinf`` would be a silent wrong answer). Allowed: its
-    metadata, clearing it (``zero_grad`` either way, through any object: the store sees it), and what ``module.to()``,
-    ``.data``, ``.detach()`` and ``copy.deepcopy`` do to it, whose results stay markers."""
-
-    _CLEARS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_", "__set__"})
-    _METADATA = frozenset({"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "__len__"})
-    _METADATA |= {"is_floating_point", "is_complex", "is_contiguous", "get_device", "__hash__"}
-    _METADATA |= {"_has_compatible_shallow_copy_type", "_is_view", "storage_offset", "untyped_storage", "data_ptr"}
-    _STAY_MARKERS = frozenset({"__get__", "to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda"})
-    _STAY_MARKERS |= {"detach", "_to_copy", "as_subclass"}
-
-    @staticmethod
-    def like(param: Tensor) -> _Marker:
-        base = torch.full((), float("nan"), dtype=param.dtype, device=param.device)
-        return base.expand(param.shape).as_subclass(_Marker)
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", str(func))
-        if name in cls._STAY_MARKERS:
-            return super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        assigns_values = name == "__set__" and any(type(a) is Tensor for a in args[1:])  # marker.data = values
-        if assigns_values or (name not in cls._CLEARS and name not in cls._METADATA):
-            raise RuntimeError(
-                f"ShardedDataParallel holds this parameter's gradient sharded in the ZeroRedundancyOptimizer: its "
-                f".grad is a marker without values, which {name}() cannot use. Clip with zero.clip_grad_norm_() "
-                "(not torch.nn.utils.clip_grad_norm_), drive a GradScaler with scaler.step(zero) (without "
-                "scaler.unscale_(zero)), read norms through zero.clip_grad_norm_(float('inf')); to replace the "
-                "gradient, set .grad to a full tensor of your own, or to None (zero_grad) to clear it"
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        return (
-            f"<gradient held sharded by ShardedDataParallel: shape {tuple(self.shape)}, {self.dtype}; no values "
-            "in .grad (read norms with zero.clip_grad_norm_)>"
-        )
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Marker:
-        return _Marker.like(self)
 
 
 def _memory_is_its_own(tensor: Tensor) -> bool:

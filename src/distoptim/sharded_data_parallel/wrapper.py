@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from distoptim._flat import flat_view, is_dense, pack, unpack_
 from distoptim.comm import agreement as _agreement
-from distoptim.comm import collectives as comm
-from distoptim.sharded_data_parallel import hook_order
+from distoptim.sharded_data_parallel import checks, hook_order
+from distoptim.sharded_data_parallel.broadcast import broadcast_from_first
 from distoptim.sharded_data_parallel.buckets import BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
-from distoptim.zero import validation
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedDataParallel"]
@@ -112,10 +110,10 @@ class ShardedDataParallel(nn.Module):
         settings: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": broadcast_buffers}
         settings |= {"reduce_dtype": str(reduce_dtype), "overlap_param_sync": overlap_param_sync}
         _agreement.run_agreed(
-            lambda: _check(module, zero, bucket_cap_mb, reduce_dtype),
+            lambda: checks.check_wrapping(module, zero, bucket_cap_mb, reduce_dtype),
             zero.agreement_groups,
             "ShardedDataParallel construction",
-            then_agree_on=lambda _: _fingerprint(module, settings),
+            then_agree_on=lambda _: checks.fingerprint(module, settings),
         )
         self.module, self.zero = module, zero
         self.broadcast_buffers, self.reduce_dtype, self.overlap_param_sync = (
@@ -129,7 +127,7 @@ class ShardedDataParallel(nn.Module):
             size = torch.empty((), dtype=reduce_dtype or param.dtype).element_size()
             self._caps[(param.device, param.dtype)] = max(1, cap_bytes // size)
         zero.sync_finished()
-        _broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
+        broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
         zero._use_regions(self._caps)
         self._buckets: list[BucketPlan] = []
         self.gradients: OwnedGradients | None = None
@@ -201,7 +199,7 @@ class ShardedDataParallel(nn.Module):
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
-                _broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
+                broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
         self.sync_finished()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         assert self.gradients is not None
@@ -320,64 +318,6 @@ class _Finisher:
         self.zero.sync_finished()
 
 
-def _check(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
-    """What must hold on this rank before anything is built (agreed across ranks by the caller)."""
-    if zero.overlap_stepper is not None:
-        raise ValueError(
-            "ShardedDataParallel reduces the gradients itself and zero.step() steps after the backward: build the "
-            "ZeroRedundancyOptimizer without overlap_with_ddp (overlap_param_sync=True overlaps the parameter sync "
-            "with the next forward instead)"
-        )
-    if zero._gradient_store is not None:
-        raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
-    validation.refuse_sparse_gradients(module, "ShardedDataParallel")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-        raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
-    held = {id(p) for p in zero.global_params}
-    extra = [f"'{name}'" for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
-    in_module = {id(p) for p in module.parameters()}
-    missing = [
-        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
-        for g, group in enumerate(zero.param_groups)
-        for i, p in enumerate(group["params"])
-        if p.requires_grad and id(p) not in in_module
-    ]
-    if extra or missing:
-        raise ValueError(
-            "the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: "
-            + "; ".join(
-                part
-                for part in (
-                    f"it does not hold the module's {_few(extra)}" if extra else "",
-                    f"the module has no {_few(missing)}" if missing else "",
-                )
-                if part
-            )
-            + ". Build ZeRO over module.parameters() (freeze what it should not train)"
-        )
-
-
-def _few(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
-
-
-def _fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
-    entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
-    for name, p in module.named_parameters():
-        entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = (
-            tuple(p.shape),
-            str(p.dtype),
-            p.requires_grad,
-            p.stride(),
-        )
-    for name, buffer in module.named_buffers():
-        entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
-    return entries
-
-
 def _held_directly(module: nn.Module) -> Iterator[Tensor]:
     """``module``'s own parameters and those of the parameter containers under it (``nn.ParameterDict``,
     ``nn.ParameterList``: never called, their parameters are read by the module holding them)."""
@@ -385,38 +325,3 @@ def _held_directly(module: nn.Module) -> Iterator[Tensor]:
     for child in module.children():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             yield from _held_directly(child)
-
-
-def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group], cap_bytes: int) -> None:
-    """Every rank's ``tensors`` made the same: broadcast over each group in turn from its first rank, the replicas
-    first (each replica group takes its first member's; the shard groups' first members, one replica group, then hold
-    one value, which each shard group takes), whatever ranks the groups hold. Packed per (device, dtype) in batches
-    of at most ``cap_bytes``, a larger dense tensor broadcast in place: never a second copy of the model."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        if tensor.numel():
-            by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    with torch.no_grad():
-        for same_kind in by_kind.values():
-            for batch in _batches(same_kind, cap_bytes):
-                alone = len(batch) == 1 and is_dense(batch[0])
-                flat = flat_view(batch[0]) if alone else pack(batch)
-                for group in reversed(groups):
-                    comm.broadcast_slices(flat, [(0, 0, flat.numel())], group)
-                if not alone:
-                    unpack_(flat, batch)
-
-
-def _batches(tensors: Sequence[Tensor], cap_bytes: int) -> Iterator[list[Tensor]]:
-    """``tensors`` in order, in runs of at most ``cap_bytes`` (a larger tensor alone)."""
-    batch: list[Tensor] = []
-    filled = 0
-    for tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        if batch and filled + size > cap_bytes:
-            yield batch
-            batch, filled = [], 0
-        batch.append(tensor)
-        filled += size
-    if batch:
-        yield batch

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, clipping, placement, state_dicts, stepping, validation
+from distoptim.zero import amp, clipping, fingerprints, placement, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import CLASS_KEY, whole_tensor_weights
@@ -321,7 +321,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
 
     def _fingerprint(self) -> Any:
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return validation.step_fingerprint(self._trainability, self.param_groups)
+        return fingerprints.step_fingerprint(self._trainability, self.param_groups)
 
     def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]:
         return stepping.agreed_step(action, self._fingerprint, self.agreement_groups)

@@ -1,0 +1,78 @@
+"""What ``ShardedDataParallel`` checks before it builds anything: the optimizer it is given, its settings, and that
+the module's trainable parameters are exactly the optimizer's; and what the ranks must agree on (``fingerprint``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distoptim.comm import agreement as _agreement
+from distoptim.zero import validation
+
+if TYPE_CHECKING:
+    from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["check_wrapping", "fingerprint"]
+
+
+def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
+    """What must hold on this rank before anything is built (agreed across ranks by the caller: a refusal is
+    raised on every rank)."""
+    if zero.overlap_stepper is not None:
+        raise ValueError(
+            "ShardedDataParallel reduces the gradients itself and zero.step() steps after the backward: build the "
+            "ZeroRedundancyOptimizer without overlap_with_ddp (overlap_param_sync=True overlaps the parameter sync "
+            "with the next forward instead)"
+        )
+    if zero._gradient_store is not None:
+        raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
+    validation.refuse_sparse_gradients(module, "ShardedDataParallel")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
+    held = {id(p) for p in zero.global_params}
+    extra = [f"'{name}'" for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    in_module = {id(p) for p in module.parameters()}
+    missing = [
+        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
+        for g, group in enumerate(zero.param_groups)
+        for i, p in enumerate(group["params"])
+        if p.requires_grad and id(p) not in in_module
+    ]
+    if extra or missing:
+        raise ValueError(
+            "the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: "
+            + "; ".join(
+                part
+                for part in (
+                    f"it does not hold the module's {_few(extra)}" if extra else "",
+                    f"the module has no {_few(missing)}" if missing else "",
+                )
+                if part
+            )
+            + ". Build ZeRO over module.parameters() (freeze what it should not train)"
+        )
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
+    """What every rank must agree on before wrapping: the settings, and each parameter's and buffer's shape, dtype
+    (and trainability, strides): ranks that built different models would otherwise reduce mismatched buckets."""
+    entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
+    for name, p in module.named_parameters():
+        entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = (
+            tuple(p.shape),
+            str(p.dtype),
+            p.requires_grad,
+            p.stride(),
+        )
+    for name, buffer in module.named_buffers():
+        entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
+    return entries
