@@ -19,20 +19,6 @@ from torch import Tensor
 
 from distoptim.functional import kernels as specs
 
-__all__ = [
-    "FunctionalAdadelta",
-    "FunctionalAdagrad",
-    "FunctionalAdam",
-    "FunctionalAdamW",
-    "FunctionalAdamax",
-    "FunctionalOptimizer",
-    "FunctionalRMSprop",
-    "FunctionalRprop",
-    "FunctionalSGD",
-    "as_functional_optim",
-    "functional_class_for",
-]
-
 
 class FunctionalOptimizer:
     """A ``torch.optim`` optimizer that is handed its gradients: ``step(gradients)`` or ``step_param(param, grad)``.
