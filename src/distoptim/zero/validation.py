@@ -24,7 +24,7 @@ from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
+from distoptim.zero.elementwise import class_name, is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, group_class
 from distoptim.zero.partition import MODES
 
@@ -299,7 +299,7 @@ def _canonical(value: Any) -> Any:
         shown = value.detach().tolist() if value.device.type == "cpu" else f"on {value.device.type}"
         return ("tensor", str(value.dtype), tuple(value.shape), _canonical(shown))
     if isinstance(value, type):  # an optimizer_class key: by name
-        return f"{value.__module__}.{value.__qualname__}"
+        return class_name(value)
     if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
         return repr(value)
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
