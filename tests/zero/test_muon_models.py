@@ -8,6 +8,7 @@ Schulz in bfloat16 amplifies last-bit differences) where the reduction order dif
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -84,14 +85,24 @@ def _rest(model: nn.Module, matrices: list[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in model.parameters() if all(p is not m for m in matrices)]  # a tied weight once
 
 
-def _reference(build: Build, loss: Loss, rank: int, nudge: bool = False) -> nn.Module:
+def _backwards(wrapped: Any, loss: Loss, rank: int, step: int, accumulate: str | None) -> None:
+    """One backward, or two micro-batches: the first inside ``no_sync`` (``accumulate="no_sync"``) or both synced."""
+    if accumulate is None:
+        loss(wrapped, rank, step).backward()
+        return
+    with wrapped.no_sync() if accumulate == "no_sync" else contextlib.nullcontext():
+        loss(wrapped, rank, 1000 + step).backward()
+    loss(wrapped, rank, step).backward()
+
+
+def _reference(build: Build, loss: Loss, rank: int, nudge: bool = False, accumulate: str | None = None) -> nn.Module:
     model, matrices = build()
     ddp = DDP(model)
     plain = [torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(_rest(model, matrices), **ADAMW)]
     for step in STEPS:
         for optim in plain:
             optim.zero_grad()
-        loss(ddp, rank, step).backward()
+        _backwards(ddp, loss, rank, step, accumulate)
         if nudge:  # the gradient one ulp off: how far a last-bit difference carries
             for p in model.parameters():
                 p.grad = torch.nextafter(p.grad, torch.full_like(p.grad, torch.inf))
@@ -166,8 +177,36 @@ def _gpt2_body(rank: int, world_size: int) -> None:
     _parity(_gpt2, _gpt2_loss, rank)
 
 
+def _accumulation(build: Build, loss: Loss, rank: int) -> None:
+    """Two micro-batches a step, the first under ``no_sync`` or both synced: Newton-Schulz runs once per matrix per
+    step, at the step (never per micro-batch); ZeRO-1 under DDP bitwise, ShardedDataParallel (each micro-batch
+    reduced to owners, or the local sum at the last) within the measured distance."""
+    reference = _reference(build, loss, rank, accumulate="no_sync")
+    tolerance = 4 * _distance(_reference(build, loss, rank, nudge=True, accumulate="no_sync"), reference)
+    for wrapper in ("DDP", "ShardedDataParallel"):
+        for accumulate in ("no_sync", "synced"):
+            model, matrices = build()
+            zero = _zero(model, matrices, partition="even")
+            wrapped = DDP(model) if wrapper == "DDP" else ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
+
+            def train(wrapped: Any = wrapped, zero: ZeroRedundancyOptimizer = zero, how: str = accumulate) -> None:
+                for step in STEPS:
+                    zero.zero_grad()
+                    _backwards(wrapped, loss, rank, step, how)
+                    zero.step()
+
+            calls = _orthogonalizations(zero, train)
+            assert calls == len(STEPS) * len(matrices), (wrapper, accumulate, calls)
+            distance = _distance(model, reference)
+            if wrapper == "DDP" and accumulate == "no_sync":
+                assert distance == 0, (wrapper, accumulate, distance)
+            else:  # another summation order than DDP's no_sync
+                assert distance <= tolerance, (wrapper, accumulate, distance, tolerance)
+
+
 def _convnet_body(rank: int, world_size: int) -> None:
     _parity(_convnet, _convnet_loss, rank)
+    _accumulation(_convnet, _convnet_loss, rank)
     model, matrices = _convnet()
     conv = model.features[0].weight
     with pytest.raises(ValueError, match=r"shape \(8, 3, 3, 3\).*flattening it to a matrix is not supported"):
