@@ -615,3 +615,19 @@ def test_muon_by_name_points_to_the_muon_option(capsys: pytest.CaptureFixture[st
     assert "pass --muon" in capsys.readouterr().err
     assert main(["--params", "1e8", "--world-size", "3", "--muon"]) == 0
     assert "Newton-Schulz work per step" in capsys.readouterr().out
+
+
+def test_muon_takes_the_matrices_of_a_gpt2s_blocks_and_leaves_its_tied_embedding() -> None:
+    """``--muon``'s rule on a ``transformers`` GPT-2 built on the meta device: the blocks' ``Conv1D`` matrices, first,
+    in model order; the tied token embedding (listed once), the position embedding and every vector on AdamW."""
+    transformers = pytest.importorskip("transformers")
+    from distoptim.plan.muon import with_muon
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=16)
+    inventory = with_muon(from_factory(lambda: transformers.GPT2LMHeadModel(config), "gpt2"))
+    muon = [p.name for p in inventory.params if p.muon]
+    kinds = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert muon == [f"transformer.h.{layer}.{kind}.weight" for layer in range(2) for kind in kinds]
+    assert [p.name for p in inventory.params[: len(muon)]] == muon
+    rest = {p.name for p in inventory.params[len(muon) :]}
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= rest and "lm_head.weight" not in rest
