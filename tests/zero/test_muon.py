@@ -417,3 +417,21 @@ def test_whole_tensors_are_cut_into_buckets_but_never_cut() -> None:
     for index in (1, 2, 4):
         (fragment,) = plan.fragments[index]
         assert fragment.length == numels[index]
+
+
+def test_a_saved_groups_class_is_compared_by_name_and_an_older_dict_with_the_class_still_loads() -> None:
+    from distoptim.checkpoint.consolidated import saved_param_groups, select_shard
+
+    matrix, vector = torch.zeros(3, 4), torch.zeros(4)
+    groups = [{"params": [matrix], "optimizer_class": torch.optim.Muon, "lr": 0.02}, {"params": [vector], "lr": 1e-3}]
+    saved = saved_param_groups(groups)
+    assert saved[0] == {"optimizer_class": "torch.optim.Muon", "lr": 0.02, "params": [0]}
+    assert groups[0]["optimizer_class"] is torch.optim.Muon  # the optimizer's own groups keep the class
+    for stored in ("torch.optim.Muon", torch.optim.Muon):  # ours, and a dict saved before classes were named
+        state = {"state": {}, "param_groups": [{**saved[0], "optimizer_class": stored}, saved[1]]}
+        _, hyperparameters = select_shard(state, groups, torch.optim.AdamW)
+        assert hyperparameters[0] == {"lr": 0.02}  # the group's class is not replaced by the saved name
+    for stored in ("torch.optim.AdamW", None):
+        wrong = {**saved[0], "optimizer_class": stored} if stored else {"lr": 0.02, "params": [0]}
+        with pytest.raises(ValueError, match="names optimizer_class"):
+            select_shard({"state": {}, "param_groups": [wrong, saved[1]]}, groups, torch.optim.AdamW)
