@@ -21,7 +21,7 @@ import distoptim
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.comm import collectives as comm
 from distoptim.hooks import allreduce_hook, reduce_to_owners_hook
-from distoptim.plan.cli import main, parse_bytes, parse_count
+from distoptim.plan.cli import build_report, main, parse_bytes, parse_count
 from distoptim.plan.inventory import Inventory, ParamSpec, from_factory, load_factory, transformer
 from distoptim.plan.memory import PlanConfig, plan_modes
 from distoptim.plan.state import OptimizerSpec, resolve_optimizer, state_cost
@@ -531,3 +531,103 @@ def test_python_m_distoptim_plan_runs_the_planner(capsys: pytest.CaptureFixture[
     assert distoptim_main(["plan", "--params", "1e6", "--world-size", "2", "--optimizer", "sgd", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"] == 10**6 and report["world_size"] == 2
+
+
+# ------------------------------------------------------------------------------------------ Muon
+
+
+class _NewtonSchulzFlops:
+    """Counts the FLOPs of the orthogonalizations this rank runs, from each call's shape (torch's Muon makes one per
+    matrix it steps)."""
+
+    def __init__(self) -> None:
+        self.flops = 0
+        self._original = torch.optim._muon._zeropower_via_newtonschulz
+
+    def __call__(self, grad: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        from distoptim.plan.muon import newton_schulz_flops
+
+        self.flops += newton_schulz_flops(tuple(grad.shape))
+        return self._original(grad, *args, **kwargs)
+
+
+def _muon_run(rank: int, partition: str) -> dict[str, int]:
+    """Muon on the blocks' matrices + AdamW on the rest, as the Muon guide builds it (plain under DDP, or one
+    ZeroRedundancyOptimizer with ``partition``), two steps: this rank's live state bytes, and the Newton-Schulz FLOPs
+    of the second step."""
+    model = planner_net()
+    ddp = DDP(model)
+    matrices = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    if partition == "ddp":
+        optimizers: list[Any] = [torch.optim.Muon(matrices), torch.optim.AdamW(rest)]
+        locals_ = optimizers
+    else:
+        groups = [{"params": matrices, "optimizer_class": torch.optim.Muon}, {"params": rest}]
+        zero = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, partition=partition)
+        optimizers, locals_ = [zero], [zero.local_optimizer]
+    for iteration in range(2):
+        model.zero_grad()
+        batch = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * iteration + rank))
+        ddp(batch).square().mean().backward()
+        counter = _NewtonSchulzFlops()
+        with mock.patch("torch.optim._muon._zeropower_via_newtonschulz", counter):
+            for optimizer in optimizers:
+                optimizer.step()
+    return {
+        "state": sum(_storages(t for optim in locals_ for t in _state_tensors(optim)).values()),
+        "flops": counter.flops,
+    }
+
+
+def _muon_body(rank: int, world_size: int, partitions: list[str]) -> list[dict[str, int]]:
+    return [_muon_run(rank, partition) for partition in ["ddp", *partitions]]
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_plan_models_muon_state_and_newton_schulz_work_per_rank(world_size: int) -> None:
+    """``--muon``: per rank, the optimizer state bytes and the Newton-Schulz FLOPs the plan gives DDP + plain
+    Muon/AdamW and ZeRO-1 (both partitions) are the live ones, and the balance is their max/mean."""
+    partitions = ["even", "greedy"]
+    results = run_on_ranks(_muon_body, world_size, partitions, timeout=180)
+    inventory = from_factory(load_factory(FACTORY), FACTORY)
+    for index, partition in enumerate(["ddp", *partitions]):
+        config = PlanConfig(
+            world_size=world_size,
+            optimizer=resolve_optimizer("adamw"),
+            partition="even" if partition == "ddp" else partition,
+            muon=OptimizerSpec(torch.optim.Muon),
+        )
+        mode = {m.key: m for m in plan_modes(inventory, config)}["ddp" if partition == "ddp" else "zero1"]
+        live = [results[rank][index] for rank in range(world_size)]
+        assert [r["state"] for r in live] == [m.state for m in mode.ranks], partition
+        assert [r["flops"] for r in live] == list(mode.newton_schulz), partition
+        assert sum(mode.newton_schulz) > 0
+    flops = [r["flops"] for r in (results[rank][1] for rank in range(world_size))]
+    report = build_report(inventory, config, None)
+    zero1 = next(m for m in report["modes"] if m["mode"] == "zero1")
+    assert zero1["newton_schulz_balance"] == pytest.approx(max(flops) * world_size / sum(flops))
+    assert report["muon"]["matrices"] == 4
+
+
+def test_muon_by_name_points_to_the_muon_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "1e8", "--world-size", "2", "--optimizer", "muon"]) == 2
+    assert "pass --muon" in capsys.readouterr().err
+    assert main(["--params", "1e8", "--world-size", "3", "--muon"]) == 0
+    assert "Newton-Schulz work per step" in capsys.readouterr().out
+
+
+def test_muon_takes_the_matrices_of_a_gpt2s_blocks_and_leaves_its_tied_embedding() -> None:
+    """``--muon``'s rule on a ``transformers`` GPT-2 built on the meta device: the blocks' ``Conv1D`` matrices, first,
+    in model order; the tied token embedding (listed once), the position embedding and every vector on AdamW."""
+    transformers = pytest.importorskip("transformers")
+    from distoptim.plan.muon import with_muon
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=16)
+    inventory = with_muon(from_factory(lambda: transformers.GPT2LMHeadModel(config), "gpt2"))
+    muon = [p.name for p in inventory.params if p.muon]
+    kinds = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert muon == [f"transformer.h.{layer}.{kind}.weight" for layer in range(2) for kind in kinds]
+    assert [p.name for p in inventory.params[: len(muon)]] == muon
+    rest = {p.name for p in inventory.params[len(muon) :]}
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= rest and "lm_head.weight" not in rest

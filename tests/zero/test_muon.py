@@ -5,6 +5,8 @@ Muon matrix whole on one rank, balanced by Newton-Schulz cost, against DDP + pla
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -233,6 +235,13 @@ def _parity_body(rank: int, world_size: int) -> None:
     assert _distance(model, reference.model) > tolerance, "the clip did not bite: the check proves nothing"
 
 
+class _PlainData(pickle.Unpickler):
+    """Unpickles plain data only (what ``weights_only=True`` would read): any class or function is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
 def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -> dict[str, Any] | None:
     """Saves (2 ranks): consolidated and sharded checkpoints after 2 steps, checked by a same-size resume; or
     resumes (3 ranks) from the 2-rank checkpoints, against plain optimizers loaded from the consolidated one."""
@@ -241,18 +250,23 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
         reference.train(rank, range(4))
         model, ddp, zero = _zero_model(partition="even")
         _train(ddp, zero, rank, range(2))
-        zero.consolidate_state_dict(to=0)
-        state = zero.state_dict() if rank == 0 else None
-        shared = [state]
-        dist.broadcast_object_list(shared, src=0)
-        state = shared[0]
-        assert state is not None
-        directory = saved_dir = tempfile.mkdtemp() if rank == 0 else None
+        directory = tempfile.mkdtemp() if rank == 0 else None
         names = [directory]
         dist.broadcast_object_list(names, src=0)
         saved_dir = names[0]
         assert saved_dir is not None
-        checkpoint.save({"optim": zero.sharded_state_dict()}, Path(saved_dir) / "ckpt")
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:  # through a file, read back as plain data: the group's class is stored by its name
+            saved_state = zero.state_dict()
+            assert saved_state["param_groups"][0]["optimizer_class"] == "torch.optim.Muon"
+            assert zero.param_groups[0]["optimizer_class"] is torch.optim.Muon  # users still see the class
+            torch.save(saved_state, Path(saved_dir) / "consolidated.pt")
+        dist.barrier()
+        state = torch.load(Path(saved_dir) / "consolidated.pt", weights_only=True)
+        sharded_state = zero.sharded_state_dict()
+        groups = _PlainData(io.BytesIO(sharded_state["param_groups"])).load()  # no class objects in it either
+        assert groups[0]["optimizer_class"] == "torch.optim.Muon"
+        checkpoint.save({"optim": sharded_state}, Path(saved_dir) / "ckpt")
         model_state = {k: v.clone() for k, v in model.state_dict().items()}
         for load in ("consolidated", "sharded"):  # resume at this world size: bitwise
             resumed, ddp2, zero2 = _zero_model(partition="greedy")
@@ -265,10 +279,11 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
                 zero2.load_sharded_state_dict(shard["optim"])
             _train(ddp2, zero2, rank, range(2, 4))
             assert _distance(resumed, reference.model) == 0, load
+            assert zero2.param_groups[0]["optimizer_class"] is torch.optim.Muon, load  # not its saved name
         torch.manual_seed(0)
         other = Block()  # the same groups, all AdamW: the Muon group's checkpoint does not load into it
         adamw_only = ZeroRedundancyOptimizer(_groups(other, muon_key=False), torch.optim.AdamW, **ADAMW)
-        with pytest.raises(ValueError, match="names optimizer_class Muon"):
+        with pytest.raises(ValueError, match="names optimizer_class torch.optim.Muon"):
             adamw_only.load_state_dict(state)
         return {"state": state, "model": model_state, "dir": saved_dir}
     for load in ("consolidated", "sharded"):  # at 3 ranks: plain optimizers loaded from the consolidated dict
@@ -291,7 +306,7 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
         model, ddp, zero = _zero_model(partition="even")
         model.load_state_dict(saved["model"])
         if load == "consolidated":
-            zero.load_state_dict(saved["state"])
+            zero.load_state_dict(torch.load(Path(saved["dir"]) / "consolidated.pt", weights_only=True))
         else:
             shard = {"optim": zero.sharded_state_dict()}
             checkpoint.load(shard, Path(saved["dir"]) / "ckpt")
@@ -402,3 +417,21 @@ def test_whole_tensors_are_cut_into_buckets_but_never_cut() -> None:
     for index in (1, 2, 4):
         (fragment,) = plan.fragments[index]
         assert fragment.length == numels[index]
+
+
+def test_a_saved_groups_class_is_compared_by_name_and_an_older_dict_with_the_class_still_loads() -> None:
+    from distoptim.checkpoint.consolidated import saved_param_groups, select_shard
+
+    matrix, vector = torch.zeros(3, 4), torch.zeros(4)
+    groups = [{"params": [matrix], "optimizer_class": torch.optim.Muon, "lr": 0.02}, {"params": [vector], "lr": 1e-3}]
+    saved = saved_param_groups(groups)
+    assert saved[0] == {"optimizer_class": "torch.optim.Muon", "lr": 0.02, "params": [0]}
+    assert groups[0]["optimizer_class"] is torch.optim.Muon  # the optimizer's own groups keep the class
+    for stored in ("torch.optim.Muon", torch.optim.Muon):  # ours, and a dict saved before classes were named
+        state = {"state": {}, "param_groups": [{**saved[0], "optimizer_class": stored}, saved[1]]}
+        _, hyperparameters = select_shard(state, groups, torch.optim.AdamW)
+        assert hyperparameters[0] == {"lr": 0.02}  # the group's class is not replaced by the saved name
+    for stored in ("torch.optim.AdamW", None):
+        wrong = {**saved[0], "optimizer_class": stored} if stored else {"lr": 0.02, "params": [0]}
+        with pytest.raises(ValueError, match="names optimizer_class"):
+            select_shard({"state": {}, "param_groups": [wrong, saved[1]]}, groups, torch.optim.AdamW)

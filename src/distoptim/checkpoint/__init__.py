@@ -28,7 +28,8 @@ The package: ``files`` (``save``/``load``), ``dcp`` (DCP's save and load coordin
 of each parameter a rank holds), ``consolidated`` (``torch.optim``'s format gathered on one rank) and ``convert``
 (between the two formats, ``python -m distoptim checkpoint``), with ``checksums`` (the manifest of every
 file's size and CRC-32 that a save writes last and a load checks first). It may import ``comm`` and ``zero``'s
-partition and shard modules; ``zero`` imports ``consolidated`` and ``dcp_state``.
+partition, shard, elementwise and local_optimizer (the group class key) modules; ``zero`` imports ``consolidated``
+and ``dcp_state``.
 """
 
 from distoptim.checkpoint.files import load, save

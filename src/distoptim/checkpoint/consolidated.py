@@ -17,7 +17,8 @@ from torch import Tensor
 
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
-from distoptim.zero.elementwise import is_elementwise, torch_class_of
+from distoptim.zero.elementwise import class_name, is_elementwise, torch_class_of
+from distoptim.zero.local_optimizer import CLASS_KEY
 
 __all__ = [
     "STAGING_BYTES",
@@ -27,6 +28,7 @@ __all__ = [
     "global_param_groups",
     "on_cpu",
     "receive_state",
+    "saved_param_groups",
     "select_shard",
     "send_state",
 ]
@@ -149,6 +151,21 @@ def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str
     return saved
 
 
+def saved_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``global_param_groups`` as a checkpoint stores them: a group's ``optimizer_class`` by its name
+    (``"torch.optim.Muon"``), not the class object, so that the dict is plain data that ``torch.load(...,
+    weights_only=True)`` reads; loading compares the names (``check_hyperparameters``)."""
+    return [
+        {**group, CLASS_KEY: _stored_name(group[CLASS_KEY])} if CLASS_KEY in group else group
+        for group in global_param_groups(param_groups)
+    ]
+
+
+def _stored_name(value: Any) -> Any:
+    """A class by the name of the ``torch.optim`` class that steps it; a name (an older dict's or ours) as it is."""
+    return class_name(torch_class_of(value)) if isinstance(value, type) else value
+
+
 def select_shard(
     state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any]], optimizer_class: type
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
@@ -180,9 +197,14 @@ def select_shard(
         for index, param in zip(saved["params"], group["params"]):
             if index in state_dict["state"]:
                 by_param[param] = state_dict["state"][index]
-                _check_state_shapes(by_param[param], param, index, group.get("optimizer_class", optimizer_class))
-    hyperparameters = [{k: v for k, v in saved.items() if k != "params"} for saved in saved_groups]
-    return by_param, hyperparameters
+                _check_state_shapes(by_param[param], param, index, group.get(CLASS_KEY, optimizer_class))
+    return by_param, [loaded_hyperparameters(saved) for saved in saved_groups]
+
+
+def loaded_hyperparameters(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved group's settings to load into a group: all but ``params`` and the class (the group's own class,
+    checked to have the saved name, stays: ``param_groups`` keeps showing the class, not its name)."""
+    return {k: v for k, v in saved.items() if k not in ("params", CLASS_KEY)}
 
 
 # Implementation switches, not hyperparameters: torch.optim fills them in when an older checkpoint lacks them.
@@ -202,17 +224,14 @@ def _hyperparameter_names(optimizer_class: type) -> set[str]:
 def check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: int, optimizer_class: type) -> None:
     """A saved group must carry the hyperparameters this optimizer's groups have (an SGD dict has no 'betas'), and
     name the class the group names (``optimizer_class``, a per-group key), if any."""
-    own, theirs = group.get("optimizer_class"), saved.get("optimizer_class")
-    if own is not theirs:
-        shown = [
-            getattr(cls, "__qualname__", "the constructor's optimizer_class") if cls else "none"
-            for cls in (theirs, own)
-        ]
+    own, theirs = group.get(CLASS_KEY), saved.get(CLASS_KEY)
+    if _stored_name(own) != _stored_name(theirs):  # by name: a checkpoint stores the class's (saved_param_groups)
+        shown = ["none" if cls is None else _stored_name(cls) for cls in (theirs, own)]
         raise ValueError(
             f"param group {number} of the state dict names optimizer_class {shown[0]}, but this optimizer's names "
             f"{shown[1]}: load a state dict saved with the same optimizer class per group"
         )
-    optimizer_class = own or optimizer_class
+    optimizer_class = torch_class_of(own) if isinstance(own, type) else optimizer_class
     missing = sorted(name for name in _hyperparameter_names(optimizer_class) & group.keys() if name not in saved)
     if missing:
         name = torch_class_of(optimizer_class).__qualname__

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from distoptim._flat import is_dense
 from distoptim.checkpoint.boxes import memory_range_boxes
-from distoptim.checkpoint.consolidated import check_hyperparameters
+from distoptim.checkpoint.consolidated import check_hyperparameters, loaded_hyperparameters
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 
 if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a third of distoptim's import time
@@ -256,7 +256,7 @@ def load_param_groups(
         )
     for number, (group, own) in enumerate(zip(groups, param_groups)):
         check_hyperparameters(group, own, number, optimizer_class)
-    return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    return [loaded_hyperparameters(group) for group in groups]
 
 
 def _shown(shapes: list[tuple[int, ...]]) -> str:

@@ -16,7 +16,8 @@ import torch
 
 from distoptim.plan.inventory import Inventory, from_factory, load_factory, transformer
 from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, dtype_name, plan_modes
-from distoptim.plan.state import resolve_optimizer, state_cost
+from distoptim.plan.muon import takes_muon
+from distoptim.plan.state import OptimizerSpec, StateCost, resolve_optimizer, state_cost
 from distoptim.zero.partition import MODES as PARTITIONS
 
 __all__ = ["main", "parse_bytes", "parse_count", "parse_dtype"]
@@ -93,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="an optimizer setting that changes its state (momentum=0.9, centered=True); repeatable",
     )
+    parser.add_argument(
+        "--muon",
+        action="store_true",
+        help="torch.optim.Muon on every 2-D parameter of the blocks (nn.ModuleList children), --optimizer on the rest",
+    )
     parser.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: the model's own, or fp32)")
     parser.add_argument("--master-dtype", help="step master copies in this dtype (fp32 for a bf16 model)")
     parser.add_argument(
@@ -147,6 +153,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         parameters_as_bucket_view=args.parameters_as_bucket_view,
         bucket_cap_mb=args.bucket_cap_mb,
         reduce_dtype=parse_dtype(args.reduce_dtype) if args.reduce_dtype else None,
+        muon=OptimizerSpec(torch.optim.Muon) if args.muon else None,
     )
     gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     return build_report(inventory, config, gpu_memory)
@@ -157,6 +164,15 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
     master = config.master_dtype
     step_dtypes = {master if master is not None else p.dtype for p in inventory.params if p.trainable}
     costs = {dtype_name(dtype): state_cost(config.optimizer, dtype) for dtype in sorted(step_dtypes, key=str)}
+    muon = None
+    if config.muon is not None:
+        muon_costs = {dtype_name(dtype): state_cost(config.muon, dtype) for dtype in sorted(step_dtypes, key=str)}
+        muon = {
+            "optimizer": config.muon.name,
+            "matrices": sum(1 for p in inventory.params if takes_muon(p)),
+            "takes": "every 2-D parameter of the blocks (children of an nn.ModuleList)",
+            "state_bytes": _state_bytes(muon_costs),
+        }
     return {
         "model": inventory.description,
         "parameters": inventory.numel,
@@ -164,16 +180,21 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
         "parameter_dtypes": sorted({dtype_name(p.dtype) for p in inventory.params}),
         "world_size": config.world_size,
         "optimizer": config.optimizer.name,
-        "state_bytes": {
-            name: {"per_element": c.per_element, "per_tensor": c.per_tensor, "at_construction": c.at_construction}
-            for name, c in costs.items()
-        },
+        "state_bytes": _state_bytes(costs),
+        "muon": muon,
         "master_dtype": None if master is None else dtype_name(master),
         "partition": config.partition,
         "gpu_memory": gpu_memory,
         "counted": "parameters, gradients, optimizer state, master weights, communication buffers",
         "not_counted": "activations, CUDA context, allocator fragmentation, torch.optim's temporaries in step()",
         "modes": [_mode_report(mode, gpu_memory) for mode in plan_modes(inventory, config)],
+    }
+
+
+def _state_bytes(costs: dict[str, StateCost]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {"per_element": c.per_element, "per_tensor": c.per_tensor, "at_construction": c.at_construction}
+        for name, c in costs.items()
     }
 
 
@@ -201,7 +222,16 @@ def _mode_report(mode: ModePlan, gpu_memory: int | None) -> dict[str, Any]:
         "sends": dict(mode.sends),
         "notes": list(mode.notes),
         "ranks": [_memory(memory) for memory in mode.ranks] if distinct > 1 else "all ranks alike",
+        "newton_schulz_flops": list(mode.newton_schulz) or None,
+        "newton_schulz_balance": _balance(mode.newton_schulz),
     }
+
+
+def _balance(per_rank: tuple[int, ...]) -> float | None:
+    """The largest rank's share over the mean (1.0: even); None without Muon."""
+    if not per_rank or not sum(per_rank):
+        return None
+    return max(per_rank) * len(per_rank) / sum(per_rank)
 
 
 def _human(count: float) -> str:
@@ -219,15 +249,27 @@ def _table(report: dict[str, Any]) -> str:
         for name, c in report["state_bytes"].items()
     )
     master = f", master weights in {report['master_dtype']}" if report["master_dtype"] else ""
+    muon = report["muon"]
+    muon_line = (
+        [
+            f"Muon on {muon['takes']}: {muon['matrices']} matrices, {report['optimizer']} on the rest; Muon's state: "
+            + "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
+        ]
+        if muon
+        else []
+    )
     lines = [
         f"model: {report['model']}",
         f"{report['world_size']} ranks, {report['optimizer']}{master}, "
         f"parameters in {', '.join(report['parameter_dtypes'])}, ZeRO partition: {report['partition']}",
         f"optimizer state (measured by stepping torch.optim): {costs}",
+        *muon_line,
         "",
         "per rank (the rank holding the most); activations are NOT counted",
     ]
     header = ["mode", "params", "grads", "optim state", "master", "other", "total", "sent/step"]
+    if muon:
+        header.append("NS GFLOP/step")  # the busiest rank's
     if gpu is not None:
         header.append(f"fits {_human(gpu)}")
     rows = [header]
@@ -235,6 +277,8 @@ def _table(report: dict[str, Any]) -> str:
         peak = mode["peak"]
         row = [mode["title"], *(_human(peak[k]) for k in ("params", "grads", "optimizer_state", "master")),
                _human(sum(peak["other"].values())), _human(peak["total"]), _human(mode["sends_per_step"])]  # fmt: skip
+        if muon:
+            row.append(f"{max(mode['newton_schulz_flops']) / 1e9:.2f}")
         if gpu is not None:
             row.append("yes" if mode["fits"] else "no")
         rows.append(row)
@@ -249,4 +293,10 @@ def _table(report: dict[str, Any]) -> str:
         lines += [f"    - {note}" for note in mode["notes"]]
         lines += [f"    - other: {name} {_human(size)}" for name, size in mode["peak"]["other"].items()]
         lines += [f"    - sends: {name} {_human(size)}" for name, size in mode["sends"].items()]
+    if muon:
+        lines += ["", "Newton-Schulz work per step, GFLOP by rank (max/mean: the balance):"]
+        for mode in report["modes"]:
+            flops = mode["newton_schulz_flops"]
+            shown = ", ".join(f"{f / 1e9:.2f}" for f in flops[:8]) + (", ..." if len(flops) > 8 else "")
+            lines.append(f"  {mode['title']}: {shown} (max/mean {mode['newton_schulz_balance']:.3f})")
     return "\n".join(lines)

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
-from distoptim.plan.state import OptimizerSpec, state_cost
+from distoptim.plan.muon import newton_schulz_per_rank, with_muon
+from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
 from distoptim.sharded_data_parallel.buckets import plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
-from distoptim.zero.partition import PartitionPlan, partition_parameters
+from distoptim.zero.partition import PartitionPlan, newton_schulz_cost, partition_parameters
 
 __all__ = ["MODES", "ModePlan", "PlanConfig", "RankMemory", "dtype_name", "plan_modes"]
 
@@ -47,6 +48,7 @@ class PlanConfig:
     bucket_cap_mb: float = 25.0  # ShardedDataParallel's
     parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
     reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
+    muon: OptimizerSpec | None = None  # Muon on the blocks' matrices (``plan.muon``), ``optimizer`` on the rest
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class ModePlan:
     ranks: tuple[RankMemory, ...]
     sends: tuple[tuple[str, int], ...]
     notes: tuple[str, ...]
+    newton_schulz: tuple[int, ...] = ()
+    """With Muon: each rank's Newton-Schulz FLOPs per step (``plan.muon.newton_schulz_flops``)."""
 
     @property
     def sends_total(self) -> int:
@@ -93,6 +97,8 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     """DDP, ZeRO-1, the ZeRO-2 hook, ShardedDataParallel and FSDP2 for ``inventory`` trained as ``config`` says."""
     if config.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {config.world_size}")
+    if config.muon is not None:
+        inventory = with_muon(inventory)
     zero = _ZeroShards(inventory.params, _plan(inventory, config, None), config)
     # ShardedDataParallel re-cuts an even partition into buckets of its cap, each split evenly (its own plan)
     cap_bytes = int(config.bucket_cap_mb * MB)
@@ -102,11 +108,28 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     zero1, zero2 = zero.modes()
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
-    return [_ddp(inventory, config), zero1, zero2, sdp, _fsdp2(inventory, config)]
+    modes = [_ddp(inventory, config), zero1, zero2, sdp, _fsdp2(inventory, config)]
+    if config.muon is None:
+        return modes
+    plans = {"zero1": zero.plan, "zero2_hook": zero.plan, "sharded_data_parallel": sharded.plan}  # else every rank
+    everywhere = {
+        "ddp": "Muon: every rank orthogonalizes every matrix (plain torch.optim.Muon)",
+        "fsdp2": "Muon as its users run it: every rank gathers each matrix (full_tensor()) and orthogonalizes it",
+    }
+    owned = "Muon: each matrix whole on one rank, chosen by Newton-Schulz cost, and orthogonalized there only"
+    return [
+        replace(
+            mode,
+            newton_schulz=tuple(newton_schulz_per_rank(inventory.params, plans.get(mode.key), config.world_size)),
+            notes=(*mode.notes, everywhere.get(mode.key, owned)),
+        )
+        for mode in modes
+    ]
 
 
 def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashable, int] | None) -> PartitionPlan:
-    """The partition plan ZeroRedundancyOptimizer makes (``region_numel``: ShardedDataParallel's buckets)."""
+    """The partition plan ZeroRedundancyOptimizer makes (``region_numel``: ShardedDataParallel's buckets); Muon's
+    matrices whole, placed by Newton-Schulz cost (``zero.local_optimizer.whole_tensor_weights``)."""
     return partition_parameters(
         [p.numel for p in inventory.params],
         [p.trainable for p in inventory.params],
@@ -114,7 +137,14 @@ def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashab
         mode=config.partition,
         keys=[(DEVICE, p.dtype) for p in inventory.params],
         region_numel=region_numel if config.partition == "even" else None,
+        whole=[p.muon for p in inventory.params],
+        costs=[newton_schulz_cost(p.shape) if p.muon else p.numel for p in inventory.params],
     )
+
+
+def _cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype) -> StateCost:
+    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one)."""
+    return state_cost(config.muon if param.muon and config.muon is not None else config.optimizer, dtype)
 
 
 def _step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
@@ -166,7 +196,7 @@ def _plain_state(params: Sequence[ParamSpec], config: PlanConfig) -> int:
     optimizer makes its state at construction (Adagrad)."""
     total = 0
     for param in params:
-        cost = state_cost(config.optimizer, _step_dtype(param, config.master_dtype if param.trainable else None))
+        cost = _cost(param, config, _step_dtype(param, config.master_dtype if param.trainable else None))
         if param.trainable or cost.at_construction:
             total += cost.bytes_for(param.numel)
     return total
@@ -181,7 +211,7 @@ class _ZeroShards:
         self.state, self.master = [0] * size, [0] * size
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
         for param, fragments in zip(params, plan.fragments):
-            cost = state_cost(config.optimizer, _step_dtype(param, master))
+            cost = _cost(param, config, _step_dtype(param, master))
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
                 if master is not None and _mastered(param, master):
@@ -346,7 +376,7 @@ def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
         dtype = _step_dtype(param, master)
         sharded += chunk * per_row * dtype.itemsize
         gathered[param.unit] = gathered.get(param.unit, 0) + size * chunk * per_row * param.dtype.itemsize
-        cost = state_cost(config.optimizer, dtype)
+        cost = _cost(param, config, dtype)
         if param.trainable or cost.at_construction:  # ranks [0, full) hold a full chunk, rank full the rest
             full, rest = divmod(rows, chunk) if chunk else (0, 0)
             steps[0] += cost.bytes_for(chunk * per_row) - cost.bytes_for(0)

@@ -5,7 +5,8 @@ the state it made: ``per_element`` bytes for every element of the stepped tensor
 ``per_tensor`` bytes for every stepped tensor (Adam's ``step`` count, a 4-byte float32 scalar that torch keeps on
 the CPU unless ``capturable`` or ``fused``). Sizes 3, 7 and a (3, 5) matrix must agree on that line: an optimizer
 whose state is not proportional to its parameter's size (Adafactor's factored moments) is refused. Only the
-elementwise optimizers that ZeRO's even partition may split (``distoptim.zero.elementwise``) are accepted.
+elementwise optimizers that ZeRO's even partition may split (``distoptim.zero.elementwise``) are accepted by name;
+Muon (``--muon``, matrices only) is measured on matrices of 1 x 3, 1 x 7 and 3 x 5.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def resolve_optimizer(name: str, kwargs: Mapping[str, Any] | None = None) -> Opt
         if isinstance(value := getattr(torch.optim, attribute), type) and issubclass(value, Optimizer)
     }
     cls = classes.get(name.lower())
+    if cls is torch.optim.Muon:
+        raise ValueError(
+            "Muon steps whole matrices, not every parameter: pass --muon (Muon on the blocks' matrices, "
+            "--optimizer on the rest)"
+        )
     if cls is None or not is_elementwise(cls):
         choices = ", ".join(sorted([*ALIASES, *(key for key, value in classes.items() if is_elementwise(value))]))
         raise ValueError(f"unknown optimizer {name!r}: choose one of {choices}")
@@ -78,11 +84,13 @@ def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype) -> StateCost:
 
 @functools.cache
 def _measured(optimizer: OptimizerSpec, dtype: torch.dtype) -> StateCost:
-    sizes = {shape: _state_bytes(optimizer, dtype, shape) for shape in ((3,), (7,), (3, 5))}
-    per_element, remainder = divmod(sizes[(7,)] - sizes[(3,)], 4)
-    per_tensor = sizes[(3,)] - 3 * per_element
-    cost = StateCost(per_element, per_tensor, _state_bytes(optimizer, dtype, (3,), step=False) > 0)
-    if remainder or cost.bytes_for(15) != sizes[(3, 5)] or per_tensor < 0:
+    shapes = ((1, 3), (1, 7), (3, 5)) if issubclass(optimizer.cls, torch.optim.Muon) else ((3,), (7,), (3, 5))
+    sizes = {shape: _state_bytes(optimizer, dtype, shape) for shape in shapes}
+    three, seven, matrix = sizes.values()
+    per_element, remainder = divmod(seven - three, 4)
+    per_tensor = three - 3 * per_element
+    cost = StateCost(per_element, per_tensor, _state_bytes(optimizer, dtype, shapes[0], step=False) > 0)
+    if remainder or cost.bytes_for(15) != matrix or per_tensor < 0:
         raise ValueError(
             f"{optimizer.name}'s state is not proportional to its parameters' sizes (measured {sizes} bytes for "
             "those shapes); the planner cannot model it"

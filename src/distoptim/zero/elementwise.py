@@ -12,7 +12,7 @@ import torch
 
 from distoptim.functional import functional_class_for
 
-__all__ = ["ELEMENTWISE_NAMES", "is_coupled", "is_elementwise", "torch_class_of"]
+__all__ = ["ELEMENTWISE_NAMES", "class_name", "is_coupled", "is_elementwise", "torch_class_of"]
 
 _ELEMENTWISE: frozenset[type] = frozenset(
     {
@@ -37,6 +37,16 @@ def torch_class_of(optimizer_class: type) -> type:
     """The ``torch.optim`` class behind ``optimizer_class`` (itself unless it is a ``distoptim.functional`` class)."""
     functional = functional_class_for(optimizer_class)
     return optimizer_class if functional is None else functional.spec.torch_cls
+
+
+def class_name(optimizer_class: type) -> str:
+    """A stable dotted name for ``optimizer_class``: ``"torch.optim.Muon"`` for torch's public classes (not the
+    private module that defines them), ``module.qualname`` otherwise. Checkpoints store a group's class by this
+    name, so that they hold plain data (``torch.load(..., weights_only=True)``) and compare across versions."""
+    module, qualname = optimizer_class.__module__, optimizer_class.__qualname__
+    if module.startswith("torch.optim.") and getattr(torch.optim, qualname, None) is optimizer_class:
+        module = "torch.optim"
+    return f"{module}.{qualname}"
 
 
 def is_elementwise(optimizer_class: type) -> bool:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from distoptim.comm.agreement import Fingerprint
+from distoptim.zero.elementwise import class_name
 
 __all__ = ["fingerprint", "step_fingerprint"]
 
@@ -52,7 +53,7 @@ def _canonical(value: Any) -> Any:
         shown = value.detach().tolist() if value.device.type == "cpu" else f"on {value.device.type}"
         return ("tensor", str(value.dtype), tuple(value.shape), _canonical(shown))
     if isinstance(value, type):  # an optimizer_class key: by name
-        return f"{value.__module__}.{value.__qualname__}"
+        return class_name(value)
     if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
         return repr(value)
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable

@@ -218,7 +218,7 @@ def _state_dict(zero: ZeroParts) -> dict[str, Any]:
             f"rank {zero.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={zero.rank}) "
             "on all ranks (after the last step) before state_dict()"
         )
-    result = {"state": dict(zero._consolidated), "param_groups": checkpoint.global_param_groups(zero.param_groups)}
+    result = {"state": dict(zero._consolidated), "param_groups": checkpoint.saved_param_groups(zero.param_groups)}
     return checkpoint.apply_hooks(zero._optimizer_state_dict_post_hooks.values(), zero, result)
 
 
@@ -245,7 +245,7 @@ def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
     zero._masters_follow_parameters()
     shard, state = zero.local_shard, zero.local_optimizer.state
     placeholders = sharded.template_state(shard, zero.local_optimizer.step, state)
-    groups = pickle.dumps(checkpoint.global_param_groups(zero.param_groups))
+    groups = pickle.dumps(checkpoint.saved_param_groups(zero.param_groups))
     return sharded.sharded_state(shard, state, placeholders, groups, zero.global_params)
 
 
