@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +117,8 @@ def with_ratios(summaries: list[dict[str, Any]]) -> None:
     """Add, against DDP + plain of the same model and N: iteration ratio, step over (plain step / N), state over
     (plain state / N)."""
     for s in summaries:
-        base = next(
-            (b for b in summaries if (b["variant"], b["model"], b["world_size"]) == (BASELINE, s["model"], s["world_size"])),
-            None,
-        )
+        key = (BASELINE, s["model"], s["world_size"])
+        base = next((b for b in summaries if (b["variant"], b["model"], b["world_size"]) == key), None)
         n = s["world_size"]
         s["iteration_over_ddp"] = s["median_iteration_ms"] / base["median_iteration_ms"] if base else None
         s["step_over_ideal"] = s["median_step_ms"] / (base["median_step_ms"] / n) if base else None
@@ -187,18 +188,21 @@ def _print_targets(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    load = os.getloadavg()[0]
     if args.iters < 1 or args.warmup < 0 or any(n < 1 for n in args.world_sizes):
         parser.error("--iters must be at least 1, --warmup at least 0, every world size at least 1")
     skipped = {name: reason for name in args.variants if (reason := VARIANTS[name].missing()) is not None}
     for name, reason in skipped.items():
         print(f"  {name}: skipped ({reason})", file=sys.stderr, flush=True)
     variants = [name for name in args.variants if name not in skipped]
+    cores = f"ranks oversubscribe the cores at N > {_cpus()}" if max(args.world_sizes) > _cpus() else "a core per rank"
     print(
         f"Muon (lr 0.02) on the blocks' 2-D weights + AdamW on the rest; models {' '.join(args.models)}; batch "
         f"{args.batch}x{args.seq} tokens per rank; {args.warmup} warm-up + {args.iters} timed iterations; gloo, "
         f"127.0.0.1, 1 thread per rank ({torch.__version__}, {platform.machine()}, {_cpus()} CPUs: "
-        f"{'ranks oversubscribe the cores at N > ' + str(_cpus()) if max(args.world_sizes) > _cpus() else 'a core per rank'})",
+        f"{cores})",
         flush=True,
     )
     preload_benchmarks()
@@ -238,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_targets(rows)
     payload = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": shlex.join(["python", "benchmarks/bench_muon.py", *argv]),
+        "load_average": [load, os.getloadavg()[0]],  # at the start and at the end
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "seconds": time.perf_counter() - started,
         "torch": torch.__version__,
         "cpus": _cpus(),
         "results": summaries,

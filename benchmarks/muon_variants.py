@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from harness import Harness, Variant, ddp_setup, optimizer_state_tensors
 from peer_variants import _deepspeed_missing, _deepspeed_prepare
 from torch import Tensor, nn
@@ -86,9 +85,7 @@ def _ddp_muon(model: nn.Module, kwargs: dict[str, Any]) -> Harness:
             "state": [t for o in pair.optimizers for t in optimizer_state_tensors(o)],
         }
 
-    return Harness(
-        model=ddp, optimizer=pair, local_optimizer=pair.optimizers[0], tensors=tensors, no_sync=ddp.no_sync
-    )
+    return Harness(model=ddp, optimizer=pair, local_optimizer=pair.optimizers[0], tensors=tensors, no_sync=ddp.no_sync)
 
 
 def _groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -193,7 +190,7 @@ def _fsdp2_muon(model: nn.Module, kwargs: dict[str, Any]) -> Harness:
     from muon_fsdp2 import Muon as FsdpMuon
     from torch.distributed.fsdp import fully_shard
 
-    matrices, rest = split(model)  # before fully_shard: it replaces the parameters by DTensors in place
+    matrices, _ = split(model)  # before fully_shard: it replaces the parameters by DTensors in place
     names = {id(p): name for name, p in model.named_parameters()}
     muon_names = {names[id(p)] for p in matrices}
     for block in model.blocks:  # type: ignore[union-attr]  # the GPT's transformer blocks
@@ -317,7 +314,8 @@ def muon_rank(ctx: Any, spec: Any, compile_ns: bool = False) -> MuonRankResult:
     if not compile_ns and VARIANTS[spec.variant].impl == "fsdp2":  # fullgraph=True refuses to run uncompiled
         import muon_fsdp2
 
-        muon_fsdp2.nsloop_torch = getattr(muon_fsdp2.nsloop_torch, "_torchdynamo_orig_callable", muon_fsdp2.nsloop_torch)
+        loop = muon_fsdp2.nsloop_torch
+        muon_fsdp2.nsloop_torch = getattr(loop, "_torchdynamo_orig_callable", loop)
     shapes: list[tuple[int, ...]] = []
     torch.set_num_threads(1)
     with _recording(VARIANTS[spec.variant].impl, shapes):
