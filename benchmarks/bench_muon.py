@@ -12,7 +12,10 @@ then whether distoptim meets issue 31's targets:
 - whole iteration below every peer's (DDP + plain, DeepSpeed, FSDP2);
 - per-rank optimizer state <= 1.05 x (DDP + plain's state / N).
 
-    python benchmarks/bench_muon.py --models 21m 110m --world-sizes 2 4 --warmup 3 --iters 5 --json muon.json
+    python benchmarks/bench_muon.py --models 21m 110m --world-sizes 2 4 --json bench-muon.json
+
+(3 warm-up + 5 timed iterations on 21m, 1 + 2 on 110m: its DDP + plain step orthogonalizes 1.5 TFLOP per rank,
+half a minute on one CPU core.)
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default: 32)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default: 3)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default: 5)")
+    parser.add_argument("--warmup-110m", type=int, default=1, help="--warmup for the 110m model (default: 1)")
+    parser.add_argument("--iters-110m", type=int, default=2, help="--iters for the 110m model (default: 2)")
     parser.add_argument(
         "--variants", nargs="+", choices=list(MUON), default=list(MUON), metavar="NAME", help="default: all"
     )
@@ -187,11 +192,13 @@ def _print_targets(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from report import _cpu_model, _git_commit  # what the report's captions say of the machine and the code
+
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
-    if args.iters < 1 or args.warmup < 0 or any(n < 1 for n in args.world_sizes):
+    if min(args.iters, args.iters_110m) < 1 or min(args.warmup, args.warmup_110m) < 0 or min(args.world_sizes) < 1:
         parser.error("--iters must be at least 1, --warmup at least 0, every world size at least 1")
     skipped = {name: reason for name in args.variants if (reason := VARIANTS[name].missing()) is not None}
     for name, reason in skipped.items():
@@ -200,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = f"ranks oversubscribe the cores at N > {_cpus()}" if max(args.world_sizes) > _cpus() else "a core per rank"
     print(
         f"Muon (lr 0.02) on the blocks' 2-D weights + AdamW on the rest; models {' '.join(args.models)}; batch "
-        f"{args.batch}x{args.seq} tokens per rank; {args.warmup} warm-up + {args.iters} timed iterations; gloo, "
+        f"{args.batch}x{args.seq} tokens per rank; {args.warmup} warm-up + {args.iters} timed iterations (110m: "
+        f"{args.warmup_110m} + {args.iters_110m}); gloo, "
         f"127.0.0.1, 1 thread per rank ({torch.__version__}, {platform.machine()}, {_cpus()} CPUs: "
         f"{cores})",
         flush=True,
@@ -210,11 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     for model in args.models:
         config = model_config(model, args.seq)
+        warmup, iters = (args.warmup_110m, args.iters_110m) if model == "110m" else (args.warmup, args.iters)
         print(f"  {model}: {config.num_params / 1e6:.1f}M parameters", file=sys.stderr, flush=True)
         for world_size in args.world_sizes:
             for name in variants:
                 print(f"  {model} N={world_size} {name} ...", file=sys.stderr, flush=True)
-                spec = RunSpec(name, config, args.batch, args.seq, args.warmup, args.iters, 0)
+                spec = RunSpec(name, config, args.batch, args.seq, warmup, iters, 0)
                 begin = time.perf_counter()
                 try:
                     ranks = run_ranks(
@@ -232,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     skipped[f"{name}@{model}/N={world_size}"] = f"failed: {failure.summary}"
                     continue
                 print(f"    {time.perf_counter() - begin:.1f} s", file=sys.stderr, flush=True)
-                summaries.append(summarize(name, world_size, model, ranks, config, args.warmup + args.iters + 1))
+                summary = summarize(name, world_size, model, ranks, config, warmup + iters + 1)
+                summaries.append(summary | {"warmup": warmup, "iters": iters})
     with_ratios(summaries)
     print()
     print(HEADER)
@@ -245,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": shlex.join(["python", "benchmarks/bench_muon.py", *argv]),
         "load_average": [load, os.getloadavg()[0]],  # at the start and at the end
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_model": _cpu_model(),
+        "git": _git_commit(),
         "seconds": time.perf_counter() - started,
         "torch": torch.__version__,
         "cpus": _cpus(),

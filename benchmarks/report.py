@@ -47,7 +47,7 @@ MEMORY_VARIANTS = [
 QUICK_PEERS = ["sdp", "fsdp2-zero2", "deepspeed-zero2"]
 LARGE_PRESET, LARGE_WORLD_SIZE = "gpt-110m", 4  # the per-rank memory target: >= 100M fp32 parameters, 4 ranks
 # Muon + AdamW against the peers (bench_muon.py): both models at every N; --quick: a tiny model, no peers
-MUON = ["--models", "21m", "110m", "--warmup", "3", "--iters", "5"]
+MUON = ["--models", "21m", "110m"]  # bench_muon.py's iterations: 3 + 5 on 21m, 1 + 2 on 110m
 MUON_QUICK = ["--models", "tiny", "--warmup", "0", "--iters", "1", "--variants", "ddp-muon", "distoptim-zero1-muon"]
 MUON_QUICK += ["sdp-muon"]
 

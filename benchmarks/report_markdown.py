@@ -327,7 +327,9 @@ def _muon_section(data: dict[str, Any]) -> list[str]:
         "",
         f"`{muon['command']}` ({muon['seconds'] / 60:.1f} minutes; load average {_num(load[0], 1)} at the start, "
         f"{_num(load[1], 1)} at the end, on {muon['cpus']} CPUs: N > {muon['cpus']} oversubscribes the cores). "
-        f"{args['warmup']} warm-up + {args['iters']} timed iterations per variant, batch {args['batch']}x"
+        f"{args['warmup']} warm-up + {args['iters']} timed iterations per variant"
+        + (f" ({args['warmup_110m']} + {args['iters_110m']} on 110m)" if "110m" in args["models"] else "")
+        + f", batch {args['batch']}x"
         f"{args['seq']} tokens per rank. Muon (lr 0.02, torch's defaults otherwise) on the 2-D weights inside the "
         "transformer blocks, AdamW on the embeddings, the head, the norms and the biases. Variants: `ddp-muon` is "
         "DDP + plain `torch.optim.Muon` + `torch.optim.AdamW` (every rank orthogonalizes every matrix); "

@@ -346,7 +346,8 @@ def muon(data: dict[str, Any], path: Path) -> Path:
     fig.subplots_adjust(left=0.05, right=0.99, top=0.88, bottom=0.24, wspace=0.25)
     made = data["muon"]  # it may come from an earlier run (report.py --muon-json): its own command, load, date
     machine = data["machine"] | {"command": made["command"], "load_average": made["load_average"][0]}
-    return _finish(fig, machine | ({"date": made["date"]} if "date" in made else {}), path)
+    machine |= {key: made[key] for key in ("date", "cpu_model", "git") if key in made}
+    return _finish(fig, machine, path)
 
 
 def render_all(data: dict[str, Any], out: Path) -> list[Path]:
