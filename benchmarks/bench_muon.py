@@ -96,7 +96,10 @@ def _ns_per_rank(ranks: list[MuonRankResult], shapes: set[tuple[int, ...]], step
     return out
 
 
-def summarize(name: str, world_size: int, model: str, runs: list[MuonRankResult], config: GPTConfig, steps: int):  # type: ignore[no-untyped-def]
+def summarize(
+    name: str, world_size: int, model: str, runs: list[MuonRankResult], config: GPTConfig, steps: int
+) -> dict[str, Any]:
+    """bench_zero.py's summary of one variant's run, plus the Newton-Schulz work and state bytes of each rank."""
     summary = _summarize(name, world_size, [[r.result for r in runs]])
     ns = _ns_per_rank(runs, _matrix_shapes(config), steps)
     flops = [r["flops"] for r in ns]
