@@ -250,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{error.name} is not installed; the report needs matplotlib: pip install -e '.[bench]'")
     if args.from_json is not None:
         data = json.loads(args.from_json.read_text())
+        if args.muon_json is not None:  # an earlier report with the Muon section from its own run
+            data["muon"] = json.loads(args.muon_json.read_text())
     else:
         data = measure(args, machine_info(command_line(argv)))
         args.out.mkdir(parents=True, exist_ok=True)
