@@ -85,10 +85,19 @@ def _flatten(value: Any) -> Iterable[Any]:
         yield value
 
 
+def _is_tensor(obj: object) -> bool:
+    """Whether ``obj`` is a tensor; False for a weak proxy whose referent is gone (``torch.compile`` leaves some
+    among the collector's objects, and ``isinstance`` on them raises)."""
+    try:
+        return isinstance(obj, Tensor)
+    except ReferenceError:
+        return False
+
+
 def tensors_alive() -> list[weakref.ref[Tensor]]:
     """Weak references to every tensor the garbage collector can reach now (``census``'s ``before``)."""
     gc.collect()
-    return [weakref.ref(obj) for obj in gc.get_objects() if isinstance(obj, Tensor)]
+    return [weakref.ref(obj) for obj in gc.get_objects() if _is_tensor(obj)]
 
 
 def census(
@@ -118,7 +127,7 @@ def census(
             if found is not None:
                 seen.add(found[0])
         for obj in gc.get_objects():
-            if isinstance(obj, Tensor):
+            if _is_tensor(obj):
                 add("buffers", obj)
     counts["buffers"] += sum(cpp_buffers.values())
     return counts

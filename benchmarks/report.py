@@ -11,8 +11,9 @@ variant from bench_zero.py (every variant of zero_variants.py, fresh ranks each)
 data-parallel configuration from bench_zero.py --memory-only (glibc's mmap threshold pinned, so that resident memory
 follows live tensors), on the same model and on a 110M-parameter GPT at 4 ranks; per-rank memory of parameters,
 gradients, optimizer state and master weights from memory_master.py; the partition balance for GPT-2 124M shapes
-from partition_balance.py (arithmetic). Everything lands in OUT: report.json (all figures, bench_zero's JSON
-inside), six PNGs and REPORT.md; ``--from-json OUT/report.json`` redraws them without measuring again.
+from partition_balance.py (arithmetic); Muon + AdamW against the peers from bench_muon.py (``--skip-muon`` leaves
+it out, ``--muon-json`` takes an earlier run's JSON). Everything lands in OUT: report.json (all figures, bench_zero's
+JSON inside), seven PNGs and REPORT.md; ``--from-json OUT/report.json`` redraws them without measuring again.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ MEMORY_VARIANTS = [
 ]  # fmt: skip
 QUICK_PEERS = ["sdp", "fsdp2-zero2", "deepspeed-zero2"]
 LARGE_PRESET, LARGE_WORLD_SIZE = "gpt-110m", 4  # the per-rank memory target: >= 100M fp32 parameters, 4 ranks
+# Muon + AdamW against the peers (bench_muon.py): both models at every N; --quick: a tiny model, no peers
+MUON = ["--models", "21m", "110m"]  # bench_muon.py's iterations: 3 + 5 on 21m, 1 + 2 on 110m
+MUON_QUICK = ["--models", "tiny", "--warmup", "0", "--iters", "1", "--variants", "ddp-muon", "distoptim-zero1-muon"]
+MUON_QUICK += ["sdp-muon"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--skip-large", action="store_true", help=f"skip the memory pass on {LARGE_PRESET} at N={LARGE_WORLD_SIZE}"
+    )
+    parser.add_argument("--skip-muon", action="store_true", help="skip the Muon + AdamW section (bench_muon.py)")
+    parser.add_argument(
+        "--muon-json", type=Path, default=None, help="take the Muon section from this bench_muon.py JSON, not a run"
     )
     parser.add_argument("--from-json", type=Path, default=None, help="redraw from a report.json; measure nothing")
     parser.add_argument("--debug", action="store_true", help="show the ranks' output and tracebacks")
@@ -185,6 +194,7 @@ def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]
         }
     print(f"== partition balance, GPT-2 124M shapes, arithmetic ({_since(started)})", flush=True)
     numels = partition_balance.gpt2_124m_numels()
+    muon = None if args.skip_muon else _muon(args, started)
     return {
         "machine": machine,
         "quick": args.quick,
@@ -199,8 +209,26 @@ def measure(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Any]
             "num_tensors": len(numels),
             "ratios": partition_balance.balance(numels),
         },
+        "muon": muon,
         "seconds": time.perf_counter() - started,
     }
+
+
+def _muon(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    """bench_muon.py's JSON: from ``--muon-json``, or measured now (Muon + AdamW against the peers)."""
+    if args.muon_json is not None:
+        loaded: dict[str, Any] = json.loads(args.muon_json.read_text())
+        return loaded
+    import bench_muon
+
+    path = args.out / "bench_muon.json"
+    argv = [*(MUON_QUICK if args.quick else MUON), "--world-sizes", *map(str, args.world_sizes), "--json", str(path)]
+    print(f"== Muon + AdamW against the peers: bench_muon.py {' '.join(argv)} ({_since(started)})", flush=True)
+    if bench_muon.main([*argv, *(["--debug"] if args.debug else [])]) != 0:
+        raise SystemExit("report.py: bench_muon.py failed; rerun with --debug")
+    data: dict[str, Any] = json.loads(path.read_text())
+    path.unlink()  # its content goes into report.json
+    return data
 
 
 def _since(started: float) -> str:
@@ -222,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{error.name} is not installed; the report needs matplotlib: pip install -e '.[bench]'")
     if args.from_json is not None:
         data = json.loads(args.from_json.read_text())
+        if args.muon_json is not None:  # an earlier report with the Muon section from its own run
+            data["muon"] = json.loads(args.muon_json.read_text())
     else:
         data = measure(args, machine_info(command_line(argv)))
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""REPORT.md from report.py's data: where and how it was measured, caveats, ratio tables, and the six figures."""
+"""REPORT.md from report.py's data: where and how it was measured, caveats, ratio tables, and the figures."""
 
 from __future__ import annotations
 
@@ -311,6 +311,74 @@ def _peers_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _muon_section(data: dict[str, Any]) -> list[str]:
+    """Section 7: Muon + AdamW against the peers (bench_muon.py), time, NS work and memory, and issue 31's targets."""
+    muon = data.get("muon")
+    if not muon:
+        return []
+    args = muon["args"]
+    load = muon.get("load_average") or [None, None]
+    lines = [
+        "## 7. Muon + AdamW: distoptim against DDP + plain, DeepSpeed's Muon and FSDP2 + muon-fsdp2",
+        "",
+        "![muon](muon.png)",
+        "",
+        f"> **Built for GPUs.** {PEERS_CAVEAT}",
+        "",
+        f"`{muon['command']}` ({muon['seconds'] / 60:.1f} minutes; load average {_num(load[0], 1)} at the start, "
+        f"{_num(load[1], 1)} at the end, on {muon['cpus']} CPUs: N > {muon['cpus']} oversubscribes the cores). "
+        f"{args['warmup']} warm-up + {args['iters']} timed iterations per variant"
+        + (f" ({args['warmup_110m']} + {args['iters_110m']} on 110m)" if "110m" in args["models"] else "")
+        + f", batch {args['batch']}x"
+        f"{args['seq']} tokens per rank. Muon (lr 0.02, torch's defaults otherwise) on the 2-D weights inside the "
+        "transformer blocks, AdamW on the embeddings, the head, the norms and the biases. Variants: `ddp-muon` is "
+        "DDP + plain `torch.optim.Muon` + `torch.optim.AdamW` (every rank orthogonalizes every matrix); "
+        "`distoptim-zero1-muon` is DDP + `ZeroRedundancyOptimizer` with `optimizer_class=torch.optim.Muon` on the "
+        'matrices\' group (`partition="even"`, bucket views); `sdp-muon` is `ShardedDataParallel` over the same; '
+        '`deepspeed-zero1/2-muon` are DeepSpeed\'s engine with `"optimizer": {"type": "Muon"}` '
+        "(`MuonWithAuxAdam`, its default `gram` Newton-Schulz, tags set to the same split) under ZeRO stage 1 / 2; "
+        "`fsdp2-muon` is `fully_shard` per block + the `muon-fsdp2` package's `Muon` (each matrix gathered to rank "
+        "`index % N`, orthogonalized there, scattered back; its own inline Adam on the rest). `torch.compile` is "
+        "off in every rank (DeepSpeed's and muon-fsdp2's Newton-Schulz are decorated with it; compiling costs "
+        "minutes per run here).",
+        "",
+        "**iter** and **step** are medians of the slowest rank; **/ddp** divides by `ddp-muon`'s whole iteration, "
+        "**/(ddp/N)** the step by `ddp-muon`'s step over N. **NS GFLOP** counts the orthogonalizations each rank "
+        "ran (recorded at each library's Newton-Schulz entry point), at `5 (4 m^2 n + 2 m^3)` FLOPs per `m x n` "
+        "matrix (`m` the short side; DeepSpeed's `gram` method does fewer per matrix). **peak**: peak RSS growth "
+        "of the largest rank (glibc's caching included); **state**: optimizer-state bytes of the largest rank, "
+        "**/(tot/N)** over `ddp-muon`'s state / N.",
+        "",
+        "| model | N | variant | iter ms | /ddp | step ms | /(ddp/N) | NS GFLOP max rank | NS GFLOP all ranks "
+        "| NS calls per rank | peak MB | state MB | /(tot/N) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in muon["results"]:
+        calls = " / ".join(f"{c:g}" for c in r["ns_calls_by_rank"])
+        lines.append(
+            f"| {r['model']} | {r['world_size']} | `{r['variant']}` | {r['median_iteration_ms']:.0f} | "
+            f"{_num(r['iteration_over_ddp'])} | {r['median_step_ms']:.0f} | {_num(r['step_over_ideal'])} | "
+            f"{r['ns_flops_max'] / 1e9:.1f} | {r['ns_flops_total'] / 1e9:.1f} | {calls} | "
+            f"{r['peak_growth_bytes_max'] / MB:.0f} | {r['state_bytes_max'] / MB:.1f} | {_num(r['state_over_ideal'])} |"
+        )
+    for name, reason in muon.get("skipped", {}).items():
+        lines.append(f"| | | `{name}` | {reason} |" + " |" * 9)
+    lines += ["", "**Issue 31's targets** (step <= 1.3 x (plain step / N); whole iteration below every peer's; "
+              "state <= 1.05 x (total / N)):", "", "| model | N | variant | step / ideal | whole iteration / fastest "
+              "peer | state / ideal |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for t in muon["targets"]:
+
+        def mark(met: bool) -> str:
+            return "met" if met else "**missed**"
+
+        lines.append(
+            f"| {t['model']} | {t['world_size']} | `{t['variant']}` | {_num(t['step_over_ideal'])} "
+            f"{mark(t['step_met'])} | {_num(t['iteration_over_fastest_peer'])} (`{t['fastest_peer']}`) "
+            f"{mark(t['iteration_met'])} | {_num(t['state_over_ideal'])} {mark(t['state_met'])} |"
+        )
+    return [*lines, ""]
+
+
 def write(data: dict[str, Any], out: Path) -> Path:
     """Write ``out/REPORT.md`` and return its path."""
     lines = _header(data) + _caveats(data) + _ratio_table(data)
@@ -354,6 +422,7 @@ def write(data: dict[str, Any], out: Path) -> Path:
         "",
         *_balance_table(data),
         *_peers_section(data),
+        *_muon_section(data),
         "## Data",
         "",
         "`report.json` holds every figure above (bench_zero.py's full JSON, per-iteration times included, under "

@@ -1,4 +1,4 @@
-"""The report's six figures, one PNG each, drawn from report.py's data (plain dicts, as in report.json).
+"""The report's figures, one PNG each, drawn from report.py's data (plain dicts, as in report.json).
 
 Every figure carries a caption line with the machine, versions, backend, date and the command that made it.
 """
@@ -27,6 +27,7 @@ FIGURES = {
     "memory": "memory.png",
     "partition_balance": "partition_balance.png",
     "peers": "peers.png",
+    "muon": "muon.png",
 }
 _MARKERS = "os^vD<>ph*XP8"
 _COLORS = (  # tab10, then darker ones: distinct for a dozen variants
@@ -296,6 +297,59 @@ def _short(megabytes: float) -> str:
     return f"{megabytes:.0f}" if megabytes >= 100 else f"{megabytes:.3g}"
 
 
+def muon(data: dict[str, Any], path: Path) -> Path:
+    """Muon + AdamW (bench_muon.py), per model and N: whole iteration and optimizer step over DDP + plain Muon/AdamW
+    of the same run, and per-rank memory (peak RSS growth, optimizer state), one bar per variant."""
+    results = data["muon"]["results"]
+    names = list(dict.fromkeys(r["variant"] for r in results))
+    groups = list(dict.fromkeys((r["model"], int(r["world_size"])) for r in results))
+    by_key = {(r["variant"], r["model"], int(r["world_size"])): r for r in results}
+    colors = {name: ("black" if name == "ddp-muon" else _COLORS[i % len(_COLORS)]) for i, name in enumerate(names)}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.4))
+    panels = (
+        ("iteration_over_ddp", "whole iteration / DDP + plain (median, slowest rank)", 1.0, None),
+        ("step_over_ideal", "step (with the sync) / (DDP + plain step / N)", 1.0, 1.3),
+        ("peak_growth_bytes_max", "MB per rank (largest rank): peak RSS growth; hatched: optimizer state", None, None),
+    )
+    width = 0.8 / len(names)
+    for ax, (key, label, unit, target) in zip(axes, panels):
+        for group, (model, n) in enumerate(groups):
+            for index, name in enumerate(names):
+                r = by_key.get((name, model, n))
+                if r is None or r.get(key) is None:
+                    continue
+                x = group - 0.4 + (index + 0.5) * width
+                value = r[key] / (MB if unit is None else 1.0)
+                ax.bar(x, value, width * 0.9, color=colors[name], label=name if group == 0 else None)
+                if unit is None:  # the memory panel: the state inside the peak
+                    ax.bar(x, r["state_bytes_max"] / MB, width * 0.9, color="none", edgecolor="white", hatch="///")
+                ax.text(x, value, f"{value:.0f}" if unit is None else f"{value:.2f}", ha="center", va="bottom",
+                        fontsize=6, rotation=90)  # fmt: skip
+        if unit is not None:
+            ax.axhline(unit, color="black", linewidth=0.8, linestyle=":")
+        if target is not None:
+            ax.axhline(target, color="#a03030", linewidth=0.9, linestyle="--", label=f"target {target}")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+        ax.set_xticks(range(len(groups)), [f"{model} N={n}" for model, n in groups], fontsize=8)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_title("Whole iteration over DDP + plain Muon/AdamW", fontsize=10)
+    axes[1].set_title("Optimizer step over the ideal 1/N of DDP + plain's", fontsize=10)
+    axes[2].set_title("Per-rank memory", fontsize=10)
+    axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), fontsize=8, ncol=4)
+    fig.suptitle(
+        "Muon on the blocks' matrices + AdamW on the rest (bench_muon.py); CPU + gloo, one thread per rank: FSDP2 "
+        "and DeepSpeed are built for GPUs",
+        fontsize=9,
+        color="#a03030",
+    )
+    fig.subplots_adjust(left=0.05, right=0.99, top=0.88, bottom=0.24, wspace=0.25)
+    made = data["muon"]  # it may come from an earlier run (report.py --muon-json): its own command, load, date
+    machine = data["machine"] | {"command": made["command"], "load_average": made["load_average"][0]}
+    machine |= {key: made[key] for key in ("date", "cpu_model", "git") if key in made}
+    return _finish(fig, machine, path)
+
+
 def render_all(data: dict[str, Any], out: Path) -> list[Path]:
     """Draw the figures into ``out`` (the peers' only when the data has them); return their paths."""
     draw = {
@@ -305,6 +359,8 @@ def render_all(data: dict[str, Any], out: Path) -> list[Path]:
         "memory": memory,
         "partition_balance": partition_balance,
         "peers": peers,
+        "muon": muon,
     }
-    keys = [key for key in FIGURES if key != "peers" or data.get("peers_memory")]
+    optional = {"peers": "peers_memory", "muon": "muon"}
+    keys = [key for key in FIGURES if key not in optional or data.get(optional[key])]
     return [draw[key](data, out / FIGURES[key]) for key in keys]

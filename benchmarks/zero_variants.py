@@ -8,7 +8,8 @@ built-in C++ all-reduce (a comm hook, which calls the Python collectives and is 
 (``overlap_with_ddp=True``) sets ``steps_in_backward=True`` and the loop does not call ``step()`` (the timed
 backward then holds reduction, step and sync). One that trains a low-precision model (``dtype``: bf16 with fp32
 master weights) gets the model cast before DDP wraps it. The peers (FSDP2, DeepSpeed) and distoptim's
-``ShardedDataParallel`` wrap the model themselves: ``peer_variants.py``.
+``ShardedDataParallel`` wrap the model themselves: ``peer_variants.py``. Muon + AdamW, as each library runs it
+(``bench_muon.py``'s rows): ``muon_variants.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from harness import Builder, Variant, ddp_setup
+from muon_variants import MUON_VARIANTS
 from peer_variants import PEER_VARIANTS
 from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
@@ -27,7 +29,7 @@ from torch.optim import AdamW, Optimizer
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
 
-__all__ = ["CORE", "PEERS", "VARIANTS", "Variant"]
+__all__ = ["CORE", "MUON", "PEERS", "VARIANTS", "Variant"]
 
 
 def _adamw(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
@@ -164,4 +166,5 @@ CORE: dict[str, Variant] = {
     ]
 }
 PEERS: dict[str, Variant] = {variant.name: variant for variant in PEER_VARIANTS}
-VARIANTS: dict[str, Variant] = CORE | PEERS
+MUON: dict[str, Variant] = {variant.name: variant for variant in MUON_VARIANTS}  # bench_muon.py's rows
+VARIANTS: dict[str, Variant] = CORE | PEERS | MUON

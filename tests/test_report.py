@@ -182,3 +182,27 @@ def test_live_tensor_census_matches_the_arithmetic(report: Any) -> None:
     timed = {r["variant"]: r for r in data["bench"]["results"]}
     for name in ("zero2-greedy-bucket", "zero2-even-bucket"):  # comm hooks see DDP's buckets: not counted twice
         assert 4 * numel <= timed[name]["live_bytes"]["buffers"] <= 4 * numel + 4096, name
+
+
+def test_muon_section_orthogonalizes_each_matrix_once(report: Any) -> None:
+    """bench_muon.py's quick pass (tiny model, 2 ranks): DDP + plain Muon orthogonalizes every matrix on every rank,
+    distoptim each matrix once over the ranks, and the optimizer state adds up to plain Muon + AdamW's."""
+    out, data = report
+    muon = data["muon"]
+    variants = _benchmarks_module("muon_variants")
+    config = _benchmarks_module("bench_muon").model_config("tiny", int(muon["args"]["seq"]))
+    matrices, rest = variants.split(GPT(config))
+    results = {r["variant"]: r for r in muon["results"]}
+    assert set(results) == {"ddp-muon", "distoptim-zero1-muon", "sdp-muon"} and not muon["skipped"]
+    flops = sum(variants.ns_flops(tuple(p.shape)) for p in matrices)
+    assert results["ddp-muon"]["ns_calls_by_rank"] == [len(matrices)] * 2
+    assert results["ddp-muon"]["ns_flops_by_rank"] == [flops] * 2
+    plain = 4 * sum(p.numel() for p in matrices) + 8 * sum(p.numel() for p in rest) + 4 * len(rest)
+    assert results["ddp-muon"]["state_bytes_max"] == plain  # Muon's momentum; AdamW's moments and steps
+    for name in ("distoptim-zero1-muon", "sdp-muon"):
+        r = results[name]
+        assert sum(r["ns_calls_by_rank"]) == len(matrices) and sum(r["ns_flops_by_rank"]) == flops, name
+        assert plain <= sum(r["state_bytes_by_rank"]) <= plain + 4 * len(rest), name  # a cut tensor: a step each
+    text = (out / "REPORT.md").read_text()
+    assert "## 7. Muon + AdamW" in text and "](muon.png)" in text and (out / "muon.png").read_bytes()[:4] == b"\x89PNG"
+    assert {t["variant"] for t in muon["targets"]} == {"distoptim-zero1-muon", "sdp-muon"}
