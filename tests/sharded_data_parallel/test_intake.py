@@ -245,6 +245,63 @@ def test_the_marker_refuses_every_read_and_survives_module_to() -> None:
         assert outcomes["deepcopy"] == "GradientMarker"
 
 
+# ------------- a marker that is not the store's (another parameter's, kept across a clear) is refused; .data clears
+def _outcome(action: Any) -> str:
+    try:
+        action()
+        return "ran"
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+
+
+def _foreign_marker_body(rank: int, world_size: int) -> dict[str, str]:
+    outcomes = {}
+    for case in ["another parameter's", "transposed", "kept across zero_grad"]:
+        model, zero, sdp, *_ = _pair("greedy")
+        zero.zero_grad()
+        sdp(_x(rank, 0)).square().mean().backward()
+        first, second = model.layers[0].weight, model.layers[1].weight
+        if case == "another parameter's":
+            first.grad = second.grad
+        elif case == "transposed":
+            outcomes["transposed .T"] = _outcome(lambda p=first: setattr(p, "grad", p.grad.T))
+        else:
+            kept = [p.grad for p in model.parameters()]
+            zero.zero_grad()
+            for param, grad in zip(model.parameters(), kept):
+                param.grad = grad
+        outcomes[case] = _outcome(zero.step)
+    # the old idiom p.grad.data.zero_() zeroes the held gradient, as it zeroes DDP's
+    model, zero, sdp, reference, ddp, plain = _pair("even")
+    for step in range(3):
+        for optimizer, wrapped, module in ((zero, sdp, model), (plain, ddp, reference)):
+            wrapped(_x(rank, step)).square().mean().backward()
+            if step == 1:
+                for param in module.parameters():
+                    param.grad.data.zero_()
+                wrapped(_x(rank, 10 + step)).square().mean().backward()
+            optimizer.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"step {step}, .grad.data.zero_() between backwards")
+    # a layer unfrozen before a backward and added after it: each rank's own gradient, refused
+    model = Chain()
+    model.side.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW, **KW)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    model.side.requires_grad_(True)
+    sdp(_x(rank, 0)).square().mean().backward()
+    outcomes["added after its backward"] = _outcome(lambda: zero.add_param_group({"params": model.side.parameters()}))
+    return outcomes
+
+
+def test_a_marker_not_the_stores_is_refused_and_data_zero_clears() -> None:
+    for outcomes in run_on_ranks(_foreign_marker_body, 2, timeout=90):
+        for case in ["another parameter's", "kept across zero_grad"]:
+            assert "not the one this store put there last" in outcomes[case], f"{case}: {outcomes[case]}"
+        assert ".T cannot use" in outcomes["transposed .T"], outcomes["transposed .T"]
+        assert "already have a .grad" in outcomes["added after its backward"], outcomes["added after its backward"]
+
+
 # ------------------------------------------------------------------ 9. sparse gradients are refused at wrapping
 class Sparse(nn.Module):
     def __init__(self) -> None:

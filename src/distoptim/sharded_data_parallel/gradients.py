@@ -76,7 +76,7 @@ class OwnedGradients:
         for (index, offset), (bucket, start) in self.layout.fragments.items():
             length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
             self.pieces.setdefault(index, []).append((bucket, start, length))
-        self._markers: dict[int, tuple[Tensor, int]] = {}  # index -> the marker in .grad, and its version then
+        self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._swapped: set[int] = set()  # markers taken out of .grad for this backward to accumulate into
         self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
@@ -121,11 +121,12 @@ class OwnedGradients:
         param, marker = self.params[index], self._markers.get(index)
         grad = param.grad
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
-            if marker is None or not self.holds[index] or grad.shape != param.shape:
+            if marker is None or not self.holds[index] or grad.origin is not marker[0].origin:
                 raise RuntimeError(
                     "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is "
-                    "not the one this store put there, copied from another parameter or model. Set .grad to a "
-                    "full tensor of your own, or to None"
+                    "not the one this store put there last: copied from another parameter, or kept from before a "
+                    "zero_grad() or a later backward; the gradient it stood for is gone. Set .grad to a full "
+                    "tensor of your own, or to None"
                 )
             marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
         if grad is None:
@@ -200,6 +201,8 @@ class OwnedGradients:
             self.holds = [False] * len(self.params)
         self._unreduced.clear()
         self._unswap()  # a backward that raised left its markers out
+        if set_to_none:
+            self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
             if set_to_none:
                 self.owned[bucket] = None

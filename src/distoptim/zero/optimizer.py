@@ -422,7 +422,12 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             self._add_group(param_group)
             return
         group = validation.agreed_param_group(
-            param_group, self._optimizer_class, self.param_groups, self._defaults, self.process_group
+            param_group,
+            self._optimizer_class,
+            self.param_groups,
+            self._defaults,
+            self.process_group,
+            sharded_gradients=self._gradient_store is not None,
         )
         self._add_group(group)
         self._repartition()

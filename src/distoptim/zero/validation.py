@@ -358,13 +358,24 @@ def agreed_param_group(
     param_groups: ParamGroups,
     defaults: dict[str, Any],
     group: comm.Group,
+    sharded_gradients: bool = False,
 ) -> dict[str, Any]:
     """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
-    all agree on it: a bad group on one rank raises on every rank (``add_param_group``)."""
+    all agree on it: a bad group on one rank raises on every rank (``add_param_group``). ``sharded_gradients``
+    (under ``ShardedDataParallel``): new parameters must have no ``.grad`` yet, since a backward run before they
+    were added left each rank its own gradient, not the average the step needs."""
 
     def normalized() -> dict[str, Any]:
         (checked,) = normalize_param_groups([param_group])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults)
+        with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
+        if sharded_gradients and with_grad:
+            raise ValueError(
+                f"add_param_group under ShardedDataParallel: parameters {with_grad[:5]} of the new group already "
+                "have a .grad, from a backward run before they were added; ShardedDataParallel averages only the "
+                "gradients of parameters the optimizer holds, so each rank's would be its own. Add the group "
+                "before the backward (right after unfreezing), or clear their .grad first"
+            )
         return checked
 
     def what_it_is(checked: dict[str, Any]) -> Fingerprint:
