@@ -33,7 +33,16 @@ from torch.futures import Future
 from distoptim._host_memory import host_zeros
 from distoptim.comm.groups import group_size
 
-__all__ = ["FIRST_REDUCTION_TAG", "STAGING_BYTES", "ReductionExchange", "future_of", "send_from_owners"]
+__all__ = [
+    "CHUNKS",
+    "FIRST_REDUCTION_TAG",
+    "STAGING_BYTES",
+    "ReductionExchange",
+    "future_of",
+    "reduction_tags",
+    "send_from_owners",
+    "sync_tags",
+]
 
 STAGING_BYTES = 8 << 20
 """The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank); part of
@@ -42,7 +51,10 @@ what ranks agree on when an optimizer is built, since it sets the chunks every r
 _SYNC_TAG = 0xD15
 """The parameter sync's messages, posted by the training loop only, in the same order on every rank."""
 FIRST_REDUCTION_TAG = 1 << 30
+_FIRST_SYNC_TAG = 1 << 29  # the relayed syncs' (``relay.py``): below the reductions', far above _SYNC_TAG
 _CHUNK_BITS = 12
+CHUNKS = 1 << _CHUNK_BITS
+"""The tags one reservation (``reduction_tags``, ``sync_tags``) holds: the most messages it may number."""
 _SEQUENCE_BITS = 30 - _CHUNK_BITS
 _staged_lock = threading.Lock()  # taken by the training thread (starting) and the waiters (finishing)
 
@@ -83,8 +95,7 @@ class ReductionExchange:
     def __init__(self, buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup):
         size, mine = group_size(group), dist.get_rank(group)
         self.state = state = _state(group)
-        sequence, state.reductions = state.reductions, state.reductions + 1
-        self.group, self.tag = group, FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+        self.group, self.tag = group, reduction_tags(group)
         self.peers = [rank for rank in range(size) if rank != mine]
         largest = max((sum(end - start for start, end in ranges) for ranges in by_owner), default=0)
         staged_chunk = STAGING_BYTES // (2 * max(1, len(self.peers)) * buffer.element_size())
@@ -166,6 +177,21 @@ class ReductionExchange:
             self.done, self.staging, self.sends, self.targets = True, {}, [], []
 
 
+def reduction_tags(group: dist.ProcessGroup) -> int:
+    """The first of ``CHUNKS`` tags of a reduction's own, the next of ``group``'s: every rank reserves them in the
+    same order (it starts its reductions in the same order), so the same reduction gets the same tags everywhere."""
+    state = _state(group)
+    sequence, state.reductions = state.reductions, state.reductions + 1
+    return FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+
+
+def sync_tags(group: dist.ProcessGroup) -> int:
+    """The first of ``CHUNKS`` tags of a relayed sync's own (``reduction_tags``' rule, syncs counted apart)."""
+    state = _state(group)
+    sequence, state.syncs = state.syncs, state.syncs + 1
+    return _FIRST_SYNC_TAG + ((sequence % (1 << (_SEQUENCE_BITS - 1))) << _CHUNK_BITS)
+
+
 def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
     """``buffer``'s ranges one after another: a view when there is one, a copy otherwise."""
     if len(ranges) == 1:
@@ -233,11 +259,11 @@ def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | Non
 
 
 class _Group:
-    """What this module keeps for one process group: its count of reductions started (their tags), the staging its
-    reductions hold, how many wait to start receiving, and its waiter."""
+    """What this module keeps for one process group: its counts of reductions and relayed syncs started (their
+    tags), the staging its reductions hold, how many wait to start receiving, and its waiter."""
 
     def __init__(self) -> None:
-        self.reductions = self.staged = self.deferred = 0
+        self.reductions = self.syncs = self.staged = self.deferred = 0
         self.waiter = _Waiter()
 
 
