@@ -14,9 +14,13 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.comm import collectives as comm
 from distoptim.comm import p2p, relay
+from distoptim.hooks import reduce_to_owners_hook
 from tests._dist import run_on_ranks
 
 P2P = comm.Collectives.POINT_TO_POINT
@@ -125,3 +129,64 @@ def test_unequal_shares_reduce_and_sync_moving_no_more_than_an_all_reduce_on_any
                 assert result[phase][kind] <= all_reduce, f"rank {rank}: {phase} {kind} {result[phase][kind]}"
     # today's direct path would have rank 0 receive (N-1) x 70% of the buffer in the reduction alone
     assert (world_size - 1) * 0.7 * total > 1.05 * all_reduce or world_size == 3
+
+
+class _Model(nn.Module):
+    """A large embedding (the greedy partition's dominant owner), fp32 layers and a bf16 head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(100, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+        self.head = nn.Linear(16, 8).to(torch.bfloat16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(tokens).mean(1)).to(torch.bfloat16)).float()
+
+
+def _training_body(rank: int, world_size: int) -> dict[str, int]:
+    """ShardedDataParallel and the ZeRO-2 hook (greedy, gloo's style) against DDP + plain AdamW, step by step."""
+    relayed = {"reductions": 0, "syncs": 0}
+    build, tags = relay.RelayedReduction, p2p.sync_tags
+
+    def counted_reduction(*args: Any) -> Any:
+        relayed["reductions"] += 1
+        return build(*args)
+
+    def counted_sync(group: Any) -> int:
+        relayed["syncs"] += 1
+        return tags(group)
+
+    reductions = mock.patch.object(relay, "RelayedReduction", counted_reduction)
+    with reductions, mock.patch.object(p2p, "sync_tags", counted_sync):
+        for mode in ("sharded_data_parallel", "zero2_hook"):
+            model, reference = _Model(), _Model()
+            zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="greedy", lr=0.01)
+            if mode == "sharded_data_parallel":
+                net: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
+            else:
+                net = DDP(model, bucket_cap_mb=0.004)
+                net.register_comm_hook(zero, reduce_to_owners_hook)
+            ddp = DDP(reference, bucket_cap_mb=0.004)
+            plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
+            for step in range(3):
+                tokens = torch.randint(0, 100, (4, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+                for wrapped, optimizer in ((net, zero), (ddp, plain)):
+                    optimizer.zero_grad()
+                    wrapped(tokens).square().mean().backward()
+                    optimizer.step()
+                zero.sync_finished()
+                for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
+                    rtol, atol = (1e-5, 1e-6) if want.dtype == torch.float32 else (1.6e-2, 1e-3)
+                    torch.testing.assert_close(ours, want, rtol=rtol, atol=atol, msg=f"{mode} step {step} {name}")
+                with torch.no_grad():  # differences in rounding do not compound
+                    for ours, want in zip(model.parameters(), reference.parameters()):
+                        want.copy_(ours)
+    return relayed
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_training_through_the_relay_equals_ddp_and_the_plain_optimizer(world_size: int) -> None:
+    for relayed in run_on_ranks(_training_body, world_size, timeout=240):
+        assert relayed["reductions"] > 0 and relayed["syncs"] > 0, relayed  # the relay was taken

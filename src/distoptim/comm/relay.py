@@ -160,10 +160,9 @@ class RelayedReduction:
             receives[k] = []
             for peer in range(size):
                 if peer not in (m.owner, self.mine):
-                    slots = staging.setdefault(peer, [])
-                    if len(slots) < 2:
-                        slots.append(host_zeros(self.chunk, self.buffer.dtype, self.buffer.device))
-                    into = slots[k % 2][: m.end - m.start]
+                    if peer not in staging:  # two chunks a peer: the next one lands where the one before last did
+                        staging[peer] = [host_zeros(self.chunk, self.buffer.dtype, self.buffer.device) for _ in "ab"]
+                    into = staging[peer][k % 2][: m.end - m.start]
                     work = dist.irecv(into, src=self._global(peer), group=self.group, tag=self.to_aggregators + i)
                     receives[k].append((work, into))
 
