@@ -29,7 +29,7 @@ from distoptim._host_memory import host_zeros
 from distoptim.comm import p2p
 from distoptim.comm.groups import group_size
 
-__all__ = ["Piece", "RelayedReduction", "aggregators", "reduction", "relayed", "send_from_owners"]
+__all__ = ["Piece", "RelayedReduction", "aggregators", "received", "reduction", "relayed", "send_from_owners"]
 
 SLACK = 0.05
 """How much more than the relay (as a fraction of an all-reduce's bytes) the direct path may move and be chosen."""
@@ -92,6 +92,22 @@ def _plan(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[Piece] | None:
         return None
     pieces = aggregators(by_owner)
     return pieces if relayed(shares, sum(piece.owner != piece.aggregator for piece in pieces)) else None
+
+
+def received(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """The elements each rank receives in a reduction to owners of this layout, by the path ``reduction`` takes
+    (what the planner prints). A sync receives every element a rank does not own once, by either path."""
+    pieces = _plan(by_owner)
+    if pieces is None:  # direct: every other rank's copy of each owned element
+        return [(len(by_owner) - 1) * sum(end - start for start, end in ranges) for ranges in by_owner]
+    counts = [0] * len(by_owner)
+    for start, end, owner, aggregator in pieces:
+        if owner == aggregator:
+            counts[owner] += (len(by_owner) - 1) * (end - start)
+        else:  # the aggregator hears from all but the owner and itself; the owner from the aggregator
+            counts[aggregator] += (len(by_owner) - 2) * (end - start)
+            counts[owner] += end - start
+    return counts
 
 
 def reduction(buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup) -> Any:
