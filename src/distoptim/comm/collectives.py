@@ -28,6 +28,7 @@ from torch.futures import Future
 from distoptim.comm import p2p, relay
 from distoptim.comm.groups import comm_device, default_group, group_size
 from distoptim.comm.objects import all_gather_objects, receive_object, send_object
+from distoptim.comm.relay import relayed
 
 __all__ = [
     "ENVIRONMENT",
@@ -48,6 +49,7 @@ __all__ = [
     "receive_object",
     "receive_tensor",
     "reduce_to_owners_async",
+    "relayed",
     "send_object",
     "send_tensor",
     "wait_all",
@@ -112,15 +114,17 @@ def broadcast_slices(
     group: Group,
     wait: bool = True,
     collectives: Collectives | None = None,
+    relay_path: bool | None = None,
 ) -> list[Any]:
     """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently: rooted
-    broadcasts, or, in the p2p style, a send from ``src`` to every other rank.
+    broadcasts, or, in the p2p style, a send from ``src`` to every other rank, through aggregators where the shares
+    are unequal (``relay_path``: decided by the caller over the calls it launches together, by ``relayed``).
 
     Empty slices are skipped on every rank alike since every rank knows the layout. With ``wait=False`` the pending
     works are returned for ``wait_all``.
     """
     if _point_to_point(collectives, buffer):
-        works = relay.send_from_owners(buffer, slices, group)
+        works = relay.send_from_owners(buffer, slices, group, relay_path)
     else:
         works = [
             dist.broadcast(buffer[start:end], src=global_rank(group, src), group=group, async_op=True)

@@ -85,10 +85,10 @@ def aggregators(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[Piece]:
     return pieces
 
 
-def _plan(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[Piece] | None:
-    """The aggregators' pieces where the layout goes through them (``relayed``), else None."""
+def _plan(by_owner: Sequence[Sequence[tuple[int, int]]], chosen: bool | None = None) -> list[Piece] | None:
+    """The aggregators' pieces where the layout goes through them (``chosen``, else ``relayed``), else None."""
     shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
-    if not relayed(shares):
+    if not (relayed(shares) if chosen is None else chosen and len(shares) > 2):
         return None
     pieces = aggregators(by_owner)
     return pieces if relayed(shares, sum(piece.owner != piece.aggregator for piece in pieces)) else None
@@ -126,8 +126,9 @@ class RelayedReduction:
     The pieces an owner aggregates itself go through a ``p2p.ReductionExchange``. Of the others: at once, this rank
     sends each aggregator its contributions (in chunks, as ``p2p`` cuts them); on the waiter thread, as an
     aggregator, it receives each chunk from the other contributors (two chunks from each at a time), adds them into
-    its own contribution in rank order (16-bit sums in fp32, rounded once) and sends the partial sum on to the owner;
-    in ``wait()``, as an owner, it adds each partial sum it receives into its own contribution.
+    its own contribution in rank order and sends the partial sum on to the owner; in ``wait()``, as an owner, it adds
+    each partial sum it receives into its own contribution. A 16-bit sum is taken in fp32 at each of the two, so it
+    is rounded twice (once on the direct path): within the distance another order of reduction gives.
     """
 
     def __init__(self, buffer: Tensor, pieces: Sequence[Piece], group: dist.ProcessGroup) -> None:
@@ -245,16 +246,19 @@ def _add(into: Tensor, rows: Sequence[Tensor]) -> None:
         into.copy_(total)
 
 
-def send_from_owners(buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: dist.ProcessGroup) -> list[Any]:
+def send_from_owners(
+    buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: dist.ProcessGroup, chosen: bool | None = None
+) -> list[Any]:
     """Each ``buffer[start:end]`` of group rank ``src`` to every other rank, received in place, for every ``(src,
-    start, end)``: ``p2p.send_from_owners`` or, where ``relayed``, through aggregators (owner to aggregator, then on
-    the waiter thread aggregator to the others). The pending works are returned for ``wait``."""
+    start, end)``: ``p2p.send_from_owners`` or, where ``relayed`` (or ``chosen``: the caller applied ``relayed`` to
+    a set of calls launched together, such as one owner's piece each), through aggregators (owner to aggregator,
+    then on the waiter thread aggregator to the others). The pending works are returned for ``wait``."""
     size, mine = group_size(group), dist.get_rank(group)
     by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     for src, start, end in slices:
         if end > start:
             by_owner[src].append((start, end))
-    pieces = _plan(by_owner)
+    pieces = _plan(by_owner, chosen)
     if pieces is None:
         return p2p.send_from_owners(buffer, slices, group)
     works = p2p.send_from_owners(buffer, [(p.owner, p.start, p.end) for p in pieces if p.owner == p.aggregator], group)
