@@ -91,7 +91,7 @@ def _plan(by_owner: Sequence[Sequence[tuple[int, int]]], chosen: bool | None = N
     if not (relayed(shares) if chosen is None else chosen and len(shares) > 2):
         return None
     pieces = aggregators(by_owner)
-    return pieces if relayed(shares, sum(piece.owner != piece.aggregator for piece in pieces)) else None
+    return pieces if sum(piece.owner != piece.aggregator for piece in pieces) <= p2p.CHUNKS else None
 
 
 def received(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
