@@ -40,6 +40,7 @@ __all__ = [
     "ReductionExchange",
     "future_of",
     "reduction_tags",
+    "run_beside",
     "send_from_owners",
     "sync_tags",
 ]
@@ -220,6 +221,12 @@ def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> 
         at += target.numel()
 
 
+def run_beside(job: Callable[[], object], group: dist.ProcessGroup) -> Future[None]:
+    """``job`` run on a second thread of ``group``'s, after the jobs handed to it before: work that others' waits
+    depend on (``relay.py``'s aggregators), which must not queue behind this rank's own waits."""
+    return _state(group).beside.submit(job)
+
+
 def future_of(works: Sequence[Any], group: dist.ProcessGroup) -> Future[None]:
     """A future completed (with the first error, if a work fails) once every one of ``works`` has been waited for,
     in ``group``'s waiter thread, after the works handed to it before."""
@@ -260,11 +267,12 @@ def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | Non
 
 class _Group:
     """What this module keeps for one process group: its counts of reductions and relayed syncs started (their
-    tags), the staging its reductions hold, how many wait to start receiving, and its waiter."""
+    tags), the staging its reductions hold, how many wait to start receiving, its waiter and the thread beside it
+    (started on first use)."""
 
     def __init__(self) -> None:
         self.reductions = self.syncs = self.staged = self.deferred = 0
-        self.waiter = _Waiter()
+        self.waiter, self.beside = _Waiter(), _Waiter()
 
 
 _groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _Group] = weakref.WeakKeyDictionary()  # a group gone: dropped

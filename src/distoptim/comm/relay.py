@@ -12,8 +12,9 @@ step (reduction and sync) sends and receives ``2 (N-1)/N T``, an all-reduce's, o
 
 ``reduction`` and ``send_from_owners`` choose per layout (``relayed``, the one place): the direct path (one hop, one
 rounding of a 16-bit sum) where it moves at most 5% of an all-reduce more than the relay, else the relay; at 2 ranks
-the two are the same. The aggregators' work runs on the group's waiter thread (``p2p.future_of``), so that it never
-waits for the order in which the training loop waits for its transfers.
+the two are the same. The aggregators' work runs on a thread of the group's beside its waiter (``p2p.run_beside``),
+so that it never waits for the order in which this rank waits for its transfers, and the next bucket's is summed
+while this rank waits for the last one's.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class RelayedReduction:
     ``wait()`` (once, in any thread).
 
     The pieces an owner aggregates itself go through a ``p2p.ReductionExchange``. Of the others: at once, this rank
-    sends each aggregator its contributions (in chunks, as ``p2p`` cuts them); on the waiter thread, as an
+    sends each aggregator its contributions (in chunks, as ``p2p`` cuts them); on the thread beside the waiter, as an
     aggregator, it receives each chunk from the other contributors (two chunks from each at a time), adds them into
     its own contribution in rank order and sends the partial sum on to the owner; in ``wait()``, as an owner, it adds
     each partial sum it receives into its own contribution. A 16-bit sum is taken in fp32 at each of the two, so it
@@ -159,14 +160,14 @@ class RelayedReduction:
         self.partial_sums: list[Any] = []  # the aggregator's sends to the owners (waited for in ``wait``)
         self.aggregated: Future[None] | None = None
         if any(m.aggregator == mine for m in self.messages):
-            self.aggregated = p2p.future_of([_Job(self._aggregate)], group)
+            self.aggregated = p2p.run_beside(self._aggregate, group)
         self.done = False
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
 
     def _aggregate(self) -> None:
-        """As an aggregator: every chunk summed and sent on to its owner (on the waiter thread)."""
+        """As an aggregator: every chunk summed and sent on to its owner (on the thread beside the waiter)."""
         mine = [(i, m) for i, m in enumerate(self.messages) if m.aggregator == self.mine]
         size = group_size(self.group)
         staging: dict[int, list[Tensor]] = {}
@@ -227,16 +228,6 @@ class RelayedReduction:
             self.done, self.sends, self.partial_sums = True, [], []
 
 
-class _Job:
-    """A callable as a work ``p2p.future_of`` waits for."""
-
-    def __init__(self, job: Any) -> None:
-        self.job = job
-
-    def wait(self) -> None:
-        self.job()
-
-
 def _add(into: Tensor, rows: Sequence[Tensor]) -> None:
     """``rows`` added into ``into`` in order; a 16-bit sum taken in fp32 and rounded once."""
     total = into.float() if into.element_size() < 4 and into.is_floating_point() else into
@@ -252,7 +243,7 @@ def send_from_owners(
     """Each ``buffer[start:end]`` of group rank ``src`` to every other rank, received in place, for every ``(src,
     start, end)``: ``p2p.send_from_owners`` or, where ``relayed`` (or ``chosen``: the caller applied ``relayed`` to
     a set of calls launched together, such as one owner's piece each), through aggregators (owner to aggregator,
-    then on the waiter thread aggregator to the others). The pending works are returned for ``wait``."""
+    then, on the thread beside the waiter, aggregator to the others). The pending works are returned for ``wait``."""
     size, mine = group_size(group), dist.get_rank(group)
     by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     for src, start, end in slices:
@@ -279,13 +270,13 @@ def send_from_owners(
 
 
 class _Forwarding:
-    """An aggregator's part of a relayed sync: on the waiter thread, each piece, once received from its owner, sent
+    """An aggregator's part of a relayed sync: beside the waiter, each piece, once received from its owner, sent
     to every other rank; ``wait()`` waits for those sends."""
 
     def __init__(self, buffer: Tensor, forwards: list[tuple[Any, Piece, int]], group: dist.ProcessGroup) -> None:
         self.buffer, self.forwards, self.group = buffer, forwards, group
         self.sends: list[Any] = []
-        self.done = p2p.future_of([_Job(self._forward)], group)
+        self.done = p2p.run_beside(self._forward, group)
 
     def _forward(self) -> None:
         size, mine = group_size(self.group), dist.get_rank(self.group)
