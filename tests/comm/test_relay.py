@@ -190,3 +190,31 @@ def _training_body(rank: int, world_size: int) -> dict[str, int]:
 def test_training_through_the_relay_equals_ddp_and_the_plain_optimizer(world_size: int) -> None:
     for relayed in run_on_ranks(_training_body, world_size, timeout=240):
         assert relayed["reductions"] > 0 and relayed["syncs"] > 0, relayed  # the relay was taken
+
+
+def _out_of_order_body(rank: int, world_size: int) -> list[bool]:
+    """Three relayed reductions and three relayed syncs in flight at once, waited for in reverse order on rank 0 and
+    in order elsewhere: the aggregators' work never waits for the order a rank waits in."""
+    slices = _layout(world_size)
+    buffers = [torch.full((slices[-1][2],), float(rank + 1 + k)) for k in range(3)]
+    futures = [comm.reduce_to_owners_async(b, slices, dist.group.WORLD, P2P) for b in buffers]
+    params = [torch.full((slices[-1][2],), float(rank)) for _ in range(3)]
+    syncs = [comm.broadcast_slices(p, slices, dist.group.WORLD, wait=False, collectives=P2P) for p in params]
+    order = [2, 1, 0] if rank == 0 else [0, 1, 2]
+    for k in order:
+        comm.wait_all(syncs[k])
+        futures[k].wait()
+    want = sum(range(1, world_size + 1))
+    reduced = [
+        torch.equal(b[s:e], torch.full((e - s,), float(want + world_size * k)))
+        for k, b in enumerate(buffers)
+        for o, s, e in slices
+        if o == rank
+    ]
+    synced = [torch.equal(p[s:e], torch.full((e - s,), float(o))) for p in params for o, s, e in slices]
+    return reduced + synced
+
+
+def test_transfers_in_flight_complete_whatever_order_each_rank_waits_in() -> None:
+    for checks in run_on_ranks(_out_of_order_body, 4, timeout=120):
+        assert all(checks), checks
