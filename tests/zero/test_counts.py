@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,6 +192,101 @@ def test_every_mode_that_reduces_to_owners_hands_over_no_padding(world_size: int
             reduced, synced = reduced / world_size, synced / world_size
         assert elements <= reduced <= 1.01 * elements, f"{mode}: reduction {reduced} for {elements} elements"
         assert elements <= synced <= 1.01 * elements, f"{mode}: sync {synced} for {elements} elements"
+
+
+class _Embedded(nn.Module):
+    """A large embedding (57% of the elements) before a few small layers: the greedy partition gives its owner a
+    shard far above 1/N, as it gives a language model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(100, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embed(tokens).mean(1))
+
+
+@contextlib.contextmanager
+def _counting_bytes(moved: Counter[str]) -> Iterator[None]:
+    """Floating-point bytes this rank sends and receives point to point, by phase (``moved["reduction sent"]``,
+    ``moved["sync received"]``, ...: a reduction's messages by their tags), in any thread; any other collective
+    of floating-point data under ``moved["other"]``."""
+    lock = threading.Lock()
+
+    def counted(original: Any, direction: str) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.is_floating_point():
+                phase = "reduction" if kwargs.get("tag", 0) >= p2p.FIRST_REDUCTION_TAG else "sync"
+                with lock:
+                    moved[f"{phase} {direction}"] += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    def other(original: Any) -> Any:
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                moved["other"] += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    patches = [
+        mock.patch.object(dist, "isend", counted(dist.isend, "sent")),
+        mock.patch.object(dist, "irecv", counted(dist.irecv, "received")),
+    ]
+    patches += [mock.patch.object(dist, name, other(getattr(dist, name))) for name in [*REDUCTIONS, *SYNCS]]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _greedy_bytes_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], int]]:
+    """Per mode: (mode, the bytes this rank moved in a steady-state iteration, the gradient's bytes)."""
+    os.environ[comm.ENVIRONMENT] = comm.Collectives.POINT_TO_POINT.value
+    results = []
+    for mode in ("sharded_data_parallel", "zero2_hook", "zero1"):
+        model = _Embedded()
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="greedy", lr=0.1)
+        if mode == "sharded_data_parallel":
+            net: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
+        else:
+            net = DDP(model, bucket_cap_mb=0.004)
+            register(net, zero, "to_owners" if mode == "zero2_hook" else "all_reduce", "explicit")
+        moved: Counter[str] = Counter()
+        for iteration in range(2):  # DDP rebuilds its buckets after the first
+            with _counting_bytes(moved) if iteration == 1 else contextlib.nullcontext():
+                zero.zero_grad()
+                tokens = torch.randint(0, 100, (4, 5), generator=torch.Generator().manual_seed(10 * iteration + rank))
+                net(tokens).square().mean().backward()
+                zero.step()
+                zero.sync_finished()
+        results.append((mode, dict(moved), sum(p.numel() * p.element_size() for p in model.parameters())))
+    os.environ.pop(comm.ENVIRONMENT)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_no_rank_moves_more_than_an_all_reduce_under_greedy_shares(world_size: int) -> None:
+    """gloo's point-to-point style under the greedy partition, whose largest shard (the embedding's) is 57% of the
+    elements: every rank sends and receives at most 1.05x an all-reduce's bytes in the reduction, in the sync and in
+    the two together (directly, the embedding's owner would receive (N-1) x 57% of the gradient)."""
+    ranks = run_on_ranks(_greedy_bytes_body, world_size, timeout=240)
+    wrong = []
+    for rank, results in enumerate(ranks):
+        for mode, moved, nbytes in results:
+            bound = 1.05 * 2 * (world_size - 1) / world_size * nbytes
+            phases = ("sync",) if mode == "zero1" else ("reduction", "sync")
+            assert moved.get("other", 0) == 0, f"{mode}: data moved outside the point-to-point calls: {moved}"
+            assert sum(moved.get(f"{phase} received", 0) for phase in phases) > 0, f"{mode}: nothing counted"
+            for direction in ("sent", "received"):
+                step = sum(moved.get(f"{phase} {direction}", 0) for phase in phases)
+                if step > bound:
+                    wrong.append(f"rank {rank} {mode}: {direction} {step} B a step, 1.05x an all-reduce {bound:.0f} B")
+    assert not wrong, "\n".join(wrong)
 
 
 # (reduction, stepping, DDP looks for unused parameters, GradScaler) -> host reads per steady-state iteration

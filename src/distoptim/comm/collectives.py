@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from distoptim.comm import p2p
+from distoptim.comm import p2p, relay
 from distoptim.comm.groups import comm_device, default_group, group_size
 from distoptim.comm.objects import all_gather_objects, receive_object, send_object
+from distoptim.comm.relay import relayed
 
 __all__ = [
     "ENVIRONMENT",
@@ -48,6 +49,7 @@ __all__ = [
     "receive_object",
     "receive_tensor",
     "reduce_to_owners_async",
+    "relayed",
     "send_object",
     "send_tensor",
     "wait_all",
@@ -65,8 +67,10 @@ class Collectives(enum.Enum):
 
     POINT_TO_POINT = "p2p"
     """Point to point (``p2p.py``): each rank sends each owner the owner's ranges and receives its own from every
-    rank, which it adds up; each owner sends its ranges to every rank (gloo's fastest). gloo's point-to-point calls
-    read host memory only, so GPU tensors on gloo go through rooted calls."""
+    rank, which it adds up; each owner sends its ranges to every rank (gloo's fastest). Where the owners' shares are
+    unequal, through aggregators of an even share each (``relay.py``), so that no rank moves more than an
+    all-reduce's bytes a step. gloo's point-to-point calls read host memory only, so GPU tensors on gloo go through
+    rooted calls."""
     CHUNKED = "chunked"
     """``reduce_scatter_tensor`` / ``all_gather_into_tensor`` over equal chunks where the owners' shares are equal
     (NCCL's fastest), rooted calls elsewhere."""
@@ -110,15 +114,17 @@ def broadcast_slices(
     group: Group,
     wait: bool = True,
     collectives: Collectives | None = None,
+    relay_path: bool | None = None,
 ) -> list[Any]:
     """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently: rooted
-    broadcasts, or, in the p2p style, a send from ``src`` to every other rank.
+    broadcasts, or, in the p2p style, a send from ``src`` to every other rank, through aggregators where the shares
+    are unequal (``relay_path``: decided by the caller over the calls it launches together, by ``relayed``).
 
     Empty slices are skipped on every rank alike since every rank knows the layout. With ``wait=False`` the pending
     works are returned for ``wait_all``.
     """
     if _point_to_point(collectives, buffer):
-        works = p2p.send_from_owners(buffer, slices, group)
+        works = relay.send_from_owners(buffer, slices, group, relay_path)
     else:
         works = [
             dist.broadcast(buffer[start:end], src=global_rank(group, src), group=group, async_op=True)
@@ -192,10 +198,11 @@ def reduce_to_owners_async(
     Slices of owner ``EVERY`` are summed onto every rank. ``replicas``: a group of ranks that hold the same shard in
     other shard groups (hybrid sharding), over which the owned sums and the ``EVERY`` slices are then summed too.
 
-    Point to point (``p2p.ReductionExchange``): each owner's slices sent to it, this rank's received from every other
-    rank chunk by chunk and added in rank order. Chunked: one ``reduce_scatter_tensor`` when the owners' shares are
-    equal (packed first unless the buffer already is rank by rank), otherwise one reduce per slice, in place,
-    concurrently, or, when the slices are many (owners interleaved), packed owner by owner into one staging tensor.
+    Point to point (``relay.reduction``): each owner's slices sent to it, this rank's received from every other
+    rank chunk by chunk and added in rank order; where the shares are unequal, through aggregators. Chunked: one
+    ``reduce_scatter_tensor`` when the owners' shares are equal (packed first unless the buffer already is rank by
+    rank), otherwise one reduce per slice, in place, concurrently, or, when the slices are many (owners
+    interleaved), packed owner by owner into one staging tensor.
     """
     everywhere = [buffer[start:end] for owner, start, end in slices if owner == EVERY and end > start]
     works = [dist.all_reduce(piece, group=group, async_op=True) for piece in everywhere]
@@ -241,7 +248,7 @@ def _start_reduction(
             by_owner[owner].append((start, end))
     shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
     if _point_to_point(collectives, buffer):
-        exchange = p2p.ReductionExchange(buffer, by_owner, group)  # summed in place as the chunks arrive
+        exchange = relay.reduction(buffer, by_owner, group)  # summed in place as the chunks arrive
         return [exchange], _Landing(buffer, [buffer[start:end] for start, end in by_owner[mine]])
     chunk = _equal_chunk(shares) if collectives is Collectives.CHUNKED else None
     if chunk is not None:

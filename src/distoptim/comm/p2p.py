@@ -33,7 +33,17 @@ from torch.futures import Future
 from distoptim._host_memory import host_zeros
 from distoptim.comm.groups import group_size
 
-__all__ = ["FIRST_REDUCTION_TAG", "STAGING_BYTES", "ReductionExchange", "future_of", "send_from_owners"]
+__all__ = [
+    "CHUNKS",
+    "FIRST_REDUCTION_TAG",
+    "STAGING_BYTES",
+    "ReductionExchange",
+    "future_of",
+    "reduction_tags",
+    "run_beside",
+    "send_from_owners",
+    "sync_tags",
+]
 
 STAGING_BYTES = 8 << 20
 """The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank); part of
@@ -42,7 +52,10 @@ what ranks agree on when an optimizer is built, since it sets the chunks every r
 _SYNC_TAG = 0xD15
 """The parameter sync's messages, posted by the training loop only, in the same order on every rank."""
 FIRST_REDUCTION_TAG = 1 << 30
+_FIRST_SYNC_TAG = 1 << 29  # the relayed syncs' (``relay.py``): below the reductions', far above _SYNC_TAG
 _CHUNK_BITS = 12
+CHUNKS = 1 << _CHUNK_BITS
+"""The tags one reservation (``reduction_tags``, ``sync_tags``) holds: the most messages it may number."""
 _SEQUENCE_BITS = 30 - _CHUNK_BITS
 _staged_lock = threading.Lock()  # taken by the training thread (starting) and the waiters (finishing)
 
@@ -83,8 +96,7 @@ class ReductionExchange:
     def __init__(self, buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup):
         size, mine = group_size(group), dist.get_rank(group)
         self.state = state = _state(group)
-        sequence, state.reductions = state.reductions, state.reductions + 1
-        self.group, self.tag = group, FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+        self.group, self.tag = group, reduction_tags(group)
         self.peers = [rank for rank in range(size) if rank != mine]
         largest = max((sum(end - start for start, end in ranges) for ranges in by_owner), default=0)
         staged_chunk = STAGING_BYTES // (2 * max(1, len(self.peers)) * buffer.element_size())
@@ -166,6 +178,21 @@ class ReductionExchange:
             self.done, self.staging, self.sends, self.targets = True, {}, [], []
 
 
+def reduction_tags(group: dist.ProcessGroup) -> int:
+    """The first of ``CHUNKS`` tags of a reduction's own, the next of ``group``'s: every rank reserves them in the
+    same order (it starts its reductions in the same order), so the same reduction gets the same tags everywhere."""
+    state = _state(group)
+    sequence, state.reductions = state.reductions, state.reductions + 1
+    return FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+
+
+def sync_tags(group: dist.ProcessGroup) -> int:
+    """The first of ``CHUNKS`` tags of a relayed sync's own (``reduction_tags``' rule, syncs counted apart)."""
+    state = _state(group)
+    sequence, state.syncs = state.syncs, state.syncs + 1
+    return _FIRST_SYNC_TAG + ((sequence % (1 << (_SEQUENCE_BITS - 1))) << _CHUNK_BITS)
+
+
 def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
     """``buffer``'s ranges one after another: a view when there is one, a copy otherwise."""
     if len(ranges) == 1:
@@ -192,6 +219,12 @@ def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> 
             if total is not into:
                 into.copy_(total)
         at += target.numel()
+
+
+def run_beside(job: Callable[[], object], group: dist.ProcessGroup) -> Future[None]:
+    """``job`` run on a second thread of ``group``'s, after the jobs handed to it before: work that others' waits
+    depend on (``relay.py``'s aggregators), which must not queue behind this rank's own waits."""
+    return _state(group).beside.submit(job)
 
 
 def future_of(works: Sequence[Any], group: dist.ProcessGroup) -> Future[None]:
@@ -233,12 +266,13 @@ def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | Non
 
 
 class _Group:
-    """What this module keeps for one process group: its count of reductions started (their tags), the staging its
-    reductions hold, how many wait to start receiving, and its waiter."""
+    """What this module keeps for one process group: its counts of reductions and relayed syncs started (their
+    tags), the staging its reductions hold, how many wait to start receiving, its waiter and the thread beside it
+    (started on first use)."""
 
     def __init__(self) -> None:
-        self.reductions = self.staged = self.deferred = 0
-        self.waiter = _Waiter()
+        self.reductions = self.syncs = self.staged = self.deferred = 0
+        self.waiter, self.beside = _Waiter(), _Waiter()
 
 
 _groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _Group] = weakref.WeakKeyDictionary()  # a group gone: dropped

@@ -220,6 +220,7 @@ def _mode_report(mode: ModePlan, gpu_memory: int | None) -> dict[str, Any]:
         "fits": None if gpu_memory is None else peak.total <= gpu_memory,
         "sends_per_step": mode.sends_total,
         "sends": dict(mode.sends),
+        "gloo_received_per_rank": list(mode.gloo_received) or None,
         "notes": list(mode.notes),
         "ranks": [_memory(memory) for memory in mode.ranks] if distinct > 1 else "all ranks alike",
         "newton_schulz_flops": list(mode.newton_schulz) or None,
@@ -293,6 +294,12 @@ def _table(report: dict[str, Any]) -> str:
         lines += [f"    - {note}" for note in mode["notes"]]
         lines += [f"    - other: {name} {_human(size)}" for name, size in mode["peak"]["other"].items()]
         lines += [f"    - sends: {name} {_human(size)}" for name, size in mode["sends"].items()]
+        if gloo := mode["gloo_received_per_rank"]:
+            busiest = max(range(len(gloo)), key=lambda rank: (gloo[rank], -rank))
+            lines.append(
+                f"    - on gloo (point to point; through aggregators where shares are unequal): rank {busiest}, the "
+                f"busiest, receives {_human(gloo[busiest])} a step"
+            )
     if muon:
         lines += ["", "Newton-Schulz work per step, GFLOP by rank (max/mean: the balance):"]
         for mode in report["modes"]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from distoptim.comm import relay
 from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
 from distoptim.plan.muon import newton_schulz_per_rank, with_muon
 from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
@@ -82,6 +83,9 @@ class ModePlan:
     notes: tuple[str, ...]
     newton_schulz: tuple[int, ...] = ()
     """With Muon: each rank's Newton-Schulz FLOPs per step (``plan.muon.newton_schulz_flops``)."""
+    gloo_received: tuple[int, ...] = ()
+    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled,
+    as for the ZeRO-2 hook, whose reductions follow DDP's buckets)."""
 
     @property
     def sends_total(self) -> int:
@@ -284,13 +288,35 @@ class _ZeroShards:
             "StagedSync (pieces under 1 MiB go through staging buffers kept between steps)"
         )
         all_reduce = ("all-reduce of gradients", _all_reduce(grad_bytes, size))
-        zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note))
+        synced = self._not_owned()
+        gloo = tuple(all_reduce[1] + synced[rank] for rank in range(size))
+        zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note), gloo)
         reduce_scatter = ("reduction of gradients to owners", self._moved(False))  # per DDP bucket: rooted calls
         zero2_note = "reduce_to_owners_hook: DDP still holds full gradients; only the bytes sent shrink"
         zero2 = ModePlan(
             "zero2_hook", "ZeRO-2 hook", under_ddp, (reduce_scatter, gather), (shard_note, ddp_note, zero2_note)
         )
         return zero1, zero2
+
+    def _not_owned(self) -> list[int]:
+        """Per rank, the bytes of the trainable elements it does not own: what a sync brings it on gloo, by either
+        path (each such element arrives once, from its owner or an aggregator). With bucket views the regions are
+        synced whole, the padding of an even region with its last rank's range."""
+        size = self.config.world_size
+        owned, total = [0] * size, 0
+        if self.config.parameters_as_bucket_view:
+            for layout in self.plan.layouts:
+                width = layout.key[1].itemsize  # type: ignore[index]  # the (device, dtype) key given above
+                for bounds in layout.bounds:
+                    total += (bounds[-1] - bounds[0]) * width
+                    for rank in range(size):
+                        owned[rank] += (bounds[rank + 1] - bounds[rank]) * width
+        else:
+            for param, fragments in zip(self.params, self.plan.fragments):
+                for fragment in fragments:
+                    owned[fragment.rank] += fragment.length * param.dtype.itemsize
+                    total += fragment.length * param.dtype.itemsize
+        return [total - mine for mine in owned]
 
     def params_bytes(self) -> int:
         """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the flat buffers of this
@@ -346,7 +372,13 @@ class _ZeroShards:
             "parameter sync: per bucket, pieces under 1 MiB through staging kept between steps (none with "
             "parameters_as_bucket_view=True and the even partition, whose regions are gathered in place)",
         )
-        return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes)
+        reduced = [0] * size  # gloo: per bucket, the path comm.relay takes
+        for bucket, width in zip(buckets, store):
+            for rank, count in enumerate(relay.received([bucket.owned(r) for r in range(size)])):
+                reduced[rank] += count * width
+        synced = self._not_owned()
+        gloo = tuple(reduced[rank] + synced[rank] for rank in range(size))
+        return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
     def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
         """Per rank, the bytes of owned gradient pieces made for the step in another dtype than they arrive in

@@ -139,6 +139,10 @@ class StagedSync(ParameterSync):
                     staged.append(piece)
             element_size = torch.empty((), dtype=layout.dtype).element_size()
             self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // element_size)))
+        shares = [0] * comm.group_size(group)  # the large pieces, one owner's each, travel as one layout
+        for piece in self.direct:
+            shares[piece.rank] += piece.length * piece.param.element_size()
+        self.relay_direct = comm.relayed(shares)
 
     def sync_parameters(self) -> None:
         direct = self.launch_direct()
@@ -152,7 +156,12 @@ class StagedSync(ParameterSync):
             work
             for piece in ([] if self.alone else self.direct)
             for work in comm.broadcast_slices(
-                piece_view(piece), [(piece.rank, 0, piece.length)], self.group, False, self.collectives
+                piece_view(piece),
+                [(piece.rank, 0, piece.length)],
+                self.group,
+                False,
+                self.collectives,
+                self.relay_direct,
             )
         ]
 

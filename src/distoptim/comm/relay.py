@@ -1,0 +1,296 @@
+"""gloo's transfers where the owners' shares are unequal: each element reaches its owner through an aggregator.
+
+Point to point (``p2p.py``), an owner receives every other rank's copy of its share in the reduction and sends its
+share to every other rank in the sync: where one rank owns a fraction ``s`` of a layout's ``T`` elements it moves
+``(N-1) s T`` elements each way, more than an all-reduce's ``2 (N-1)/N T`` once ``s`` is well above ``1/N`` (a
+greedy partition with a large embedding). Here each rank aggregates ``T/N`` of the elements, whoever owns them
+(``aggregators``: an owner keeps up to ``T/N`` of its own, the larger shares' surplus goes to the ranks short of
+``T/N``). An element owned by ``r`` and aggregated by ``g != r``: in the reduction every rank but ``r`` and ``g``
+sends ``g`` its contribution, ``g`` adds its own and sends the partial sum to ``r``, which adds its own; in the sync
+``r`` sends it to ``g``, which forwards it to the others. Every element still travels ``N-1`` times each way, and a
+step (reduction and sync) sends and receives ``2 (N-1)/N T``, an all-reduce's, on every rank in any partition.
+
+``reduction`` and ``send_from_owners`` choose per layout (``relayed``, the one place): the direct path (one hop, one
+rounding of a 16-bit sum) where it moves at most 5% of an all-reduce more than the relay, else the relay; at 2 ranks
+the two are the same. The aggregators' work runs on a thread of the group's beside its waiter (``p2p.run_beside``),
+so that it never waits for the order in which this rank waits for its transfers, and the next bucket's is summed
+while this rank waits for the last one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from distoptim._host_memory import host_zeros
+from distoptim.comm import p2p
+from distoptim.comm.groups import group_size
+
+__all__ = ["Piece", "RelayedReduction", "aggregators", "received", "reduction", "relayed", "send_from_owners"]
+
+SLACK = 0.05
+"""How much more than the relay (as a fraction of an all-reduce's bytes) the direct path may move and be chosen."""
+
+
+class Piece(NamedTuple):
+    """Elements ``[start, end)`` of a buffer, owned by ``owner`` and aggregated by ``aggregator``."""
+
+    start: int
+    end: int
+    owner: int
+    aggregator: int
+
+
+def relayed(shares: Sequence[int], pieces: int = 0) -> bool:
+    """Whether a layout whose ranks own ``shares`` elements goes through aggregators (``pieces``: how many pieces its
+    aggregators cut; a layout of more than ``p2p.CHUNKS`` goes direct, its messages could not be told apart).
+
+    Direct, the busiest rank moves ``(N-2)(max - T/N)`` elements a step more than the relay, which moves exactly an
+    all-reduce's ``2 (N-1)/N T``: direct while that is at most ``SLACK`` of it."""
+    size, total = len(shares), sum(shares)
+    if size <= 2 or total == 0 or pieces > p2p.CHUNKS:
+        return False
+    return (size - 2) * (size * max(shares) - total) > SLACK * 2 * (size - 1) * total
+
+
+def aggregators(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[Piece]:
+    """Who aggregates each owned range (``by_owner[r]``: rank ``r``'s ranges): each rank ``T/N`` elements (the first
+    ``T mod N`` ranks one more), its own first (its ranges in order), then the larger shares' surplus, in buffer
+    order, to the ranks that are short, in rank order. Pure, so every rank cuts the same pieces."""
+    size = len(by_owner)
+    total = sum(end - start for ranges in by_owner for start, end in ranges)
+    room = [total // size + (rank < total % size) for rank in range(size)]
+    pieces, surplus = [], []
+    for owner, ranges in enumerate(by_owner):
+        for start, end in ranges:
+            kept = min(end - start, room[owner])
+            room[owner] -= kept
+            if kept:
+                pieces.append(Piece(start, start + kept, owner, owner))
+            if start + kept < end:
+                surplus.append((start + kept, end, owner))
+    spare = [rank for rank in range(size) if room[rank]]
+    for start, end, owner in sorted(surplus):
+        while start < end:
+            taker = spare[0]
+            taken = min(end - start, room[taker])
+            pieces.append(Piece(start, start + taken, owner, taker))
+            room[taker] -= taken
+            start += taken
+            if not room[taker]:
+                spare.pop(0)
+    return pieces
+
+
+def _plan(by_owner: Sequence[Sequence[tuple[int, int]]], chosen: bool | None = None) -> list[Piece] | None:
+    """The aggregators' pieces where the layout goes through them (``chosen``, else ``relayed``), else None."""
+    shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
+    if not (relayed(shares) if chosen is None else chosen and len(shares) > 2):
+        return None
+    pieces = aggregators(by_owner)
+    return pieces if sum(piece.owner != piece.aggregator for piece in pieces) <= p2p.CHUNKS else None
+
+
+def received(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """The elements each rank receives in a reduction to owners of this layout, by the path ``reduction`` takes
+    (what the planner prints). A sync receives every element a rank does not own once, by either path."""
+    pieces = _plan(by_owner)
+    if pieces is None:  # direct: every other rank's copy of each owned element
+        return [(len(by_owner) - 1) * sum(end - start for start, end in ranges) for ranges in by_owner]
+    counts = [0] * len(by_owner)
+    for start, end, owner, aggregator in pieces:
+        if owner == aggregator:
+            counts[owner] += (len(by_owner) - 1) * (end - start)
+        else:  # the aggregator hears from all but the owner and itself; the owner from the aggregator
+            counts[aggregator] += (len(by_owner) - 2) * (end - start)
+            counts[owner] += end - start
+    return counts
+
+
+def reduction(buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup) -> Any:
+    """A reduction to owners of ``buffer``'s ranges (``by_owner[r]``: rank ``r``'s), started; ``wait()`` ends it:
+    ``p2p.ReductionExchange`` or, where ``relayed``, a ``RelayedReduction``."""
+    pieces = _plan(by_owner)
+    if pieces is None:
+        return p2p.ReductionExchange(buffer, by_owner, group)
+    return RelayedReduction(buffer, pieces, group)
+
+
+class RelayedReduction:
+    """A reduction to owners through aggregators (``aggregators``' pieces); started when built, finished by
+    ``wait()`` (once, in any thread).
+
+    The pieces an owner aggregates itself go through a ``p2p.ReductionExchange``. Of the others: at once, this rank
+    sends each aggregator its contributions (in chunks, as ``p2p`` cuts them); on the thread beside the waiter, as an
+    aggregator, it receives each chunk from the other contributors (two chunks from each at a time), adds them into
+    its own contribution in rank order and sends the partial sum on to the owner; in ``wait()``, as an owner, it adds
+    each partial sum it receives into its own contribution. A 16-bit sum is taken in fp32 at each of the two, so it
+    is rounded twice (once on the direct path): within the distance another order of reduction gives.
+    """
+
+    def __init__(self, buffer: Tensor, pieces: Sequence[Piece], group: dist.ProcessGroup) -> None:
+        size, mine = group_size(group), dist.get_rank(group)
+        self.group, self.mine, self.buffer = group, mine, buffer
+        self.direct = p2p.ReductionExchange(
+            buffer,
+            [[(p.start, p.end) for p in pieces if p.owner == p.aggregator == rank] for rank in range(size)],
+            group,
+        )
+        self.to_aggregators, self.to_owners = p2p.reduction_tags(group), p2p.reduction_tags(group)
+        relayed = [piece for piece in pieces if piece.owner != piece.aggregator]
+        elements = sum(piece.end - piece.start for piece in relayed)
+        staged = p2p.STAGING_BYTES // (2 * max(1, size - 2) * buffer.element_size())
+        self.chunk = max(1, staged, -(-elements // max(1, p2p.CHUNKS - len(relayed))))  # at most CHUNKS messages
+        self.messages = [
+            Piece(at, min(at + self.chunk, piece.end), piece.owner, piece.aggregator)
+            for piece in relayed
+            for at in range(piece.start, piece.end, self.chunk)
+        ]
+        self.sends = [
+            dist.isend(
+                buffer[m.start : m.end], dst=self._global(m.aggregator), group=group, tag=self.to_aggregators + i
+            )
+            for i, m in enumerate(self.messages)
+            if mine not in (m.owner, m.aggregator)
+        ]
+        self.partial_sums: list[Any] = []  # the aggregator's sends to the owners (waited for in ``wait``)
+        self.aggregated: Future[None] | None = None
+        if any(m.aggregator == mine for m in self.messages):
+            self.aggregated = p2p.run_beside(self._aggregate, group)
+        self.done = False
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def _aggregate(self) -> None:
+        """As an aggregator: every chunk summed and sent on to its owner (on the thread beside the waiter)."""
+        mine = [(i, m) for i, m in enumerate(self.messages) if m.aggregator == self.mine]
+        size = group_size(self.group)
+        staging: dict[int, list[Tensor]] = {}
+        receives: dict[int, list[tuple[Any, Tensor]]] = {}
+
+        def post(k: int) -> None:
+            i, m = mine[k]
+            receives[k] = []
+            for peer in range(size):
+                if peer not in (m.owner, self.mine):
+                    if peer not in staging:  # two chunks a peer: the next one lands where the one before last did
+                        staging[peer] = [host_zeros(self.chunk, self.buffer.dtype, self.buffer.device) for _ in "ab"]
+                    into = staging[peer][k % 2][: m.end - m.start]
+                    work = dist.irecv(into, src=self._global(peer), group=self.group, tag=self.to_aggregators + i)
+                    receives[k].append((work, into))
+
+        for k in range(min(2, len(mine))):
+            post(k)
+        for k, (i, m) in enumerate(mine):
+            rows = []
+            for work, into in receives.pop(k):
+                work.wait()
+                rows.append(into)
+            _add(self.buffer[m.start : m.end], rows)
+            self.partial_sums.append(
+                dist.isend(
+                    self.buffer[m.start : m.end], dst=self._global(m.owner), group=self.group, tag=self.to_owners + i
+                )
+            )
+            if k + 2 < len(mine):
+                post(k + 2)
+
+    def wait(self) -> None:
+        """The direct pieces, then (as an owner) every partial sum added in, then this rank's sends."""
+        if self.done:
+            return
+        try:
+            self.direct.wait()
+            incoming = [(i, m) for i, m in enumerate(self.messages) if m.owner == self.mine]
+            slots = [host_zeros(self.chunk, self.buffer.dtype, self.buffer.device) for _ in incoming[:2]]
+
+            def post(k: int) -> Any:
+                i, m = incoming[k]
+                into = slots[k % 2][: m.end - m.start]
+                return dist.irecv(into, src=self._global(m.aggregator), group=self.group, tag=self.to_owners + i)
+
+            posted = [post(k) for k in range(len(slots))]
+            for k, (_, m) in enumerate(incoming):
+                posted[k].wait()
+                _add(self.buffer[m.start : m.end], [slots[k % 2][: m.end - m.start]])
+                if k + 2 < len(incoming):
+                    posted.append(post(k + 2))
+            if self.aggregated is not None:
+                self.aggregated.wait()
+            for work in [*self.sends, *self.partial_sums]:
+                work.wait()
+        finally:
+            self.done, self.sends, self.partial_sums = True, [], []
+
+
+def _add(into: Tensor, rows: Sequence[Tensor]) -> None:
+    """``rows`` added into ``into`` in order; a 16-bit sum taken in fp32 and rounded once."""
+    total = into.float() if into.element_size() < 4 and into.is_floating_point() else into
+    for row in rows:
+        total.add_(row)
+    if total is not into:
+        into.copy_(total)
+
+
+def send_from_owners(
+    buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: dist.ProcessGroup, chosen: bool | None = None
+) -> list[Any]:
+    """Each ``buffer[start:end]`` of group rank ``src`` to every other rank, received in place, for every ``(src,
+    start, end)``: ``p2p.send_from_owners`` or, where ``relayed`` (or ``chosen``: the caller applied ``relayed`` to
+    a set of calls launched together, such as one owner's piece each), through aggregators (owner to aggregator,
+    then, on the thread beside the waiter, aggregator to the others). The pending works are returned for ``wait``."""
+    size, mine = group_size(group), dist.get_rank(group)
+    by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for src, start, end in slices:
+        if end > start:
+            by_owner[src].append((start, end))
+    pieces = _plan(by_owner, chosen)
+    if pieces is None:
+        return p2p.send_from_owners(buffer, slices, group)
+    works = p2p.send_from_owners(buffer, [(p.owner, p.start, p.end) for p in pieces if p.owner == p.aggregator], group)
+    tag = p2p.sync_tags(group)
+    forwards: list[tuple[Any, Piece, int]] = []
+    for i, piece in enumerate(p for p in pieces if p.owner != p.aggregator):
+        view, peer = buffer[piece.start : piece.end], dist.get_global_rank(group, piece.aggregator)
+        if mine == piece.owner:
+            works.append(dist.isend(view, dst=peer, group=group, tag=tag + i))
+        elif mine == piece.aggregator:
+            owner = dist.get_global_rank(group, piece.owner)
+            forwards.append((dist.irecv(view, src=owner, group=group, tag=tag + i), piece, tag + i))
+        else:
+            works.append(dist.irecv(view, src=peer, group=group, tag=tag + i))
+    if forwards:
+        works.append(_Forwarding(buffer, forwards, group))
+    return works
+
+
+class _Forwarding:
+    """An aggregator's part of a relayed sync: beside the waiter, each piece, once received from its owner, sent
+    to every other rank; ``wait()`` waits for those sends."""
+
+    def __init__(self, buffer: Tensor, forwards: list[tuple[Any, Piece, int]], group: dist.ProcessGroup) -> None:
+        self.buffer, self.forwards, self.group = buffer, forwards, group
+        self.sends: list[Any] = []
+        self.done = p2p.run_beside(self._forward, group)
+
+    def _forward(self) -> None:
+        size, mine = group_size(self.group), dist.get_rank(self.group)
+        for received, piece, tag in self.forwards:
+            received.wait()
+            view = self.buffer[piece.start : piece.end]
+            self.sends += [
+                dist.isend(view, dst=dist.get_global_rank(self.group, peer), group=self.group, tag=tag)
+                for peer in range(size)
+                if peer not in (piece.owner, mine)
+            ]
+
+    def wait(self) -> None:
+        self.done.wait()
+        for work in self.sends:
+            work.wait()
+        self.sends, self.forwards = [], []
