@@ -81,11 +81,11 @@ class ModePlan:
     ranks: tuple[RankMemory, ...]
     sends: tuple[tuple[str, int], ...]
     notes: tuple[str, ...]
-    newton_schulz: tuple[int, ...] = ()
-    """With Muon: each rank's Newton-Schulz FLOPs per step (``plan.muon.newton_schulz_flops``)."""
     gloo_received: tuple[int, ...] = ()
     """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled,
     as for the ZeRO-2 hook, whose reductions follow DDP's buckets)."""
+    newton_schulz: tuple[int, ...] = ()
+    """With Muon: each rank's Newton-Schulz FLOPs per step (``plan.muon.newton_schulz_flops``)."""
 
     @property
     def sends_total(self) -> int:
