@@ -3,7 +3,8 @@ previous one reduced to owners is refused on every rank (it summed the ranks' le
 that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views), DDP's
 static graph, a ``torch.autograd.grad`` between steps and a backward added onto the gradients but cleared before the
 next step (a GAN's generator step; cleared to None, or in place with ``zero_grad(set_to_none=False)``) train as DDP +
-the plain optimizer do."""
+the plain optimizer do, and so do clears through ``.data`` (``p.grad.data.zero_()``, which leaves ``_version``
+alone)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ def _train(rank: int, how: str, partition: str) -> str:
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     try:
         for step in range(3):
-            if how != "across_steps" or step == 0:
+            if how.startswith("data_zero") or how == "added_then_data_cleared":  # the old idiom: no _version bump
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.data.zero_()
+            elif how != "across_steps" or step == 0:
                 zero.zero_grad(set_to_none=how != "in_place")
             plain.zero_grad()
             for micro in range(2):
@@ -48,9 +53,13 @@ def _train(rank: int, how: str, partition: str) -> str:
                 else:
                     ddp(_batch(rank, step, micro)).square().mean().backward()
                     reference_ddp(_batch(rank, step, micro)).square().mean().backward()
-                if how in ("static_graph", "autograd_grad", "added_then_cleared") or (
-                    how in ("synced", "across_steps") and step == 0
-                ):
+                if how in (
+                    "static_graph",
+                    "autograd_grad",
+                    "added_then_cleared",
+                    "data_zero",
+                    "added_then_data_cleared",
+                ) or (how in ("synced", "across_steps") and step == 0):
                     break  # one micro-batch (DDP's static graph has no no_sync); the refusals come later
             zero.step()
             plain.step()
@@ -58,7 +67,7 @@ def _train(rank: int, how: str, partition: str) -> str:
                 torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6, msg=f"{how} {partition} step {step}")
             if how == "autograd_grad":  # a diagnostic gradient, never written to .grad: not an accumulation
                 torch.autograd.grad(model(_batch(rank, step, 9)).sum(), list(model.parameters()))
-            if how == "added_then_cleared":  # a GAN's generator backward through the discriminator's DDP
+            if how in ("added_then_cleared", "added_then_data_cleared"):  # a GAN's generator backward through D
                 ddp(_batch(rank, step, 8)).square().mean().backward()
     except RuntimeError as error:
         return str(error)
@@ -66,7 +75,8 @@ def _train(rank: int, how: str, partition: str) -> str:
 
 
 HOWS = ["synced", "across_steps", "no_sync", "in_place", "bucket_view", "static_graph"]
-HOWS += ["autograd_grad", "added_then_cleared"]
+HOWS += ["autograd_grad", "added_then_cleared", "data_zero", "added_then_data_cleared", "data_zero_synced"]
+REFUSED = ("synced", "across_steps", "data_zero_synced")  # two synced backwards with no clearing between them
 
 
 def _body(rank: int, world_size: int) -> list[tuple[str, str, str]]:
@@ -77,7 +87,7 @@ def _body(rank: int, world_size: int) -> list[tuple[str, str, str]]:
 def test_accumulating_onto_reduced_gradients_is_refused_and_the_right_ways_train_as_ddp(world_size: int) -> None:
     for results in run_on_ranks(_body, world_size, timeout=180):
         for how, partition, outcome in results:
-            if how in ("synced", "across_steps"):  # two synced backwards with no clearing between them
+            if how in REFUSED:
                 assert "a backward added onto the gradients" in outcome, (how, partition, outcome)
                 assert "no_sync()" in outcome and "ShardedDataParallel" in outcome
             else:

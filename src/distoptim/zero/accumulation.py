@@ -15,7 +15,9 @@ generator backward through the discriminator, before the discriminator's ``zero_
 whether the clear set ``.grad`` to None or zeroed it in place (``zero_grad(set_to_none=False)``: the same tensor,
 written since the backward that added onto it ended). Whether such a write left zeros is taken where the next
 backward reaches the parameter (before it accumulates) or else at the step, and read at the step: one host read, in
-a step that finds such a ``.grad`` only.
+a step that finds such a ``.grad`` only. A clear through ``.data`` (``p.grad.data.zero_()``, the old idiom) leaves
+the version alone, so a ``.grad`` a backward added onto is also let pass when it held zeros just before that
+backward reached it, or holds zeros at the step: a backward onto zeros is a fresh one, reduced right.
 
 Known gap: DDP with ``gradient_as_bucket_view=True`` re-creates each ``.grad`` as a view of its rebuilt buckets in the
 second forward, so accumulation within the very first step is not caught.
@@ -44,10 +46,11 @@ class AccumulationGuard:
     def __init__(self) -> None:
         self._watched: dict[int, weakref.ref[Tensor]] = {}  # id(param) -> the parameter (its hooks are registered)
         self._left: dict[int, _Noted] = {}  # what the last reducing backward left in .grad
-        self._suspect: set[int] = set()  # a backward computes their gradient onto what it left
+        self._suspect: dict[int, Tensor] = {}  # a backward computes their gradient onto what it left: was it zeros?
         self._added_onto: dict[int, _Noted] = {}  # .grad holding such a sum, and its version once the backward ended
         self._flagged: set[int] = set()  # added onto in the backward running now
         self._was_zero: dict[int, Tensor] = {}  # such a .grad, written in place since: not any(), before accumulating
+        self._zero_before: dict[int, Tensor] = {}  # such a .grad: not any() just before the backward added onto it
         self._noting_for = -1  # the backward (graph task) whose end is to be noted
 
     def saw_bucket(self, params: Sequence[Tensor]) -> None:
@@ -80,21 +83,23 @@ class AccumulationGuard:
         if added is not None and grad is not None and added[0]() is grad and grad._version != added[1]:
             self._was_zero[id(param)] = grad.any().logical_not()  # cleared in place? (read at the step)
         if left is not None and grad is not None and left[0]() is grad and grad._version == left[1]:
-            self._suspect.add(id(param))
+            self._suspect[id(param)] = grad.any().logical_not()  # cleared through .data, which keeps the version?
         else:
-            self._suspect.discard(id(param))
+            self._suspect.pop(id(param), None)
 
     def after_accumulation(self, param: Tensor) -> None:
-        if id(param) in self._suspect and param.grad is not None:
-            self._suspect.discard(id(param))
+        zero_before = self._suspect.pop(id(param), None)
+        if zero_before is not None and param.grad is not None:
             self._added_onto[id(param)] = (weakref.ref(param.grad), param.grad._version)
             self._flagged.add(id(param))
             self._was_zero.pop(id(param), None)
+            self._zero_before[id(param)] = zero_before
 
     def cleared(self) -> None:
         """``zero.zero_grad()``: whatever was added onto is gone."""
         self._added_onto.clear()
         self._was_zero.clear()
+        self._zero_before.clear()
 
     def check(self) -> None:
         """Raise if a ``.grad`` still holds a sum onto what a reduction to owners left (call where it is read)."""
@@ -103,11 +108,15 @@ class AccumulationGuard:
             param = self._watched[key]()
             if param is None or param.grad is None or param.grad is not grad_ref():
                 del self._added_onto[key]  # cleared since
-            elif param.grad._version != version:  # written in place since: zeroed (then maybe a fresh backward)?
+                continue
+            if param.grad._version != version:  # written in place since: zeroed (then maybe a fresh backward)?
                 probe = self._was_zero.get(key)
-                written.setdefault(param.grad.device, []).append(
-                    (key, param.grad.any().logical_not() if probe is None else probe)
-                )
+                probe = param.grad.any().logical_not() if probe is None else probe
+            else:  # zeroed through .data (no version bump) before the backward that added onto it, or since
+                probe = param.grad.any().logical_not()
+                if (before := self._zero_before.get(key)) is not None:
+                    probe = probe.logical_or(before)
+            written.setdefault(param.grad.device, []).append((key, probe))
         for same_device in written.values():
             cleared = _host.read(
                 torch.stack([probe for _, probe in same_device]), "accumulation guard: cleared in place"
@@ -116,6 +125,7 @@ class AccumulationGuard:
                 if zeroed:
                     del self._added_onto[key]
                     self._was_zero.pop(key, None)
+                    self._zero_before.pop(key, None)
         if self._added_onto:
             raise RuntimeError(
                 "a backward added onto the gradients of a backward that reduce_to_owners_hook had reduced to their "

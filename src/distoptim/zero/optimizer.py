@@ -265,6 +265,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         Raises:
             ValueError: on every rank, when the local part raised on another rank (naming it) or a setting (a
                 hyperparameter, ``requires_grad``) was changed on some ranks only; the failing rank raises its own.
+                Also when the parameters' dtype or device changed since the optimizer was built
+                (``model.to(torch.float64)``): convert the model first, or build a new optimizer after it.
             RuntimeError: in overlap mode, when no hook stepped since the last ``step()``.
 
         Example:
@@ -476,20 +478,31 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
             listener()
 
     def _repartition_if_changed(self) -> None:
-        """Before a step: a new placement where the last one is stale (``placement.is_stale``); then master copies
+        """Before a step: a new placement where the last one is stale (``_place_if_stale``); then master copies
         take the values of parameters written outside the optimizer (``model.load_state_dict(...)``), which they
         would otherwise overwrite with their own."""
-        assert self._placement is not None
-        if placement.is_stale(self._placement, self.global_params):
-            self._repartition()
+        self._place_if_stale()
         self.local_shard.reseed_masters()
 
+    def _place_if_stale(self) -> None:
+        """A new placement where the last one is stale (``placement.is_stale``: a parameter made trainable or given
+        new storage since); a parameter whose dtype or device changed since is refused (``placement.py``)."""
+        assert self._placement is not None
+        if placement.is_stale(self._placement, self.global_params):
+            placement.check_layout_keys(self._placement, self.global_params)
+            self._repartition()
+
     def _masters_follow_parameters(self) -> None:
-        """Before a checkpoint takes the master copies: re-seed those whose parameters were written since the last
-        step (a write after the last step would otherwise be saved as the old master). A parameter given new storage
-        since is compared where it was (harmless: that memory holds what it held); the next step places it again
-        and compares it where it is."""
-        self.local_shard.reseed_masters()
+        """Before a checkpoint takes the master copies (collective: the step's agreement, so a refusal raises on
+        every rank): a new placement where the last one is stale, so that the master copies are compared with the
+        parameters' present storage (``p.data = new`` since the last step); then those whose parameters were
+        written since take their values (a write after the last step would otherwise be saved as the old master)."""
+        self._agreed(self._repartition_if_changed)
+
+    def _place_for_load(self) -> None:
+        """Before a load writes master copies and state (collective, agreed): the placement made again where it is
+        stale, so that the master weights loaded are written into the parameters' present storage."""
+        self._agreed(self._place_if_stale)
 
     def _use_regions(self, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly

@@ -3,7 +3,8 @@ shard and its optimizer's param groups, the parameter sync, the overlap stepper)
 
 The plan changes at construction, in ``add_param_group``, when a parameter becomes trainable (gradual unfreezing),
 and when ``ShardedDataParallel`` re-cuts an even partition into buckets; the views are rebuilt, with the plan
-unchanged, when parameters got new storage (``param.data = ...``, ``model.to(...)`` copying). Parameters that
+unchanged, when parameters got new storage (``param.data = ...``, ``model.to(...)`` copying; a dtype or device
+change is refused: the optimizer state would have to follow). Parameters that
 already have an owner keep it, and their state, even when frozen since (a frozen parameter has no gradient, so its
 owner skips it as a plain optimizer would).
 """
@@ -25,7 +26,7 @@ from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optim
 from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard
 
-__all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "is_stale", "place"]
+__all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "check_layout_keys", "is_stale", "place"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Placement:
     unowned: list[Tensor]
     """Frozen parameters nobody owns: a gradient on one is refused (it would be silently ignored)."""
     bound: tuple[int, ...]
+    keys: tuple[tuple[torch.device, torch.dtype], ...]
+    """Each parameter's (device, dtype) when placed: the layout it was planned in."""
 
 
 def place(
@@ -71,13 +74,14 @@ def place(
     views of them). ``whole``/``costs``: parameters never cut and what each costs to step (``partition_parameters``).
     The caller finishes any sync in flight first."""
     trainability = tuple(p.requires_grad for p in params)
+    keys = tuple((p.device, p.dtype) for p in params)
     plan = partition_parameters(
         [p.numel() for p in params],
         list(trainability),
         settings.world_size,
         previous=previous,
         mode=settings.partition,
-        keys=[(p.device, p.dtype) for p in params],
+        keys=keys,
         region_numel=region_numel,
         whole=whole,
         costs=costs,
@@ -92,7 +96,7 @@ def place(
     else:
         sync = StagedSync(layouts, settings.group, settings.collectives)
     shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
-    return Placement(plan, shard, sync, trainability, unowned, _storages(params))
+    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys)
 
 
 def bind_local_optimizer(
@@ -130,6 +134,26 @@ def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
     step, which the step's agreement checks), or parameters given new storage since it was made (fragment views and
     bucket views would otherwise step and sync the old memory)."""
     return tuple(p.requires_grad for p in params) != placement.trainability or _storages(params) != placement.bound
+
+
+def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
+    """Refuse parameters whose dtype or device changed since ``placement`` was made (``model.to(torch.float64)``,
+    ``model.cuda()`` after the optimizer was built): their layouts, fragments, master copies and optimizer state
+    (kept in the old dtype and device) would all have to follow, which a placement does not do."""
+    changed = [
+        (index, key, (p.device, p.dtype))
+        for index, (key, p) in enumerate(zip(placement.keys, params))
+        if key != (p.device, p.dtype)
+    ]
+    if changed:
+        index, (device, dtype), (new_device, new_dtype) = changed[0]
+        raise ValueError(
+            f"{len(changed)} parameter(s) changed dtype or device after the ZeroRedundancyOptimizer was built "
+            f"(parameter {index}: {dtype} on {device}, now {new_dtype} on {new_device}; model.to(...) or .double() "
+            "since): its partition, master copies and optimizer state were made for the old ones. Convert the model "
+            "before building the optimizer, or build a new optimizer after converting (and load a checkpoint into "
+            "it to keep the optimizer state)"
+        )
 
 
 def _storages(params: Sequence[Tensor]) -> tuple[int, ...]:

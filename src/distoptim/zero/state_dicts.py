@@ -56,6 +56,7 @@ class ZeroParts(Protocol):
     def sync_parameters(self) -> None: ...
     def _push_hyperparameters(self) -> None: ...
     def _masters_follow_parameters(self) -> None: ...
+    def _place_for_load(self) -> None: ...
     def _agreed(self, action: Callable[[], Any]) -> Any: ...
     def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]: ...
 
@@ -74,7 +75,8 @@ class Checkpoints:
 
         Raises:
             ValueError: on every rank, when any rank names no valid rank or the ranks name different ones (a
-                TypeError on the rank whose ``to`` is not an int).
+                TypeError on the rank whose ``to`` is not an int), or when the parameters' dtype or device changed
+                since the optimizer was built (``model.to(torch.float64)``).
 
         Example:
             ```python
@@ -112,7 +114,8 @@ class Checkpoints:
             state_dict: what ``state_dict()`` returned (or a plain ``torch.optim`` optimizer's), at any world size.
 
         Raises:
-            ValueError: on every rank, when the dict was saved by another optimizer class or for other parameters.
+            ValueError: on every rank, when the dict was saved by another optimizer class or for other parameters,
+                or when the parameters' dtype or device changed since the optimizer was built (``model.to(...)``).
 
         Example:
             ```python
@@ -127,8 +130,12 @@ class Checkpoints:
         only what overlaps its own fragments. Fragments without state yet get placeholders that a load fills in and
         a save leaves out.
 
+        Collective (one small all-reduce: it waits for a parameter sync in flight, then places parameters given new
+        storage since the last step again, as a step would, so that master copies follow them).
+
         Raises:
-            Never raises for a built optimizer (it waits for a parameter sync in flight first).
+            ValueError: on every rank, when the parameters' dtype or device changed since the optimizer was built
+                (``model.to(torch.float64)``).
 
         Example:
             ```python
@@ -145,7 +152,8 @@ class Checkpoints:
 
         Raises:
             ValueError: the dict is not a loaded sharded state, or was saved for other parameters or another
-                optimizer class.
+                optimizer class; on every rank, when the parameters' dtype or device changed since the optimizer
+                was built (``model.to(...)``).
 
         Example:
             ```python
@@ -224,6 +232,7 @@ def _state_dict(zero: ZeroParts) -> dict[str, Any]:
 
 def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
     zero.sync_finished()  # the load may write master weights into the parameters
+    zero._place_for_load()
     state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
     state_dict = checkpoint.apply_hooks(zero._optimizer_load_state_dict_pre_hooks.values(), zero, state_dict)
     by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
@@ -251,6 +260,7 @@ def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
 
 def _load_sharded(zero: ZeroParts, state_dict: dict[str, Any]) -> None:
     zero.sync_finished()
+    zero._place_for_load()  # write_back below writes into the pieces the placement holds
     saved_groups = sharded.load_param_groups(state_dict, zero.param_groups, zero._optimizer_class)
     for group, saved in zip(zero.param_groups, saved_groups):
         group.update(saved)
