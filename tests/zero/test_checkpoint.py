@@ -88,8 +88,11 @@ def _save_body(rank: int, world_size: int, to: int, staging_bytes: int, partitio
         loaded.load_state_dict(copy.deepcopy(saved))
         _assert_same_state_dict(loaded.state_dict(), reference.state_dict())
         result = {"saved": saved, "params": [p.detach().clone() for p in flatten(plain)]}
+        snapshot = copy.deepcopy(saved)
     # A step invalidates the consolidated state, which would otherwise be stale.
     _train([zero], [flatten(ours)], rank, range(3, 4))
+    if rank == to:  # and a consolidated dict kept for saving is that moment's: the step did not reach into it
+        _assert_same_state_dict(saved, snapshot)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         zero.state_dict()
     return result

@@ -269,11 +269,18 @@ def apply_hooks(hooks: Iterable[Callable[..., Any]], optimizer: Any, state_dict:
 def gather_state(
     mine: dict[Any, dict[str, Any]], to: int, group: comm.Group, comm_device: torch.device
 ) -> dict[Any, dict[str, Any]] | None:
-    """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks, which only send theirs)."""
+    """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks, which only send theirs); this rank's
+    own copied, so that a later step does not change a consolidated state kept for saving."""
     if comm.group_rank(group) != to:
         send_state(mine, to, group, comm_device, STAGING_BYTES)
         return None
-    merged = on_cpu(mine)
+    merged = {  # a copy, as the other ranks' shards are: the consolidated state is this moment's, not live
+        index: {
+            key: value.detach().clone() if isinstance(value, Tensor) and value.device.type == "cpu" else value
+            for key, value in entry.items()
+        }
+        for index, entry in on_cpu(mine).items()
+    }
     for source in range(comm.group_size(group)):
         if source != to:
             merged.update(receive_state(source, group, comm_device))
