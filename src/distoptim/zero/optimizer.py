@@ -380,6 +380,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
                 "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
                 "worked. Build it with overlap_with_ddp=False (with reduce_to_owners_hook for ZeRO-2) to clip"
             )
+        # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
+        self._repartition_if_changed()
         grads, group, device = self.local_shard.owned_grads(), self.process_group, self._comm_device
         return clipping.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
