@@ -172,10 +172,14 @@ class Oracle:
                     p.copy_(self.masters[id(p)])
 
     def refresh_masters(self) -> None:
+        """Masters take the values of parameters the program wrote (a load, a clamp): those that no longer equal
+        their master rounded to their dtype. An unwritten one keeps its fp32 master, as distoptim's does (re-seeding
+        it anyway drops the bits below a bf16 ulp, and the next steps round to another bf16 value now and then)."""
         with torch.no_grad():
             for p in self.params:
-                if id(p) in self.masters:
-                    self.masters[id(p)].copy_(p.float())
+                master = self.masters.get(id(p))
+                if master is not None and not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p.float())
 
     def step(self, closure: Any = None) -> Any:
         loss = None
