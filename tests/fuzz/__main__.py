@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--avoid-known", action="store_true", help="drop the actions that trigger known bugs")
     parser.add_argument("--only", help="comma-separated seeds to run (instead of --start/--seeds)")
     parser.add_argument("--actions", help=f"comma-separated subset of {','.join(ACTIONS)}")
+    parser.add_argument("--hybrid", action="store_true", help="hybrid sharding (shard pairs, replicate): 4 ranks")
     parser.add_argument("--minutes", type=float, help="stop generating after M minutes, then print the summary")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     args = parser.parse_args()
@@ -108,7 +109,7 @@ def main() -> None:
         actions = set(args.actions.split(",")) if args.actions else None
         modes = tuple(args.modes.split(",")) if args.modes else MODES
         seeds = [int(s) for s in args.only.split(",")] if args.only else range(args.start, args.start + args.seeds)
-        source = (generate(seed, actions, modes) for seed in seeds)
+        source = (generate(seed, actions, modes, args.hybrid) for seed in seeds)
         if args.avoid_known:
             source = (known.avoiding_known(p) for p in source)
     began = time.monotonic()

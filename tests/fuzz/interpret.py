@@ -20,6 +20,7 @@ from torch import Tensor
 
 import distoptim.checkpoint
 from distoptim.zero.shard import MASTER_KEY
+from tests.fuzz import episodes
 from tests.fuzz.models import batch, layer
 from tests.fuzz.modes import Oracle, Structure, build_subject
 from tests.fuzz.program import Action, Program
@@ -66,6 +67,16 @@ def tolerances(program: Program, world_size: int) -> dict[torch.dtype, tuple[flo
     return {torch.float32: (0.0, 0.0) if exact else fp32, torch.bfloat16: (1.6e-2, 1e-3)}
 
 
+def refusal_expected(program: Program) -> str:
+    """Why every rank must raise for this program (the oracle could then not run it: a missing refusal would read
+    as ``oracle_error``), or ''."""
+    if program.optimizer == "LBFGS":
+        return "LBFGS (its step couples every parameter: one shard cannot run it)"
+    if "sparse" in program.features and program.mode in ("zero2_hook", "sdp"):
+        return f"a sparse embedding under {program.mode} (it reduces dense gradients to owners)"
+    return ""
+
+
 class Run:
     def __init__(self, program: Program, workdir: str) -> None:
         self.program = program
@@ -77,6 +88,8 @@ class Run:
         self.counter = 0
         self.mismatches: list[str] = []
         self.tol = tolerances(program, self.world_size)
+        self.must_refuse = refusal_expected(program)
+        self.extras: dict[str, Any] = {}  # what gan() and reshard() keep between calls (episodes.py)
         self.subject = build_subject(program, self.structure)
         self.oracle = self._oracle(lambda: Oracle(program))
         sabotage = program.options.get("sabotage")  # the fuzzer's own tests: a subject wrong on purpose
@@ -107,6 +120,11 @@ class Run:
         if any(name.startswith("oracle") for name in differ):
             raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
         self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
+        self.compare_local(where, align)
+
+    def compare_local(self, where: str, align: bool = True) -> None:
+        """This rank's parameters against the oracle's (no collective); ``align``: the oracle takes the subject's."""
+        ours = dict(self.subject.model.named_parameters())
         steps = max(1, self.step_number - self.aligned_at)  # rounding differences add up over unaligned steps
         for name, want in self.oracle.model.named_parameters():
             got = ours[name]
@@ -148,7 +166,7 @@ class Run:
                 self.mismatches.append(f"end: buffer {name} differs")
         zero = self.subject.zero
         zero.consolidate_state_dict(0)
-        if self.rank != 0:
+        if dist.get_rank(zero.process_group) != 0:  # each shard group's first rank (hybrid: two of them)
             return
         got, want = zero.state_dict(), self.oracle.optimizer.state_dict()
         for index, (g, w) in enumerate(zip(got["param_groups"], want["param_groups"], strict=False)):
@@ -393,6 +411,12 @@ class Run:
         self.subject = new
         self.oracle.model.zero_grad(set_to_none=True)  # a resumed job starts without gradients
 
+    def gan(self, d_lr: float) -> None:
+        episodes.gan(self, d_lr)
+
+    def reshard(self, kind: str) -> None:
+        episodes.reshard(self, kind)
+
     def check(self) -> None:
         self.compare(f"check at action {self.counter}")
 
@@ -417,8 +441,12 @@ def run_program(program: Program, workdir: str) -> dict[str, Any]:
         for action in program.actions:
             run.do(action)
         run.compare_end()
+        if run.must_refuse:
+            run.mismatches.append(f"{run.must_refuse}: not refused")
         return {"status": "ok", "mismatches": run.mismatches}
     except OracleFailed as error:
+        if run is not None and run.must_refuse:  # the subject ran what it should have refused
+            return {"status": "ok", "mismatches": [f"{run.must_refuse}: not refused (the oracle then: {error})"]}
         return {"status": "raised", "side": "oracle", "type": "OracleFailed", "message": str(error), "at": _at(run)}
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -21,6 +21,26 @@ from tests.zero._hooks import register
 
 MODEL_SEED = 0
 BUCKET_CAP_MB = 0.002  # several buckets per dtype, on both sides
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def group_of(ranks: list[int]) -> Any:
+    """The gloo group of ``ranks``, made once per session: every rank asks for the same groups in the same order
+    (each runs the same programs), as ``dist.new_group`` needs."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks))
+    return _GROUPS[key]
+
+
+def hybrid_groups() -> tuple[Any, Any]:
+    """This rank's shard group and replicate group at 4 ranks: shards {0, 1} and {2, 3}, replicas {0, 2}, {1, 3}."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != 4:
+        raise ValueError(f"fuzz: hybrid programs run at 4 ranks, not {world_size} (--world-size 4)")
+    shards = [group_of([start, start + 1]) for start in (0, 2)]
+    replicas = [group_of([offset, offset + 2]) for offset in (0, 1)]
+    return shards[rank // 2], replicas[rank % 2]
 
 
 @dataclass
@@ -48,8 +68,9 @@ def extra_group(model: FuzzModel, lr: float) -> dict[str, Any]:
     return {"params": list(model.extra.parameters()), "lr": lr * 3}
 
 
-def _ddp(model: nn.Module) -> DDP:
-    return DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB)
+def _ddp(model: nn.Module, group: Any = None) -> DDP:
+    group_kwargs = {} if group is None else {"process_group": group}
+    return DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB, **group_kwargs)
 
 
 def _thaw(model: FuzzModel, structure: Structure) -> None:
@@ -67,6 +88,7 @@ class Subject:
     wrapper: nn.Module = field(init=False)
     scheduler: Any = None
     scaler: Any = None
+    group: Any = None  # the data-parallel group (None: the world); a resume at another world size makes its own
 
     def wrap(self) -> None:
         """(Re)wrap the model as the mode says; DDP modes wrap again after a structure change, as a user must."""
@@ -81,7 +103,7 @@ class Subject:
                 overlap_param_sync=options["overlap"],
             )
             return
-        self.wrapper = ddp = _ddp(self.model)
+        self.wrapper = ddp = _ddp(self.model, self.group)
         if mode == "zero2_hook":
             ddp.register_comm_hook(self.zero, reduce_to_owners_hook)
         elif mode == "overlap_hook":
@@ -96,13 +118,20 @@ class Subject:
 
 
 def build_subject(
-    program: Program, structure: Structure, seed: int = MODEL_SEED, model_state: dict[str, Tensor] | None = None
+    program: Program,
+    structure: Structure,
+    seed: int = MODEL_SEED,
+    model_state: dict[str, Tensor] | None = None,
+    group: Any = None,
 ) -> Subject:
     model = FuzzModel(program.features, seed)
     _thaw(model, structure)
     if model_state is not None:
         model.load_state_dict(model_state)
     options, lr = program.options, program.kwargs["lr"]
+    groups: dict[str, Any] = {"process_group": group}
+    if options.get("hybrid"):
+        groups["process_group"], groups["replicate_group"] = hybrid_groups()
     zero = ZeroRedundancyOptimizer(
         param_groups(model, lr),
         getattr(torch.optim, program.optimizer),
@@ -110,11 +139,12 @@ def build_subject(
         overlap_with_ddp=program.mode == "overlap_hook",
         partition=options["partition"],
         master_dtype=torch.float32 if options["master"] else None,
+        **groups,
         **program.kwargs,
     )
     if structure.added:
         zero.add_param_group(extra_group(model, lr))
-    subject = Subject(program, model, zero, scheduler=_scheduler(zero, program), scaler=_scaler(program))
+    subject = Subject(program, model, zero, scheduler=_scheduler(zero, program), scaler=_scaler(program), group=group)
     subject.wrap()
     return subject
 
@@ -123,24 +153,29 @@ class Oracle:
     """DDP + the plain optimizer; with master weights the optimizer steps fp32 copies of the bf16 parameters, which
     follow the model whenever the program writes to it (a load, a clamp): the model is what the user sees."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, structure: Structure | None = None, group: Any = None) -> None:
         self.program = program
         self.model = FuzzModel(program.features, MODEL_SEED)
+        structure = structure or Structure()
+        _thaw(self.model, structure)
         self.lr = program.kwargs["lr"]
         self.masters: dict[int, Tensor] = {}
         groups = param_groups(self.model, self.lr)
         if program.options["master"]:
-            for group in groups:
-                for p in group["params"]:
+            for entry in groups:
+                for p in entry["params"]:
                     if p.dtype != torch.float32:
                         self.masters[id(p)] = p.detach().float().requires_grad_()
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = getattr(torch.optim, program.optimizer)(
             [{**g, "params": [self._stepped(p) for p in g["params"]]} for g in groups], **program.kwargs
         )
+        if structure.added:
+            self.add_group()
         self.scheduler = _scheduler(self.optimizer, program)
         self.scaler = _scaler(program)
-        self.ddp = _ddp(self.model)
+        self.group = group
+        self.ddp = _ddp(self.model, group)
 
     def _stepped(self, p: Tensor) -> Tensor:
         return self.masters.get(id(p), p)
@@ -150,7 +185,7 @@ class Oracle:
         0's buffers; ``keep_buffers``: each rank keeps its own, as a DDP that followed the storage would (where the
         subject is not rewrapped: ShardedDataParallel follows the storage itself)."""
         buffers = [b.detach().clone() for b in self.model.buffers()] if keep_buffers else []
-        self.ddp = _ddp(self.model)
+        self.ddp = _ddp(self.model, self.group)
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), buffers):
                 buffer.copy_(saved)
