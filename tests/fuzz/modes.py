@@ -21,6 +21,7 @@ from tests.zero._hooks import register
 
 MODEL_SEED = 0
 BUCKET_CAP_MB = 0.002  # several buckets per dtype, on both sides
+NOISE = 1e-4  # an averaged gradient element this far below its tensor's largest is rounding-sized (note_noise)
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
 
@@ -160,6 +161,7 @@ class Oracle:
         _thaw(self.model, structure)
         self.lr = program.kwargs["lr"]
         self.masters: dict[int, Tensor] = {}
+        self.noisy: dict[int, Tensor] = {}  # per parameter, the elements note_noise marked since the last alignment
         groups = param_groups(self.model, self.lr)
         if program.options["master"]:
             for entry in groups:
@@ -216,11 +218,28 @@ class Oracle:
                 if master is not None and not torch.equal(p, master.to(p.dtype)):
                     master.copy_(p.float())
 
+    def note_noise(self) -> None:
+        """Mark the elements whose averaged gradient is near zero (below ``NOISE`` of the tensor's largest): a
+        gradient summed in another order (reduced to owners, in fp32, over micro-batches) differs there by a few
+        ulps of the summands, as large as the element itself. SGD moves such an element by lr * (that ulp); an
+        adaptive optimizer divides it by its own running magnitude (Adam's first step is lr * sign(g)), so a
+        rounding difference becomes up to lr per step. ``Run.compare_local`` bounds those elements by the learning
+        rate instead of the rounding tolerance, until the next alignment."""
+        if self.program.optimizer == "SGD":
+            return
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None and p.grad.numel():
+                    grad = p.grad.detach().float().abs()
+                    noisy = grad <= NOISE * grad.amax()
+                    self.noisy[id(p)] = noisy | self.noisy[id(p)] if id(p) in self.noisy else noisy
+
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.note_noise()
         self.to_masters()
         self.optimizer.step()
         self.from_masters()
@@ -239,6 +258,7 @@ class Oracle:
 
     def scaler_step(self, loss: Tensor, clip: tuple[float, float] | None) -> Tensor | None:
         self.scaler.scale(loss).backward()
+        self.note_noise()
         self.to_masters()
         total = None
         if clip is not None:
