@@ -247,15 +247,21 @@ class Run:
 
     def backward(self, micro: int, no_sync: bool) -> None:
         """``micro`` backward passes, all but the last under ``no_sync()`` when asked. Under the overlap hooks the
-        step runs inside each backward that reduces (the documented meaning), so the oracle steps after each."""
+        step runs inside each backward that reduces (the documented meaning), so the oracle steps after each, one
+        micro-batch at a time on both sides; with a bf16 layer both are compared and aligned after each such step
+        (the bf16 ulps a step leaves would otherwise move the next micro-batch's fp32 gradients: seed 1963)."""
         overlap = self.program.mode == "overlap_hook"
-        for side, wrapper in (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp)):
-            for m in range(micro):
-                quiet = no_sync and m < micro - 1
+        bf16 = any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters())
+        sides = (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp))
+        for m in range(micro):
+            quiet = no_sync and m < micro - 1
+            for side, wrapper in sides:
                 with wrapper.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
                     self.forward_loss(wrapper, m).backward()
                 if side == "oracle" and overlap and not quiet:
                     self.oracle.step()
+            if overlap and bf16 and not quiet and m < micro - 1:  # the last is compared after the action (do)
+                self.compare(f"action {self.counter} micro-batch {m}")
 
     def hand_grad(self) -> None:
         for model in (self.subject.model, self.oracle.model):
