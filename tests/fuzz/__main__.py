@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import signal
 import sys
 import time
@@ -135,7 +136,9 @@ def main() -> None:
     print(f"\n{len(programs)} programs at {args.world_size} ranks in {time.monotonic() - began:.0f} s")
     for (category, mode), count in sorted(counts.items()):
         print(f"  {category:12s} {mode:12s} {count}")
-    refusals = collections.Counter(v["detail"][0][:160] for v in verdicts if v["category"] == "refused")
+    # counted by message, wherever in the program it came
+    refused = (re.sub(r" at action \d+", "", v["detail"][0])[:160] for v in verdicts if v["category"] == "refused")
+    refusals = collections.Counter(refused)
     for message, count in refusals.most_common():
         print(f"  refused x{count}: {message}")
 
