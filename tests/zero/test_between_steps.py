@@ -124,3 +124,29 @@ def _clip_after_unfreezing(rank: int, world_size: int) -> None:
 
 def test_clipping_right_after_unfreezing_clips_the_unfrozen_gradient_too() -> None:
     run_on_ranks(_clip_after_unfreezing, 2, timeout=120)
+
+
+def _clip_then_accumulate(rank: int, world_size: int) -> None:
+    """backward, clip, another backward onto the clipped gradient, step (under DDP's all-reduce): the second
+    backward adds to every rank's whole gradient and DDP averages them, so every rank must have clipped all of it,
+    not only the pieces it owns (found by the fuzzer, seed 7376: the average mixed clipped and unclipped pieces)."""
+    model, reference = _net(), _net()
+    ddp, reference_ddp = DDP(model, bucket_cap_mb=1e-4), DDP(reference, bucket_cap_mb=1e-4)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.05)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for micro in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * micro + rank))
+        ddp(x).square().mean().backward()
+        reference_ddp(x).square().mean().backward()
+        if micro == 0:
+            got = zero.clip_grad_norm_(0.05, norm_type=1.0)
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type=1.0)
+            torch.testing.assert_close(got, want)
+    zero.step()
+    plain.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_clipping_then_another_backward_before_the_step_trains_as_ddp() -> None:
+    run_on_ranks(_clip_then_accumulate, 2, timeout=120)
