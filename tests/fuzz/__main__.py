@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
+import signal
+import sys
 import time
+from collections.abc import Iterator
 
 from tests.fuzz import known
 from tests.fuzz.program import ACTIONS, MODES, Program, generate
@@ -29,6 +33,28 @@ def run_batched(programs: list[Program], world_size: int) -> list[dict]:
     for start in range(0, len(programs), BATCH):
         verdicts += run_programs(programs[start : start + BATCH], world_size)
     return verdicts
+
+
+def stream(programs: Iterator[Program], world_size: int, minutes: float | None) -> Iterator[tuple[Program, dict]]:
+    """Each program with its verdict, a batch at a time, each failure printed as its batch ends; stops generating
+    once ``minutes`` have passed (the batch under way finishes first)."""
+    began = time.monotonic()
+    done = 0
+    while minutes is None or time.monotonic() - began < 60 * minutes:
+        batch = [p for _, p in zip(range(BATCH), programs)]
+        if not batch:
+            return
+        for program, verdict in zip(batch, run_programs(batch, world_size)):
+            done += 1
+            if verdict["category"] in FAILURES:
+                print(
+                    f"!!! seed {program.seed} ({program.mode}): {verdict['category']}: "
+                    f"{str(verdict['detail'][:1])[:300]}",
+                    flush=True,
+                )
+                print("    rerun:", rerun_command(program, world_size), flush=True)
+            yield program, verdict
+        print(f"... {done} programs, last seed {batch[-1].seed}, {time.monotonic() - began:.0f} s", flush=True)
 
 
 def blame(failed: list[tuple[Program, dict]], world_size: int) -> dict[int, list[str]]:
@@ -74,19 +100,29 @@ def main() -> None:
     parser.add_argument("--avoid-known", action="store_true", help="drop the actions that trigger known bugs")
     parser.add_argument("--only", help="comma-separated seeds to run (instead of --start/--seeds)")
     parser.add_argument("--actions", help=f"comma-separated subset of {','.join(ACTIONS)}")
+    parser.add_argument("--hybrid", action="store_true", help="hybrid sharding (shard pairs, replicate): 4 ranks")
+    parser.add_argument("--minutes", type=float, help="stop generating after M minutes, then print the summary")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     args = parser.parse_args()
     if args.program:
-        programs = [Program.from_json(args.program)]
+        source: Iterator[Program] = iter([Program.from_json(args.program)])
     else:
         actions = set(args.actions.split(",")) if args.actions else None
         modes = tuple(args.modes.split(",")) if args.modes else MODES
         seeds = [int(s) for s in args.only.split(",")] if args.only else range(args.start, args.start + args.seeds)
-        programs = [generate(seed, actions, modes) for seed in seeds]
+        source = (generate(seed, actions, modes, args.hybrid) for seed in seeds)
         if args.avoid_known:
-            programs = [known.avoiding_known(p) for p in programs]
+            source = (known.avoiding_known(p) for p in source)
     began = time.monotonic()
-    verdicts = run_batched(programs, args.world_size)
+    programs: list[Program] = []
+    verdicts: list[dict] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # timeout(1): still print the summary below
+    try:
+        for program, verdict in stream(source, args.world_size, args.minutes):
+            programs.append(program)
+            verdicts.append(verdict)
+    except (KeyboardInterrupt, SystemExit):
+        print("\n(interrupted: the summary covers the programs that finished)", flush=True)
     counts = collections.Counter((v["category"], p.mode) for p, v in zip(programs, verdicts))
     failed = [(p, v) for p, v in zip(programs, verdicts) if v["category"] in FAILURES]
     for program, verdict in failed:
@@ -100,7 +136,9 @@ def main() -> None:
     print(f"\n{len(programs)} programs at {args.world_size} ranks in {time.monotonic() - began:.0f} s")
     for (category, mode), count in sorted(counts.items()):
         print(f"  {category:12s} {mode:12s} {count}")
-    refusals = collections.Counter(v["detail"][0][:160] for v in verdicts if v["category"] == "refused")
+    # counted by message, wherever in the program it came
+    refused = (re.sub(r" at action \d+", "", v["detail"][0])[:160] for v in verdicts if v["category"] == "refused")
+    refusals = collections.Counter(refused)
     for message, count in refusals.most_common():
         print(f"  refused x{count}: {message}")
 

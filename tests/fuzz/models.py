@@ -5,7 +5,9 @@ weight is the output head's; ``unused`` a layer no forward uses; ``rank_branch``
 ``odd_branch`` one used on odd steps only; ``frozen`` a frozen layer in the main path (the ``unfreeze`` action
 thaws it); ``extra`` a frozen layer outside the optimizer (``add_group`` thaws it and adds it as a group); ``bf16``
 a bf16 head (``master`` in the mode adds fp32 master weights); ``batchnorm`` BatchNorm buffers; ``conv`` a
-channels_last convolution on an image input. Every rank builds the same values from the seed.
+channels_last convolution on an image input; ``prehook`` a layer whose weight a forward pre-hook registered at
+construction (before any wrapping) computes as ``base + delta``; ``sparse`` an ``nn.Embedding(sparse=True)``. Every
+rank builds the same values from the seed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,25 @@ import torch
 from torch import Tensor, nn
 
 WIDTH, VOCAB, BATCH = 16, 11, 4
+
+
+class Composed(nn.Module):
+    """A layer whose weight is ``base + delta``, computed by a forward pre-hook (as reparametrizations do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.2)
+        self.delta = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.05)
+        self.weight: Tensor | None = None
+        self.register_forward_pre_hook(_compose)
+
+    def forward(self, h: Tensor) -> Tensor:
+        assert self.weight is not None
+        return h + torch.tanh(h @ self.weight.T)
+
+
+def _compose(module: Composed, args: Any) -> None:
+    module.weight = module.base + module.delta
 
 
 class FuzzModel(nn.Module):
@@ -30,6 +51,8 @@ class FuzzModel(nn.Module):
         self.norm = nn.BatchNorm1d(WIDTH) if has("batchnorm") else None
         self.body = nn.Linear(WIDTH + (8 if has("conv") else 0), WIDTH)
         self.odd = nn.Linear(WIDTH, WIDTH) if has("odd_branch") else None
+        self.composed = Composed() if has("prehook") else None
+        self.sparse = nn.Embedding(VOCAB, WIDTH, sparse=True) if has("sparse") else None
         self.rank0 = nn.Linear(WIDTH, WIDTH) if has("rank_branch") else None
         self.never = nn.Linear(WIDTH, 4) if has("unused") else None
         self.frozen = nn.Linear(WIDTH, WIDTH).requires_grad_(False) if has("frozen") else None
@@ -45,12 +68,16 @@ class FuzzModel(nn.Module):
         h = torch.tanh(self.inp(x))
         if self.embed is not None:
             h = h + self.embed(tokens).mean(1)
+        if self.sparse is not None:
+            h = h + self.sparse(tokens).mean(1)
         if self.norm is not None:
             h = self.norm(h)
         if self.conv is not None:
             picture = torch.tanh(self.conv(image.contiguous(memory_format=torch.channels_last))).flatten(1)
             h = torch.cat([h, picture], 1)
         h = torch.tanh(self.body(h))
+        if self.composed is not None:
+            h = self.composed(h)
         if self.odd is not None and step % 2 == 1:
             h = h + torch.tanh(self.odd(h))
         if self.rank0 is not None and rank == 0:

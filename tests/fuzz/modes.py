@@ -21,6 +21,27 @@ from tests.zero._hooks import register
 
 MODEL_SEED = 0
 BUCKET_CAP_MB = 0.002  # several buckets per dtype, on both sides
+NOISE = 1e-3  # an averaged gradient element this far below its tensor's largest is rounding-sized (note_noise)
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def group_of(ranks: list[int]) -> Any:
+    """The gloo group of ``ranks``, made once per session: every rank asks for the same groups in the same order
+    (each runs the same programs), as ``dist.new_group`` needs."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks))
+    return _GROUPS[key]
+
+
+def hybrid_groups() -> tuple[Any, Any]:
+    """This rank's shard group and replicate group at 4 ranks: shards {0, 1} and {2, 3}, replicas {0, 2}, {1, 3}."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != 4:
+        raise ValueError(f"fuzz: hybrid programs run at 4 ranks, not {world_size} (--world-size 4)")
+    shards = [group_of([start, start + 1]) for start in (0, 2)]
+    replicas = [group_of([offset, offset + 2]) for offset in (0, 1)]
+    return shards[rank // 2], replicas[rank % 2]
 
 
 @dataclass
@@ -48,8 +69,9 @@ def extra_group(model: FuzzModel, lr: float) -> dict[str, Any]:
     return {"params": list(model.extra.parameters()), "lr": lr * 3}
 
 
-def _ddp(model: nn.Module) -> DDP:
-    return DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB)
+def _ddp(model: nn.Module, group: Any = None) -> DDP:
+    group_kwargs = {} if group is None else {"process_group": group}
+    return DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB, **group_kwargs)
 
 
 def _thaw(model: FuzzModel, structure: Structure) -> None:
@@ -67,6 +89,7 @@ class Subject:
     wrapper: nn.Module = field(init=False)
     scheduler: Any = None
     scaler: Any = None
+    group: Any = None  # the data-parallel group (None: the world); a resume at another world size makes its own
 
     def wrap(self) -> None:
         """(Re)wrap the model as the mode says; DDP modes wrap again after a structure change, as a user must."""
@@ -81,7 +104,7 @@ class Subject:
                 overlap_param_sync=options["overlap"],
             )
             return
-        self.wrapper = ddp = _ddp(self.model)
+        self.wrapper = ddp = _ddp(self.model, self.group)
         if mode == "zero2_hook":
             ddp.register_comm_hook(self.zero, reduce_to_owners_hook)
         elif mode == "overlap_hook":
@@ -96,13 +119,20 @@ class Subject:
 
 
 def build_subject(
-    program: Program, structure: Structure, seed: int = MODEL_SEED, model_state: dict[str, Tensor] | None = None
+    program: Program,
+    structure: Structure,
+    seed: int = MODEL_SEED,
+    model_state: dict[str, Tensor] | None = None,
+    group: Any = None,
 ) -> Subject:
     model = FuzzModel(program.features, seed)
     _thaw(model, structure)
     if model_state is not None:
         model.load_state_dict(model_state)
     options, lr = program.options, program.kwargs["lr"]
+    groups: dict[str, Any] = {"process_group": group}
+    if options.get("hybrid"):
+        groups["process_group"], groups["replicate_group"] = hybrid_groups()
     zero = ZeroRedundancyOptimizer(
         param_groups(model, lr),
         getattr(torch.optim, program.optimizer),
@@ -110,11 +140,12 @@ def build_subject(
         overlap_with_ddp=program.mode == "overlap_hook",
         partition=options["partition"],
         master_dtype=torch.float32 if options["master"] else None,
+        **groups,
         **program.kwargs,
     )
     if structure.added:
         zero.add_param_group(extra_group(model, lr))
-    subject = Subject(program, model, zero, scheduler=_scheduler(zero, program), scaler=_scaler(program))
+    subject = Subject(program, model, zero, scheduler=_scheduler(zero, program), scaler=_scaler(program), group=group)
     subject.wrap()
     return subject
 
@@ -123,24 +154,30 @@ class Oracle:
     """DDP + the plain optimizer; with master weights the optimizer steps fp32 copies of the bf16 parameters, which
     follow the model whenever the program writes to it (a load, a clamp): the model is what the user sees."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, structure: Structure | None = None, group: Any = None) -> None:
         self.program = program
         self.model = FuzzModel(program.features, MODEL_SEED)
+        structure = structure or Structure()
+        _thaw(self.model, structure)
         self.lr = program.kwargs["lr"]
         self.masters: dict[int, Tensor] = {}
+        self.noisy: dict[int, Tensor] = {}  # per parameter, the elements note_noise marked since the last alignment
         groups = param_groups(self.model, self.lr)
         if program.options["master"]:
-            for group in groups:
-                for p in group["params"]:
+            for entry in groups:
+                for p in entry["params"]:
                     if p.dtype != torch.float32:
                         self.masters[id(p)] = p.detach().float().requires_grad_()
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = getattr(torch.optim, program.optimizer)(
             [{**g, "params": [self._stepped(p) for p in g["params"]]} for g in groups], **program.kwargs
         )
+        if structure.added:
+            self.add_group()
         self.scheduler = _scheduler(self.optimizer, program)
         self.scaler = _scaler(program)
-        self.ddp = _ddp(self.model)
+        self.group = group
+        self.ddp = _ddp(self.model, group)
 
     def _stepped(self, p: Tensor) -> Tensor:
         return self.masters.get(id(p), p)
@@ -150,7 +187,7 @@ class Oracle:
         0's buffers; ``keep_buffers``: each rank keeps its own, as a DDP that followed the storage would (where the
         subject is not rewrapped: ShardedDataParallel follows the storage itself)."""
         buffers = [b.detach().clone() for b in self.model.buffers()] if keep_buffers else []
-        self.ddp = _ddp(self.model)
+        self.ddp = _ddp(self.model, self.group)
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), buffers):
                 buffer.copy_(saved)
@@ -172,16 +209,37 @@ class Oracle:
                     p.copy_(self.masters[id(p)])
 
     def refresh_masters(self) -> None:
+        """Masters take the values of parameters the program wrote (a load, a clamp): those that no longer equal
+        their master rounded to their dtype. An unwritten one keeps its fp32 master, as distoptim's does (re-seeding
+        it anyway drops the bits below a bf16 ulp, and the next steps round to another bf16 value now and then)."""
         with torch.no_grad():
             for p in self.params:
-                if id(p) in self.masters:
-                    self.masters[id(p)].copy_(p.float())
+                master = self.masters.get(id(p))
+                if master is not None and not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p.float())
+
+    def note_noise(self) -> None:
+        """Mark the elements whose averaged gradient is near zero (below ``NOISE`` of the tensor's largest): a
+        gradient summed in another order (reduced to owners, in fp32, over micro-batches) differs there by a few
+        ulps of the summands, as large as the element itself. SGD moves such an element by lr * (that ulp); an
+        adaptive optimizer divides it by its own running magnitude (Adam's first step is lr * sign(g)), so a
+        rounding difference becomes up to lr per step. ``Run.compare_local`` bounds those elements by the learning
+        rate instead of the rounding tolerance, until the next alignment."""
+        if self.program.optimizer == "SGD":
+            return
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None and p.grad.numel():
+                    grad = p.grad.detach().float().abs()
+                    noisy = grad <= NOISE * grad.amax()
+                    self.noisy[id(p)] = noisy | self.noisy[id(p)] if id(p) in self.noisy else noisy
 
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.note_noise()
         self.to_masters()
         self.optimizer.step()
         self.from_masters()
@@ -200,6 +258,7 @@ class Oracle:
 
     def scaler_step(self, loss: Tensor, clip: tuple[float, float] | None) -> Tensor | None:
         self.scaler.scale(loss).backward()
+        self.note_noise()
         self.to_masters()
         total = None
         if clip is not None:

@@ -27,6 +27,8 @@ MODEL_FEATURES = (
     "batchnorm",
     "conv",
 )
+# drawn from a second random stream (``_widen``), so the programs of earlier seeds keep what they had
+NEW_FEATURES = ("prehook", "sparse")
 
 MODES = ("zero1", "zero2_hook", "sdp", "overlap_hook")
 
@@ -62,6 +64,10 @@ ACTIONS: dict[str, tuple[str, ...] | None] = {
     "resume": None,
     "clamp": None,
     "check": None,
+    # drawn from the second stream: a GAN round with a discriminator cleared in place; a terminal resume at 1 rank
+    # and back at the session's world size
+    "gan": ("zero1", "zero2_hook", "sdp"),
+    "reshard": ("zero1", "zero2_hook", "sdp"),
 }
 BETWEEN = (
     "sched_step",
@@ -173,8 +179,11 @@ def _between(rng: random.Random, name: str, features: list[str]) -> Action:
     return Action(name)
 
 
-def generate(seed: int, actions: set[str] | None = None, modes: tuple[str, ...] = MODES) -> Program:
-    """A random program (pure: the same arguments give the same program); ``actions``/``modes`` switch off the rest."""
+def generate(
+    seed: int, actions: set[str] | None = None, modes: tuple[str, ...] = MODES, hybrid: bool = False
+) -> Program:
+    """A random program (pure: the same arguments give the same program); ``actions``/``modes`` switch off the rest;
+    ``hybrid``: ZeRO shards within pairs of ranks and replicates across them (a 4-rank session)."""
     rng = random.Random(seed)
     allowed = set(ACTIONS) if actions is None else set(actions)
     features = sorted(f for f in MODEL_FEATURES if rng.random() < 0.4)
@@ -200,4 +209,31 @@ def generate(seed: int, actions: set[str] | None = None, modes: tuple[str, ...] 
         if name in used:  # once is what a user does; a second time is a no-op or a refusal
             first = next(i for i, a in enumerate(program) if a.name == name)
             program = [a for i, a in enumerate(program) if a.name != name or i == first]
-    return Program(seed, features, mode, options, optimizer, kwargs, program)
+    return _widen(Program(seed, features, mode, options, optimizer, kwargs, program), allowed, hybrid)
+
+
+def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
+    """What the fuzzer gained later, from a second random stream: a forward pre-hook registered before wrapping
+    (``prehook``), a sparse embedding (refused by the modes that reduce to owners), LBFGS (refused), a GAN round
+    (``gan``), a resume at another world size (``reshard``, last), hybrid sharding."""
+    rng = random.Random(f"widen-{program.seed}")
+    mode, features, options = program.mode, list(program.features), dict(program.options)
+    optimizer, kwargs, actions = program.optimizer, dict(program.kwargs), list(program.actions)
+    if rng.random() < 0.25:
+        features = sorted([*features, "prehook"])
+    if rng.random() < 0.06:
+        features = sorted([*features, "sparse"])
+        # optimizers that take a sparse gradient (where the mode does not refuse it, the oracle must run it)
+        optimizer, kwargs = rng.choice([("SGD", {"lr": 0.05}), ("Adagrad", {"lr": 0.05})])
+        actions = [a for a in actions if a.name not in ("clip", "scaler_step", "hand_grad")]  # dense-only in torch
+    elif rng.random() < 0.025:
+        optimizer, kwargs = "LBFGS", {"lr": 0.5}
+    if "gan" in allowed and mode in (ACTIONS["gan"] or ()) and rng.random() < 0.2:
+        for _ in range(rng.randint(1, 2)):
+            actions.insert(rng.randrange(len(actions) + 1), Action("gan", {"d_lr": rng.choice([0.01, 0.05])}))
+    if "reshard" in allowed and mode in (ACTIONS["reshard"] or ()) and rng.random() < 0.15:
+        actions.append(Action("reshard", {"kind": rng.choice(["sharded", "consolidated"])}))
+    if hybrid and mode != "sdp":
+        options["hybrid"] = True
+        actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
+    return Program(program.seed, features, mode, options, optimizer, kwargs, actions)

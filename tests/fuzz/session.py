@@ -51,6 +51,11 @@ def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         }
     if any(o["side"] == "oracle" for o in raised) or any(_raised_in_fuzzer(o.get("traceback", "")) for o in raised):
         return {"category": "oracle_error", "detail": [raised[0]["message"], raised[0].get("traceback", "")]}
+    # the agreement (distoptim/comm/agreement.py): the rank that failed raises its own error, the others a
+    # ValueError naming it ("... failed on rank N: <its error>"): one refusal, raised on every rank
+    own = [o for o in raised if not (o["type"] == "ValueError" and " failed on rank " in o["message"])]
+    if own and len(own) < len(raised) and all(f"{own[0]['type']}: " in o["message"] for o in raised if o not in own):
+        raised = own
     signatures = {(o["type"], o["at"]) for o in raised}
     text = " ".join(o["message"] for o in raised)
     if "Timed out" in text or "Connection closed" in text or "Connection reset" in text:

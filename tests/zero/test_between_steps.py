@@ -87,3 +87,66 @@ CONFIGS = list(
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_unfreezing_and_new_storage_between_steps_train_as_with_ddp(world_size: int) -> None:
     run_on_ranks(_body, world_size, CONFIGS, timeout=240)
+
+
+def _clip_after_unfreezing(rank: int, world_size: int) -> None:
+    """Unfreeze, backward, clip, step: the first clip after unfreezing measures and clips the unfrozen layer's
+    gradient too (it has no owner until the plan is made again; found by the fuzzer, seeds 106 and 108)."""
+    from distoptim import ShardedDataParallel
+    from distoptim.hooks import reduce_to_owners_hook
+
+    for way in ("ddp", "to_owners", "sdp"):
+        model, reference = _net(), _net()
+        for net in (model, reference):
+            net[2].requires_grad_(False)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.05)
+        plain = torch.optim.SGD(reference.parameters(), lr=0.05)
+        if way == "sdp":
+            wrapped: nn.Module = ShardedDataParallel(model, zero, bucket_cap_mb=1e-4)
+        for net in (model, reference):
+            net[2].requires_grad_(True)
+        if way != "sdp":
+            wrapped = DDP(model, bucket_cap_mb=1e-4)
+            if way == "to_owners":
+                wrapped.register_comm_hook(zero, reduce_to_owners_hook)
+        reference_ddp = DDP(reference, bucket_cap_mb=1e-4)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+        wrapped(x).square().mean().backward()
+        reference_ddp(x).square().mean().backward()
+        got = zero.clip_grad_norm_(0.05)
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        torch.testing.assert_close(got, want, msg=lambda m, way=way: f"{way}: clip norm: {m}")
+        zero.step()
+        plain.step()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m, way=way, name=name: f"{way}: {name}: {m}")
+
+
+def test_clipping_right_after_unfreezing_clips_the_unfrozen_gradient_too() -> None:
+    run_on_ranks(_clip_after_unfreezing, 2, timeout=120)
+
+
+def _clip_then_accumulate(rank: int, world_size: int) -> None:
+    """backward, clip, another backward onto the clipped gradient, step (under DDP's all-reduce): the second
+    backward adds to every rank's whole gradient and DDP averages them, so every rank must have clipped all of it,
+    not only the pieces it owns (found by the fuzzer, seed 7376: the average mixed clipped and unclipped pieces)."""
+    model, reference = _net(), _net()
+    ddp, reference_ddp = DDP(model, bucket_cap_mb=1e-4), DDP(reference, bucket_cap_mb=1e-4)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.05)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for micro in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * micro + rank))
+        ddp(x).square().mean().backward()
+        reference_ddp(x).square().mean().backward()
+        if micro == 0:
+            got = zero.clip_grad_norm_(0.05, norm_type=1.0)
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type=1.0)
+            torch.testing.assert_close(got, want)
+    zero.step()
+    plain.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_clipping_then_another_backward_before_the_step_trains_as_ddp() -> None:
+    run_on_ranks(_clip_then_accumulate, 2, timeout=120)

@@ -142,3 +142,44 @@ def _unfreezing_body(rank: int, world_size: int) -> None:
 
 def test_a_layer_unfrozen_between_steps_is_averaged_over_every_shard_group() -> None:
     run_on_ranks(_unfreezing_body, WORLD, timeout=240)
+
+
+class _RankZeroBranch(nn.Module):
+    """A layer only rank 0 uses: its shard group uses it, the other shard group has no gradient of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.branch = _net(), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out + self.branch(out) if dist.get_rank() == 0 else out
+
+
+def _used_on_one_rank_body(rank: int, world_size: int) -> None:
+    """Under the overlap hooks the parameters no rank used are skipped, as a plain optimizer skips them: "no rank"
+    means none of DDP's ranks, not none of this shard group's (found by the fuzzer at 4 ranks)."""
+    shard, replicate = _mesh(rank)
+    for stepping in ("hook", "interleaved"):
+        torch.manual_seed(0)
+        model = _RankZeroBranch()
+        torch.manual_seed(0)
+        reference = _RankZeroBranch()
+        ddp, reference_ddp = (DDP(net, find_unused_parameters=True) for net in (model, reference))
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            process_group=shard,
+            overlap_with_ddp=True,
+            replicate_group=replicate,
+            lr=0.1,
+        )
+        register(ddp, zero, "all_reduce", stepping)
+        plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for iteration in range(2):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * iteration + rank))
+            lockstep(ddp, zero, stepping, reference_ddp, plain, x, f"{stepping} iteration {iteration}")
+
+
+def test_a_parameter_one_shard_group_alone_used_steps_on_every_replica() -> None:
+    run_on_ranks(_used_on_one_rank_body, WORLD, timeout=120)

@@ -45,17 +45,19 @@ CommHook = Callable[[Any, GradBucket], Future[Tensor]]
 
 
 class _UsedFlags:
-    """Which of ``params`` some rank has a gradient for: the MAX over the ranks of ``.grad is not None``, started
-    at construction, read at hook time (DDP writes reduced gradients to ``.grad`` only after the last hook).
+    """Which of ``params`` some rank has a gradient for: the MAX over DDP's ranks of ``.grad is not None``, started
+    at construction, read at hook time (DDP writes reduced gradients to ``.grad`` only after the last hook). Over
+    DDP's group, not ZeRO's: with ``replicate_group`` a parameter one shard group alone used still has a gradient
+    (DDP averaged it over every rank), which every replica must step alike.
 
     Needed only when DDP looks for unused parameters (``find_unused_parameters`` or ``static_graph``): it leaves the
     ``.grad`` of a parameter no rank used untouched (None after ``zero_grad``), so a plain optimizer skips it.
     """
 
-    def __init__(self, params: list[Tensor], zero: "ZeroRedundancyOptimizer") -> None:
-        device = comm.comm_device(zero.process_group, [p.device for p in params])
+    def __init__(self, params: list[Tensor], ddp: DistributedDataParallel) -> None:
+        device = comm.comm_device(ddp.process_group, [p.device for p in params])
         self.flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
-        self.work = comm.all_reduce_async(self.flags, zero.process_group, "max")
+        self.work = comm.all_reduce_async(self.flags, ddp.process_group, "max")
 
     def wait(self) -> list[bool]:
         comm.wait_all([self.work])
@@ -210,7 +212,7 @@ def hook_with_zero_step(
     def finish() -> None:
         pending, backward.pending, backward.scheduled = backward.pending, [], False
         params = [p for earlier in pending for p in earlier.params]
-        used = _UsedFlags(params, zero).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
+        used = _UsedFlags(params, ddp).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
         grads: dict[int, Tensor | None] = {}
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
@@ -323,7 +325,7 @@ def hook_with_zero_step_interleaved(
         if _start_of_bucket(backward, ddp, bucket, zero, finish):  # before anything is routed or stepped
             zero._agreed(zero._repartition_if_changed)
         params = bucket.parameters()
-        used = _UsedFlags(params, zero) if _finds_unused(ddp) else None  # read when this bucket is stepped
+        used = _UsedFlags(params, ddp) if _finds_unused(ddp) else None  # read when this bucket is stepped
         reduction = _BucketReduction(params, hook(state, bucket), used)
         for earlier in backward.pending:
             step_and_launch(earlier)

@@ -27,11 +27,13 @@ def clip_grad_norm_(
     group: comm.Group,
     device: torch.device,
     grad_scale: float | Tensor | None = None,
+    scaled: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``.
 
     Returns the total norm (a float32 scalar on ``device``, the same on every rank). Norms accumulate in float32.
     ``grad_scale``: a loss scale ``grads`` still carry; the norm returned and clipped to is that of ``grads / scale``.
+    ``scaled``: the tensors to scale, when more than ``grads`` (which must be among them or views of them).
     """
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
@@ -48,7 +50,7 @@ def clip_grad_norm_(
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads:
+    for grad in grads if scaled is None else scaled:
         by_device.setdefault(grad.device, []).append(grad)
     for device_grads in by_device.values():
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
