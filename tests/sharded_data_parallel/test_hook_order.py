@@ -217,6 +217,36 @@ def test_writes_through_the_inner_module_after_step_are_refused_on_every_rank() 
     run_on_ranks(_outside_write_body, 2, configs, timeout=120)
 
 
+def _new_storage_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[str]:
+    outcomes = []
+    for (partition, bucket_view), how in configs:
+        model = Critic()
+        zero, sdp = _sdp(model, partition, bucket_view, True)
+        zero.zero_grad()
+        sdp(_x(rank, 0)).square().mean().backward()
+        zero.step()
+        layer = sdp.module.layers[1]  # the sync of the step is in flight: new storage for one layer's parameters
+        if how == "to":
+            layer.to(torch.float64).to(torch.float32)
+        else:
+            layer.weight.data = layer.weight.data.clone()
+        try:
+            sdp(_x(rank, 1)).square().mean().backward()
+            outcomes.append("ran")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_parameters_given_new_storage_while_their_sync_is_in_flight_are_refused_on_every_rank() -> None:
+    """``module.to()`` or ``param.data = ...`` through ``model.module`` right after ``step()`` with the sync in
+    flight: it would land in the old storage (the non-owners keeping the values before the step, undetected by
+    the owners' checksums); every rank raises at the landing instead."""
+    configs = list(itertools.product(LAYOUTS, ["to", "data"]))
+    for outcomes in run_on_ranks(_new_storage_body, 2, configs, timeout=120):
+        assert all("given new storage" in outcome for outcome in outcomes), outcomes
+
+
 # ------------------------------------------ item 7b: reads after the forward of parameters it did not read
 class Regularized(nn.Module):
     def __init__(self) -> None:

@@ -129,6 +129,7 @@ class BucketedSync(ParameterSync):
         self._landed = 0  # how many of them (from the first) have landed
         self._sums: list[Tensor | None] = []  # with overlap: each launched bucket's checksum of this rank's elements
         self._changed: list[Tensor] = []  # whether they changed before landing, for each landed bucket
+        self._storage: list[tuple[int, ...]] = []  # with overlap: where each launched bucket's parameters lay
 
     def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
@@ -153,11 +154,22 @@ class BucketedSync(ParameterSync):
             self.finish()
         elif not self.alone:  # nothing is overwritten in a group of one
             self._sums = [_checksum(unit.owned(landed=False)) for unit in self.units]
+            self._storage = [tuple(p.data_ptr() for p in params) for params in self.params_of]
 
     def land_through(self, last: int) -> None:
         """Land the buckets up to ``last`` (in forward order): local waiting and copying only."""
         while self._landed <= last and self._landed < len(self._launched):
             unit, before = self.units[self._landed], self._sums[self._landed] if self._sums else None
+            if self._storage and self._storage[self._landed] != tuple(
+                p.data_ptr() for p in self.params_of[self._landed]
+            ):
+                raise RuntimeError(  # every rank runs the same program: each sees the new storage, and raises
+                    "ShardedDataParallel(overlap_param_sync=True): parameters were given new storage "
+                    "(module.to(), param.data = ...) while their sync from the last step was still in flight: "
+                    "the sync would land in the old storage and the ranks that do not own those elements would "
+                    "keep the values before the step. Call model.sync_finished() before converting or replacing "
+                    "parameters outside the forward, or build the wrapper with overlap_param_sync=False"
+                )
             unit.land(self._launched[self._landed])
             if self.overlap:  # a read saved for the backward before landing fails on every rank (docstring)
                 torch.autograd.graph.increment_version(self.params_of[self._landed])
