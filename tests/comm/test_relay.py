@@ -193,28 +193,82 @@ def test_training_through_the_relay_equals_ddp_and_the_plain_optimizer(world_siz
 
 
 def _out_of_order_body(rank: int, world_size: int) -> list[bool]:
-    """Three relayed reductions and three relayed syncs in flight at once, waited for in reverse order on rank 0 and
-    in order elsewhere: the aggregators' work never waits for the order a rank waits in."""
+    """One relayed reduction per rank owning 90% of its buffer (so each rank aggregates for the others) and three
+    relayed syncs, all in flight at once; each rank calls ``wait()`` on the reductions themselves, its own last (a
+    cycle: each first waits for a reduction whose owner waits for another first), then on the syncs in reverse: no
+    wait depends on another rank's order."""
+    total = 1000
+    layouts = []
+    for big in range(world_size):  # rank ``big`` owns 90%, the others an even part of the rest
+        small = [r for r in range(world_size) if r != big]
+        cuts = [0] + [int(0.9 * total) + total // 10 * k // len(small) for k in range(len(small))] + [total]
+        ranges = [[(cuts[k], cuts[k + 1])] for k in range(world_size)]  # ranks in order: move ``big``'s to it
+        layout: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+        for order, r in enumerate([big, *small]):
+            layout[r] = ranges[order]
+        layouts.append(layout)
+    buffers = [torch.full((total,), float(rank + 1 + k)) for k in range(world_size)]
+    reductions = [relay.reduction(b, layout, dist.group.WORLD) for b, layout in zip(buffers, layouts)]
     slices = _layout(world_size)
-    buffers = [torch.full((slices[-1][2],), float(rank + 1 + k)) for k in range(3)]
-    futures = [comm.reduce_to_owners_async(b, slices, dist.group.WORLD, P2P) for b in buffers]
     params = [torch.full((slices[-1][2],), float(rank)) for _ in range(3)]
     syncs = [comm.broadcast_slices(p, slices, dist.group.WORLD, wait=False, collectives=P2P) for p in params]
-    order = [2, 1, 0] if rank == 0 else [0, 1, 2]
-    for k in order:
-        comm.wait_all(syncs[k])
-        futures[k].wait()
+    for k in range(rank + 1, rank + 1 + world_size):
+        reductions[k % world_size].wait()
+    for sync in syncs[::-1]:
+        comm.wait_all(sync)
     want = sum(range(1, world_size + 1))
+    relayed = [isinstance(r, relay.RelayedReduction) for r in reductions]
     reduced = [
         torch.equal(b[s:e], torch.full((e - s,), float(want + world_size * k)))
         for k, b in enumerate(buffers)
-        for o, s, e in slices
-        if o == rank
+        for s, e in layouts[k][rank]
     ]
     synced = [torch.equal(p[s:e], torch.full((e - s,), float(o))) for p in params for o, s, e in slices]
-    return reduced + synced
+    return relayed + reduced + synced
 
 
 def test_transfers_in_flight_complete_whatever_order_each_rank_waits_in() -> None:
-    for checks in run_on_ranks(_out_of_order_body, 4, timeout=120):
+    for checks in run_on_ranks(_out_of_order_body, 3, timeout=60):
         assert all(checks), checks
+
+
+def _small_relay_body(rank: int, world_size: int) -> dict[str, Any]:
+    """A 1000-element relayed reduction (rank 0 owns 90%): the staging the relay allocates, what it counts in the
+    group's budget while its thread has not run (held back by a job queued before it), and after ``wait()``."""
+    group, total = dist.group.WORLD, 1000
+    layout = [[(0, 900)], [(900, 950)], [(950, total)]]
+    allocated: list[int] = []
+    zeros = relay.host_zeros
+
+    def recorded(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        allocated.append(numel * torch.empty((), dtype=dtype).element_size())
+        return zeros(numel, dtype, device)
+
+    buffer = torch.arange(total, dtype=torch.float32) * (rank + 1)
+    held = threading.Event()
+    queued = p2p.run_beside(held.wait, group)  # the relay's job runs after this one
+    with mock.patch.object(relay, "host_zeros", recorded):
+        reduction = relay.reduction(buffer, layout, group)
+        counted = p2p._state(group).staged
+        held.set()
+        queued.wait()
+        reduction.wait()
+    assert isinstance(reduction, relay.RelayedReduction)
+    longest = max(m.end - m.start for m in reduction.messages if m.owner != m.aggregator)
+    return {
+        "allocated": sum(allocated),
+        "relay": reduction.staging_bytes,
+        "direct": reduction.direct.staging_bytes,
+        "counted": counted,
+        "after": p2p._state(group).staged,
+        "bound": 2 * (world_size - 1) * longest * buffer.element_size(),
+        "reduced": [torch.equal(buffer[s:e], torch.arange(s, e, dtype=torch.float32) * 6) for s, e in layout[rank]],
+    }
+
+
+def test_a_small_relayed_reduction_stages_no_more_than_its_messages_and_counts_it_in_the_budget() -> None:
+    for rank, result in enumerate(run_on_ranks(_small_relay_body, 3, timeout=60)):
+        assert all(result["reduced"]), (rank, result)
+        assert 0 < result["allocated"] == result["relay"] <= result["bound"], (rank, result)  # not 1Mi-element slots
+        assert result["counted"] == result["direct"] + result["relay"], (rank, result)
+        assert result["after"] == 0, (rank, result)

@@ -38,6 +38,7 @@ __all__ = [
     "FIRST_REDUCTION_TAG",
     "STAGING_BYTES",
     "ReductionExchange",
+    "count_staging",
     "future_of",
     "reduction_tags",
     "run_beside",
@@ -219,6 +220,14 @@ def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> 
             if total is not into:
                 into.copy_(total)
         at += target.numel()
+
+
+def count_staging(group: dist.ProcessGroup, nbytes: int) -> None:
+    """``nbytes`` more (fewer, if negative) staging held by ``group``'s transfers besides its ``ReductionExchange``s
+    (``relay.py``'s aggregators and owners): counted in the budget past which a reduction receives only when waited
+    for."""
+    with _staged_lock:
+        _state(group).staged += nbytes
 
 
 def run_beside(job: Callable[[], object], group: dist.ProcessGroup) -> Future[None]:

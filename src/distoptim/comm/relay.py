@@ -12,9 +12,9 @@ step (reduction and sync) sends and receives ``2 (N-1)/N T``, an all-reduce's, o
 
 ``reduction`` and ``send_from_owners`` choose per layout (``relayed``, the one place): the direct path (one hop, one
 rounding of a 16-bit sum) where it moves at most 5% of an all-reduce more than the relay, else the relay; at 2 ranks
-the two are the same. The aggregators' work runs on a thread of the group's beside its waiter (``p2p.run_beside``),
-so that it never waits for the order in which this rank waits for its transfers, and the next bucket's is summed
-while this rank waits for the last one's.
+the two are the same. The aggregators' and the owners' receiving runs on a thread of the group's beside its waiter
+(``p2p.run_beside``), so that it never waits for the order in which any rank waits for its transfers, and the next
+bucket's is summed while this rank waits for the last one's.
 """
 
 from __future__ import annotations
@@ -127,9 +127,10 @@ class RelayedReduction:
     The pieces an owner aggregates itself go through a ``p2p.ReductionExchange``. Of the others: at once, this rank
     sends each aggregator its contributions (in chunks, as ``p2p`` cuts them); on the thread beside the waiter, as an
     aggregator, it receives each chunk from the other contributors (two chunks from each at a time), adds them into
-    its own contribution in rank order and sends the partial sum on to the owner; in ``wait()``, as an owner, it adds
-    each partial sum it receives into its own contribution. A 16-bit sum is taken in fp32 at each of the two, so it
-    is rounded twice (once on the direct path): within the distance another order of reduction gives.
+    its own contribution in rank order and sends the partial sum on to the owner, then, as an owner, adds each
+    partial sum it receives into its own contribution. A 16-bit sum is taken in fp32 at each of the two, so it is
+    rounded twice (once on the direct path): within the distance another order of reduction gives. Each staging
+    slot is as long as the longest chunk it holds, counted in the group's staging until the thread is done with it.
     """
 
     def __init__(self, buffer: Tensor, pieces: Sequence[Piece], group: dist.ProcessGroup) -> None:
@@ -158,28 +159,45 @@ class RelayedReduction:
             if mine not in (m.owner, m.aggregator)
         ]
         self.partial_sums: list[Any] = []  # the aggregator's sends to the owners (waited for in ``wait``)
-        self.aggregated: Future[None] | None = None
-        if any(m.aggregator == mine for m in self.messages):
-            self.aggregated = p2p.run_beside(self._aggregate, group)
+        self.gathered = [(i, m) for i, m in enumerate(self.messages) if m.aggregator == mine]
+        self.incoming = [(i, m) for i, m in enumerate(self.messages) if m.owner == mine]
+        self.contributors = sorted({p for _, m in self.gathered for p in range(size) if p not in (m.owner, mine)})
+        self.staging_bytes = buffer.element_size() * (
+            len(self.contributors) * sum(_slots(self.gathered)) + sum(_slots(self.incoming))
+        )  # this rank's staging (the direct pieces' apart), counted in the group's budget until the thread is done
+        self.relayed: Future[None] | None = None
+        if self.gathered or self.incoming:
+            p2p.count_staging(group, self.staging_bytes)
+            self.relayed = p2p.run_beside(self._relay, group)
         self.done = False
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
 
+    def _relay(self) -> None:
+        """On the thread beside the waiter: this rank's chunks aggregated and sent on, then the partial sums it owns
+        received and added in. Every rank runs these jobs in the order the reductions were built, and an owner's
+        partial sums depend only on their aggregators' earlier jobs, so no ``wait()`` order can hold them up."""
+        try:
+            self._aggregate()
+            self._collect()
+        finally:
+            p2p.count_staging(self.group, -self.staging_bytes)
+
     def _aggregate(self) -> None:
-        """As an aggregator: every chunk summed and sent on to its owner (on the thread beside the waiter)."""
-        mine = [(i, m) for i, m in enumerate(self.messages) if m.aggregator == self.mine]
-        size = group_size(self.group)
-        staging: dict[int, list[Tensor]] = {}
+        """As an aggregator: every chunk summed and sent on to its owner."""
+        mine = self.gathered
+        staging = {
+            peer: [host_zeros(n, self.buffer.dtype, self.buffer.device) for n in _slots(mine)]
+            for peer in self.contributors
+        }  # two chunks a peer: the next one lands where the one before last did
         receives: dict[int, list[tuple[Any, Tensor]]] = {}
 
         def post(k: int) -> None:
             i, m = mine[k]
             receives[k] = []
-            for peer in range(size):
-                if peer not in (m.owner, self.mine):
-                    if peer not in staging:  # two chunks a peer: the next one lands where the one before last did
-                        staging[peer] = [host_zeros(self.chunk, self.buffer.dtype, self.buffer.device) for _ in "ab"]
+            for peer in self.contributors:
+                if peer != m.owner:
                     into = staging[peer][k % 2][: m.end - m.start]
                     work = dist.irecv(into, src=self._global(peer), group=self.group, tag=self.to_aggregators + i)
                     receives[k].append((work, into))
@@ -200,32 +218,41 @@ class RelayedReduction:
             if k + 2 < len(mine):
                 post(k + 2)
 
+    def _collect(self) -> None:
+        """As an owner: every partial sum received (two at a time) and added into this rank's own contribution."""
+        incoming = self.incoming
+        slots = [host_zeros(n, self.buffer.dtype, self.buffer.device) for n in _slots(incoming)]
+
+        def post(k: int) -> Any:
+            i, m = incoming[k]
+            into = slots[k % 2][: m.end - m.start]
+            return dist.irecv(into, src=self._global(m.aggregator), group=self.group, tag=self.to_owners + i)
+
+        posted = [post(k) for k in range(len(slots))]
+        for k, (_, m) in enumerate(incoming):
+            posted[k].wait()
+            _add(self.buffer[m.start : m.end], [slots[k % 2][: m.end - m.start]])
+            if k + 2 < len(incoming):
+                posted.append(post(k + 2))
+
     def wait(self) -> None:
-        """The direct pieces, then (as an owner) every partial sum added in, then this rank's sends."""
+        """The direct pieces, then the thread's part (partial sums sent and received), then this rank's sends."""
         if self.done:
             return
         try:
             self.direct.wait()
-            incoming = [(i, m) for i, m in enumerate(self.messages) if m.owner == self.mine]
-            slots = [host_zeros(self.chunk, self.buffer.dtype, self.buffer.device) for _ in incoming[:2]]
-
-            def post(k: int) -> Any:
-                i, m = incoming[k]
-                into = slots[k % 2][: m.end - m.start]
-                return dist.irecv(into, src=self._global(m.aggregator), group=self.group, tag=self.to_owners + i)
-
-            posted = [post(k) for k in range(len(slots))]
-            for k, (_, m) in enumerate(incoming):
-                posted[k].wait()
-                _add(self.buffer[m.start : m.end], [slots[k % 2][: m.end - m.start]])
-                if k + 2 < len(incoming):
-                    posted.append(post(k + 2))
-            if self.aggregated is not None:
-                self.aggregated.wait()
+            if self.relayed is not None:
+                self.relayed.wait()
             for work in [*self.sends, *self.partial_sums]:
                 work.wait()
         finally:
             self.done, self.sends, self.partial_sums = True, [], []
+
+
+def _slots(messages: Sequence[tuple[int, Piece]]) -> list[int]:
+    """The elements of each of the (at most two) staging slots that ``messages`` take turns in: the longest each
+    holds."""
+    return [max(m.end - m.start for _, m in messages[slot::2]) for slot in range(min(2, len(messages)))]
 
 
 def _add(into: Tensor, rows: Sequence[Tensor]) -> None:
