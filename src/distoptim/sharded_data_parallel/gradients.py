@@ -87,6 +87,7 @@ class OwnedGradients:
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self._backward = False
+        self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
         if previous is not None:
             self._take_over(previous)
 
@@ -229,6 +230,7 @@ class OwnedGradients:
         if not self._backward:
             self._backward = True
             self.zero.sync_finished()  # buckets no module of the forward read (local: step() launched every one)
+            _ACTIVE.append((self, torch._C._current_graph_task_id()))
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
@@ -300,6 +302,9 @@ class OwnedGradients:
         )
         self._in_flight.append((bucket, buffer, reduced))
         self._next = bucket + 1
+        key = id(zero.process_group)
+        self._places.append(_LAUNCHES.get(key, 0))
+        _LAUNCHES[key] = self._places[-1] + 1
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction and add its owned sums into the owned gradient (copy: the first since
@@ -319,16 +324,16 @@ class OwnedGradients:
     def flush(self) -> None:
         """The end of a backward: every bucket launched (in order, with the gradients accumulated under
         ``no_sync`` that this backward did not touch) and landed; the ranks agree on which parameters were used;
-        gradients of parameters trainable since the plan was made are averaged in their ``.grad``."""
+        gradients of parameters trainable since the plan was made are averaged in their ``.grad``.
+
+        Every other store this backward reached launches its last buckets first (before this one waits for
+        anything): a rank waiting inside the backward for another wrapped model's bucket (two models in one backward,
+        a GAN's generator loss through its discriminator, with a parameter some ranks do not use) gets it."""
         self._backward = False
-        for bucket in range(self._next, len(self.buckets)):
-            for slot in self.buckets[bucket].slots:
-                param = self.params[slot.index]
-                grad = param.grad  # one this backward did not reach: no_sync()'s or set by hand, not a marker
-                if slot.index not in self._filled and grad is not None and not self._is_marker(slot.index, grad):
-                    self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
-                    self._fill(bucket, slot, param)
-            self._launch(bucket)
+        task = torch._C._current_graph_task_id()
+        for store in [s for s, t in _ACTIVE if t == task] + [self]:
+            store._launch_the_rest()
+        _ACTIVE[:] = [(s, t) for s, t in _ACTIVE if s is not self and t == task]
         while self._in_flight:
             self._land_oldest()
         self._filled.clear()
@@ -337,6 +342,18 @@ class OwnedGradients:
         self._agree_on_use()
         self.holds = [held or now for held, now in zip(self.holds, self.everywhere or ())]
         self.mark()
+
+    def _launch_the_rest(self) -> None:
+        """Launch, in order, the buckets this backward has not: with the gradients it did not reach (``no_sync()``'s,
+        or set by hand; not markers) and zeros for the parameters this rank did not use."""
+        for bucket in range(self._next, len(self.buckets)):
+            for slot in self.buckets[bucket].slots:
+                param = self.params[slot.index]
+                grad = param.grad
+                if slot.index not in self._filled and grad is not None and not self._is_marker(slot.index, grad):
+                    self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
+                    self._fill(bucket, slot, param)
+            self._launch(bucket)
 
     def _agree_on_use(self) -> None:
         """One all-reduce on the control plane: which parameters some rank used (MAX), and that every rank trains
@@ -347,8 +364,12 @@ class OwnedGradients:
         unplaced = [i for i in trainable if id(params[i]) not in self.slot_of and params[i].numel()]
         for index in unplaced:
             self.used[index] = self.used[index] or params[index].grad is not None
+        places, self._places = tuple(self._places), []
         self.everywhere = _agreement.agree_across_ranks(
-            {"the parameters that require grad, by index: {}": trainable},
+            {
+                "the parameters that require grad, by index: {}": trainable,
+                _ORDER: places,
+            },
             zero.agreement_groups,
             "backward",
             _agreement.STEP_FIX,
@@ -383,6 +404,16 @@ class OwnedGradients:
             self.landed[bucket] = False
             self._land_oldest()
         self.mark()
+
+
+_ACTIVE: list[tuple[OwnedGradients, int]] = []  # the stores a backward (graph task) reached, until their flush
+_LAUNCHES: dict[int, int] = {}  # id(process group) -> how many bucket reductions every store has launched on it
+_ORDER = (
+    "the places of this model's bucket reductions among all ShardedDataParallel reductions on its process group "
+    "{} (two wrapped models in one backward, with parameters some ranks do not use, reduced in a different order "
+    "on different ranks, so that their sums were mixed up: give each model's ZeroRedundancyOptimizer a process "
+    "group of its own, dist.new_group(), or use every parameter on every rank)"
+)
 
 
 def _memory_is_its_own(tensor: Tensor) -> bool:
