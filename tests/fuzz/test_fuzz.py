@@ -12,13 +12,10 @@ from tests.fuzz.program import ACTIONS, MODEL_FEATURES, MODES, NEW_FEATURES, Act
 from tests.fuzz.session import run_programs
 from tests.fuzz.shrink import shrink
 
-# Seeds still failing, under triage (issue 32): each is a real failure until shown otherwise.
-# 86, 138 (sdp, gan with rank_branch): a hang. Two ShardedDataParallel models in one backward (the generator's loss
-# through the discriminator) over the same group, with a parameter of the generator unused on some ranks and
-# several buckets: one rank lands a bucket (p2p) while the other already flushes the end of the backward (the
-# agreement on use), so their collectives interleave differently. Reproduced without the fuzzer (report of the
-# fuzz branch); the fix belongs in sharded_data_parallel/gradients.py.
-OPEN_SEEDS = {86, 138}
+# Seeds still failing, under triage (issue 32): each is a real failure until shown otherwise. None today: 86 and 138
+# (sdp, gan with rank_branch: two ShardedDataParallel models in one backward hung) pass since the first end of a
+# backward launches every reached store's last buckets (sharded_data_parallel/gradients.py).
+OPEN_SEEDS: set[int] = set()
 CI_SEEDS = [seed for seed in range(0, 160) if seed not in OPEN_SEEDS]
 
 
