@@ -154,15 +154,13 @@ class BucketedSync(ParameterSync):
             self.finish()
         elif not self.alone:  # nothing is overwritten in a group of one
             self._sums = [_checksum(unit.owned(landed=False)) for unit in self.units]
-            self._storage = [tuple(p.data_ptr() for p in params) for params in self.params_of]
+            self._storage = [_where(params) for params in self.params_of]
 
     def land_through(self, last: int) -> None:
         """Land the buckets up to ``last`` (in forward order): local waiting and copying only."""
         while self._landed <= last and self._landed < len(self._launched):
             unit, before = self.units[self._landed], self._sums[self._landed] if self._sums else None
-            if self._storage and self._storage[self._landed] != tuple(
-                p.data_ptr() for p in self.params_of[self._landed]
-            ):
+            if self._storage and self._storage[self._landed] != _where(self.params_of[self._landed]):
                 raise RuntimeError(  # every rank runs the same program: each sees the new storage, and raises
                     "ShardedDataParallel(overlap_param_sync=True): parameters were given new storage "
                     "(module.to(), param.data = ...) while their sync from the last step was still in flight: "
@@ -203,6 +201,12 @@ class BucketedSync(ParameterSync):
 
     def allocations(self) -> dict[Any, Tensor]:
         return self.inner.allocations()
+
+
+def _where(params: Sequence[Tensor]) -> tuple[int, ...]:
+    """Where ``params`` lie (their data pointers), read without dispatch: a torch-function mode sees no read."""
+    with torch._C.DisableTorchFunction():
+        return tuple(p.data_ptr() for p in params)
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wide accumulator is 10x slower)
