@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness import Harness, Variant, ddp_setup, optimizer_state_tensors
-from peer_variants import _deepspeed_missing, _deepspeed_prepare
+from peer_variants import _deepspeed_missing, _deepspeed_prepare, deepspeed_harness
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import AdamW, Muon, Optimizer
@@ -159,25 +159,7 @@ def _deepspeed_muon(stage: int) -> Callable[[nn.Module, dict[str, Any]], Harness
         engine, zero, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
         )
-        params = list(engine.module.parameters())
-
-        def tensors() -> dict[str, Any]:
-            fp32 = list(zero.single_partition_of_fp32_groups)
-            return {
-                "params": [params, zero.bit16_groups_flat],
-                "grads": [
-                    [p.grad for p in params],
-                    getattr(zero, "averaged_gradients", {}),
-                    getattr(zero, "grads_in_partition", None),
-                    [t.grad for t in fp32],
-                ],
-                "state": optimizer_state_tensors(zero.optimizer),
-                "master": fp32,
-            }
-
-        return Harness(
-            model=engine, optimizer=engine, local_optimizer=zero.optimizer, tensors=tensors, backward=engine.backward
-        )
+        return deepspeed_harness(engine, zero)
 
     return setup
 

@@ -72,6 +72,29 @@ def _deepspeed_prepare() -> None:
     deepspeed.utils.logger.setLevel(logging.WARNING)
 
 
+def deepspeed_harness(engine: Any, zero: Any) -> Harness:
+    """A DeepSpeed engine and its ZeRO optimizer as a Harness: the tensors its memory census counts, by kind."""
+    params = list(engine.module.parameters())
+
+    def tensors() -> dict[str, Any]:
+        fp32 = list(zero.single_partition_of_fp32_groups)  # its master copy of the owned partition
+        return {
+            "params": [params, zero.bit16_groups_flat],  # the parameters are views into the flat groups
+            "grads": [
+                [p.grad for p in params],
+                getattr(zero, "averaged_gradients", {}),
+                getattr(zero, "grads_in_partition", None),
+                [t.grad for t in fp32],
+            ],
+            "state": optimizer_state_tensors(zero.optimizer),
+            "master": fp32,
+        }
+
+    return Harness(
+        model=engine, optimizer=engine, local_optimizer=zero.optimizer, tensors=tensors, backward=engine.backward
+    )
+
+
 def _deepspeed(stage: int) -> Any:
     def setup(model: nn.Module, kwargs: dict[str, Any]) -> Harness:
         import deepspeed
@@ -85,26 +108,7 @@ def _deepspeed(stage: int) -> Any:
         }
         client = AdamW(model.parameters(), **kwargs)
         engine, zero, *_ = deepspeed.initialize(model=model, optimizer=client, config=config, dist_init_required=False)
-        params = list(engine.module.parameters())
-
-        def tensors() -> dict[str, Any]:
-            fp32 = list(zero.single_partition_of_fp32_groups)  # its master copy of the owned partition
-            return {
-                "params": [params, zero.bit16_groups_flat],  # the parameters are views into the flat groups
-                "grads": [
-                    [p.grad for p in params],
-                    getattr(zero, "averaged_gradients", {}),
-                    getattr(zero, "grads_in_partition", None),
-                    [t.grad for t in fp32],
-                ],
-                "state": optimizer_state_tensors(zero.optimizer),
-                "master": fp32,
-            }
-
-        harness = Harness(
-            model=engine, optimizer=engine, local_optimizer=zero.optimizer, tensors=tensors, backward=engine.backward
-        )
-        return harness
+        return deepspeed_harness(engine, zero)
 
     return setup
 
