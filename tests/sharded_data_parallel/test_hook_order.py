@@ -217,6 +217,38 @@ def test_writes_through_the_inner_module_after_step_are_refused_on_every_rank() 
     run_on_ranks(_outside_write_body, 2, configs, timeout=120)
 
 
+def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[tuple[str, str]]:
+    """A write right after the last step, then the end of a program: a rank-local wait, a collective one."""
+    outcomes = []
+    for (partition, bucket_view), end in configs:
+        model = Critic()
+        zero, sdp = _sdp(model, partition, bucket_view, True)
+        zero.zero_grad()
+        sdp(_x(rank, 0)).square().mean().backward()
+        zero.step()
+        _clip(sdp.module.parameters(), "data", c=0.05)  # changes elements every rank owns: each one sees it
+        try:
+            if end == "sync_finished":
+                sdp.sync_finished()
+            elif end == "state_dict":
+                sdp.state_dict()
+            else:
+                zero.consolidate_state_dict(0)
+            outcomes.append((end, "ran"))
+        except (RuntimeError, ValueError) as error:
+            outcomes.append((end, str(error)))
+    return outcomes
+
+
+def test_a_write_after_the_last_step_is_refused_where_the_program_ends() -> None:
+    """No step follows to raise it: the local waits (``sync_finished()``, ``state_dict()``) raise on the ranks that
+    own written elements, ``consolidate_state_dict`` (what a checkpoint runs) on every rank."""
+    configs = list(itertools.product(LAYOUTS, ["sync_finished", "state_dict", "consolidate"]))
+    for outcomes in run_on_ranks(_after_last_step_body, 2, configs, timeout=120):
+        for end, outcome in outcomes:
+            assert "sync_finished() before writing" in outcome, (end, outcome)
+
+
 def _new_storage_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[str]:
     outcomes = []
     for (partition, bucket_view), how in configs:

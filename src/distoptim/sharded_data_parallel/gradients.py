@@ -229,7 +229,7 @@ class OwnedGradients:
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
-            self.zero.sync_finished()  # buckets no module of the forward read (local: step() launched every one)
+            self.zero._land_sync()  # buckets no module of the forward read (local: step() launched every one)
             _ACTIVE.append((self, torch._C._current_graph_task_id()))
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))

@@ -20,7 +20,8 @@ counter, so the owners watch their own elements instead: an exact checksum of th
 a bucket is taken at launch and again at landing (a read of 1/N of the parameters, twice a step). Every rank runs the
 same program, so a write that changes anything changes some owner's elements; a write that changes no owned value
 (a clamp already satisfied) leaves every rank right. ``check_untouched`` raises it from inside the next step's
-agreement, so every rank raises (one host read a step).
+agreement (or a consolidation's, or a sharded save's: after the last step), so every rank raises (one host read a
+step); the local waits (``sync_finished()``, ``state_dict()``) raise it on the owners that saw it.
 
 A read in that window (a loss term computed before ``model(x)``, the root's forward reading a deep child's weight
 before the child ran) sees the value before the step on the non-owners. Landing a bucket with ``overlap`` therefore
@@ -121,6 +122,7 @@ class BucketedSync(ParameterSync):
     ) -> None:
         super().__init__(inner.layouts, inner.group, inner.collectives)
         self.inner, self.overlap = inner, overlap
+        self.watches_writes = overlap and not self.alone
         forward = list(reversed(buckets))
         self.units = [self._unit(bucket, plan, params) for bucket in forward]
         self.unit_of = {id(params[slot.index]): number for number, b in enumerate(forward) for slot in b.slots}
@@ -186,21 +188,40 @@ class BucketedSync(ParameterSync):
 
     def check_untouched(self) -> None:
         """Raise if this rank's elements of a bucket changed between its launch and its landing (see the module's
-        docstring); called inside the step's agreement, after ``finish``."""
-        changed, self._changed = self._changed, []
-        flags = torch.stack([flag.to(changed[0].device) for flag in changed]) if changed else None
-        if flags is not None and _host.read(flags.any(), "writes to parameters while their sync was in flight"):
+        docstring); called inside an agreement (the next step's, a consolidation's, a sharded save's), after
+        ``finish``, so every rank raises."""
+        written, self._changed = self._written(), []
+        if written:
+            raise RuntimeError(_WRITTEN)
+
+    def check_untouched_here(self) -> None:
+        """Raise here if this rank saw such a write: the explicit waits outside a step (``sync_finished()``,
+        ``state_dict()``), local by contract, where no step may follow (a write after the last step). Only the
+        ranks owning written elements can see it; the flags stay for the next agreement, where every rank raises."""
+        if self._written():
             raise RuntimeError(
-                "ShardedDataParallel(overlap_param_sync=True): parameters were written while their sync from the "
-                "last step was still in flight (through model.module or a module reference, such as WGAN's "
-                "p.data.clamp_ right after zero.step()); the sync overwrote the write on the ranks that do not own "
-                "those elements, so the ranks' parameters differ. Call model.sync_finished() before writing "
-                "parameters outside the forward (model.parameters() waits for it too), or build the wrapper with "
-                "overlap_param_sync=False"
+                f"{_WRITTEN} (seen on rank {comm.group_rank(self.group)}, which owns some of the written elements; "
+                "the next step, consolidate_state_dict() or sharded save raises it on every rank)"
             )
+
+    def _written(self) -> bool:
+        changed = self._changed
+        if not changed:
+            return False
+        flags = torch.stack([flag.to(changed[0].device) for flag in changed])
+        return _host.read(flags.any(), "writes to parameters while their sync was in flight")
 
     def allocations(self) -> dict[Any, Tensor]:
         return self.inner.allocations()
+
+
+_WRITTEN = (
+    "ShardedDataParallel(overlap_param_sync=True): parameters were written while their sync from the last step was "
+    "still in flight (through model.module or a module reference, such as WGAN's p.data.clamp_ right after "
+    "zero.step()); the sync overwrote the write on the ranks that do not own those elements, so the ranks' "
+    "parameters differ. Call model.sync_finished() before writing parameters outside the forward "
+    "(model.parameters() waits for it too), or build the wrapper with overlap_param_sync=False"
+)
 
 
 def _where(params: Sequence[Tensor]) -> tuple[int, ...]:

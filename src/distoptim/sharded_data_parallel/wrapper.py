@@ -201,7 +201,7 @@ class ShardedDataParallel(nn.Module):
             if buffers:
                 broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
-        self.sync_finished()  # the rest (modules the forward did not run): the loss may read them (weight decay)
+        self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         assert self.gradients is not None
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
         return output
@@ -209,7 +209,7 @@ class ShardedDataParallel(nn.Module):
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """The wrapper's first forward pre-hook: the landing hooks first among the user's (``hook_order.py``)."""
         if hook_order.others_run_first(self):
-            self.sync_finished()
+            self.zero._land_sync()  # in a forward: the step's agreement raises a write on every rank
         else:
             hook_order.keep_first(self._first)
 

@@ -45,6 +45,7 @@ class ParameterSync:
         self.group = group
         self.collectives = collectives
         self.alone = comm.group_size(group) == 1  # this rank's shard is every shard: nothing to send or receive
+        self.watches_writes = False  # whether ``check_untouched`` can raise (a sync left in flight)
 
     def sync_parameters(self) -> None:
         raise NotImplementedError
@@ -56,6 +57,9 @@ class ParameterSync:
     def check_untouched(self) -> None:
         """Raise if a write to the parameters while ``finish`` was pending was lost (a strategy that leaves the sync
         in flight watches for them): called inside the step's agreement, so every rank raises."""
+
+    def check_untouched_here(self) -> None:
+        """Raise, on this rank alone, if it saw such a write: the explicit waits outside a step, local by contract."""
 
     def allocations(self) -> dict[tuple[torch.device, torch.dtype], Tensor]:
         """The flat allocations the parameters are views into, by (device, dtype): what a rebuilt sync may move

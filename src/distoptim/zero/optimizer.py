@@ -279,7 +279,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
-        self.sync_finished()
+        self._land_sync()
         try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
             (loss, verdict), scaled, found_inf = self._agreed_step(lambda: self._prepare(closure, kwargs, grad_scaler))
             if verdict is not None:
@@ -338,7 +338,14 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
 
     def sync_finished(self) -> None:
         """Wait for any parameter sync still in flight (``ShardedDataParallel(overlap_param_sync=True)`` leaves the
-        sync of later buckets to finish during the next forward): after it every parameter holds its value."""
+        sync of later buckets to finish during the next forward): after it every parameter holds its value. Local
+        (no collective); raises here if this rank saw a parameter written while its sync was in flight."""
+        self._land_sync()
+        assert self._sync is not None
+        self._sync.check_untouched_here()
+
+    def _land_sync(self) -> None:
+        """``sync_finished`` without its local check: where an agreement follows that raises on every rank."""
         assert self._sync is not None
         self._sync.finish()
 

@@ -38,6 +38,7 @@ class ZeroParts(Protocol):
     world_size: int
     overlap_stepper: OverlapStepper | None
     _consolidated: Any
+    _sync: Any
     _comm_device: torch.device
     _gradient_store: Any
     _optimizer_class: type[Optimizer]
@@ -53,6 +54,7 @@ class ZeroParts(Protocol):
     @property
     def local_optimizer(self) -> Optimizer: ...
     def sync_finished(self) -> None: ...
+    def _land_sync(self) -> None: ...
     def sync_parameters(self) -> None: ...
     def _push_hyperparameters(self) -> None: ...
     def _masters_follow_parameters(self) -> None: ...
@@ -211,7 +213,7 @@ class Joining:
 
 def _consolidate(zero: ZeroParts, to: int) -> None:
     checkpoint.agree_on_target(to, zero.world_size, zero.process_group)
-    zero.sync_finished()
+    _land_and_agree_untouched(zero)
     zero._masters_follow_parameters()
     mine = zero.local_shard.global_state(zero.local_optimizer.state)
     merged = checkpoint.gather_state(mine, to, zero.process_group, zero._comm_device)
@@ -231,7 +233,7 @@ def _state_dict(zero: ZeroParts) -> dict[str, Any]:
 
 
 def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
-    zero.sync_finished()  # the load may write master weights into the parameters
+    zero._land_sync()  # the load may write master weights into the parameters
     zero._place_for_load()
     state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
     state_dict = checkpoint.apply_hooks(zero._optimizer_load_state_dict_pre_hooks.values(), zero, state_dict)
@@ -249,8 +251,16 @@ def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
         post_hook(zero)
 
 
+def _land_and_agree_untouched(zero: ZeroParts) -> None:
+    """Land the sync and raise on every rank if a parameter was written while it was in flight (after the last
+    step, no step's agreement follows to see it: a checkpoint must not save the ranks' differing values)."""
+    zero._land_sync()
+    if zero._sync.watches_writes:  # the same on every rank
+        zero._agreed(zero._sync.check_untouched)
+
+
 def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
-    zero.sync_finished()
+    _land_and_agree_untouched(zero)
     zero._masters_follow_parameters()
     shard, state = zero.local_shard, zero.local_optimizer.state
     placeholders = sharded.template_state(shard, zero.local_optimizer.step, state)
@@ -259,7 +269,7 @@ def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
 
 
 def _load_sharded(zero: ZeroParts, state_dict: dict[str, Any]) -> None:
-    zero.sync_finished()
+    zero._land_sync()
     zero._place_for_load()  # write_back below writes into the pieces the placement holds
     saved_groups = sharded.load_param_groups(state_dict, zero.param_groups, zero._optimizer_class)
     for group, saved in zip(zero.param_groups, saved_groups):
