@@ -209,7 +209,7 @@ class BucketedSync(ParameterSync):
         if not changed:
             return False
         flags = torch.stack([flag.to(changed[0].device) for flag in changed])
-        return _host.read(flags.any(), "writes to parameters while their sync was in flight")
+        return bool(_host.read(flags.any(), "writes to parameters while their sync was in flight"))
 
     def allocations(self) -> dict[Any, Tensor]:
         return self.inner.allocations()
