@@ -144,6 +144,47 @@ def _parity_body(rank: int, world_size: int) -> None:
             _train(sdp, zero, rank, accumulate)
             assert _distance(model, accumulated) <= tolerance, (how, "ShardedDataParallel", accumulate, tolerance)
         _master_weights(rank, per_group)
+        _scaled_and_clipped(rank, per_group, tolerance)
+
+
+def _scaled_and_clipped(rank: int, per_group: bool, tolerance: float) -> None:
+    """``torch.amp.GradScaler`` driving the sharded optimizer as plain ones (bitwise under ZeRO-1), and
+    ``zero.clip_grad_norm_`` (the norm over every group, before Adafactor's factoring) as torch's clip on DDP's
+    gradient: the norm is summed from the owned pieces, in another order than torch's, so within a last bit."""
+    for clip in (None, 0.05):
+        reference = _net()
+        reference_ddp, plain = DDP(reference), _plain(reference, per_group)
+        scaler_ref = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        model = _net()
+        ddp, zero = DDP(model), _zero(model, per_group, partition="greedy")
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        clipped = []
+        for step in STEPS:
+            for optim in plain:
+                optim.zero_grad()
+            scaler_ref.scale(reference_ddp(_batch(rank, step, 0)).square().mean()).backward()
+            zero.zero_grad()
+            scaler.scale(ddp(_batch(rank, step, 0)).square().mean()).backward()
+            if clip is not None:
+                for optim in plain:
+                    scaler_ref.unscale_(optim)
+                want = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), clip)
+                scaler.unscale_(zero)
+                clipped.append((float(zero.clip_grad_norm_(clip)), float(want)))
+            for optim in plain:
+                scaler_ref.step(optim)
+            scaler_ref.update()
+            scaler.step(zero)
+            scaler.update()
+        assert scaler.get_scale() == scaler_ref.get_scale()
+        assert all(abs(got - want) <= 1e-6 * want for got, want in clipped), clipped
+        assert clip is None or any(want > clip for _, want in clipped), "the clip never bit: proves nothing"
+        allowed = 0 if clip is None else tolerance
+        assert _distance(model, reference) <= allowed, ("GradScaler", "clip", clip, per_group, allowed)
+        if clip is None:
+            unclipped = reference
+        else:
+            assert _distance(unclipped, reference) > tolerance, "the clip changed nothing: the check proves nothing"
 
 
 def _master_weights(rank: int, per_group: bool) -> None:
