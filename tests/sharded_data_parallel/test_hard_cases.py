@@ -574,3 +574,48 @@ def _pending_and_twice_body(rank: int, world_size: int) -> None:
 
 def test_a_graph_pending_across_wrapping_and_a_gradient_twice_in_one_backward_raise() -> None:
     run_on_ranks(_pending_and_twice_body, 2)
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.branch = nn.Linear(6, 6)  # used on rank 0 only
+
+    def forward(self, z: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        for layer in self.layers:
+            z = torch.tanh(layer(z))
+        return z + self.branch(z) if use_branch else z
+
+
+def _gan_body(rank: int, world_size: int) -> None:
+    """The generator's loss through the discriminator: one backward reaches both wrappers' stores, several buckets
+    each, with a generator parameter only some ranks use."""
+    g, d, g_ref, d_ref = Generator(), Chain(2), Generator(), Chain(2)
+    ddp_g, ddp_d = DDP(g_ref, find_unused_parameters=True), DDP(d_ref, find_unused_parameters=True)
+    plain_g, plain_d = torch.optim.AdamW(g_ref.parameters(), **KW), torch.optim.AdamW(d_ref.parameters(), **KW)
+    zero_g = ZeroRedundancyOptimizer(g.parameters(), torch.optim.AdamW, **KW)
+    zero_d = ZeroRedundancyOptimizer(d.parameters(), torch.optim.AdamW, partition="even", **KW)
+    sdp_g = ShardedDataParallel(g, zero_g, bucket_cap_mb=0.0001)
+    sdp_d = ShardedDataParallel(d, zero_d, bucket_cap_mb=0.0001)
+    use = rank == 0
+    for step in range(3):
+        z, x = _x(rank, step), _x(rank, step + 50)
+        for G, D, opt_g, opt_d in ((sdp_g, sdp_d, zero_g, zero_d), (ddp_g, ddp_d, plain_g, plain_d)):
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            D(G(z, use), False).mean().backward()  # the generator's loss: gradients into both models
+            opt_g.step()
+            opt_d.zero_grad()
+            (D(x, False).mean() - D(G(z, use).detach(), False).mean()).backward()
+            opt_d.step()
+        _compare(g, g_ref, f"generator step {step}")
+        _compare(d, d_ref, f"discriminator step {step}")
+
+
+def test_two_wrapped_models_in_one_backward_with_a_parameter_some_ranks_do_not_use() -> None:
+    """A GAN's generator loss through its discriminator, a generator branch on rank 0 only, buckets of a parameter
+    or two: DDP's result. Before, rank 0 launched the generator's buckets inside the backward while rank 1 (its
+    branch unused) launched the discriminator's first: gloo aborted on a size mismatch."""
+    run_on_ranks(_gan_body, 2, timeout=60)

@@ -88,6 +88,7 @@ class OwnedGradients:
         self._next = 0
         self._backward = False
         self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
+        self._deferred = False  # this backward reached another store on the group: launch only at the flush
         if previous is not None:
             self._take_over(previous)
 
@@ -230,8 +231,13 @@ class OwnedGradients:
         if not self._backward:
             self._backward = True
             self.zero._land_sync()  # buckets no module of the forward read (local: step() launched every one)
-            _ACTIVE.append((self, torch._C._current_graph_task_id()))
+            task = torch._C._current_graph_task_id()
+            sharing = [s for s, t in _ACTIVE if t == task and s.zero.process_group is self.zero.process_group]
+            _ACTIVE.append((self, task))
             at_end_of_backward(self.flush)
+            if sharing:  # a second store on the group in this backward: the rest waits for the flush (``flush``)
+                for store in [*sharing, self]:
+                    store._deferred = True
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
             return
@@ -289,7 +295,7 @@ class OwnedGradients:
 
     def _launch_ready(self) -> None:
         """Launch, in order, every bucket whose parameters have all handed in their gradients."""
-        while self._next < len(self.buckets) and not self._remaining[self._next]:
+        while not self._deferred and self._next < len(self.buckets) and not self._remaining[self._next]:
             self._launch(self._next)
 
     def _launch(self, bucket: int) -> None:
@@ -326,12 +332,16 @@ class OwnedGradients:
         ``no_sync`` that this backward did not touch) and landed; the ranks agree on which parameters were used;
         gradients of parameters trainable since the plan was made are averaged in their ``.grad``.
 
-        Every other store this backward reached launches its last buckets first (before this one waits for
-        anything): a rank waiting inside the backward for another wrapped model's bucket (two models in one backward,
-        a GAN's generator loss through its discriminator, with a parameter some ranks do not use) gets it."""
+        Two wrapped models in one backward on one process group (a GAN's generator loss through its discriminator)
+        must launch their reductions in the same order on every rank, and a parameter some ranks do not use makes a
+        bucket ready on some ranks only. So once a backward reaches a second store on the group, no store on it
+        launches before this flush (their gradients wait in their buckets: more memory, for this backward only),
+        and here every store the backward reached launches its last buckets, in the order the backward reached
+        them, before this one waits for anything: before that, only the first store launched, in its own order."""
         self._backward = False
         task = torch._C._current_graph_task_id()
         for store in [s for s, t in _ACTIVE if t == task] + [self]:
+            store._deferred = False
             store._launch_the_rest()
         _ACTIVE[:] = [(s, t) for s, t in _ACTIVE if s is not self and t == task]
         while self._in_flight:
