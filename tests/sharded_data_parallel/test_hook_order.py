@@ -226,12 +226,24 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
         zero.zero_grad()
         sdp(_x(rank, 0)).square().mean().backward()
         zero.step()
-        _clip(sdp.module.parameters(), "data", c=0.05)  # changes elements every rank owns: each one sees it
+        if end in ("sync_finished", "state_dict"):  # local: raised by the ranks owning a written element
+            _clip(sdp.module.parameters(), "data", c=0.05)  # changes elements every rank owns: each one sees it
+        else:  # collective: every rank raises, though one element, owned by one rank alone, changed
+            next(sdp.module.parameters()).data.view(-1)[0] += 1.0
         try:
             if end == "sync_finished":
                 sdp.sync_finished()
             elif end == "state_dict":
                 sdp.state_dict()
+            elif end == "closure_step":  # the closure's backward reduces: a rank raising before it would hang
+
+                def closure() -> torch.Tensor:
+                    zero.zero_grad()
+                    loss = sdp(_x(rank, 1)).square().mean()
+                    loss.backward()
+                    return loss
+
+                zero.step(closure)
             else:
                 zero.consolidate_state_dict(0)
             outcomes.append((end, "ran"))
@@ -242,8 +254,9 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
 
 def test_a_write_after_the_last_step_is_refused_where_the_program_ends() -> None:
     """No step follows to raise it: the local waits (``sync_finished()``, ``state_dict()``) raise on the ranks that
-    own written elements, ``consolidate_state_dict`` (what a checkpoint runs) on every rank."""
-    configs = list(itertools.product(LAYOUTS, ["sync_finished", "state_dict", "consolidate"]))
+    own written elements, ``consolidate_state_dict`` (what a checkpoint runs) on every rank; a step with a closure
+    (whose backward reduces) on every rank, after the closure ran (it hung: the owners raised before it)."""
+    configs = list(itertools.product(LAYOUTS, ["sync_finished", "state_dict", "consolidate", "closure_step"]))
     for outcomes in run_on_ranks(_after_last_step_body, 2, configs, timeout=120):
         for end, outcome in outcomes:
             assert "sync_finished() before writing" in outcome, (end, outcome)

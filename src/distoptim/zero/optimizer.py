@@ -297,9 +297,15 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
     ) -> stepping.Prepared:
         """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
         waits for the ranks' verdict on inf/nan."""
-        self._accumulation.check()  # inside the agreement: every rank raises if one does
-        if self._sync is not None:
-            self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
+        try:  # inside the agreement: every rank raises if one does
+            self._accumulation.check()
+            if self._sync is not None:
+                self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
+        except Exception:
+            if closure is not None:  # the others run it (its backward's collectives) before they hear of this
+                with torch.enable_grad():
+                    closure()
+            raise
         self._repartition_if_changed()
         loss: float | None = None
         shard = self.local_shard
