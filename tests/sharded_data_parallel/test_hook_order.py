@@ -237,7 +237,7 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
                 sdp.state_dict()
             elif end == "closure_step":  # the closure's backward reduces: a rank raising before it would hang
 
-                def closure() -> torch.Tensor:
+                def closure(zero: Any = zero, sdp: Any = sdp) -> torch.Tensor:
                     zero.zero_grad()
                     loss = sdp(_x(rank, 1)).square().mean()
                     loss.backward()
