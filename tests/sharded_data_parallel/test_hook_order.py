@@ -218,7 +218,7 @@ def test_writes_through_the_inner_module_after_step_are_refused_on_every_rank() 
 
 
 def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[tuple[str, str]]:
-    """A write right after the last step, then the end of a program: a rank-local wait, a collective one."""
+    """A write right after the last step, then the end of a program: the local wait, a collective one, a step."""
     outcomes = []
     for (partition, bucket_view), end in configs:
         model = Critic()
@@ -226,15 +226,13 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
         zero.zero_grad()
         sdp(_x(rank, 0)).square().mean().backward()
         zero.step()
-        if end in ("sync_finished", "state_dict"):  # local: raised by the ranks owning a written element
+        if end == "sync_finished":  # local: raised by the ranks owning a written element
             _clip(sdp.module.parameters(), "data", c=0.05)  # changes elements every rank owns: each one sees it
         else:  # collective: every rank raises, though one element, owned by one rank alone, changed
             next(sdp.module.parameters()).data.view(-1)[0] += 1.0
         try:
             if end == "sync_finished":
                 sdp.sync_finished()
-            elif end == "state_dict":
-                sdp.state_dict()
             elif end == "closure_step":  # the closure's backward reduces: a rank raising before it would hang
 
                 def closure(zero: Any = zero, sdp: Any = sdp) -> torch.Tensor:
@@ -253,10 +251,10 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
 
 
 def test_a_write_after_the_last_step_is_refused_where_the_program_ends() -> None:
-    """No step follows to raise it: the local waits (``sync_finished()``, ``state_dict()``) raise on the ranks that
-    own written elements, ``consolidate_state_dict`` (what a checkpoint runs) on every rank; a step with a closure
-    (whose backward reduces) on every rank, after the closure ran (it hung: the owners raised before it)."""
-    configs = list(itertools.product(LAYOUTS, ["sync_finished", "state_dict", "consolidate", "closure_step"]))
+    """No step follows to raise it: ``sync_finished()`` (local) raises on the ranks that own written
+    elements, ``consolidate_state_dict`` (what a checkpoint runs) on every rank; a step with a closure (whose
+    backward reduces) on every rank, after the closure ran (it hung: the owners raised before it)."""
+    configs = list(itertools.product(LAYOUTS, ["sync_finished", "consolidate", "closure_step"]))
     for outcomes in run_on_ranks(_after_last_step_body, 2, configs, timeout=120):
         for end, outcome in outcomes:
             assert "sync_finished() before writing" in outcome, (end, outcome)

@@ -202,14 +202,14 @@ class ZeroTrainer(Trainer):
         """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward has
         landed (Accelerate moves the model to its device first, copying the parameters)."""
         if self._sharded is not None:
-            self._sharded.sync_finished()
+            self._sharded._land_sync()
         return super().evaluation_loop(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward has
         landed."""
         if self._sharded is not None:
-            self._sharded.sync_finished()
+            self._sharded._land_sync()
         super().save_model(output_dir, _internal_call)
 
     # ---------------------------------------------------------------------------------------- checkpoints

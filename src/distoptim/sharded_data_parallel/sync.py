@@ -21,7 +21,7 @@ a bucket is taken at launch and again at landing (a read of 1/N of the parameter
 same program, so a write that changes anything changes some owner's elements; a write that changes no owned value
 (a clamp already satisfied) leaves every rank right. ``check_untouched`` raises it from inside the next step's
 agreement (or a consolidation's, or a sharded save's: after the last step), so every rank raises (one host read a
-step); the local waits (``sync_finished()``, ``state_dict()``) raise it on the owners that saw it.
+step); an explicit ``sync_finished()`` (local) raises it on the owners that saw it.
 
 A read in that window (a loss term computed before ``model(x)``, the root's forward reading a deep child's weight
 before the child ran) sees the value before the step on the non-owners. Landing a bucket with ``overlap`` therefore
@@ -195,8 +195,8 @@ class BucketedSync(ParameterSync):
             raise RuntimeError(_WRITTEN)
 
     def check_untouched_here(self) -> None:
-        """Raise here if this rank saw such a write: the explicit waits outside a step (``sync_finished()``,
-        ``state_dict()``), local by contract, where no step may follow (a write after the last step). Only the
+        """Raise here if this rank saw such a write: the user's explicit ``sync_finished()``, local by contract,
+        which may follow the last step (the wrapper's own waits, inside training loops, do not raise). Only the
         ranks owning written elements can see it; the flags stay for the next agreement, where every rank raises."""
         if self._written():
             raise RuntimeError(

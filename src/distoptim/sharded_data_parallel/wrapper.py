@@ -126,7 +126,7 @@ class ShardedDataParallel(nn.Module):
         for param in zero.global_params:
             size = torch.empty((), dtype=reduce_dtype or param.dtype).element_size()
             self._caps[(param.device, param.dtype)] = max(1, cap_bytes // size)
-        zero.sync_finished()
+        zero._land_sync()
         broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
         zero._use_regions(self._caps)
         self._buckets: list[BucketPlan] = []
@@ -225,8 +225,16 @@ class ShardedDataParallel(nn.Module):
             self.gradients.no_sync = previous
 
     def sync_finished(self) -> None:
-        """Wait for the parameter sync still in flight (``overlap_param_sync``): every parameter holds its value."""
+        """Wait for the parameter sync still in flight (``overlap_param_sync``): every parameter holds its value.
+        Local; raises here if this rank owns parameters written while their sync was in flight (the next step,
+        ``consolidate_state_dict`` or a sharded save raises it on every rank)."""
         self.zero.sync_finished()
+
+    def _land_sync(self) -> None:
+        """``sync_finished`` without its local check: the wrapper's own waits (``parameters()``, ``state_dict()``,
+        ``to()``), which run inside training loops, where one rank raising would leave the others waiting; the next
+        agreement raises a write on every rank."""
+        self.zero._land_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the owned gradient (as ``zero.zero_grad()`` does) and any ``.grad`` (left by ``no_sync``).
@@ -240,7 +248,7 @@ class ShardedDataParallel(nn.Module):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``to()``, ``float()`` ... copy parameters: never one whose sync is still in flight."""
-        self.sync_finished()
+        self._land_sync()
         return super()._apply(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ what reads parameters waits first
@@ -251,7 +259,7 @@ class ShardedDataParallel(nn.Module):
             *args: ``nn.Module.state_dict``'s positional arguments.
             **kwargs: its keyword arguments.
         """
-        self.sync_finished()
+        self._land_sync()
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -261,7 +269,7 @@ class ShardedDataParallel(nn.Module):
             *args: ``nn.Module.load_state_dict``'s positional arguments.
             **kwargs: its keyword arguments.
         """
-        self.sync_finished()
+        self._land_sync()
         return super().load_state_dict(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -270,7 +278,7 @@ class ShardedDataParallel(nn.Module):
         Args:
             recurse: include the submodules' parameters (default True).
         """
-        self.sync_finished()
+        self._land_sync()
         return super().parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
@@ -280,7 +288,7 @@ class ShardedDataParallel(nn.Module):
             *args: ``nn.Module.named_parameters``'s positional arguments.
             **kwargs: its keyword arguments.
         """
-        self.sync_finished()
+        self._land_sync()
         return super().named_parameters(*args, **kwargs)
 
 
@@ -315,7 +323,7 @@ class _Finisher:
         self.zero = zero
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.zero.sync_finished()
+        self.zero._land_sync()
 
 
 def _held_directly(module: nn.Module) -> Iterator[Tensor]:
