@@ -18,83 +18,32 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from distoptim.comm import relay
-from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
+from distoptim.plan.baselines import ddp_plan, fsdp2_plan
+from distoptim.plan.figures import (
+    DEVICE,
+    MB,
+    MODES,
+    ModePlan,
+    PlanConfig,
+    RankMemory,
+    all_reduce_bytes,
+    dtype_name,
+    mastered,
+    step_cost,
+    step_dtype,
+)
+from distoptim.plan.inventory import Inventory, ParamSpec
 from distoptim.plan.muon import newton_schulz_per_rank, with_muon
-from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
 from distoptim.sharded_data_parallel.buckets import plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import PartitionPlan, newton_schulz_cost, partition_parameters
 
 __all__ = ["MODES", "ModePlan", "PlanConfig", "RankMemory", "dtype_name", "plan_modes"]
-
-MODES = ("ddp", "zero1", "zero2_hook", "sharded_data_parallel", "fsdp2")
-DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
-MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    """How the model is trained: the settings that change the bytes."""
-
-    world_size: int
-    optimizer: OptimizerSpec
-    master_dtype: torch.dtype | None = None
-    partition: str = "even"  # ZeRO's; the planner's default (ZeroRedundancyOptimizer's own default is greedy)
-    gradient_as_bucket_view: bool = False  # DDP's (its default: False)
-    bucket_cap_mb: float = 25.0  # ShardedDataParallel's
-    parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
-    reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
-    muon: OptimizerSpec | None = None  # Muon on the blocks' matrices (``plan.muon``), ``optimizer`` on the rest
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """Bytes one rank holds: parameters, gradient storage, optimizer state, master weights, and ``other`` named
-    buffers (communication staging, unsharded FSDP units, gradients upcast for the step)."""
-
-    params: int
-    grads: int
-    state: int
-    master: int
-    other: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def other_total(self) -> int:
-        return sum(size for _, size in self.other)
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.state + self.master + self.other_total
-
-
-@dataclass(frozen=True)
-class ModePlan:
-    """One mode's figures: per rank, bytes sent per step by collective, and what the model assumes."""
-
-    key: str
-    title: str
-    ranks: tuple[RankMemory, ...]
-    sends: tuple[tuple[str, int], ...]
-    notes: tuple[str, ...]
-    gloo_received: tuple[int, ...] = ()
-    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled,
-    as for the ZeRO-2 hook, whose reductions follow DDP's buckets)."""
-    newton_schulz: tuple[int, ...] = ()
-    """With Muon: each rank's Newton-Schulz FLOPs per step (``plan.muon.newton_schulz_flops``)."""
-
-    @property
-    def sends_total(self) -> int:
-        return sum(size for _, size in self.sends)
-
-    def peak(self) -> tuple[int, RankMemory]:
-        """The rank that holds the most (the lowest such rank) and its figures."""
-        rank = max(range(len(self.ranks)), key=lambda r: (self.ranks[r].total, -r))
-        return rank, self.ranks[rank]
 
 
 def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
@@ -112,7 +61,7 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     zero1, zero2 = zero.modes()
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
-    modes = [_ddp(inventory, config), zero1, zero2, sdp, _fsdp2(inventory, config)]
+    modes = [ddp_plan(inventory, config), zero1, zero2, sdp, fsdp2_plan(inventory, config)]
     if config.muon is None:
         return modes
     plans = {"zero1": zero.plan, "zero2_hook": zero.plan, "sharded_data_parallel": sharded.plan}  # else every rank
@@ -146,66 +95,6 @@ def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashab
     )
 
 
-def _cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype) -> StateCost:
-    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one)."""
-    return state_cost(config.muon if param.muon and config.muon is not None else config.optimizer, dtype)
-
-
-def _step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
-    """The dtype the optimizer steps ``param`` in: a master copy's unless the parameter already has that dtype."""
-    return master if master is not None and param.dtype != master else param.dtype
-
-
-def _mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
-    return master is not None and param.dtype != master
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``bfloat16`` for ``torch.bfloat16``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def _all_reduce(nbytes: int, world_size: int) -> int:
-    return 2 * (world_size - 1) * nbytes // world_size
-
-
-def _ddp(inventory: Inventory, config: PlanConfig) -> ModePlan:
-    params, master = inventory.params, config.master_dtype
-    trainable = [p for p in params if p.trainable]
-    grad_bytes = sum(p.nbytes for p in trainable)
-    masters = sum(p.numel * master.itemsize for p in trainable if _mastered(p, master)) if master else 0
-    memory = RankMemory(
-        params=sum(p.nbytes for p in params),
-        grads=grad_bytes * (1 if config.gradient_as_bucket_view else 2),
-        state=_plain_state(params, config),
-        master=masters,
-        other=(("master gradients during step", masters),) if masters else (),
-    )
-    notes = [
-        "gradients: DDP's buckets, which .grad views (gradient_as_bucket_view=True)"
-        if config.gradient_as_bucket_view
-        else "gradients: DDP's buckets and a separate .grad, each the full gradient (gradient_as_bucket_view=False, "
-        "DDP's default)"
-    ]
-    if master:
-        notes.append(
-            f"master weights: a {dtype_name(master)} copy of every trainable parameter, which the optimizer steps"
-        )
-    sends = (("all-reduce of gradients", _all_reduce(grad_bytes, config.world_size)),)
-    return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
-
-
-def _plain_state(params: Sequence[ParamSpec], config: PlanConfig) -> int:
-    """A plain optimizer over every parameter: state for the trainable ones, and for frozen ones too when the
-    optimizer makes its state at construction (Adagrad)."""
-    total = 0
-    for param in params:
-        cost = _cost(param, config, _step_dtype(param, config.master_dtype if param.trainable else None))
-        if param.trainable or cost.at_construction:
-            total += cost.bytes_for(param.numel)
-    return total
-
-
 class _ZeroShards:
     """What each rank owns under the partition plan, and the three modes that shard optimizer state by it."""
 
@@ -215,10 +104,10 @@ class _ZeroShards:
         self.state, self.master = [0] * size, [0] * size
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
         for param, fragments in zip(params, plan.fragments):
-            cost = _cost(param, config, _step_dtype(param, master))
+            cost = step_cost(param, config, step_dtype(param, master))
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
-                if master is not None and _mastered(param, master):
+                if master is not None and mastered(param, master):
                     self.master[fragment.rank] += fragment.length * master.itemsize
                 piece_bytes = fragment.length * param.dtype.itemsize
                 if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
@@ -287,7 +176,7 @@ class _ZeroShards:
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
             "StagedSync (pieces under 1 MiB go through staging buffers kept between steps)"
         )
-        all_reduce = ("all-reduce of gradients", _all_reduce(grad_bytes, size))
+        all_reduce = ("all-reduce of gradients", all_reduce_bytes(grad_bytes, size))
         synced = self._not_owned()
         gloo = tuple(all_reduce[1] + synced[rank] for rank in range(size))
         zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note), gloo)
@@ -385,65 +274,8 @@ class _ZeroShards:
         (``grad_dtype``, default the parameter's): the master's, or the parameter's for a plain parameter."""
         casts = [0] * self.config.world_size
         for param, fragments in zip(self.params, self.plan.fragments):
-            step = _step_dtype(param, self.config.master_dtype)
+            step = step_dtype(param, self.config.master_dtype)
             if (grad_dtype or param.dtype) != step:
                 for fragment in fragments:
                     casts[fragment.rank] += fragment.length * step.itemsize
         return casts
-
-
-def _fsdp2(inventory: Inventory, config: PlanConfig) -> ModePlan:
-    """``fully_shard`` on every unit, ``reshard_after_forward=True``; with master weights, fp32 sharded parameters
-    under ``MixedPrecisionPolicy(param_dtype=...)``. Each parameter is cut along dim 0 into ``ceil(rows / N)``-row
-    chunks; parameters and gradients are stored padded to a full chunk, optimizer state unpadded (rank r's rows)."""
-    size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
-    sharded = grads = empty = 0  # the same on every rank (padded); state every rank has, even for an empty shard
-    steps = [0] * (size + 1)  # state bytes beyond ``empty``, as differences between neighbouring ranks
-    gathered: dict[int, int] = {}  # unit -> bytes of its gathered parameters (padded, in the compute dtype)
-    gathered_grads: dict[int, int] = {}  # unit -> bytes of its unsharded gradient (in the reduce dtype)
-    for param in inventory.params:
-        rows = param.shape[0] if param.shape else 1
-        per_row = param.numel // rows if rows else 0
-        chunk = -(-rows // size)
-        dtype = _step_dtype(param, master)
-        sharded += chunk * per_row * dtype.itemsize
-        gathered[param.unit] = gathered.get(param.unit, 0) + size * chunk * per_row * param.dtype.itemsize
-        cost = _cost(param, config, dtype)
-        if param.trainable or cost.at_construction:  # ranks [0, full) hold a full chunk, rank full the rest
-            full, rest = divmod(rows, chunk) if chunk else (0, 0)
-            steps[0] += cost.bytes_for(chunk * per_row) - cost.bytes_for(0)
-            steps[full] += cost.bytes_for(rest * per_row) - cost.bytes_for(chunk * per_row)
-            steps[min(full + 1, size)] -= cost.bytes_for(rest * per_row) - cost.bytes_for(0)
-            empty += cost.bytes_for(0)
-        if param.trainable:
-            grads += chunk * per_row * dtype.itemsize
-            grad_bytes = size * chunk * per_row * (reduce_dtype or param.dtype).itemsize
-            gathered_grads[param.unit] = gathered_grads.get(param.unit, 0) + grad_bytes
-    root = gathered.get(ROOT_UNIT, 0)
-    blocks = sorted((b for unit, b in gathered.items() if unit != ROOT_UNIT), reverse=True)
-    other = tuple(
-        (name, size_)
-        for name, size_ in (
-            ("root unit gathered (not resharded after forward)", root),
-            ("two largest units gathered (computing + prefetched)", sum(blocks[:2])),
-            ("largest unit's unsharded gradient", max(gathered_grads.values(), default=0)),
-        )
-        if size_
-    )
-    state = list(itertools.accumulate(steps[:size], initial=empty))[1:]
-    ranks = tuple(RankMemory(sharded, grads, state[rank], 0, other) for rank in range(size))
-    all_gathered = sum(gathered.values())
-    sends = (
-        ("all-gather of parameters, forward", (size - 1) * all_gathered // size),
-        ("all-gather of parameters, backward", (size - 1) * (all_gathered - root) // size),
-        ("reduce-scatter of gradients", (size - 1) * sum(gathered_grads.values()) // size),
-    )
-    notes = [
-        "fully_shard on each unit and the root, reshard_after_forward=True; parameters sharded along dim 0, "
-        "padded per parameter; unsharded units modelled (FSDP2's own prefetching decides the real peak)"
-    ]
-    if master:
-        notes.append(
-            f"sharded parameters are the {dtype_name(master)} master weights (MixedPrecisionPolicy(param_dtype))"
-        )
-    return ModePlan("fsdp2", "FSDP2 (ZeRO-3)", ranks, sends, tuple(notes))
