@@ -36,8 +36,8 @@ from torch import Tensor
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, view_like
 from distoptim._host_memory import host_zeros
-from distoptim.comm import agreement as _agreement
 from distoptim.comm import collectives as comm
+from distoptim.sharded_data_parallel import coordination
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.zero.shard import LocalTensor
@@ -231,13 +231,8 @@ class OwnedGradients:
         if not self._backward:
             self._backward = True
             self.zero._land_sync()  # buckets no module of the forward read (local: step() launched every one)
-            task = torch._C._current_graph_task_id()
-            sharing = [s for s, t in _ACTIVE if t == task and s.zero.process_group is self.zero.process_group]
-            _ACTIVE.append((self, task))
+            coordination.reached(self)  # a second store on the group in this backward: launches wait (``flush``)
             at_end_of_backward(self.flush)
-            if sharing:  # a second store on the group in this backward: the rest waits for the flush (``flush``)
-                for store in [*sharing, self]:
-                    store._deferred = True
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
             return
@@ -308,9 +303,7 @@ class OwnedGradients:
         )
         self._in_flight.append((bucket, buffer, reduced))
         self._next = bucket + 1
-        key = id(zero.process_group)
-        self._places.append(_LAUNCHES.get(key, 0))
-        _LAUNCHES[key] = self._places[-1] + 1
+        self._places.append(coordination.next_place(zero.process_group))
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction and add its owned sums into the owned gradient (copy: the first since
@@ -339,17 +332,13 @@ class OwnedGradients:
         and here every store the backward reached launches its last buckets, in the order the backward reached
         them, before this one waits for anything: before that, only the first store launched, in its own order."""
         self._backward = False
-        task = torch._C._current_graph_task_id()
-        for store in [s for s, t in _ACTIVE if t == task] + [self]:
-            store._deferred = False
-            store._launch_the_rest()
-        _ACTIVE[:] = [(s, t) for s, t in _ACTIVE if s is not self and t == task]
+        coordination.launch_the_rest(self)
         while self._in_flight:
             self._land_oldest()
         self._filled.clear()
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
         self._next = 0
-        self._agree_on_use()
+        coordination.agree_on_use(self)
         self.holds = [held or now for held, now in zip(self.holds, self.everywhere or ())]
         self.mark()
 
@@ -364,33 +353,6 @@ class OwnedGradients:
                     self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
                     self._fill(bucket, slot, param)
             self._launch(bucket)
-
-    def _agree_on_use(self) -> None:
-        """One all-reduce on the control plane: which parameters some rank used (MAX), and that every rank trains
-        the same ones (else every rank raises); then the local gradients of the parameters no bucket holds yet
-        (made trainable since the plan) are averaged in their ``.grad``, for the step that places them."""
-        zero, params = self.zero, self.params
-        trainable = tuple(index for index, param in enumerate(params) if param.requires_grad)
-        unplaced = [i for i in trainable if id(params[i]) not in self.slot_of and params[i].numel()]
-        for index in unplaced:
-            self.used[index] = self.used[index] or params[index].grad is not None
-        places, self._places = tuple(self._places), []
-        self.everywhere = _agreement.agree_across_ranks(
-            {
-                "the parameters that require grad, by index: {}": trainable,
-                _ORDER: places,
-            },
-            zero.agreement_groups,
-            "backward",
-            _agreement.STEP_FIX,
-            flags=self.used,
-        )
-        for index in unplaced:
-            param = params[index]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            for group in zero.agreement_groups:
-                comm.all_reduce_(grad, group)
-            param.grad = grad.div_(zero.world_size * zero.replica_count)
 
     def _take_over(self, previous: OwnedGradients) -> None:
         """After the plan grew: keep what ``previous`` had landed (its buckets come first, laid out alike), and take
@@ -414,16 +376,6 @@ class OwnedGradients:
             self.landed[bucket] = False
             self._land_oldest()
         self.mark()
-
-
-_ACTIVE: list[tuple[OwnedGradients, int]] = []  # the stores a backward (graph task) reached, until their flush
-_LAUNCHES: dict[int, int] = {}  # id(process group) -> how many bucket reductions every store has launched on it
-_ORDER = (
-    "the places of this model's bucket reductions among all ShardedDataParallel reductions on its process group "
-    "{} (two wrapped models in one backward, with parameters some ranks do not use, reduced in a different order "
-    "on different ranks, so that their sums were mixed up: give each model's ZeroRedundancyOptimizer a process "
-    "group of its own, dist.new_group(), or use every parameter on every rank)"
-)
 
 
 def _memory_is_its_own(tensor: Tensor) -> bool:
