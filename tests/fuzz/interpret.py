@@ -72,8 +72,8 @@ def refusal_expected(program: Program) -> str:
     as ``oracle_error``), or ''."""
     if program.optimizer == "LBFGS":
         return "LBFGS (its step couples every parameter: one shard cannot run it)"
-    if "sparse" in program.features and program.mode in ("zero2_hook", "sdp"):
-        return f"a sparse embedding under {program.mode} (it reduces dense gradients to owners)"
+    if "sparse" in program.features and program.mode in ("zero2_hook", "sdp", "overlap_hook"):
+        return f"a sparse embedding under {program.mode} (it reduces or steps dense gradients only)"
     return ""
 
 

@@ -230,7 +230,8 @@ class Oracle:
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None and p.grad.numel():
-                    grad = p.grad.detach().float().abs()
+                    grad = p.grad.detach()
+                    grad = (grad.to_dense() if grad.is_sparse else grad).float().abs()
                     noisy = grad <= NOISE * grad.amax()
                     self.noisy[id(p)] = noisy | self.noisy[id(p)] if id(p) in self.noisy else noisy
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
-from distoptim.hooks import reduce_to_owners_hook
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, reduce_to_owners_hook
 from tests._dist import run_on_ranks
 
 KW = {"lr": 0.05, "weight_decay": 0.1}
@@ -302,7 +302,7 @@ def test_a_marker_not_the_stores_is_refused_and_data_zero_clears() -> None:
         assert "already have a .grad" in outcomes["added after its backward"], outcomes["added after its backward"]
 
 
-# ------------------------------------------------------------------ 9. sparse gradients are refused at wrapping
+# ------------------------------------------ 9. sparse gradients are refused at wrapping or at the hook's registration
 class Sparse(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -316,10 +316,13 @@ class Sparse(nn.Module):
 
 def _sparse_body(rank: int, world_size: int, where: str) -> str:
     model = Sparse()
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=where == "overlap", lr=0.1)
     try:
         if where == "sharded":
             ShardedDataParallel(model, zero)
+        elif where == "overlap":  # the hook steps inside DDP's backward, on dense bucket views
+            ddp = DDP(model)
+            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
         else:
             ddp = DDP(model)
             ddp.register_comm_hook(zero, reduce_to_owners_hook)
@@ -330,7 +333,7 @@ def _sparse_body(rank: int, world_size: int, where: str) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("where", ["sharded", "reduce_to_owners_hook"])
+@pytest.mark.parametrize("where", ["sharded", "reduce_to_owners_hook", "overlap"])
 def test_sparse_gradients_are_refused_on_every_rank(where: str) -> None:
     for outcome in run_on_ranks(_sparse_body, 2, where, timeout=60):
         assert "sparse" in outcome and "embed" in outcome, outcome

@@ -34,6 +34,7 @@ from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
 from distoptim.comm import collectives as comm
 from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
+from distoptim.zero import validation
 from distoptim.zero.overlap import OverlapStepper
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimize
     if stepper.hooked:
         raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
     _check_same_parameters(ddp, zero)
+    validation.refuse_sparse_gradients(
+        ddp.module, "the overlap hook", "build the ZeroRedundancyOptimizer without overlap_with_ddp and call zero.step()"
+    )
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)
     stepper.hooked = True

@@ -115,9 +115,10 @@ def check_parameter(param: Any, group_index: int) -> None:
         )
 
 
-def refuse_sparse_gradients(module: torch.nn.Module, who: str) -> None:
-    """Refuse a module whose embeddings make sparse gradients (``sparse=True``): reduced to owners, a sparse gradient
-    cannot be copied into a dense bucket. Every rank sees the same module property, so every rank raises alike."""
+def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "keep DDP's default all-reduce") -> None:
+    """Refuse a module whose embeddings make sparse gradients (``sparse=True``): reduced to owners or stepped inside
+    DDP's hook, a sparse gradient cannot be copied into a dense bucket. Every rank sees the same module property, so
+    every rank raises alike."""
     sparse = [
         f"'{name}'"
         for name, child in module.named_modules()
@@ -128,8 +129,7 @@ def refuse_sparse_gradients(module: torch.nn.Module, who: str) -> None:
     if sparse:
         raise ValueError(
             f"{who} reduces dense gradients only, but {', '.join(sparse[:3])} (nn.Embedding or nn.EmbeddingBag with "
-            "sparse=True) makes sparse gradients. Build it with sparse=False (its gradient is then dense), or keep "
-            "DDP's default all-reduce"
+            f"sparse=True) makes sparse gradients. Build it with sparse=False (its gradient is then dense), or {instead}"
         )
 
 
