@@ -111,7 +111,7 @@ def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimize
         raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
     _check_same_parameters(ddp, zero)
     validation.refuse_sparse_gradients(
-        ddp.module, "the overlap hook", "build the ZeroRedundancyOptimizer without overlap_with_ddp and call zero.step()"
+        ddp.module, "the overlap hook", "build the optimizer without overlap_with_ddp and call zero.step()"
     )
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)

@@ -129,7 +129,8 @@ def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "k
     if sparse:
         raise ValueError(
             f"{who} reduces dense gradients only, but {', '.join(sparse[:3])} (nn.Embedding or nn.EmbeddingBag with "
-            f"sparse=True) makes sparse gradients. Build it with sparse=False (its gradient is then dense), or {instead}"
+            f"sparse=True) makes sparse gradients. Build it with sparse=False (its gradient is then dense), or "
+            f"{instead}"
         )
 
 
