@@ -4,6 +4,7 @@ forward (which ran while the previous step's parameter sync was in flight), or c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -619,3 +620,60 @@ def test_two_wrapped_models_in_one_backward_with_a_parameter_some_ranks_do_not_u
     or two: DDP's result. Before, rank 0 launched the generator's buckets inside the backward while rank 1 (its
     branch unused) launched the discriminator's first: gloo aborted on a size mismatch."""
     run_on_ranks(_gan_body, 2, timeout=60)
+
+
+# ----------------------------------------------- a backward that raised midway (an OOM a loop catches, a hook's error)
+class _Fails(Exception):
+    pass
+
+
+def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
+    """Each rank's backward raises after the last layer's buckets launched; then either ``zero_grad()`` and two
+    steps (compared with DDP + the plain optimizer that never saw the failed batch) or, without ``zero_grad``, a
+    forward and a step (each must refuse)."""
+    model, reference = Chain(4), Chain(4)
+    zero, sdp = _sdp(model, partition="even")
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
+
+    def step_both(step: int) -> None:
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step), False).square().mean().backward()
+            opt.step()
+
+    step_both(0)
+    zero.zero_grad()
+    hidden = torch.tanh(model.layers[0](_x(rank, 1)))
+    hidden.register_hook(lambda grad: (_ for _ in ()).throw(_Fails("the backward fails here")))
+    for layer in model.layers[1:]:
+        hidden = torch.tanh(layer(hidden))
+    with contextlib.suppress(_Fails):
+        hidden.square().mean().backward()  # the last layers' buckets reduced, the first layer's never reached
+    if then == "zero_grad":
+        zero.zero_grad()
+        step_both(2)
+        step_both(3)
+        sdp.sync_finished()
+        _compare(model, reference, "after the failed backward")
+        return "ok"
+    outcomes = []
+    for attempt in (lambda: sdp(_x(rank, 2), False), zero.step):
+        try:
+            attempt()
+            outcomes.append("accepted")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return " | ".join(outcomes)
+
+
+@pytest.mark.parametrize("then", ["zero_grad", "forward_and_step"])
+def test_a_backward_that_raised_midway_is_dropped_by_zero_grad_or_refused(then: str) -> None:
+    """After a backward that raised (the engine then runs no end-of-backward callback, so the store's flush never
+    ran): ``zero_grad()`` drops its half-reduced gradient and training goes on as DDP's without that batch; without
+    it, the next forward and step refuse on every rank. Before, the next backward raised a misleading "second
+    gradient" error, or its gradient was never reduced."""
+    for outcome in run_on_ranks(_failed_backward_body, 2, then, timeout=90):
+        if then == "zero_grad":
+            assert outcome == "ok", outcome
+        else:
+            assert outcome.count("the last backward raised before it finished") == 2, outcome

@@ -72,6 +72,11 @@ def launch_the_rest(store: Store) -> None:
     _ACTIVE[:] = [(s, t) for s, t in _ACTIVE if s is not store and t == task]
 
 
+def forget(store: Store) -> None:
+    """``store``'s backward raised (its flush will never run): it is no longer one the current backward reached."""
+    _ACTIVE[:] = [(s, t) for s, t in _ACTIVE if s is not store]
+
+
 def agree_on_use(store: Store) -> None:
     """One all-reduce on the control plane: which parameters some rank used (MAX), and that every rank trains
     the same ones (else every rank raises); then the local gradients of the parameters no bucket holds yet

@@ -196,6 +196,8 @@ class OwnedGradients:
         """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
         ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
         then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
+        if self._backward:
+            self._abandon_backward()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
         self.everywhere = None
@@ -212,6 +214,29 @@ class OwnedGradients:
                 self.owned[bucket] = self._new_owned(bucket).zero_()
             else:
                 owned.zero_()
+
+    def _abandon_backward(self) -> None:
+        """Forget what a backward that raised left behind (the autograd engine runs no end-of-backward callback
+        after an error, so its flush never ran): the reductions it launched are waited for (every rank that raised
+        alike launched the same ones) and dropped with its buckets, so that the next backward starts as after a
+        flush."""
+        while self._in_flight:
+            self._in_flight.popleft()[2].wait()
+        self._buffers.clear()
+        self._filled.clear()
+        self._remaining = [len(bucket.slots) for bucket in self.buckets]
+        self._next, self._places = 0, []
+        self._backward = self._deferred = False
+        coordination.forget(self)
+
+    def check_finished(self) -> None:
+        """Refuse to read a gradient that a backward which raised left half reduced (before a step or a forward)."""
+        if self._backward:
+            raise RuntimeError(
+                "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced "
+                "and cannot be stepped or added to. Call zero_grad() (it drops that gradient) before the next "
+                "forward and step"
+            )
 
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]

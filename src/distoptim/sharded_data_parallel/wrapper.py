@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from distoptim._backward import in_backward
 from distoptim.comm import agreement as _agreement
 from distoptim.sharded_data_parallel import checks, hook_order
 from distoptim.sharded_data_parallel.broadcast import broadcast_from_first
@@ -196,13 +197,15 @@ class ShardedDataParallel(nn.Module):
         Raises:
             Exception: whatever the module raises.
         """
+        assert self.gradients is not None
+        if not in_backward():  # a recomputing checkpoint runs forwards inside the backward
+            self.gradients.check_finished()
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
         self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
-        assert self.gradients is not None
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
         return output
 

@@ -299,6 +299,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         waits for the ranks' verdict on inf/nan."""
         try:  # inside the agreement: every rank raises if one does
             self._accumulation.check()
+            if self._gradient_store is not None:
+                self._gradient_store.check_finished()
             if self._sync is not None:
                 self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
         except Exception:
