@@ -115,7 +115,20 @@ class Subject:
             self.wrap()
 
     def sync_finished(self) -> None:
-        self.zero.sync_finished()
+        """Land the parameter sync before the fuzzer reads parameters. A write the sync saw in flight raises in
+        ``sync_finished`` on the ranks that own the written piece only (the others cannot see it); the user's next
+        step or checkpoint raises it on every rank. The fuzzer's reads are not the user's: they raise it on every
+        rank too, with the owner's message, instead of leaving the others in the comparison's collective."""
+        error = ""
+        try:
+            self.zero.sync_finished()
+        except RuntimeError as raised:
+            error = str(raised)
+        errors: list[str] = [""] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        first = next((e for e in errors if e), "")
+        if first:
+            raise RuntimeError(first)
 
 
 def build_subject(
