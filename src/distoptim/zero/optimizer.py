@@ -2,8 +2,9 @@
 
 It composes a partition plan (``partition``: who owns which parameter), a local optimizer over the owned parameters
 (plain ``torch.optim``) and a sync strategy (``buckets``: how updated shards reach every rank); ``placement`` builds
-them from the plan, ``stepping`` agrees on a step and runs the local one, ``state_dicts`` saves and loads. Each of
-those takes what it needs as arguments; this module is the public surface and the only one holding the optimizer.
+them from the plan, ``repartitioning`` holds the plan and places again, ``stepping`` agrees on a step and runs the
+local one, ``state_dicts`` saves and loads. Each takes what it needs as arguments (the base classes type the
+optimizer as a protocol); this module is the public surface and the only one holding the optimizer.
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ from torch.optim import Optimizer
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, clipping, fingerprints, placement, state_dicts, stepping, validation
+from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.local_optimizer import CLASS_KEY, whole_tensor_weights
 from distoptim.zero.overlap import OverlapStepper
-from distoptim.zero.partition import Fragment, PartitionPlan
-from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
+from distoptim.zero.partition import PartitionPlan
+from distoptim.zero.shard import LocalShard, copy_hyperparameters
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(
+    state_dicts.Checkpoints, state_dicts.Joining, repartitioning.Partitioning, Optimizer, Joinable
+):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     Every trainable element is owned by one rank (``partition``). ``step()`` expects gradients already averaged
@@ -172,40 +174,6 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
     def global_params(self) -> list[Tensor]:
         """Every parameter this optimizer holds (owned here or not), in global order: group by group."""
         return [param for group in self.param_groups for param in group["params"]]
-
-    @property
-    def plan(self) -> PartitionPlan:
-        """Which rank owns each parameter (global index order)."""
-        assert self._plan is not None
-        return self._plan
-
-    def owner_of(self, param: Tensor) -> int:
-        """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
-
-        Args:
-            param: one of this optimizer's parameters.
-
-        Raises:
-            ValueError: this optimizer does not hold ``param``.
-        """
-        if (index := self._index_of(param)) is None:
-            raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
-        return self.plan.owners[index]
-
-    def fragments_of(self, param: Tensor) -> tuple[Fragment, ...] | None:
-        """Which ranks own which elements of ``param`` (memory order); None when this optimizer does not hold it.
-
-        Args:
-            param: a tensor, one of this optimizer's parameters or not.
-        """
-        index = self._index_of(param)
-        return None if index is None else self.plan.fragments[index]
-
-    def _index_of(self, param: Tensor) -> int | None:
-        """``param``'s global index (None when not held), from a table rebuilt with the plan."""
-        if self._index_cache[0] is not self.plan:
-            self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self.global_params)})
-        return self._index_cache[1].get(id(param))
 
     @property
     def local_shard(self) -> LocalShard:
@@ -427,117 +395,3 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, state_dicts.Joining, Opti
         super().zero_grad(set_to_none)
         if self.overlap_stepper is not None:
             self.overlap_stepper.record_grads()
-
-    # ------------------------------------------------------------------------------------ partitioning
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are.
-
-        Args:
-            param_group: ``{"params": [...], **hyperparameters}``, the same on every rank.
-
-        Raises:
-            ValueError: on every rank, when any rank's group is refused (a parameter already held, a bad
-                hyperparameter) or the ranks' groups differ.
-
-        Example:
-            ```python
-            layer.requires_grad_(True)
-            zero.add_param_group({"params": layer.parameters(), "lr": 1e-4})
-            ```
-        """
-        if not self._ready:
-            self._add_group(param_group)
-            return
-        group = validation.agreed_param_group(
-            param_group,
-            self._optimizer_class,
-            self.param_groups,
-            self._defaults,
-            self.process_group,
-            sharded_gradients=self._gradient_store is not None,
-        )
-        self._add_group(group)
-        self._repartition()
-
-    def _add_group(self, group: dict[str, Any]) -> None:
-        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
-        (its class's own fill it in, ``local_optimizer.py``)."""
-        if CLASS_KEY not in group:
-            super().add_param_group(group)
-            return
-        constructor_defaults, self.defaults = self.defaults, {}
-        try:
-            super().add_param_group(group)
-        finally:
-            self.defaults = constructor_defaults
-
-    def _repartition(self, fresh: bool = False, in_place: bool = False) -> None:
-        """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
-        plan (``placement.py``). ``in_place``: bucket views move within their buffers."""
-        if self._sync is not None:
-            self._sync.finish()
-        params, previous_shard = self.global_params, self._shard
-        whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
-        placed = placement.place(
-            params,
-            self.param_groups,
-            self._settings,
-            previous=None if fresh else self._plan,
-            region_numel=self._region_numel,
-            moving_within=self._sync if in_place else None,
-            whole=whole,
-            costs=costs,
-        )
-        self._placement = placed
-        self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
-        self._trainability = placed.trainability
-        self._routes.clear()
-        self.optim = placement.bind_local_optimizer(
-            self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
-        )
-        complete_hyperparameters(self.param_groups, self.optim.param_groups)
-        self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-        if self.overlap_stepper is not None:
-            self.overlap_stepper.rebuild(self.optim, self._shard, self._plan, params, self.param_groups)
-        for listener in self._plan_listeners:
-            listener()
-
-    def _repartition_if_changed(self) -> None:
-        """Before a step: a new placement where the last one is stale (``_place_if_stale``); then master copies
-        take the values of parameters written outside the optimizer (``model.load_state_dict(...)``), which they
-        would otherwise overwrite with their own."""
-        self._place_if_stale()
-        self.local_shard.reseed_masters()
-
-    def _place_if_stale(self) -> None:
-        """A new placement where the last one is stale (``placement.is_stale``: a parameter made trainable or given
-        new storage since); a parameter whose dtype or device changed since is refused (``placement.py``)."""
-        assert self._placement is not None
-        if placement.is_stale(self._placement, self.global_params):
-            placement.check_layout_keys(self._placement, self.global_params)
-            self._repartition()
-
-    def _masters_follow_parameters(self) -> None:
-        """Before a checkpoint takes the master copies (collective: the step's agreement, so a refusal raises on
-        every rank): a new placement where the last one is stale, so that the master copies are compared with the
-        parameters' present storage (``p.data = new`` since the last step); then those whose parameters were
-        written since take their values (a write after the last step would otherwise be saved as the old master)."""
-        self._agreed(self._repartition_if_changed)
-
-    def _place_for_load(self) -> None:
-        """Before a load writes master copies and state (collective, agreed): the placement made again where it is
-        stale, so that the master weights loaded are written into the parameters' present storage."""
-        self._agreed(self._place_if_stale)
-
-    def _use_regions(self, region_numel: dict[Any, int]) -> None:
-        """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
-        if region_numel == self._region_numel or self.partition != "even":
-            return
-        if any(self.local_optimizer.state.values()):
-            raise RuntimeError(
-                "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the "
-                "model before the optimizer has any state (before the first step() and before loading a checkpoint)"
-            )
-        self._region_numel = region_numel
-        self._repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper

@@ -1,0 +1,230 @@
+"""Where a ZeroRedundancyOptimizer's parameters live: the views of its partition plan, and the placement made
+again when it goes stale.
+
+``placement.place`` builds a plan, the local shard, the parameter sync and the local optimizer's binding from its
+arguments; ``Partitioning`` (a base class of the optimizer: ``self`` is the optimizer, typed as ``PlanParts``)
+holds what it built and says who owns what. It places again after ``add_param_group`` (agreed across ranks, new
+parameters only), a parameter made trainable or given new storage (before a step, a checkpoint or a load, so that
+master copies meet the parameters' present storage), and where ``ShardedDataParallel`` re-cuts an even partition
+into its buckets' regions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from distoptim.zero import placement, validation
+from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.local_optimizer import CLASS_KEY, whole_tensor_weights
+from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.partition import Fragment, PartitionPlan
+from distoptim.zero.shard import LocalShard, complete_hyperparameters
+
+__all__ = ["Partitioning", "PlanParts"]
+
+
+class PlanParts(Protocol):
+    """What placing reads and sets of a ZeroRedundancyOptimizer."""
+
+    param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
+    process_group: dist.ProcessGroup
+    partition: str
+    _ready: bool
+    _gradient_store: Any
+    overlap_stepper: OverlapStepper | None
+    optim: Optimizer | None
+    _optimizer_class: type[Optimizer]
+    _defaults: dict[str, Any]
+    _settings: placement.PlacementSettings
+    _plan: PartitionPlan | None
+    _index_cache: tuple[PartitionPlan | None, dict[int, int]]
+    _placement: placement.Placement | None
+    _shard: LocalShard | None
+    _sync: ParameterSync | None
+    _unowned: list[Tensor]
+    _trainability: tuple[bool, ...]
+    _routes: dict[tuple[Any, ...], Any]
+    _region_numel: dict[Any, int] | None
+    _plan_listeners: list[Callable[[], None]]
+
+    @property
+    def global_params(self) -> list[Tensor]: ...
+    @property
+    def plan(self) -> PartitionPlan: ...
+    @property
+    def local_shard(self) -> LocalShard: ...
+    @property
+    def local_optimizer(self) -> Optimizer: ...
+    def _index_of(self, param: Tensor) -> int | None: ...
+    def _add_group(self, group: dict[str, Any]) -> None: ...
+    def _push_hyperparameters(self) -> None: ...
+    def _agreed(self, action: Callable[[], Any]) -> Any: ...
+    def _repartition(self, fresh: bool = False, in_place: bool = False) -> None: ...
+    def _repartition_if_changed(self) -> None: ...
+    def _place_if_stale(self) -> None: ...
+
+
+class Partitioning:
+    """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
+
+    # what the last placement built (None until the constructor's first): set by _repartition only
+    _plan: PartitionPlan | None
+    _index_cache: tuple[PartitionPlan | None, dict[int, int]]
+    _placement: placement.Placement | None
+    _shard: LocalShard | None
+    _sync: ParameterSync | None
+    _region_numel: dict[Any, int] | None
+    optim: Optimizer | None
+
+    def add_param_group(self: PlanParts, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are.
+
+        Args:
+            param_group: ``{"params": [...], **hyperparameters}``, the same on every rank.
+
+        Raises:
+            ValueError: on every rank, when any rank's group is refused (a parameter already held, a bad
+                hyperparameter) or the ranks' groups differ.
+
+        Example:
+            ```python
+            layer.requires_grad_(True)
+            zero.add_param_group({"params": layer.parameters(), "lr": 1e-4})
+            ```
+        """
+        if not self._ready:
+            self._add_group(param_group)
+            return
+        group = validation.agreed_param_group(
+            param_group,
+            self._optimizer_class,
+            self.param_groups,
+            self._defaults,
+            self.process_group,
+            sharded_gradients=self._gradient_store is not None,
+        )
+        self._add_group(group)
+        self._repartition()
+
+    def _add_group(self: PlanParts, group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
+        (its class's own fill it in, ``local_optimizer.py``)."""
+        if CLASS_KEY not in group:
+            Optimizer.add_param_group(cast(Optimizer, self), group)
+            return
+        constructor_defaults, self.defaults = self.defaults, {}
+        try:
+            Optimizer.add_param_group(cast(Optimizer, self), group)
+        finally:
+            self.defaults = constructor_defaults
+
+    @property
+    def plan(self: PlanParts) -> PartitionPlan:
+        """Which rank owns each parameter (global index order)."""
+        assert self._plan is not None
+        return self._plan
+
+    def owner_of(self: PlanParts, param: Tensor) -> int:
+        """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
+
+        Args:
+            param: one of this optimizer's parameters.
+
+        Raises:
+            ValueError: this optimizer does not hold ``param``.
+        """
+        if (index := self._index_of(param)) is None:
+            raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
+        return self.plan.owners[index]
+
+    def fragments_of(self: PlanParts, param: Tensor) -> tuple[Fragment, ...] | None:
+        """Which ranks own which elements of ``param`` (memory order); None when this optimizer does not hold it.
+
+        Args:
+            param: a tensor, one of this optimizer's parameters or not.
+        """
+        index = self._index_of(param)
+        return None if index is None else self.plan.fragments[index]
+
+    def _index_of(self: PlanParts, param: Tensor) -> int | None:
+        """``param``'s global index (None when not held), from a table rebuilt with the plan."""
+        if self._index_cache[0] is not self.plan:
+            self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self.global_params)})
+        return self._index_cache[1].get(id(param))
+
+    def _repartition(self: PlanParts, fresh: bool = False, in_place: bool = False) -> None:
+        """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
+        plan (``placement.py``). ``in_place``: bucket views move within their buffers."""
+        if self._sync is not None:
+            self._sync.finish()
+        params, previous_shard = self.global_params, self._shard
+        whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
+        placed = placement.place(
+            params,
+            self.param_groups,
+            self._settings,
+            previous=None if fresh else self._plan,
+            region_numel=self._region_numel,
+            moving_within=self._sync if in_place else None,
+            whole=whole,
+            costs=costs,
+        )
+        self._placement = placed
+        self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
+        self._trainability = placed.trainability
+        self._routes.clear()
+        self.optim = optim = placement.bind_local_optimizer(
+            self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
+        )
+        complete_hyperparameters(self.param_groups, optim.param_groups)
+        self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
+        if self.overlap_stepper is not None:
+            self.overlap_stepper.rebuild(optim, placed.shard, placed.plan, params, self.param_groups)
+        for listener in self._plan_listeners:
+            listener()
+
+    def _repartition_if_changed(self: PlanParts) -> None:
+        """Before a step: a new placement where the last one is stale (``_place_if_stale``); then master copies
+        take the values of parameters written outside the optimizer (``model.load_state_dict(...)``), which they
+        would otherwise overwrite with their own."""
+        self._place_if_stale()
+        self.local_shard.reseed_masters()
+
+    def _place_if_stale(self: PlanParts) -> None:
+        """A new placement where the last one is stale (``placement.is_stale``: a parameter made trainable or given
+        new storage since); a parameter whose dtype or device changed since is refused (``placement.py``)."""
+        assert self._placement is not None
+        if placement.is_stale(self._placement, self.global_params):
+            placement.check_layout_keys(self._placement, self.global_params)
+            self._repartition()
+
+    def _masters_follow_parameters(self: PlanParts) -> None:
+        """Before a checkpoint takes the master copies (collective: the step's agreement, so a refusal raises on
+        every rank): a new placement where the last one is stale, so that the master copies are compared with the
+        parameters' present storage (``p.data = new`` since the last step); then those whose parameters were
+        written since take their values (a write after the last step would otherwise be saved as the old master)."""
+        self._agreed(self._repartition_if_changed)
+
+    def _place_for_load(self: PlanParts) -> None:
+        """Before a load writes master copies and state (collective, agreed): the placement made again where it is
+        stale, so that the master weights loaded are written into the parameters' present storage."""
+        self._agreed(self._place_if_stale)
+
+    def _use_regions(self: PlanParts, region_numel: dict[Any, int]) -> None:
+        """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
+        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
+        if region_numel == self._region_numel or self.partition != "even":
+            return
+        if any(self.local_optimizer.state.values()):
+            raise RuntimeError(
+                "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the "
+                "model before the optimizer has any state (before the first step() and before loading a checkpoint)"
+            )
+        self._region_numel = region_numel
+        self._repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
