@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["copy_each_", "flat_view", "is_dense", "pack", "unpack_", "view_like"]
+__all__ = ["copy_each_", "flat_view", "is_dense", "owns_its_memory", "pack", "unpack_", "view_like"]
 
 
 def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
@@ -49,6 +49,15 @@ def is_dense(tensor: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def owns_its_memory(tensor: Tensor) -> bool:
+    """Whether no other tensor shares ``tensor``'s storage (False where torch cannot tell)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None or tensor._base is not None:
+        return False
+    storage = tensor.untyped_storage()  # this handle holds a reference of its own
+    return bool(count(storage._cdata) == 2)
 
 
 def flat_view(tensor: Tensor) -> Tensor:

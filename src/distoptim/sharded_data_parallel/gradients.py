@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from distoptim._backward import at_end_of_backward
-from distoptim._flat import flat_view, is_dense, view_like
+from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim._host_memory import host_zeros
 from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel import coordination
@@ -223,11 +223,16 @@ class OwnedGradients:
         while self._in_flight:
             self._in_flight.popleft()[2].wait()
         self._buffers.clear()
-        self._filled.clear()
-        self._remaining = [len(bucket.slots) for bucket in self.buckets]
-        self._next, self._places = 0, []
+        self._next_backward_afresh()
+        self._places = []
         self._backward = self._deferred = False
         coordination.forget(self)
+
+    def _next_backward_afresh(self) -> None:
+        """No parameter's gradient in a bucket yet, and no bucket launched: as the next backward must find it."""
+        self._filled.clear()
+        self._remaining = [len(bucket.slots) for bucket in self.buckets]
+        self._next = 0
 
     def check_finished(self) -> None:
         """Refuse to read a gradient that a backward which raised left half reduced (before a step or a forward)."""
@@ -299,7 +304,7 @@ class OwnedGradients:
             and (grad.device, grad.dtype) == self.store_keys[plan.key]
             and grad.stride() == param.stride()
             and is_dense(grad)
-            and _memory_is_its_own(grad)
+            and owns_its_memory(grad)
         )
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
@@ -360,9 +365,7 @@ class OwnedGradients:
         coordination.launch_the_rest(self)
         while self._in_flight:
             self._land_oldest()
-        self._filled.clear()
-        self._remaining = [len(bucket.slots) for bucket in self.buckets]
-        self._next = 0
+        self._next_backward_afresh()
         coordination.agree_on_use(self)
         self.holds = [held or now for held, now in zip(self.holds, self.everywhere or ())]
         self.mark()
@@ -401,15 +404,6 @@ class OwnedGradients:
             self.landed[bucket] = False
             self._land_oldest()
         self.mark()
-
-
-def _memory_is_its_own(tensor: Tensor) -> bool:
-    """Whether no other tensor shares ``tensor``'s storage (False where torch cannot tell)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None or tensor._base is not None:
-        return False
-    storage = tensor.untyped_storage()  # this handle holds a reference of its own
-    return bool(count(storage._cdata) == 2)
 
 
 def _dead() -> None:
