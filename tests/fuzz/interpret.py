@@ -160,6 +160,7 @@ class Run:
             with torch.no_grad():
                 for name, want in self.oracle.model.named_parameters():
                     want.copy_(ours[name])
+            self.oracle.align_masters()
 
     def compare_values(self, where: str, got: Any, want: Any, dtype: torch.dtype = torch.float32) -> None:
         if got is None and want is None:

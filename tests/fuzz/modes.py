@@ -218,6 +218,17 @@ class Oracle:
                 if master is not None and not torch.equal(p, master.to(p.dtype)):
                     master.copy_(p.float())
 
+    def align_masters(self) -> None:
+        """After an alignment (the model took the subject's values): each element whose master no longer rounds to
+        its parameter takes the parameter's value; the others keep their fp32 bits. Without it the master of an
+        element the alignment moved (a noisy element Adam's first step moved by lr on one side only) stepped on
+        from the old value: seed 20046, a bf16 head element ``lr`` off after the next step though aligned before."""
+        with torch.no_grad():
+            for p in self.params:
+                master = self.masters.get(id(p))
+                if master is not None:
+                    torch.where(master.to(p.dtype) == p, master, p.float(), out=master)
+
     def note_noise(self) -> None:
         """Mark the elements whose averaged gradient is near zero (below ``NOISE`` of the tensor's largest): a
         gradient summed in another order (reduced to owners, in fp32, over micro-batches) differs there by a few
