@@ -108,6 +108,7 @@ def _memory_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
             zero.zero_grad()
             sdp(*batch(rank, step, 0), 1, 0).square().mean().backward()
             zero.step()
+        sdp.sync_finished()  # the end of training: no rank destroys its group with a peer's sync still coming
         size = (reduce_dtype or torch.float32).itemsize
         full = sum(p.numel() * (size if p.dtype == torch.float32 or reduce_dtype else 2) for p in groups_of(zero))
         owned = sum(t.numel() * t.element_size() for t in gradients.owned if t is not None)
