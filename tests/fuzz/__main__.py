@@ -141,6 +141,9 @@ def main() -> None:
     refusals = collections.Counter(refused)
     for message, count in refusals.most_common():
         print(f"  refused x{count}: {message}")
+    for program, verdict in zip(programs, verdicts):  # the fuzzer's own gaps: programs plain DDP cannot run
+        if verdict["category"] == "oracle_error":
+            print(f"  oracle_error seed {program.seed}: {verdict['detail'][0][:160]}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ buffers and the optimizer state (the consolidated ``state_dict()`` against the p
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import traceback
@@ -30,6 +31,14 @@ EVAL_STEP = 999  # the eval batches' step number (data no step trains on)
 # align too: unaligned, its bf16 ulps moved the next backward's fp32 gradients by 1e-3 relative, 2.5e-4 after the
 # next NAdam step, where aligned they agree to 1e-9 (seed 20474; 20054, 20626, 20678, 20778, 20825 alike)
 STEPS = ("step", "closure_step", "scaler_step", "backward", "gan")
+
+
+class _FailedBackward(Exception):
+    """Raised on purpose inside a backward (``Run.failed_backward``)."""
+
+
+def _fail(*_: Any) -> None:
+    raise _FailedBackward("the fuzzer's backward fails here")
 
 
 class OracleFailed(Exception):
@@ -451,7 +460,38 @@ class Run:
         if old.scaler is not None:
             new.scaler.load_state_dict(old.scaler.state_dict())
         self.subject = new
+        self.oracle.rewrap()  # a resumed job wraps its model anew: its first forward broadcasts buffers, as SDP's
         self.oracle.model.zero_grad(set_to_none=True)  # a resumed job starts without gradients
+
+    def failed_backward(self, layer: str, via: str, set_to_none: bool) -> None:
+        """The subject's backward raises in ``layer``'s backward (the layers after it reduced, the others never
+        reached), then the gradient is cleared through ``via``: the SDP guide's recovery, after which training goes
+        on as DDP's without that batch. DDP has no such recovery (its reducer stays mid-iteration), so the oracle
+        runs DDP's forward (buffers broadcast, BatchNorm's statistics updated alike) as one whose backward never
+        reduces (under ``no_sync``, its next forward still broadcasting buffers, as after a forward that trained),
+        and the same failing backward with fresh leaves for the parameters (out of DDP's sight: its hooks would
+        count them as used), buffers kept: the parameters it reached get a ``.grad`` for the clear to zero or drop."""
+        oracle = self.oracle.model
+        with self.oracle.ddp.no_sync():
+            self.forward_loss(self.oracle.ddp)
+        self.oracle.ddp.require_forward_param_sync = True
+        leaves = {name: p.detach().requires_grad_(p.requires_grad) for name, p in oracle.named_parameters()}
+        buffers = [b.detach().clone() for b in oracle.buffers()]
+        twin = functools.partial(torch.func.functional_call, oracle, leaves)
+        for model, wrapper in ((self.subject.model, self.subject.wrapper), (oracle, lambda *a: twin(a))):
+            handle = getattr(model, layer).register_full_backward_pre_hook(_fail)
+            try:
+                with contextlib.suppress(_FailedBackward):
+                    self.forward_loss(wrapper).backward()
+            finally:
+                handle.remove()
+        with torch.no_grad():
+            for kept, buffer in zip(buffers, oracle.buffers()):
+                buffer.copy_(kept)
+        for name, param in oracle.named_parameters():
+            if leaves[name].grad is not None and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        self.zero_grad(via, set_to_none)
 
     def gan(self, d_lr: float) -> None:
         episodes.gan(self, d_lr)

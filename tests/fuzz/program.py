@@ -68,6 +68,9 @@ ACTIONS: dict[str, tuple[str, ...] | None] = {
     # and back at the session's world size
     "gan": ("zero1", "zero2_hook", "sdp"),
     "reshard": ("zero1", "zero2_hook", "sdp"),
+    # from a third stream: a backward that raises midway (in a layer's backward), then a clear through some object;
+    # SDP's documented recovery (DDP itself has none to compare with: its reducer is left mid-iteration)
+    "failed_backward": ("sdp",),
 }
 BETWEEN = (
     "sched_step",
@@ -215,7 +218,8 @@ def generate(
 def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
     """What the fuzzer gained later, from a second random stream: a forward pre-hook registered before wrapping
     (``prehook``), a sparse embedding (refused by the modes that reduce to owners), LBFGS (refused), a GAN round
-    (``gan``), a resume at another world size (``reshard``, last), hybrid sharding."""
+    (``gan``), a resume at another world size (``reshard``, last), hybrid sharding; from a third, a backward that raises
+    midway (``failed_backward``)."""
     rng = random.Random(f"widen-{program.seed}")
     mode, features, options = program.mode, list(program.features), dict(program.options)
     optimizer, kwargs, actions = program.optimizer, dict(program.kwargs), list(program.actions)
@@ -233,6 +237,15 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
             actions.insert(rng.randrange(len(actions) + 1), Action("gan", {"d_lr": rng.choice([0.01, 0.05])}))
     if "reshard" in allowed and mode in (ACTIONS["reshard"] or ()) and rng.random() < 0.15:
         actions.append(Action("reshard", {"kind": rng.choice(["sharded", "consolidated"])}))
+    later = random.Random(f"later-{program.seed}")  # a third stream: the draws above stay as they were
+    # not with a rank-dependent branch: a rank can wait inside its backward for a bucket the others raised before
+    # filling (the SDP guide's stated limit: a timeout, not a wrong result)
+    failing = "failed_backward" in allowed and mode in (ACTIONS["failed_backward"] or ()) and later.random() < 0.3
+    if failing and "rank_branch" not in features:
+        # mostly the documented recoveries; the others are refused (on every rank) at the next forward or step
+        via = later.choices(["optimizer", "wrapper", "module", "bare", "param_none"], [4, 4, 1, 1, 1])[0]
+        args = {"layer": later.choice(["body", "head"]), "via": via, "set_to_none": later.random() < 0.6}
+        actions.insert(later.randrange(len(actions) + 1), Action("failed_backward", args))
     if hybrid and mode != "sdp":
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]

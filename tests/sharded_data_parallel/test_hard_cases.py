@@ -666,6 +666,49 @@ def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
     return " | ".join(outcomes)
 
 
+def _unequal_failed_backward_body(rank: int, world_size: int, clear: str) -> None:
+    """A backward through the wrapper that raises at a different layer on each rank (rank 0 after two layers'
+    buckets launched, rank 1 after one), cleared through ``clear``; then training goes on and must end as DDP + the
+    plain optimizer's without that batch."""
+    model, reference = Chain(4), Chain(4)
+    zero, sdp = _sdp(model, partition="even")
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
+
+    def step_both(step: int) -> None:
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step), True).square().mean().backward()
+            opt.step()
+
+    def fail(*_: Any) -> None:
+        raise _Fails("the backward fails here")
+
+    step_both(0)
+    handle = model.layers[1 + rank].register_full_backward_pre_hook(fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1), True).square().mean().backward()
+    handle.remove()
+    if clear == "zero":
+        zero.zero_grad()
+    else:  # not a clear the store can see: the next forward refuses on every rank, then zero_grad() recovers
+        model.zero_grad()
+        with pytest.raises(RuntimeError, match="the last backward raised before it finished"):
+            sdp(_x(rank, 2), True)
+        zero.zero_grad()
+    step_both(2)
+    step_both(3)
+    sdp.sync_finished()
+    _compare(model, reference, f"after a backward that raised unequally, cleared through {clear}")
+
+
+@pytest.mark.parametrize("clear", ["zero", "module"])
+def test_a_backward_that_raised_at_different_points_on_each_rank_is_lined_up(clear: str) -> None:
+    """The ranks launched different numbers of bucket reductions before the error (6 and 4 of 10 here): the ranks
+    compare how far each got out of band and the ones behind launch the rest, so that ``zero_grad()`` waits for
+    reductions every rank launched and the next collectives pair as they should."""
+    run_on_ranks(_unequal_failed_backward_body, 2, clear, timeout=90)
+
+
 @pytest.mark.parametrize("then", ["zero_grad", "forward_and_step"])
 def test_a_backward_that_raised_midway_is_dropped_by_zero_grad_or_refused(then: str) -> None:
     """After a backward that raised (the engine then runs no end-of-backward callback, so the store's flush never

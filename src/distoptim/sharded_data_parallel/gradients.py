@@ -37,6 +37,7 @@ from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim._host_memory import host_zeros
 from distoptim.comm import collectives as comm
+from distoptim.comm.out_of_band import max_through_store
 from distoptim.sharded_data_parallel import coordination
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
@@ -87,6 +88,7 @@ class OwnedGradients:
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self._backward = False
+        self.forward_pending = False  # a forward with gradients ran through the wrapper and no flush since
         self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
         self._deferred = False  # this backward reached another store on the group: launch only at the flush
         if previous is not None:
@@ -196,6 +198,8 @@ class OwnedGradients:
         """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
         ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
         then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
+        self._line_up_unfinished()
+        reached = set(self._filled) if self._backward else set()  # .grad that a backward which raised took
         if self._backward:
             self._abandon_backward()
         self.landed = [not set_to_none] * len(self.buckets)
@@ -214,12 +218,32 @@ class OwnedGradients:
                 self.owned[bucket] = self._new_owned(bucket).zero_()
             else:
                 owned.zero_()
+        if not set_to_none and reached:  # zeros, as the .grad the raised backward had accumulated would be now
+            for index in reached:
+                self.holds[index] = True
+            self.mark()
+
+    def _line_up_unfinished(self) -> None:
+        """When a forward's backward never reached its flush (it raised midway, or none ran), the ranks compare, out
+        of band (``max_through_store``), whether and how far each one's backward got: a parameter some ranks do
+        not use makes them launch fewer buckets before the error. The ranks behind launch the buckets the others
+        did (contents to be dropped), so that every rank waits for the same reductions and every rank refuses the
+        half-reduced gradient alike (``_backward``). A forward not followed by a backward costs one such exchange."""
+        if not self.forward_pending:
+            return
+        self.forward_pending = False
+        raised, furthest = max_through_store([int(self._backward), self._next], self.zero.agreement_groups, "sdp")
+        if not raised:
+            return
+        self._deferred, self._backward = False, True
+        for bucket in range(self._next, furthest):
+            self._launch(bucket)
 
     def _abandon_backward(self) -> None:
         """Forget what a backward that raised left behind (the autograd engine runs no end-of-backward callback
-        after an error, so its flush never ran): the reductions it launched are waited for (every rank that raised
-        alike launched the same ones) and dropped with its buckets, so that the next backward starts as after a
-        flush."""
+        after an error, so its flush never ran): the reductions it launched are waited for (every rank launched the
+        same ones: ``_line_up_unfinished``) and dropped with its buckets, so that the next backward starts as after
+        a flush."""
         while self._in_flight:
             self._in_flight.popleft()[2].wait()
         self._buffers.clear()
@@ -235,7 +259,9 @@ class OwnedGradients:
         self._next = 0
 
     def check_finished(self) -> None:
-        """Refuse to read a gradient that a backward which raised left half reduced (before a step or a forward)."""
+        """Refuse to read a gradient that a backward which raised left half reduced (before a step or a forward), on
+        every rank where a forward's backward never reached its flush."""
+        self._line_up_unfinished()
         if self._backward:
             raise RuntimeError(
                 "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced "
@@ -361,7 +387,7 @@ class OwnedGradients:
         launches before this flush (their gradients wait in their buckets: more memory, for this backward only),
         and here every store the backward reached launches its last buckets, in the order the backward reached
         them, before this one waits for anything: before that, only the first store launched, in its own order."""
-        self._backward = False
+        self._backward = self.forward_pending = False
         coordination.launch_the_rest(self)
         while self._in_flight:
             self._land_oldest()
