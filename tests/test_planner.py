@@ -556,15 +556,16 @@ def _muon_run(rank: int, partition: str) -> dict[str, int]:
     ZeroRedundancyOptimizer with ``partition``), two steps: this rank's live state bytes, and the Newton-Schulz FLOPs
     of the second step."""
     model = planner_net()
-    ddp = DDP(model)
     matrices = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
     if partition == "ddp":
+        ddp: nn.Module = DDP(model)
         optimizers: list[Any] = [torch.optim.Muon(matrices), torch.optim.AdamW(rest)]
         locals_ = optimizers
     else:
         groups = [{"params": matrices, "optimizer_class": torch.optim.Muon}, {"params": rest}]
-        zero = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, partition=partition)
+        zero = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, partition=partition.removeprefix("sdp-"))
+        ddp = distoptim.ShardedDataParallel(model, zero) if partition.startswith("sdp-") else DDP(model)
         optimizers, locals_ = [zero], [zero.local_optimizer]
     for iteration in range(2):
         model.zero_grad()
@@ -587,18 +588,20 @@ def _muon_body(rank: int, world_size: int, partitions: list[str]) -> list[dict[s
 @pytest.mark.parametrize("world_size", [3])
 def test_plan_models_muon_state_and_newton_schulz_work_per_rank(world_size: int) -> None:
     """``--muon``: per rank, the optimizer state bytes and the Newton-Schulz FLOPs the plan gives DDP + plain
-    Muon/AdamW and ZeRO-1 (both partitions) are the live ones, and the balance is their max/mean."""
-    partitions = ["even", "greedy"]
+    Muon/AdamW, ZeRO-1 and ShardedDataParallel (both partitions each) are the live ones, and the balance is their
+    max/mean."""
+    partitions = ["even", "greedy", "sdp-even", "sdp-greedy"]
     results = run_on_ranks(_muon_body, world_size, partitions, timeout=180)
     inventory = from_factory(load_factory(FACTORY), FACTORY)
     for index, partition in enumerate(["ddp", *partitions]):
         config = PlanConfig(
             world_size=world_size,
             optimizer=resolve_optimizer("adamw"),
-            partition="even" if partition == "ddp" else partition,
+            partition="even" if partition == "ddp" else partition.removeprefix("sdp-"),
             muon=OptimizerSpec(torch.optim.Muon),
         )
-        mode = {m.key: m for m in plan_modes(inventory, config)}["ddp" if partition == "ddp" else "zero1"]
+        key = "ddp" if partition == "ddp" else "sharded_data_parallel" if partition.startswith("sdp-") else "zero1"
+        mode = {m.key: m for m in plan_modes(inventory, config)}[key]
         live = [results[rank][index] for rank in range(world_size)]
         assert [r["state"] for r in live] == [m.state for m in mode.ranks], partition
         assert [r["flops"] for r in live] == list(mode.newton_schulz), partition

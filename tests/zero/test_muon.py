@@ -328,7 +328,7 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
     return None
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_muon_and_adamw_match_ddp_with_plain_optimizers(world_size: int) -> None:
     run_on_ranks(_parity_body, world_size, timeout=240)
 
