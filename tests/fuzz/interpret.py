@@ -84,8 +84,11 @@ def refusal_expected(program: Program) -> str:
     as ``oracle_error``), or ''."""
     if program.optimizer == "LBFGS":
         return "LBFGS (its step couples every parameter: one shard cannot run it)"
-    if "sparse" in program.features and program.mode in ("zero2_hook", "sdp", "overlap_hook"):
+    backward = any(a.name in ("backward", "closure_step", "scaler_step", "gan") for a in program.actions)
+    if "sparse" in program.features and program.mode in ("sdp", "overlap_hook"):  # refused at construction
         return f"a sparse embedding under {program.mode} (it reduces or steps dense gradients only)"
+    if "sparse" in program.features and program.mode == "zero2_hook" and backward:  # at the hook's first call
+        return "a sparse embedding under zero2_hook (it reduces dense gradients only)"
     return ""
 
 

@@ -204,7 +204,10 @@ class Oracle:
         0's buffers; ``keep_buffers``: each rank keeps its own, as a DDP that followed the storage would (where the
         subject is not rewrapped: ShardedDataParallel follows the storage itself)."""
         buffers = [b.detach().clone() for b in self.model.buffers()] if keep_buffers else []
+        syncs_next = self.ddp.require_forward_param_sync  # a DDP that followed: broadcasts where it would have
         self.ddp = _ddp(self.model, self.group)
+        if keep_buffers:
+            self.ddp.require_forward_param_sync = syncs_next
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), buffers):
                 buffer.copy_(saved)

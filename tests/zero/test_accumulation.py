@@ -1,10 +1,10 @@
-"""Gradient accumulation with ``reduce_to_owners_hook``: a step over gradients a synced backward added onto what a
-previous one reduced to owners is refused on every rank (it summed the ranks' leftovers: silently wrong); the ways
-that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket views), DDP's
-static graph, a ``torch.autograd.grad`` between steps and a backward added onto the gradients but cleared before the
-next step (a GAN's generator step; cleared to None, or in place with ``zero_grad(set_to_none=False)``) train as DDP +
-the plain optimizer do, and so do clears through ``.data`` (``p.grad.data.zero_()``, which leaves ``_version``
-alone)."""
+"""Gradient accumulation with ``reduce_to_owners_hook``: a step (or a clip) over gradients a synced backward added
+onto what a previous one reduced to owners is refused on every rank (it summed the ranks' leftovers: silently wrong);
+the ways that accumulate right (``no_sync()``, clearing between backwards, to None or in place, with DDP's bucket
+views), DDP's static graph, a ``torch.autograd.grad`` between steps and a backward added onto the gradients but
+cleared before the next step (a GAN's generator step; cleared to None, or in place with
+``zero_grad(set_to_none=False)``) train as DDP + the plain optimizer do (clipped too, in place: the same norm), and so
+do clears through ``.data`` (``p.grad.data.zero_()``, which leaves ``_version`` alone)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,15 @@ def _train(rank: int, how: str, partition: str) -> str:
                     "added_then_cleared",
                     "data_zero",
                     "added_then_data_cleared",
-                ) or (how in ("synced", "across_steps") and step == 0):
+                ) or (how in ("synced", "synced_clipped", "across_steps") and step == 0):
                     break  # one micro-batch (DDP's static graph has no no_sync); the refusals come later
+            if how in ("synced_clipped", "in_place"):  # clipping reads the gradients as the step does
+                try:
+                    norm = zero.clip_grad_norm_(0.05)
+                except RuntimeError as error:
+                    return f"clip: {error}"
+                want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+                torch.testing.assert_close(norm, want_norm, msg=f"{how} {partition} step {step} norm")
             zero.step()
             plain.step()
             for ours, want in zip(model.parameters(), reference.parameters()):
@@ -74,9 +81,10 @@ def _train(rank: int, how: str, partition: str) -> str:
     return "ok"
 
 
-HOWS = ["synced", "across_steps", "no_sync", "in_place", "bucket_view", "static_graph"]
+HOWS = ["synced", "synced_clipped", "across_steps", "no_sync", "in_place", "bucket_view", "static_graph"]
 HOWS += ["autograd_grad", "added_then_cleared", "data_zero", "added_then_data_cleared", "data_zero_synced"]
-REFUSED = ("synced", "across_steps", "data_zero_synced")  # two synced backwards with no clearing between them
+# two synced backwards with no clearing between them
+REFUSED = ("synced", "synced_clipped", "across_steps", "data_zero_synced")
 
 
 def _body(rank: int, world_size: int) -> list[tuple[str, str, str]]:
@@ -90,6 +98,7 @@ def test_accumulating_onto_reduced_gradients_is_refused_and_the_right_ways_train
             if how in REFUSED:
                 assert "a backward added onto the gradients" in outcome, (how, partition, outcome)
                 assert "no_sync()" in outcome and "ShardedDataParallel" in outcome
+                assert outcome.startswith("clip: ") == (how == "synced_clipped"), (how, outcome)
             else:
                 assert outcome == "ok", (how, partition, outcome)
 

@@ -101,6 +101,12 @@ class AccumulationGuard:
         self._was_zero.clear()
         self._zero_before.clear()
 
+    @property
+    def watching(self) -> bool:
+        """Whether a hook reduced any bucket to owners yet (the same on every rank: every rank's hook sees every
+        bucket)."""
+        return bool(self._watched)
+
     def check(self) -> None:
         """Raise if a ``.grad`` still holds a sum onto what a reduction to owners left (call where it is read)."""
         written: dict[torch.device, list[tuple[int, Tensor]]] = {}

@@ -19,6 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
+from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
@@ -350,7 +351,9 @@ class ZeroRedundancyOptimizer(
 
         Raises:
             RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
-                ``overlap_with_ddp=True`` (the step ran inside the backward already: clipping could not take part).
+                ``overlap_with_ddp=True`` (the step ran inside the backward already: clipping could not take part),
+                under ``ShardedDataParallel`` after a backward that raised midway and no ``zero_grad()`` since, or
+                after gradients were accumulated onto what ``reduce_to_owners_hook`` left (as ``step()`` refuses).
 
         Example:
             ```python
@@ -365,6 +368,11 @@ class ZeroRedundancyOptimizer(
                 "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
                 "worked. Build it with overlap_with_ddp=False (with reduce_to_owners_hook for ZeRO-2) to clip"
             )
+        # every rank alike: neither a half-reduced gradient nor one accumulated onto owners' leftovers is clipped
+        if self._gradient_store is not None:
+            self._gradient_store.check_finished()
+        if self._accumulation.watching:
+            agreement.run_agreed(self._accumulation.check, self.agreement_groups, "clip_grad_norm_")
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
         grads, group, device = self.local_shard.owned_grads(), self.process_group, self._comm_device
