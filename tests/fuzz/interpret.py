@@ -163,6 +163,9 @@ class Run:
                     )
             kept = slice(None) if noisy is None or noisy.shape != got.shape else ~noisy
             relative = self.oracle.relative_noise.get(id(want)) if rtol or atol else None
+            if id(want) in self.oracle.state_noise and (rtol or atol):  # modes.CLIP_ROUNDING
+                carried = self.oracle.state_noise[id(want)]
+                relative = torch.full(got.shape, carried) if relative is None else relative + carried
             if relative is not None and relative.shape == got.shape:  # an adaptive update's share of the rounding
                 off = (got.float() - want.detach().float()).abs()[kept]
                 allowed = (atol + rtol * want.detach().float().abs() + lr * relative)[kept]

@@ -25,6 +25,10 @@ NOISE = 1e-3  # an averaged gradient element this far below its tensor's largest
 # a gradient element's rounding difference relative to its tensor's largest element: twice the largest measured
 # (5.7e-7, seed 20110: sdp, parameters an ulp apart after a clipped step; 2.3e-7 in seed 20680's zero1)
 GRAD_ROUNDING = 1e-6
+# a clip's coefficient when bf16 gradients set the norm: DDP averages them in bf16, ShardedDataParallel with master
+# weights in fp32 (reduce_dtype), a relative 2^-8 apart; every clipped gradient carries it, and an adaptive update
+# (RMSprop's first steps: lr * g / sqrt(0.01 g^2), ten times lr) moves by up to ten times lr times that (seed 39086)
+CLIP_ROUNDING = 10 * 2**-8
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
 
@@ -179,6 +183,7 @@ class Oracle:
         self.masters: dict[int, Tensor] = {}
         self.noisy: dict[int, Tensor] = {}  # per parameter, the elements note_noise marked since the last alignment
         self.relative_noise: dict[int, Tensor] = {}  # per parameter and element, its gradient's relative rounding
+        self.state_noise: dict[int, float] = {}  # per parameter, a relative rounding its optimizer state carries
         groups = param_groups(self.model, self.lr)
         if program.options["master"]:
             for entry in groups:
@@ -294,7 +299,13 @@ class Oracle:
             return torch.tensor(0.0)
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
         total = norms.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coefficient)
+        rounded_in_bf16 = any(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in self.params)
+        if self.program.options.get("master") and rounded_in_bf16 and float(coefficient) < 1.0:
+            for p in self.params:  # kept in the optimizer's state (RMSprop's v): outlives the alignments
+                if p.grad is not None and self.program.optimizer != "SGD":
+                    self.state_noise[id(p)] = self.state_noise.get(id(p), 0.0) + CLIP_ROUNDING
         return total
 
     def scaler_step(self, loss: Tensor, clip: tuple[float, float] | None) -> Tensor | None:
