@@ -666,9 +666,10 @@ def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
     return " | ".join(outcomes)
 
 
-def _unequal_failed_backward_body(rank: int, world_size: int, clear: str) -> None:
+def _unequal_failed_backward_body(rank: int, world_size: int, clear: str, between: str) -> None:
     """A backward through the wrapper that raises at a different layer on each rank (rank 0 after two layers'
-    buckets launched, rank 1 after one), cleared through ``clear``; then training goes on and must end as DDP + the
+    buckets launched, rank 1 after one), with ``between`` its forward and it another forward (none, one without
+    gradients, one with), cleared through ``clear``; then training goes on and must end as DDP + the
     plain optimizer's without that batch."""
     model, reference = Chain(4), Chain(4)
     zero, sdp = _sdp(model, partition="even")
@@ -684,9 +685,20 @@ def _unequal_failed_backward_body(rank: int, world_size: int, clear: str) -> Non
         raise _Fails("the backward fails here")
 
     step_both(0)
-    handle = model.layers[1 + rank].register_full_backward_pre_hook(fail)
     with contextlib.suppress(_Fails):
-        sdp(_x(rank, 1), True).square().mean().backward()
+        if between == "another_backward_first":  # two forwards; the first's backward finishes, the second's raises
+            first = sdp(_x(rank, 9), True).square().mean()
+        with sdp.no_sync() if between == "no_sync_forward" else contextlib.nullcontext():  # its backward outside
+            handle = model.layers[1 + rank].register_full_backward_pre_hook(fail)
+            loss = sdp(_x(rank, 1), True).square().mean()
+        if between == "no_grad_forward":  # an evaluation between the forward and its backward
+            with torch.no_grad():
+                sdp(_x(rank, 7), True)
+        elif between == "second_forward":  # a second forward whose graph is never backwarded
+            sdp(_x(rank, 8), True)
+        elif between == "another_backward_first":  # ran before the hook was registered: it does not raise
+            first.backward()
+        loss.backward()
     handle.remove()
     if clear == "zero":
         zero.zero_grad()
@@ -701,12 +713,63 @@ def _unequal_failed_backward_body(rank: int, world_size: int, clear: str) -> Non
     _compare(model, reference, f"after a backward that raised unequally, cleared through {clear}")
 
 
-@pytest.mark.parametrize("clear", ["zero", "module"])
-def test_a_backward_that_raised_at_different_points_on_each_rank_is_lined_up(clear: str) -> None:
+@pytest.mark.parametrize(
+    ("clear", "between"),
+    [("zero", "nothing"), ("module", "nothing")]
+    + [
+        ("zero", between)
+        for between in ["no_grad_forward", "second_forward", "no_sync_forward", "another_backward_first"]
+    ],
+)
+def test_a_backward_that_raised_at_different_points_on_each_rank_is_lined_up(clear: str, between: str) -> None:
     """The ranks launched different numbers of bucket reductions before the error (6 and 4 of 10 here): the ranks
     compare how far each got out of band and the ones behind launch the rest, so that ``zero_grad()`` waits for
-    reductions every rank launched and the next collectives pair as they should."""
-    run_on_ranks(_unequal_failed_backward_body, 2, clear, timeout=90)
+    reductions every rank launched and the next collectives pair as they should. A forward between the forward and
+    its backward does not end the wait for that backward (before: an evaluation forward there made the ranks skip
+    the comparison and hang in ``zero_grad()``)."""
+    run_on_ranks(_unequal_failed_backward_body, 2, clear, between, timeout=90)
+
+
+class _Side(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk1, self.side, self.trunk2 = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        x = torch.tanh(self.trunk1(x))
+        return torch.tanh(self.trunk2(x + self.side(x) if use_side else x))
+
+
+def _zeros_where_some_rank_reached_body(rank: int, world_size: int) -> list[bool]:
+    """Rank 0's raised backward reached ``side`` (split between both owners), rank 1's raised before it."""
+    model = _Side()
+    zero, sdp = _sdp(model, partition="even")
+
+    def fail(*_: Any) -> None:
+        raise _Fails("the backward fails here")
+
+    sdp(_x(rank, 0), False).square().mean().backward()
+    zero.step()
+    before = model.side.weight.detach().clone()
+    handle = (model.trunk1 if rank == 0 else model.side).register_full_backward_pre_hook(fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1), True).square().mean().backward()
+    handle.remove()
+    for step in range(2, 4):
+        zero.zero_grad(set_to_none=False)
+        sdp(_x(rank, step), False).square().mean().backward()
+        zero.step()
+    sdp.sync_finished()
+    return (model.side.weight.detach() != before).flatten().tolist()
+
+
+def test_zero_grad_to_zeros_after_a_raised_backward_gives_zeros_where_any_rank_reached() -> None:
+    """A parameter the raised backward reached on some ranks only: after ``zero_grad(set_to_none=False)`` every rank
+    steps it with zeros (AdamW decays it whole), as if each had reached it; before, each owner went by its own
+    backward, so half the matrix decayed and half stood still."""
+    moved = run_on_ranks(_zeros_where_some_rank_reached_body, 2, timeout=60)
+    assert moved[0] == moved[1] and all(moved[0]), moved
 
 
 @pytest.mark.parametrize("then", ["zero_grad", "forward_and_step"])

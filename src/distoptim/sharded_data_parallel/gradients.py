@@ -35,6 +35,7 @@ from distoptim.sharded_data_parallel import coordination
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.sharded_data_parallel.intake import MarkerIntake
 from distoptim.sharded_data_parallel.marker import GradientMarker
+from distoptim.sharded_data_parallel.pending import PendingForwards
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class OwnedGradients(MarkerIntake):
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self._backward = False
-        self.forward_pending = False  # a forward with gradients ran through the wrapper and no flush since
+        self.pending = PendingForwards(lambda: not self.no_sync)  # whose backward may have raised (pending.py)
         self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
         self._deferred = False  # this backward reached another store on the group: launch only at the flush
         if previous is not None:
@@ -110,7 +111,10 @@ class OwnedGradients(MarkerIntake):
         ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
         then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
         self._line_up_unfinished()
-        reached = set(self._filled) if self._backward else set()  # .grad that a backward which raised took
+        reached: set[int] = set()  # .grad that a backward which raised took on some rank: zeros on every rank
+        if self._backward and not set_to_none:  # (the ranks' own sets differ where they raised at different points)
+            took = max_through_store([int(i in self._filled) for i in range(len(self.params))], self._groups, "sdp")
+            reached = {index for index, on_some_rank in enumerate(took) if on_some_rank}
         if self._backward:
             self._abandon_backward()
         self.landed = [not set_to_none] * len(self.buckets)
@@ -139,16 +143,21 @@ class OwnedGradients(MarkerIntake):
         of band (``max_through_store``), whether and how far each one's backward got: a parameter some ranks do
         not use makes them launch fewer buckets before the error. The ranks behind launch the buckets the others
         did (contents to be dropped), so that every rank waits for the same reductions and every rank refuses the
-        half-reduced gradient alike (``_backward``). A forward not followed by a backward costs one such exchange."""
-        if not self.forward_pending:
+        half-reduced gradient alike (``_backward``). Only where some forward is not known to have finished its
+        backward everywhere (``pending.py``): a forward whose output no backward reaches costs such an exchange."""
+        if not self.pending.due:
             return
-        self.forward_pending = False
-        raised, furthest = max_through_store([int(self._backward), self._next], self.zero.agreement_groups, "sdp")
+        raised, furthest = max_through_store([int(self._backward), self._next], self._groups, "sdp")
+        self.pending.compared()
         if not raised:
             return
         self._deferred, self._backward = False, True
         for bucket in range(self._next, furthest):
             self._launch(bucket)
+
+    @property
+    def _groups(self) -> list[Any]:
+        return self.zero.agreement_groups
 
     def _abandon_backward(self) -> None:
         """Forget what a backward that raised left behind (the autograd engine runs no end-of-backward callback
@@ -298,7 +307,8 @@ class OwnedGradients(MarkerIntake):
         launches before this flush (their gradients wait in their buckets: more memory, for this backward only),
         and here every store the backward reached launches its last buckets, in the order the backward reached
         them, before this one waits for anything: before that, only the first store launched, in its own order."""
-        self._backward = self.forward_pending = False
+        self._backward = False
+        self.pending.finished()
         coordination.launch_the_rest(self)
         while self._in_flight:
             self._land_oldest()
@@ -328,6 +338,7 @@ class OwnedGradients(MarkerIntake):
         self.everywhere = previous.everywhere
         self.holds[: len(previous.holds)] = previous.holds
         self._markers, self._unreduced = previous._markers, previous._unreduced
+        self.pending = previous.pending.serving(lambda: not self.no_sync)
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])

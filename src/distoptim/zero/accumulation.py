@@ -102,10 +102,11 @@ class AccumulationGuard:
         self._zero_before.clear()
 
     @property
-    def watching(self) -> bool:
-        """Whether a hook reduced any bucket to owners yet (the same on every rank: every rank's hook sees every
-        bucket)."""
-        return bool(self._watched)
+    def may_refuse(self) -> bool:
+        """Whether ``check`` has anything to look at: a backward added onto what a reduction left, and no
+        ``zero.zero_grad()`` since. The same on every rank of one program (it follows ``.grad`` identities and
+        versions, not values), so that only then need the ranks agree on ``check``'s verdict."""
+        return bool(self._added_onto)
 
     def check(self) -> None:
         """Raise if a ``.grad`` still holds a sum onto what a reduction to owners left (call where it is read)."""

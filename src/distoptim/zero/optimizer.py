@@ -371,7 +371,7 @@ class ZeroRedundancyOptimizer(
         # every rank alike: neither a half-reduced gradient nor one accumulated onto owners' leftovers is clipped
         if self._gradient_store is not None:
             self._gradient_store.check_finished()
-        if self._accumulation.watching:
+        if self._accumulation.may_refuse:  # a collective only where it may
             agreement.run_agreed(self._accumulation.check, self.agreement_groups, "clip_grad_norm_")
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
