@@ -27,7 +27,8 @@ NOISE = 1e-3  # an averaged gradient element this far below its tensor's largest
 GRAD_ROUNDING = 1e-6
 # a clip's coefficient when bf16 gradients set the norm: DDP averages them in bf16, ShardedDataParallel with master
 # weights in fp32 (reduce_dtype), a relative 2^-8 apart; every clipped gradient carries it, and an adaptive update
-# (RMSprop's first steps: lr * g / sqrt(0.01 g^2), ten times lr) moves by up to ten times lr times that (seed 39086)
+# (RMSprop's first steps: lr * g / sqrt(0.01 g^2), ten times lr) moves by up to ten times lr times that (seed 39086),
+# an SGD update with momentum 0.9 by up to ten times lr * |g| times that (seed 38762)
 CLIP_ROUNDING = 10 * 2**-8
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
@@ -254,7 +255,7 @@ class Oracle:
                 if master is not None:
                     torch.where(master.to(p.dtype) == p, master, p.float(), out=master)
 
-    def note_noise(self) -> None:
+    def note_noise(self, scale: float = 1.0) -> None:
         """Mark the elements whose averaged gradient is near zero (below ``NOISE`` of the tensor's largest): a
         gradient summed in another order (reduced to owners, in fp32, over micro-batches) differs there by a few
         ulps of the summands, as large as the element itself. SGD moves such an element by lr * (that ulp); an
@@ -268,12 +269,19 @@ class Oracle:
         seed 20680), which ``Run.compare_local`` allows on top of the tolerance."""
         if self.program.optimizer == "SGD":
             return
+        # L2 weight decay (Adam's, not AdamW's) adds weight_decay * p to the gradient inside the step: where that
+        # cancels the gradient, the sum is rounding-sized too (seed 31874: a bf16 element of a fragment, lr off)
+        coupled = self.program.kwargs.get("weight_decay", 0.0) if self.program.optimizer != "AdamW" else 0.0
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None and p.grad.numel():
                     grad = p.grad.detach()
                     grad = (grad.to_dense() if grad.is_sparse else grad).float().abs()
                     noisy = grad <= NOISE * grad.amax()
+                    if coupled and not p.grad.is_sparse:  # (a GradScaler's gradient still carries its ``scale``)
+                        decay = coupled * p.detach().float()
+                        summed = (p.grad.detach().float() / scale + decay).abs()
+                        noisy |= summed <= NOISE * torch.maximum(grad.amax() / scale, decay.abs().amax())
                     self.noisy[id(p)] = noisy | self.noisy[id(p)] if id(p) in self.noisy else noisy
                     relative = GRAD_ROUNDING * grad.amax() / grad.clamp_min(NOISE * grad.amax()).clamp_min(1e-30)
                     if id(p) in self.relative_noise:
@@ -303,14 +311,15 @@ class Oracle:
         torch._foreach_mul_(grads, coefficient)
         rounded_in_bf16 = any(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in self.params)
         if self.program.options.get("master") and rounded_in_bf16 and float(coefficient) < 1.0:
-            for p in self.params:  # kept in the optimizer's state (RMSprop's v): outlives the alignments
-                if p.grad is not None and self.program.optimizer != "SGD":
-                    self.state_noise[id(p)] = self.state_noise.get(id(p), 0.0) + CLIP_ROUNDING
+            for p in self.params:  # kept in the optimizer's state (RMSprop's v, SGD's momentum): outlives alignments
+                if p.grad is not None:  # SGD moves by lr * g: the rounding of g is what it carries (seed 38762)
+                    gain = float(p.grad.detach().float().abs().amax()) if self.program.optimizer == "SGD" else 1.0
+                    self.state_noise[id(p)] = self.state_noise.get(id(p), 0.0) + CLIP_ROUNDING * gain
         return total
 
     def scaler_step(self, loss: Tensor, clip: tuple[float, float] | None) -> Tensor | None:
         self.scaler.scale(loss).backward()
-        self.note_noise()
+        self.note_noise(self.scaler.get_scale())
         self.to_masters()
         total = None
         if clip is not None:
