@@ -688,9 +688,8 @@ def _unequal_failed_backward_body(rank: int, world_size: int, clear: str, betwee
     with contextlib.suppress(_Fails):
         if between == "another_backward_first":  # two forwards; the first's backward finishes, the second's raises
             first = sdp(_x(rank, 9), True).square().mean()
-        with sdp.no_sync() if between == "no_sync_forward" else contextlib.nullcontext():  # its backward outside
-            handle = model.layers[1 + rank].register_full_backward_pre_hook(fail)
-            loss = sdp(_x(rank, 1), True).square().mean()
+        handle = model.layers[1 + rank].register_full_backward_pre_hook(fail)
+        loss = sdp(_x(rank, 1), True).square().mean()
         if between == "no_grad_forward":  # an evaluation between the forward and its backward
             with torch.no_grad():
                 sdp(_x(rank, 7), True)
@@ -716,10 +715,7 @@ def _unequal_failed_backward_body(rank: int, world_size: int, clear: str, betwee
 @pytest.mark.parametrize(
     ("clear", "between"),
     [("zero", "nothing"), ("module", "nothing")]
-    + [
-        ("zero", between)
-        for between in ["no_grad_forward", "second_forward", "no_sync_forward", "another_backward_first"]
-    ],
+    + [("zero", between) for between in ["no_grad_forward", "second_forward", "another_backward_first"]],
 )
 def test_a_backward_that_raised_at_different_points_on_each_rank_is_lined_up(clear: str, between: str) -> None:
     """The ranks launched different numbers of bucket reductions before the error (6 and 4 of 10 here): the ranks

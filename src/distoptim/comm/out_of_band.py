@@ -19,8 +19,8 @@ _ROUNDS: dict[str, int] = {}  # each exchange's name and ranks -> how many times
 def gather_through_store(values: Sequence[int], ranks: Sequence[int], name: str) -> list[list[int]]:
     """Every rank's ``values``, for each of the global ``ranks`` (sorted; this rank among them) in turn. Collective
     in the program's order (each of ``ranks`` calls it at the same point, as often, with the same ``ranks``), not in
-    any group's; waits for the others as long as the store's timeout. Two store requests per rank, and each rank's
-    key of the round before last deleted: what the store holds stays bounded."""
+    any group's; waits for the others as long as the store's timeout. Three store requests per rank (a set, a
+    delete of its key of the round before last, a multi_get): what the store holds stays bounded."""
     exchange = f"distoptim/{name}/{','.join(map(str, ranks))}"
     round_ = _ROUNDS.get(exchange, 0)
     _ROUNDS[exchange] = round_ + 1

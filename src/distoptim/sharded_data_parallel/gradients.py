@@ -83,7 +83,7 @@ class OwnedGradients(MarkerIntake):
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self._backward = False
-        self.pending = PendingForwards(lambda: not self.no_sync)  # whose backward may have raised (pending.py)
+        self.pending = PendingForwards()  # whose backward may have raised (pending.py)
         self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
         self._deferred = False  # this backward reached another store on the group: launch only at the flush
         if previous is not None:
@@ -144,7 +144,7 @@ class OwnedGradients(MarkerIntake):
         not use makes them launch fewer buckets before the error. The ranks behind launch the buckets the others
         did (contents to be dropped), so that every rank waits for the same reductions and every rank refuses the
         half-reduced gradient alike (``_backward``). Only where some forward is not known to have finished its
-        backward everywhere (``pending.py``): a forward whose output no backward reaches costs such an exchange."""
+        backward everywhere (``pending.py``)."""
         if not self.pending.due:
             return
         raised, furthest = max_through_store([int(self._backward), self._next], self._groups, "sdp")
@@ -338,7 +338,7 @@ class OwnedGradients(MarkerIntake):
         self.everywhere = previous.everywhere
         self.holds[: len(previous.holds)] = previous.holds
         self._markers, self._unreduced = previous._markers, previous._unreduced
-        self.pending = previous.pending.serving(lambda: not self.no_sync)
+        self.pending = previous.pending
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])

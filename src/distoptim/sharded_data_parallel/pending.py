@@ -1,94 +1,49 @@
-"""Which forwards through the wrapper may have a backward that raised midway: when to compare the ranks.
+"""When the ranks must compare their backwards through the store: a backward that raises never reaches its flush,
+and the ranks may have launched different numbers of bucket reductions before the error
+(``OwnedGradients._line_up_unfinished`` lines them up). The comparison costs a store round-trip, so it runs only
+while some forward with gradients may still have a backward that raised.
 
-A backward that raises never reaches its flush, and the ranks may have launched different numbers of bucket
-reductions before the error (``OwnedGradients._line_up_unfinished`` lines them up through the store). That costs a
-store round-trip, so it runs only where some forward with gradients is not yet *covered*: a backward that reached
-its output (a hook on the output tensors) and finished. Which forwards are covered is the same on every rank, as
-every rank runs the same forwards and backwards; what each rank's raised backward reached is not, and is not used.
-A backward under ``no_sync()`` launches nothing, so whatever it raises leaves the ranks alike: reaching an output
-there covers its forward at once (micro-batches accumulated under ``no_sync()`` cost no comparison; a second
-backward of such a graph outside it, with ``retain_graph``, is not watched).
+What decides it is only what every rank of one program does alike: the forwards with gradients through the wrapper
+(a recomputing checkpoint's inside the backward included) and the backwards that finished. Which outputs a
+backward reached, or when a graph is freed, depend on the data or on the garbage collector and are not used: a
+disagreement there would leave one rank waiting in the store.
 
-A forward stays uncovered while its graph lives (a second forward, an evaluation without gradients, the backward of
-a first forward, then of the second: each may still raise), and counts once more after its graph died uncovered (a
-backward that raised freed it, or none ran). Where the graph dies follows from reference counts, alike on every rank
-of the same program; a graph kept in a reference cycle dies at a garbage collection, which may differ between ranks.
+- A forward is pending until a backward finishes after it; forwards without gradients (an evaluation) and further
+  forwards leave it pending (its backward may still come).
+- A backward that finishes after two or more forwards may not have been theirs all (two forwards, the first's
+  backward, then the second's): one comparison more is due after it.
+- Not counted: forwards under ``no_sync()`` (their backward launches nothing there; accumulating micro-batches
+  costs no comparison).
+- Not watched, then: a backward that raises after a ``no_sync()`` forward, run outside it; a second backward of a
+  retained graph (``retain_graph=True``) after the first finished; a reentrant checkpoint's forward around the
+  wrapper (it runs without gradients; its recompute inside the backward is counted).
 """
 
 from __future__ import annotations
-
-import itertools
-import weakref
-from collections.abc import Callable
-from typing import Any
-
-from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
 __all__ = ["PendingForwards"]
 
 
 class PendingForwards:
-    """The forwards through one wrapper whose backward is not known to have finished on every rank."""
+    """The forwards through one wrapper whose backward may have raised on some rank."""
 
-    def __init__(self, reduces: Callable[[], bool]) -> None:
-        self._reduces = reduces  # whether a backward now would launch reductions (not under no_sync())
-        self._ids = itertools.count()
-        self._alive: set[int] = set()  # uncovered, their graph alive: a backward may still come
-        self._died = 0  # uncovered when their graph died, since the last comparison
-        self._reached: set[int] = set()  # outputs the running backward reached
+    def __init__(self) -> None:
+        self._forwards = 0  # forwards with gradients since the last finished backward
+        self._recheck = False  # the last finished backward came after several forwards
 
-    def serving(self, reduces: Callable[[], bool]) -> PendingForwards:
-        """These forwards, now for a store rebuilt after the plan grew (whose ``no_sync`` ``reduces`` reads)."""
-        self._reduces = reduces
-        return self
-
-    def note(self, output: Any) -> None:
-        """A forward with gradients enabled returned ``output``."""
-        tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
-        forward = next(self._ids)
-        if not tensors:  # no output to watch (gradients through the module's side outputs): compare once
-            self._died += 1
-            return
-        self._alive.add(forward)
-        hook = _Reached(self, forward)
-        for tensor in tensors:
-            tensor.register_hook(hook)  # type: ignore[no-untyped-call]
-        weakref.finalize(hook, _died, weakref.ref(self), forward)
+    def forward(self) -> None:
+        """A forward with gradients ran through the wrapper."""
+        self._forwards += 1
 
     @property
     def due(self) -> bool:
         """Whether the ranks must compare their backwards before the next step, forward or clear."""
-        return bool(self._alive or self._died)
+        return self._forwards > 0 or self._recheck
 
     def finished(self) -> None:
-        """A backward reached its flush: the forwards whose outputs it reached are covered."""
-        self._alive -= self._reached
-        self._reached.clear()
+        """A backward reached its flush."""
+        self._recheck, self._forwards = self._forwards > 1, 0
 
     def compared(self) -> None:
-        """The ranks compared their backwards: the dead forwards are accounted for; the live ones may still raise."""
-        self._died = 0
-        self._reached.clear()
-
-
-class _Reached:
-    """A hook on a forward's output tensors, alive as long as the graph that holds them."""
-
-    def __init__(self, pending: PendingForwards, forward: int) -> None:
-        self._pending, self._forward = weakref.ref(pending), forward
-
-    def __call__(self, grad: Tensor) -> None:
-        pending = self._pending()
-        if pending is not None:
-            if pending._reduces():
-                pending._reached.add(self._forward)
-            else:  # under no_sync(): this backward launches nothing, whatever it raises
-                pending._alive.discard(self._forward)
-
-
-def _died(pending_ref: weakref.ref[PendingForwards], forward: int) -> None:
-    pending = pending_ref()
-    if pending is not None and forward in pending._alive:
-        pending._alive.discard(forward)
-        pending._died += 1
+        """The ranks compared their backwards; forwards not yet followed by a finished backward stay pending."""
+        self._recheck = False

@@ -207,8 +207,8 @@ class ShardedDataParallel(nn.Module):
         output = self.module(*args, **kwargs)
         self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
-        if torch.is_grad_enabled() and not in_backward():  # a backward that reduces may follow, even of a forward
-            self.gradients.pending.note(output)  # under no_sync() (its backward outside): pending.py
+        if self._sync_buffers_next:  # a backward that reduces may follow (pending.py)
+            self.gradients.pending.forward()
         return output
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
