@@ -726,6 +726,30 @@ def test_a_backward_that_raised_at_different_points_on_each_rank_is_lined_up(cle
     run_on_ranks(_unequal_failed_backward_body, 2, clear, between, timeout=90)
 
 
+def _two_views_body(rank: int, world_size: int) -> None:
+    """Two forwards a step; the second view's loss term only where this rank's batch has positives (the same code on
+    every rank, a different graph): against DDP + the plain optimizer, step by step."""
+    model, reference = Chain(3), Chain(3)
+    zero, sdp = _sdp(model)
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(3):
+        positives = rank == 0 or step == 0
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            first, second = wrapper(_x(rank, step), False), wrapper(_x(rank, 50 + step), False)
+            loss = first.square().mean() + (second.abs().mean() if positives else 0.0)
+            loss.backward()
+            opt.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"two views, step {step}")
+
+
+def test_two_forwards_whose_second_output_some_ranks_leave_unused_train_as_ddp() -> None:
+    """Whether the ranks compare their backwards through the store follows what every rank does alike (forwards,
+    finished backwards), never which outputs this rank's loss reached (before: one rank waited in the store)."""
+    run_on_ranks(_two_views_body, 2, timeout=90)
+
+
 class _Side(nn.Module):
     def __init__(self) -> None:
         super().__init__()
