@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -16,7 +17,10 @@ from torch import Tensor
 from distoptim import _host
 from distoptim.comm import collectives as comm
 
-__all__ = ["clip_grad_norm_"]
+if TYPE_CHECKING:
+    from distoptim.zero.shard import LocalShard
+
+__all__ = ["clip_grad_norm_", "clip_shard"]
 
 
 def clip_grad_norm_(
@@ -55,6 +59,28 @@ def clip_grad_norm_(
     for device_grads in by_device.values():
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
     return total
+
+
+def clip_shard(
+    shard: LocalShard,
+    global_params: Sequence[Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    group: comm.Group,
+    device: torch.device,
+    grad_scale: float | Tensor | None,
+) -> Tensor:
+    """``clip_grad_norm_`` over ``shard``'s owned gradient pieces. Where each rank holds whole gradients (under DDP's
+    all-reduce: ``shard.source`` is None) all of them are scaled, so that a further backward before the step
+    (accumulating into them, which DDP then averages) does not mix this rank's clipped pieces with the others'
+    unclipped ones."""
+    whole = None
+    if shard.source is None:
+        whole = list({id(p.grad): p.grad for p in global_params if p.grad is not None}.values())
+    return clip_grad_norm_(
+        shard.owned_grads(), max_norm, norm_type, error_if_nonfinite, group, device, grad_scale, scaled=whole
+    )
 
 
 def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device) -> Tensor:

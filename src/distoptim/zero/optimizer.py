@@ -375,16 +375,8 @@ class ZeroRedundancyOptimizer(
             agreement.run_agreed(self._accumulation.check, self.agreement_groups, "clip_grad_norm_")
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
-        grads, group, device = self.local_shard.owned_grads(), self.process_group, self._comm_device
-        # the norm is measured on the owned pieces; where each rank holds whole gradients (under DDP's all-reduce)
-        # all of them are scaled, so that a further backward before the step (accumulating into them, which DDP
-        # then averages) does not mix this rank's clipped pieces with the others' unclipped ones
-        whole = None
-        if self.local_shard.source is None:
-            whole = list({id(p.grad): p.grad for p in self.global_params if p.grad is not None}.values())
-        return clipping.clip_grad_norm_(
-            grads, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale, scaled=whole
-        )
+        shard, params, group, device = self.local_shard, self.global_params, self.process_group, self._comm_device
+        return clipping.clip_shard(shard, params, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient).
