@@ -326,7 +326,8 @@ def _muon_section(data: dict[str, Any]) -> list[str]:
         f"> **Built for GPUs.** {PEERS_CAVEAT}",
         "",
         f"`{muon['command']}` ({muon['seconds'] / 60:.1f} minutes; load average {_num(load[0], 1)} at the start, "
-        f"{_num(load[1], 1)} at the end, on {muon['cpus']} CPUs: N > {muon['cpus']} oversubscribes the cores). "
+        f"{_num(load[1], 1)} at the end, on {muon['cpus']} CPUs ({muon.get('cpu_model', 'model not recorded')}; "
+        f"distoptim at {muon.get('git', 'an unrecorded commit')}): N > {muon['cpus']} oversubscribes the cores). "
         f"{args['warmup']} warm-up + {args['iters']} timed iterations per variant"
         + (f" ({args['warmup_110m']} + {args['iters_110m']} on 110m)" if "110m" in args["models"] else "")
         + f", batch {args['batch']}x"
