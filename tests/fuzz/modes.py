@@ -25,6 +25,11 @@ NOISE = 1e-3  # an averaged gradient element this far below its tensor's largest
 # a gradient element's rounding difference relative to its tensor's largest element: twice the largest measured
 # (5.7e-7, seed 20110: sdp, parameters an ulp apart after a clipped step; 2.3e-7 in seed 20680's zero1)
 GRAD_ROUNDING = 1e-6
+# the same for a bf16 gradient that one side sums in bf16 (DDP: each micro-batch's all-reduce and its accumulation
+# into .grad round to bf16) and the other in fp32 (ShardedDataParallel's reduce_dtype with master weights): one bf16
+# ulp of the summands, which are about the tensor's largest (seed 34222: RMSprop's second step divided a head element
+# accumulated over 3 micro-batches by its first's, 0.00195 off where fp32's rounding allowed 0.00135)
+BF16_GRAD_ROUNDING = 2**-8
 # a clip's coefficient when bf16 gradients set the norm: DDP averages them in bf16, ShardedDataParallel with master
 # weights in fp32 (reduce_dtype), a relative 2^-8 apart; every clipped gradient carries it, and an adaptive update
 # (RMSprop's first steps: lr * g / sqrt(0.01 g^2), ten times lr) moves by up to ten times lr times that (seed 39086),
@@ -263,10 +268,11 @@ class Oracle:
         rounding difference becomes up to lr per step. ``Run.compare_local`` bounds those elements by the learning
         rate instead of the rounding tolerance, until the next alignment.
 
-        Above that threshold an element's rounding is ``GRAD_ROUNDING`` of the largest, relative to itself (summed
-        over the steps since the alignment, ``relative_noise``): an adaptive update moves by that fraction of itself
-        (RMSprop's ``lr * g / sqrt(v)``, its ``v`` tiny after a clipped step, moved 1.7e-5 at 1.05e-3 of the largest:
-        seed 20680), which ``Run.compare_local`` allows on top of the tolerance."""
+        Above that threshold an element's rounding is ``GRAD_ROUNDING`` of the largest (``BF16_GRAD_ROUNDING`` for a
+        bf16 gradient summed otherwise than DDP sums it), relative to itself (summed over the steps since the
+        alignment, ``relative_noise``): an adaptive update moves by that fraction of itself (RMSprop's
+        ``lr * g / sqrt(v)``, its ``v`` tiny after a clipped step, moved 1.7e-5 at 1.05e-3 of the largest: seed
+        20680), which ``Run.compare_local`` allows on top of the tolerance."""
         if self.program.optimizer == "SGD":
             return
         # L2 weight decay (Adam's, not AdamW's) adds weight_decay * p to the gradient inside the step: where that
@@ -283,7 +289,9 @@ class Oracle:
                         summed = (p.grad.detach().float() / scale + decay).abs()
                         noisy |= summed <= NOISE * torch.maximum(grad.amax() / scale, decay.abs().amax())
                     self.noisy[id(p)] = noisy | self.noisy[id(p)] if id(p) in self.noisy else noisy
-                    relative = GRAD_ROUNDING * grad.amax() / grad.clamp_min(NOISE * grad.amax()).clamp_min(1e-30)
+                    summed_apart = p.grad.dtype == torch.bfloat16 and self.program.mode != "zero1"  # not DDP's bits
+                    rounding = BF16_GRAD_ROUNDING if summed_apart else GRAD_ROUNDING
+                    relative = rounding * grad.amax() / grad.clamp_min(NOISE * grad.amax()).clamp_min(1e-30)
                     if id(p) in self.relative_noise:
                         relative += self.relative_noise[id(p)]
                     self.relative_noise[id(p)] = relative
