@@ -89,6 +89,9 @@ def refusal_expected(program: Program) -> str:
         return f"a sparse embedding under {program.mode} (it reduces or steps dense gradients only)"
     if "sparse" in program.features and program.mode == "zero2_hook" and backward:  # at the hook's first call
         return "a sparse embedding under zero2_hook (it reduces dense gradients only)"
+    mixed = "bf16" in program.features and not program.options.get("master")  # a bf16 head among fp32 layers
+    if program.optimizer == "Adafactor" and mixed and "eps" not in program.kwargs:
+        return "Adafactor over bf16 and fp32 parameters with eps1 left to torch (it takes the first one's dtype's)"
     return ""
 
 

@@ -284,3 +284,48 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
 def test_adafactor_checkpoints_resume_at_another_world_size_and_partition() -> None:
     saved = run_on_ranks(_checkpoint_body, 2, None, timeout=120)[0]
     run_on_ranks(_checkpoint_body, 3, saved, timeout=120)
+
+
+class _Mixed(nn.Module):
+    """A bf16 layer, then an fp32 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low, self.high = nn.Linear(8, 16).to(torch.bfloat16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.high(torch.tanh(self.low(x.to(torch.bfloat16))).float())
+
+
+def _mixed_dtypes_body(rank: int, world_size: int) -> None:
+    """A group over a bf16 and an fp32 layer: with eps1 left to torch (its default) refused on every rank, at
+    construction and in add_param_group (torch's Adafactor takes eps1 from the group's first parameter's dtype,
+    which a shard does not see); with eps1 set, the same as DDP + the plain optimizer, bitwise."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    with pytest.raises(ValueError, match=r"eps=\(None, \.\.\.\).*first parameter's dtype"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adafactor, lr=0.01)
+    zero = ZeroRedundancyOptimizer([model.high.bias], torch.optim.AdamW, lr=0.01)
+    with pytest.raises(ValueError, match="first parameter's dtype"):
+        zero.add_param_group(
+            {"params": [model.low.weight, model.high.weight], "optimizer_class": torch.optim.Adafactor}
+        )
+    # the same group stepped from fp32 masters has one stepped dtype: accepted
+    ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adafactor, lr=0.01, master_dtype=torch.float32)
+
+    eps = (torch.finfo(torch.float32).eps, 1e-3)
+    reference = copy.deepcopy(model)
+    plain = torch.optim.Adafactor(reference.parameters(), lr=0.01, eps=eps)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adafactor, lr=0.01, eps=eps, partition="even")
+    ddp, ddp_reference = DDP(model), DDP(reference)
+    for step in range(3):
+        for wrapped, optimizer in ((ddp, zero), (ddp_reference, plain)):
+            optimizer.zero_grad()
+            wrapped(_batch(rank, step, 0)).square().mean().backward()
+            optimizer.step()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got, want)
+
+
+def test_adafactor_over_mixed_dtypes_needs_eps1_set_and_then_matches_ddp() -> None:
+    run_on_ranks(_mixed_dtypes_body, 2, timeout=120)

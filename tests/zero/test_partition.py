@@ -147,6 +147,33 @@ def test_even_plan_grows_by_a_region_and_keeps_what_it_placed() -> None:
         partition_parameters([6, 10], [True, True], world_size=2, previous=first)  # mode differs
 
 
+def test_even_plans_grown_many_times_keep_whole_tensors_whole() -> None:
+    """Growths (add_param_group, unfreezing) of even plans mixing whole-tensor parameters (Muon's, Adafactor's) with
+    cut ones: every layout has one position per parameter, each whole parameter stays one fragment on one rank, and
+    the fragments tile. A growth of whole parameters only once left an empty region whose position shifted every
+    later parameter's, so a matrix added after it was cut across ranks (an Adafactor group added, then stepped)."""
+    generator = random.Random(1)
+    for _ in range(300):
+        world_size = generator.randint(2, 5)
+        numels: list[int] = []
+        whole: list[bool] = []
+        plan = None
+        for _growth in range(generator.randint(1, 4)):
+            count = generator.randint(1, 5)
+            all_whole = generator.random() < 0.4
+            numels += [generator.choice([0, 1, 3, 16, 64]) for _ in range(count)]
+            whole += [all_whole or generator.random() < 0.5 for _ in range(count)]
+            plan = partition_parameters(
+                numels, [True] * len(numels), world_size, plan, mode="even", whole=whole, costs=numels
+            )
+            for layout in plan.layouts:
+                assert len(layout.positions) == len(layout.params)
+            for index, pieces in enumerate(plan.fragments):
+                if whole[index] and numels[index]:
+                    assert len(pieces) == 1 and pieces[0].length == numels[index], (index, pieces)
+            _assert_fragments_tile(plan)
+
+
 def test_random_plans_tile_their_parameters() -> None:
     generator = random.Random(0)
     for _ in range(200):

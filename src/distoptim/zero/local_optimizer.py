@@ -26,6 +26,7 @@ __all__ = [
     "CLASS_KEY",
     "CompositeOptimizer",
     "build_local_optimizer",
+    "check_eps_from_first_dtype",
     "group_class",
     "kind_of",
     "whole_tensor_weights",
@@ -68,6 +69,28 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
         optim: Optimizer = cls(list(groups), **({} if named else defaults))
         return optim
     return CompositeOptimizer(groups, lambda kind, parts: kind[0](parts, **({} if kind[1] else defaults)), default)
+
+
+def check_eps_from_first_dtype(optim: Optimizer, default: type, master_dtype: torch.dtype | None) -> None:
+    """Refuse an Adafactor group that leaves ``eps1`` to torch (``eps=(None, ...)``, its default) over parameters
+    of more than one stepped dtype: torch's plain Adafactor then takes ``eps1`` from the dtype of the group's first
+    parameter with a gradient and applies it to the whole group, so a bf16 parameter first gives an fp32 one bf16's
+    epsilon. A shard holds other first parameters than the whole group, so its step would differ, silently.
+    ``optim`` is a (stand-in) local optimizer over the global groups, its defaults filled in; ``default`` the
+    constructor's class."""
+    for index, group in enumerate(optim.param_groups):
+        eps = group.get("eps")
+        adafactor = issubclass(group_class(group, default), torch.optim.Adafactor)
+        if not adafactor or not isinstance(eps, (tuple, list)) or eps[0] is not None:
+            continue
+        stepped = {p.dtype if master_dtype is None else master_dtype for p in group["params"]}
+        if len(stepped) > 1:
+            raise ValueError(
+                f"param group {index} (torch.optim.Adafactor) steps parameters of dtypes "
+                f"{sorted(str(d) for d in stepped)} with eps=(None, ...): torch's Adafactor then uses the epsilon "
+                "of its first parameter's dtype for the whole group, which a shard cannot reproduce. Set eps1 "
+                "explicitly (eps=(torch.finfo(torch.float32).eps, 1e-3)), or put each dtype in its own group"
+            )
 
 
 class CompositeOptimizer(Optimizer):

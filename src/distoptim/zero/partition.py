@@ -283,7 +283,10 @@ def _whole_region(
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
     """``members`` (in order) cut into runs of at most ``cap`` elements, walking from the last one (a parameter
-    larger than ``cap`` alone); one run without a cap."""
+    larger than ``cap`` alone); one run without a cap; none of no members (an empty region would still take a
+    position in its layout, shifting every later parameter's)."""
+    if not members:
+        return []
     if cap is None:
         return [tuple(members)]
     runs: list[list[int]] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
@@ -35,6 +36,7 @@ class PlanParts(Protocol):
     defaults: dict[str, Any]
     process_group: dist.ProcessGroup
     partition: str
+    master_dtype: torch.dtype | None
     _ready: bool
     _gradient_store: Any
     overlap_stepper: OverlapStepper | None
@@ -108,6 +110,7 @@ class Partitioning:
             self._defaults,
             self.process_group,
             sharded_gradients=self._gradient_store is not None,
+            master_dtype=self.master_dtype,
         )
         self._add_group(group)
         self._repartition()

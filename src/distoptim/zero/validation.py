@@ -25,7 +25,7 @@ from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.fingerprints import fingerprint
-from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, group_class
+from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
 from distoptim.zero.partition import MODES
 
 __all__ = [
@@ -134,7 +134,12 @@ def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "k
         )
 
 
-def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, defaults: dict[str, Any]) -> None:
+def try_optimizer_class(
+    optimizer_class: type[Optimizer],
+    groups: ParamGroups,
+    defaults: dict[str, Any],
+    master_dtype: torch.dtype | None = None,
+) -> None:
     """Build a throwaway local optimizer (``local_optimizer.build_local_optimizer``: ``optimizer_class(groups,
     **defaults)``, or one per class where groups name their own) so that what it rejects raises here, locally.
 
@@ -146,11 +151,12 @@ def try_optimizer_class(optimizer_class: type[Optimizer], groups: ParamGroups, d
     with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
         warnings.simplefilter("ignore")
         try:
-            build_local_optimizer(_stand_in_groups(groups), optimizer_class, defaults)
+            optim = build_local_optimizer(_stand_in_groups(groups), optimizer_class, defaults)
         except (TypeError, ValueError):
             raise
         except Exception:
-            build_local_optimizer([dict(group) for group in groups], optimizer_class, defaults)
+            optim = build_local_optimizer([dict(group) for group in groups], optimizer_class, defaults)
+    check_eps_from_first_dtype(optim, optimizer_class, master_dtype)
 
 
 def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
@@ -289,7 +295,7 @@ def check_construction(
         device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
         functional_cls = check_overlap_classes(optimizer_class, groups) if overlap_with_ddp else None
         collectives = comm.choose_collectives(group)
-        try_optimizer_class(local_class, groups, defaults)
+        try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
@@ -360,6 +366,7 @@ def agreed_param_group(
     defaults: dict[str, Any],
     group: comm.Group,
     sharded_gradients: bool = False,
+    master_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
     all agree on it: a bad group on one rank raises on every rank (``add_param_group``). ``sharded_gradients``
@@ -368,7 +375,7 @@ def agreed_param_group(
 
     def normalized() -> dict[str, Any]:
         (checked,) = normalize_param_groups([param_group])
-        try_optimizer_class(optimizer_class, [*param_groups, checked], defaults)
+        try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
             raise ValueError(
