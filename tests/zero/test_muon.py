@@ -393,6 +393,13 @@ def _refusals_body(rank: int, world_size: int) -> None:
             assert all(torch.equal(zero.state[p][k], v) for k, v in before[id(p)].items())
     zero.step()
     assert sum(1 for p in model.matrices() if p in zero.state) == len(zero.local_shard.groups[1])
+    # a group's class is fixed when it is added: editing the key afterwards is refused at the step, on every rank
+    # (Muon went on stepping the group while param_groups and checkpoints named the new class)
+    zero.param_groups[1]["optimizer_class"] = torch.optim.SGD
+    with pytest.raises(ValueError, match="param group 1: its 'optimizer_class' was changed to SGD"):
+        zero.step()
+    zero.param_groups[1]["optimizer_class"] = torch.optim.Muon
+    zero.step()
     for cls in (torch.optim.Muon, torch.optim.Adafactor):
         zero = ZeroRedundancyOptimizer(model.matrices(), cls, partition="even")
         assert all(len(zero.fragments_of(p) or ()) == 1 for p in model.matrices())

@@ -26,6 +26,7 @@ __all__ = [
     "CLASS_KEY",
     "CompositeOptimizer",
     "build_local_optimizer",
+    "check_classes_unchanged",
     "check_eps_from_first_dtype",
     "group_class",
     "kind_of",
@@ -69,6 +70,22 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
         optim: Optimizer = cls(list(groups), **({} if named else defaults))
         return optim
     return CompositeOptimizer(groups, lambda kind, parts: kind[0](parts, **({} if kind[1] else defaults)), default)
+
+
+def check_classes_unchanged(
+    global_groups: Sequence[dict[str, Any]], local_groups: Sequence[dict[str, Any]], default: type
+) -> None:
+    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added: its local part
+    is still of the class it was added with (state, defaults), so the step would go on with that one while the
+    groups and checkpoints named the new class. Called before hyperparameters flow from global to local."""
+    for index, (source, target) in enumerate(zip(global_groups, local_groups)):
+        now, built = group_class(source, default), group_class(target, default)
+        if now is not built:
+            raise ValueError(
+                f"param group {index}: its 'optimizer_class' was changed to {now.__name__} after the group was added "
+                f"as {built.__name__}; a group's class is fixed when it is added (its state and defaults are that "
+                "class's). Put it back, or build the optimizer again with the group naming the new class"
+            )
 
 
 def check_eps_from_first_dtype(optim: Optimizer, default: type, master_dtype: torch.dtype | None) -> None:

@@ -25,6 +25,7 @@ from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.local_optimizer import check_classes_unchanged
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, copy_hyperparameters
@@ -329,6 +330,7 @@ class ZeroRedundancyOptimizer(
     def _push_hyperparameters(self) -> None:
         """``param_groups`` (what schedulers and users edit) into the local optimizer's groups: the one direction
         hyperparameters flow (``load_state_dict`` sets ``param_groups`` from the checkpoint first)."""
+        check_classes_unchanged(self.param_groups, self.local_optimizer.param_groups, self._optimizer_class)
         copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
 
     def clip_grad_norm_(
