@@ -22,6 +22,7 @@ from torch import Tensor
 import distoptim.checkpoint
 from distoptim.zero.shard import MASTER_KEY
 from tests.fuzz import episodes
+from tests.fuzz.matrices import within_muon_rounding
 from tests.fuzz.models import batch, layer
 from tests.fuzz.modes import Oracle, Structure, build_subject
 from tests.fuzz.program import Action, Program
@@ -151,11 +152,19 @@ class Run:
         lr = max(g["lr"] for g in self.oracle.optimizer.param_groups) * (
             10 if self.program.optimizer == "RMSprop" else 1
         )
+        muon_lr = self.oracle.muon_lrs()
         for name, want in self.oracle.model.named_parameters():
             got = ours[name].detach()
             rtol, atol = self.tol[want.dtype]
             if want.dtype == torch.float32:
                 rtol, atol = rtol * steps, atol * steps
+            if id(want) in muon_lr and (rtol or atol):  # orthogonalized in bf16: see matrices.within_muon_rounding
+                problem = within_muon_rounding(got, want.detach(), muon_lr[id(want)] * steps, rtol, atol)
+                if problem:
+                    self.mismatches.append(f"{where}: parameter {name}: {problem}")
+                if ours[name].stride() != want.stride():
+                    self.mismatches.append(f"{where}: parameter {name} lost its layout")
+                continue
             noisy = self.oracle.noisy.get(id(want)) if rtol or atol else None  # exact: no rounding to excuse
             if noisy is not None and noisy.shape == got.shape and noisy.any():  # modes.Oracle.note_noise
                 off = (got.float() - want.detach().float()).abs()[noisy]

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.hooks import reduce_to_owners_hook
+from tests.fuzz.matrices import MUON, PlainPerGroup, constructor_class, muon_step_size, with_muon_groups
 from tests.fuzz.models import FuzzModel, param_groups
 from tests.fuzz.program import Program
 from tests.zero._hooks import register
@@ -63,6 +64,12 @@ class Structure:
 
     unfrozen: bool = False
     added: bool = False
+
+
+def program_groups(program: Program, model: FuzzModel, lr: float) -> list[dict[str, Any]]:
+    """The program's param groups: the model zoo's, each split into Muon's matrices and the rest for Muon."""
+    groups = param_groups(model, lr)
+    return with_muon_groups(groups, model, lr) if program.optimizer == MUON else groups
 
 
 def _scheduler(optimizer: Any, program: Program) -> Any:
@@ -132,14 +139,16 @@ class Subject:
         ``sync_finished`` on the ranks that own the written piece only (the others cannot see it); the user's next
         step or checkpoint raises it on every rank. The fuzzer's reads are not the user's: they raise it on every
         rank too, with the owner's message, instead of leaving the others in the comparison's collective."""
-        error = ""
+        error, own = "", None
         try:
             self.zero.sync_finished()
         except RuntimeError as raised:
-            error = str(raised)
+            error, own = str(raised), raised
         errors: list[str] = [""] * dist.get_world_size(self.group)
         dist.all_gather_object(errors, error, group=self.group)
         first = next((e for e in errors if e), "")
+        if own is not None:
+            raise own  # distoptim's own, with its traceback
         if first:
             raise RuntimeError(first)
 
@@ -160,8 +169,8 @@ def build_subject(
     if options.get("hybrid"):
         groups["process_group"], groups["replicate_group"] = hybrid_groups()
     zero = ZeroRedundancyOptimizer(
-        param_groups(model, lr),
-        getattr(torch.optim, program.optimizer),
+        program_groups(program, model, lr),
+        constructor_class(program.optimizer),
         parameters_as_bucket_view=options["bucket_view"],
         overlap_with_ddp=program.mode == "overlap_hook",
         partition=options["partition"],
@@ -190,22 +199,37 @@ class Oracle:
         self.noisy: dict[int, Tensor] = {}  # per parameter, the elements note_noise marked since the last alignment
         self.relative_noise: dict[int, Tensor] = {}  # per parameter and element, its gradient's relative rounding
         self.state_noise: dict[int, float] = {}  # per parameter, a relative rounding its optimizer state carries
-        groups = param_groups(self.model, self.lr)
+        groups = program_groups(program, self.model, self.lr)
         if program.options["master"]:
             for entry in groups:
                 for p in entry["params"]:
                     if p.dtype != torch.float32:
                         self.masters[id(p)] = p.detach().float().requires_grad_()
         self.params = [p for g in groups for p in g["params"]]
-        self.optimizer = getattr(torch.optim, program.optimizer)(
-            [{**g, "params": [self._stepped(p) for p in g["params"]]} for g in groups], **program.kwargs
-        )
+        stepped = [{**g, "params": [self._stepped(p) for p in g["params"]]} for g in groups]
+        if program.optimizer == MUON:  # one plain optimizer per group, as plain torch users write it
+            self.optimizer: Any = PlainPerGroup(stepped, torch.optim.AdamW, program.kwargs)
+        else:
+            self.optimizer = getattr(torch.optim, program.optimizer)(stepped, **program.kwargs)
         if structure.added:
             self.add_group()
         self.scheduler = _scheduler(self.optimizer, program)
         self.scaler = _scaler(program)
         self.group = group
         self.ddp = _ddp(self.model, group)
+
+    def muon_lrs(self) -> dict[int, float]:
+        """For each model parameter Muon steps (Muon programs), its step size now (``matrices.muon_step_size``)."""
+        if not isinstance(self.optimizer, PlainPerGroup):
+            return {}
+        model_of = {id(self._stepped(p)): p for p in self.params}
+        return {
+            id(model_of[id(q)]): muon_step_size(part.param_groups[0]["lr"], tuple(q.shape))
+            for part in self.optimizer.parts
+            if isinstance(part, torch.optim.Muon)
+            for q in part.param_groups[0]["params"]
+            if id(q) in model_of
+        }
 
     def _stepped(self, p: Tensor) -> Tensor:
         return self.masters.get(id(p), p)
@@ -277,7 +301,8 @@ class Oracle:
             return
         # L2 weight decay (Adam's, not AdamW's) adds weight_decay * p to the gradient inside the step: where that
         # cancels the gradient, the sum is rounding-sized too (seed 31874: a bf16 element of a fragment, lr off)
-        coupled = self.program.kwargs.get("weight_decay", 0.0) if self.program.optimizer != "AdamW" else 0.0
+        decoupled = self.program.optimizer in ("AdamW", MUON)  # Muon programs: AdamW on what the decay reaches
+        coupled = self.program.kwargs.get("weight_decay", 0.0) if not decoupled else 0.0
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None and p.grad.numel():

@@ -45,6 +45,8 @@ OPTIMIZERS: dict[str, list[dict[str, Any]]] = {
 # functional counterpart, so not under the overlap hooks (refused at construction, on every rank)
 WHOLE_TENSOR_OPTIMIZERS: dict[str, list[dict[str, Any]]] = {
     "Adafactor": [{"lr": 0.01}, {"lr": 0.01, "weight_decay": 0.1}],
+    # torch.optim.Muon on the hidden matrices (groups naming it, lr 0.02), AdamW with these on the rest
+    "Muon": [{"lr": 0.01, "weight_decay": 0.1}],
 }
 
 # Every action the interpreter knows, with the modes it makes sense in (None: all). Steps are built as blocks
@@ -225,7 +227,8 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
     """What the fuzzer gained later, from a second random stream: a forward pre-hook registered before wrapping
     (``prehook``), a sparse embedding (refused by the modes that reduce to owners), LBFGS (refused), a GAN round
     (``gan``), a resume at another world size (``reshard``, last), hybrid sharding; from a third, a backward that raises
-    midway (``failed_backward``); from a fourth, an optimizer distoptim owns whole tensors of (Adafactor)."""
+    midway (``failed_backward``); from a fourth, an optimizer distoptim owns whole tensors of (Adafactor, Muon +
+    AdamW)."""
     rng = random.Random(f"widen-{program.seed}")
     mode, features, options = program.mode, list(program.features), dict(program.options)
     optimizer, kwargs, actions = program.optimizer, dict(program.kwargs), list(program.actions)
@@ -253,10 +256,13 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
         args = {"layer": later.choice(["body", "head"]), "via": via, "set_to_none": later.random() < 0.6}
         actions.insert(later.randrange(len(actions) + 1), Action("failed_backward", args))
     whole = random.Random(f"whole-{program.seed}")  # a fourth stream: optimizers that own each tensor whole
-    if optimizer not in ("LBFGS",) and "sparse" not in features and mode != "overlap_hook" and whole.random() < 0.1:
+    drawn = whole.random()
+    if optimizer not in ("LBFGS",) and "sparse" not in features and mode != "overlap_hook" and drawn < 0.1:
         optimizer, kwargs = "Adafactor", dict(whole.choice(WHOLE_TENSOR_OPTIMIZERS["Adafactor"]))
         if "bf16" in features and whole.random() < 0.7:  # else refused: torch takes eps1 from a group's first dtype
             kwargs["eps"] = [2**-23, 1e-3]  # fp32's epsilon
+    elif optimizer not in ("LBFGS",) and "sparse" not in features and mode != "overlap_hook" and drawn < 0.2:
+        optimizer, kwargs = "Muon", dict(whole.choice(WHOLE_TENSOR_OPTIMIZERS["Muon"]))  # matrices.py
     if hybrid and mode != "sdp":
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]

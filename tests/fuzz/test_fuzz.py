@@ -30,6 +30,8 @@ def test_generator_is_pure_and_covers_every_action_and_mode() -> None:
     assert set(MODEL_FEATURES + NEW_FEATURES) <= features, set(MODEL_FEATURES + NEW_FEATURES) - features
     assert {"sparse:sdp", "sparse:zero2_hook", "sparse:zero1"} <= {f"sparse:{p.mode}" for p in programs}
     assert any(p.optimizer == "LBFGS" for p in programs)
+    whole_tensor = {(p.optimizer, p.mode) for p in programs if p.optimizer in ("Adafactor", "Muon")}
+    assert {(o, m) for o in ("Adafactor", "Muon") for m in ("zero1", "zero2_hook", "sdp")} <= whole_tensor
     options = {(p.mode, k, str(v)) for p in programs for k, v in p.options.items()}
     for mode, key, value in [
         ("sdp", "overlap", "True"),
