@@ -325,6 +325,18 @@ def _mixed_dtypes_body(rank: int, world_size: int) -> None:
             optimizer.step()
     for got, want in zip(model.parameters(), reference.parameters()):
         assert torch.equal(got, want)
+    # eps1 put back to None later, by an edit or by loading a plain optimizer's dict: refused at the next step
+    # (helper-27's review: the check ran at construction only, and the training went on silently)
+    zero.param_groups[0]["eps"] = (None, 1e-3)
+    with pytest.raises(ValueError, match="first parameter's dtype"):
+        zero.step()
+    zero.param_groups[0]["eps"] = eps
+    zero.step()
+    zero.load_state_dict(
+        {**plain.state_dict(), "param_groups": [{**plain.state_dict()["param_groups"][0], "eps": (None, 1e-3)}]}
+    )
+    with pytest.raises(ValueError, match="first parameter's dtype"):
+        zero.step()
 
 
 def test_adafactor_over_mixed_dtypes_needs_eps1_set_and_then_matches_ddp() -> None:

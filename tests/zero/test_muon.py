@@ -398,8 +398,20 @@ def _refusals_body(rank: int, world_size: int) -> None:
     zero.param_groups[1]["optimizer_class"] = torch.optim.SGD
     with pytest.raises(ValueError, match="param group 1: its 'optimizer_class' was changed to SGD"):
         zero.step()
+    # in add_param_group too, before the new group is added; and an edit on one rank only raises on every rank
+    # (helper-27's review: the check ran after the group was placed, and on the editing rank alone)
+    extra = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="'optimizer_class' was changed to SGD"):
+        zero.add_param_group({"params": list(extra.parameters())})
+    assert len(zero.param_groups) == 2
     zero.param_groups[1]["optimizer_class"] = torch.optim.Muon
     zero.step()
+    if rank == 1:
+        zero.param_groups[1]["optimizer_class"] = torch.optim.SGD
+    with pytest.raises(ValueError, match="'optimizer_class' was changed to SGD"):
+        zero.add_param_group({"params": list(extra.parameters())})
+    assert len(zero.param_groups) == 2
+    zero.param_groups[1]["optimizer_class"] = torch.optim.Muon
     for cls in (torch.optim.Muon, torch.optim.Adafactor):
         zero = ZeroRedundancyOptimizer(model.matrices(), cls, partition="even")
         assert all(len(zero.fragments_of(p) or ()) == 1 for p in model.matrices())

@@ -72,30 +72,35 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
     return CompositeOptimizer(groups, lambda kind, parts: kind[0](parts, **({} if kind[1] else defaults)), default)
 
 
-def check_classes_unchanged(
-    global_groups: Sequence[dict[str, Any]], local_groups: Sequence[dict[str, Any]], default: type
-) -> None:
-    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added: its local part
-    is still of the class it was added with (state, defaults), so the step would go on with that one while the
-    groups and checkpoints named the new class. Called before hyperparameters flow from global to local."""
-    for index, (source, target) in enumerate(zip(global_groups, local_groups)):
-        now, built = group_class(source, default), group_class(target, default)
-        if now is not built:
+def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Optimizer, default: type) -> None:
+    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added: ``optim``'s part
+    for it is still of the class it was built with (state, defaults), so the step would go on with that one while
+    the groups and checkpoints named the new class."""
+    built = (
+        optim.classes()
+        if isinstance(optim, CompositeOptimizer)
+        else [torch_class_of(type(optim))] * len(optim.param_groups)
+    )
+    for index, (group, cls) in enumerate(zip(global_groups, built)):
+        now = group_class(group, default)
+        if now is not cls:
             raise ValueError(
                 f"param group {index}: its 'optimizer_class' was changed to {now.__name__} after the group was added "
-                f"as {built.__name__}; a group's class is fixed when it is added (its state and defaults are that "
+                f"as {cls.__name__}; a group's class is fixed when it is added (its state and defaults are that "
                 "class's). Put it back, or build the optimizer again with the group naming the new class"
             )
 
 
-def check_eps_from_first_dtype(optim: Optimizer, default: type, master_dtype: torch.dtype | None) -> None:
+def check_eps_from_first_dtype(
+    groups: Sequence[dict[str, Any]], default: type, master_dtype: torch.dtype | None
+) -> None:
     """Refuse an Adafactor group that leaves ``eps1`` to torch (``eps=(None, ...)``, its default) over parameters
     of more than one stepped dtype: torch's plain Adafactor then takes ``eps1`` from the dtype of the group's first
     parameter with a gradient and applies it to the whole group, so a bf16 parameter first gives an fp32 one bf16's
     epsilon. A shard holds other first parameters than the whole group, so its step would differ, silently.
-    ``optim`` is a (stand-in) local optimizer over the global groups, its defaults filled in; ``default`` the
-    constructor's class."""
-    for index, group in enumerate(optim.param_groups):
+    ``groups``: the global groups, their defaults filled in (``eps`` there); ``default``: the constructor's class.
+    At construction, ``add_param_group`` and every step (a load or an edit may set ``eps1`` back to None)."""
+    for index, group in enumerate(groups):
         eps = group.get("eps")
         adafactor = issubclass(group_class(group, default), torch.optim.Adafactor)
         if not adafactor or not isinstance(eps, (tuple, list)) or eps[0] is not None:
@@ -120,10 +125,10 @@ class CompositeOptimizer(Optimizer):
         default: type,
     ) -> None:
         self._make, self._default = make, default
-        self.parts: dict[Hashable, Optimizer] = {}
+        self.parts: dict[Kind, Optimizer] = {}
         self._shared: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
         super().__init__([{"params": []}], {})  # the hook registries; the groups are the parts'
-        self._order: list[tuple[Hashable, int]] = []  # global group number -> (part, its group number)
+        self._order: list[tuple[Kind, int]] = []  # global group number -> (part, its group number)
         for group in groups:
             self.add_param_group(group)
 
@@ -135,6 +140,10 @@ class CompositeOptimizer(Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:  # Optimizer.__init__ assigns [] first
         if value:
             raise AttributeError("a CompositeOptimizer's param groups are its parts': use add_param_group")
+
+    def classes(self) -> list[type]:
+        """The class each group (global order) is stepped by: what it was added as."""
+        return [kind[0] for kind, _ in self._order]
 
     @property
     def state(self) -> defaultdict[Tensor, Any]:

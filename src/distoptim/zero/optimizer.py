@@ -25,7 +25,7 @@ from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.local_optimizer import check_classes_unchanged
+from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, copy_hyperparameters
@@ -273,6 +273,8 @@ class ZeroRedundancyOptimizer(
                 self._gradient_store.check_finished()
             if self._sync is not None:
                 self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
+            check_classes_unchanged(self.param_groups, self.local_optimizer, self._optimizer_class)
+            check_eps_from_first_dtype(self.param_groups, self._optimizer_class, self.master_dtype)  # loads, edits
         except Exception:
             if closure is not None:  # the others run it (its backward's collectives) before they hear of this
                 with torch.enable_grad():
@@ -330,7 +332,6 @@ class ZeroRedundancyOptimizer(
     def _push_hyperparameters(self) -> None:
         """``param_groups`` (what schedulers and users edit) into the local optimizer's groups: the one direction
         hyperparameters flow (``load_state_dict`` sets ``param_groups`` from the checkpoint first)."""
-        check_classes_unchanged(self.param_groups, self.local_optimizer.param_groups, self._optimizer_class)
         copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
 
     def clip_grad_norm_(

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from distoptim.zero import placement, validation
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.local_optimizer import CLASS_KEY, whole_tensor_weights
+from distoptim.zero.local_optimizer import CLASS_KEY, check_classes_unchanged, whole_tensor_weights
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters
@@ -111,6 +111,9 @@ class Partitioning:
             self.process_group,
             sharded_gradients=self._gradient_store is not None,
             master_dtype=self.master_dtype,
+            check_existing=lambda: check_classes_unchanged(
+                self.param_groups, self.local_optimizer, self._optimizer_class
+            ),
         )
         self._add_group(group)
         self._repartition()

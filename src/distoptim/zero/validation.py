@@ -9,7 +9,7 @@ rank failed or any two disagree.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -156,7 +156,7 @@ def try_optimizer_class(
             raise
         except Exception:
             optim = build_local_optimizer([dict(group) for group in groups], optimizer_class, defaults)
-    check_eps_from_first_dtype(optim, optimizer_class, master_dtype)
+    check_eps_from_first_dtype(optim.param_groups, optimizer_class, master_dtype)
 
 
 def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
@@ -367,13 +367,17 @@ def agreed_param_group(
     group: comm.Group,
     sharded_gradients: bool = False,
     master_dtype: torch.dtype | None = None,
+    check_existing: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
     all agree on it: a bad group on one rank raises on every rank (``add_param_group``). ``sharded_gradients``
     (under ``ShardedDataParallel``): new parameters must have no ``.grad`` yet, since a backward run before they
-    were added left each rank its own gradient, not the average the step needs."""
+    were added left each rank its own gradient, not the average the step needs. ``check_existing``: run first, in
+    the same agreement."""
 
     def normalized() -> dict[str, Any]:
+        if check_existing is not None:  # the groups there are (their classes unedited), before anything changes
+            check_existing()
         (checked,) = normalize_param_groups([param_group])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
