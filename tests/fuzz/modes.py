@@ -34,7 +34,8 @@ BF16_GRAD_ROUNDING = 2**-8
 # a clip's coefficient when bf16 gradients set the norm: DDP averages them in bf16, ShardedDataParallel with master
 # weights in fp32 (reduce_dtype), a relative 2^-8 apart; every clipped gradient carries it, and an adaptive update
 # (RMSprop's first steps: lr * g / sqrt(0.01 g^2), ten times lr) moves by up to ten times lr times that (seed 39086),
-# an SGD update with momentum 0.9 by up to ten times lr * |g| times that (seed 38762)
+# an SGD update with momentum 0.9 by up to ten times lr * |g| times that (seed 38762); bf16 gradients summed in bf16
+# in another order than DDP's (ShardedDataParallel without masters, the hooks) likewise (50506: passes without the clip)
 CLIP_ROUNDING = 10 * 2**-8
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
@@ -343,7 +344,8 @@ class Oracle:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coefficient)
         rounded_in_bf16 = any(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in self.params)
-        if self.program.options.get("master") and rounded_in_bf16 and float(coefficient) < 1.0:
+        summed_apart = self.program.options.get("master") or self.program.mode != "zero1"  # not DDP's own bf16 sums
+        if summed_apart and rounded_in_bf16 and float(coefficient) < 1.0:
             for p in self.params:  # kept in the optimizer's state (RMSprop's v, SGD's momentum): outlives alignments
                 if p.grad is not None:  # SGD moves by lr * g: the rounding of g is what it carries (seed 38762)
                     gain = float(p.grad.detach().float().abs().amax()) if self.program.optimizer == "SGD" else 1.0
