@@ -155,6 +155,8 @@ class Run:
         muon_lr = self.oracle.muon_lrs()
         for name, want in self.oracle.model.named_parameters():
             got = ours[name].detach()
+            if got.stride() != want.stride():
+                self.mismatches.append(f"{where}: parameter {name} lost its layout {got.stride()} != {want.stride()}")
             rtol, atol = self.tol[want.dtype]
             if want.dtype == torch.float32:
                 rtol, atol = rtol * steps, atol * steps
@@ -162,8 +164,6 @@ class Run:
                 problem = within_muon_rounding(got, want.detach(), muon_lr[id(want)] * steps, rtol, atol)
                 if problem:
                     self.mismatches.append(f"{where}: parameter {name}: {problem}")
-                if ours[name].stride() != want.stride():
-                    self.mismatches.append(f"{where}: parameter {name} lost its layout")
                 continue
             noisy = self.oracle.noisy.get(id(want)) if rtol or atol else None  # exact: no rounding to excuse
             if noisy is not None and noisy.shape == got.shape and noisy.any():  # modes.Oracle.note_noise
@@ -192,9 +192,6 @@ class Run:
                     torch.testing.assert_close(got[kept], want.detach()[kept], rtol=rtol, atol=atol)
                 except AssertionError as error:
                     self.mismatches.append(f"{where}: parameter {name}: {str(error).splitlines()[-3:]}")
-            if ours[name].stride() != want.stride():
-                layouts = f"{ours[name].stride()} != {want.stride()}"
-                self.mismatches.append(f"{where}: parameter {name} lost its layout {layouts}")
         if align:
             self.aligned_at = self.step_number
             self.oracle.noisy.clear()
@@ -250,13 +247,9 @@ class Run:
                     continue
                 # a bf16 parameter's state integrates its gradient, which SDP keeps in reduce_dtype (fp32) where DDP
                 # leaves bf16: a bf16 ulp apart
-                dtype = self.oracle.params[key].dtype if key < len(self.oracle.params) else torch.float32
-                rtol, atol = self.tol[dtype]
-                carried = (
-                    self.oracle.state_noise.get(id(self.oracle.params[key]), 0.0)
-                    if key < len(self.oracle.params)
-                    else 0.0
-                )
+                param = self.oracle.params[key] if key < len(self.oracle.params) else None
+                rtol, atol = self.tol[param.dtype if param is not None else torch.float32]
+                carried = self.oracle.state_noise.get(id(param), 0.0) if param is not None else 0.0
                 if carried and (rtol or atol):  # modes.CLIP_ROUNDING, in the state itself (seed 38762)
                     # SGD's is in gradient units (its momentum buffer is a sum of gradients); the others' relative
                     rtol, atol = (
