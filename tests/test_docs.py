@@ -175,3 +175,34 @@ def test_the_site_builds_strictly_and_its_api_reference_renders_every_public_nam
     rendered = "".join(page.read_text() for page in (tmp_path / "api").rglob("*.html"))
     missing = [name for name, _ in _public_names() if f'id="{name}"' not in rendered]
     assert not missing, f"public names without a section in the API reference (docs/api/*.md): {missing}"
+
+
+def _layout_paths(tree: str) -> set[str]:
+    """The paths a layout tree names: a ``name/`` or ``name.py`` word opens a line, indented two spaces per level."""
+    stack: list[str] = []
+    paths = set()
+    for line in tree.splitlines():
+        match = re.match(r"( *)(\S+?(?:/|\.py))(?:\s|$)", line)
+        if match is None:
+            continue
+        stack = stack[: len(match.group(1)) // 2]
+        paths.add("/".join([*stack, match.group(2).rstrip("/")]))
+        if match.group(2).endswith("/"):
+            stack.append(match.group(2).rstrip("/"))
+    return paths
+
+
+def test_the_layout_page_names_every_module_and_only_real_ones() -> None:
+    """``docs/layout.md`` is the map of the source: every module under ``src/distoptim`` (packages' ``__init__.py``
+    aside) has its line, and every line names a file that exists."""
+    tree = (ROOT / "docs" / "layout.md").read_text().split("```")[1]
+    listed = {path for path in _layout_paths(tree) if path.endswith(".py")}
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "src" / "distoptim").rglob("*.py")}
+    modules -= {m for m in modules if m.endswith("/__init__.py")}
+    assert not modules - listed, f"modules missing from docs/layout.md: {sorted(modules - listed)}"
+    assert not listed - modules - {"src/distoptim/__init__.py"}, f"layout lines naming no module: {listed - modules}"
+
+
+def test_the_layout_reader_nests_by_indentation() -> None:
+    tree = "src/\n  a.py   x\n  pkg/   y\n    b.py  z\n  c.py\n"
+    assert _layout_paths(tree) == {"src", "src/a.py", "src/pkg", "src/pkg/b.py", "src/c.py"}
