@@ -17,11 +17,12 @@ from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 from tests.zero._hooks import register
 
-BF16, F32 = torch.bfloat16, torch.float32
-# bf16 parameters (one straddling ranks under the even cut, one tiny, one frozen) and one fp32 parameter
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+# bf16 parameters (one straddling ranks under the even cut, one tiny, one frozen), one fp32 parameter and one fp64
+# parameter (wider than the masters: stepped as it is, never rounded to fp32)
 SPEC = [
     [((37, 3), BF16, True), ((5,), BF16, True), ((4, 4), BF16, False)],
-    [((6,), F32, True), ((2, 2, 3), BF16, True)],
+    [((6,), F32, True), ((2, 2, 3), BF16, True), ((3, 5), F64, True)],
 ]
 KWARGS = {"lr": 1e-3, "weight_decay": 0.1}
 STEPS = 4
@@ -33,7 +34,7 @@ class _ByHand:
     def __init__(self, params: list[list[torch.Tensor]]) -> None:
         self.params = flatten(params)
         self.masters = [
-            p.detach().float().requires_grad_(p.requires_grad) if p.dtype != F32 else p for p in self.params
+            p.detach().float().requires_grad_(p.requires_grad) if p.dtype == BF16 else p for p in self.params
         ]
         groups, at = [], 0
         for group in params:
@@ -44,7 +45,7 @@ class _ByHand:
 
     def step(self, grads: list[torch.Tensor | None]) -> None:
         for master, grad in zip(self.masters, grads):
-            master.grad = None if grad is None else grad.float()
+            master.grad = None if grad is None else grad.to(master.dtype)
         self.optimizer.step()
         with torch.no_grad():
             for param, master in zip(self.params, self.masters):
@@ -84,6 +85,9 @@ def _parity_body(rank: int, world_size: int) -> dict[str, Any] | None:
                 if master.requires_grad and master is not reference.params[index]:
                     assert torch.equal(state[index]["master_weight"], master.detach()), (what, index)
                     assert state[index]["exp_avg"].dtype == F32, "optimizer state is kept in fp32"
+                if master is reference.params[index] and index in state:
+                    assert "master_weight" not in state[index], (what, index, "no master for fp32 / fp64")
+                    assert state[index]["exp_avg"].dtype == master.dtype, (what, index)
             if (partition, bucket_view) == ("even", True):
                 saved = {
                     "optimizer": zero.state_dict(),
@@ -160,9 +164,10 @@ class _Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(BF16)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=F64))  # wider than the masters: no master
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x.to(BF16))
+        return self.body(x.to(BF16)).double() * self.scale
 
 
 def _ddp_body(rank: int, world_size: int) -> None:
@@ -178,7 +183,7 @@ def _ddp_body(rank: int, world_size: int) -> None:
             parameters_as_bucket_view=partition == "even", master_dtype=F32, lr=0.01,
         )  # fmt: skip
         register(ddp, zero, reduction, stepping)
-        masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
+        masters = [p.detach().float().requires_grad_() if p.dtype == BF16 else p for p in reference.parameters()]
         by_hand = torch.optim.AdamW(masters, lr=0.01)
         for iteration in range(3):
             batch = torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * iteration + rank))
@@ -192,11 +197,13 @@ def _ddp_body(rank: int, world_size: int) -> None:
                 torch.testing.assert_close(total, expected.float(), rtol=1e-2, atol=0, msg=what)
                 zero.step()
             for master, param in zip(masters, reference.parameters()):
-                master.grad = param.grad.float()
+                if master is not param:
+                    master.grad = param.grad.float()
             by_hand.step()
             with torch.no_grad():
                 for master, param in zip(masters, reference.parameters()):
-                    param.copy_(master)
+                    if master is not param:
+                        param.copy_(master)
             for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
                 label = f"{what} iteration {iteration} parameter {index}"
                 torch.testing.assert_close(param, want, rtol=0, atol=0, msg=lambda m, label=label: f"{label}: {m}")

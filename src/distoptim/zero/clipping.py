@@ -88,9 +88,16 @@ def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device)
     if not grads:
         neutral = {math.inf: 0.0, -math.inf: math.inf}.get(norm_type, 0.0)
         return torch.tensor(neutral, dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])
+    norms = torch.stack([_norm(g, norm_type).to(device) for g in grads])
     if math.isinf(norm_type):
         return norms.amax() if norm_type > 0 else norms.amin()
     if norm_type in (0.0, 1.0):
         return norms.sum()
     return norms.pow(norm_type).sum()
+
+
+def _norm(grad: Tensor, norm_type: float) -> Tensor:
+    """``grad``'s norm in float32: accumulated in float32, or for a wider gradient (float64) in its own dtype."""
+    if grad.dtype.itemsize > 4:
+        return torch.linalg.vector_norm(grad, norm_type).float()
+    return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)

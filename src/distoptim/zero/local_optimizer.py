@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from distoptim.zero.elementwise import is_elementwise, torch_class_of
 from distoptim.zero.partition import newton_schulz_cost
+from distoptim.zero.shard import has_master
 
 __all__ = [
     "CLASS_KEY",
@@ -105,7 +106,7 @@ def check_eps_from_first_dtype(
         adafactor = issubclass(group_class(group, default), torch.optim.Adafactor)
         if not adafactor or not isinstance(eps, (tuple, list)) or eps[0] is not None:
             continue
-        stepped = {p.dtype if master_dtype is None else master_dtype for p in group["params"]}
+        stepped = {master_dtype if has_master(p.dtype, master_dtype) else p.dtype for p in group["params"]}
         if len(stepped) > 1:
             raise ValueError(
                 f"param group {index} (torch.optim.Adafactor) steps parameters of dtypes "

@@ -5,7 +5,7 @@ parameter that an even cut leaves whole, behaves exactly like a plain optimizer,
 fragment is stepped as a 1-D view of its parameter's elements (memory order) whose ``.grad`` is attached for the
 step from the parameter's gradient; elementwise optimizers then do on the piece what they would do on the whole.
 
-With master weights (``master_dtype``), a fragment of a lower-precision parameter is stepped as a copy in
+With master weights (``master_dtype``), a fragment of a narrower parameter is stepped as a copy in
 ``master_dtype`` instead (its gradient upcast for the step, the result written back, rounded, into the parameter),
 so only this rank's fragments ever have a master copy.
 
@@ -34,6 +34,7 @@ __all__ = [
     "complete_hyperparameters",
     "copy_hyperparameters",
     "fragment_of",
+    "has_master",
     "slice_entry",
     "stitch",
 ]
@@ -268,9 +269,15 @@ def _bits(tensor: Tensor) -> Tensor:
     return tensor.view(_BITS[tensor.element_size()])
 
 
+def has_master(dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
+    """Whether a parameter of ``dtype`` is stepped through a master copy: only a narrower floating-point one (a
+    float64 parameter under ``master_dtype=torch.float32`` is stepped as it is, never rounded to the master's)."""
+    return master_dtype is not None and dtype.is_floating_point and dtype.itemsize < master_dtype.itemsize
+
+
 def _local_tensor(index: int, param: Tensor, offset: int, length: int, master_dtype: torch.dtype | None) -> LocalTensor:
     whole = offset == 0 and length == param.numel()
-    if master_dtype is not None and param.dtype != master_dtype:
+    if has_master(param.dtype, master_dtype):
         source = param.detach() if whole else flat_view(param)[offset : offset + length]
         copy = torch.empty_like(source, dtype=master_dtype).copy_(source)
         return LocalTensor(index, param, offset, length, copy, master=True)
