@@ -98,6 +98,6 @@ def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device)
 
 def _norm(grad: Tensor, norm_type: float) -> Tensor:
     """``grad``'s norm in float32: accumulated in float32, or for a wider gradient (float64) in its own dtype."""
-    if grad.dtype.itemsize > 4:
-        return torch.linalg.vector_norm(grad, norm_type).float()
-    return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+    wide = grad.dtype.itemsize > 4
+    norm: Tensor = torch.linalg.vector_norm(grad, norm_type, dtype=None if wide else torch.float32)
+    return norm.float()
