@@ -25,7 +25,7 @@ from tests.fuzz import episodes
 from tests.fuzz.matrices import within_muon_rounding
 from tests.fuzz.models import batch, layer
 from tests.fuzz.modes import Oracle, Structure, build_subject
-from tests.fuzz.program import Action, Program
+from tests.fuzz.program import Action, Program, inexact_parts
 
 EVAL_STEP = 999  # the eval batches' step number (data no step trains on)
 # actions after which the step may have run; ``gan`` ends with the generator's step, which a bf16 program must
@@ -71,13 +71,19 @@ def tolerances(program: Program, world_size: int) -> dict[torch.dtype, tuple[flo
         # accumulated micro-batches the bf16 layer's parameters end a bf16 ulp apart now and then, which moves the
         # fp32 layers' gradients (through it) by 2^-8 relative: lr * |update| * 2^-8 per step, compounding in momentum
         fp32 = (1e-3, 1e-4)
-    exact = (
+    exact = is_exact(program, world_size) or (
         program.mode == "zero1"
         and "bf16" not in program.features
         and world_size == 2
         and not any(a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions)
     )
     return {torch.float32: (0.0, 0.0) if exact else fp32, torch.bfloat16: (1.6e-2, 1e-3)}
+
+
+def is_exact(program: Program, world_size: int) -> bool:
+    """Compared bitwise: gradients on the grid (``models.on_grid``) at 2 or 4 ranks, where DDP's division by the
+    world size is exact and every reduction order sums grid values to the same fp32 bits."""
+    return bool(program.options.get("exact")) and world_size in (2, 4) and not inexact_parts(program)
 
 
 def refusal_expected(program: Program) -> str:
@@ -107,6 +113,7 @@ class Run:
         self.counter = 0
         self.mismatches: list[str] = []
         self.tol = tolerances(program, self.world_size)
+        self.exact = is_exact(program, self.world_size)
         self.must_refuse = refusal_expected(program)
         self.clipped_adaptive = program.optimizer != "SGD" and any(
             a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions
@@ -206,6 +213,11 @@ class Run:
             return
         if (got is None) != (want is None):
             self.mismatches.append(f"{where}: {got!r} != {want!r}")
+            return
+        if self.exact:  # the same bits in, the same arithmetic: the same bits out
+            a, b = torch.as_tensor(got), torch.as_tensor(want)
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                self.mismatches.append(f"{where}: {a.tolist()} != {b.tolist()} (exact program: bitwise)")
             return
         rtol, atol = self.tol[torch.bfloat16 if "bf16" in self.program.features else dtype]
         steps = max(1, self.step_number - self.aligned_at)  # computed from parameters unaligned for that many steps

@@ -18,6 +18,11 @@ import torch
 from torch import Tensor, nn
 
 WIDTH, VOCAB, BATCH = 16, 11, 4
+# Exact programs' gradient grid: each rank's local gradient rounded to multiples of GRID, magnitude capped at CAP, by
+# a tensor hook on every parameter (it runs before the gradient is accumulated into .grad, so before DDP's and
+# distoptim's hooks read it). 2^19 grid steps per CAP: a sum of up to 32 such values (micro-batches, accumulated
+# backwards, ranks), divided by 2 or 4, needs at most 24 bits, so fp32 adds it exactly in any order.
+GRID, CAP = 2.0**-16, 2.0**3
 
 
 class Composed(nn.Module):
@@ -39,8 +44,15 @@ def _compose(module: Composed, args: Any) -> None:
     module.weight = module.base + module.delta
 
 
+def on_grid(grad: Tensor) -> Tensor:
+    """``grad`` clamped to [-CAP, CAP] and rounded to a multiple of ``GRID`` (exact: scaling by 2^16 is)."""
+    if grad.is_sparse or grad.dtype != torch.float32:  # not in exact programs (``program.exact_features``)
+        return grad
+    return grad.clamp(-CAP, CAP).mul_(1 / GRID).round_().mul_(GRID)
+
+
 class FuzzModel(nn.Module):
-    def __init__(self, features: list[str], seed: int) -> None:
+    def __init__(self, features: list[str], seed: int, grid: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.features = set(features)
@@ -55,14 +67,20 @@ class FuzzModel(nn.Module):
         self.sparse = nn.Embedding(VOCAB, WIDTH, sparse=True) if has("sparse") else None
         self.rank0 = nn.Linear(WIDTH, WIDTH) if has("rank_branch") else None
         self.never = nn.Linear(WIDTH, 4) if has("unused") else None
-        self.frozen = nn.Linear(WIDTH, WIDTH).requires_grad_(False) if has("frozen") else None
-        self.extra = nn.Linear(WIDTH, WIDTH).requires_grad_(False) if has("extra") else None
+        self.frozen = nn.Linear(WIDTH, WIDTH) if has("frozen") else None
+        self.extra = nn.Linear(WIDTH, WIDTH) if has("extra") else None
         self.head = nn.Linear(WIDTH, WIDTH)
         if has("bf16"):
             self.head.to(torch.bfloat16)
         self.out = nn.Linear(WIDTH, VOCAB, bias=False)
         if self.embed is not None:
             self.out.weight = self.embed.weight
+        if grid:  # registered before any wrapper's hooks (theirs only look at .grad, not at the gradient passed)
+            for param in self.parameters():
+                param.register_hook(on_grid)
+        for frozen in (self.frozen, self.extra):  # frozen after the hooks: a hook needs requires_grad
+            if frozen is not None:
+                frozen.requires_grad_(False)
 
     def forward(self, x: Tensor, tokens: Tensor, image: Tensor, step: int, rank: int) -> Tensor:
         h = torch.tanh(self.inp(x))

@@ -67,6 +67,11 @@ class Structure:
     added: bool = False
 
 
+def on_grid(program: Program) -> bool:
+    """Whether both sides round each rank's local gradient to ``models.GRID`` (exact programs)."""
+    return bool(program.options.get("exact"))
+
+
 def program_groups(program: Program, model: FuzzModel, lr: float) -> list[dict[str, Any]]:
     """The program's param groups: the model zoo's, each split into Muon's matrices and the rest for Muon."""
     groups = param_groups(model, lr)
@@ -161,7 +166,7 @@ def build_subject(
     model_state: dict[str, Tensor] | None = None,
     group: Any = None,
 ) -> Subject:
-    model = FuzzModel(program.features, seed)
+    model = FuzzModel(program.features, seed, grid=on_grid(program))
     _thaw(model, structure)
     if model_state is not None:
         model.load_state_dict(model_state)
@@ -192,7 +197,7 @@ class Oracle:
 
     def __init__(self, program: Program, structure: Structure | None = None, group: Any = None) -> None:
         self.program = program
-        self.model = FuzzModel(program.features, MODEL_SEED)
+        self.model = FuzzModel(program.features, MODEL_SEED, grid=on_grid(program))
         structure = structure or Structure()
         _thaw(self.model, structure)
         self.lr = program.kwargs["lr"]
