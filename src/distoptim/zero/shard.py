@@ -126,6 +126,7 @@ class LocalShard:
         self._stepped = [t.tensor for group in self.groups for t in group]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
+        self._cut = [p for group in param_groups for p in group["params"]] if plan.mode == "even" else []
 
     @property
     def tensors(self) -> list[list[Tensor]]:
@@ -191,6 +192,7 @@ class LocalShard:
 
     def _align_grads(self) -> None:
         """Lay out any gradient unlike its split parameter like it, so that its pieces are views of ``.grad``."""
+        _refuse_sparse_gradients(self._cut)
         for local in self.detached:
             grad = local.param.grad
             if not local.whole and grad is not None and grad.stride() != local.param.stride():
@@ -262,6 +264,21 @@ class LocalShard:
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _refuse_sparse_gradients(params: Sequence[Tensor]) -> None:
+    """An even partition cuts parameters into pieces, which a sparse gradient (``nn.Embedding(sparse=True)``)
+    cannot be: refused at the first step or clip that finds one, for every parameter (a parameter's place in the
+    cut moves as groups are added), from what every rank holds alike (DDP all-reduces sparse gradients), so every
+    rank raises the same error inside the step's agreement (torch's ``copy_()`` crash before)."""
+    sparse = [index for index, param in enumerate(params) if param.grad is not None and param.grad.is_sparse]
+    if sparse:
+        raise ValueError(
+            f"partition='even' cuts parameters into pieces, and a sparse gradient cannot be cut: parameter {sparse[0]} "
+            f"(shape {tuple(params[sparse[0]].shape)}) has one (nn.Embedding or nn.EmbeddingBag with sparse=True). "
+            "Use partition='greedy' (each parameter stepped whole by one rank, its sparse gradient as torch.optim "
+            "steps it), or build the embedding with sparse=False"
+        )
 
 
 def _bits(tensor: Tensor) -> Tensor:
