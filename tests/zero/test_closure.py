@@ -1,11 +1,13 @@
 """``step(closure)``: the closure runs the backward, and the step uses the gradients it made, in every partition and
-with master weights (torch.optim runs the closure first; Lightning steps this way)."""
+with master weights (torch.optim runs the closure first; Lightning steps this way). Without a closure the local
+optimizer's ``step`` is called without one, as torch's ZeroRedundancyOptimizer calls it: a ``step(self)`` works."""
 
 from __future__ import annotations
 
 import itertools
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from distoptim import ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
@@ -37,3 +39,32 @@ def _body(rank: int, world_size: int) -> None:
 
 def test_step_with_a_closure_uses_the_gradients_it_makes() -> None:
     run_on_ranks(_body, 2)
+
+
+class _NoClosureSGD(torch.optim.SGD):
+    """An optimizer whose ``step`` takes no closure (some third-party optimizers are written so)."""
+
+    def step(self) -> None:  # type: ignore[override]
+        super().step()
+
+
+def _no_closure_body(rank: int, world_size: int) -> None:
+    modes = [("greedy", False), ("greedy", True), ("even", False), ("even", True)]
+    for partition, view in modes:
+        ours, theirs = flatten(make_params()), flatten(make_params())
+        theirs = [p.detach().float().requires_grad_(p.requires_grad) for p in theirs]  # torch's refuses mixed dtypes
+        ours = [p.detach().float().requires_grad_(p.requires_grad) for p in ours]
+        kwargs = {"lr": 0.1, "momentum": 0.9}
+        zero = ZeroRedundancyOptimizer(
+            ours, _NoClosureSGD, parameters_as_bucket_view=view, partition=partition, **kwargs
+        )
+        reference = TorchZero([p for p in theirs if p.requires_grad], _NoClosureSGD, **kwargs)
+        for step in range(3):
+            set_gradients(averaged_gradients(ours, rank, step), ours, theirs)
+            zero.step()
+            reference.step()
+            assert_same_tensors(ours, theirs, f"{partition} bucket_view={view} step {step}")
+
+
+def test_a_local_step_without_a_closure_parameter_matches_torchs_zero() -> None:
+    run_on_ranks(_no_closure_body, 2)

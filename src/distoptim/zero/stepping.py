@@ -57,7 +57,8 @@ def step_local_optimizer(
     (``shown_groups``) to the local ones only; a value the local step itself sets in its groups (no torch.optim
     optimizer does) is shown in the global groups right after it, so no later copy can bring an old value back."""
     before = [dict(group) for group in optim.param_groups]
-    loss: float | None = optim.step(closure, **kwargs)
+    # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
+    loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=closure, **kwargs)
     shard.write_back()
     for saved, group, shown in zip(before, optim.param_groups, shown_groups):  # what the step itself set
         shown.update((k, v) for k, v in group.items() if k != "params" and (k not in saved or saved[k] is not v))
