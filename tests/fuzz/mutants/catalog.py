@@ -1,0 +1,175 @@
+"""The planted bugs: each a few (file, old, new) replacements in ``src/``, the old text required exactly once.
+
+Each is a slip an engineer could make (an off-by-one, a missing division, the wrong flag read), and each has a
+demonstration program (``demos.py``) on which it trains differently from DDP + the plain optimizer, raising nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str  # relative to src/
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    feature: str  # the mode or feature it breaks
+    slip: str  # what the engineer got wrong
+    edits: tuple[Edit, ...]
+
+
+def _one(name: str, feature: str, slip: str, path: str, old: str, new: str) -> Mutant:
+    return Mutant(name, feature, slip, (Edit(path, old, new),))
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    _one(
+        "zero1_staged_edge",
+        "ZeRO-1 under DDP, staged parameter sync (bucket_view=False)",
+        "each owner's slice of the stage broadcast one element short: the element at its edge keeps the stage's "
+        "old value on the other ranks",
+        "distoptim/zero/buckets.py",
+        "work.slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]",
+        "work.slices = [(chunk.src, chunk.start, chunk.end - 1) for chunk in round_.chunks]",
+    ),
+    _one(
+        "even_floor_chunk",
+        "partition='even' (ZeRO-1, ZeRO-2, ShardedDataParallel)",
+        "a region's share per rank rounded down, not up: the region's last elements are owned by no rank",
+        "distoptim/zero/partition.py",
+        "            chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil",
+        "            chunk = sum(numels[i] for i in region) // world_size  # ceil",
+    ),
+    _one(
+        "clip_local_norm",
+        "clip_grad_norm_ (every mode that clips)",
+        "the norm of this rank's owned shard, never summed over the ranks",
+        "distoptim/zero/clipping.py",
+        "    total = comm.all_reduce_(local, group, op)\n",
+        "    total = local\n",
+    ),
+    _one(
+        "zero2_route_edge",
+        "reduce_to_owners_hook (ZeRO-2)",
+        "each owned range's end one element short: the element at a fragment's edge is never reduced",
+        "distoptim/ddp/reduce_to_owners.py",
+        "offset + f.offset, offset + f.offset + f.length) for f in fragments",
+        "offset + f.offset, offset + f.offset + f.length - 1) for f in fragments",
+    ),
+    _one(
+        "zero2_hybrid_div",
+        "reduce_to_owners_hook under hybrid sharding (replicate_group)",
+        "divided by the shard group's size only: replicas summed, not averaged",
+        "distoptim/ddp/reduce_to_owners.py",
+        "    buffer.div_(zero.world_size * zero.replica_count)\n",
+        "    buffer.div_(zero.world_size)\n",
+    ),
+    _one(
+        "sdp_land_copy",
+        "ShardedDataParallel: accumulating micro-batches",
+        "each landing copies into the owned gradient instead of adding after the first: accumulation lost",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])",
+        "target.copy_(buffer[start:end])",
+    ),
+    _one(
+        "sdp_unfreeze_no_div",
+        "ShardedDataParallel: a parameter unfrozen since the plan (all-reduced at the end of the backward)",
+        "the all-reduced gradient of an unplaced parameter not divided by the world size",
+        "distoptim/sharded_data_parallel/coordination.py",
+        "        param.grad = grad.div_(zero.world_size * zero.replica_count)\n",
+        "        param.grad = grad\n",
+    ),
+    _one(
+        "sdp_overlap_skip_landing",
+        "ShardedDataParallel(overlap_param_sync=True)",
+        "a forward pre-hook lands the buckets before the one it needs, not through it: that module's forward "
+        "runs on its pre-step parameters",
+        "distoptim/sharded_data_parallel/sync.py",
+        "        while self._landed <= last and self._landed < len(self._launched):\n",
+        "        while self._landed < last and self._landed < len(self._launched):\n",
+    ),
+    _one(
+        "overlap_hook_unused",
+        "hook_with_zero_step (overlap_with_ddp)",
+        "the used-parameter flags ignored: a parameter no rank used is stepped on a zero gradient",
+        "distoptim/ddp/zero_step.py",
+        "        used = _UsedFlags(params, ddp).wait() if _finds_unused(ddp) else [True] * len(params)",
+        "        used = [True] * len(params)",
+    ),
+    _one(
+        "interleaved_unused",
+        "hook_with_zero_step_interleaved",
+        "the bucket's used flags not waited for: unused parameters stepped on a zero gradient",
+        "distoptim/ddp/zero_step.py",
+        "        stepper.step(reduction.grads(None if reduction.used is None else reduction.used.wait()))",
+        "        stepper.step(reduction.grads(None))",
+    ),
+    _one(
+        "overlap_row_major_grad",
+        "the overlap hooks with a parameter that is not row-major in memory (transposed, channels_last)",
+        "a parameter's gradient read from DDP's bucket as if contiguous (row-major), where DDP lays it out with "
+        "the parameter's strides",
+        "distoptim/ddp/zero_step.py",
+        "grads[id(param)] = view_like(reduced, offset, param) if param_used else None",
+        "grads[id(param)] = reduced[offset : offset + param.numel()].view(param.shape) if param_used else None",
+    ),
+    _one(
+        "master_reseed_all",
+        "master weights (bf16 + master_dtype)",
+        "a master copy re-seeded only where every element of its piece was written (all, not any): a clamp of "
+        "some elements is overwritten by the stale master at the next step",
+        "distoptim/zero/shard.py",
+        "written = torch.ne(_bits(into), _bits(master.to(into.dtype))).any()",
+        "written = torch.ne(_bits(into), _bits(master.to(into.dtype))).all()",
+    ),
+    _one(
+        "scaler_double_unscale",
+        "GradScaler after scaler.unscale_(zero) (to clip)",
+        "the already-unscaled stage not read: gradients unscaled a second time at the step",
+        "distoptim/zero/amp.py",
+        '    unscaled = _scaler_state(grad_scaler, optimizer)["stage"].name == "UNSCALED"\n',
+        "    unscaled = False\n",
+    ),
+    _one(
+        "scaler_local_skip",
+        "GradScaler whose gradients overflow in some elements",
+        "the skip decided by this rank's owned shard, not the agreed verdict: ranks owning no inf step anyway",
+        "distoptim/zero/optimizer.py",
+        "            if scaled and not found_inf:",
+        "            if scaled and not verdict.found_here:",
+    ),
+    _one(
+        "ckpt_consolidated_group_lr",
+        "consolidated checkpoints (load_state_dict)",
+        "every group loads the first saved group's hyperparameters (its lr among them)",
+        "distoptim/checkpoint/consolidated.py",
+        "    return by_param, [loaded_hyperparameters(saved) for saved in saved_groups]\n",
+        "    return by_param, [loaded_hyperparameters(saved_groups[0]) for saved in saved_groups]\n",
+    ),
+    _one(
+        "ckpt_sharded_master_reset",
+        "sharded checkpoints with master weights (resume)",
+        "the test inverted: a master that was loaded is re-seeded from the rounded parameter (and one that was "
+        "not keeps its stale value)",
+        "distoptim/checkpoint/dcp_state.py",
+        "        if local.master and entry.pop(MASTER_KEY, None) is None:\n",
+        "        if local.master and entry.pop(MASTER_KEY, None) is not None:\n",
+    ),
+    _one(
+        "adafactor_cut",
+        "Adafactor / Muon whole-tensor ownership under partition='even'",
+        "only Muon is kept whole: Adafactor's matrices are cut across ranks and factored per piece",
+        "distoptim/zero/local_optimizer.py",
+        "            whole.append(not is_elementwise(cls))\n",
+        "            whole.append(issubclass(cls, torch.optim.Muon))\n",
+    ),
+)
+
+BY_NAME = {m.name: m for m in MUTANTS}

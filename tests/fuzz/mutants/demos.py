@@ -1,0 +1,89 @@
+"""One small deterministic program per mutant, written by hand for the bug it shows: run on the clean copy it
+passes; on the mutant every rank runs it to the end without an error and trains otherwise than DDP + the plain
+optimizer (the verdict ``mismatch``, with the parameters that differ and by how much)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.fuzz.program import Action, Program
+
+SEED = 7  # the model's and data's seed (any fixed one)
+
+
+def _block(micro: int = 1, no_sync: bool = False, clip: Any = None) -> list[Action]:
+    block = [Action("zero_grad", {"via": "optimizer", "set_to_none": True})]
+    block.append(Action("backward", {"micro": micro, "no_sync": no_sync}))
+    if clip is not None:
+        block.append(Action("clip", {"max_norm": clip, "norm_type": 2.0}))
+    return [*block, Action("step")]
+
+
+def _program(
+    mode: str,
+    actions: list[Action],
+    optimizer: str = "SGD",
+    kwargs: dict[str, Any] | None = None,
+    features: tuple[str, ...] = (),
+    **options: Any,
+) -> Program:
+    settings: dict[str, Any] = {"partition": "greedy", "bucket_view": False, "master": False}
+    settings.update({"overlap": False} if mode == "sdp" else {})
+    settings.update({"stepping": "hook"} if mode == "overlap_hook" else {})
+    settings.update(options)
+    kwargs = {"lr": 0.05, "momentum": 0.9} if kwargs is None else kwargs
+    return Program(SEED, sorted(features), mode, settings, optimizer, kwargs, [*actions, Action("check")])
+
+
+ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+TWO = _block() + _block()
+
+DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size)
+    "zero1_staged_edge": (_program("zero1", TWO, partition="even"), 2),
+    "even_floor_chunk": (_program("zero1", TWO, partition="even", features=("transposed",)), 2),
+    "clip_local_norm": (_program("zero1", _block(clip=0.05) * 2), 2),
+    "zero2_route_edge": (_program("zero2_hook", TWO, partition="even"), 2),
+    "zero2_hybrid_div": (_program("zero2_hook", TWO, kwargs={"lr": 0.05}, hybrid=True), 4),
+    "sdp_land_copy": (_program("sdp", _block(micro=2) * 2), 2),
+    "sdp_unfreeze_no_div": (
+        _program("sdp", [*_block(), Action("unfreeze"), *_block()], kwargs={"lr": 0.05}, features=("frozen",)),
+        2,
+    ),
+    "sdp_overlap_skip_landing": (_program("sdp", TWO + _block(), overlap=True, partition="even"), 2),
+    "overlap_hook_unused": (_program("overlap_hook", TWO, "AdamW", ADAMW, features=("unused",)), 2),
+    "interleaved_unused": (
+        _program("overlap_hook", TWO, "AdamW", ADAMW, features=("unused",), stepping="interleaved"),
+        2,
+    ),
+    "overlap_row_major_grad": (_program("overlap_hook", TWO, features=("transposed",)), 2),
+    "master_reseed_all": (
+        _program(
+            "zero1",
+            [*_block(), Action("clamp", {"layer": "head"}), *_block()],
+            "Adam",
+            {"lr": 0.01},
+            features=("bf16",),
+            master=True,
+        ),
+        2,
+    ),
+    "scaler_double_unscale": (_program("zero1", [Action("scaler_step", {"clip": True})] * 2), 2),
+    "scaler_local_skip": (
+        _program("zero1", [Action("scaler_step", {"clip": False, "overflow": "head"}), *_block()], partition="even"),
+        2,
+    ),
+    "ckpt_consolidated_group_lr": (_program("zero1", [*_block(), Action("load_optim"), *_block()]), 2),
+    "ckpt_sharded_master_reset": (
+        _program(
+            "zero1",
+            [*_block(), Action("resume", {"kind": "sharded"}), *_block()],
+            "Adam",
+            {"lr": 0.01},
+            features=("bf16",),
+            master=True,
+            partition="even",
+        ),
+        2,
+    ),
+    "adafactor_cut": (_program("zero1", TWO, "Adafactor", {"lr": 0.01}, partition="even"), 2),
+}

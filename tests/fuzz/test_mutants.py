@@ -1,0 +1,47 @@
+"""The mutation score in CI (issue 42): every planted bug still applies to the source and has its demonstration,
+and CI's fuzzer programs catch a few of them (those caught within CI's first seeds), each in a copy of ``src/``.
+The whole score: ``python -m tests.fuzz.mutants`` (tests/fuzz/README.md, "Mutation score")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fuzz.mutants.catalog import BY_NAME, MUTANTS
+from tests.fuzz.mutants.copies import mutated, problems, snapshot
+from tests.fuzz.mutants.demos import DEMOS
+from tests.fuzz.mutants.score import CleanVerdicts, score
+from tests.fuzz.test_fuzz import CI_SEEDS
+
+# mutants that CI's seeds catch early (the seed in the last full score): the first FIRST_SEEDS of CI's seeds suffice
+QUICK = ("sdp_land_copy", "clip_local_norm", "scaler_double_unscale")
+FIRST_SEEDS = 20
+
+
+def test_every_mutant_applies_to_the_current_source_and_has_a_demonstration() -> None:
+    found = [problem for mutant in MUTANTS for problem in problems(mutant)]
+    assert not found, "\n".join(found)
+    assert len(MUTANTS) >= 12 and len(BY_NAME) == len(MUTANTS)
+    assert set(DEMOS) == set(BY_NAME)
+
+
+def test_a_drifted_source_fails_loudly(tmp_path: Path) -> None:
+    clean = snapshot(tmp_path)
+    mutant = BY_NAME["clip_local_norm"]
+    path = clean / mutant.edits[0].path
+    path.write_text(path.read_text() + "\n# " + mutant.edits[0].old)  # now twice
+    with pytest.raises(AssertionError, match="2 times"):
+        mutated(mutant, clean, tmp_path)
+
+
+def test_ci_seeds_catch_the_quick_mutants(tmp_path: Path) -> None:
+    clean = snapshot(tmp_path)
+    verdicts = CleanVerdicts(clean, 2, hybrid=False)
+    seeds = CI_SEEDS[:FIRST_SEEDS]
+    missed = []
+    for name in QUICK:
+        result = score(BY_NAME[name], mutated(BY_NAME[name], clean, tmp_path), seeds, verdicts, 2, False, batch=10)
+        if not result.caught:
+            missed.append(f"{name}: not caught by seeds {seeds[0]}-{seeds[-1]} ({result.programs} programs)")
+    assert not missed, "\n".join(missed)
