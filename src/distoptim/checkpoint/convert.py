@@ -4,7 +4,11 @@
 ``python -m distoptim checkpoint DIR --to-torch optim.pt`` writes the ``torch.optim`` dict of the optimizer saved
 under ``--key`` (default ``optim``) in DIR; ``python -m distoptim checkpoint DIR --from-torch optim.pt`` writes a
 sharded checkpoint DIR from one. Conversion holds the whole state in memory: it is for leaving and joining the
-format, not for training.
+format, not for training. Each says what it wrote, in one line.
+
+A sharded checkpoint records each parameter's shape (a load checks it). ``--from-torch`` reads it from the state:
+torch.optim's parameter-shaped entries (Adam's moments, momentum buffers ...), Adafactor's row and column factors;
+where the state cannot tell (an optimizer's own entries of other shapes), ``--params FILE`` gives the shapes.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +32,17 @@ from distoptim.checkpoint import checksums
 from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
 from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS
 
-__all__ = ["dcp_to_torch_optim", "main", "torch_optim_to_dcp"]
+__all__ = ["dcp_to_torch_optim", "main", "parameter_shapes", "torch_optim_to_dcp"]
+
+PARAMETER_SHAPED = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta", "sum", "ax", "momentum_buffer"}
+    | {"grad_avg", "prev", "step_size", "variance", "master_weight"}
+)
+"""The state entries of torch.optim's optimizers (and distoptim's master weights) shaped like their parameter."""
+FACTORS = ("row_var", "col_var")
+"""Adafactor's factored second moment of a parameter of shape ``(..., m, n)``: ``(..., m, 1)`` and ``(..., 1, n)``."""
+
+Shapes = Sequence[Sequence[int] | Tensor] | Mapping[str, Tensor]
 
 
 def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, Any]:
@@ -66,24 +81,88 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
     return {"state": dict(sorted(state.items())), "param_groups": pickle.loads(saved[PARAM_GROUPS])}
 
 
-def torch_optim_to_dcp(state_dict: dict[str, Any], directory: str | Path, key: str = "optim") -> None:
-    """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes.
+def torch_optim_to_dcp(
+    state_dict: dict[str, Any], directory: str | Path, key: str = "optim", shapes: Shapes | None = None
+) -> int:
+    """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes;
+    return how many data files were written.
 
     State tensors are saved as they are (parameter-shaped ones by their logical indices, as ZeRO saves them: the
-    memory layout does not matter).
+    memory layout does not matter). ``shapes``: the parameters' shapes (or the parameters), in the optimizer's order,
+    or a model state dict when the param groups name their parameters (``param_names``); needed only where the
+    state cannot tell (see ``parameter_shapes``).
     """
-    count = sum(len(group["params"]) for group in state_dict["param_groups"])
-    layouts: list[tuple[tuple[int, ...], None] | None] = [None] * count  # None: unknown (no state)
-    payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(state_dict["param_groups"])}
+    layouts = [None if shape is None else (shape, None) for shape in parameter_shapes(state_dict, shapes)]
+    payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(state_dict["param_groups"]), LAYOUTS: pickle.dumps(layouts)}
     for index, entry in sorted(state_dict["state"].items()):
         for name, value in entry.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                layouts[index] = (tuple(value.shape), None)
             payload[f"state.{index}.{name}"] = value
-    payload[LAYOUTS] = pickle.dumps(layouts)
-    dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    with warnings.catch_warnings():  # dcp warns that it "assumes" one process even where no_dist=True says so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
     written = (dcp.FileSystemReader(str(directory)).read_metadata().storage_data or {}).values()
-    checksums.write_manifest(Path(directory), checksums.checksums(Path(directory), [w.relative_path for w in written]))
+    files = [w.relative_path for w in written]
+    checksums.write_manifest(Path(directory), checksums.checksums(Path(directory), files))
+    return len(set(files))
+
+
+def parameter_shapes(state_dict: dict[str, Any], shapes: Shapes | None = None) -> list[tuple[int, ...] | None]:
+    """Each parameter's shape (None: it has no state, so nothing to check it against), from ``shapes`` where given,
+    else from its state: a parameter-shaped entry's (``PARAMETER_SHAPED``), or Adafactor's factors'. A state whose
+    entries say nothing of the shape (an optimizer's own entries of other shapes) is refused: never a guess."""
+    groups = state_dict["param_groups"]
+    count = sum(len(group["params"]) for group in groups)
+    given = None if shapes is None else _given_shapes(shapes, groups, count)
+    found: list[tuple[int, ...] | None] = [None] * count
+    for index, entry in sorted(state_dict["state"].items()):
+        if not 0 <= index < count:
+            raise ValueError(f"the state has an entry for parameter {index}, but the param groups hold {count}")
+        found[index] = _shape_in(entry, index, given is None)
+        if given is not None and found[index] not in (None, given[index]):
+            raise ValueError(
+                f"parameter {index}'s state is for shape {found[index]}, but the shapes given say {given[index]}: "
+                "give the shapes of this optimizer's parameters, in its order"
+            )
+    return found if given is None else list(given)
+
+
+def _shape_in(entry: dict[str, Any], index: int, needed: bool) -> tuple[int, ...] | None:
+    """The parameter shape that ``entry`` shows, or None (no tensor state, or none that shows it and not ``needed``)."""
+    tensors = {name: value for name, value in entry.items() if isinstance(value, Tensor) and value.dim() > 0}
+    seen = {tuple(value.shape) for name, value in tensors.items() if name in PARAMETER_SHAPED}
+    if all(name in tensors for name in FACTORS):
+        row, col = tensors[FACTORS[0]].shape, tensors[FACTORS[1]].shape
+        seen.add((*row[:-1], col[-1]))
+    if len(seen) > 1:
+        raise ValueError(f"parameter {index}'s state has parameter-shaped entries of shapes {sorted(seen)}")
+    if seen:
+        return seen.pop()
+    if tensors and needed:
+        shown = {name: tuple(value.shape) for name, value in tensors.items()}
+        raise ValueError(
+            f"parameter {index}'s state ({shown}) does not show the parameter's shape; give the parameters' shapes: "
+            "--params FILE (a torch.save'd list of the shapes or of the parameters, in the optimizer's order, or the "
+            "model's state_dict() when the param groups carry param_names)"
+        )
+    return None
+
+
+def _given_shapes(shapes: Shapes, groups: list[dict[str, Any]], count: int) -> list[tuple[int, ...]]:
+    if isinstance(shapes, Mapping):
+        names = [name for group in groups for name in group.get("param_names", ())]
+        if len(names) != count:
+            raise ValueError(
+                "a state dict of the model gives shapes by name, but these param groups carry no param_names (the "
+                "optimizer was not built from named parameters): give a list of the shapes, in the optimizer's order"
+            )
+        unknown = [name for name in names if name not in shapes]
+        if unknown:
+            raise ValueError(f"the model's state dict has no {unknown[:4]} (parameters the optimizer names)")
+        return [tuple(shapes[name].shape) for name in names]
+    listed = [tuple(item.shape) if isinstance(item, Tensor) else tuple(int(n) for n in item) for item in shapes]
+    if len(listed) != count:
+        raise ValueError(f"{len(listed)} shapes given for the {count} parameters of the param groups")
+    return listed
 
 
 def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...] | None] | None) -> Any:
@@ -116,15 +195,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     direction.add_argument("--to-torch", type=Path, metavar="FILE", help="write its optimizer as a torch.optim dict")
     direction.add_argument("--from-torch", type=Path, metavar="FILE", help="write DIRECTORY from a torch.optim dict")
     parser.add_argument("--key", default="optim", help="where the optimizer is in the checkpoint (default: optim)")
+    parser.add_argument(
+        "--params",
+        type=Path,
+        metavar="FILE",
+        help="with --from-torch, where the state does not show the parameters' shapes: a torch.save'd list of them "
+        "(or of the parameters) in the optimizer's order, or the model's state_dict() if param groups carry names",
+    )
     args = parser.parse_args(argv)
+    if args.params is not None and args.from_torch is None:
+        parser.error("--params goes with --from-torch")
     try:
         if args.to_torch is not None:
-            torch.save(dcp_to_torch_optim(args.directory, args.key), args.to_torch)
+            optim = dcp_to_torch_optim(args.directory, args.key)
+            torch.save(optim, args.to_torch)
+            print(f"wrote {args.to_torch}: torch.optim state dict, {_counts(optim)}; from key {args.key!r}")
         else:
-            torch_optim_to_dcp(torch.load(args.from_torch, weights_only=False), args.directory, args.key)
+            optim = torch.load(args.from_torch, weights_only=False)
+            shapes = None if args.params is None else torch.load(args.params, weights_only=False)
+            files = torch_optim_to_dcp(optim, args.directory, args.key, shapes)
+            print(
+                f"wrote {args.directory}: sharded checkpoint (torch.distributed.checkpoint, {files} data "
+                f"file{'s' * (files != 1)}), {_counts(optim)}; under key {args.key!r}"
+            )
     except (Exception, CheckpointException) as error:  # one line saying what is wrong, not a traceback
         cause = underlying_error(error)
         what = "" if isinstance(cause, (ValueError, OSError)) else f"{type(cause).__name__}: "
         print(f"python -m distoptim checkpoint: error: {what}{cause}", file=sys.stderr)
         return 1
     return 0
+
+
+def _counts(optim: dict[str, Any]) -> str:
+    """``12 parameters in 2 param groups, 30 state entries for 10 of them``."""
+    groups = optim["param_groups"]
+    params = sum(len(group["params"]) for group in groups)
+    entries = sum(len(entry) for entry in optim["state"].values())
+    return (
+        f"{params} parameters in {len(groups)} param group{'s' * (len(groups) != 1)}, "
+        f"{entries} state entries for {len(optim['state'])} of them"
+    )
