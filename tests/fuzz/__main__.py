@@ -1,15 +1,16 @@
 """``python -m tests.fuzz --seeds N [--start S] [--world-size W] [--shrink]``: run fuzz programs, print failures.
 
 ``--program JSON`` reruns one (shrunk) program as printed; ``--actions``/``--modes`` switch parts off.
-Failures are mismatch, divergent (ranks disagree: a hang risk), crash and hang; refused (the same documented error
-on every rank) and oracle_error (plain DDP could not run the program) are counted, not failures.
+Failures are mismatch, divergent (ranks disagree: a hang risk), unexpected_error (an error on every rank that the
+refusal table, ``refusals.py``, does not predict and match), missing_refusal (a predicted refusal that never came)
+and hang; refused (a predicted refusal, its message matched) and oracle_error (plain DDP could not run the program)
+are counted, not failures.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import re
 import signal
 import sys
 import time
@@ -17,10 +18,10 @@ from collections.abc import Iterator
 
 from tests.fuzz import known
 from tests.fuzz.program import ACTIONS, MODES, Program, generate
-from tests.fuzz.session import run_programs
+from tests.fuzz.session import FAILURES, refusal_summary, run_programs
 from tests.fuzz.shrink import shrink
 
-FAILURES = ("mismatch", "divergent", "crash", "hang")
+__all__ = ["FAILURES", "rerun_command", "run_batched"]
 BATCH = 25  # programs per spawned session (a hang costs at most the rest of a batch's budget)
 
 
@@ -136,11 +137,8 @@ def main() -> None:
     print(f"\n{len(programs)} programs at {args.world_size} ranks in {time.monotonic() - began:.0f} s")
     for (category, mode), count in sorted(counts.items()):
         print(f"  {category:12s} {mode:12s} {count}")
-    # counted by message, wherever in the program it came
-    refused = (re.sub(r" at action \d+", "", v["detail"][0])[:160] for v in verdicts if v["category"] == "refused")
-    refusals = collections.Counter(refused)
-    for message, count in refusals.most_common():
-        print(f"  refused x{count}: {message}")
+    for line in refusal_summary(verdicts):  # by the refusal table's kind (refusals.py)
+        print(f"  {line}")
     for program, verdict in zip(programs, verdicts):  # the fuzzer's own gaps: programs plain DDP cannot run
         if verdict["category"] == "oracle_error":
             print(f"  oracle_error seed {program.seed}: {verdict['detail'][0][:160]}")

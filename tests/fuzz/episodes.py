@@ -170,16 +170,24 @@ def reshard(run: Any, kind: str) -> None:
     solo = group_of([0])  # every rank makes it
     path = os.path.join(run.workdir, f"reshard-{run.program.seed}-{run.counter}")
     saved, oracle_state = _save(run, run.subject, kind, f"{path}-W", None), _oracle_state(run.oracle)
-    payload = None
+    payload: Any = None
+    failed: BaseException | None = None
     if run.rank == 0:  # W ranks -> 1
-        run.subject = _load(run, kind, f"{path}-W", saved, solo)
-        run.oracle = _oracle_from(run, oracle_state, solo)
-        _one_step(run)
-        run.compare_local(f"action {run.counter}: a step at 1 rank after loading at 1 what {run.world_size} saved")
-        payload = (_save(run, run.subject, kind, f"{path}-1", solo), _oracle_state(run.oracle))
+        try:
+            run.subject = _load(run, kind, f"{path}-W", saved, solo)
+            run.oracle = _oracle_from(run, oracle_state, solo)
+            _one_step(run)
+            run.compare_local(f"action {run.counter}: a step at 1 rank after loading at 1 what {run.world_size} saved")
+            payload = (_save(run, run.subject, kind, f"{path}-1", solo), _oracle_state(run.oracle))
+        except Exception as error:  # a refusal at 1 rank: the others wait in the broadcast below for its outcome
+            failed, payload = error, f"{type(error).__name__}: {str(error).strip()}"
     box = [payload]
     dist.broadcast_object_list(box, src=0)  # 1 rank -> W
-    saved, oracle_state = box[0]  # type: ignore[misc]
+    if failed is not None:
+        raise failed
+    if isinstance(box[0], str):  # rank 0's error, relayed as distoptim's agreement relays a rank's (session.py)
+        raise ValueError(f"reshard's step at 1 rank failed on rank 0: {box[0]}")
+    saved, oracle_state = box[0]
     run.subject = _load(run, kind, f"{path}-1", saved, None)
     run.oracle = _oracle_from(run, oracle_state, None)
     _one_step(run)

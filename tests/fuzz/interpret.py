@@ -21,7 +21,7 @@ from torch import Tensor
 
 import distoptim.checkpoint
 from distoptim.zero.shard import MASTER_KEY
-from tests.fuzz import episodes
+from tests.fuzz import episodes, refusals
 from tests.fuzz.matrices import within_muon_rounding
 from tests.fuzz.models import batch, layer
 from tests.fuzz.modes import Oracle, Structure, build_subject
@@ -87,19 +87,9 @@ def is_exact(program: Program, world_size: int) -> bool:
 
 
 def refusal_expected(program: Program) -> str:
-    """Why every rank must raise for this program (the oracle could then not run it: a missing refusal would read
-    as ``oracle_error``), or ''."""
-    if program.optimizer == "LBFGS":
-        return "LBFGS (its step couples every parameter: one shard cannot run it)"
-    backward = any(a.name in ("backward", "closure_step", "scaler_step", "gan") for a in program.actions)
-    if "sparse" in program.features and program.mode in ("sdp", "overlap_hook"):  # refused at construction
-        return f"a sparse embedding under {program.mode} (it reduces or steps dense gradients only)"
-    if "sparse" in program.features and program.mode == "zero2_hook" and backward:  # at the hook's first call
-        return "a sparse embedding under zero2_hook (it reduces dense gradients only)"
-    mixed = "bf16" in program.features and not program.options.get("master")  # a bf16 head among fp32 layers
-    if program.optimizer == "Adafactor" and mixed and "eps" not in program.kwargs:
-        return "Adafactor over bf16 and fp32 parameters with eps1 left to torch (it takes the first one's dtype's)"
-    return ""
+    """Why every rank must raise for this program (``refusals.TABLE``; the oracle could then not run it: a missing
+    refusal would read as ``oracle_error``), or ''."""
+    return "; ".join(f"{r.kind} ({r.scenario})" for r in refusals.predicted(program, dist.get_world_size()))
 
 
 class Run:

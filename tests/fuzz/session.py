@@ -8,6 +8,7 @@ when a session dies (a hang, a broken group), the parent reads what finished, re
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -18,28 +19,70 @@ from typing import Any
 
 import torch.distributed as dist
 
+import distoptim
 from tests._dist import RankFailure, run_on_ranks
+from tests.fuzz import refusals
 from tests.fuzz.interpret import run_program
 from tests.fuzz.program import Program
 
 PG_TIMEOUT = 20.0  # seconds a collective waits for a peer before the group raises
 SECONDS_PER_PROGRAM = 6.0  # the session's budget per program, beyond a fixed start-up allowance
 REFUSALS = ("ValueError", "RuntimeError", "TypeError")  # what distoptim documents raising
+OURS = os.path.dirname(os.path.abspath(distoptim.__file__)) + os.sep  # the imported package, not any "distoptim" path
+# verdicts that fail a run: ``unexpected_error`` (an error on every rank that no table entry predicts and matches,
+# or not distoptim's own: a raw torch error), ``missing_refusal`` (a predicted refusal that never came)
+FAILURES = ("mismatch", "divergent", "unexpected_error", "missing_refusal", "hang")
+
+
+def _frames(text: str, torch_too: bool = False) -> list[str]:
+    """The traceback's frames (outside torch unless ``torch_too``), outermost first: ``File "path", line N, in f``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    return lines if torch_too else [line for line in lines if "/torch/" not in line]
+
+
+def _raised_in(text: str, torch_too: bool = False) -> str:
+    """The path of the innermost frame (outside torch unless ``torch_too``: where a torch function was called), or
+    ''. With ``torch_too``, the raising frame: a torch function's own raise is torch's, not distoptim's."""
+    frames = _frames(text, torch_too)
+    return frames[-1].split('"')[1] if frames and frames[-1].count('"') >= 2 else ""
 
 
 def _raised_in_fuzzer(text: str) -> bool:
-    """The innermost frame with source is the fuzzer's own (the oracle's side or its arithmetic), not distoptim's.
-    ``Subject.sync_finished`` relaying the owners' refusal to the other ranks counts as distoptim's (seed 646)."""
-    frames = [line for line in text.splitlines() if line.strip().startswith("File ") and "/torch/" not in line]
-    relayed = bool(frames) and "tests/fuzz/modes.py" in frames[-1] and frames[-1].endswith(", in sync_finished")
-    return bool(frames) and "tests/fuzz/" in frames[-1] and not relayed
+    """The innermost frame with source is the fuzzer's own (the oracle's side or its arithmetic), not distoptim's."""
+    return "/tests/fuzz/" in _raised_in(text)
 
 
-def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    """One program's verdict from every rank's outcome."""
+def _relayed(outcome: dict[str, Any], own: list[dict[str, Any]]) -> bool:
+    """A rank that raised another rank's error: distoptim's agreement (``ValueError ... failed on rank N: <its
+    error>``), the fuzzer's reshard (the one-rank part's error), or ``Subject.sync_finished`` (the owners')."""
+    message = outcome["message"]
+    if outcome["type"] == "ValueError" and " failed on rank " in message:
+        return any(f"{o['type']}: " in message for o in own)
+    frames = _frames(outcome.get("traceback", ""))
+    in_sync = bool(frames) and "/tests/fuzz/modes.py" in frames[-1] and frames[-1].endswith(", in sync_finished")
+    return in_sync and any(o["message"] == message for o in own)
+
+
+def _own_errors(raised: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The errors raised on every rank with the relays of one rank's error by the others folded into it."""
+    relays = [o for o in raised if o["type"] == "ValueError" and " failed on rank " in o["message"]]
+    relays += [o for o in raised if o not in relays and "/tests/fuzz/modes.py" in _raised_in(o.get("traceback", ""))]
+    own = [o for o in raised if o not in relays]
+    if own and all(_relayed(o, own) for o in relays):
+        return own
+    return raised
+
+
+def classify(outcomes: list[dict[str, Any]], program: Program, world_size: int) -> dict[str, Any]:
+    """One program's verdict from every rank's outcome; a refusal passes only where ``refusals.TABLE`` predicts
+    (or allows) it for ``program`` and its message matches."""
     statuses = {o["status"] for o in outcomes}
+    expected = refusals.predicted(program, world_size)
     if statuses == {"ok"}:
         mismatches = [f"rank {r}: {m}" for r, o in enumerate(outcomes) for m in o["mismatches"]]
+        if expected:
+            named = [f"{r.kind}: {r.scenario}" for r in expected]
+            return {"category": "missing_refusal", "detail": ["no rank raised; predicted: " + "; ".join(named)]}
         return {"category": "mismatch" if mismatches else "pass", "detail": mismatches[:40]}
     raised = [o for o in outcomes if o["status"] == "raised"]
     if len(raised) < len(outcomes):
@@ -51,24 +94,43 @@ def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
                 first.get("traceback", ""),
             ],
         }
-    if any(o["side"] == "oracle" for o in raised) or any(_raised_in_fuzzer(o.get("traceback", "")) for o in raised):
-        return {"category": "oracle_error", "detail": [raised[0]["message"], raised[0].get("traceback", "")]}
-    # the agreement (distoptim/comm/agreement.py): the rank that failed raises its own error, the others a
-    # ValueError naming it ("... failed on rank N: <its error>"): one refusal, raised on every rank
-    own = [o for o in raised if not (o["type"] == "ValueError" and " failed on rank " in o["message"])]
-    if own and len(own) < len(raised) and all(f"{own[0]['type']}: " in o["message"] for o in raised if o not in own):
-        raised = own
-    signatures = {(o["type"], o["at"]) for o in raised}
+    error = f"{raised[0]['type']} at {raised[0]['at']}: {raised[0]['message']}"
     text = " ".join(o["message"] for o in raised)
     if "Timed out" in text or "Connection closed" in text or "Connection reset" in text:
         return {"category": "hang", "detail": [raised[0]["message"], raised[0].get("traceback", "")]}
-    from_distoptim = any("/distoptim/" in o.get("traceback", "") for o in raised)  # (sync_finished: the owners)
-    if len(signatures) == 1 and raised[0]["type"] in REFUSALS and from_distoptim:
-        return {"category": "refused", "detail": [f"{raised[0]['type']} at {raised[0]['at']}: {raised[0]['message']}"]}
+    before = [f"rank {r}: {m}" for r, o in enumerate(outcomes) for m in o.get("mismatches", [])]
+    if before:  # a wrong value seen before the error stands, whatever the error
+        return {"category": "mismatch", "detail": [*before[:40], f"then every rank raised: {error}"]}
+    own = _own_errors(raised)
+    if any(o["side"] == "oracle" for o in own) or any(_raised_in_fuzzer(o.get("traceback", "")) for o in own):
+        return {"category": "oracle_error", "detail": [own[0]["message"], own[0].get("traceback", "")]}
+    first = own[0]
+    alike = len({(o["type"], o["at"], o["message"]) for o in own}) == 1
+    ours = all(_raised_in(o.get("traceback", ""), torch_too=True).startswith(OURS) for o in own)
+    refusal = refusals.matching(program, world_size, f"{first['type']}: {first['message']}")
+    if alike and ours and first["type"] in REFUSALS and refusal is not None:
+        return {
+            "category": "refused",
+            "kind": refusal.kind,
+            "detail": [f"{first['type']} at {first['at']}: {first['message']}"],
+        }
+    why = "no refusal predicted matches" if ours else "not raised by distoptim"
     return {
-        "category": "crash",
-        "detail": [f"{o['type']} at {o['at']}: {o['message']}" for o in raised] + [raised[0].get("traceback", "")],
+        "category": "unexpected_error",
+        "detail": [
+            f"{first['type']} at {first['at']} ({why}; predicted: {[r.kind for r in expected]}): {first['message']}",
+            *(f"{o['type']} at {o['at']}: {o['message']}" for o in own[1:]),
+            first.get("traceback", ""),
+        ],
     }
+
+
+def refusal_summary(verdicts: list[dict[str, Any]]) -> list[str]:
+    """The refusals by kind and the refused share, as printed after each run."""
+    kinds = collections.Counter(v.get("kind", "?") for v in verdicts if v["category"] == "refused")
+    share = sum(kinds.values()) / max(1, len(verdicts))
+    lines = [f"refused: {sum(kinds.values())} of {len(verdicts)} programs ({share:.0%})"]
+    return lines + [f"  refused x{count}: {kind}" for kind, count in kinds.most_common()]
 
 
 def _session(rank: int, world_size: int, programs: list[str], workdir: str, pg_timeout: float) -> None:
@@ -77,19 +139,22 @@ def _session(rank: int, world_size: int, programs: list[str], workdir: str, pg_t
     for index, text in enumerate(programs):
         with open(os.path.join(workdir, f"progress-{rank}"), "w") as handle:
             handle.write(str(index))
-        outcome = run_program(Program.from_json(text), workdir)
+        program = Program.from_json(text)
+        outcome = run_program(program, workdir)
         outcomes: list[Any] = [None] * world_size
         dist.all_gather_object(outcomes, outcome)
+        verdict = classify(outcomes, program, world_size)
         if rank == 0:
             with open(os.path.join(workdir, "results.jsonl"), "a") as handle:
-                handle.write(json.dumps(classify(outcomes)) + "\n")
-        if classify(outcomes)["category"] == "hang":
+                handle.write(json.dumps(verdict) + "\n")
+        if verdict["category"] == "hang":
             return  # the group may be broken: the parent starts a new session for the rest
     dist.destroy_process_group()
 
 
 def run_programs(programs: list[Program], world_size: int = 2, pg_timeout: float = PG_TIMEOUT) -> list[dict[str, Any]]:
-    """Every program's verdict (``category``: pass, refused, mismatch, divergent, crash, hang, oracle_error)."""
+    """Every program's verdict (``category``: pass, refused (with its ``kind``), oracle_error, or one of
+    ``FAILURES``)."""
     verdicts: list[dict[str, Any]] = []
     pending = list(programs)
     while pending:

@@ -1,15 +1,18 @@
 """The differential fuzzer in CI: a fixed set of seeds at 2 ranks (every action and mode among them), and the
-fuzzer's own checks: a subject wrong on purpose is caught and shrunk, and a hang fails with its seed."""
+fuzzer's own checks: a subject wrong on purpose is caught and shrunk, a hang fails with its seed, and the verdicts
+(``session.classify``) pass a refusal only where the refusal table predicts it and its message matches."""
 
 from __future__ import annotations
 
 import collections
+import os
+from typing import Any
 
 import pytest
 
 from tests.fuzz.__main__ import FAILURES, rerun_command
 from tests.fuzz.program import ACTIONS, MODEL_FEATURES, MODES, NEW_FEATURES, Action, Program, generate
-from tests.fuzz.session import run_programs
+from tests.fuzz.session import OURS, classify, refusal_summary, run_programs
 from tests.fuzz.shrink import shrink
 
 # Seeds still failing, under triage (issue 32): each is a real failure until shown otherwise. None today: 86 and 138
@@ -74,6 +77,7 @@ def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
 def test_ci_seeds() -> None:
     programs = [generate(seed) for seed in CI_SEEDS]
     verdicts = run_programs(programs, 2)
+    print("\n".join(refusal_summary(verdicts)))  # the refused share, kind by kind (pytest -s)
     failed = [(p, v) for p, v in zip(programs, verdicts) if v["category"] in FAILURES]
     if failed:
         lines = [f"seed {p.seed} ({p.mode}): {v['category']}: {str(v['detail'][:1])[:300]}" for p, v in failed]
@@ -81,3 +85,70 @@ def test_ci_seeds() -> None:
             f"{len(failed)} of {len(programs)} fuzz programs failed (rerun one with python -m tests.fuzz "
             "--only SEED --shrink):\n" + "\n".join(lines)
         )
+
+
+# ------------------------------------------------------------------------------------- the verdicts themselves
+LBFGS = "torch.optim.LBFGS couples every parameter in one step (its curvature history ...)"
+
+
+def _program(optimizer: str = "SGD") -> Program:
+    actions = [Action("zero_grad", {"via": "optimizer", "set_to_none": True}), Action("backward"), Action("step")]
+    options = {"partition": "greedy", "bucket_view": False, "master": False}
+    return Program(7, [], "zero1", options, optimizer, {"lr": 0.05}, actions)
+
+
+def _raised(kind: str, message: str, where: str, mismatches: tuple[str, ...] = ()) -> dict[str, Any]:
+    trace = f'Traceback (most recent call last):\n  File "{where}", line 1, in f\n    raise\n{kind}: {message}\n'
+    return {
+        "status": "raised",
+        "side": "subject",
+        "type": kind,
+        "message": message,
+        "at": "construction",
+        "traceback": trace,
+        "mismatches": list(mismatches),
+    }
+
+
+INSIDE = os.path.join(OURS, "zero", "validation.py")
+
+
+def test_a_predicted_refusal_with_its_message_is_refused() -> None:
+    verdict = classify([_raised("ValueError", LBFGS, INSIDE)] * 2, _program("LBFGS"), 2)
+    assert verdict["category"] == "refused" and verdict["kind"] == "lbfgs", verdict
+    relayed = _raised(
+        "ValueError", f"ZeroRedundancyOptimizer construction failed on rank 0: ValueError: {LBFGS}", INSIDE
+    )
+    verdict = classify([_raised("ValueError", LBFGS, INSIDE), relayed], _program("LBFGS"), 2)
+    assert verdict["category"] == "refused", verdict
+
+
+def test_an_unpredicted_distoptim_refusal_is_a_failure() -> None:
+    verdict = classify([_raised("ValueError", LBFGS, INSIDE)] * 2, _program("SGD"), 2)
+    assert verdict["category"] == "unexpected_error", verdict
+    other = "partition must be one of 'greedy', 'even', got 'odd'"  # distoptim's, but no program should meet it
+    assert classify([_raised("ValueError", other, INSIDE)] * 2, _program("LBFGS"), 2)["category"] == "unexpected_error"
+
+
+def test_a_raw_torch_error_on_every_rank_is_a_failure() -> None:
+    crash = "copy_() between dense and sparse Tensors is not implemented!"  # from a distoptim line, torch's words
+    verdict = classify([_raised("RuntimeError", crash, os.path.join(OURS, "zero", "shard.py"))] * 2, _program(), 2)
+    assert verdict["category"] == "unexpected_error", verdict
+    in_torch = "/usr/lib/python3/site-packages/torch/optim/lbfgs.py"  # the table's words, raised by torch itself
+    assert (
+        classify([_raised("ValueError", LBFGS, in_torch)] * 2, _program("LBFGS"), 2)["category"] == "unexpected_error"
+    )
+    elsewhere = "/home/me/distoptim/tests/helper.py"  # a checkout named distoptim is not the imported package
+    assert classify([_raised("ValueError", LBFGS, elsewhere)] * 2, _program("LBFGS"), 2)["category"] != "refused"
+
+
+def test_a_mismatch_before_a_refusal_stands() -> None:
+    outcomes = [_raised("ValueError", LBFGS, INSIDE, ("check at action 3: parameter body.weight ...",))] * 2
+    verdict = classify(outcomes, _program("LBFGS"), 2)
+    assert verdict["category"] == "mismatch" and "body.weight" in verdict["detail"][0], verdict
+
+
+def test_a_predicted_refusal_that_never_comes_is_a_failure() -> None:
+    ok = {"status": "ok", "mismatches": []}
+    assert classify([ok, ok], _program("LBFGS"), 2)["category"] == "missing_refusal"
+    assert classify([ok, ok], _program("SGD"), 2)["category"] == "pass"

@@ -1,4 +1,4 @@
-"""ZeroRedundancyOptimizer's API: bad input on every rank, subgroups, add_param_group, zero_grad, Join."""
+"""ZeroRedundancyOptimizer's API: bad input on every rank, subgroups, add_param_group, zero_grad (Join: test_join)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.functional import FunctionalOptimizer, FunctionalSGD
@@ -237,46 +234,6 @@ def _add_param_group_body(rank: int, world_size: int) -> None:
 
 def test_add_param_group_and_zero_grad() -> None:
     run_on_ranks(_add_param_group_body, 2)
-
-
-def _join_body(rank: int, world_size: int) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-    reference.load_state_dict(model.state_dict())
-    ddp = DDP(model)
-    zero = ZeroRedundancyOptimizer(ddp.parameters(), SGD, lr=0.1, momentum=0.9)
-    reference_optim = SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    batches = [3 + 2 * r for r in range(world_size)]  # rank r has 3 + 2r batches: uneven inputs
-
-    def batch(r: int, i: int) -> torch.Tensor:
-        return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * r + i))
-
-    with Join([ddp, zero]):
-        for i in range(batches[rank]):
-            zero.zero_grad()
-            ddp(batch(rank, i)).square().sum().backward()
-            zero.step()
-    # Reference: DDP averages over the initial world size with joined ranks contributing zeros; a joined rank's
-    # shard is left as it is (no stale gradient is ever applied twice).
-    owners = [zero.owner_of(p) for p in model.parameters()]
-    for i in range(max(batches)):
-        active = [r for r in range(world_size) if i < batches[r]]
-        reference_optim.zero_grad()
-        for r in active:
-            reference(batch(r, i)).square().sum().backward()
-        for param, owner in zip(reference.parameters(), owners):
-            param.grad = param.grad / world_size if owner in active else None
-        reference_optim.step()
-    for param, expected in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param.detach(), expected.detach())
-    return [p.detach() for p in model.parameters()]
-
-
-def test_ddp_and_zero_under_join_with_uneven_inputs() -> None:
-    results = run_on_ranks(_join_body, 3)
-    for other in results[1:]:
-        assert_same_tensors(other, results[0], "ranks agree after Join")
 
 
 class _CountingSGD(torch.optim.SGD):

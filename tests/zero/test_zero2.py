@@ -13,14 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ZeroRedundancyOptimizer
 from distoptim._flat import flat_view
 from distoptim.comm import collectives as comm
 from distoptim.comm import p2p
-from distoptim.hooks import reduce_to_owners_hook
 from distoptim.zero.partition import SPLIT
 from tests._dist import run_on_ranks
 from tests.zero._hooks import register
@@ -142,45 +140,6 @@ def test_every_combination_at_two_ranks() -> None:
 
 def test_every_combination_at_three_ranks() -> None:
     run_on_ranks(_matrix_body, 3, CONFIGS, timeout=240)
-
-
-def _join_body(rank: int, world_size: int, partition: str) -> None:
-    """Uneven inputs under Join with gradients reduced to owners. DDP averages over all ranks (joined ones give
-    zeros) and a joined rank does not step, so an element moves by the average while its owner still trains and
-    stays put after: plain SGD on the average with the joined owners' elements masked out."""
-    model, reference = _Net(), _Net()
-    ddp = _ddp(model)
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition=partition, lr=0.05)
-    ddp.register_comm_hook(zero, reduce_to_owners_hook)
-    batches = [2 + r for r in range(world_size)]
-    with Join([ddp, zero]):
-        for iteration in range(batches[rank]):
-            zero.zero_grad()
-            ddp(_batch(rank, iteration)).square().mean().backward()
-            zero.step()
-    owners = []
-    for param in model.parameters():
-        owner = torch.empty(param.numel(), dtype=torch.long)
-        for fragment in zero.fragments_of(param):
-            owner[fragment.offset : fragment.offset + fragment.length] = fragment.rank
-        owners.append(owner)
-    for iteration in range(max(batches)):
-        active = torch.tensor([iteration < count for count in batches])
-        reference.zero_grad()
-        for r in range(world_size):
-            if active[r]:
-                reference(_batch(r, iteration)).square().mean().backward()
-        with torch.no_grad():
-            for param, owner in zip(reference.parameters(), owners):
-                assert param.grad is not None and param.grad.stride() == param.stride()
-                flat_view(param).sub_(0.05 * flat_view(param.grad) / world_size * active[owner])  # memory order
-    for index, (param, want) in enumerate(zip(model.parameters(), reference.parameters())):
-        torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6, msg=lambda m, i=index: f"parameter {i}: {m}")
-
-
-@pytest.mark.parametrize("partition", PARTITIONS)
-def test_join_with_uneven_inputs(partition: str) -> None:
-    run_on_ranks(_join_body, 3, partition)
 
 
 def _clip_errors_body(rank: int, world_size: int) -> None:

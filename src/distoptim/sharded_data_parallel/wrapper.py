@@ -18,6 +18,7 @@ from distoptim.sharded_data_parallel.buckets import BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+from distoptim.zero.state_dicts import JOIN_WITH_SDP
 
 __all__ = ["ShardedDataParallel"]
 
@@ -217,6 +218,18 @@ class ShardedDataParallel(nn.Module):
             self.zero._land_sync()  # in a forward: the step's agreement raises a write on every rank
         else:
             hook_order.keep_first(self._first)
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs), where ``Join([model, ...])`` is built,
+        instead of torch's ``AttributeError``: a joined rank would have to shadow every bucket's reduction.
+
+        Args:
+            **kwargs: ``Join``'s keyword arguments (none are used).
+
+        Raises:
+            NotImplementedError: always (on every rank: each builds its ``Join``).
+        """
+        raise NotImplementedError(JOIN_WITH_SDP)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

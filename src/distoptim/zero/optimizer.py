@@ -263,10 +263,10 @@ class ZeroRedundancyOptimizer(
         return loss
 
     def _prepare(
-        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
     ) -> stepping.Prepared:
-        """Everything a step does locally; with a ``grad_scaler``, everything but the local optimizer's step, which
-        waits for the ranks' verdict on inf/nan."""
+        """Everything a step does locally; with a ``grad_scaler`` (or ``hold``: a rank joined under Join), all but
+        the local optimizer's step, which waits for the ranks' verdict."""
         try:  # inside the agreement: every rank raises if one does
             self._accumulation.check()
             if self._gradient_store is not None:
@@ -293,7 +293,7 @@ class ZeroRedundancyOptimizer(
         self.local_shard.attach_grads()
         sharded_in_memory = self._gradient_store is not None
         verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
-        if verdict is None:
+        if verdict is None and not hold:
             local_loss = self._step_local(closure, kwargs)
             loss = loss if closure is None else local_loss
         return loss, verdict

@@ -26,7 +26,14 @@ from distoptim.zero import stepping
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.shard import LocalShard, stitch
 
-__all__ = ["Checkpoints", "Joining", "ZeroJoinHook", "ZeroParts"]
+__all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook", "ZeroParts"]
+
+JOIN_WITH_SDP = (
+    "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
+    "bucket's reduction and the parameter sync; give every rank the same number of batches (drop the last, uneven "
+    "one: DistributedSampler(drop_last=True)), or use DDP (with reduce_to_owners_hook for ZeRO-2) under "
+    "Join([ddp, zero])"
+)
 
 
 class ZeroParts(Protocol):
@@ -37,6 +44,7 @@ class ZeroParts(Protocol):
     rank: int
     world_size: int
     overlap_stepper: OverlapStepper | None
+    replicate_group: dist.ProcessGroup | None
     _consolidated: Any
     _sync: Any
     _comm_device: torch.device
@@ -53,6 +61,8 @@ class ZeroParts(Protocol):
     def local_shard(self) -> LocalShard: ...
     @property
     def local_optimizer(self) -> Optimizer: ...
+    @property
+    def agreement_groups(self) -> list[dist.ProcessGroup]: ...
     def sync_finished(self) -> None: ...
     def _land_sync(self) -> None: ...
     def sync_parameters(self) -> None: ...
@@ -60,7 +70,11 @@ class ZeroParts(Protocol):
     def _masters_follow_parameters(self) -> None: ...
     def _place_for_load(self) -> None: ...
     def _agreed(self, action: Callable[[], Any]) -> Any: ...
-    def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]: ...
+    def _fingerprint(self) -> Any: ...
+    def _prepare(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
+    ) -> stepping.Prepared: ...
+    def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None: ...
 
 
 class Checkpoints:
@@ -172,18 +186,21 @@ class Joining:
     """ZeroRedundancyOptimizer's part under ``torch.distributed.algorithms.join.Join`` (a base class of it)."""
 
     def join_hook(self: ZeroParts, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, shadow the others' step (their agreements and parameter sync).
+        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
+        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
 
-        Its shard stays as it is with ``step()``: DDP discards a joined rank's gradients, so the elements this rank
-        owns pause while it is joined (DDP + a plain optimizer would go on stepping them on the other ranks; torch's
-        ZeRO steps them with this rank's stale gradient). In overlap mode DDP's join hook runs the comm hook on zero
-        buckets, which hands the joined rank the true average, so its shard keeps being stepped.
+        DDP's join hook discards the average the joined rank takes part in, so its ``.grad`` is whatever it last
+        held (the last average, if nothing clears it), or what an earlier joinable's hook sets (torch's own test
+        sets DDP's gradient there and matches DDP). Under ``reduce_to_owners_hook`` the owned fragments are stepped
+        likewise. In overlap mode DDP's join hook runs the comm hook on zero buckets, which hands the joined rank
+        the true average, and the shard is stepped with it.
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).
 
         Raises:
-            NotImplementedError: under ``ShardedDataParallel`` (on every rank).
+            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding (``replicate_group``), on every
+                rank, when ``Join`` is built.
 
         Example:
             ```python
@@ -193,10 +210,13 @@ class Joining:
             ```
         """
         if self._gradient_store is not None:
+            raise NotImplementedError(JOIN_WITH_SDP)
+        if self.replicate_group is not None:
             raise NotImplementedError(
-                "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow "
-                "every bucket's reduction and the parameter sync; give every rank the same number of batches (drop "
-                "the last, uneven one: DistributedSampler(drop_last=True)), or use DDP with reduce_to_owners_hook"
+                "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
+                "step its shard with its stale .grad while its replica in another shard group, still training, "
+                "steps the same elements with the true average, and the replicas would part. Give every rank the "
+                "same number of batches (DistributedSampler(drop_last=True))"
             )
         return ZeroJoinHook(self)
 
@@ -281,19 +301,28 @@ def _load_sharded(zero: ZeroParts, state_dict: dict[str, Any]) -> None:
 
 
 class ZeroJoinHook(JoinHook):
-    """A joined rank shadows the others' step: their agreements and their parameter sync (its shard stays as it is:
-    DDP discards a joined rank's gradients). In overlap mode DDP's own join hook runs the comm hook, which syncs."""
+    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` as it stands, inside the others'
+    agreements, then their parameter sync. In overlap mode DDP's own join hook runs the comm hook, which steps."""
 
     def __init__(self, zero: ZeroParts) -> None:
         self.zero = zero
 
     def main_hook(self) -> None:
-        stepper = self.zero.overlap_stepper
+        zero, stepper = self.zero, self.zero.overlap_stepper
         if stepper is not None and stepper.deferred_finish is not None:  # after DDP's join hook (Join([ddp, zero]))
             finish, stepper.deferred_finish = stepper.deferred_finish, None
             finish()
-        if self.zero.overlap_stepper is None:
-            _, scaled, found_inf = self.zero._agreed_step(lambda: (None, None))
-            if scaled and not found_inf:
-                self.zero._agreed(lambda: None)
-            self.zero.sync_parameters()
+        if stepper is not None:
+            return
+        zero._land_sync()
+        try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse
+            stepping.agreed_step(
+                lambda: zero._prepare(None, {}, None, hold=True),
+                zero._fingerprint,
+                zero.agreement_groups,
+                joined_step=lambda: zero._step_local(None, {}),
+            )
+        finally:
+            zero.local_shard.detach_grads()
+        zero.sync_parameters()
+        zero._consolidated = None

@@ -5,7 +5,9 @@ everywhere, with the same parameters trainable and the same hyperparameters: if 
 was changed on one rank only, every rank raises instead of waiting in the sync or stepping with other settings.
 Under a ``torch.amp.GradScaler`` the same agreement carries each rank's inf/nan flag, and the local optimizer steps
 after it (agreed once more) only when no rank found one: every rank skips the same steps. The optimizer's ``step``
-composes them (``optimizer.py``); the overlap hooks and the Join hook use the agreements too.
+composes them (``optimizer.py``); the overlap hooks and the Join hook use the agreements too. A rank joined under
+``Join`` (uneven inputs) steps its shard with its ``.grad`` as torch's ZeRO does, once the ranks have agreed (the
+agreement carries a flag saying a rank is joined; the others then agree once more, after its local step).
 """
 
 from __future__ import annotations
@@ -20,24 +22,43 @@ from distoptim.comm import agreement
 from distoptim.zero import amp
 from distoptim.zero.shard import LocalShard
 
-__all__ = ["Prepared", "agreed", "agreed_step", "step_local_optimizer"]
+__all__ = ["JOIN_WITH_SCALER", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
 Fingerprint = Callable[[], agreement.Fingerprint]  # what every rank must step with alike
 
+JOIN_WITH_SCALER = (
+    "a rank has joined (Join, uneven inputs) while the others step under a torch.amp.GradScaler: the joined rank "
+    "would step its shard with its .grad as it stands, which no scaler unscaled or checked for inf/nan (torch's "
+    "ZeroRedundancyOptimizer hangs here). Give every rank the same number of batches (DistributedSampler("
+    "drop_last=True)), or step without the GradScaler under Join"
+)
+
 
 def agreed_step(
-    action: Callable[[], Prepared], fingerprint: Fingerprint, groups: Sequence[dist.ProcessGroup]
+    action: Callable[[], Prepared],
+    fingerprint: Fingerprint,
+    groups: Sequence[dist.ProcessGroup],
+    joined_step: Callable[[], object] | None = None,
 ) -> tuple[Prepared, bool, bool]:
-    """``action()`` (the local part, or nothing on a joined rank), agreed over ``groups``; then whether any rank
-    steps under a GradScaler, and whether any of those found an inf or nan (every rank then skips)."""
-    prepared, (scaled, found_inf) = agreement.run_step_agreed(
+    """``action()`` (the local part; on a joined rank all of it but the local step, ``joined_step``), agreed over
+    ``groups``; then whether any rank steps under a GradScaler, and whether any of those found an inf or nan (every
+    rank then skips). Where a rank has joined, every rank agrees once more, around that rank's ``joined_step``; under
+    a GradScaler every rank raises instead, before any rank stepped."""
+    joined = joined_step is not None
+    prepared, (scaled, found_inf, any_joined) = agreement.run_step_agreed(
         action,
         fingerprint,
         list(groups),
-        flags=lambda done: (False, False) if done is None or done[1] is None else (True, done[1].found_here),
+        flags=lambda done: (
+            (False, False, joined) if done is None or done[1] is None else (True, done[1].found_here, joined)
+        ),
     )
+    if any_joined:
+        if scaled:
+            raise RuntimeError(JOIN_WITH_SCALER)
+        agreed(joined_step or (lambda: None), fingerprint, groups)
     return prepared, scaled, found_inf
 
 

@@ -1,0 +1,252 @@
+"""Every documented refusal a fuzz program can meet: the scenario that predicts it and the message it must match.
+
+A program's verdict (``session.classify``) is *refused* only where this table predicts a refusal from the program's
+plain data, decided before it runs (mode, model features, actions, optimizer, options, world size), and the
+message every rank raised matches that entry's pattern. Any other error raised on every rank is
+``unexpected_error``; a predicted refusal that never comes is ``missing_refusal``. Each scenario follows the
+library's documented rule (the guides, the raise sites), walked over the program's actions where the rule depends
+on what came before (``_Walk``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from tests.fuzz.program import Action, Program
+
+# actions that run a backward through the wrapper (``gan``: the generator's; ``reshard``: one step at 1 rank, one at W)
+BACKWARDS = ("backward", "closure_step", "scaler_step", "gan", "reshard", "failed_backward")
+STEPPING = ("step", "closure_step", "scaler_step", "gan", "reshard")  # actions that end with a step
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kind: str
+    scenario: str  # in words, for the README's table
+    message: str  # a regex searched in "<type>: <message>" of the error every rank raised
+    predicts: Callable[[Program, int], bool]  # (program, world size) -> whether it must be refused
+    # where the rule leaves it open (an action between whose effect on it the table does not model): it may come
+    allows: Callable[[Program, int], bool] = lambda p, w: False
+
+    def matches(self, text: str) -> bool:
+        return re.search(self.message, text) is not None
+
+
+def _sparse(program: Program, mode: str) -> bool:
+    return "sparse" in program.features and program.mode == mode
+
+
+def _sparse_zero2(program: Program, _: int) -> bool:
+    """reduce_to_owners_hook refuses at its first call: the first backward through DDP."""
+    return _sparse(program, "zero2_hook") and any(a.name in BACKWARDS for a in program.actions)
+
+
+def _sparse_even(program: Program, _: int) -> bool:
+    """A sparse gradient at a step (or a clip) under partition="even": a step whose gradient a backward left, not
+    set to None since, or a step that runs its own backward."""
+    if "sparse" not in program.features or program.options.get("partition") != "even":
+        return False
+    held = False
+    for action in program.actions:
+        if action.name in ("closure_step", "gan", "reshard") or (action.name in ("step", "clip") and held):
+            return True
+        if action.name in BACKWARDS:
+            held = True
+        elif action.name == "zero_grad" and action.args["set_to_none"]:
+            held = False
+        elif action.name == "resume":
+            held = False  # a model built anew: no gradient
+    return False
+
+
+def _backward_passes(action: Action) -> Iterator[bool]:
+    """Whether each backward pass of ``action`` reduces (False: under ``no_sync()``)."""
+    if action.name == "backward":
+        micro, quiet = action.args["micro"], action.args["no_sync"]
+        yield from (not (quiet and m < micro - 1) for m in range(micro))
+    elif action.name in ("scaler_step", "gan"):
+        yield True
+
+
+def _zero2_accumulation(program: Program, _: int) -> bool:
+    """zero2_hook: a backward that adds onto what a backward reduced to owners left in ``.grad`` (not cleared since),
+    then a step or clip that reads it (accumulation.py). ``closure_step`` and ``gan`` clear before their backward."""
+    if program.mode != "zero2_hook" or "sparse" in program.features:
+        return False
+    left = added = False
+    for action in program.actions:
+        if action.name in ("zero_grad", "hand_grad", "resume", "closure_step") or (action.name == "gan"):
+            left = added = False  # cleared (gan and closure_step clear first), replaced, or a new model
+        for reduces in _backward_passes(action):
+            added = added or left
+            left = left or reduces
+        if action.name in ("step", "clip", "scaler_step") and added:
+            return True
+        if action.name in ("closure_step", "gan"):
+            left = True
+    return False
+
+
+def _lands(action: Action) -> bool:
+    """Whether ``action`` lands ShardedDataParallel's parameter sync: a forward (the submodules' pre-hooks), a read
+    through the wrapper (``parameters()``, ``state_dict``; a load), the optimizer's checkpoints, the comparisons."""
+    if action.name in ("backward", "eval", "hand_grad", "closure_step", "scaler_step", "gan", "failed_backward"):
+        return True
+    if action.name in ("check", "load_optim", "load_model", "resume", "reshard", "add_group"):
+        return True
+    return action.name == "zero_grad" and action.args["via"] == "wrapper"
+
+
+def _compared_each_step(program: Program) -> bool:
+    """interpret.Run.do compares (landing the sync) after every step of a program with a bf16 layer or one that
+    clips under an adaptive optimizer."""
+    clips = any(a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions)
+    return "bf16" in program.features or (program.optimizer != "SGD" and clips)
+
+
+def _in_flight_writes(program: Program) -> Iterator[Action]:
+    """The actions that write parameters while ShardedDataParallel(overlap_param_sync=True)'s sync is in flight."""
+    if program.mode != "sdp" or not program.options.get("overlap"):
+        return
+    in_flight = False
+    trained = {"body", "head"}
+    for action in program.actions:
+        if in_flight and action.name in ("retype", "data_clone", "clamp") and action.args["layer"] in trained:
+            yield action
+        if _lands(action):
+            in_flight = False
+        if action.name in STEPPING and not (_compared_each_step(program) and action.name != "reshard"):
+            in_flight = True
+        if action.name == "unfreeze" and "frozen" in program.features:
+            trained.add("frozen")
+        if action.name == "add_group" and "extra" in program.features:
+            trained.add("extra")
+
+
+def _new_storage_in_flight(program: Program, _: int) -> bool:
+    return any(a.name in ("retype", "data_clone") for a in _in_flight_writes(program))
+
+
+def _write_in_flight(program: Program, _: int) -> bool:
+    return any(a.name == "clamp" for a in _in_flight_writes(program))
+
+
+def _unrecovered(program: Program) -> str:
+    """SDP: "must" where a backward that raised midway, having reduced a bucket (it failed in ``body``, after
+    ``head`` and ``out``; or in ``head`` after an untied ``out``), was cleared otherwise than through
+    ``zero.zero_grad()``/``model.zero_grad()`` and a forward through the wrapper or a step follows before such a
+    clear (or a resume); "may" where an action the table does not model comes between (a re-placement, a load, a
+    hand-set gradient), or the failing layer may have reduced nothing; else ""."""
+    verdict = ""
+    pending, sure = False, False
+    for action in program.actions:
+        if pending and action.name in ("backward", "closure_step", "scaler_step", "gan", "step", "clip", "reshard"):
+            verdict = "must" if sure and verdict != "may" else "may"
+            pending = False
+        elif pending and action.name in ("retype", "data_clone", "load_optim", "unfreeze", "add_group", "hand_grad"):
+            sure = False
+        elif (action.name == "zero_grad" and action.args["via"] in ("optimizer", "wrapper")) or action.name == "resume":
+            pending = False
+        if action.name == "failed_backward" and action.args["via"] in ("module", "bare", "param_none"):
+            if pending:
+                verdict = "may"
+            pending = True
+            sure = action.args["layer"] == "body" or "tied" not in program.features
+        elif action.name == "failed_backward":
+            pending = False
+    return verdict
+
+
+TABLE: tuple[Refusal, ...] = (
+    Refusal(
+        "lbfgs",
+        "optimizer LBFGS, any mode (at construction)",
+        r"^ValueError: torch\.optim\.LBFGS couples every parameter in one step",
+        lambda p, w: p.optimizer == "LBFGS",
+    ),
+    Refusal(
+        "sparse_sdp",
+        "feature `sparse` under `sdp` (at wrapping)",
+        r"^ValueError: ShardedDataParallel reduces dense gradients only",
+        lambda p, w: _sparse(p, "sdp"),
+    ),
+    Refusal(
+        "sparse_overlap_hook",
+        "feature `sparse` under `overlap_hook` (at the hook's registration)",
+        r"^ValueError: the overlap hook reduces dense gradients only",
+        lambda p, w: _sparse(p, "overlap_hook"),
+    ),
+    Refusal(
+        "sparse_zero2_hook",
+        "feature `sparse` under `zero2_hook`, with any backward (the hook's first call)",
+        r"^ValueError: reduce_to_owners_hook reduces dense gradients only",
+        _sparse_zero2,
+    ),
+    Refusal(
+        "sparse_even",
+        'feature `sparse`, `partition="even"`: a step or clip while the sparse gradient is held (the step\'s '
+        "agreement)",
+        r"^ValueError: partition='even' cuts parameters into pieces, and a sparse gradient",
+        _sparse_even,
+    ),
+    Refusal(
+        "zero2_accumulation",
+        "`zero2_hook`: a backward adds onto what a reducing backward left (micro-batches without `no_sync`, no "
+        "clear between backwards), then a step or clip",
+        r"^RuntimeError: a backward added onto the gradients of a backward that reduce_to_owners_hook had reduced",
+        _zero2_accumulation,
+    ),
+    Refusal(
+        "sdp_even_state",
+        '`sdp`, `partition="even"`, Adagrad (its state exists at construction; the re-cut into buckets moves it)',
+        r"^RuntimeError: ShardedDataParallel re-cuts an even partition into buckets",
+        lambda p, w: p.mode == "sdp" and p.options.get("partition") == "even" and p.optimizer == "Adagrad",
+    ),
+    Refusal(
+        "sdp_new_storage_in_flight",
+        "`sdp`, `overlap_param_sync=True`: `retype`/`data_clone` after a step, before anything lands the sync",
+        r"^RuntimeError: ShardedDataParallel\(overlap_param_sync=True\): parameters were given new storage",
+        _new_storage_in_flight,
+    ),
+    Refusal(
+        "sdp_write_in_flight",
+        "`sdp`, `overlap_param_sync=True`: `clamp` of a trained layer or `load_model` through the module after a "
+        "step, before anything lands the sync",
+        r"^RuntimeError: ShardedDataParallel\(overlap_param_sync=True\): parameters were written while their sync",
+        _write_in_flight,
+    ),
+    Refusal(
+        "sdp_failed_backward",
+        "`sdp`: `failed_backward` cleared through `model.module`, a bare submodule or `p.grad` (not the documented "
+        "`zero.zero_grad()`/`model.zero_grad()`)",
+        r"^RuntimeError: ShardedDataParallel: the last backward raised before it finished",
+        lambda p, w: _unrecovered(p) == "must",
+        lambda p, w: _unrecovered(p) == "may",
+    ),
+    Refusal(
+        "adafactor_eps1",
+        "Adafactor over a bf16 head and fp32 layers without master weights, `eps` left to torch",
+        r"^ValueError: param group \d+ \(torch\.optim\.Adafactor\) steps parameters of dtypes",
+        lambda p, w: (
+            p.optimizer == "Adafactor"
+            and "bf16" in p.features
+            and not p.options.get("master")
+            and "eps" not in p.kwargs
+        ),
+    ),
+)
+
+
+def predicted(program: Program, world_size: int) -> list[Refusal]:
+    """The refusals ``program`` must meet at ``world_size`` ranks (one of them, whichever comes first)."""
+    return [refusal for refusal in TABLE if refusal.predicts(program, world_size)]
+
+
+def matching(program: Program, world_size: int, text: str) -> Refusal | None:
+    """The refusal, predicted or allowed for ``program``, whose pattern ``text`` ("<type>: <message>") matches."""
+    return next(
+        (r for r in TABLE if (r.predicts(program, world_size) or r.allows(program, world_size)) and r.matches(text)),
+        None,
+    )

@@ -1,0 +1,231 @@
+"""ZeroRedundancyOptimizer under ``Join`` (uneven inputs), against torch's own class: a joined rank steps its shard
+with its ``.grad`` as it stands and syncs it, in every partition and bucket-view mode and under
+``reduce_to_owners_hook``; what Join cannot do right (a GradScaler, ShardedDataParallel, hybrid sharding) is refused
+on every rank, before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
+from distoptim._flat import flat_view
+from distoptim.hooks import reduce_to_owners_hook
+from tests._dist import run_on_ranks
+
+MODES = list(itertools.product(["greedy", "even"], [False, True]))  # partition, parameters_as_bucket_view
+
+
+class _GradientSetter(Joinable):
+    """torch's test's earlier joinable: on a joined rank, sets the gradient DDP's shadowed all-reduce would give,
+    before the optimizer's join hook steps with it."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.params, self.grads = params, grads
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        setter = self
+
+        class _SetGrads(JoinHook):
+            def main_hook(self) -> None:
+                for param, grad in zip(setter.params, setter.grads.pop(0)):
+                    param.grad = grad.clone()
+
+        return _SetGrads()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return dist.group.WORLD
+
+
+def _torch_pattern_body(rank: int, world_size: int) -> None:
+    """torch's ``_test_zero_join``: DDP + Adam on uneven inputs is the truth (recorded on the last rank); ZeRO with
+    those gradients set by hand, and by the setter's join hook once this rank has joined, must match it each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+    initial = copy.deepcopy(model)
+    ddp = DDP(model)
+    local = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    inputs = [torch.randn(20, 2) for _ in range(3 + rank)]
+    labels = torch.randn(20, 3)
+    grads, params = [], []
+    with ddp.join():
+        for _ in range(2):
+            for batch in inputs:
+                nn.functional.mse_loss(ddp(batch), labels).backward()
+                grads.append([p.grad.detach().clone() for p in model.parameters()])
+                local.step()
+                params.append([p.detach().clone() for p in model.parameters()])
+    shared = [grads, params]
+    dist.broadcast_object_list(shared, src=world_size - 1)
+    grads, params = shared
+    builds = [lambda ps: TorchZero(ps, torch.optim.Adam, lr=0.01)]
+    builds += [
+        lambda ps, partition=partition, view=view: ZeroRedundancyOptimizer(
+            ps, torch.optim.Adam, parameters_as_bucket_view=view, partition=partition, lr=0.01
+        )
+        for partition, view in MODES
+    ]
+    for build in builds:
+        net = copy.deepcopy(initial)
+        zero = build(net.parameters())
+        setter = _GradientSetter(list(net.parameters()), grads[len(grads) - 2 * (world_size - rank - 1) :])
+        iteration = 0
+        with Join([setter, zero]):
+            for _ in range(2):
+                for _batch in inputs:
+                    Join.notify_join_context(setter)
+                    for param, grad in zip(net.parameters(), grads[iteration]):
+                        param.grad = grad.clone()
+                    zero.step()
+                    for index, (param, want) in enumerate(zip(net.parameters(), params[iteration])):
+                        what = f"{type(zero).__module__} {getattr(zero, 'partition', '')} step {iteration} [{index}]"
+                        torch.testing.assert_close(param.detach(), want, rtol=0, atol=0, msg=lambda m, w=what: w + m)
+                    iteration += 1
+        for param, want in zip(net.parameters(), params[-1]):  # the joined rank's shard was stepped and synced
+            torch.testing.assert_close(param.detach(), want, rtol=0, atol=0)
+
+
+def test_joined_rank_steps_its_shard_as_torchs_test_expects() -> None:
+    run_on_ranks(_torch_pattern_body, 2)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 2))
+        self.to(memory_format=torch.channels_last)  # memory order unlike row-major: even pieces cut it elsewhere
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last))))
+
+
+def _batch(rank: int, iteration: int) -> torch.Tensor:
+    return torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(100 * iteration + rank))
+
+
+SGD = {"lr": 0.05, "momentum": 0.9}
+BATCHES = [2, 3, 4]  # rank r's number of batches: ranks 0 and 1 join early
+
+
+def _train_under_join(rank: int, build: Any, to_owners: bool = False) -> tuple[list[torch.Tensor], Any]:
+    """DDP + ZeRO under ``Join([ddp, zero])``: zero_grad, backward, step, for this rank's batches."""
+    model = _Net()
+    ddp = DDP(model, bucket_cap_mb=0.0002)
+    zero = build(model.parameters())
+    if to_owners:
+        ddp.register_comm_hook(zero, reduce_to_owners_hook)
+    with Join([ddp, zero]):
+        for iteration in range(BATCHES[rank]):
+            zero.zero_grad()
+            ddp(_batch(rank, iteration)).square().mean().backward()
+            zero.step()
+    return [p.detach().clone() for p in model.parameters()], zero
+
+
+def _owners(zero: ZeroRedundancyOptimizer) -> list[torch.Tensor]:
+    """Each parameter's owner per element, in memory order."""
+    owners = []
+    for param in zero.global_params:
+        owner = torch.empty(param.numel(), dtype=torch.long)
+        for fragment in zero.fragments_of(param):
+            owner[fragment.offset : fragment.offset + fragment.length] = fragment.rank
+        owners.append(owner)
+    return owners
+
+
+def _reference(world_size: int, owners: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain SGD where each element takes the DDP average (joined ranks give zeros) while its owner is active, and
+    its owner's last average (the ``.grad`` it holds) once the owner has joined: torch's semantics, any partition."""
+    model = _Net()
+    optim = torch.optim.SGD(model.parameters(), **SGD)
+    last: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for iteration in range(max(BATCHES)):
+        active = [iteration < count for count in BATCHES]
+        model.zero_grad()
+        for r in range(world_size):
+            if active[r]:
+                model(_batch(r, iteration)).square().mean().backward()
+        average = [flat_view(p.grad) / world_size for p in model.parameters()]  # memory order
+        last = [average if active[r] else last[r] for r in range(world_size)]
+        for index, (param, owner) in enumerate(zip(model.parameters(), owners)):
+            applied = average[index].clone()
+            for r in range(world_size):
+                if not active[r]:
+                    applied[owner == r] = last[r][index][owner == r]
+            assert param.grad is not None and param.grad.stride() == param.stride()
+            flat_view(param.grad).copy_(applied)
+        optim.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _ddp_body(rank: int, world_size: int) -> None:
+    """Each mode against the reference above, and the greedy partition (torch's) against torch's class bitwise."""
+    torchs, zero = _train_under_join(rank, lambda ps: TorchZero(ps, torch.optim.SGD, **SGD))
+    for (partition, view), to_owners in itertools.product(MODES, [False, True]):
+        build = lambda ps, partition=partition, view=view: ZeroRedundancyOptimizer(
+            ps, torch.optim.SGD, parameters_as_bucket_view=view, partition=partition, **SGD
+        )
+        got, zero = _train_under_join(rank, build, to_owners)
+        what = f"{partition} bucket_view={view} to_owners={to_owners}"
+        for index, (a, b) in enumerate(zip(got, _reference(world_size, _owners(zero)))):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, w=f"{what} [{index}]": f"{w}: {m}")
+        if partition == "greedy" and not to_owners:  # the same owners and gradients as torch's: the same bits
+            for index, (a, b) in enumerate(zip(got, torchs)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, w=f"{what} [{index}]": f"{w}: {m}")
+
+
+def test_ddp_and_zero_under_join_match_torchs_zero() -> None:
+    run_on_ranks(_ddp_body, 3, timeout=300)
+
+
+def _refusals_body(rank: int, world_size: int) -> None:
+    """ShardedDataParallel and hybrid sharding refuse Join where it is built; a GradScaler under Join raises on
+    every rank at the first step a rank has joined, before any rank stepped."""
+    net = _Net()
+    sdp = ShardedDataParallel(net, ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1))
+    for joinables in ([sdp], [sdp, sdp.zero], [sdp.zero]):
+        with pytest.raises(NotImplementedError, match=r"Join \(uneven inputs\) is not supported with Sharded"):
+            Join(joinables)
+    shards = [dist.new_group([r]) for r in range(world_size)]
+    replicas = dist.new_group(list(range(world_size)))
+    hybrid = ZeroRedundancyOptimizer(
+        _Net().parameters(), torch.optim.SGD, process_group=shards[rank], replicate_group=replicas, lr=0.1
+    )
+    with pytest.raises(NotImplementedError, match=r"not supported with hybrid sharding \(replicate_group\)"):
+        Join([hybrid])
+
+    model = _Net()
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="even", lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    refusal = r"while the others step under a torch.amp.GradScaler"
+    with pytest.raises(RuntimeError, match=refusal), Join([ddp, zero]):
+        for iteration in range(1 + rank):
+            zero.zero_grad()
+            scaler.scale(ddp(_batch(rank, iteration)).square().mean()).backward()
+            scaler.step(zero)
+            scaler.update()
+            after_first = [p.detach().clone() for p in model.parameters()]
+    for param, kept in zip(model.parameters(), after_first):  # neither rank stepped at the refused step
+        assert torch.equal(param.detach(), kept)
+
+
+def test_join_refusals_on_every_rank() -> None:
+    run_on_ranks(_refusals_body, 2)
