@@ -18,7 +18,14 @@ from torch.distributed import ProcessGroup
 
 from distoptim.comm import averaging as comm
 
-__all__ = ["HierarchicalModelAverager", "ModelAverager", "ParamsLike", "PeriodicModelAverager", "params_to_average"]
+__all__ = [
+    "HierarchicalModelAverager",
+    "ModelAverager",
+    "ParamsLike",
+    "PeriodicModelAverager",
+    "UnsupportedParamsError",
+    "params_to_average",
+]
 
 ParamsLike = Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]
 
@@ -29,16 +36,27 @@ _PERIOD_ONE_WARNING = (
 _HOW_TO_PASS = "pass model.parameters() or optimizer.param_groups"
 
 
+class UnsupportedParamsError(NotImplementedError, TypeError):
+    """An entry of ``params`` that is neither a parameter nor a param group: torch raises ``NotImplementedError``
+    ("Parameter input of type ... is not supported"); it is also a ``TypeError``, what distoptim raised before."""
+
+
+def _unsupported(item: object, how: str) -> UnsupportedParamsError:
+    return UnsupportedParamsError(f"Parameter input of type {type(item)} is not supported; {how}; {_HOW_TO_PASS}")
+
+
 def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
     """The parameters (or param-group entries) in ``params`` that have a gradient, in order.
 
     Parameters without ``.grad`` did not take part in the step and are skipped (as PyTorch does). Plain tensors are
-    rejected at the top level: iterating a tensor yields its rows, which is never what the caller meant.
+    rejected at the top level: iterating a tensor yields its rows, which is never what the caller meant. Entries
+    of another type raise torch's ``NotImplementedError`` text, then what to pass.
     """
     if isinstance(params, torch.Tensor):
-        raise TypeError(f"average_parameters() takes an iterable of parameters, not a single tensor; {_HOW_TO_PASS}")
+        raise _unsupported(params, "average_parameters() takes an iterable of parameters, not a single tensor")
     if isinstance(params, Mapping):
-        raise TypeError(f"average_parameters() got a single param-group dict; pass a list of them, e.g. {_HOW_TO_PASS}")
+        first_key = next(iter(params), "")  # what torch's loop meets first: a key of the dict
+        raise _unsupported(first_key, "average_parameters() got a single param-group dict; pass a list of them")
     selected: list[torch.Tensor] = []
     for index, item in enumerate(params):
         if isinstance(item, torch.nn.Parameter):
@@ -48,12 +66,13 @@ def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
                 raise TypeError(f"param group {index} has no 'params' entry; {_HOW_TO_PASS}")
             candidates = item["params"]
         elif isinstance(item, torch.Tensor):
-            raise TypeError(
+            raise _unsupported(
+                item,
                 f"item {index} is a plain torch.Tensor, not an nn.Parameter; averaging only touches parameters "
-                f"(wrap it in torch.nn.Parameter, or put it in an optimizer param group); {_HOW_TO_PASS}"
+                "(wrap it in torch.nn.Parameter, or put it in an optimizer param group)",
             )
         else:
-            raise TypeError(f"item {index} has type {type(item).__name__}; {_HOW_TO_PASS}")
+            raise _unsupported(item, f"item {index} has type {type(item).__name__}")
         for param in candidates:
             if not isinstance(param, torch.Tensor):
                 raise TypeError(f"param group {index} holds a {type(param).__name__}, not a tensor")

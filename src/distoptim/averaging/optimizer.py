@@ -149,8 +149,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             self.averager.step = step
         else:
             warnings.warn(
-                "the loaded state dict has no 'step' for the model averager (was it saved from the bare optimizer?); "
-                "restarting the averaging schedule at step 0, warm-up included",
+                "Loaded state dict does not contain a step counter for an averager. Setting step counter to 0. "
+                "(Was it saved from the bare optimizer? The averaging schedule restarts, warm-up included.)",
                 UserWarning,
                 stacklevel=2,
             )

@@ -25,6 +25,7 @@ __all__ = [
     "average_tensors_",
     "completed_future",
     "default_group",
+    "group_by_device",
     "group_by_device_dtype",
     "group_size",
     "node_subgroup_size",
@@ -92,16 +93,27 @@ def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Te
     return list(runs.values())
 
 
+def group_by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split ``tensors`` into runs sharing a device, keeping first-appearance order (same on every rank)."""
+    runs: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        runs.setdefault(tensor.device, []).append(tensor)
+    return list(runs.values())
+
+
 @torch.no_grad()
-def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup, *, promote_dtypes: bool = False) -> None:
     """Replace every tensor by its mean over ``group``, in place (storage kept), one all-reduce per (device, dtype).
 
+    With ``promote_dtypes``, one all-reduce per device in the tensors' promoted dtype, each result rounded back to
+    its tensor's dtype once: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``'s arithmetic.
     Ranks outside ``group`` leave their tensors untouched.
     """
     if not is_member(group):
         return
     size = group_size(group)
-    for run in group_by_device_dtype([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones
+    split = group_by_device if promote_dtypes else group_by_device_dtype
+    for run in split([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones
         flat = pack(run)
         flat.div_(size)
         dist.all_reduce(flat, group=group)
