@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.optim import utils as torch_optim_utils
 
 from distoptim import as_functional_optim as top_level_as_functional_optim
+from distoptim import utils
 from distoptim.functional import (
     FunctionalAdadelta,
     FunctionalAdagrad,
@@ -25,6 +27,7 @@ from distoptim.functional import (
     as_functional_optim,
     functional_class_for,
 )
+from distoptim.zero.validation import check_overlap_class
 
 PAIRS: list[tuple[type[FunctionalOptimizer], type[torch.optim.Optimizer]]] = [
     (FunctionalSGD, torch.optim.SGD),
@@ -303,6 +306,47 @@ def test_functional_class_for() -> None:
         pass
 
     assert functional_class_for(MyAdam) is None  # a subclass may change the math
+
+
+def test_the_registry_matches_torchs_and_feeds_as_functional_optim() -> None:
+    """``distoptim.utils`` mirrors ``torch.distributed.optim.utils``: the same keys, torch's no-overwrite rule, and
+    a registered class is what ``as_functional_optim`` builds (torch's protocol: ``_allow_empty_param_list``)."""
+    assert set(utils.functional_optim_map) == set(torch_optim_utils.functional_optim_map)
+    assert utils.as_functional_optim is as_functional_optim
+
+    class MyOptimizer:  # any key will do, as in torch
+        pass
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    try:
+        utils.register_functional_optim(MyOptimizer, torch_optim_utils.functional_optim_map[torch.optim.SGD])
+        utils.register_functional_optim(MyOptimizer, FunctionalAdam)  # a key keeps its first class
+        with pytest.warns(DeprecationWarning, match="TorchScript"):  # torch's own class says so when built
+            opt = as_functional_optim(MyOptimizer, lr=0.5)
+        assert type(opt) is torch_optim_utils.functional_optim_map[torch.optim.SGD]
+        assert opt.defaults["lr"] == 0.5
+        assert functional_class_for(MyOptimizer) is None  # ZeRO's overlap steps FunctionalOptimizer classes only
+        utils.register_functional_optim(MyAdam, FunctionalAdam)  # found by ZeRO's overlap mode too
+        assert functional_class_for(MyAdam) is FunctionalAdam
+        assert type(as_functional_optim(MyAdam, lr=0.5)) is FunctionalAdam
+        assert check_overlap_class(MyAdam) is FunctionalAdam
+    finally:
+        utils.functional_optim_map.pop(MyOptimizer, None)
+        utils.functional_optim_map.pop(MyAdam, None)
+    utils.register_functional_optim(torch.optim.SGD, FunctionalAdam)
+    assert utils.functional_optim_map[torch.optim.SGD] is FunctionalSGD
+    with pytest.raises(
+        ValueError, match=r"^Optimizer <class 'torch\.optim\.nadam\.NAdam'> does not have a functional "
+    ):
+        as_functional_optim(torch.optim.NAdam)
+    with pytest.raises(
+        ValueError, match=r"^Optimizer <class 'torch\.optim\.nadam\.NAdam'> does not have a functional "
+    ):
+        torch_optim_utils.as_functional_optim(torch.optim.NAdam)
+    with pytest.raises(TypeError, match="takes a class"):
+        utils.register_functional_optim(MyOptimizer, FunctionalAdam(torch.zeros(1)))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("cls", [cls for cls, _ in PAIRS], ids=[cls.__name__ for cls, _ in PAIRS])

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from distoptim import DistributedOptimizer
 from distoptim.functional import FunctionalAdam
+from distoptim.utils import register_functional_optim
 from tests._dist import run_on_ranks
 
 WORLD_SIZE = 3
@@ -140,6 +141,14 @@ def _on_workers(rank: int, world_size: int, scenario: Callable[[], None]) -> Non
         rpc.shutdown()
 
 
+class _RegisteredOnly:
+    """No optimizer at all: the owners can build it only through the class registered for it (on import, in every
+    worker), as with torch's ``register_functional_optim``."""
+
+
+register_functional_optim(_RegisteredOnly, FunctionalAdam)
+
+
 PARITY_CASES: list[tuple[type, type[torch.optim.Optimizer], dict[str, Any]]] = [
     (torch.optim.SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
     (torch.optim.SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.5, "nesterov": True, "maximize": True}),
@@ -151,6 +160,7 @@ PARITY_CASES: list[tuple[type, type[torch.optim.Optimizer], dict[str, Any]]] = [
     (torch.optim.RMSprop, torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
     (torch.optim.Rprop, torch.optim.Rprop, {"lr": 0.01}),
     (FunctionalAdam, torch.optim.Adam, {"lr": 0.05}),  # a functional class may be named directly
+    (_RegisteredOnly, torch.optim.Adam, {"lr": 0.05}),  # a key registered with distoptim.utils
     (torch.optim.NAdam, torch.optim.NAdam, {"lr": 0.05}),  # no functional counterpart: the torch.optim fallback
     (torch.optim.ASGD, torch.optim.ASGD, {"lr": 0.05, "t0": 1.0}),  # likewise
 ]

@@ -721,7 +721,7 @@ MISUSES: list[Misuse] = [
     # --- Functional optimizers.
     Misuse("as_functional_optim of an optimizer without a functional form",
            lambda r: as_functional_optim(torch.optim.LBFGS), ALL,
-           ValueError, r"LBFGS has no functional counterpart; supported: torch\.optim\.SGD"),
+           ValueError, r"LBFGS'> does not have a functional counterpart! supported: torch\.optim\.SGD"),
     Misuse("as_functional_optim with an unknown hyperparameter", lambda r: as_functional_optim(SGD, lrr=0.1), ALL,
            TypeError, r"FunctionalSGD\(\): got an unexpected keyword argument 'lrr'"),
     Misuse("as_functional_optim with a hyperparameter torch.optim refuses", lambda r: as_functional_optim(SGD, lr=-1.0),

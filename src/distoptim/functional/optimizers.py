@@ -209,7 +209,7 @@ class FunctionalRprop(FunctionalOptimizer):
     spec = specs.RPROP
 
 
-_FUNCTIONAL: dict[type, type[FunctionalOptimizer]] = {
+functional_optim_map: dict[Any, type] = {
     cls.spec.torch_cls: cls
     for cls in (
         FunctionalSGD,
@@ -222,12 +222,58 @@ _FUNCTIONAL: dict[type, type[FunctionalOptimizer]] = {
         FunctionalRprop,
     )
 }
+"""Optimizer class (or any key) -> its functional class: ``torch.distributed.optim.utils.functional_optim_map``'s
+counterpart, read by ``as_functional_optim``, ``DistributedOptimizer`` and ZeRO's overlap mode. Add entries with
+``register_functional_optim`` (``distoptim.utils``)."""
+
+_BUILT_IN = tuple(functional_optim_map)
+
+
+def register_functional_optim(key: Any, optim: type) -> None:
+    """Map ``key`` to the functional optimizer class ``optim``, unless ``key`` already has one (torch's rule).
+
+    ``optim`` is built as ``optim([], *args, _allow_empty_param_list=True, **kwargs)`` by ``as_functional_optim``
+    and ``optim(params, *args, **kwargs)`` on a ``DistributedOptimizer``'s owners; it steps with
+    ``step(gradients)`` and ``step_param(param, grad)`` and keeps ``param_group`` and ``state`` (torch's protocol).
+    ZeRO's overlap mode steps a ``FunctionalOptimizer`` subclass only (it reads its ``spec``).
+
+    Args:
+        key: what users will pass, usually an optimizer class (need not be a ``torch.optim.Optimizer``).
+        optim: the functional optimizer class.
+
+    Raises:
+        TypeError: ``key`` is unhashable, or ``optim`` is not a class.
+
+    Example:
+        ```python
+        register_functional_optim(MyOptimizer, MyFunctionalOptimizer)
+        opt = as_functional_optim(MyOptimizer, lr=0.1)
+        ```
+    """
+    if not isinstance(optim, type):
+        raise TypeError(f"register_functional_optim() takes a class as optim, got {optim!r}")
+    if key not in functional_optim_map:
+        functional_optim_map[key] = optim
+
+
+def registered_functional_optim(optim_cls: Any) -> type | None:
+    """The class registered for ``optim_cls`` (any functional class, a user's own included), ``optim_cls`` itself
+    when it is a ``distoptim.functional`` class, else None; never raises."""
+    if isinstance(optim_cls, type) and issubclass(optim_cls, FunctionalOptimizer):
+        return optim_cls if hasattr(optim_cls, "spec") else None
+    try:
+        return functional_optim_map.get(optim_cls)
+    except TypeError:  # unhashable: nothing is registered under it
+        return None
 
 
 def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
-    """The functional class for a ``torch.optim`` class (exact class, not subclasses) or a functional class; else None.
+    """The ``FunctionalOptimizer`` class for a ``torch.optim`` class (exact class, not subclasses), a key registered
+    with one, or a functional class itself; else None.
 
     Subclasses of ``torch.optim`` classes are not matched: they may change the math this module would run instead.
+    A key registered with a class of another kind (``register_functional_optim``) gives None here too: only
+    ``FunctionalOptimizer`` classes say which ``torch.optim`` math they run.
 
     Args:
         optim_cls: any class (``torch.optim.Adam``, ``FunctionalAdam``, ...); anything else returns None.
@@ -240,23 +286,25 @@ def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
         assert functional_class_for(torch.optim.LBFGS) is None
         ```
     """
-    if isinstance(optim_cls, type) and issubclass(optim_cls, FunctionalOptimizer):
-        return optim_cls if hasattr(optim_cls, "spec") else None
-    return _FUNCTIONAL.get(optim_cls)
+    found = registered_functional_optim(optim_cls)
+    if isinstance(found, type) and issubclass(found, FunctionalOptimizer) and hasattr(found, "spec"):
+        return found
+    return None
 
 
-def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> FunctionalOptimizer:
+def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
     """The functional counterpart of ``optim_cls`` with an empty parameter list, to be driven by ``step_param``.
 
     Args:
         optim_cls: a ``torch.optim`` class with a functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta,
-            Adamax, RMSprop, Rprop) or a ``distoptim.functional`` class.
+            Adamax, RMSprop, Rprop), a ``distoptim.functional`` class, or a key given to
+            ``register_functional_optim``.
         *args: ``optim_cls``'s hyperparameters by position, without ``params``; omitted ones take its defaults.
         **kwargs: the same by name (``lr=1e-3`` ...), plus ``foreach`` and ``maximize``.
 
     Raises:
-        ValueError: ``optim_cls`` has no functional counterpart (the message names the supported classes), or it
-            refuses a hyperparameter.
+        ValueError: ``optim_cls`` has no functional counterpart (torch's message, then the supported classes), or
+            it refuses a hyperparameter.
         TypeError: an unknown hyperparameter.
 
     Example:
@@ -265,9 +313,11 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Functiona
         opt.step_param(weight, weight.grad)     # update one parameter with the gradient handed to it
         ```
     """
-    functional_cls = functional_class_for(optim_cls)
+    functional_cls = registered_functional_optim(optim_cls)
     if functional_cls is None:
-        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in _FUNCTIONAL)
-        name = getattr(optim_cls, "__qualname__", repr(optim_cls))
-        raise ValueError(f"{name} has no functional counterpart; supported: {supported} (or their Functional* classes)")
+        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in _BUILT_IN)
+        raise ValueError(
+            f"Optimizer {optim_cls} does not have a functional counterpart! supported: {supported} (or their "
+            "Functional* classes); register your own with distoptim.utils.register_functional_optim"
+        )
     return functional_cls([], *args, _allow_empty_param_list=True, **kwargs)

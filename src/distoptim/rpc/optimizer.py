@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.rpc import PyRRef  # what rpc.remote returns; rpc.RRef subclasses it for annotations only
 from torch.optim import Optimizer
 
-from distoptim.functional import functional_class_for
+from distoptim.functional.optimizers import registered_functional_optim
 from distoptim.rpc import owner as on_owner
 
 __all__ = ["DistributedOptimizer"]
@@ -69,7 +69,8 @@ class DistributedOptimizer(Optimizer):
     """Optimize parameters spread over RPC workers, one local optimizer on each owner.
 
     Args:
-        optimizer_class: a ``torch.optim`` class (or a ``distoptim.functional`` one) to run on every owner.
+        optimizer_class: a ``torch.optim`` class, a ``distoptim.functional`` one, or a class registered with
+            ``distoptim.utils.register_functional_optim``, to run on every owner.
         params_rref: RRefs to the parameters to optimize, wherever they live.
         *args: the optimizer's hyperparameters by position, as for ``optimizer_class(params, *args)``; none by
             default (``optimizer_class``'s own defaults apply).
@@ -131,7 +132,7 @@ class DistributedOptimizer(Optimizer):
         self._shipped = copy.deepcopy(hyperparameters)
         self.remote_optimizers: list[PyRRef[Any]] = [owner.local for owner in self._owners]
         """RRefs to the optimizer on each owner (as in torch's class)."""
-        self.is_functional_optim = functional_class_for(optimizer_class) is not None
+        self.is_functional_optim = registered_functional_optim(optimizer_class) is not None
         """Whether the owners run a ``distoptim.functional`` optimizer (else ``optimizer_class`` behind an adapter)."""
 
     def step(self, context_id: int) -> None:  # type: ignore[override]
@@ -228,7 +229,7 @@ class DistributedOptimizer(Optimizer):
 def _check_optimizer_class(optimizer_class: Any) -> None:
     if not isinstance(optimizer_class, type):
         raise TypeError(f"optimizer_class must be a class such as torch.optim.SGD, got {optimizer_class!r}")
-    if functional_class_for(optimizer_class) is not None:
+    if registered_functional_optim(optimizer_class) is not None:  # built-in or registered by the user
         return
     if not issubclass(optimizer_class, Optimizer):
         raise TypeError(f"{optimizer_class.__name__} is neither a torch.optim.Optimizer nor a functional optimizer")

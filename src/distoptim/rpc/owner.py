@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.rpc import PyRRef
 from torch.optim import Optimizer
 
-from distoptim.functional import functional_class_for
+from distoptim.functional.optimizers import registered_functional_optim
 
 Hyperparameters = dict[str, Any]
 
@@ -73,7 +73,7 @@ class LocalOptimizer:
         self.params: list[Tensor] = [rref.local_value() for rref in param_rrefs]
         if len({id(param) for param in self.params}) != len(self.params):
             raise ValueError("a parameter appears more than once in params_rref")
-        functional_class = functional_class_for(optimizer_class)
+        functional_class = registered_functional_optim(optimizer_class)
         if functional_class is not None:
             self.optimizer: Any = functional_class(self.params, *args, **kwargs)
         else:
