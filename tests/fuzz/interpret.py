@@ -139,7 +139,9 @@ class Run:
         if any(name.startswith("oracle") for name in differ):
             raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
         self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
-        self.compare_local(where, align)
+        # not aligned to a subject whose ranks disagree: the oracle's ranks would then disagree, and the program
+        # read as the oracle's error, its mismatch dropped (a mutant whose sync skips an element: tests/fuzz/mutants)
+        self.compare_local(where, align and not differ)
 
     def compare_local(self, where: str, align: bool = True) -> None:
         """This rank's parameters against the oracle's (no collective); ``align``: the oracle takes the subject's."""
@@ -358,8 +360,9 @@ class Run:
         self.compare_values(f"action {self.counter} closure loss", got, want)
         self.step_number += 1
 
-    def scaler_step(self, clip: bool) -> None:
+    def scaler_step(self, clip: bool, overflow: str | None = None) -> None:
         s = self.subject
+        poisoned = _overflowing(overflow, [s.model, self.oracle.model])
         s.scaler.scale(self.forward_loss(s.wrapper)).backward()
         got = None
         if clip:
@@ -371,6 +374,8 @@ class Run:
         s.scaler.step(s.zero)
         s.scaler.update()
         want = self.oracle.scaler_step(self.forward_loss(self.oracle.ddp), (0.5, 2.0) if clip else None)
+        for handle in poisoned:
+            handle.remove()
         self.compare_values(f"action {self.counter} scaled clip norm", got, want)
         self.step_number += 1
 
@@ -543,6 +548,18 @@ class Run:
             # step moves the elements whose gradient is small (1e-3 of the largest) by ~5 lr: their rounding becomes
             # 8e-5, which the next backward spreads to every gradient, 2.2e-4 after five unaligned steps: seed 20680.)
             self.compare(f"after action {self.counter - 1}")
+
+
+def _overflowing(name: str | None, models: list[Any]) -> list[Any]:
+    """An injected overflow (``scaler_step(overflow=layer)``): the gradient of the layer's weight holds an inf in
+    its first element on every rank, so only that element's owner finds it; the hooks' handles, to remove."""
+
+    def poison(grad: Tensor) -> Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = math.inf
+        return grad
+
+    return [] if name is None else [layer(model, name).weight.register_hook(poison) for model in models]
 
 
 def run_program(program: Program, workdir: str) -> dict[str, Any]:

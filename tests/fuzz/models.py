@@ -6,7 +6,8 @@ weight is the output head's; ``unused`` a layer no forward uses; ``rank_branch``
 thaws it); ``extra`` a frozen layer outside the optimizer (``add_group`` thaws it and adds it as a group); ``bf16``
 a bf16 head (``master`` in the mode adds fp32 master weights); ``batchnorm`` BatchNorm buffers; ``conv`` a
 channels_last convolution on an image input; ``prehook`` a layer whose weight a forward pre-hook registered at
-construction (before any wrapping) computes as ``base + delta``; ``sparse`` an ``nn.Embedding(sparse=True)``. Every
+construction (before any wrapping) computes as ``base + delta``; ``sparse`` an ``nn.Embedding(sparse=True)``;
+``transposed`` a layer whose weight is stored column-major (not row-major in memory), of an odd element count. Every
 rank builds the same values from the seed.
 """
 
@@ -23,6 +24,15 @@ WIDTH, VOCAB, BATCH = 16, 11, 4
 # distoptim's hooks read it). 2^19 grid steps per CAP: a sum of up to 32 such values (micro-batches, accumulated
 # backwards, ranks), divided by 2 or 4, needs at most 24 bits, so fp32 adds it exactly in any order.
 GRID, CAP = 2.0**-16, 2.0**3
+
+
+SKEW = 5  # the transposed layer's outputs: 5 x 16 + 5 elements, a count no world size above 1 divides
+
+
+def _transposed(linear: nn.Linear) -> nn.Linear:
+    """``linear`` with its weight stored column-major (strides ``(1, rows)``): its memory order is not row-major."""
+    linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t())
+    return linear
 
 
 class Composed(nn.Module):
@@ -64,6 +74,7 @@ class FuzzModel(nn.Module):
         self.body = nn.Linear(WIDTH + (8 if has("conv") else 0), WIDTH)
         self.odd = nn.Linear(WIDTH, WIDTH) if has("odd_branch") else None
         self.composed = Composed() if has("prehook") else None
+        self.skew = _transposed(nn.Linear(WIDTH, SKEW)) if has("transposed") else None
         self.sparse = nn.Embedding(VOCAB, WIDTH, sparse=True) if has("sparse") else None
         self.rank0 = nn.Linear(WIDTH, WIDTH) if has("rank_branch") else None
         self.never = nn.Linear(WIDTH, 4) if has("unused") else None
@@ -96,6 +107,8 @@ class FuzzModel(nn.Module):
         h = torch.tanh(self.body(h))
         if self.composed is not None:
             h = self.composed(h)
+        if self.skew is not None:
+            h = torch.cat([h[:, :SKEW] + torch.tanh(self.skew(h)), h[:, SKEW:]], 1)
         if self.odd is not None and step % 2 == 1:
             h = h + torch.tanh(self.odd(h))
         if self.rank0 is not None and rank == 0:

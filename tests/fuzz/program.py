@@ -28,7 +28,7 @@ MODEL_FEATURES = (
     "conv",
 )
 # drawn from a second random stream (``_widen``), so the programs of earlier seeds keep what they had
-NEW_FEATURES = ("prehook", "sparse")
+NEW_FEATURES = ("prehook", "sparse", "transposed")
 
 MODES = ("zero1", "zero2_hook", "sdp", "overlap_hook")
 
@@ -266,7 +266,7 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
     if hybrid and mode != "sdp":
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
-    return _exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions))
+    return _faults(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions)))
 
 
 def inexact_parts(program: Program) -> list[str]:
@@ -302,3 +302,19 @@ def _exact(program: Program) -> Program:
         if a.name != "clip"
     ]
     return program.replace(features=features, options=options, actions=actions)
+
+
+def _faults(program: Program) -> Program:
+    """From a sixth stream (what the mutation score found the programs never did, ``tests/fuzz/mutants``): a layer
+    stored column-major, of an odd element count (``transposed``), in about a quarter of the programs; and a
+    GradScaler step whose gradient holds an inf in one element of the head's weight (``overflow``: every rank must
+    skip the step, though only that element's owner sees it), in about a third of the unclipped ``scaler_step``."""
+    rng = random.Random(f"faults-{program.seed}")
+    features = sorted([*program.features, "transposed"]) if rng.random() < 0.25 else program.features
+    actions = [
+        Action(a.name, {**a.args, "overflow": "head"})
+        if a.name == "scaler_step" and not a.args.get("clip") and rng.random() < 0.35
+        else a
+        for a in program.actions
+    ]
+    return program.replace(features=features, actions=actions)
