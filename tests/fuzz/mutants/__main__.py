@@ -1,7 +1,8 @@
-"""``python -m tests.fuzz.mutants [--only NAME,...] [--seeds N]``: the fuzzer, as CI runs it (``test_fuzz.CI_SEEDS``
-at 2 ranks), against each planted bug in a temporary copy of ``src/``; prints caught/missed per mutant (the verdict
-and first catching seed) and the score. ``--demonstrate NAME|all``: the mutant's own program (``demos.py``) passes on
-the clean copy and trains wrong, without an error, on the mutant. ``--list``: the mutants and what each breaks.
+"""``python -m tests.fuzz.mutants [--only NAME,...] [--seeds N] [--rev REV]``: the fuzzer, as CI runs it
+(``test_fuzz.CI_SEEDS`` at 2 ranks), against each planted bug in a temporary copy of ``src/`` and ``tests/`` (of
+commit REV, HEAD by default, or of the working tree: ``--rev worktree``); prints caught/missed per mutant (the
+verdict and first catching seed) and the score. ``--demonstrate NAME|all``: the mutant's own program (``demos.py``)
+passes on the clean copy and trains wrong, without an error, on the mutant. ``--list``: what each mutant breaks.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10, help="programs per spawned session")
     parser.add_argument("--demonstrate", metavar="NAME", help="show NAME (or all) to be a silent wrong result")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument(
+        "--rev", default="HEAD", help="the commit whose src/ and tests/ are copied (default HEAD; 'worktree': the tree)"
+    )
     args = parser.parse_args()
     if args.list:
         for mutant in MUTANTS:
@@ -73,7 +77,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="distoptim-mutants-") as tmp:
         root = Path(tmp)
-        clean = snapshot(root)
+        clean = snapshot(root, None if args.rev == "worktree" else args.rev)
         if args.demonstrate:
             sys.exit(_demonstrate(_chosen(args.demonstrate), root, clean))
         sys.exit(_score(_chosen(args.only), root, clean, args))

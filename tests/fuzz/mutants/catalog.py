@@ -47,6 +47,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "            chunk = sum(numels[i] for i in region) // world_size  # ceil",
     ),
     _one(
+        "bucket_view_first_region",
+        "ZeRO-1 with parameters_as_bucket_view=True, grown by add_param_group / unfreezing (even partition)",
+        "only a layout's first region gathered: the regions a grown plan appends are never synced",
+        "distoptim/zero/buckets.py",
+        "            comm.gather_from_owners(buffer, layout.bounds, self.group, self.collectives)\n",
+        "            comm.gather_from_owners(buffer, layout.bounds[:1], self.group, self.collectives)\n",
+    ),
+    _one(
         "clip_local_norm",
         "clip_grad_norm_ (every mode that clips)",
         "the norm of this rank's owned shard, never summed over the ranks",
@@ -87,13 +95,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        param.grad = grad\n",
     ),
     _one(
-        "sdp_overlap_skip_landing",
-        "ShardedDataParallel(overlap_param_sync=True)",
-        "a forward pre-hook lands the buckets before the one it needs, not through it: that module's forward "
-        "runs on its pre-step parameters",
+        "sdp_overlap_write_unchecked",
+        "ShardedDataParallel(overlap_param_sync=True): a write to parameters while their sync is in flight",
+        "the write flags cleared before they are read (the statement's order swapped): the refusal never fires and "
+        "the landing sync overwrites the write on the ranks that do not own it",
         "distoptim/sharded_data_parallel/sync.py",
-        "        while self._landed <= last and self._landed < len(self._launched):\n",
-        "        while self._landed < last and self._landed < len(self._launched):\n",
+        "        written, self._changed = self._written(), []\n",
+        "        self._changed, written = [], self._written()\n",
     ),
     _one(
         "overlap_hook_unused",

@@ -7,6 +7,7 @@ in the working tree meanwhile: ``root/tests``, ``root/clean/src``, ``root/<mutan
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 from tests.fuzz.mutants.catalog import Mutant
@@ -34,12 +35,21 @@ def problems(mutant: Mutant, src: Path = SRC) -> list[str]:
     return found
 
 
-def snapshot(root: Path) -> Path:
-    """A copy of the working tree's ``src/`` (returned) and ``tests/`` under ``root`` (taken once: others edit
-    them meanwhile)."""
+def snapshot(root: Path, rev: str | None = None) -> Path:
+    """A copy of ``src/`` (returned) and ``tests/`` under ``root``, taken once: of commit ``rev`` (a consistent
+    library and fuzzer, whatever is half-edited in the tree), or of the working tree (None)."""
     target = root / "clean" / "src"
-    shutil.copytree(SRC, target, ignore=_IGNORED)
-    shutil.copytree(REPO / "tests", root / "tests", ignore=_IGNORED)
+    if rev is None:
+        shutil.copytree(SRC, target, ignore=_IGNORED)
+        shutil.copytree(REPO / "tests", root / "tests", ignore=_IGNORED)
+        return target
+    unpacked = root / "archive"
+    unpacked.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src", "tests"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(unpacked)], input=archive.stdout, check=True)
+    target.parent.mkdir()
+    (unpacked / "src").rename(target)
+    (unpacked / "tests").rename(root / "tests")
     return target
 
 

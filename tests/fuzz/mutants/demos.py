@@ -1,6 +1,7 @@
-"""One small deterministic program per mutant, written by hand for the bug it shows: run on the clean copy it
-passes; on the mutant every rank runs it to the end without an error and trains otherwise than DDP + the plain
-optimizer (the verdict ``mismatch``, with the parameters that differ and by how much)."""
+"""One small deterministic program per mutant, written by hand for the bug it shows: on the clean copy it passes
+(or is refused on every rank, as documented: a write during ``overlap_param_sync``); on the mutant every rank runs
+it to the end without an error and trains otherwise than DDP + the plain optimizer (the verdict ``mismatch``, with
+the parameters that differ and by how much)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ TWO = _block() + _block()
 
 DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size)
     "zero1_staged_edge": (_program("zero1", TWO, partition="even"), 2),
-    "even_floor_chunk": (_program("zero1", TWO, partition="even", features=("transposed",)), 2),
+    "even_floor_chunk": (_program("zero1", TWO, kwargs={"lr": 0.05}, partition="even", features=("transposed",)), 2),
+    "bucket_view_first_region": (
+        _program(
+            "zero1", [*_block(), Action("add_group"), *TWO], features=("extra",), partition="even", bucket_view=True
+        ),
+        2,
+    ),
     "clip_local_norm": (_program("zero1", _block(clip=0.05) * 2), 2),
     "zero2_route_edge": (_program("zero2_hook", TWO, partition="even"), 2),
     "zero2_hybrid_div": (_program("zero2_hook", TWO, kwargs={"lr": 0.05}, hybrid=True), 4),
@@ -49,7 +56,10 @@ DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size
         _program("sdp", [*_block(), Action("unfreeze"), *_block()], kwargs={"lr": 0.05}, features=("frozen",)),
         2,
     ),
-    "sdp_overlap_skip_landing": (_program("sdp", TWO + _block(), overlap=True, partition="even"), 2),
+    "sdp_overlap_write_unchecked": (
+        _program("sdp", [*_block(), Action("clamp", {"layer": "head"}), *_block()], overlap=True, partition="even"),
+        2,
+    ),
     "overlap_hook_unused": (_program("overlap_hook", TWO, "AdamW", ADAMW, features=("unused",)), 2),
     "interleaved_unused": (
         _program("overlap_hook", TWO, "AdamW", ADAMW, features=("unused",), stepping="interleaved"),

@@ -87,11 +87,12 @@ def score(
 
 
 def demonstrate(program: Program, world_size: int, clean: Path, copy: Path) -> tuple[bool, str]:
-    """Whether ``program`` passes on the clean copy and trains wrong, raising nothing, on the mutant; and a report."""
+    """Whether ``program`` passes (or is refused) on the clean copy and trains wrong, raising nothing, on the mutant;
+    and a report."""
     args = ["--program", program.to_json(), "--world-size", str(world_size)]
     [before] = run_copy(clean, args)
     [after] = run_copy(copy, args)
-    shown = before["category"] == "pass" and after["category"] == "mismatch"
+    shown = before["category"] in ("pass", "refused") and after["category"] == "mismatch"
     lines = [
         f"  clean copy: {before['category']} {' | '.join(before['detail'][:1])[:300]}",
         f"  mutant:     {after['category']} {' | '.join(after['detail'][:2])[:600]}",
