@@ -17,12 +17,33 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import cast
+
+import torch
 
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["BucketPlan", "Slot", "StorePlan", "plan_buckets", "store_plan"]
+__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "plan_buckets", "store_plan"]
 
 Route = tuple[tuple[int, int, int], ...]  # (owner, start, end) in the bucket, neighbours of one owner merged
+
+
+class BucketCaps(dict[Hashable, int]):
+    """The most elements a bucket of each layout key ``(device, dtype)`` holds: ``cap_bytes`` of the dtype gradients
+    are reduced in (``reduce_dtype``, else the key's). Filled in for any key when first asked (``get`` too), so a
+    dtype that ``add_param_group`` brings into the model gets its buckets like the others."""
+
+    def __init__(self, cap_bytes: int, reduce_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.cap_bytes, self.reduce_dtype = cap_bytes, reduce_dtype
+
+    def __missing__(self, key: Hashable) -> int:
+        _, dtype = cast(tuple[torch.device, torch.dtype], key)
+        self[key] = cap = max(1, self.cap_bytes // (self.reduce_dtype or dtype).itemsize)
+        return cap
+
+    def get(self, key: Hashable, default: object = None) -> int:
+        return self[key]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from distoptim._backward import in_backward
 from distoptim.comm import agreement as _agreement
 from distoptim.sharded_data_parallel import checks, hook_order
 from distoptim.sharded_data_parallel.broadcast import broadcast_from_first
-from distoptim.sharded_data_parallel.buckets import BucketPlan, plan_buckets
+from distoptim.sharded_data_parallel.buckets import BucketCaps, BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -123,11 +123,8 @@ class ShardedDataParallel(nn.Module):
             reduce_dtype,
             overlap_param_sync,
         )
-        self._caps: dict[Any, int] = {}
         self._cap_bytes = cap_bytes = int(bucket_cap_mb * 2**20)
-        for param in zero.global_params:
-            size = torch.empty((), dtype=reduce_dtype or param.dtype).element_size()
-            self._caps[(param.device, param.dtype)] = max(1, cap_bytes // size)
+        self._caps = BucketCaps(cap_bytes, reduce_dtype)  # any (device, dtype), one added later too
         zero._land_sync()
         broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
         zero._use_regions(self._caps)

@@ -21,7 +21,12 @@ from torch.optim import Optimizer
 
 from distoptim.zero import placement, validation
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.local_optimizer import CLASS_KEY, check_classes_unchanged, whole_tensor_weights
+from distoptim.zero.local_optimizer import (
+    CLASS_KEY,
+    CompositeOptimizer,
+    check_classes_unchanged,
+    whole_tensor_weights,
+)
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters
@@ -115,8 +120,13 @@ class Partitioning:
                 self.param_groups, self.local_optimizer, self._optimizer_class
             ),
         )
+        before = _Snapshot(self)
         self._add_group(group)
-        self._repartition()
+        try:
+            self._repartition()
+        except BaseException:  # the optimizer stays as it was: a retry, or the next step, meets no half-added group
+            before.restore(self)
+            raise
 
     def _add_group(self: PlanParts, group: dict[str, Any]) -> None:
         """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
@@ -234,3 +244,37 @@ class Partitioning:
             )
         self._region_numel = region_numel
         self._repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
+
+
+class _Snapshot:
+    """What ``add_param_group`` changes once its group is agreed (the groups, the placement, the local optimizer's
+    groups and state keys), to put back if placing the group fails."""
+
+    def __init__(self, zero: PlanParts) -> None:
+        self.groups = len(zero.param_groups)
+        self.placed = (zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability)
+        self.optim = zero.optim
+        self.local = [] if zero.optim is None else [list(group["params"]) for group in zero.optim.param_groups]
+        self.state = {} if zero.optim is None else dict(zero.optim.state)
+        composite = zero.optim if isinstance(zero.optim, CompositeOptimizer) else None
+        self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
+
+    def restore(self, zero: PlanParts) -> None:
+        del zero.param_groups[self.groups :]
+        zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability = self.placed
+        zero._routes.clear()
+        zero.optim = optim = self.optim
+        if optim is None:
+            return
+        if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
+            optim._order[:], optim.parts = self.parts[0], self.parts[1]
+            for kind, part in optim.parts.items():
+                del part.param_groups[sum(1 for k, _ in optim._order if k == kind) :]
+        else:
+            del optim.param_groups[len(self.local) :]
+        for group, params in zip(optim.param_groups, self.local):
+            group["params"] = params
+        optim.state.clear()
+        optim.state.update(self.state)
+        if zero.overlap_stepper is not None and zero._shard is not None and zero._plan is not None:
+            zero.overlap_stepper.rebuild(optim, zero._shard, zero._plan, zero.global_params, zero.param_groups)

@@ -1,0 +1,74 @@
+"""ShardedDataParallel and add_param_group of a group in a dtype new to the model: buckets and a gradient store
+are made for the new (device, dtype), and it trains as DDP + the plain optimizer; a failure while placing an added
+group leaves the optimizer as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests.sharded_data_parallel.test_parity import KWARGS, assert_matches
+
+
+class _Mixed(torch.nn.Module):
+    """An fp32 model with a bf16 layer in front, which a group added later brings into training."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, 6).to(dtype)
+        self.rest = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(torch.tanh(self.first(x.to(self.first.weight.dtype))).float())
+
+
+def _refused_add_leaves_it_as_it_was(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor]) -> None:
+    """A failure while placing the added group (here injected before ShardedDataParallel rebuilds) puts back the
+    groups, the plan and the local optimizer: the retry that follows is not refused as a duplicate."""
+    groups, plan, local = len(zero.param_groups), zero.plan, len(zero.local_optimizer.param_groups)
+
+    def fail() -> None:
+        raise RuntimeError("injected")
+
+    zero._plan_listeners.insert(0, fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            zero.add_param_group({"params": params, "lr": 0.02})
+    finally:
+        zero._plan_listeners.remove(fail)
+    assert (len(zero.param_groups), zero.plan, len(zero.local_optimizer.param_groups)) == (groups, plan, local)
+
+
+def _new_dtype_body(rank: int, world_size: int, partition: str) -> None:
+    """A bf16 group added to a model whose optimizer held only fp32 parameters: SDP makes buckets and a gradient
+    store for the new (device, dtype), and trains as DDP + AdamW (the bf16 layer to bf16's precision)."""
+    model, reference = _Mixed(), _Mixed()
+    ddp = DDP(reference, find_unused_parameters=True)  # built before the freeze: it keeps the layer
+    for net in (model, reference):
+        net.first.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(model.rest.parameters(), torch.optim.AdamW, partition=partition, **KWARGS)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    plain = torch.optim.AdamW(reference.rest.parameters(), **KWARGS)
+    for step in range(4):
+        if step == 1:
+            for net in (model, reference):
+                net.first.requires_grad_(True)
+            _refused_add_leaves_it_as_it_was(zero, list(model.first.parameters()))
+            zero.add_param_group({"params": list(model.first.parameters()), "lr": 0.02})
+            plain.add_param_group({"params": list(reference.first.parameters()), "lr": 0.02})
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        for optimizer, net in ((zero, sdp), (plain, ddp)):
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            optimizer.step()
+        sdp.sync_finished()
+        assert_matches(model, reference, f"{partition} step {step}")
+
+
+@pytest.mark.parametrize("partition", ["greedy", "even"])
+def test_a_group_in_a_dtype_new_to_the_model_trains_as_ddp(partition: str) -> None:
+    run_on_ranks(_new_dtype_body, 2, partition)
