@@ -16,14 +16,14 @@ from tests.sharded_data_parallel.test_parity import KWARGS, assert_matches
 class _Mixed(torch.nn.Module):
     """An fp32 model with a bf16 layer in front, which a group added later brings into training."""
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, rest: torch.dtype = torch.float32) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.first = torch.nn.Linear(6, 6).to(dtype)
-        self.rest = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6))
+        self.first = torch.nn.Linear(6, 6).to(torch.bfloat16)
+        self.rest = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6)).to(rest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rest(torch.tanh(self.first(x.to(self.first.weight.dtype))).float())
+        return self.rest(torch.tanh(self.first(x.to(torch.bfloat16))).to(self.rest[0].weight.dtype))
 
 
 def _refused_add_leaves_it_as_it_was(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor]) -> None:
@@ -72,3 +72,43 @@ def _new_dtype_body(rank: int, world_size: int, partition: str) -> None:
 @pytest.mark.parametrize("partition", ["greedy", "even"])
 def test_a_group_in_a_dtype_new_to_the_model_trains_as_ddp(partition: str) -> None:
     run_on_ranks(_new_dtype_body, 2, partition)
+
+
+def _wider_than_masters_body(rank: int, world_size: int, partition: str) -> None:
+    """``master_dtype=torch.float32`` over bf16 and float64 parameters under ShardedDataParallel: fp32 masters for
+    the bf16 layer only, the float64 layers stepped in float64 (never rounded to fp32), as DDP + AdamW does over fp32
+    copies of the bf16 parameters and the float64 ones themselves."""
+    model, reference = _Mixed(torch.float64), _Mixed(torch.float64)
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, partition=partition, master_dtype=torch.float32, **KWARGS
+    )
+    sdp, ddp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001), DDP(reference)
+    stepped = [p.detach().float().requires_grad_() if p.dtype == torch.bfloat16 else p for p in reference.parameters()]
+    plain = torch.optim.AdamW(stepped, **KWARGS)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        zero.zero_grad()
+        sdp(x).square().mean().backward()
+        zero.step()
+        plain.zero_grad()
+        reference.zero_grad()
+        ddp(x).square().mean().backward()
+        for copy, param in zip(stepped, reference.parameters()):
+            if copy is not param:
+                copy.grad = param.grad.float()
+        plain.step()
+        with torch.no_grad():
+            for copy, param in zip(stepped, reference.parameters()):
+                param.copy_(copy)
+        sdp.sync_finished()
+        for (name, ours), want in zip(model.named_parameters(), reference.parameters()):
+            assert ours.dtype == want.dtype, name
+            tolerance = {"rtol": 1e-12, "atol": 1e-14} if want.dtype == torch.float64 else {"rtol": 0, "atol": 0}
+            torch.testing.assert_close(
+                ours, want, **tolerance, msg=lambda m, n=name, s=step: f"{partition} {s} {n}: {m}"
+            )
+
+
+@pytest.mark.parametrize("partition", ["greedy", "even"])
+def test_masters_only_for_parameters_narrower_than_master_dtype(partition: str) -> None:
+    run_on_ranks(_wider_than_masters_body, 2, partition)
