@@ -37,6 +37,17 @@ def _where(rank: int, world_size: int) -> str:
     return check_copy(f"rank {rank}")
 
 
+def _check_every_rank(world_size: int, tries: int = 3) -> None:
+    """``check_copy`` in every rank before any program (a group's set-up that a busy machine broke is retried)."""
+    for attempt in range(tries):
+        try:
+            _dist.run_on_ranks(_where, world_size)
+            return
+        except _dist.RankFailure as error:
+            if MARK in str(error) or attempt == tries - 1:
+                raise
+
+
 def _checked_session(rank: int, world_size: int, *args: Any) -> None:
     check_copy(f"rank {rank} of a fuzz session")
     session._session(rank, world_size, *args)
@@ -51,7 +62,7 @@ def run(programs: list[Program], world_size: int, batch: int, stop: bool) -> Non
     """Each program's verdict printed as a JSON line (``seed``, ``category``, ``detail``); with ``stop``, none
     after the first batch holding a failure."""
     check_copy("the runner")
-    _dist.run_on_ranks(_where, world_size)  # every rank, before any program
+    _check_every_rank(world_size)
     session.run_on_ranks = _run_on_checked_ranks  # type: ignore[attr-defined] # and every rank of every session
     for start in range(0, len(programs), batch):
         chunk = programs[start : start + batch]
