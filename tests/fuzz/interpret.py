@@ -21,8 +21,7 @@ from torch import Tensor
 
 import distoptim.checkpoint
 from distoptim.zero.shard import MASTER_KEY
-from tests.fuzz import episodes, refusals
-from tests.fuzz.matrices import within_muon_rounding
+from tests.fuzz import episodes, noise, refusals
 from tests.fuzz.models import batch, layer
 from tests.fuzz.modes import Oracle, Structure, build_subject
 from tests.fuzz.program import Action, Program, inexact_parts
@@ -46,40 +45,6 @@ class OracleFailed(Exception):
     """The oracle itself raised: the program is not one plain DDP runs (a fuzzer problem, not distoptim's)."""
 
 
-def tolerances(program: Program, world_size: int) -> dict[torch.dtype, tuple[float, float]]:
-    """(rtol, atol) per dtype. Exact where the gradient bits are DDP's (ZeRO-1 under DDP, fp32, no clipping: ZeRO
-    steps the same kernels on the same gradients). Otherwise the reduction order differs (a reduction to owners,
-    micro-batches summed before or after the average, the clipping norm summed over fragments): a few fp32 ulps of
-    a gradient, ~1e-7 relative, give parameter differences below lr * 1e-6 per step; 1e-6 absolute / 1e-5 relative
-    is ten times that at our learning rates, while the bugs we hunt (a stale value, a lost step or edit, a gradient
-    not averaged) move a parameter by lr * |update| ~ 1e-4 or more. bf16: one bf16 ulp (2^-8) of either side."""
-    fp32 = (1e-5, 1e-6)
-    if (
-        "bf16" in program.features
-        and program.mode != "zero1"
-        and any(a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions)
-    ):
-        # the bf16 gradient summed in another order (or in fp32, reduce_dtype) moves the clipping norm by up to a
-        # bf16 ulp (2^-8 relative), and the coefficient it gives every fp32 update with it: lr * |update| * 2^-8
-        fp32 = (1e-4, 2e-5)
-    if (
-        "bf16" in program.features
-        and program.mode == "sdp"
-        and any(a.name == "backward" and (a.args.get("micro", 1) > 1 or a.args.get("no_sync")) for a in program.actions)
-    ):
-        # ShardedDataParallel sums and keeps a bf16 layer's gradient in fp32 (reduce_dtype), DDP in bf16: over
-        # accumulated micro-batches the bf16 layer's parameters end a bf16 ulp apart now and then, which moves the
-        # fp32 layers' gradients (through it) by 2^-8 relative: lr * |update| * 2^-8 per step, compounding in momentum
-        fp32 = (1e-3, 1e-4)
-    exact = is_exact(program, world_size) or (
-        program.mode == "zero1"
-        and "bf16" not in program.features
-        and world_size == 2
-        and not any(a.name == "clip" or (a.name == "scaler_step" and a.args.get("clip")) for a in program.actions)
-    )
-    return {torch.float32: (0.0, 0.0) if exact else fp32, torch.bfloat16: (1.6e-2, 1e-3)}
-
-
 def is_exact(program: Program, world_size: int) -> bool:
     """Compared bitwise: gradients on the grid (``models.on_grid``) at 2 or 4 ranks, where DDP's division by the
     world size is exact and every reduction order sums grid values to the same fp32 bits."""
@@ -93,8 +58,13 @@ def refusal_expected(program: Program) -> str:
 
 
 class Run:
-    def __init__(self, program: Program, workdir: str) -> None:
+    """One pass of a program on both sides: compares (``twin``: the twin pass's record, noise.py), or with
+    ``record`` keeps the oracle's values at each comparison (the twin pass)."""
+
+    def __init__(self, program: Program, workdir: str, record: bool = False, twin: noise.Record | None = None) -> None:
         self.program = program
+        self.recorder = noise.Recorder() if record else None
+        self.noise: noise.Record = twin or {}
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.workdir = workdir
         self.structure = Structure()
@@ -102,7 +72,6 @@ class Run:
         self.aligned_at = 0  # the step number at the last alignment (check)
         self.counter = 0
         self.mismatches: list[str] = []
-        self.tol = tolerances(program, self.world_size)
         self.exact = is_exact(program, self.world_size)
         self.must_refuse = refusal_expected(program)
         self.clipped_adaptive = program.optimizer != "SGD" and any(
@@ -144,95 +113,83 @@ class Run:
         self.compare_local(where, align and not differ)
 
     def compare_local(self, where: str, align: bool = True) -> None:
-        """This rank's parameters against the oracle's (no collective); ``align``: the oracle takes the subject's."""
+        """This rank's parameters against the oracle's (no collective); ``align``: the oracle takes the subject's.
+        Exact programs bitwise; the others within the twin's measured noise (``noise.allowance``), never aligned (so
+        a drift adds up). The ``twin`` pass keeps the oracle's values instead."""
         ours = dict(self.subject.model.named_parameters())
         steps = max(1, self.step_number - self.aligned_at)  # rounding differences add up over unaligned steps
-        # the largest update an adaptive optimizer makes: about lr (RMSprop's first: lr / sqrt(1 - alpha) = 10 lr)
-        lr = max(g["lr"] for g in self.oracle.optimizer.param_groups) * (
-            10 if self.program.optimizer == "RMSprop" else 1
-        )
-        muon_lr = self.oracle.muon_lrs()
+        muon = self.oracle.muon_lrs()
         for name, want in self.oracle.model.named_parameters():
-            got = ours[name].detach()
+            got, key = ours[name].detach(), f"{where}|{name}"
+            if self.recorder is not None:
+                self.recorder.keep(key, want)
+                continue
             if got.stride() != want.stride():
                 self.mismatches.append(f"{where}: parameter {name} lost its layout {got.stride()} != {want.stride()}")
-            rtol, atol = self.tol[want.dtype]
-            if want.dtype == torch.float32:
-                rtol, atol = rtol * steps, atol * steps
-            if id(want) in muon_lr and (rtol or atol):  # orthogonalized in bf16: see matrices.within_muon_rounding
-                problem = within_muon_rounding(got, want.detach(), muon_lr[id(want)] * steps, rtol, atol)
-                if problem:
-                    self.mismatches.append(f"{where}: parameter {name}: {problem}")
+            if self.exact:
+                if not torch.equal(got, want.detach()):
+                    off = float((got.float() - want.detach().float()).abs().max())
+                    self.mismatches.append(f"{where}: parameter {name}: {off:.3g} off (exact program: bitwise)")
                 continue
-            noisy = self.oracle.noisy.get(id(want)) if rtol or atol else None  # exact: no rounding to excuse
-            if noisy is not None and noisy.shape == got.shape and noisy.any():  # modes.Oracle.note_noise
-                off = (got.float() - want.detach().float()).abs()[noisy]
-                if off.numel() and not bool(off.max() <= 3 * lr * steps):
-                    self.mismatches.append(
-                        f"{where}: parameter {name}: {float(off.max()):.3g} off where the "
-                        f"gradient was near zero, more than 3 * {lr:.3g} * {steps} steps"
-                    )
-            kept = slice(None) if noisy is None or noisy.shape != got.shape else ~noisy
-            relative = self.oracle.relative_noise.get(id(want)) if rtol or atol else None
-            if id(want) in self.oracle.state_noise and (rtol or atol):  # modes.CLIP_ROUNDING
-                carried = self.oracle.state_noise[id(want)]
-                relative = torch.full(got.shape, carried) if relative is None else relative + carried
-            if relative is not None and relative.shape == got.shape:  # an adaptive update's share of the rounding
-                off = (got.float() - want.detach().float()).abs()[kept]
-                allowed = (atol + rtol * want.detach().float().abs() + lr * relative)[kept]
-                if bool((off > allowed).any()):
-                    worst = int((off - allowed).argmax())
-                    self.mismatches.append(
-                        f"{where}: parameter {name}: {int((off > allowed).sum())} / {off.numel()} elements off, "
-                        f"{float(off[worst]):.3g} where {float(allowed[worst]):.3g} is allowed"
-                    )
+            twin = self.noise.get(key)
+            if id(want) in muon:  # orthogonalized in bf16: in Frobenius norm (noise.excess_norm)
+                problem = noise.excess_norm(f"{where}: parameter {name}", got, want, twin, steps)
             else:
-                try:
-                    torch.testing.assert_close(got[kept], want.detach()[kept], rtol=rtol, atol=atol)
-                except AssertionError as error:
-                    self.mismatches.append(f"{where}: parameter {name}: {str(error).splitlines()[-3:]}")
-        if align:
+                allowed = noise.allowance(want, twin, steps, want.dtype)
+                problem = noise.excess(f"{where}: parameter {name}", got, want, allowed)
+            if problem:
+                self.mismatches.append(problem)
+        if align and self.exact:  # (a no-op unless a mismatch was found: it is not carried on)
             self.aligned_at = self.step_number
-            self.oracle.noisy.clear()
-            self.oracle.relative_noise.clear()
             with torch.no_grad():
                 for name, want in self.oracle.model.named_parameters():
                     want.copy_(ours[name])
             self.oracle.align_masters()
 
-    def compare_values(self, where: str, got: Any, want: Any, dtype: torch.dtype = torch.float32) -> None:
+    def compare_values(self, where: str, got: Any, want: Any) -> None:
+        """A loss, a clip norm, an eval output: bitwise in exact programs, else within the twin's noise (fp32)."""
         if got is None and want is None:
             return
         if (got is None) != (want is None):
-            self.mismatches.append(f"{where}: {got!r} != {want!r}")
+            if self.recorder is None:
+                self.mismatches.append(f"{where}: {got!r} != {want!r}")
             return
+        if self.recorder is not None:
+            self.recorder.keep(where, want)
+            return
+        a, b = torch.as_tensor(got), torch.as_tensor(want)
         if self.exact:  # the same bits in, the same arithmetic: the same bits out
-            a, b = torch.as_tensor(got), torch.as_tensor(want)
             if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
                 self.mismatches.append(f"{where}: {a.tolist()} != {b.tolist()} (exact program: bitwise)")
             return
-        rtol, atol = self.tol[torch.bfloat16 if "bf16" in self.program.features else dtype]
         steps = max(1, self.step_number - self.aligned_at)  # computed from parameters unaligned for that many steps
-        rtol, atol = max(rtol, 1e-5) * steps, max(atol, 1e-6) * steps
-        try:
-            torch.testing.assert_close(
-                torch.as_tensor(got).float(), torch.as_tensor(want).float(), rtol=rtol, atol=atol
-            )
-        except AssertionError as error:
-            self.mismatches.append(f"{where}: {str(error).splitlines()[-3:]}")
+        problem = noise.excess(where, a, b, noise.allowance(b, self.noise.get(where), steps))
+        if problem:
+            self.mismatches.append(problem)
 
     def compare_end(self) -> None:
+        """Parameters, buffers, the consolidated optimizer state and master weights."""
         self.compare("end", align=False)
+        want = self.oracle.optimizer.state_dict()
+        masters = {key: self.oracle.masters.get(id(p)) for key, p in enumerate(self.oracle.params)}
+        if self.recorder is not None:
+            for name, buffer in self.oracle.model.named_buffers():
+                self.recorder.keep(f"end|buffer|{name}", buffer)
+            for key, state in want["state"].items():
+                for name, value in state.items():
+                    self.recorder.keep(f"end|state|{key}|{name}", value)
+            for key, master in masters.items():
+                if master is not None:
+                    self.recorder.keep(f"end|master|{key}", master)
+            return
         ours = dict(self.subject.model.named_buffers())
-        rtol, atol = self.tol[torch.float32]  # running statistics of activations that carry the parameters' rounding
-        for name, want in self.oracle.model.named_buffers():
-            if not torch.allclose(ours[name].float(), want.float(), rtol=rtol * 10, atol=atol * 10):
-                self.mismatches.append(f"end: buffer {name} differs")
+        for name, buffer in self.oracle.model.named_buffers():  # statistics that carry the parameters' rounding
+            self._compare_state(f"end: buffer {name}", ours[name], buffer, f"end|buffer|{name}")
         zero = self.subject.zero
         zero.consolidate_state_dict(0)
         if dist.get_rank(zero.process_group) != 0:  # each shard group's first rank (hybrid: two of them)
             return
-        got, want = zero.state_dict(), self.oracle.optimizer.state_dict()
+        got = zero.state_dict()
         for index, (g, w) in enumerate(zip(got["param_groups"], want["param_groups"], strict=False)):
             if not math.isclose(g["lr"], w["lr"], rel_tol=1e-12):
                 self.mismatches.append(f"end: param_groups[{index}]['lr'] {g['lr']} != {w['lr']}")
@@ -249,37 +206,32 @@ class Run:
                 if theirs is None:
                     self.mismatches.append(f"end: state[{key}][{name!r}] missing")
                     continue
-                # a bf16 parameter's state integrates its gradient, which SDP keeps in reduce_dtype (fp32) where DDP
-                # leaves bf16: a bf16 ulp apart
-                param = self.oracle.params[key] if key < len(self.oracle.params) else None
-                rtol, atol = self.tol[param.dtype if param is not None else torch.float32]
-                carried = self.oracle.state_noise.get(id(param), 0.0) if param is not None else 0.0
-                if carried and (rtol or atol):  # modes.CLIP_ROUNDING, in the state itself (seed 38762)
-                    # SGD's is in gradient units (its momentum buffer is a sum of gradients); the others' relative
-                    rtol, atol = (
-                        (rtol, atol + carried / 10) if self.program.optimizer == "SGD" else (rtol + carried / 10, atol)
-                    )
-                self._compare_state(f"end: state[{key}][{name!r}]", theirs, value, (rtol, atol))
+                self._compare_state(f"end: state[{key}][{name!r}]", theirs, value, f"end|state|{key}|{name}")
         for key, state in got["state"].items():
-            master = self.oracle.masters.get(id(self.oracle.params[key])) if key < len(self.oracle.params) else None
             if MASTER_KEY in state:
-                if master is None:
+                if masters.get(key) is None:
                     self.mismatches.append(f"end: a master weight for parameter {key}, which has none")
-                else:  # a bf16 ulp of a gradient moves the fp32 master by lr * 2^-8 |g| (the bf16 tolerance)
+                else:
                     self._compare_state(
-                        f"end: master weight {key}", state[MASTER_KEY], master, self.tol[torch.bfloat16]
+                        f"end: master weight {key}", state[MASTER_KEY], masters[key], f"end|master|{key}"
                     )
             others = {k: v for k, v in state.items() if k != MASTER_KEY}
             if key not in want["state"] and any(torch.as_tensor(v).abs().sum() > 0 for v in others.values()):
                 self.mismatches.append(f"end: state of parameter {key} present, the plain optimizer has none")
 
-    def _compare_state(self, where: str, got: Any, want: Any, tol: tuple[float, float]) -> None:
-        rtol, atol = tol
-        a, b = torch.as_tensor(got).float(), torch.as_tensor(want).detach().float()
-        # state integrates every step's gradient without the parameters' alignment: ten times the per-check rtol
-        if a.shape != b.shape or not torch.allclose(a, b, rtol=rtol * 10, atol=atol * 10):
-            worst = (a - b).abs().max() if a.shape == b.shape else f"shapes {a.shape} {b.shape}"
-            self.mismatches.append(f"{where} differs (max {worst:.3g})" if a.shape == b.shape else f"{where}: {worst}")
+    def _compare_state(self, where: str, got: Any, want: Any, key: str) -> None:
+        """An end value the alignments never touch (state, masters, buffers): bitwise in exact programs, else
+        within the twin's noise over all the program's steps."""
+        a, b = torch.as_tensor(got), torch.as_tensor(want).detach()
+        if self.exact:
+            if a.shape != b.shape or not torch.equal(a.to(b.dtype), b):
+                self.mismatches.append(f"{where} differs (exact program: bitwise)")
+            return
+        steps = max(1, self.step_number)
+        dtype = b.dtype if b.is_floating_point() else torch.float32
+        problem = noise.excess(where, a, b, noise.allowance(b, self.noise.get(key), steps, dtype))
+        if problem:
+            self.mismatches.append(problem)
 
     # ------------------------------------------------------------------------------------- actions
     def forward_loss(self, wrapper: Any, micro: int = 0) -> Tensor:
@@ -562,11 +514,31 @@ def _overflowing(name: str | None, models: list[Any]) -> list[Any]:
     return [] if name is None else [layer(model, name).weight.register_hook(poison) for model in models]
 
 
-def run_program(program: Program, workdir: str) -> dict[str, Any]:
-    """This rank's outcome: ``{"status": "ok", "mismatches": [...]}`` or ``{"status": "raised", "side": ...}``."""
-    run: Run | None = None
+def _twin(program: Program, workdir: str) -> noise.Record | None:
+    """The twin pass (noise.py): the oracle, its local gradients one ulp up, recorded at each comparison; None
+    where it raised (the real pass meets the same error, or compares with the floor alone)."""
+    folder = os.path.join(workdir, "twin")
+    os.makedirs(folder, exist_ok=True)
     try:
-        run = Run(program, workdir)
+        run = Run(program.replace(options={**program.options, "twin": True}), folder, record=True)
+        for action in program.actions:
+            run.do(action)
+        run.compare_end()
+        return None if run.recorder is None else run.recorder.values
+    except Exception:
+        if os.environ.get("FUZZ_DEBUG"):
+            traceback.print_exc()
+        return None
+
+
+def run_program(program: Program, workdir: str) -> dict[str, Any]:
+    """This rank's outcome: ``{"status": "ok", "mismatches": [...]}`` or ``{"status": "raised", "side": ...}``.
+    An inexact program is first run as its ``twin`` to measure its noise (noise.py)."""
+    run: Run | None = None
+    exact = is_exact(program, dist.get_world_size())
+    twin = None if exact or refusal_expected(program) else _twin(program, workdir)
+    try:
+        run = Run(program, workdir, twin=twin)
         for action in program.actions:
             run.do(action)
         run.compare_end()

@@ -17,13 +17,6 @@ from torch import Tensor, nn
 
 MUON = "Muon"  # the program's optimizer name for Muon on the matrices + AdamW on the rest
 MUON_LR = 0.02
-# Newton-Schulz runs in bf16 and maps a gradient's small singular values to about 1 (its first coefficient, 3.4445,
-# five times over): a last-bit difference of the gradient (summed in another order, or in fp32 where DDP sums bf16)
-# moves a few of the orthogonalized update's elements by a good part of themselves (seeds 490, 554, 1286: 1 to 18
-# of 256 elements, up to 0.005 at lr 0.02-0.04). A matrix may differ from the oracle's by this fraction of one full
-# update in Frobenius norm per unaligned step, lr * sqrt(min(m, n)) (an orthogonal matrix's norm): a step lost, at
-# another learning rate, or orthogonalized in pieces moves it by a whole update or more.
-MUON_ROUNDING = 0.25
 NOT_HIDDEN = ("embed", "out", "sparse", "conv", "extra")  # the embedding and head, 4-D and sparse weights, `extra`
 
 
@@ -55,17 +48,6 @@ def with_muon_groups(groups: list[dict[str, Any]], model: nn.Module, lr: float) 
 def muon_step_size(lr: float, shape: tuple[int, ...]) -> float:
     """torch's Muon's step for an ``m x n`` matrix (its default ``adjust_lr_fn``): ``lr * sqrt(max(1, m / n))``."""
     return lr * math.sqrt(max(1.0, shape[0] / shape[1]))
-
-
-def within_muon_rounding(got: Tensor, want: Tensor, step_sizes: float, rtol: float, atol: float) -> str:
-    """'' if ``got`` is within Newton-Schulz's rounding of ``want`` (``MUON_ROUNDING``; ``step_sizes``: the
-    matrix's Muon step summed over the unaligned steps), else what is wrong."""
-    off = float((got.float() - want.float()).norm())
-    allowed = MUON_ROUNDING * step_sizes * math.sqrt(min(want.shape)) + atol * math.sqrt(want.numel())
-    allowed += rtol * float(want.float().norm())
-    if off > allowed:
-        return f"{off:.3g} off in Frobenius norm where Newton-Schulz's rounding allows {allowed:.3g}"
-    return ""
 
 
 class PlainPerGroup(torch.optim.Optimizer):

@@ -22,21 +22,6 @@ from tests.zero._hooks import register
 
 MODEL_SEED = 0
 BUCKET_CAP_MB = 0.002  # several buckets per dtype, on both sides
-NOISE = 1e-3  # an averaged gradient element this far below its tensor's largest is rounding-sized (note_noise)
-# a gradient element's rounding difference relative to its tensor's largest element: twice the largest measured
-# (5.7e-7, seed 20110: sdp, parameters an ulp apart after a clipped step; 2.3e-7 in seed 20680's zero1)
-GRAD_ROUNDING = 1e-6
-# the same for a bf16 gradient that one side sums in bf16 (DDP: each micro-batch's all-reduce and its accumulation
-# into .grad round to bf16) and the other in fp32 (ShardedDataParallel's reduce_dtype with master weights): one bf16
-# ulp of the summands, which are about the tensor's largest (seed 34222: RMSprop's second step divided a head element
-# accumulated over 3 micro-batches by its first's, 0.00195 off where fp32's rounding allowed 0.00135)
-BF16_GRAD_ROUNDING = 2**-8
-# a clip's coefficient when bf16 gradients set the norm: DDP averages them in bf16, ShardedDataParallel with master
-# weights in fp32 (reduce_dtype), a relative 2^-8 apart; every clipped gradient carries it, and an adaptive update
-# (RMSprop's first steps: lr * g / sqrt(0.01 g^2), ten times lr) moves by up to ten times lr times that (seed 39086),
-# an SGD update with momentum 0.9 by up to ten times lr * |g| times that (seed 38762); bf16 gradients summed in bf16
-# in another order than DDP's (ShardedDataParallel without masters, the hooks) likewise (50506: passes without the clip)
-CLIP_ROUNDING = 10 * 2**-8
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
 
@@ -197,14 +182,14 @@ class Oracle:
 
     def __init__(self, program: Program, structure: Structure | None = None, group: Any = None) -> None:
         self.program = program
-        self.model = FuzzModel(program.features, MODEL_SEED, grid=on_grid(program))
+        # the twin (noise.py): the same oracle with its local gradients one ulp up
+        self.model = FuzzModel(
+            program.features, MODEL_SEED, grid=on_grid(program), twin=bool(program.options.get("twin"))
+        )
         structure = structure or Structure()
         _thaw(self.model, structure)
         self.lr = program.kwargs["lr"]
         self.masters: dict[int, Tensor] = {}
-        self.noisy: dict[int, Tensor] = {}  # per parameter, the elements note_noise marked since the last alignment
-        self.relative_noise: dict[int, Tensor] = {}  # per parameter and element, its gradient's relative rounding
-        self.state_noise: dict[int, float] = {}  # per parameter, a relative rounding its optimizer state carries
         groups = program_groups(program, self.model, self.lr)
         if program.options["master"]:
             for entry in groups:
@@ -290,49 +275,11 @@ class Oracle:
                 if master is not None:
                     torch.where(master.to(p.dtype) == p, master, p.float(), out=master)
 
-    def note_noise(self, scale: float = 1.0) -> None:
-        """Mark the elements whose averaged gradient is near zero (below ``NOISE`` of the tensor's largest): a
-        gradient summed in another order (reduced to owners, in fp32, over micro-batches) differs there by a few
-        ulps of the summands, as large as the element itself. SGD moves such an element by lr * (that ulp); an
-        adaptive optimizer divides it by its own running magnitude (Adam's first step is lr * sign(g)), so a
-        rounding difference becomes up to lr per step. ``Run.compare_local`` bounds those elements by the learning
-        rate instead of the rounding tolerance, until the next alignment.
-
-        Above that threshold an element's rounding is ``GRAD_ROUNDING`` of the largest (``BF16_GRAD_ROUNDING`` for a
-        bf16 gradient summed otherwise than DDP sums it), relative to itself (summed over the steps since the
-        alignment, ``relative_noise``): an adaptive update moves by that fraction of itself (RMSprop's
-        ``lr * g / sqrt(v)``, its ``v`` tiny after a clipped step, moved 1.7e-5 at 1.05e-3 of the largest: seed
-        20680), which ``Run.compare_local`` allows on top of the tolerance."""
-        if self.program.optimizer == "SGD":
-            return
-        # L2 weight decay (Adam's, not AdamW's) adds weight_decay * p to the gradient inside the step: where that
-        # cancels the gradient, the sum is rounding-sized too (seed 31874: a bf16 element of a fragment, lr off)
-        decoupled = self.program.optimizer in ("AdamW", MUON)  # Muon programs: AdamW on what the decay reaches
-        coupled = self.program.kwargs.get("weight_decay", 0.0) if not decoupled else 0.0
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None and p.grad.numel():
-                    grad = p.grad.detach()
-                    grad = (grad.to_dense() if grad.is_sparse else grad).float().abs()
-                    noisy = grad <= NOISE * grad.amax()
-                    if coupled and not p.grad.is_sparse:  # (a GradScaler's gradient still carries its ``scale``)
-                        decay = coupled * p.detach().float()
-                        summed = (p.grad.detach().float() / scale + decay).abs()
-                        noisy |= summed <= NOISE * torch.maximum(grad.amax() / scale, decay.abs().amax())
-                    self.noisy[id(p)] = noisy | self.noisy[id(p)] if id(p) in self.noisy else noisy
-                    summed_apart = p.grad.dtype == torch.bfloat16 and self.program.mode != "zero1"  # not DDP's bits
-                    rounding = BF16_GRAD_ROUNDING if summed_apart else GRAD_ROUNDING
-                    relative = rounding * grad.amax() / grad.clamp_min(NOISE * grad.amax()).clamp_min(1e-30)
-                    if id(p) in self.relative_noise:
-                        relative += self.relative_noise[id(p)]
-                    self.relative_noise[id(p)] = relative
-
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.note_noise()
         self.to_masters()
         self.optimizer.step()
         self.from_masters()
@@ -348,18 +295,10 @@ class Oracle:
         total = norms.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coefficient)
-        rounded_in_bf16 = any(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in self.params)
-        summed_apart = self.program.options.get("master") or self.program.mode != "zero1"  # not DDP's own bf16 sums
-        if summed_apart and rounded_in_bf16 and float(coefficient) < 1.0:
-            for p in self.params:  # kept in the optimizer's state (RMSprop's v, SGD's momentum): outlives alignments
-                if p.grad is not None:  # SGD moves by lr * g: the rounding of g is what it carries (seed 38762)
-                    gain = float(p.grad.detach().float().abs().amax()) if self.program.optimizer == "SGD" else 1.0
-                    self.state_noise[id(p)] = self.state_noise.get(id(p), 0.0) + CLIP_ROUNDING * gain
         return total
 
     def scaler_step(self, loss: Tensor, clip: tuple[float, float] | None) -> Tensor | None:
         self.scaler.scale(loss).backward()
-        self.note_noise(self.scaler.get_scale())
         self.to_masters()
         total = None
         if clip is not None:
