@@ -137,17 +137,19 @@ def _unrecovered(program: Program) -> str:
     """SDP: "must" where a backward that raised midway, having reduced a bucket (it failed in ``body``, after
     ``head`` and ``out``; or in ``head`` after an untied ``out``), was cleared otherwise than through
     ``zero.zero_grad()``/``model.zero_grad()`` and a forward through the wrapper or a step follows before such a
-    clear (or a resume); "may" where an action the table does not model comes between (a re-placement, a load, a
-    hand-set gradient), or the failing layer may have reduced nothing; else ""."""
+    clear (or a resume or reshard: a new subject); "may" where an action the table does not model comes between
+    (a re-placement, a load, a hand-set gradient), or the failing layer may have reduced nothing; else ""."""
     verdict = ""
     pending, sure = False, False
     for action in program.actions:
-        if pending and action.name in ("backward", "closure_step", "scaler_step", "gan", "step", "clip", "reshard"):
+        if pending and action.name in ("backward", "closure_step", "scaler_step", "gan", "step", "clip"):
             verdict = "must" if sure and verdict != "may" else "may"
             pending = False
         elif pending and action.name in ("retype", "data_clone", "load_optim", "unfreeze", "add_group", "hand_grad"):
             sure = False
-        elif (action.name == "zero_grad" and action.args["via"] in ("optimizer", "wrapper")) or action.name == "resume":
+        elif action.name in ("resume", "reshard") or (  # a new subject: the failed backward's store is gone
+            action.name == "zero_grad" and action.args["via"] in ("optimizer", "wrapper")
+        ):
             pending = False
         if action.name == "failed_backward" and action.args["via"] in ("module", "bare", "param_none"):
             if pending:
