@@ -191,7 +191,7 @@ def _overlap_rank(ctx: RankContext, count: int, steps: int, warmup: int, buckets
             else:
                 optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.01)
                 wrapper = hook_with_zero_step if variant == OVERLAP_VARIANTS[1] else hook_with_zero_step_interleaved
-                ddp.register_comm_hook(None, wrapper(allreduce_hook, ddp, optimizer))
+                ddp.register_comm_hook(None, wrapper(allreduce_hook, ddp, optimizer, step_from_first_backward=True))
             runs.append((f"{wanted} {variant}", ddp, optimizer))
     times: dict[str, list[float]] = {key: [] for key, _, _ in runs}
     for step in range(warmup + steps):

@@ -69,7 +69,11 @@ def _our_zero2(partition: str, stepping: Any = None) -> Builder:
             partition=partition,
             **kwargs,
         )
-        hook = reduce_to_owners_hook if stepping is None else stepping(reduce_to_owners_hook, ddp, zero)
+        hook = (
+            reduce_to_owners_hook
+            if stepping is None
+            else stepping(reduce_to_owners_hook, ddp, zero, step_from_first_backward=True)
+        )
         ddp.register_comm_hook(zero, hook)
         return zero
 
@@ -81,7 +85,7 @@ def _our_overlap(interleaved: bool) -> Builder:
 
     def build(ddp: DistributedDataParallel, params: Iterable[Tensor], kwargs: dict[str, Any]) -> Optimizer:
         zero = ZeroRedundancyOptimizer(params, optimizer_class=AdamW, overlap_with_ddp=True, **kwargs)
-        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
         return zero
 
     return build

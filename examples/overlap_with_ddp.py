@@ -2,8 +2,9 @@
 
 ``hook_with_zero_step`` steps every owned parameter once DDP has reduced the last bucket; the interleaved variant
 steps (and starts syncing) each bucket's owned parameters while the next bucket is still being reduced. Either way
-``backward()`` leaves the model updated, and ``zero.step()`` afterwards only confirms that the hook stepped. Unlike
-torch's class, this updates from the very first backward and works on gloo.
+``backward()`` leaves the model updated, and ``zero.step()`` afterwards only confirms that the hook stepped. By
+default the hooks keep torch's warm-up (the first two backwards, three with ``static_graph``, take no step); this
+example passes ``step_from_first_backward=True`` to update from the very first backward. It works on gloo too.
 
 Run (2 local processes on 127.0.0.1; gloo on CPU, NCCL when there is a GPU per rank):
 
@@ -43,7 +44,7 @@ def train(rank: int, world_size: int, device: torch.device, steps: int, hook: st
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)
     # The inner hook reduces each bucket (here DDP's all-reduce; reduce_to_owners_hook gives ZeRO-2); the wrapper
     # steps ZeRO on what it reduced and syncs the updated parameters.
-    ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp, zero))
+    ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp, zero, step_from_first_backward=True))
 
     for step in range(steps):
         x, y = (t.to(device) for t in batch(rank, step))

@@ -18,8 +18,8 @@ def register(ddp: DDP, zero: Any, reduction: str, stepping: str) -> None:
     "interleaved" (the overlap wrappers; ``zero`` must be built with ``overlap_with_ddp=True``)."""
     inner = reduce_to_owners_hook if reduction == "to_owners" else allreduce_hook
     state = zero if reduction == "to_owners" else None
-    if stepping != "explicit":
-        ddp.register_comm_hook(state, WRAPPERS[stepping](inner, ddp, zero))
+    if stepping != "explicit":  # these tests compare with DDP + a plain optimizer from the first backward
+        ddp.register_comm_hook(state, WRAPPERS[stepping](inner, ddp, zero, step_from_first_backward=True))
     elif reduction == "to_owners":
         ddp.register_comm_hook(zero, reduce_to_owners_hook)
 

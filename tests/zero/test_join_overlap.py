@@ -36,7 +36,7 @@ def _join_unused_body(rank: int, world_size: int, hook_name: str, find_unused: A
     static = find_unused == "static_graph"
     ddp = DDP(model, bucket_cap_mb=0.0001, find_unused_parameters=find_unused is True, static_graph=static)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
-    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
     with Join([ddp, zero]):
         for step in range(2 + rank):
             zero.zero_grad()

@@ -1,4 +1,5 @@
-"""overlap_with_ddp: ZeRO stepped by DDP comm hooks equals DDP + the same optimizer stepping normally."""
+"""overlap_with_ddp: ZeRO stepped by DDP comm hooks equals DDP + the same optimizer stepping normally, from the first
+backward (``step_from_first_backward=True``; torch's warm-up, the default, is tested in test_overlap_warmup.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def _parity_body(rank: int, world_size: int, configs: list[tuple[Any, ...]], dev
         ddp = _ddp(model, gradient_as_bucket_view, static_graph)
         reference_ddp = _ddp(reference, gradient_as_bucket_view, static_graph)
         zero = ZeroRedundancyOptimizer(_groups(model, kwargs["lr"]), optimizer_class, overlap_with_ddp=True, **kwargs)
-        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, shard_buckets=shard_buckets))
+        hooked = hook(allreduce_hook, ddp, zero, shard_buckets=shard_buckets, step_from_first_backward=True)
+        ddp.register_comm_hook(None, hooked)
         reference_optimizer = optimizer_class(_groups(reference, kwargs["lr"]), **kwargs)
         schedulers = StepLR(zero, step_size=3, gamma=0.5), StepLR(reference_optimizer, step_size=3, gamma=0.5)
         for iteration in range(ITERATIONS):
@@ -101,7 +103,9 @@ def _checkpoint_body(rank: int, world_size: int, saved: dict[str, Any] | None) -
     model, reference = _model(), _model()
     ddp, reference_ddp = _ddp(model, False, False), _ddp(reference, False, False)
     zero = ZeroRedundancyOptimizer(model.parameters(), FunctionalAdamW, overlap_with_ddp=True, lr=0.01)
-    ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
+    ddp.register_comm_hook(
+        None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero, step_from_first_backward=True)
+    )
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     schedulers = StepLR(zero, step_size=100), StepLR(reference_optimizer, step_size=100)
     if saved is not None:
@@ -181,7 +185,7 @@ def _join_body(rank: int, world_size: int, hook: Any) -> list[torch.Tensor]:
     model, reference = _model(), _model()
     ddp = _ddp(model, False, False)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05, momentum=0.9)
-    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
     batches = [3 + 2 * r for r in range(world_size)]
     with Join([ddp, zero]):
         for iteration in range(batches[rank]):
@@ -214,7 +218,7 @@ def _frozen_after_ddp_body(rank: int, world_size: int, hook: Any) -> None:
     ddp = DDP(model, find_unused_parameters=True)
     reference_ddp = DDP(reference, find_unused_parameters=True)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=0.01)
-    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     for frozen in (model[2].weight, reference[2].weight):
         frozen.requires_grad_(False)
@@ -321,7 +325,7 @@ def _special_parity_body(rank: int, world_size: int, configs: list[tuple[Any, ..
             for m in (model, reference)
         )
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, overlap_with_ddp=True, **kwargs)
-        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
         reference_optimizer = optimizer_class(reference.parameters(), **kwargs)
         for iteration in range(4):
             for net, optimizer in ((ddp, zero), (reference_ddp, reference_optimizer)):
@@ -352,7 +356,7 @@ def _explicit_step_body(rank: int, world_size: int) -> None:
         zero = ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05, momentum=0.9
         )
-        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+        ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -2,10 +2,12 @@
 
 ``hook_with_zero_step`` steps every owned parameter at the end of the backward, then syncs;
 ``hook_with_zero_step_interleaved`` steps (and starts syncing) each bucket's owned parameters while the next bucket
-is being reduced, and finishes at the end of the backward. Both work from the first backward: ownership comes from
-ZeRO's own partition plan, never from DDP's buckets, so DDP rebuilding its buckets after the first iteration changes
-nothing. "The end of the backward" is the autograd engine's (a callback queued at a backward's first bucket), never
-DDP's bucket numbering: in DDP's static-graph first iteration every bucket arrives as index 0 and none as the last.
+is being reduced, and finishes at the end of the backward. By default they keep torch's warm-up: the first two
+hooked backwards (three under ``static_graph``) take no step, their gradients averaged into ``.grad`` as DDP alone
+would leave them. ``step_from_first_backward=True`` steps from the first backward, which is possible here because
+ownership comes from ZeRO's own partition plan, never from DDP's buckets. "The end of the backward" is the autograd
+engine's (a callback queued at a backward's first bucket), never DDP's bucket numbering: in DDP's static-graph first
+iteration every bucket arrives as index 0 and none as the last.
 
 Each backward the ranks agree (one small all-reduce on the control plane, as ``step()`` does) on the parameters they
 train and their hyperparameters, so that a parameter unfrozen between steps gets an owner before it is stepped, and a
@@ -94,7 +96,9 @@ class _BucketReduction:
         return grads
 
 
-def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook) -> OverlapStepper:
+def _checked_stepper(
+    ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook, step_from_first_backward: bool
+) -> OverlapStepper:
     if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(
             f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
@@ -116,7 +120,14 @@ def _checked_stepper(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimize
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)
     stepper.hooked = True
+    stepper.warmup_backwards = 0 if step_from_first_backward else _warmup_backwards(ddp)
     return stepper
+
+
+def _warmup_backwards(ddp: DistributedDataParallel) -> int:
+    """torch's count of the backwards its overlap hooks take no step in: DDP's buckets are final at the second
+    forward, at the third under ``static_graph``, and torch's hook learns them in the backward after that."""
+    return 3 if ddp.static_graph else 2
 
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
@@ -169,14 +180,21 @@ class _Backward:
     """What an overlap hook keeps during one backward: the buckets handed over so far, and whether the end of the
     backward is already scheduled."""
 
-    def __init__(self) -> None:
+    def __init__(self, stepper: OverlapStepper) -> None:
+        self.stepper = stepper
         self.pending: list[_BucketReduction] = []
         self.scheduled = False
         self.checked = False
+        self.warmup = False  # this backward is one of the warm-up ones: it takes no step
 
 
 def hook_with_zero_step(
-    hook: CommHook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", shard_buckets: bool = False
+    hook: CommHook,
+    ddp: DistributedDataParallel,
+    zero: "ZeroRedundancyOptimizer",
+    shard_buckets: bool = False,
+    *,
+    step_from_first_backward: bool = False,
 ) -> CommHook:
     """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once every bucket is reduced (the end of the backward),
     each rank steps the parameters it owns with the averaged gradients and the updated parameters are broadcast from
@@ -190,6 +208,9 @@ def hook_with_zero_step(
             parameters (checked here; refused otherwise) and over DDP's process group.
         shard_buckets: accepted for compatibility with torch (default False); parameters are always sharded by
             ZeRO's own plan.
+        step_from_first_backward: step from the first backward (distoptim's addition). By default (False) the
+            first two backwards, three with DDP's ``static_graph``, take no step, as torch's hooks take none while
+            DDP rebuilds its buckets: code that prepends dummy inputs, as torch advises, trains as under torch.
 
     Raises:
         TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
@@ -203,18 +224,23 @@ def hook_with_zero_step(
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
         for batch in data:
             zero.zero_grad()
-            loss_fn(ddp(batch)).backward()  # steps the optimizer; zero.step() afterwards is optional
+            loss_fn(ddp(batch)).backward()  # steps the optimizer (from the third backward); zero.step() is optional
         ```
 
     Gradients are those DDP + a plain optimizer would use (the bucket's layout, none for a parameter no rank
     used under ``find_unused_parameters``/``static_graph``), so the result is the same as stepping after backward.
+    In a warm-up backward the hook returns ``hook``'s future untouched (``.grad`` holds what ``hook`` averaged),
+    steps nothing and makes no optimizer state; ``zero.step()`` after it steps nothing either.
     Clipping cannot take part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
     """
-    stepper = _checked_stepper(ddp, zero, hook)
-    backward = _Backward()
+    stepper = _checked_stepper(ddp, zero, hook, step_from_first_backward)
+    backward = _Backward(stepper)
 
     def finish() -> None:
         pending, backward.pending, backward.scheduled = backward.pending, [], False
+        if backward.warmup:
+            stepper.skip_step()
+            return
         params = [p for earlier in pending for p in earlier.params]
         used = _UsedFlags(params, ddp).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
         grads: dict[int, Tensor | None] = {}
@@ -227,7 +253,8 @@ def hook_with_zero_step(
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
         _start_of_bucket(backward, ddp, bucket, zero, finish)
         reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
-        backward.pending.append(reduction)
+        if not backward.warmup:
+            backward.pending.append(reduction)
         _end_of_shadow(bucket, finish, ddp, zero)
         return reduction.reduced
 
@@ -252,6 +279,7 @@ def _start_of_bucket(
     if backward.scheduled:
         return False
     backward.scheduled = True
+    backward.warmup = backward.stepper.begin_backward()
     if in_backward():
         at_end_of_backward(finish)
     return True
@@ -275,7 +303,12 @@ def _step_after_repartition(zero: "ZeroRedundancyOptimizer", stepper: OverlapSte
 
 
 def hook_with_zero_step_interleaved(
-    hook: CommHook, ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", shard_buckets: bool = False
+    hook: CommHook,
+    ddp: DistributedDataParallel,
+    zero: "ZeroRedundancyOptimizer",
+    shard_buckets: bool = False,
+    *,
+    step_from_first_backward: bool = False,
 ) -> CommHook:
     """Wrap ``hook`` so that ZeRO steps bucket by bucket inside DDP's backward: once a bucket is reduced (checked
     when the next one arrives), each rank steps the parameters of it that it owns and starts broadcasting them,
@@ -290,6 +323,7 @@ def hook_with_zero_step_interleaved(
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over the DDP model's trainable parameters.
         shard_buckets: accepted for compatibility with torch (default False).
+        step_from_first_backward: as in :func:`hook_with_zero_step` (default False: torch's warm-up backwards).
 
     Raises:
         TypeError: as :func:`hook_with_zero_step`.
@@ -304,8 +338,8 @@ def hook_with_zero_step_interleaved(
     one rank only (a bucket's step runs unprotected, in the middle of the backward) leaves the others waiting in the
     next collective until the group's timeout.
     """
-    stepper = _checked_stepper(ddp, zero, hook)
-    backward = _Backward()
+    stepper = _checked_stepper(ddp, zero, hook, step_from_first_backward)
+    backward = _Backward(stepper)
     syncs: list[Any] = []
     direct: list[Any] = []
 
@@ -317,6 +351,9 @@ def hook_with_zero_step_interleaved(
 
     def finish() -> None:
         pending, backward.pending, backward.scheduled = backward.pending, [], False
+        if backward.warmup:
+            stepper.skip_step()
+            return
         for earlier in pending:
             step_and_launch(earlier)
         for sync, flight in syncs:
@@ -326,8 +363,12 @@ def hook_with_zero_step_interleaved(
         direct.clear()
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        if _start_of_bucket(backward, ddp, bucket, zero, finish):  # before anything is routed or stepped
+        if _start_of_bucket(backward, ddp, bucket, zero, finish) and not backward.warmup:  # before any step
             zero._agreed(zero._repartition_if_changed)
+        if backward.warmup:
+            reduced = hook(state, bucket)
+            _end_of_shadow(bucket, finish, ddp, zero)
+            return reduced
         params = bucket.parameters()
         used = _UsedFlags(params, ddp) if _finds_unused(ddp) else None  # read when this bucket is stepped
         reduction = _BucketReduction(params, hook(state, bucket), used)

@@ -48,6 +48,7 @@ class OverlapStepper:
         self.group, self.collectives = group, collectives
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
         self.hooked = False
+        self.warmup_backwards = 0  # hooked backwards still to come that take no step (torch's warm-up; the hook's)
         self.stepped = False  # by a hook since the last zero_grad()
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self.deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
@@ -98,6 +99,19 @@ class OverlapStepper:
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
 
+    def begin_backward(self) -> bool:
+        """At a hooked backward's first bucket: whether it is one of the warm-up backwards, which take no step (the
+        count goes down by one)."""
+        if self.warmup_backwards <= 0:
+            return False
+        self.warmup_backwards -= 1
+        return True
+
+    def skip_step(self) -> None:
+        """The end of a warm-up backward: nothing stepped (no state, no sync, no scheduler mark), but ``zero_grad``
+        and ``step()`` take the backward as the hook's, as torch's do (its ``step()`` does nothing then)."""
+        self.stepped = self._unconfirmed = True
+
     def _parts_for(self, grads: dict[int, Tensor | None]) -> list[_Part]:
         """This rank's tensors of the parameters in ``grads``, one part per local param group (cached by ids)."""
         key = tuple(grads)
@@ -131,7 +145,8 @@ class OverlapStepper:
         """``zero.step()`` in overlap mode: the hook stepped during backward, so this only checks that it did.
 
         A ``closure`` is run first, as ``torch.optim`` runs it (it is expected to run the backward), and its loss is
-        returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran.
+        returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran. After
+        a warm-up backward (``skip_step``) it steps nothing, as torch's ``step()`` steps nothing.
         """
         amp.refuse_in_overlap_mode(grad_scaler, self._stepped_flag_on)
         if kwargs:
