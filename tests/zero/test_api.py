@@ -277,3 +277,80 @@ def _coupled_body(rank: int, world_size: int) -> None:
 def test_optimizers_coupling_all_parameters_are_refused() -> None:
     run_on_ranks(_coupled_body, 1)
     run_on_ranks(_coupled_body, 2)
+
+
+def _torch_error(build: Callable[[], Any]) -> str:
+    """What torch.optim raises for ``build()``: the prefix our refusal of the same input must carry."""
+    with pytest.raises(ValueError) as raised:
+        build()
+    return str(raised.value)
+
+
+def _named_body(rank: int, world_size: int) -> None:
+    """Named parameters as torch.optim takes them (flat, or in groups; add_param_group too): trained, and
+    ``param_groups`` / ``state_dict()`` with ``param_names``, exactly as torch.optim.AdamW's over the same program;
+    a load keeps or takes the names as torch's does; mixed named and unnamed raise torch's texts."""
+
+    def nets() -> tuple[torch.nn.Module, torch.nn.Module]:
+        torch.manual_seed(0)
+        return torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    ours, theirs = nets(), nets()
+    for flat in (True, False):
+        first = list(ours[0].named_parameters()) if flat else [{"params": list(ours[0].named_parameters())}]
+        zero = ZeroRedundancyOptimizer(first, torch.optim.AdamW, partition="even", lr=0.1)
+        plain = torch.optim.AdamW(list(theirs[0].named_parameters()), lr=0.1)
+        zero.add_param_group({"params": list(ours[1].named_parameters()), "lr": 0.05})
+        plain.add_param_group({"params": list(theirs[1].named_parameters()), "lr": 0.05})
+        for step in range(3):
+            for optimizer, (a, b) in ((zero, ours), (plain, theirs)):
+                optimizer.zero_grad()
+                x = torch.ones(2, 3) * (step + 1)
+                b(torch.tanh(a(x))).square().sum().backward()
+                optimizer.step()
+        assert_same_tensors(
+            [*ours[0].parameters(), *ours[1].parameters()],
+            [*theirs[0].parameters(), *theirs[1].parameters()],
+            f"flat={flat}",
+        )
+        assert [g["param_names"] for g in zero.param_groups] == [["weight", "bias"]] * 2
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            mine, want = zero.state_dict(), plain.state_dict()
+            assert mine["param_groups"] == want["param_groups"], (mine["param_groups"], want["param_groups"])
+            for index, entry in want["state"].items():
+                assert mine["state"][index].keys() == entry.keys()
+                assert all(torch.equal(mine["state"][index][k], v) for k, v in entry.items()), index
+    renamed = plain.state_dict()
+    renamed["param_groups"][1]["param_names"] = ["w", "b"]
+    zero.load_state_dict(renamed)  # torch: the loaded names win
+    assert zero.param_groups[1]["param_names"] == ["w", "b"]
+    unnamed = plain.state_dict()
+    for group in unnamed["param_groups"]:
+        del group["param_names"]
+    zero.load_state_dict(unnamed)  # torch: the optimizer's names stay
+    assert zero.param_groups[1]["param_names"] == ["w", "b"] and zero.param_groups[0]["param_names"] == [
+        "weight",
+        "bias",
+    ]
+    weight, bias = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    mixed = [("weight", weight), bias]
+    said = _torch_error(lambda: torch.optim.AdamW(mixed))
+    _expect(
+        ValueError,
+        re.escape(said) + r" \(param group 0: 1 of its 2 parameters",
+        lambda: ZeroRedundancyOptimizer(mixed, torch.optim.AdamW),
+    )
+    groups = [{"params": [("weight", weight)]}, {"params": [bias]}]
+    said = _torch_error(lambda: torch.optim.AdamW(groups))
+    _expect(ValueError, re.escape(said) + ": pass", lambda: ZeroRedundancyOptimizer(groups, torch.optim.AdamW))
+    zero = ZeroRedundancyOptimizer([weight], torch.optim.AdamW)
+    plain = torch.optim.AdamW([weight])
+    said = _torch_error(lambda: plain.add_param_group({"params": [("bias", bias)]}))
+    _expect(ValueError, re.escape(said), lambda: zero.add_param_group({"params": [("bias", bias)]}))
+    assert len(zero.param_groups) == 1
+    zero.add_param_group({"params": [bias]})
+
+
+def test_named_parameters_as_torch_optim_takes_them() -> None:
+    run_on_ranks(_named_body, 2)

@@ -45,11 +45,11 @@ class ZeroRedundancyOptimizer(
     gradient from the owned parts.
 
     Args:
-        params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors or of
-            param-group dicts. Every rank must pass the same parameters (shapes, dtypes, ``requires_grad``, groups)
-            in the same order; a mismatch raises on every rank. A group may name its own ``"optimizer_class"``
-            (``torch.optim.Muon`` for the matrices beside AdamW): it then takes that class's defaults, not
-            ``**defaults`` (see the Muon guide).
+        params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors, of
+            ``(name, tensor)`` pairs (names kept as ``param_names``) or of param-group dicts. Every rank must pass
+            the same parameters (shapes, dtypes, ``requires_grad``, groups) in the same order; a mismatch raises on
+            every rank. A group may name its own ``"optimizer_class"`` (``torch.optim.Muon`` for the matrices
+            beside AdamW): it then takes that class's defaults, not ``**defaults`` (see the Muon guide).
         optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
             ``distoptim.functional`` class. Pass the class, not an instance.
         process_group: the group to shard over; ``None`` is the default (world) group.

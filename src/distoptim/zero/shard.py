@@ -28,6 +28,7 @@ from distoptim._flat import copy_each_, flat_view
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = [
+    "GLOBAL_ONLY",
     "MASTER_KEY",
     "LocalShard",
     "LocalTensor",
@@ -40,6 +41,9 @@ __all__ = [
 ]
 
 MASTER_KEY = "master_weight"
+GLOBAL_ONLY = frozenset({"params", "param_names"})
+"""Keys of a global param group that are not hyperparameters: its parameters and their names (``torch.optim``'s
+``param_names``, from named parameters), which the local groups, over other tensors, do not carry."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,9 @@ class LocalTensor:
 
 
 def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
-    """Every setting but ``params`` of each source param group into the matching target group (global <-> local)."""
+    """Every setting but ``params`` (and names) of each source param group into the matching target group."""
     for source, target in zip(sources, targets):
-        target.update((k, v) for k, v in source.items() if k != "params")
+        target.update((k, v) for k, v in source.items() if k not in GLOBAL_ONLY)
 
 
 def complete_hyperparameters(targets: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> None:
@@ -136,7 +140,7 @@ class LocalShard:
     def param_groups(self, global_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """The local optimizer's param groups: each global group's settings over this rank's tensors of it."""
         return [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": tensors}
+            {**{k: v for k, v in group.items() if k not in GLOBAL_ONLY}, "params": tensors}
             for group, tensors in zip(global_groups, self.tensors)
         ]
 

@@ -26,6 +26,7 @@ from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.fingerprints import fingerprint
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
+from distoptim.zero.named_params import check_names_alike, take_names
 from distoptim.zero.partition import MODES
 
 __all__ = [
@@ -97,8 +98,10 @@ def normalize_param_groups(params: Any) -> ParamGroups:
             raise ValueError(f"param group {index} has no 'params' key; each group dict needs 'params': [tensors]")
         members = group["params"]
         group["params"] = [members] if isinstance(members, Tensor) else list(members)
+        take_names(group, index)
         for param in group["params"]:
             check_parameter(param, index)
+    check_names_alike(groups[1:], groups[0])
     return groups
 
 
@@ -106,7 +109,7 @@ def check_parameter(param: Any, group_index: int) -> None:
     if not isinstance(param, Tensor):
         raise TypeError(
             f"param group {group_index} holds a {type(param).__name__}, not a tensor; pass the parameters "
-            "themselves (model.parameters(), not model.named_parameters() or names)"
+            "themselves (model.parameters()) or (name, tensor) pairs (model.named_parameters())"
         )
     if param.is_sparse or param.layout != torch.strided:
         raise ValueError(
@@ -379,6 +382,7 @@ def agreed_param_group(
         if check_existing is not None:  # the groups there are (their classes unedited), before anything changes
             check_existing()
         (checked,) = normalize_param_groups([param_group])
+        check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
