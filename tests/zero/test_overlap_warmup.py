@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as torch_zero_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as torch_allreduce_hook
+from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,3 +143,32 @@ def _warmup_count_body(rank: int, world_size: int) -> list[int]:
 
 def test_warmup_count_is_visible() -> None:
     assert run_on_ranks(_warmup_count_body, 2)[0] == [2, 3]
+
+
+def _join_body(rank: int, world_size: int) -> None:
+    """Uneven inputs under Join with the default warm-up: the joined rank's shadowed backwards count as warm-up ones
+    and step alike, so every rank ends as SGD on the DDP average of the inputs after the warm-up (joined ranks
+    contributing zeros)."""
+    for name, static_graph in itertools.product(HOOKS, [False, True]):
+        model, warmup, batches = _model(), 3 if static_graph else 2, [3 + 2 * r for r in range(world_size)]
+        ddp, reference = _ddp(model, static_graph), copy.deepcopy(model)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, **SGD)
+        ddp.register_comm_hook(None, HOOKS[name](allreduce_hook, ddp, zero))
+        with Join([ddp, zero]):
+            for iteration in range(batches[rank]):
+                zero.zero_grad()
+                ddp(_inputs(rank)[iteration]).sum().backward()
+        plain = torch.optim.SGD(reference.parameters(), **SGD)
+        for iteration in range(warmup, max(batches)):
+            plain.zero_grad()
+            for r in range(world_size):
+                if iteration < batches[r]:
+                    reference(_inputs(r)[iteration]).sum().backward()
+            for param in reference.parameters():
+                param.grad = param.grad / world_size
+            plain.step()
+        _assert_equal(ddp.parameters(), list(reference.parameters()), f"{name} static_graph={static_graph} Join")
+
+
+def test_warmup_under_join_with_uneven_inputs() -> None:
+    run_on_ranks(_join_body, 2, timeout=240)
