@@ -803,3 +803,42 @@ def test_a_backward_that_raised_midway_is_dropped_by_zero_grad_or_refused(then: 
             assert outcome == "ok", outcome
         else:
             assert outcome.count("the last backward raised before it finished") == 2, outcome
+
+
+def _wrapper_clear_then_step_body(rank: int, world_size: int) -> None:
+    """A backward through the wrapper that raises in a layer's backward pre-hook, cleared through ``model.zero_grad()``
+    (the wrapper's, a documented recovery), then a step with no gradient, then training: as DDP + the plain optimizer
+    without that batch."""
+    model, reference = Chain(4), Chain(4)
+    zero, sdp = _sdp(model, partition="even")
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
+
+    def step_both(step: int) -> None:
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step), True).square().mean().backward()
+            opt.step()
+
+    def fail(*_: Any) -> None:
+        raise _Fails("the backward fails here")
+
+    step_both(0)
+    handle = model.layers[1].register_full_backward_pre_hook(fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1), True).square().mean().backward()
+    handle.remove()
+    sdp.zero_grad()
+    zero.step()
+    plain.zero_grad()
+    plain.step()
+    step_both(2)
+    step_both(3)
+    sdp.sync_finished()
+    _compare(model, reference, "after a raised backward, model.zero_grad() and a step without gradients")
+
+
+def test_model_zero_grad_after_a_raised_backward_then_a_step() -> None:
+    """``model.zero_grad()`` cleared ``.grad`` before the store put back the markers the raised backward had taken
+    out, so they stayed in ``.grad`` and the next step refused a marker "not the one this store put there last"
+    (the fuzzer, issue 42: seeds 90054, 92154); it clears the store first now, as ``zero.zero_grad()`` does."""
+    run_on_ranks(_wrapper_clear_then_step_body, 2, timeout=60)

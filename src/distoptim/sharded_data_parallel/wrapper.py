@@ -257,9 +257,9 @@ class ShardedDataParallel(nn.Module):
         Args:
             set_to_none: set each ``.grad`` to None rather than to zeros (default True).
         """
-        super().zero_grad(set_to_none)
         assert self.gradients is not None
-        self.gradients.clear(set_to_none)
+        self.gradients.clear(set_to_none)  # first, as zero.zero_grad(): it puts back markers a raised backward left
+        super().zero_grad(set_to_none)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``to()``, ``float()`` ... copy parameters: never one whose sync is still in flight."""
