@@ -514,21 +514,22 @@ def _overflowing(name: str | None, models: list[Any]) -> list[Any]:
     return [] if name is None else [layer(model, name).weight.register_hook(poison) for model in models]
 
 
-def _twin(program: Program, workdir: str) -> noise.Record | None:
-    """The twin pass (noise.py): the oracle, its local gradients one ulp up, recorded at each comparison; None
-    where it raised (the real pass meets the same error, or compares with the floor alone)."""
+def _twin(program: Program, workdir: str) -> noise.Record:
+    """The twin pass (noise.py): the oracle, its local gradients one ulp up, recorded at each comparison; where it
+    raises (a refusal the real pass meets too), what it recorded until then."""
     folder = os.path.join(workdir, "twin")
     os.makedirs(folder, exist_ok=True)
+    recorder = noise.Recorder()
     try:
         run = Run(program.replace(options={**program.options, "twin": True}), folder, record=True)
+        recorder = run.recorder or recorder
         for action in program.actions:
             run.do(action)
         run.compare_end()
-        return None if run.recorder is None else run.recorder.values
     except Exception:
         if os.environ.get("FUZZ_DEBUG"):
             traceback.print_exc()
-        return None
+    return recorder.values
 
 
 def run_program(program: Program, workdir: str) -> dict[str, Any]:
@@ -536,7 +537,7 @@ def run_program(program: Program, workdir: str) -> dict[str, Any]:
     An inexact program is first run as its ``twin`` to measure its noise (noise.py)."""
     run: Run | None = None
     exact = is_exact(program, dist.get_world_size())
-    twin = None if exact or refusal_expected(program) else _twin(program, workdir)
+    twin = None if exact else _twin(program, workdir)  # (a refusal may come after comparisons that count)
     try:
         run = Run(program, workdir, twin=twin)
         for action in program.actions:

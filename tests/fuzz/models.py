@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tests.fuzz.noise import one_ulp_up
+from tests.fuzz.matrices import hidden_matrices
+from tests.fuzz.noise import one_bf16_ulp_up, one_ulp_up
 
 WIDTH, VOCAB, BATCH = 16, 11, 4
 # Exact programs' gradient grid: each rank's local gradient rounded to multiples of GRID, magnitude capped at CAP, by
@@ -64,7 +65,7 @@ def on_grid(grad: Tensor) -> Tensor:
 
 
 class FuzzModel(nn.Module):
-    def __init__(self, features: list[str], seed: int, grid: bool = False, twin: bool = False) -> None:
+    def __init__(self, features: list[str], seed: int, grid: bool = False, twin: str = "") -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.features = set(features)
@@ -91,9 +92,10 @@ class FuzzModel(nn.Module):
         if grid:  # registered before any wrapper's hooks (theirs only look at .grad, not at the gradient passed)
             for param in self.parameters():
                 param.register_hook(on_grid)
-        if twin:  # the noise-measuring oracle's gradients, one ulp up (noise.py)
+        if twin:  # the noise-measuring oracle's gradients, one ulp up (noise.py); ``twin="muon"``: Muon's in bf16
+            matrices = hidden_matrices(self) if twin == "muon" else set()
             for param in self.parameters():
-                param.register_hook(one_ulp_up)
+                param.register_hook(one_bf16_ulp_up if id(param) in matrices else one_ulp_up)
         for frozen in (self.frozen, self.extra):  # frozen after the hooks: a hook needs requires_grad
             if frozen is not None:
                 frozen.requires_grad_(False)

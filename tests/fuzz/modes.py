@@ -53,8 +53,9 @@ class Structure:
 
 
 def on_grid(program: Program) -> bool:
-    """Whether both sides round each rank's local gradient to ``models.GRID`` (exact programs)."""
-    return bool(program.options.get("exact"))
+    """Whether both sides round each rank's local gradient to ``models.GRID``: exact programs at 2 or 4 ranks (at 3
+    the division by the world size rounds anyway, and a coarse gradient only makes more near-ties)."""
+    return bool(program.options.get("exact")) and dist.get_world_size() in (2, 4)
 
 
 def program_groups(program: Program, model: FuzzModel, lr: float) -> list[dict[str, Any]]:
@@ -183,9 +184,8 @@ class Oracle:
     def __init__(self, program: Program, structure: Structure | None = None, group: Any = None) -> None:
         self.program = program
         # the twin (noise.py): the same oracle with its local gradients one ulp up
-        self.model = FuzzModel(
-            program.features, MODEL_SEED, grid=on_grid(program), twin=bool(program.options.get("twin"))
-        )
+        twin = ("muon" if program.optimizer == MUON else "fp") if program.options.get("twin") else ""
+        self.model = FuzzModel(program.features, MODEL_SEED, grid=on_grid(program), twin=twin)
         structure = structure or Structure()
         _thaw(self.model, structure)
         self.lr = program.kwargs["lr"]
