@@ -120,20 +120,21 @@ def _in_place_body(rank: int, world_size: int) -> None:
 
     # Hierarchical validation: every rank fails alike before any subgroup is created, so nothing hangs.
     cases: list[tuple[dict[int, int], str]] = [
-        ({}, "at least one period"),
-        ({0: 2, 4: 4}, "must be >= 1"),
+        ({}, r"^Arg ``period_group_size_dict`` must not be empty\. Map at least one period"),  # torch's text first
+        ({0: 2, 4: 4}, r"^The minimum period in arg ``period_group_size_dict`` must be a positive value\."),
         ({4: 2, 2: 4}, "increasing order"),
         ({2: 3, 4: 4}, "divide the group's 4 ranks"),
-        ({2: 2, 4: 2}, "last level must average over the whole group"),
+        ({2: 2, 4: 2}, r"^The last value in arg ``period_group_size_dict`` 2 must be equal to the size of arg "),
+        ({2: 2, 4: 3}, r"^The last value in arg ``period_group_size_dict`` 3 must be equal"),
     ]
     for levels, message in cases:
         with pytest.raises(ValueError, match=message):
             HierarchicalModelAverager(levels)
-    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+    with pytest.raises(ValueError, match=r"^Arg ``warmup_steps`` must be a non-negative number\."):
         HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=-1)
-    with pytest.warns(UserWarning, match="use plain DDP"):
+    with pytest.warns(UserWarning, match=r"^When period is 1, no need to use model averaging because"):
         PeriodicModelAverager(period=1)
-    with pytest.warns(UserWarning, match="use plain DDP"):
+    with pytest.warns(UserWarning, match=r"^When the maximum period in arg ``period_group_size_dict`` is 1, no need"):
         HierarchicalModelAverager({1: 4})
     with pytest.raises(TypeError, match="abstract"):
         ModelAverager()  # type: ignore[abstract]

@@ -7,6 +7,7 @@ before the sum); a subgroup of two leaves the third rank outside.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -69,6 +70,7 @@ def _parity_body(rank: int, world_size: int) -> None:
         torch_utils.average_parameters_or_parameter_groups(make_input(theirs), None)
         _assert_same(ours, theirs, "average_parameters_or_parameter_groups")
     _check_missing_step_warning()
+    _check_averager_texts()
 
 
 def _warning_text(optimizer: Any, state_dict: dict[str, Any]) -> str:
@@ -88,6 +90,41 @@ def _check_missing_step_warning() -> None:
     torch_text = _warning_text(theirs, without_step)
     assert torch_text == "Loaded state dict does not contain a step counter for an averager. Setting step counter to 0."
     assert _warning_text(ours, without_step).startswith(torch_text)
+
+
+def _message(build: Any) -> tuple[type, str]:
+    """What ``build()`` raises or warns (the first warning), as (class, text)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            build()
+        except Exception as error:
+            return type(error), str(error)
+    assert caught, "neither raised nor warned"
+    return caught[0].category, str(caught[0].message)
+
+
+def _check_averager_texts() -> None:
+    """Where torch's averagers raise or warn, ours do with the same class and torch's text first (3 ranks)."""
+    cases = [
+        ("PeriodicModelAverager", {"period": 0}),
+        ("PeriodicModelAverager", {"period": 2, "warmup_steps": -1}),
+        ("PeriodicModelAverager", {"period": 1}),
+        ("HierarchicalModelAverager", {"period_group_size_dict": {}}),
+        ("HierarchicalModelAverager", {"period_group_size_dict": {0: 3}}),
+        ("HierarchicalModelAverager", {"period_group_size_dict": {1: 3}}),
+        ("HierarchicalModelAverager", {"period_group_size_dict": {2: 1, 4: 1}}),
+        ("HierarchicalModelAverager", {"period_group_size_dict": {4: 3}, "warmup_steps": -1}),
+    ]
+    from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hierarchical
+
+    import distoptim.averagers as ours
+
+    theirs = {"PeriodicModelAverager": torch_averagers, "HierarchicalModelAverager": torch_hierarchical}
+    for name, kwargs in cases:
+        torch_class, torch_text = _message(functools.partial(getattr(theirs[name], name), **kwargs))
+        our_class, our_text = _message(functools.partial(getattr(ours, name), **kwargs))
+        assert our_class is torch_class and our_text.startswith(torch_text), (name, kwargs, our_text, torch_text)
 
 
 def test_averaging_functions_match_torch_bit_for_bit() -> None:

@@ -675,9 +675,9 @@ MISUSES: list[Misuse] = [
     Misuse("PostLocalSGDOptimizer state dict with a negative step", _post_local_sgd_negative_step, ALL,
            ValueError, r"state_dict\['step'\] must be >= 0, got -1"),
     Misuse("PeriodicModelAverager with period 0", lambda r: _averager(r, period=r.pick(2, 0)), BOTH,
-           ValueError, r"period must be >= 1 \(steps between averagings\), got 0"),
+           ValueError, r"Arg ``period`` must be a positive value\. Got 0: the steps between averagings"),
     Misuse("an averager with negative warmup_steps", lambda r: _averager(r, warmup_steps=-1), ALL,
-           ValueError, r"warmup_steps must be >= 0, got -1; use 0 to average from the first step"),
+           ValueError, r"Arg ``warmup_steps`` must be a non-negative number\. Got -1; use 0 to average from the first"),
     Misuse("averagers with different periods on the ranks", _averagers_disagree_on_period, ONE,
            ValueError, r"disagree \(\d vs \d period\); every rank must pass the same period\(s\) and warmup_steps"),
     Misuse("average_parameters of a single tensor", lambda r: _averager(r).average_parameters(_parameter()), ALL,
@@ -690,13 +690,14 @@ MISUSES: list[Misuse] = [
     Misuse("average_parameters of names", lambda r: _averager(r).average_parameters(["weight"]), ALL,
            TypeError, r"item 0 has type str; pass model\.parameters\(\) or optimizer\.param_groups"),
     Misuse("HierarchicalModelAverager without levels", lambda r: HierarchicalModelAverager({}, process_group=r.group),
-           ALL, ValueError, r"must map at least one period to a group size, e\.g\. \{2: 1, 4: 2\}"),
+           ALL, ValueError, r"must not be empty\. Map at least one period to a group size, e\.g\. \{2: 1, 4: 2\}"),
     Misuse("HierarchicalModelAverager with periods out of order",
            lambda r: HierarchicalModelAverager({4: 1, 2: 2}, process_group=r.group), ALL,
            ValueError, r"list periods in increasing order \(smallest, most local level first\), got \[4, 2\]"),
     Misuse("HierarchicalModelAverager whose last level is not the whole group",
            lambda r: HierarchicalModelAverager({2: 1, 4: 1}, process_group=r.group), ALL,
-           ValueError, r"the last level must average over the whole group \(2 ranks\), got size 1"),
+           ValueError, r"The last value in arg ``period_group_size_dict`` 1 must be equal to the size of arg "
+                       r"``process_group`` 2"),
     # --- ShardedDataParallel: checked, and agreed, before anything is built.
     Misuse("ShardedDataParallel over a ZeRO built with overlap_with_ddp",
            lambda r: ShardedDataParallel((m := _model()), _zero(r, m.parameters(), overlap_with_ddp=True)), ALL,
@@ -729,10 +730,11 @@ MISUSES: list[Misuse] = [
     Misuse("the generic FunctionalOptimizer built directly", lambda r: FunctionalOptimizer([_p(3)]), ALL,
            TypeError, r"FunctionalOptimizer is generic; build FunctionalSGD, FunctionalAdam, \.\.\. instead"),
     Misuse("a functional optimizer over no parameters", lambda r: FunctionalAdam([]), ALL,
-           ValueError, r"FunctionalAdam got an empty parameter list; use as_functional_optim\(\) for an optimizer "
-                       r"driven by step_param\(\) alone"),
+           ValueError, r"optimizer got an empty parameter list \(FunctionalAdam\); use as_functional_optim\(\) for an "
+                       r"optimizer driven by step_param\(\) alone"),
     Misuse("a functional step with too few gradients", lambda r: FunctionalAdam(_two()).step([torch.ones(3)]), ALL,
-           ValueError, r"got 1 gradients for 2 parameters; pass one per parameter \(None to skip it\)"),
+           ValueError, r"Params length: 2\. Gradients length: 1 \(FunctionalAdam\.step\(\): pass one gradient per "
+                       r"parameter"),
     # --- DistributedOptimizer: checked before any RPC.
     Misuse("DistributedOptimizer of an optimizer that needs a closure",
            lambda r: DistributedOptimizer(torch.optim.LBFGS, []), ALL,

@@ -29,10 +29,13 @@ __all__ = [
 
 ParamsLike = Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]
 
-_PERIOD_ONE_WARNING = (
-    "averaging parameters every step costs at least as much as DistributedDataParallel's gradient all-reduce; "
-    "use plain DDP (allreduce) instead, or a period > 1"
+_TORCH_PERIOD_ONE = (  # torch's texts, then what to do instead
+    "no need to use model averaging because the communication cost of all-reducing parameters will be no less "
+    "than the cost of all-reducing gradients by DistributedDataParallel in the backward pass. Therefore, only "
+    "DistributedDataParallel should be used for this case. Use plain DDP, or a period > 1."
 )
+_PERIOD_ONE_WARNING = f"When period is 1, {_TORCH_PERIOD_ONE}"
+_MAX_PERIOD_ONE_WARNING = f"When the maximum period in arg ``period_group_size_dict`` is 1, {_TORCH_PERIOD_ONE}"
 _HOW_TO_PASS = "pass model.parameters() or optimizer.param_groups"
 
 
@@ -126,7 +129,10 @@ class ModelAverager(ABC):
 
 def _check_warmup(warmup_steps: int) -> None:
     if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; use 0 to average from the first step")
+        raise ValueError(
+            f"Arg ``warmup_steps`` must be a non-negative number. Got {warmup_steps}; "
+            "use 0 to average from the first step"
+        )
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -159,7 +165,9 @@ class PeriodicModelAverager(ModelAverager):
         settings: dict[str, Any] | BaseException = {"period": period, "warmup_steps": warmup_steps}
         try:
             if period < 1:
-                raise ValueError(f"period must be >= 1 (steps between averagings), got {period}")
+                raise ValueError(
+                    f"Arg ``period`` must be a positive value. Got {period}: the steps between averagings, at least 1"
+                )
             _check_warmup(warmup_steps)
         except (TypeError, ValueError) as error:
             settings = error
@@ -242,7 +250,7 @@ class HierarchicalModelAverager(ModelAverager):
             settings = error
         comm.agree_on_settings(settings, self.process_group, "HierarchicalModelAverager")
         if levels[-1][0] == 1:
-            warnings.warn(_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(_MAX_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
         self.warmup_steps = warmup_steps
         self.period_process_group_dict: dict[int, ProcessGroup] = {
             period: comm.split_group(self.process_group, size) for period, size in levels
@@ -277,18 +285,23 @@ class HierarchicalModelAverager(ModelAverager):
 def _check_levels(levels: list[tuple[int, int]], overall: int) -> None:
     example = f"e.g. {{2: {max(overall // 2, 1)}, 4: {overall}}}"
     if not levels:
-        raise ValueError(f"period_group_size_dict must map at least one period to a group size, {example}")
+        raise ValueError(
+            f"Arg ``period_group_size_dict`` must not be empty. Map at least one period to a group size, {example}"
+        )
     periods = [period for period, _ in levels]
     if any(period < 1 for period in periods):
-        raise ValueError(f"periods in period_group_size_dict must be >= 1, got {periods}")
+        raise ValueError(
+            f"The minimum period in arg ``period_group_size_dict`` must be a positive value. Got periods {periods}"
+        )
     if any(a >= b for a, b in itertools.pairwise(periods)):
         raise ValueError(f"list periods in increasing order (smallest, most local level first), got {periods}")
+    if levels[-1][1] != overall:
+        raise ValueError(
+            f"The last value in arg ``period_group_size_dict`` {levels[-1][1]} must be equal to the size of arg "
+            f"``process_group`` {overall}. The last level averages over the whole group, {example}"
+        )
     for period, size in levels:
         if size < 1 or overall % size != 0:
             raise ValueError(
                 f"group size {size} for period {period} must be positive and divide the group's {overall} ranks"
             )
-    if levels[-1][1] != overall:
-        raise ValueError(
-            f"the last level must average over the whole group ({overall} ranks), got size {levels[-1][1]}; {example}"
-        )

@@ -67,7 +67,7 @@ class FunctionalOptimizer:
         allow_empty = options.pop("_allow_empty_param_list")
         if not params and not allow_empty:
             raise ValueError(
-                f"{type(self).__name__} got an empty parameter list; "
+                f"optimizer got an empty parameter list ({type(self).__name__}); "
                 "use as_functional_optim() for an optimizer driven by step_param() alone"
             )
         _refuse_what_torch_refuses(self.spec.torch_cls, options)
@@ -90,8 +90,9 @@ class FunctionalOptimizer:
         params: list[Tensor] = self.param_group["params"]
         if len(gradients) != len(params):
             raise ValueError(
-                f"{type(self).__name__}.step() got {len(gradients)} gradients for {len(params)} parameters; "
-                "pass one per parameter (None to skip it)"
+                "the gradients passed in does not equal to the size of the parameters!"
+                f"Params length: {len(params)}. Gradients length: {len(gradients)} "
+                f"({type(self).__name__}.step(): pass one gradient per parameter, None to skip it)"
             )
         stepped = [(param, grad) for param, grad in zip(params, gradients, strict=True) if grad is not None]
         self._update([param for param, _ in stepped], [grad for _, grad in stepped])
