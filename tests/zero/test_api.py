@@ -354,3 +354,48 @@ def _named_body(rank: int, world_size: int) -> None:
 
 def test_named_parameters_as_torch_optim_takes_them() -> None:
     run_on_ranks(_named_body, 2)
+
+
+def _torch_texts_body(rank: int, world_size: int) -> None:
+    """Where torch's ZeroRedundancyOptimizer or torch.optim refuses the same input, our refusal starts with torch's
+    text (log scrapers and ``pytest.raises(match=...)`` keyed on it keep working), our how-to-fix after it."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    weight, bias = torch.zeros(2, 2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    cases: list[tuple[Callable[[], Any], Callable[[], Any]]] = [
+        (lambda: TorchZero(weight, SGD, lr=1), lambda: ZeroRedundancyOptimizer(weight, SGD, lr=1)),
+        (lambda: TorchZero(3, SGD, lr=1), lambda: ZeroRedundancyOptimizer(3, SGD, lr=1)),
+        (
+            lambda: TorchZero({"params": [weight]}, SGD, lr=1),
+            lambda: ZeroRedundancyOptimizer({"params": [weight]}, SGD, lr=1),
+        ),
+        (
+            lambda: TorchZero([weight, {"params": [bias]}], SGD, lr=1),
+            lambda: ZeroRedundancyOptimizer([weight, {"params": [bias]}], SGD, lr=1),
+        ),
+        (lambda: TorchZero([{"lr": 1}], SGD, lr=1), lambda: ZeroRedundancyOptimizer([{"lr": 1}], SGD, lr=1)),
+        (lambda: TorchZero([], SGD, lr=1), lambda: ZeroRedundancyOptimizer([], SGD, lr=1)),
+        (lambda: SGD([weight, "bias"], lr=1), lambda: ZeroRedundancyOptimizer([weight, "bias"], SGD, lr=1)),
+        (
+            lambda: TorchZero([weight], torch.optim.Adafactor, overlap_with_ddp=True),
+            lambda: ZeroRedundancyOptimizer([weight], torch.optim.Adafactor, overlap_with_ddp=True),
+        ),
+        (
+            lambda: torch.optim.Muon([bias]),
+            lambda: ZeroRedundancyOptimizer(
+                [{"params": [bias], "optimizer_class": torch.optim.Muon}], torch.optim.AdamW
+            ),
+        ),
+    ]
+    for number, (theirs, ours) in enumerate(cases):
+        with pytest.raises((TypeError, ValueError)) as torch_raised:
+            theirs()
+        with pytest.raises(torch_raised.type) as raised:
+            ours()
+        said = str(torch_raised.value)
+        assert str(raised.value).startswith(said), (number, said, str(raised.value))
+        assert len(str(raised.value)) > len(said) + 20, (number, "and says how to fix it")
+
+
+def test_refusals_start_with_torchs_text_for_the_same_input() -> None:
+    run_on_ranks(_torch_texts_body, 2)

@@ -26,7 +26,7 @@ from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.fingerprints import fingerprint
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
-from distoptim.zero.named_params import check_names_alike, take_names
+from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import MODES
 
 __all__ = [
@@ -72,50 +72,6 @@ def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
             f"e.g. ZeroRedundancyOptimizer(params, {name}, lr=...)"
         )
     raise TypeError(f"{expected}; got {type(optimizer_class).__name__} {optimizer_class!r}")
-
-
-def normalize_param_groups(params: Any) -> ParamGroups:
-    """Turn ``params`` (tensors or param-group dicts, any iterable) into a list of groups, or raise a clear error."""
-    if isinstance(params, Tensor):
-        raise TypeError(
-            "params must be an iterable of tensors or of param-group dicts, got a single tensor; "
-            "wrap it in a list: ZeroRedundancyOptimizer([tensor], ...)"
-        )
-    if isinstance(params, dict) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"params must be an iterable of tensors or of param-group dicts, got {type(params).__name__}; "
-            "pass model.parameters() or a list of {'params': [...], ...} dicts"
-        )
-    entries = list(params)
-    if not entries:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list; pass at least one parameter")
-    kinds = {isinstance(entry, dict) for entry in entries}
-    if len(kinds) > 1:
-        raise TypeError("params mixes tensors and param-group dicts; pass either only tensors or only dicts")
-    groups = [dict(entry) for entry in entries] if kinds == {True} else [{"params": entries}]
-    for index, group in enumerate(groups):
-        if "params" not in group:
-            raise ValueError(f"param group {index} has no 'params' key; each group dict needs 'params': [tensors]")
-        members = group["params"]
-        group["params"] = [members] if isinstance(members, Tensor) else list(members)
-        take_names(group, index)
-        for param in group["params"]:
-            check_parameter(param, index)
-    check_names_alike(groups[1:], groups[0])
-    return groups
-
-
-def check_parameter(param: Any, group_index: int) -> None:
-    if not isinstance(param, Tensor):
-        raise TypeError(
-            f"param group {group_index} holds a {type(param).__name__}, not a tensor; pass the parameters "
-            "themselves (model.parameters()) or (name, tensor) pairs (model.named_parameters())"
-        )
-    if param.is_sparse or param.layout != torch.strided:
-        raise ValueError(
-            f"param group {group_index} holds a sparse parameter (layout {param.layout}); ZeroRedundancyOptimizer "
-            "shards dense parameters only: keep sparse parameters in a separate, unsharded optimizer"
-        )
 
 
 def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "keep DDP's default all-reduce") -> None:
@@ -185,6 +141,7 @@ def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
                 "is not supported)"
             )
             raise ValueError(
+                f"Muon only supports 2D parameters whereas we found a parameter with size: {param.size()}. "
                 f"param group {index} (torch.optim.Muon), parameter {position} has shape {tuple(param.shape)}: "
                 f"{what}. Muon orthogonalizes matrices only: put this parameter in a group of an elementwise "
                 "optimizer (the constructor's optimizer_class, torch.optim.AdamW ...)"
@@ -213,6 +170,8 @@ def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
     if functional_cls is None:
         name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
         raise ValueError(
+            "Using `ddp_with_overlap=True` requires using a functional optimizer, but there is no supported "
+            f"functional optimizer equivalent for {optimizer_class}. "
             f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
             "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
         )
