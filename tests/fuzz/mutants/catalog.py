@@ -97,11 +97,11 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "sdp_overlap_write_unchecked",
         "ShardedDataParallel(overlap_param_sync=True): a write to parameters while their sync is in flight",
-        "the write flags cleared before they are read (the statement's order swapped): the refusal never fires and "
-        "the landing sync overwrites the write on the ranks that do not own it",
+        "written only where every landed bucket changed (all, not any): a write to one bucket's parameters is not "
+        "refused, and the landing overwrites it on the ranks that do not own it",
         "distoptim/sharded_data_parallel/sync.py",
-        "        written, self._changed = self._written(), []\n",
-        "        self._changed, written = [], self._written()\n",
+        'return bool(_host.read(flags.any(), "writes to parameters while their sync was in flight"))',
+        'return bool(_host.read(flags.all(), "writes to parameters while their sync was in flight"))',
     ),
     _one(
         "overlap_hook_unused",
@@ -146,12 +146,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "    unscaled = False\n",
     ),
     _one(
-        "scaler_local_skip",
+        "scaler_local_verdict",
         "GradScaler whose gradients overflow in some elements",
-        "the skip decided by this rank's owned shard, not the agreed verdict: ranks owning no inf step anyway",
+        "the scaler handed this rank's own verdict, not the agreed one: only the owner of the inf lowers its scale, "
+        "and the ranks' scales differ from then on",
         "distoptim/zero/optimizer.py",
-        "            if scaled and not found_inf:",
-        "            if scaled and not verdict.found_here:",
+        "                verdict.record(found_inf)\n",
+        "                verdict.record(verdict.found_here)\n",
     ),
     _one(
         "ckpt_consolidated_group_lr",
@@ -162,13 +163,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return by_param, [loaded_hyperparameters(saved_groups[0]) for saved in saved_groups]\n",
     ),
     _one(
-        "ckpt_sharded_master_reset",
-        "sharded checkpoints with master weights (resume)",
-        "the test inverted: a master that was loaded is re-seeded from the rounded parameter (and one that was "
-        "not keeps its stale value)",
+        "ckpt_sharded_single_key",
+        "sharded checkpoints (distoptim.checkpoint: resume, reshard)",
+        "a loaded entry kept only when it holds more than one key (a step count and more): SGD's momentum buffer, "
+        "alone in its entry, is dropped at every sharded load",
         "distoptim/checkpoint/dcp_state.py",
-        "        if local.master and entry.pop(MASTER_KEY, None) is None:\n",
-        "        if local.master and entry.pop(MASTER_KEY, None) is not None:\n",
+        "        if entry:\n            state[local.tensor] = entry\n",
+        "        if len(entry) > 1:\n            state[local.tensor] = entry\n",
     ),
     _one(
         "adafactor_cut",

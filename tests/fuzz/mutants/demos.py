@@ -78,21 +78,17 @@ DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size
         2,
     ),
     "scaler_double_unscale": (_program("zero1", [Action("scaler_step", {"clip": True})] * 2), 2),
-    "scaler_local_skip": (
-        _program("zero1", [Action("scaler_step", {"clip": False, "overflow": "head"}), *_block()], partition="even"),
+    "scaler_local_verdict": (
+        _program(
+            "zero1",
+            [Action("scaler_step", {"clip": False, "overflow": "head"}), Action("scaler_step", {"clip": False})] * 2,
+            partition="even",
+        ),
         2,
     ),
     "ckpt_consolidated_group_lr": (_program("zero1", [*_block(), Action("load_optim"), *_block()]), 2),
-    "ckpt_sharded_master_reset": (
-        _program(
-            "zero1",
-            [*_block(), Action("resume", {"kind": "sharded"}), *_block()],
-            "Adam",
-            {"lr": 0.01},
-            features=("bf16",),
-            master=True,
-            partition="even",
-        ),
+    "ckpt_sharded_single_key": (
+        _program("zero1", [*_block(), Action("resume", {"kind": "sharded"}), *_block()], partition="even"),
         2,
     ),
     "adafactor_cut": (_program("zero1", TWO, "Adafactor", {"lr": 0.01}, partition="even"), 2),
