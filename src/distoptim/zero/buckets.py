@@ -119,7 +119,9 @@ class StagedSync(ParameterSync):
     Small pieces are cut into chunks (per owner, at most ``stage_bytes`` each) and chunks are grouped into rounds of
     at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts. What a round
     copies in and out of its stage is fixed by the layout, so it is worked out once (``_RoundWork``) and each step
-    packs and unpacks with one ``torch._foreach_copy_`` each, whatever the number of pieces.
+    packs and unpacks with one ``torch._foreach_copy_`` each, whatever the number of pieces. ``relay``: whether the
+    p2p style goes through aggregators (``comm.relayed``), decided by a caller that syncs part of a layout (a DDP
+    bucket) as the whole layout would travel; None: each round decides over its own slices.
     """
 
     def __init__(
@@ -129,9 +131,11 @@ class StagedSync(ParameterSync):
         collectives: comm.Collectives,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         direct_bytes: int = DEFAULT_DIRECT_BYTES,
+        relay: bool | None = None,
     ) -> None:
         super().__init__(layouts, group, collectives)
         self.rank = comm.group_rank(group)
+        self.relay = relay
         self.direct: list[Piece] = []
         self.rounds: list[_Round] = []
         for layout in layouts:
@@ -146,7 +150,7 @@ class StagedSync(ParameterSync):
         shares = [0] * comm.group_size(group)  # the large pieces, one owner's each, travel as one layout
         for piece in self.direct:
             shares[piece.rank] += piece.length * piece.param.element_size()
-        self.relay_direct = comm.relayed(shares)
+        self.relay_direct = comm.relayed(shares) if relay is None else relay
 
     def sync_parameters(self) -> None:
         direct = self.launch_direct()
@@ -173,7 +177,9 @@ class StagedSync(ParameterSync):
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
         work = self._work(round_)
         copy_each_(work.pack_into, work.pack_from)
-        works = comm.broadcast_slices(work.stage, work.slices, self.group, wait=False, collectives=self.collectives)
+        works = comm.broadcast_slices(
+            work.stage, work.slices, self.group, wait=False, collectives=self.collectives, relay_path=self.relay
+        )
         return _InFlight(round_, work.stage, works)
 
     def land(self, flight: _InFlight) -> None:

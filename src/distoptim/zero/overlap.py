@@ -20,7 +20,7 @@ from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp
 from distoptim.zero.buckets import StagedSync
-from distoptim.zero.layouts import layouts_from_plan
+from distoptim.zero.layouts import FlatLayout, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, LocalTensor
 
@@ -54,6 +54,7 @@ class OverlapStepper:
         self.deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
+        self._relay: bool | None = None  # whether the bucket syncs go through aggregators (p2p style)
         self._parts: dict[tuple[int, ...], list[_Part]] = {}  # by the ids of the parameters stepped together
         self._options: list[dict[str, Any]] = []  # each local group's settings for its functional optimizers
         self._locals_of: dict[int, list[tuple[int, LocalTensor]]] = {}  # parameter id -> (group, local tensor)
@@ -79,6 +80,7 @@ class OverlapStepper:
                 self._locals_of.setdefault(id(local.param), []).append((index, local))
         self._parts.clear()
         self._bucket_syncs.clear()
+        self._relay = comm.relayed(_shares(layouts_from_plan(plan.layouts, plan.fragments, global_params), self.group))
 
     def step(self, grads: dict[int, Tensor | None]) -> None:
         """Step the owned parameters (or fragments) of the parameters whose id is in ``grads`` with those gradients
@@ -174,7 +176,10 @@ class OverlapStepper:
         return loss
 
     def bucket_sync(self, params: list[Tensor]) -> StagedSync:
-        """The staged broadcast of one DDP bucket's parameters (their fragments) from their owners (cached)."""
+        """The staged broadcast of one DDP bucket's parameters (their fragments) from their owners (cached). Whether
+        it goes through aggregators (gloo's p2p style) is decided once over every owned byte, as the whole sync
+        decides it: decided per bucket (mostly one owner's), it relayed buckets the whole sync sends directly, and
+        a rank sent up to 1.02x what it sends there (issue 44)."""
         key = tuple(map(id, params))
         if key not in self._bucket_syncs:
             plan, held = self.plan, self.global_params
@@ -182,7 +187,9 @@ class OverlapStepper:
             fragments = [f if id(p) in in_bucket else () for p, f in zip(held, plan.fragments)]
             stage_bytes = sum(p.numel() * p.element_size() for p in params)
             layouts = layouts_from_plan(plan.layouts, fragments, held)
-            self._bucket_syncs[key] = StagedSync(layouts, self.group, self.collectives, stage_bytes=stage_bytes)
+            self._bucket_syncs[key] = StagedSync(
+                layouts, self.group, self.collectives, stage_bytes=stage_bytes, relay=self._relay
+            )
         return self._bucket_syncs[key]
 
     def check_stepped(self) -> None:
@@ -203,6 +210,15 @@ class OverlapStepper:
         """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
         grad = next((p.grad for p in self.global_params if p.requires_grad), None)
         return None if grad is None else (id(grad), grad._version)
+
+
+def _shares(layouts: list[FlatLayout], group: comm.Group) -> list[int]:
+    """The bytes each rank owns over ``layouts``."""
+    shares = [0] * comm.group_size(group)
+    for layout in layouts:
+        for piece in layout.pieces:
+            shares[piece.rank] += piece.length * piece.param.element_size()
+    return shares
 
 
 @dataclass
