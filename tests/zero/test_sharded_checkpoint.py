@@ -29,10 +29,10 @@ from distoptim.checkpoint.boxes import memory_range_boxes
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 SPEC = [
     [((33, 7), F32, True), ((0,), F32, True), ((5,), F32, True), ((4, 4), F32, False)],
-    [((6, 2), BF16, True), ((17,), F32, True)],
+    [((6, 2), BF16, True), ((17,), F32, True), ((3, 5), F64, True)],  # fp64: wider than the masters, none
 ]
 KWARGS = {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}
 
@@ -53,7 +53,7 @@ class _Reference:
     def __init__(self, params: list[list[torch.Tensor]], master: bool) -> None:
         self.params = flatten(params)
         self.stepped = [
-            p.detach().float().requires_grad_(p.requires_grad) if master and p.dtype != F32 else p for p in self.params
+            p.detach().float().requires_grad_(p.requires_grad) if master and p.dtype == BF16 else p for p in self.params
         ]
         first = len(params[0])
         self.optimizer = torch.optim.AdamW(_groups([self.stepped[:first], self.stepped[first:]]), **KWARGS)
