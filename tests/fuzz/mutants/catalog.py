@@ -95,15 +95,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "        param.grad = grad\n",
     ),
     _one(
-        "sdp_overlap_write_unchecked",
-        "ShardedDataParallel(overlap_param_sync=True): a write to parameters while their sync is in flight",
-        "written only where every landed bucket changed (all, not any): a write to one bucket's parameters is not "
-        "refused, and the landing overwrites it on the ranks that do not own it",
-        "distoptim/sharded_data_parallel/sync.py",
-        'return bool(_host.read(flags.any(), "writes to parameters while their sync was in flight"))',
-        'return bool(_host.read(flags.all(), "writes to parameters while their sync was in flight"))',
-    ),
-    _one(
         "overlap_hook_unused",
         "hook_with_zero_step (overlap_with_ddp)",
         "the used-parameter flags ignored: a parameter no rank used is stepped on a zero gradient",
@@ -144,15 +135,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "distoptim/zero/amp.py",
         '    unscaled = _scaler_state(grad_scaler, optimizer)["stage"].name == "UNSCALED"\n',
         "    unscaled = False\n",
-    ),
-    _one(
-        "scaler_local_verdict",
-        "GradScaler whose gradients overflow in some elements",
-        "the scaler handed this rank's own verdict, not the agreed one: only the owner of the inf lowers its scale, "
-        "and the ranks' scales differ from then on",
-        "distoptim/zero/optimizer.py",
-        "                verdict.record(found_inf)\n",
-        "                verdict.record(verdict.found_here)\n",
     ),
     _one(
         "ckpt_consolidated_group_lr",

@@ -56,10 +56,6 @@ DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size
         _program("sdp", [*_block(), Action("unfreeze"), *_block()], kwargs={"lr": 0.05}, features=("frozen",)),
         2,
     ),
-    "sdp_overlap_write_unchecked": (
-        _program("sdp", [*_block(), Action("clamp", {"layer": "head"}), *_block()], overlap=True, partition="even"),
-        2,
-    ),
     "overlap_hook_unused": (_program("overlap_hook", TWO, "AdamW", ADAMW, features=("unused",)), 2),
     "interleaved_unused": (
         _program("overlap_hook", TWO, "AdamW", ADAMW, features=("unused",), stepping="interleaved"),
@@ -78,14 +74,6 @@ DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size
         2,
     ),
     "scaler_double_unscale": (_program("zero1", [Action("scaler_step", {"clip": True})] * 2), 2),
-    "scaler_local_verdict": (
-        _program(
-            "zero1",
-            [Action("scaler_step", {"clip": False, "overflow": "head"}), Action("scaler_step", {"clip": False})] * 2,
-            partition="even",
-        ),
-        2,
-    ),
     "ckpt_consolidated_group_lr": (_program("zero1", [*_block(), Action("load_optim"), *_block()]), 2),
     "ckpt_sharded_single_key": (
         _program("zero1", [*_block(), Action("resume", {"kind": "sharded"}), *_block()], partition="even"),
