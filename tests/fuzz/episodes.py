@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distoptim.checkpoint
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.hooks import reduce_to_owners_hook
+from tests.fuzz import models as hooks
 from tests.fuzz.models import BATCH, VOCAB, batch
 from tests.fuzz.modes import BUCKET_CAP_MB, Oracle, Subject, build_subject, group_of, hybrid_groups
 
@@ -39,6 +40,7 @@ def _gan_sides(run: Any, d_lr: float) -> dict[str, Any]:
     if "gan" not in run.extras:
         program = run.program
         model, reference = _discriminator(), _discriminator()
+        hooks.register_gradient_hooks(program, model, reference)  # the grid (exact programs), the twin's ulp
         groups: dict[str, Any] = {}
         if program.options.get("hybrid"):
             groups["process_group"], groups["replicate_group"] = hybrid_groups()
@@ -84,10 +86,7 @@ def gan(run: Any, d_lr: float) -> None:
         sides["subject"][1].sync_finished()
     theirs = dict(sides["oracle"][0].named_parameters())
     for name, got in sides["subject"][0].named_parameters():
-        try:
-            torch.testing.assert_close(got.detach(), theirs[name].detach(), rtol=1e-5, atol=1e-6)
-        except AssertionError as error:
-            run.mismatches.append(f"action {run.counter}: discriminator {name}: {str(error).splitlines()[-3:]}")
+        run.compare_tensor(f"action {run.counter}: discriminator {name}", got, theirs[name])  # exact or measured
         with torch.no_grad():
             theirs[name].copy_(got)
     run.zero_grad("optimizer", True)  # the generator's round, through the discriminator (which keeps a gradient)

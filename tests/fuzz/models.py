@@ -64,6 +64,20 @@ def on_grid(grad: Tensor) -> Tensor:
     return grad.clamp(-CAP, CAP).mul_(1 / GRID).round_().mul_(GRID)
 
 
+def register_gradient_hooks(program: Any, subject: nn.Module, oracle: nn.Module) -> None:
+    """A model outside the zoo that both sides train (the GAN's discriminator): the grid on both in exact programs
+    at 2 and 4 ranks (``modes.on_grid``), the twin's ulp on the oracle's in the twin pass (noise.py)."""
+    import torch.distributed as dist
+
+    grid = bool(program.options.get("exact")) and dist.get_world_size() in (2, 4)
+    for model, hooks in ((subject, [on_grid] if grid else []), (oracle, [on_grid] if grid else [])):
+        if program.options.get("twin") and model is oracle:
+            hooks.append(one_ulp_up)
+        for param in model.parameters():
+            for hook in hooks:
+                param.register_hook(hook)
+
+
 class FuzzModel(nn.Module):
     def __init__(self, features: list[str], seed: int, grid: bool = False, twin: str = "") -> None:
         super().__init__()
