@@ -52,6 +52,7 @@ def _new_dtype_body(rank: int, world_size: int, partition: str) -> None:
         net.first.requires_grad_(False)
     zero = ZeroRedundancyOptimizer(model.rest.parameters(), torch.optim.AdamW, partition=partition, **KWARGS)
     sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    assert len(sdp._buckets) == 4, "the cap (26 fp32 elements) gives each of the 4 parameters a bucket of its own"
     plain = torch.optim.AdamW(reference.rest.parameters(), **KWARGS)
     for step in range(4):
         if step == 1:
@@ -60,6 +61,7 @@ def _new_dtype_body(rank: int, world_size: int, partition: str) -> None:
             _refused_add_leaves_it_as_it_was(zero, list(model.first.parameters()))
             zero.add_param_group({"params": list(model.first.parameters()), "lr": 0.02})
             plain.add_param_group({"params": list(reference.first.parameters()), "lr": 0.02})
+            assert len(sdp._buckets) == 5, "one bf16 bucket more (42 elements, under the cap of 52)"
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
         for optimizer, net in ((zero, sdp), (plain, ddp)):
             optimizer.zero_grad()

@@ -45,6 +45,9 @@ class BucketCaps(dict[Hashable, int]):
     def get(self, key: Hashable, default: object = None) -> int:
         return self[key]
 
+    def __bool__(self) -> bool:  # a cap for every key, asked for or not yet (``region_numel or {}`` must keep it)
+        return True
+
 
 @dataclass(frozen=True)
 class Slot:
