@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from distoptim.plan.figures import step_dtype
 from distoptim.plan.inventory import Inventory, from_factory, load_factory, transformer
 from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, dtype_name, plan_modes
 from distoptim.plan.muon import takes_muon
@@ -162,7 +163,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
 def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | None) -> dict[str, Any]:
     """Everything the table shows, as plain data (what ``--json`` prints)."""
     master = config.master_dtype
-    step_dtypes = {master if master is not None else p.dtype for p in inventory.params if p.trainable}
+    step_dtypes = {step_dtype(p, master) for p in inventory.params if p.trainable}
     costs = {dtype_name(dtype): state_cost(config.optimizer, dtype) for dtype in sorted(step_dtypes, key=str)}
     muon = None
     if config.muon is not None:

@@ -95,12 +95,13 @@ def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype) -> State
 
 
 def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
-    """The dtype the optimizer steps ``param`` in: a master copy's unless the parameter already has that dtype."""
-    return master if master is not None and param.dtype != master else param.dtype
+    """The dtype the optimizer steps ``param`` in: a master copy's where it has one, else its own."""
+    return master if master is not None and mastered(param, master) else param.dtype
 
 
 def mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
-    return master is not None and param.dtype != master
+    """Whether ``param`` has a master copy: only one narrower than ``master`` (as ``zero.shard.has_master``)."""
+    return master is not None and param.dtype.is_floating_point and param.dtype.itemsize < master.itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
