@@ -260,6 +260,37 @@ def test_a_write_after_the_last_step_is_refused_where_the_program_ends() -> None
             assert "sync_finished() before writing" in outcome, (end, outcome)
 
 
+def _write_then_add_group_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[str]:
+    """A write through ``model.module`` right after a step, then ``add_param_group`` (a frozen layer unfrozen)."""
+    outcomes = []
+    for partition, bucket_view in configs:
+        model = Critic()
+        model.extra = nn.Linear(6, 6).requires_grad_(False)  # held by the model, trained once added
+        zero = ZeroRedundancyOptimizer(
+            model.layers.parameters(), torch.optim.AdamW, partition=partition, parameters_as_bucket_view=bucket_view
+        )
+        sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001, overlap_param_sync=True)
+        zero.zero_grad()
+        sdp(_x(rank, 0)).square().mean().backward()
+        zero.step()
+        _clip(sdp.module.layers.parameters(), "data", c=0.05)  # changes elements every rank owns
+        model.extra.requires_grad_(True)
+        try:
+            zero.add_param_group({"params": list(model.extra.parameters())})
+            outcomes.append("ran")
+        except (RuntimeError, ValueError) as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_a_write_in_flight_then_add_param_group_is_refused_on_every_rank() -> None:
+    """``add_param_group`` lands the sync before placing the new group: it lost the write on the ranks not owning
+    it, silently (the ranks then held different values, and the next step no longer saw it: the fuzzer, issue 42,
+    seed 96130); it refuses on every rank now, as the next step would."""
+    for outcomes in run_on_ranks(_write_then_add_group_body, 2, LAYOUTS, timeout=120):
+        assert all("sync_finished() before writing" in outcome for outcome in outcomes), outcomes
+
+
 def _new_storage_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[str]:
     outcomes = []
     for (partition, bucket_view), how in configs:

@@ -77,6 +77,17 @@ class PlanParts(Protocol):
     def _place_if_stale(self) -> None: ...
 
 
+def _check_before_adding(zero: PlanParts) -> None:
+    """What ``add_param_group`` checks first, in its agreement: the groups' classes unedited, and the sync in flight
+    landed without overwriting a write of the user's (``ShardedDataParallel(overlap_param_sync=True)``: a write
+    through ``model.module`` after the step, which the placing's landing lost on the ranks not owning it, silently:
+    the ranks then held different values; the next step no longer saw it)."""
+    if zero._sync is not None:
+        zero._sync.finish()
+        zero._sync.check_untouched()
+    check_classes_unchanged(zero.param_groups, zero.local_optimizer, zero._optimizer_class)
+
+
 class Partitioning:
     """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
 
@@ -116,9 +127,7 @@ class Partitioning:
             self.process_group,
             sharded_gradients=self._gradient_store is not None,
             master_dtype=self.master_dtype,
-            check_existing=lambda: check_classes_unchanged(
-                self.param_groups, self.local_optimizer, self._optimizer_class
-            ),
+            check_existing=lambda: _check_before_adding(self),
         )
         before = _Snapshot(self)
         self._add_group(group)
