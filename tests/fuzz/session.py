@@ -82,7 +82,10 @@ def classify(outcomes: list[dict[str, Any]], program: Program, world_size: int) 
         mismatches = [f"rank {r}: {m}" for r, o in enumerate(outcomes) for m in o["mismatches"]]
         if expected:
             named = [f"{r.kind}: {r.scenario}" for r in expected]
-            return {"category": "missing_refusal", "detail": ["no rank raised; predicted: " + "; ".join(named)]}
+            return {
+                "category": "missing_refusal",
+                "detail": ["no rank raised; predicted: " + "; ".join(named), *mismatches],
+            }
         return {"category": "mismatch" if mismatches else "pass", "detail": mismatches[:40]}
     raised = [o for o in outcomes if o["status"] == "raised"]
     if len(raised) < len(outcomes):
