@@ -414,6 +414,11 @@ def _post_local_sgd_negative_step(r: Rank) -> None:
     optimizer.load_state_dict({**_plain_state_dict(SGD, (3,), lr=0.1), "step": -1})
 
 
+# torch's text for state_dict() before consolidate_state_dict(), which distoptim keeps as its prefix
+_NOT_CONSOLIDATED = (
+    r"^Optimizer state has not been consolidated on this rank\. Please call `consolidate_state_dict\(to=\d\)`"
+)
+
 # ----------------------------------------------------------------------------------------------------------- table
 MISUSES: list[Misuse] = [
     # --- ZeroRedundancyOptimizer: arguments. Checked on every rank before anything is built; a bad argument on one
@@ -537,9 +542,9 @@ MISUSES: list[Misuse] = [
            RuntimeError, r"total norm of order 2\.0 of the gradients is non-finite .*pass error_if_nonfinite=False"),
     # --- Consolidated checkpoints (torch.optim's format).
     Misuse("state_dict() before consolidate_state_dict()", lambda r: _stepped(_zero(r)).state_dict(), ALL,
-           RuntimeError, r"holds no consolidated optimizer state: call consolidate_state_dict\(to=\d\) on all ranks"),
+           RuntimeError, _NOT_CONSOLIDATED),
     Misuse("state_dict() after a step that followed the consolidation", _state_dict_after_a_newer_step, ALL,
-           RuntimeError, r"holds no consolidated optimizer state: call consolidate_state_dict\(to=\d\) on all ranks"),
+           RuntimeError, _NOT_CONSOLIDATED),
     Misuse("consolidate_state_dict(to=) past the last rank", lambda r: _consolidate_to(r, 2), BOTH,
            ValueError, r"consolidate_state_dict\(to=2\): 'to' must be a rank of the group, 0\.\.1"),
     Misuse("consolidate_state_dict(to=) differs across ranks", lambda r: _consolidate_to(r, 1), ONE,

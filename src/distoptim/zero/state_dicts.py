@@ -245,8 +245,9 @@ def _state_dict(zero: ZeroParts) -> dict[str, Any]:
         pre_hook(zero)
     if zero._consolidated is None:
         raise RuntimeError(
-            f"rank {zero.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={zero.rank}) "
-            "on all ranks (after the last step) before state_dict()"
+            "Optimizer state has not been consolidated on this rank. Please call "
+            f"`consolidate_state_dict(to={zero.rank})` on all ranks beforehand if you meant to save the global state "
+            f"(rank {zero.rank} holds no consolidated optimizer state: consolidate after the last step)"
         )
     result = {"state": dict(zero._consolidated), "param_groups": checkpoint.saved_param_groups(zero.param_groups)}
     return checkpoint.apply_hooks(zero._optimizer_state_dict_post_hooks.values(), zero, result)
