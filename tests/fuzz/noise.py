@@ -40,11 +40,7 @@ def one_bf16_ulp_up(grad: Tensor) -> Tensor:
 
 
 def one_ulp_up(grad: Tensor) -> Tensor:
-    """The twin's gradient hook: every element one ulp of its dtype up (toward +inf); a bf16 one two: one ulp of
-    each summand can vanish in a bf16 sum's rounding, where a sum in fp32 (``ShardedDataParallel``'s
-    ``reduce_dtype``) is up to half an ulp of it away."""
-    if grad.dtype == torch.bfloat16 and not grad.is_sparse:
-        grad = torch.nextafter(grad, torch.full_like(grad, math.inf))
+    """The twin's gradient hook: every element one ulp of its dtype up (toward +inf)."""
     if grad.is_sparse:
         grad = grad.coalesce()
         values = grad.values()
