@@ -29,6 +29,9 @@ class Refusal:
     predicts: Callable[[Program, int], bool]  # (program, world size) -> whether it must be refused
     # where the rule leaves it open (an action between whose effect on it the table does not model): it may come
     allows: Callable[[Program, int], bool] = lambda p, w: False
+    # a refusal the library defers by design (only an agreement can raise it on every rank): from this action on,
+    # until the refusal comes, the program's values may differ from the oracle's (None: never)
+    stale_from: Callable[[Program], int | None] = lambda p: None
 
     def matches(self, text: str) -> bool:
         return re.search(self.message, text) is not None
@@ -106,15 +109,15 @@ def _compared_each_step(program: Program) -> bool:
     return "bf16" in program.features or (program.optimizer != "SGD" and clips)
 
 
-def _in_flight_writes(program: Program) -> Iterator[Action]:
+def _in_flight_writes(program: Program) -> Iterator[tuple[int, Action]]:
     """The actions that write parameters while ShardedDataParallel(overlap_param_sync=True)'s sync is in flight."""
     if program.mode != "sdp" or not program.options.get("overlap"):
         return
     in_flight = False
     trained = {"body", "head"}
-    for action in program.actions:
+    for index, action in enumerate(program.actions):
         if in_flight and action.name in ("retype", "data_clone", "clamp") and action.args["layer"] in trained:
-            yield action
+            yield index, action
         if _lands(action):
             in_flight = False
         if action.name in STEPPING and not (_compared_each_step(program) and action.name != "reshard"):
@@ -126,11 +129,18 @@ def _in_flight_writes(program: Program) -> Iterator[Action]:
 
 
 def _new_storage_in_flight(program: Program, _: int) -> bool:
-    return any(a.name in ("retype", "data_clone") for a in _in_flight_writes(program))
+    return any(a.name in ("retype", "data_clone") for _, a in _in_flight_writes(program))
+
+
+def _first_write_in_flight(program: Program) -> int | None:
+    """The first ``clamp`` while the sync is in flight: the landing overwrites it on the ranks not owning those
+    elements, and forwards before the next agreement (a step, a checkpoint) run on the ranks' different values (the
+    SDP guide: only an agreement can raise it on every rank)."""
+    return next((index for index, a in _in_flight_writes(program) if a.name == "clamp"), None)
 
 
 def _write_in_flight(program: Program, _: int) -> bool:
-    return any(a.name == "clamp" for a in _in_flight_writes(program))
+    return _first_write_in_flight(program) is not None
 
 
 def _unrecovered(program: Program) -> str:
@@ -218,6 +228,7 @@ TABLE: tuple[Refusal, ...] = (
         "step, before anything lands the sync",
         r"^RuntimeError: ShardedDataParallel\(overlap_param_sync=True\): parameters were written while their sync",
         _write_in_flight,
+        stale_from=_first_write_in_flight,
     ),
     Refusal(
         "sdp_failed_backward",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -73,6 +74,12 @@ def _own_errors(raised: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return raised
 
 
+def _action_of(mismatch: str, program: Program) -> int:
+    """The action a mismatch was recorded at (``action N``, ``check at action N``; the end: after the last)."""
+    found = re.search(r"\baction (\d+)", mismatch)
+    return int(found.group(1)) if found else len(program.actions)
+
+
 def classify(outcomes: list[dict[str, Any]], program: Program, world_size: int) -> dict[str, Any]:
     """One program's verdict from every rank's outcome; a refusal passes only where ``refusals.TABLE`` predicts
     (or allows) it for ``program`` and its message matches."""
@@ -101,16 +108,22 @@ def classify(outcomes: list[dict[str, Any]], program: Program, world_size: int) 
     text = " ".join(o["message"] for o in raised)
     if "Timed out" in text or "Connection closed" in text or "Connection reset" in text:
         return {"category": "hang", "detail": [raised[0]["message"], raised[0].get("traceback", "")]}
-    before = [f"rank {r}: {m}" for r, o in enumerate(outcomes) for m in o.get("mismatches", [])]
+    own = _own_errors(raised)
+    refusal = refusals.matching(program, world_size, f"{own[0]['type']}: {own[0]['message']}")
+    stale = None if refusal is None else refusal.stale_from(program)  # a refusal the library defers by design
+    before = [
+        f"rank {r}: {m}"
+        for r, o in enumerate(outcomes)
+        for m in o.get("mismatches", [])
+        if stale is None or _action_of(m, program) < stale
+    ]
     if before:  # a wrong value seen before the error stands, whatever the error
         return {"category": "mismatch", "detail": [*before[:40], f"then every rank raised: {error}"]}
-    own = _own_errors(raised)
     if any(o["side"] == "oracle" for o in own) or any(_raised_in_fuzzer(o.get("traceback", "")) for o in own):
         return {"category": "oracle_error", "detail": [own[0]["message"], own[0].get("traceback", "")]}
     first = own[0]
     alike = len({(o["type"], o["at"], o["message"]) for o in own}) == 1
     ours = all(_raised_in(o.get("traceback", ""), torch_too=True).startswith(OURS) for o in own)
-    refusal = refusals.matching(program, world_size, f"{first['type']}: {first['message']}")
     if alike and ours and first["type"] in REFUSALS and refusal is not None:
         return {
             "category": "refused",

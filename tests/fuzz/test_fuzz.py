@@ -152,3 +152,17 @@ def test_a_predicted_refusal_that_never_comes_is_a_failure() -> None:
     ok = {"status": "ok", "mismatches": []}
     assert classify([ok, ok], _program("LBFGS"), 2)["category"] == "missing_refusal"
     assert classify([ok, ok], _program("SGD"), 2)["category"] == "pass"
+
+
+def test_a_deferred_refusal_excuses_only_what_follows_its_trigger() -> None:
+    """A write through the module while SDP's sync is in flight is refused at the next agreement, by design; the
+    forwards between run on the ranks' different values: mismatches from the write on stand excused, not before."""
+    actions = [Action("zero_grad", {"via": "optimizer", "set_to_none": True}), Action("backward", {"micro": 1})]
+    actions += [Action("step"), Action("clamp", {"layer": "head"}), Action("eval", {"mode_switch": False})]
+    options = {"partition": "greedy", "bucket_view": False, "master": False, "overlap": True}
+    program = Program(8, [], "sdp", options, "SGD", {"lr": 0.05}, actions)
+    written = "ShardedDataParallel(overlap_param_sync=True): parameters were written while their sync from the last"
+    after = [_raised("RuntimeError", written, INSIDE, ("action 4 eval output: 3 / 4 elements off",))] * 2
+    assert classify(after, program, 2)["category"] == "refused"
+    before = [_raised("RuntimeError", written, INSIDE, ("check at action 2: parameter head.weight ...",))] * 2
+    assert classify(before, program, 2)["category"] == "mismatch"
