@@ -144,6 +144,28 @@ def check_ddp_group(zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParalle
             "same shard in the other shard groups) to ZeroRedundancyOptimizer; otherwise build DDP and ZeRO over "
             "the same group"
         )
+    _follow_bucket_rebuild(zero, ddp)
+
+
+def _follow_bucket_rebuild(zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParallel) -> None:
+    """With ``gradient_as_bucket_view``, DDP's bucket rebuild (in its second forward) re-creates each ``.grad`` as a
+    copy in a view of its new buckets: the accumulation guard notes the copies of what the hook left as left, or an
+    accumulation onto them goes unnoticed. The forward hooks go once DDP has rebuilt."""
+    rebuilds = ddp.static_graph or not ddp.find_unused_parameters  # DDP's own condition for rebuilding once
+    if not ddp.gradient_as_bucket_view or not rebuilds or ddp._has_rebuilt_buckets:
+        return
+    left: list[int] = []
+
+    def before(*_: Any) -> None:
+        left[:] = zero._accumulation.still_left()
+
+    def after(*_: Any) -> None:
+        if ddp._has_rebuilt_buckets:
+            zero._accumulation.renote(left)
+            for handle in handles:
+                handle.remove()
+
+    handles = [ddp.register_forward_pre_hook(before), ddp.register_forward_hook(after)]
 
 
 def _few(ranks: list[int], limit: int = 8) -> str:

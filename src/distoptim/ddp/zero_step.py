@@ -11,7 +11,9 @@ iteration every bucket arrives as index 0 and none as the last.
 
 Each backward the ranks agree (one small all-reduce on the control plane, as ``step()`` does) on the parameters they
 train and their hyperparameters, so that a parameter unfrozen between steps gets an owner before it is stepped, and a
-setting changed on one rank only raises everywhere instead of stepping each shard differently.
+setting changed on one rank only raises everywhere instead of stepping each shard differently. With
+``reduce_to_owners_hook`` inside, a backward that adds onto what the last one left is refused before any step
+(``zero/accumulation.py``; ``hook_with_zero_step`` agrees once more, only where a ``.grad`` still holds it).
 
 The hooks hand the optimizer exactly what DDP would leave in ``.grad`` for a plain optimizer: each gradient read
 with the layout DDP gives it in the bucket, and no gradient at all for a parameter no rank computed one for.
@@ -216,6 +218,8 @@ def hook_with_zero_step(
         TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
         ValueError: ``zero`` was built without ``overlap_with_ddp``, already has a hook, or holds other parameters
             than the DDP model trains; at the first backward, when the hook runs on another DDP model than ``ddp``.
+        RuntimeError: on every rank, before any step, in a backward that adds onto the gradients
+            ``reduce_to_owners_hook`` left (no ``zero_grad()`` between synced backwards).
 
     Example:
         ```python
@@ -247,6 +251,8 @@ def hook_with_zero_step(
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
+        if in_backward() and zero._accumulation.suspects_in_backward():  # a joined rank's buckets are zeros
+            zero._agreed(zero._accumulation.check_in_backward)  # before any rank steps with a sum of leftovers
         zero._agreed(lambda: _step_after_repartition(zero, stepper, grads))
         zero.sync_parameters()
 
@@ -295,6 +301,13 @@ def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: Distribu
         zero.overlap_stepper.deferred_finish = finish
     else:
         finish()
+
+
+def _refuse_accumulation_then_repartition(zero: "ZeroRedundancyOptimizer") -> None:
+    """The interleaved hook's agreement, at a backward's first bucket (a joined rank's buckets are zeros)."""
+    if in_backward():
+        zero._accumulation.check_in_backward()
+    zero._repartition_if_changed()
 
 
 def _step_after_repartition(zero: "ZeroRedundancyOptimizer", stepper: OverlapStepper, grads: Any) -> None:
@@ -364,7 +377,7 @@ def hook_with_zero_step_interleaved(
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
         if _start_of_bucket(backward, ddp, bucket, zero, finish) and not backward.warmup:  # before any step
-            zero._agreed(zero._repartition_if_changed)
+            zero._agreed(lambda: _refuse_accumulation_then_repartition(zero))
         if backward.warmup:
             reduced = hook(state, bucket)
             _end_of_shadow(bucket, finish, ddp, zero)

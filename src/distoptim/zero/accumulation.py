@@ -19,8 +19,11 @@ a step that finds such a ``.grad`` only. A clear through ``.data`` (``p.grad.dat
 the version alone, so a ``.grad`` a backward added onto is also let pass when it held zeros just before that
 backward reached it, or holds zeros at the step: a backward onto zeros is a fresh one, reduced right.
 
-Known gap: DDP with ``gradient_as_bucket_view=True`` re-creates each ``.grad`` as a view of its rebuilt buckets in the
-second forward, so accumulation within the very first step is not caught.
+DDP with ``gradient_as_bucket_view=True`` re-creates each ``.grad`` as a view of its rebuilt buckets in the second
+forward, a copy: ``ddp/reduce_to_owners.py`` watches that forward and has the copies of what was left noted as left.
+
+The overlap hooks step inside the backward, so they ask before stepping (``check_in_backward``): a sum made in this
+backward is refused, and so is a leftover the backward has not reached yet (or DDP reduces as it stands, unused).
 """
 
 from __future__ import annotations
@@ -66,6 +69,17 @@ class AccumulationGuard:
             self._noting_for = task
             at_end_of_backward(lambda: at_end_of_backward(self._note))  # after DDP's own, queued at its last bucket
 
+    def still_left(self) -> list[int]:
+        """The parameters (ids) whose ``.grad`` is still what the last reducing backward left."""
+        return [key for key, grad in zip(self._left, self._left_grads(list(self._left))) if grad is not None]
+
+    def renote(self, keys: list[int]) -> None:
+        """DDP re-created these parameters' ``.grad`` as copies (views of its rebuilt buckets): note the copies."""
+        for key in keys:
+            param = self._watched[key]()
+            if param is not None and param.grad is not None:
+                self._left[key] = (weakref.ref(param.grad), param.grad._version)
+
     def _note(self) -> None:
         self._noting_for = -1
         self._left = {}
@@ -110,7 +124,49 @@ class AccumulationGuard:
 
     def check(self) -> None:
         """Raise if a ``.grad`` still holds a sum onto what a reduction to owners left (call where it is read)."""
+        if self._added_onto and self._not_cleared([]):
+            raise RuntimeError(_refusal("a backward added onto", _STEP_FIX))
+
+    def suspects_in_backward(self) -> bool:
+        """Whether ``check_in_backward`` has anything to look at (identities and versions only, no value read: the
+        same on every rank of one program, so that the overlap hook agrees on the verdict only then)."""
+        for key, (grad_ref, _) in list(self._added_onto.items()):
+            param = self._watched[key]()
+            if param is None or param.grad is None or param.grad is not grad_ref():
+                del self._added_onto[key]  # cleared since
+        return bool(self._added_onto) or bool(self._untouched())
+
+    def check_in_backward(self) -> None:
+        """The overlap hooks, in a backward, before they step: raise if a gradient it reduces holds a sum onto what
+        the last reduction to owners left (``check``'s rule) or still holds that leftover (not reached yet, or
+        unused here: DDP reduces it as it stands). Leftovers that are zeros (cleared through ``.data``) pass."""
+        untouched = [grad.any().logical_not() for grad in self._untouched()]
+        if (self._added_onto or untouched) and self._not_cleared(untouched):
+            raise RuntimeError(_refusal("this backward adds onto", _OVERLAP_FIX))
+
+    def _untouched(self) -> list[Tensor]:
+        """The ``.grad`` of trainable parameters still as the last reducing backward left it."""
+        trainable = [key for key in self._left if getattr(self._watched[key](), "requires_grad", False)]
+        return [grad for grad in self._left_grads(trainable) if grad is not None]
+
+    def _left_grads(self, keys: list[int]) -> list[Tensor | None]:
+        """Each parameter's ``.grad`` where it is still what the last reducing backward left (same tensor, same
+        version), else None."""
+        grads: list[Tensor | None] = []
+        for key in keys:
+            grad_ref, version = self._left[key]
+            param = self._watched[key]()
+            grad = None if param is None else param.grad
+            grads.append(grad if grad is not None and grad is grad_ref() and grad._version == version else None)
+        return grads
+
+    def _not_cleared(self, others: list[Tensor]) -> bool:
+        """Drop the sums cleared since (to None, or zeroed); whether any remains, or any of ``others`` (probes:
+        True where zeros) is False. One host read per device."""
         written: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        remains = False
+        for other in others:
+            written.setdefault(other.device, []).append((-1, other))
         for key, (grad_ref, version) in list(self._added_onto.items()):
             param = self._watched[key]()
             if param is None or param.grad is None or param.grad is not grad_ref():
@@ -129,18 +185,29 @@ class AccumulationGuard:
                 torch.stack([probe for _, probe in same_device]), "accumulation guard: cleared in place"
             )
             for (key, _), zeroed in zip(same_device, cleared):
-                if zeroed:
+                if not zeroed:
+                    remains = True
+                elif key != -1:
                     del self._added_onto[key]
                     self._was_zero.pop(key, None)
                     self._zero_before.pop(key, None)
-        if self._added_onto:
-            raise RuntimeError(
-                "a backward added onto the gradients of a backward that reduce_to_owners_hook had reduced to their "
-                "owners: only the owned ranges of .grad held the average (the rest were this rank's partial "
-                "values), so the accumulated gradient is wrong. Clear the gradients between backwards "
-                "(zero.zero_grad()), accumulate the micro-batches but the last under ddp.no_sync(), or use "
-                "distoptim.ShardedDataParallel, which accumulates the owned gradient itself"
-            )
+        return remains
+
+
+_STEP_FIX = "use distoptim.ShardedDataParallel, which accumulates the owned gradient itself"
+_OVERLAP_FIX = (
+    "use the all-reduce hook inside the overlap hook (hook_with_zero_step(allreduce_hook, ddp, zero)), which leaves "
+    "the average in every .grad. Nothing was stepped with the sum"
+)
+
+
+def _refusal(what: str, fix: str) -> str:
+    return (
+        f"{what} the gradients of a backward that reduce_to_owners_hook had reduced to their owners: only the owned "
+        "ranges of .grad held the average (the rest were this rank's partial values), so the accumulated gradient "
+        "is wrong. Clear the gradients between backwards (zero.zero_grad()), accumulate the micro-batches but the "
+        f"last under ddp.no_sync(), or {fix}"
+    )
 
 
 class _Hook:

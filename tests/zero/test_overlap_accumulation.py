@@ -1,0 +1,136 @@
+"""Gradient accumulation under the overlap hooks (``step_from_first_backward=True``): with ``reduce_to_owners_hook``
+inside, a backward that adds onto what the previous one reduced to owners is refused on every rank before any rank
+steps with the sum (it summed the ranks' leftovers: silently wrong); the ways that accumulate right (clearing
+between backwards, to None, in place or through ``.data``; ``no_sync()``, with DDP's bucket views too) train as
+DDP + plain SGD, and so does accumulating without clearing under the all-reduce hook (every ``.grad`` averaged)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ZeroRedundancyOptimizer
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, reduce_to_owners_hook
+from tests._dist import run_on_ranks
+
+HOOKS = [hook_with_zero_step, hook_with_zero_step_interleaved]
+HOWS = ["synced", "synced_bucket_view", "synced_static_graph", "synced_find_unused", "allreduce_synced"]
+HOWS += ["zero_grad", "zero_grad_static_graph", "zero_grad_find_unused", "in_place", "data_zero"]
+HOWS += ["no_sync", "no_sync_bucket_view", "no_sync_find_unused"]
+REFUSED = ("synced", "synced_bucket_view", "synced_static_graph", "synced_find_unused")
+NOT_CLEARED = (*REFUSED, "allreduce_synced")  # two synced backwards with no clearing between them
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(rank: int, iteration: int, micro: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1000 * iteration + 10 * micro + rank))
+
+
+def _clear(how: str, zero: ZeroRedundancyOptimizer, plain: torch.optim.Optimizer, model: nn.Module) -> None:
+    if how == "data_zero":  # the old idiom: no _version bump
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.data.zero_()
+    elif how not in NOT_CLEARED:
+        zero.zero_grad(set_to_none=how != "in_place")  # in_place: _version bumped, the same tensor
+    if how not in NOT_CLEARED:
+        plain.zero_grad()
+
+
+def _train(rank: int, hook: Any, how: str) -> str:
+    """Three iterations of two backwards (the first under ``no_sync()`` where ``how`` says so, the gradients cleared
+    before each synced one otherwise) against DDP + SGD stepping after every synced backward; returns "ok" or the
+    error raised (the parameters checked to be as the reference left them: nothing stepped with the sum)."""
+    model, reference = _net(), _net()
+    options = {
+        "gradient_as_bucket_view": how.endswith("bucket_view"),
+        "static_graph": how.endswith("static_graph"),
+        "find_unused_parameters": how.endswith("find_unused"),
+    }
+    ddp = DDP(model, bucket_cap_mb=0.0005, **options)
+    reference_ddp = DDP(reference, bucket_cap_mb=0.0005)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1, momentum=0.9)
+    inner, state = (allreduce_hook, None) if how.startswith("allreduce") else (reduce_to_owners_hook, zero)
+    ddp.register_comm_hook(state, hook(inner, ddp, zero, step_from_first_backward=True))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for iteration, micro in itertools.product(range(3), range(2)):
+        if micro == 0 or not how.startswith("no_sync"):  # before every synced backward, or before no_sync's
+            _clear(how, zero, plain, model)
+        try:
+            if how.startswith("no_sync") and micro == 0:
+                with ddp.no_sync(), reference_ddp.no_sync():
+                    ddp(_batch(rank, iteration, micro)).square().mean().backward()
+                    reference_ddp(_batch(rank, iteration, micro)).square().mean().backward()
+                continue
+            ddp(_batch(rank, iteration, micro)).square().mean().backward()
+        except RuntimeError as error:
+            _assert_close(model, reference, f"{how}: after the refusal at {iteration}.{micro}")  # nothing stepped
+            return str(error)
+        reference_ddp(_batch(rank, iteration, micro)).square().mean().backward()
+        plain.step()
+        _assert_close(model, reference, f"{how} {iteration}.{micro}")
+    return "ok"
+
+
+def _assert_close(model: nn.Module, reference: nn.Module, what: str) -> None:
+    for index, (param, expected) in enumerate(zip(model.parameters(), reference.parameters())):
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=lambda m, i=index: f"{what}[{i}]: {m}")
+
+
+def _body(rank: int, world_size: int) -> list[tuple[str, str, str]]:
+    return [(hook.__name__, how, _train(rank, hook, how)) for hook in HOOKS for how in HOWS]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_accumulating_onto_owners_leftovers_is_refused_and_the_right_ways_train_as_ddp(world_size: int) -> None:
+    for results in run_on_ranks(_body, world_size, timeout=300):
+        assert len(results) == len(HOOKS) * len(HOWS)
+        for hook, how, outcome in results:
+            if how in REFUSED:
+                assert outcome.startswith("this backward adds onto the gradients"), (hook, how, outcome)
+                assert "zero.zero_grad()" in outcome and "no_sync()" in outcome, outcome
+                assert "hook_with_zero_step(allreduce_hook, ddp, zero)" in outcome, outcome
+            else:
+                assert outcome == "ok", (hook, how, outcome)
+
+
+def _explicit_bucket_view_body(rank: int, world_size: int) -> list[str]:
+    """Without the overlap hooks: DDP's bucket views re-created at its second forward (copies of what the hook left)
+    no longer hide a second synced backward before the very first ``step()``; clearing between them still trains."""
+    outcomes = []
+    for clear in (False, True):
+        model, reference = _net(), _net()
+        ddp, reference_ddp = DDP(model, bucket_cap_mb=0.0005, gradient_as_bucket_view=True), DDP(reference)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        ddp.register_comm_hook(zero, reduce_to_owners_hook)
+        plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for micro in range(2):
+            if clear:
+                zero.zero_grad()
+                plain.zero_grad()
+            ddp(_batch(rank, 0, micro)).square().mean().backward()
+            reference_ddp(_batch(rank, 0, micro)).square().mean().backward()
+        try:
+            zero.step()
+        except RuntimeError as error:
+            outcomes.append(str(error))
+            continue
+        plain.step()
+        _assert_close(model, reference, f"explicit step, cleared={clear}")
+        outcomes.append("ok")
+    return outcomes
+
+
+def test_bucket_views_rebuilt_do_not_hide_accumulation_before_the_first_step() -> None:
+    for refused, cleared in run_on_ranks(_explicit_bucket_view_body, 2, timeout=120):
+        assert refused.startswith("a backward added onto the gradients"), refused
+        assert cleared == "ok", cleared
