@@ -100,6 +100,8 @@ class AccumulationGuard:
             self._suspect[id(param)] = grad.any().logical_not()  # cleared through .data, which keeps the version?
         else:
             self._suspect.pop(id(param), None)
+            if left is not None:  # cleared since: nothing left to compare at the step or in the backward
+                del self._left[id(param)]
 
     def after_accumulation(self, param: Tensor) -> None:
         zero_before = self._suspect.pop(id(param), None)
@@ -110,7 +112,9 @@ class AccumulationGuard:
             self._zero_before[id(param)] = zero_before
 
     def cleared(self) -> None:
-        """``zero.zero_grad()``: whatever was added onto is gone."""
+        """``zero.zero_grad()``: whatever was added onto, or left, is gone (every ``.grad`` None or zeroed in place,
+        which bumps its version), so that a loop that clears its gradients has nothing to compare."""
+        self._left = {}
         self._added_onto.clear()
         self._was_zero.clear()
         self._zero_before.clear()
@@ -146,8 +150,13 @@ class AccumulationGuard:
 
     def _untouched(self) -> list[Tensor]:
         """The ``.grad`` of trainable parameters still as the last reducing backward left it."""
-        trainable = [key for key in self._left if getattr(self._watched[key](), "requires_grad", False)]
-        return [grad for grad in self._left_grads(trainable) if grad is not None]
+        grads = []
+        for key, (grad_ref, version) in self._left.items():
+            param = self._watched[key]()
+            grad = None if param is None or not param.requires_grad else param.grad
+            if grad is not None and grad is grad_ref() and grad._version == version:
+                grads.append(grad)
+        return grads
 
     def _left_grads(self, keys: list[int]) -> list[Tensor | None]:
         """Each parameter's ``.grad`` where it is still what the last reducing backward left (same tensor, same
