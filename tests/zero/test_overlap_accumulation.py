@@ -19,11 +19,12 @@ from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_
 from tests._dist import run_on_ranks
 
 HOOKS = [hook_with_zero_step, hook_with_zero_step_interleaved]
-HOWS = ["synced", "synced_bucket_view", "synced_static_graph", "synced_find_unused", "allreduce_synced"]
+ALLREDUCE = ["allreduce_synced", "allreduce_synced_bucket_view", "allreduce_synced_static_graph"]
+HOWS = ["synced", "synced_bucket_view", "synced_static_graph", "synced_find_unused", *ALLREDUCE]
 HOWS += ["zero_grad", "zero_grad_static_graph", "zero_grad_find_unused", "in_place", "data_zero"]
 HOWS += ["no_sync", "no_sync_bucket_view", "no_sync_find_unused"]
 REFUSED = ("synced", "synced_bucket_view", "synced_static_graph", "synced_find_unused")
-NOT_CLEARED = (*REFUSED, "allreduce_synced")  # two synced backwards with no clearing between them
+NOT_CLEARED = (*REFUSED, *ALLREDUCE)  # two synced backwards with no clearing between them
 
 
 def _net() -> nn.Module:
