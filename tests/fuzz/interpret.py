@@ -84,6 +84,9 @@ class Run:
         if sabotage == "lr":
             for group in self.subject.zero.param_groups:
                 group["lr"] *= 1.5
+        elif sabotage == "grad_tiny":  # every gradient 2.4e-4 relative too large: inside the old fp32 tolerance
+            for param in self.subject.model.parameters():
+                param.register_hook(lambda grad: grad * (1 + 2**-12))
         elif sabotage == "hang" and self.rank == 0:
             dist.barrier()  # a collective the other ranks never join
 
