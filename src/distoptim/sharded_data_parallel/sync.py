@@ -50,6 +50,9 @@ from distoptim.zero.partition import PartitionPlan
 __all__ = ["BucketedSync"]
 
 
+_Storage = tuple[tuple[Any, int], ...]  # each parameter's storage (held: its address is not reused) and data pointer
+
+
 class _Unit:
     """One bucket's sync: ``launch`` starts it, ``land`` finishes it."""
 
@@ -131,7 +134,7 @@ class BucketedSync(ParameterSync):
         self._landed = 0  # how many of them (from the first) have landed
         self._sums: list[Tensor | None] = []  # with overlap: each launched bucket's checksum of this rank's elements
         self._changed: list[Tensor] = []  # whether they changed before landing, for each landed bucket
-        self._storage: list[tuple[int, ...]] = []  # with overlap: where each launched bucket's parameters lay
+        self._storage: list[_Storage] = []  # with overlap: each launched bucket's parameters' storages, held
 
     def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
@@ -162,7 +165,7 @@ class BucketedSync(ParameterSync):
         """Land the buckets up to ``last`` (in forward order): local waiting and copying only."""
         while self._landed <= last and self._landed < len(self._launched):
             unit, before = self.units[self._landed], self._sums[self._landed] if self._sums else None
-            if self._storage and self._storage[self._landed] != _where(self.params_of[self._landed]):
+            if self._storage and not _same_storage(self._storage[self._landed], self.params_of[self._landed]):
                 raise RuntimeError(  # every rank runs the same program: each sees the new storage, and raises
                     "ShardedDataParallel(overlap_param_sync=True): parameters were given new storage "
                     "(module.to(), param.data = ...) while their sync from the last step was still in flight: "
@@ -177,6 +180,8 @@ class BucketedSync(ParameterSync):
                 now = _checksum(unit.owned(landed=True))
                 self._changed.append(before.new_ones((), dtype=torch.bool) if now is None else (now != before).any())
             self._launched[self._landed] = None
+            if self._storage:
+                self._storage[self._landed] = ()  # held until landed only
             self._landed += 1
 
     def in_flight(self, unit: int) -> bool:
@@ -224,10 +229,20 @@ _WRITTEN = (
 )
 
 
-def _where(params: Sequence[Tensor]) -> tuple[int, ...]:
-    """Where ``params`` lie (their data pointers), read without dispatch: a torch-function mode sees no read."""
+def _where(params: Sequence[Tensor]) -> _Storage:
+    """Where ``params`` lie, read without dispatch (a torch-function mode sees no read): their storages, held until
+    the landing, and data pointers. A data pointer alone is not enough: a storage freed by ``module.to()`` may give
+    its address to the new one on some ranks only, which then would not raise while the others do (a hang)."""
     with torch._C.DisableTorchFunction():
-        return tuple(p.data_ptr() for p in params)
+        return tuple((p.untyped_storage(), p.data_ptr()) for p in params)
+
+
+def _same_storage(launched: _Storage, params: Sequence[Tensor]) -> bool:
+    """Whether ``params`` still lie where they lay at launch: the same storages (by identity), the same pointers."""
+    now = _where(params)
+    return len(now) == len(launched) and all(
+        a._cdata == b._cdata and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True)
+    )
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wide accumulator is 10x slower)
