@@ -10,7 +10,7 @@ import torch
 
 from distoptim.averagers import PeriodicModelAverager
 from distoptim.averaging.averagers import params_to_average
-from distoptim.comm.averaging import group_by_device_dtype, node_subgroup_size
+from distoptim.comm.averaging import group_by_device, node_subgroup_size
 from distoptim.hooks import PostLocalSGDState
 
 
@@ -44,10 +44,10 @@ def test_params_to_average_rejects_what_it_cannot_average() -> None:
         params_to_average(["weight"])  # type: ignore[list-item]
 
 
-def test_group_by_device_dtype_keeps_first_appearance_order() -> None:
+def test_group_by_device_keeps_dtypes_together_in_first_appearance_order() -> None:
     f32a, f64, f32b, f16 = _param(1.0), _param(2.0, torch.float64), _param(3.0), _param(4.0, torch.float16)
-    runs = group_by_device_dtype([f32a, f64, f32b, f16])
-    assert [[id(t) for t in run] for run in runs] == [[id(f32a), id(f32b)], [id(f64)], [id(f16)]]
+    runs = group_by_device([f32a, f64, f32b, f16])  # one run per device: torch averages dtypes promoted together
+    assert [[id(t) for t in run] for run in runs] == [[id(f32a), id(f64), id(f32b), id(f16)]]
 
 
 def test_node_subgroup_size_follows_the_launcher_or_takes_the_whole_group() -> None:

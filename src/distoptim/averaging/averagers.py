@@ -1,7 +1,8 @@
 """Model averagers: average parameters across a process group on a schedule (the "model" half of post-local SGD).
 
 Each averager is a schedule (``group_at(step)``: which group averages at a step, if any) plus one shared
-averaging collective (``comm.average_tensors_``), which writes the average into the parameters in place.
+averaging collective (``comm.average_tensors_``: mixed dtypes averaged in their promoted dtype and rounded back
+once, as torch's averagers do), which writes the average into the parameters in place.
 The step counter ``step`` is plain visible state, advanced once per ``average_parameters`` call.
 """
 

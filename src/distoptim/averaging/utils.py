@@ -41,7 +41,7 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGro
         ```
     """
     group = comm.default_group(process_group)
-    comm.average_tensors_(list(params), group, promote_dtypes=True)
+    comm.average_tensors_(list(params), group)
 
 
 def get_params_to_average(params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:

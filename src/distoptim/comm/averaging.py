@@ -26,7 +26,6 @@ __all__ = [
     "completed_future",
     "default_group",
     "group_by_device",
-    "group_by_device_dtype",
     "group_size",
     "node_subgroup_size",
     "split_group",
@@ -85,14 +84,6 @@ def node_subgroup_size(total: int, environ: Mapping[str, str] | None = None) -> 
     return local
 
 
-def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Split ``tensors`` into runs sharing (device, dtype), keeping first-appearance order (same on every rank)."""
-    runs: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        runs.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return list(runs.values())
-
-
 def group_by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Split ``tensors`` into runs sharing a device, keeping first-appearance order (same on every rank)."""
     runs: dict[torch.device, list[torch.Tensor]] = {}
@@ -102,18 +93,17 @@ def group_by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]
 
 
 @torch.no_grad()
-def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup, *, promote_dtypes: bool = False) -> None:
-    """Replace every tensor by its mean over ``group``, in place (storage kept), one all-reduce per (device, dtype).
+def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    """Replace every tensor by its mean over ``group``, in place (storage kept): one all-reduce per device.
 
-    With ``promote_dtypes``, one all-reduce per device in the tensors' promoted dtype, each result rounded back to
-    its tensor's dtype once: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``'s arithmetic.
-    Ranks outside ``group`` leave their tensors untouched.
+    Mixed dtypes are packed into their promoted dtype, divided, all-reduced and each result rounded back to its
+    tensor's dtype once: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``'s arithmetic,
+    so torch's averagers and these agree bit for bit. Ranks outside ``group`` leave their tensors untouched.
     """
     if not is_member(group):
         return
     size = group_size(group)
-    split = group_by_device if promote_dtypes else group_by_device_dtype
-    for run in split([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones
+    for run in group_by_device([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones
         flat = pack(run)
         flat.div_(size)
         dist.all_reduce(flat, group=group)
