@@ -287,3 +287,41 @@ def _static_graph_body(rank: int, world_size: int) -> None:
 
 def test_a_static_graph_counts_its_first_iteration() -> None:
     run_on_ranks(_static_graph_body, 2)
+
+
+class _ThreeDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16).bfloat16(), nn.Linear(16, 16).double(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x.bfloat16())).double())).float())
+
+
+def _mixed_train(rank: int, impl: tuple[Any, ...], subgroup: dist.ProcessGroup) -> list[list[torch.Tensor]]:
+    """DDP over bf16/f64/f32 layers with ``impl``'s hook and post-local-SGD optimizer: each step's gradients (what
+    the hook averaged) and parameters (what the averager averaged)."""
+    state_cls, hook, optimizer_cls, averager_cls = impl
+    torch.manual_seed(0)
+    model = DDP(_ThreeDtypes(), bucket_cap_mb=BUCKET_CAP_MB)
+    model.register_comm_hook(state_cls(None, subgroup, start_localSGD_iter=2), hook)
+    optim = optimizer_cls(torch.optim.SGD(model.parameters(), lr=0.1), averager_cls(period=2, warmup_steps=2))
+    history = []
+    for step in range(6):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        optim.zero_grad()
+        model(x).square().mean().backward()
+        history.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        optim.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def _mixed_dtypes_body(rank: int, world_size: int) -> None:
+    subgroup = dist.new_group(list(range(world_size)))  # a subgroup object of its own after warm-up
+    _assert_same(_mixed_train(rank, OURS, subgroup), _mixed_train(rank, _theirs(), subgroup))
+
+
+def test_hook_and_optimizer_average_mixed_dtypes_as_torch() -> None:
+    """Three ranks (dividing by 3 rounds), bf16/f64/f32 buckets and parameters: bitwise torch's numbers."""
+    run_on_ranks(_mixed_dtypes_body, 3)
