@@ -2,12 +2,12 @@
 
 ``hook_with_zero_step`` steps every owned parameter at the end of the backward, then syncs;
 ``hook_with_zero_step_interleaved`` steps (and starts syncing) each bucket's owned parameters while the next bucket
-is being reduced, and finishes at the end of the backward. By default they keep torch's warm-up: the first two
-hooked backwards (three under ``static_graph``) take no step, their gradients averaged into ``.grad`` as DDP alone
-would leave them. ``step_from_first_backward=True`` steps from the first backward, which is possible here because
-ownership comes from ZeRO's own partition plan, never from DDP's buckets. "The end of the backward" is the autograd
-engine's (a callback queued at a backward's first bucket), never DDP's bucket numbering: in DDP's static-graph first
-iteration every bucket arrives as index 0 and none as the last.
+is being reduced, and finishes at the end of the backward. By default they keep torch's warm-up (no step until DDP
+has rebuilt its buckets, nor in the backward after: ``OverlapStepper.begin_backward``), their gradients averaged
+into ``.grad`` as DDP alone would leave them. ``step_from_first_backward=True`` steps from the first backward,
+which is possible here because ownership comes from ZeRO's own partition plan, never from DDP's buckets. "The end of
+the backward" is the autograd engine's (a callback queued at a backward's first bucket), never DDP's bucket
+numbering: in DDP's static-graph first iteration every bucket arrives as index 0 and none as the last.
 
 Each backward the ranks agree (one small all-reduce on the control plane, as ``step()`` does) on the parameters they
 train and their hyperparameters, so that a parameter unfrozen between steps gets an owner before it is stepped, and a
@@ -39,7 +39,7 @@ from distoptim._flat import view_like
 from distoptim.comm import collectives as comm
 from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
-from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.overlap import OverlapStepper, buckets_final
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -122,14 +122,9 @@ def _checked_stepper(
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)
     stepper.hooked = True
-    stepper.warmup_backwards = 0 if step_from_first_backward else _warmup_backwards(ddp)
+    if step_from_first_backward:
+        stepper.skip_warmup()
     return stepper
-
-
-def _warmup_backwards(ddp: DistributedDataParallel) -> int:
-    """torch's count of the backwards its overlap hooks take no step in: DDP's buckets are final at the second
-    forward, at the third under ``static_graph``, and torch's hook learns them in the backward after that."""
-    return 3 if ddp.static_graph else 2
 
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
@@ -182,8 +177,9 @@ class _Backward:
     """What an overlap hook keeps during one backward: the buckets handed over so far, and whether the end of the
     backward is already scheduled."""
 
-    def __init__(self, stepper: OverlapStepper) -> None:
+    def __init__(self, stepper: OverlapStepper, ddp: DistributedDataParallel) -> None:
         self.stepper = stepper
+        self.buckets_final = buckets_final(ddp)
         self.pending: list[_BucketReduction] = []
         self.scheduled = False
         self.checked = False
@@ -211,8 +207,10 @@ def hook_with_zero_step(
         shard_buckets: accepted for compatibility with torch (default False); parameters are always sharded by
             ZeRO's own plan.
         step_from_first_backward: step from the first backward (distoptim's addition). By default (False) the
-            first two backwards, three with DDP's ``static_graph``, take no step, as torch's hooks take none while
-            DDP rebuilds its buckets: code that prepends dummy inputs, as torch advises, trains as under torch.
+            hooked backwards take no step until DDP has rebuilt its buckets, nor in the one after, as torch's hooks
+            (the first two of a fresh model, three with ``static_graph``; under ``find_unused_parameters``, where
+            DDP never rebuilds and torch never steps, the first two hooked ones): code written for torch, dummy
+            inputs first as torch advises, trains as under torch.
 
     Raises:
         TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
@@ -228,7 +226,7 @@ def hook_with_zero_step(
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
         for batch in data:
             zero.zero_grad()
-            loss_fn(ddp(batch)).backward()  # steps the optimizer (from the third backward); zero.step() is optional
+            loss_fn(ddp(batch)).backward()  # steps the optimizer (after the warm-up); zero.step() is optional
         ```
 
     Gradients are those DDP + a plain optimizer would use (the bucket's layout, none for a parameter no rank
@@ -238,7 +236,7 @@ def hook_with_zero_step(
     Clipping cannot take part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
     """
     stepper = _checked_stepper(ddp, zero, hook, step_from_first_backward)
-    backward = _Backward(stepper)
+    backward = _Backward(stepper, ddp)
 
     def finish() -> None:
         pending, backward.pending, backward.scheduled = backward.pending, [], False
@@ -285,7 +283,7 @@ def _start_of_bucket(
     if backward.scheduled:
         return False
     backward.scheduled = True
-    backward.warmup = backward.stepper.begin_backward()
+    backward.warmup = backward.stepper.begin_backward(backward.buckets_final)
     if in_backward():
         at_end_of_backward(finish)
     return True
@@ -352,7 +350,7 @@ def hook_with_zero_step_interleaved(
     next collective until the group's timeout.
     """
     stepper = _checked_stepper(ddp, zero, hook, step_from_first_backward)
-    backward = _Backward(stepper)
+    backward = _Backward(stepper, ddp)
     syncs: list[Any] = []
     direct: list[Any] = []
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim import _host
 from distoptim._flat import copy_each_
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
@@ -24,7 +25,10 @@ from distoptim.zero.layouts import FlatLayout, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = ["OverlapStepper"]
+__all__ = ["OverlapStepper", "buckets_final"]
+
+# The warm-up's stages: waiting for DDP's final buckets, the backward after them (torch's hook learns them), over.
+_WAITING, _LEARNING, _OVER = "waiting", "learning", "over"
 
 # torch.optim.lr_scheduler reads this attribute to tell whether optimizer.step() ran before its own step().
 _SCHEDULER_SAW_STEP = "_opt_called"
@@ -48,7 +52,7 @@ class OverlapStepper:
         self.group, self.collectives = group, collectives
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
         self.hooked = False
-        self.warmup_backwards = 0  # hooked backwards still to come that take no step (torch's warm-up; the hook's)
+        self._warmup = _WAITING  # torch's warm-up: no step until DDP's buckets are final, then one more backward
         self.stepped = False  # by a hook since the last zero_grad()
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self.deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
@@ -101,13 +105,27 @@ class OverlapStepper:
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
 
-    def begin_backward(self) -> bool:
-        """At a hooked backward's first bucket: whether it is one of the warm-up backwards, which take no step (the
-        count goes down by one)."""
-        if self.warmup_backwards <= 0:
-            return False
-        self.warmup_backwards -= 1
-        return True
+    @property
+    def warmup_over(self) -> bool:
+        """Whether the hooked backwards step now: the warm-up is over (or was skipped: ``step_from_first_backward``)."""
+        return self._warmup == _OVER
+
+    def skip_warmup(self) -> None:
+        self._warmup = _OVER
+
+    def begin_backward(self, buckets_final: Callable[[], bool]) -> bool:
+        """At a hooked backward's first bucket: whether it is a warm-up backward, which takes no step.
+
+        torch's hooks take none until DDP has rebuilt its buckets (``buckets_final``, asked only while waiting for
+        it), and none in the backward after that (where they learn the buckets); every backward after steps.
+        """
+        if self._warmup == _WAITING:
+            if buckets_final():
+                self._warmup = _LEARNING
+            return True
+        if self._warmup == _LEARNING:
+            self._warmup = _OVER
+        return False
 
     def skip_step(self) -> None:
         """The end of a warm-up backward: nothing stepped (no state, no sync, no scheduler mark), but ``zero_grad``
@@ -210,6 +228,25 @@ class OverlapStepper:
         """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
         grad = next((p.grad for p in self.global_params if p.requires_grad), None)
         return None if grad is None else (id(grad), grad._version)
+
+
+def buckets_final(ddp: Any) -> Callable[[], bool]:
+    """Whether ``ddp``'s buckets are final (the end of torch's warm-up), asked at each warm-up backward's first
+    bucket (torch's hooks ask at every bucket: the answer does not change within a backward)."""
+    asked = []
+
+    def final() -> bool:
+        asked.append(True)
+        if ddp.find_unused_parameters and not ddp.static_graph:  # DDP never rebuilds: torch's hooks never step
+            return len(asked) >= 2  # distoptim takes them final where DDP would rebuild them, alike on every rank
+        # DDP tells it only by this private flag, which torch's hooks read; a rank that joined (Join) before the
+        # rebuild never sets it (DDP's join hook rebuilds without it), so the ranks agree on it: MAX over DDP's group
+        device = comm.comm_device(ddp.process_group, [p.device for p in ddp.module.parameters()])
+        flag = torch.tensor([ddp._has_rebuilt_buckets], dtype=torch.uint8, device=device)
+        comm.all_reduce_(flag, ddp.process_group, "max")
+        return bool(_host.read(flag, "whether DDP rebuilt its buckets")[0])
+
+    return final
 
 
 def _shares(layouts: list[FlatLayout], group: comm.Group) -> list[int]:
