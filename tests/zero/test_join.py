@@ -229,3 +229,60 @@ def _refusals_body(rank: int, world_size: int) -> None:
 
 def test_join_refusals_on_every_rank() -> None:
     run_on_ranks(_refusals_body, 2)
+
+
+def _two_weights() -> nn.Module:
+    """Two weights of one size: the greedy and the even partitions give each rank one of them (torch's owners)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+
+
+def _train_scheduled(rank: int, build: Any, batches: list[int], bump_on: int = -1) -> list[torch.Tensor]:
+    """DDP + an optimizer under ``Join`` with a StepLR stepped after every step: a joined rank's scheduler stops, so
+    its lr is its own. Rank ``bump_on`` doubles its lr alone at its third step (a change no other rank made)."""
+    model = _two_weights()
+    ddp = DDP(model)
+    optim = build(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+    with Join([ddp, optim]):
+        for iteration in range(batches[rank]):
+            optim.zero_grad()
+            ddp(
+                torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * iteration + rank))
+            ).square().sum().backward()
+            if rank == bump_on and iteration == 2:
+                optim.param_groups[0]["lr"] *= 2
+            optim.step()
+            scheduler.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _scheduled_body(rank: int, world_size: int) -> None:
+    """torch's ZeRO steps a joined rank's shard with that rank's own lr; distoptim does too, bitwise, in both
+    partitions (their owners are torch's here)."""
+    torchs = _train_scheduled(rank, lambda ps: TorchZero(ps, torch.optim.SGD, **SGD), [3, 6])
+    for partition in ["greedy", "even"]:
+        build = lambda ps, partition=partition: ZeroRedundancyOptimizer(ps, torch.optim.SGD, partition=partition, **SGD)
+        for a, b in zip(_train_scheduled(rank, build, [3, 6]), torchs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, w=partition: f"{w}: {m}")
+
+
+def test_lr_scheduler_under_join_matches_torchs_zero() -> None:
+    run_on_ranks(_scheduled_body, 2)
+
+
+def _training_ranks_disagree_body(rank: int, world_size: int) -> None:
+    """Rank 0 has joined (its lr is its own); rank 1 changes its lr alone: every rank raises, the joined one too."""
+    torch.testing.assert_close(  # torch's ZeRO runs it (no check): the reference for what is not refused
+        _train_scheduled(rank, lambda ps: TorchZero(ps, torch.optim.SGD, **SGD), [1, 4, 4], bump_on=-1),
+        _train_scheduled(rank, lambda ps: ZeroRedundancyOptimizer(ps, torch.optim.SGD, **SGD), [1, 4, 4]),
+        rtol=0,
+        atol=0,
+    )
+    build = lambda ps: ZeroRedundancyOptimizer(ps, torch.optim.SGD, **SGD)
+    with pytest.raises(ValueError, match=r"step: rank (1 and rank 2|2 and rank 1) disagree \(param group 0: 'lr' "):
+        _train_scheduled(rank, build, [1, 4, 4], bump_on=1)
+
+
+def test_hyperparameters_of_training_ranks_still_agree_under_join() -> None:
+    run_on_ranks(_training_ranks_disagree_body, 3, timeout=300)

@@ -50,3 +50,65 @@ def test_overlap_hooks_under_join(hook_name: str, find_unused: Any) -> None:
     results = run_on_ranks(_join_unused_body, 2, hook_name, find_unused, timeout=60)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+BATCHES = [2, 4]  # rank r's number of batches: rank 0 joins early
+
+
+def _lr(rank: int, step: int) -> float:
+    """Rank ``rank``'s lr at ``step`` under StepLR(1, 0.5): it stops halving once the rank has joined."""
+    return float(KW["lr"] * 0.5 ** min(step, BATCHES[rank]))
+
+
+def _scheduled_overlap_body(rank: int, world_size: int, hook_name: str) -> tuple[list[torch.Tensor], list[int]]:
+    """Overlap mode under ``Join`` with a StepLR stepped after every step: the joined rank's shard is stepped (by
+    DDP's join hook, through the comm hook) with that rank's own lr, its scheduler having stopped with its inputs."""
+    from torch.distributed.algorithms.join import Join
+
+    from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
+
+    model = _net()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, **KW)
+    hook = {"hook": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}[hook_name]
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
+    scheduler = torch.optim.lr_scheduler.StepLR(zero, 1, gamma=0.5)
+    with Join([ddp, zero]):
+        for step in range(BATCHES[rank]):
+            zero.zero_grad()
+            ddp(_x(rank, step)).square().mean().backward()
+            zero.step()
+            scheduler.step()
+    owners = [zero.fragments_of(p)[0].rank for p in model.parameters()]  # greedy: whole parameters
+    return [p.detach().clone() for p in model.parameters()], owners
+
+
+def _reference(owners: list[int]) -> list[torch.Tensor]:
+    """DDP + plain SGD, one optimizer per owner: each owner steps its parameters with the DDP average (a joined rank
+    gives zeros) and its own lr, as torch's ZeroRedundancyOptimizer does once a rank has joined."""
+    model = _net()
+    params = list(model.parameters())
+    optims = [torch.optim.SGD([p for p, owner in zip(params, owners) if owner == r], **KW) for r in range(len(BATCHES))]
+    for step in range(max(BATCHES)):
+        model.zero_grad()
+        for r, count in enumerate(BATCHES):
+            if step < count:
+                model(_x(r, step)).square().mean().backward()
+        for p in params:
+            assert p.grad is not None
+            p.grad.div_(len(BATCHES))
+        for r, optim in enumerate(optims):
+            optim.param_groups[0]["lr"] = _lr(r, step)
+            optim.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("hook_name", ["hook", "interleaved"])
+def test_lr_scheduler_under_join_matches_ddp_and_sgd_per_owner(hook_name: str) -> None:
+    """torch's overlap mode refuses gloo: the reference is DDP + plain SGD, one per owner."""
+    results = run_on_ranks(_scheduled_overlap_body, 2, hook_name, timeout=60)
+    (ours, owners), (theirs, _) = results
+    assert sorted(set(owners)) == [0, 1]  # each rank owns some parameter
+    for a, b, c in zip(ours, theirs, _reference(owners)):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)

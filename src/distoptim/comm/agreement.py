@@ -3,6 +3,8 @@ succeeded and whether their fingerprints match, so that all ranks raise the same
 
 A fingerprint maps "what {} is" templates to canonical values; when two ranks disagree, a second round gathers
 the fingerprints and names the first difference, with both values in the template's "{}". Nothing here needs numpy.
+A fingerprint's ``STEPPING_ONLY`` entry (a fingerprint itself) is compared only among the ranks that give it: a
+rank joined under ``Join`` steps with its own hyperparameters, as torch's ZeroRedundancyOptimizer does: it gives none.
 Agreements travel on the group's control twin (``_groups.control_group``: the group itself under gloo, a gloo twin
 under NCCL): their values are host values, and reading a GPU tensor back would stall the CPU on the GPU's queue.
 """
@@ -20,11 +22,23 @@ from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.comm.released import release
 
-__all__ = ["SAME_EVERYWHERE", "STEP_FIX", "Fingerprint", "agree_across_ranks", "run_agreed", "run_step_agreed"]
+__all__ = [
+    "SAME_EVERYWHERE",
+    "STEPPING_ONLY",
+    "STEP_FIX",
+    "Fingerprint",
+    "agree_across_ranks",
+    "run_agreed",
+    "run_step_agreed",
+]
 
 Fingerprint = dict[str, Any]  # "what {} is" -> a canonical value; "{}" takes "<mine> vs <theirs>" in messages
 
 _DIGEST_WORDS = 4  # 4 x 62 bits of a sha256: non-negative int64 words whose negation cannot overflow
+_ABSENT = -(1 << 62)  # a rank without a STEPPING_ONLY part: below every negated digest word, so it moves no maximum
+
+STEPPING_ONLY = "(compared among the ranks stepping only)"
+"""A fingerprint's key whose value (a fingerprint) only the ranks giving it compare (a rank joined under Join: none)."""
 
 _T = TypeVar("_T")
 
@@ -56,17 +70,14 @@ def agree_across_ranks(
     groups = [group] if isinstance(group, dist.ProcessGroup) else list(group)
     controls, cpu = [control_group(g) for g in groups], torch.device("cpu")
     failed = isinstance(local, BaseException)
-    words = [0] * _DIGEST_WORDS if isinstance(local, BaseException) else _digest(local)
-    summary = torch.tensor(
-        [int(failed), -int(failed), *map(int, flags), *words, *(-w for w in words)], dtype=torch.int64
-    )
+    words, optional = _words(None if isinstance(local, BaseException) else local)
+    summary = torch.tensor([int(failed), -int(failed), *map(int, flags), *words, *optional], dtype=torch.int64)
     for control in controls:  # the maxima over each group in turn: the maxima over their union
         dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=control)
     release(summary)  # gloo's thread lets go of it now, not while the interpreter exits (an abort)
     maxima = summary.tolist()  # a CPU tensor: no device to wait for
     any_failed, all_failed = maxima[0] == 1, -maxima[1] == 1
     flagged, digests = tuple(value == 1 for value in maxima[2 : 2 + len(flags)]), maxima[2 + len(flags) :]
-    agreed = digests[:_DIGEST_WORDS] == [-w for w in digests[_DIGEST_WORDS:]]
     if isinstance(local, BaseException) and all_failed:
         raise local
     if any_failed:
@@ -76,7 +87,7 @@ def agree_across_ranks(
             raise local
         rank, message = found if found is not None else ("of another group", "(see that rank's error)")
         raise ValueError(f"{what} failed on rank {rank}: {message}")
-    if not isinstance(local, BaseException) and not agreed:
+    if not isinstance(local, BaseException) and not _agreed(digests):
         for control in controls:
             _raise_first_disagreement(local, all_gather_objects(local, control, cpu), control, what, fix)
         raise ValueError(f"{what}: the ranks' settings differ (between groups of ranks); {fix}")
@@ -91,6 +102,29 @@ def _first_of_everyone(value: Any, controls: list[dist.ProcessGroup], global_ran
             if other is not None:
                 return (dist.get_global_rank(control, rank) if global_ranks else rank), other
     return None
+
+
+def _words(local: Fingerprint | None) -> tuple[list[int], list[int]]:
+    """This rank's digest words and their negations, for its fingerprint and for its ``STEPPING_ONLY`` part (a rank
+    without one gives words that move no maximum: 0 and ``_ABSENT``)."""
+    if local is None:  # a failed rank: its words are never compared
+        return [0] * 2 * _DIGEST_WORDS, [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
+    always = {key: value for key, value in local.items() if key != STEPPING_ONLY}
+    words = _digest(always)
+    if STEPPING_ONLY not in local:
+        return [*words, *(-w for w in words)], [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
+    optional = _digest(local[STEPPING_ONLY])
+    return [*words, *(-w for w in words)], [*optional, *(-w for w in optional)]
+
+
+def _agreed(digests: list[int]) -> bool:
+    """Whether the maxima of the digests equal those of their negations: both parts, the optional one where any
+    rank gave it."""
+    n = _DIGEST_WORDS
+    always, optional = digests[: 2 * n], digests[2 * n :]
+    same = always[:n] == [-w for w in always[n:]]
+    absent = optional[n:] == [_ABSENT] * n
+    return same and (absent or optional[:n] == [-w for w in optional[n:]])
 
 
 def _digest(local: Fingerprint) -> list[int]:
@@ -141,30 +175,49 @@ def run_step_agreed(
     fingerprint: Callable[[], Fingerprint],
     group: Groups,
     flags: Callable[[_T | None], Sequence[bool]] = lambda result: (),
+    joined: bool = False,
 ) -> tuple[_T, tuple[bool, ...]]:
     """``action()``, a step's local part, then ``run_agreed``'s all-reduce: every rank raises if it raised on any, or
     if the ranks' ``fingerprint()`` (which parameters they train, with which hyperparameters) now differ because a
     setting was changed on some ranks only. Returns the action's result and, for each of ``flags(result)``
-    (``flags(None)`` on a rank whose action raised: as many, all False), whether it held on any rank."""
-    return _run(action, group, "step", (Exception,), lambda _: fingerprint(), STEP_FIX, flags)
+    (``flags(None)`` on a rank whose action raised: as many, all False), whether it held on any rank. A ``joined``
+    rank (Join, uneven inputs) leaves out its ``STEPPING_ONLY`` part: it steps with its own hyperparameters."""
+    return _run(action, group, "step", (Exception,), lambda _: _as_joined(fingerprint(), joined), STEP_FIX, flags)
+
+
+def _as_joined(local: Fingerprint, joined: bool) -> Fingerprint:
+    return {key: value for key, value in local.items() if key != STEPPING_ONLY} if joined else local
 
 
 def _raise_first_disagreement(
     local: Fingerprint, everyone: list[Fingerprint], group: dist.ProcessGroup, what: str, fix: str
 ) -> None:
+    """Name the first difference this rank sees; a rank that sees none (a joined one, which gives no
+    ``STEPPING_ONLY`` part) names the first between two others, so that every rank raises the same kind of error."""
     me = dist.get_rank(group)
-    for rank, other in enumerate(everyone):
-        difference = _first_difference(local, other)
+    pairs = [(me, rank) for rank in range(len(everyone))]
+    pairs += [(a, b) for a in range(len(everyone)) for b in range(a + 1, len(everyone))]
+    for a, b in pairs:
+        difference = _first_difference(local if a == me else everyone[a], everyone[b])
         if difference is not None:
-            raise ValueError(f"{what}: rank {me} and rank {rank} disagree ({difference}); {fix}")
+            raise ValueError(f"{what}: rank {a} and rank {b} disagree ({difference}); {fix}")
 
 
 def _first_difference(mine: Fingerprint, theirs: Fingerprint) -> str | None:
+    """The first entry that differs; ``STEPPING_ONLY`` entries only where both ranks give them."""
+    if STEPPING_ONLY in mine and STEPPING_ONLY in theirs:
+        mine, theirs = _flat(mine), _flat(theirs)
+    else:
+        mine, theirs = ({k: v for k, v in side.items() if k != STEPPING_ONLY} for side in (mine, theirs))
     for template in [*mine, *(key for key in theirs if key not in mine)]:
         a, b = (_show(side, template) for side in (mine, theirs))
         if a != b:
             return template.replace("{}", f"{a} vs {b}", 1)
     return None
+
+
+def _flat(entries: Fingerprint) -> Fingerprint:
+    return {**{k: v for k, v in entries.items() if k != STEPPING_ONLY}, **entries[STEPPING_ONLY]}
 
 
 def _show(entries: Fingerprint, template: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distoptim.comm.agreement import Fingerprint
+from distoptim.comm.agreement import STEPPING_ONLY, Fingerprint
 from distoptim.zero.elementwise import class_name
 
 __all__ = ["fingerprint", "step_fingerprint"]
@@ -61,13 +61,15 @@ def _canonical(value: Any) -> Any:
 
 def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) -> Fingerprint:
     """What every rank must step with alike: which parameters are trainable (by global index), and each param group's
-    hyperparameters (tensor-valued ones on a device by dtype and shape only)."""
-    entries: Fingerprint = {"the parameters that require grad, by index: {}": _trainable_indices(trainability)}
+    hyperparameters (tensor-valued ones on a device by dtype and shape only). The hyperparameters are compared
+    among the stepping ranks only (``STEPPING_ONLY``): a rank joined under Join steps with its own, as in torch."""
+    hyperparameters: Fingerprint = {}
     for index, group in enumerate(param_groups):
         for key, value in group.items():
             if key != "params":
-                entries[f"param group {index}: {key!r} {{}}"] = _canonical(value)
-    return entries
+                hyperparameters[f"param group {index}: {key!r} {{}}"] = _canonical(value)
+    trainable = _trainable_indices(trainability)
+    return {"the parameters that require grad, by index: {}": trainable, STEPPING_ONLY: hyperparameters}
 
 
 def _trainable_indices(trainability: Sequence[bool]) -> tuple[int, ...]:

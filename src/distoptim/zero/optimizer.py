@@ -309,7 +309,7 @@ class ZeroRedundancyOptimizer(
         return stepping.agreed_step(action, self._fingerprint, self.agreement_groups)
 
     def _agreed(self, action: Callable[[], Any]) -> Any:
-        return stepping.agreed(action, self._fingerprint, self.agreement_groups)
+        return stepping.agreed(action, self._fingerprint, self.agreement_groups, stepping.shadowing(self))
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""

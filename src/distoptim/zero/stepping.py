@@ -7,7 +7,9 @@ Under a ``torch.amp.GradScaler`` the same agreement carries each rank's inf/nan 
 after it (agreed once more) only when no rank found one: every rank skips the same steps. The optimizer's ``step``
 composes them (``optimizer.py``); the overlap hooks and the Join hook use the agreements too. A rank joined under
 ``Join`` (uneven inputs) steps its shard with its ``.grad`` as torch's ZeRO does, once the ranks have agreed (the
-agreement carries a flag saying a rank is joined; the others then agree once more, after its local step).
+agreement carries a flag saying a rank is joined; the others then agree once more, after its local step). A joined
+rank's hyperparameters are its own (its LR scheduler stopped with its inputs), as in torch: they are compared among
+the ranks still training only.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from distoptim._backward import in_backward
 from distoptim.comm import agreement
 from distoptim.zero import amp
 from distoptim.zero.shard import LocalShard
 
-__all__ = ["JOIN_WITH_SCALER", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
+__all__ = ["JOIN_WITH_SCALER", "Prepared", "agreed", "agreed_step", "shadowing", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -54,17 +57,28 @@ def agreed_step(
         flags=lambda done: (
             (False, False, joined) if done is None or done[1] is None else (True, done[1].found_here, joined)
         ),
+        joined=joined,
     )
     if any_joined:
         if scaled:
             raise RuntimeError(JOIN_WITH_SCALER)
-        agreed(joined_step or (lambda: None), fingerprint, groups)
+        agreed(joined_step or (lambda: None), fingerprint, groups, joined)
     return prepared, scaled, found_inf
 
 
-def agreed(action: Callable[[], _T], fingerprint: Fingerprint, groups: Sequence[dist.ProcessGroup]) -> _T:
-    """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing)."""
-    return agreement.run_step_agreed(action, fingerprint, list(groups))[0]
+def agreed(
+    action: Callable[[], _T], fingerprint: Fingerprint, groups: Sequence[dist.ProcessGroup], joined: bool = False
+) -> _T:
+    """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing, or on
+    its own step, with its own hyperparameters: those of the ranks still training are compared among them only)."""
+    return agreement.run_step_agreed(action, fingerprint, list(groups), joined=joined)[0]
+
+
+def shadowing(zero: Any) -> bool:
+    """In overlap mode, whether this rank is joined (Join): DDP's join hook runs the comm hook, which steps, outside
+    of any backward. (An agreement all ranks make outside of one, such as a state_dict's, then compares no
+    hyperparameters: no step follows it.)"""
+    return zero.overlap_stepper is not None and not in_backward()
 
 
 def step_local_optimizer(
