@@ -112,3 +112,29 @@ def test_lr_scheduler_under_join_matches_ddp_and_sgd_per_owner(hook_name: str) -
     for a, b, c in zip(ours, theirs, _reference(owners)):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)
+
+
+def _overlap_disagree_body(rank: int, world_size: int) -> None:
+    """Rank 0 has joined (its lr is its own); rank 1 changes its lr alone: every rank raises, the joined one too."""
+    from torch.distributed.algorithms.join import Join
+
+    from distoptim.hooks import allreduce_hook, hook_with_zero_step
+
+    model = _net()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, **KW)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero, step_from_first_backward=True))
+    scheduler = torch.optim.lr_scheduler.StepLR(zero, 1, gamma=0.5)
+    disagree = r"step: rank (1 and rank 2|2 and rank 1) disagree \(param group 0: 'lr' "
+    with pytest.raises(ValueError, match=disagree), Join([ddp, zero]):
+        for step in range([1, 4, 4][rank]):
+            zero.zero_grad()
+            if rank == 1 and step == 2:
+                zero.param_groups[0]["lr"] *= 2
+            ddp(_x(rank, step)).square().mean().backward()
+            zero.step()
+            scheduler.step()
+
+
+def test_training_ranks_still_agree_on_hyperparameters_under_join() -> None:
+    run_on_ranks(_overlap_disagree_body, 3, timeout=120)
