@@ -66,7 +66,7 @@ def _slowest(*seconds: float) -> list[float]:
 
 def _timed_agreement() -> tuple[dict[str, float], Callable[[], None]]:
     """Wrap ``agreement.run_step_agreed`` to time the local part (the action) and the whole; undo with the callable."""
-    from distoptim.zero import agreement
+    from distoptim.comm import agreement
 
     original = agreement.run_step_agreed
     seen = {"action": 0.0, "agreed": 0.0}
