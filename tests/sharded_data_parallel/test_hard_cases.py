@@ -627,10 +627,14 @@ class _Fails(Exception):
     pass
 
 
-def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
-    """Each rank's backward raises after the last layer's buckets launched; then either ``zero_grad()`` and two
-    steps (compared with DDP + the plain optimizer that never saw the failed batch) or, without ``zero_grad``, a
-    forward and a step (each must refuse)."""
+def _fail(*_: Any) -> None:
+    """A backward pre-hook that raises: a backward that fails midway."""
+    raise _Fails("the backward fails here")
+
+
+def _even_chain_beside_ddp(rank: int, flag: bool) -> tuple[Any, ...]:
+    """A 4-layer chain under ShardedDataParallel (even) and its twin under DDP + the plain optimizer, and a step of
+    both on this rank's batch ``step`` (``flag``: the chain's second forward argument)."""
     model, reference = Chain(4), Chain(4)
     zero, sdp = _sdp(model, partition="even")
     ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
@@ -638,8 +642,17 @@ def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
     def step_both(step: int) -> None:
         for opt, wrapper in ((zero, sdp), (plain, ddp)):
             opt.zero_grad()
-            wrapper(_x(rank, step), False).square().mean().backward()
+            wrapper(_x(rank, step), flag).square().mean().backward()
             opt.step()
+
+    return model, reference, zero, sdp, plain, step_both
+
+
+def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
+    """Each rank's backward raises after the last layer's buckets launched; then either ``zero_grad()`` and two
+    steps (compared with DDP + the plain optimizer that never saw the failed batch) or, without ``zero_grad``, a
+    forward and a step (each must refuse)."""
+    model, reference, zero, sdp, _plain, step_both = _even_chain_beside_ddp(rank, False)
 
     step_both(0)
     zero.zero_grad()
@@ -671,24 +684,13 @@ def _unequal_failed_backward_body(rank: int, world_size: int, clear: str, betwee
     buckets launched, rank 1 after one), with ``between`` its forward and it another forward (none, one without
     gradients, one with), cleared through ``clear``; then training goes on and must end as DDP + the
     plain optimizer's without that batch."""
-    model, reference = Chain(4), Chain(4)
-    zero, sdp = _sdp(model, partition="even")
-    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
-
-    def step_both(step: int) -> None:
-        for opt, wrapper in ((zero, sdp), (plain, ddp)):
-            opt.zero_grad()
-            wrapper(_x(rank, step), True).square().mean().backward()
-            opt.step()
-
-    def fail(*_: Any) -> None:
-        raise _Fails("the backward fails here")
+    model, reference, zero, sdp, _plain, step_both = _even_chain_beside_ddp(rank, True)
 
     step_both(0)
     with contextlib.suppress(_Fails):
         if between == "another_backward_first":  # two forwards; the first's backward finishes, the second's raises
             first = sdp(_x(rank, 9), True).square().mean()
-        handle = model.layers[1 + rank].register_full_backward_pre_hook(fail)
+        handle = model.layers[1 + rank].register_full_backward_pre_hook(_fail)
         loss = sdp(_x(rank, 1), True).square().mean()
         if between == "no_grad_forward":  # an evaluation between the forward and its backward
             with torch.no_grad():
@@ -766,13 +768,10 @@ def _zeros_where_some_rank_reached_body(rank: int, world_size: int) -> list[bool
     model = _Side()
     zero, sdp = _sdp(model, partition="even")
 
-    def fail(*_: Any) -> None:
-        raise _Fails("the backward fails here")
-
     sdp(_x(rank, 0), False).square().mean().backward()
     zero.step()
     before = model.side.weight.detach().clone()
-    handle = (model.trunk1 if rank == 0 else model.side).register_full_backward_pre_hook(fail)
+    handle = (model.trunk1 if rank == 0 else model.side).register_full_backward_pre_hook(_fail)
     with contextlib.suppress(_Fails):
         sdp(_x(rank, 1), True).square().mean().backward()
     handle.remove()
@@ -809,21 +808,10 @@ def _wrapper_clear_then_step_body(rank: int, world_size: int) -> None:
     """A backward through the wrapper that raises in a layer's backward pre-hook, cleared through ``model.zero_grad()``
     (the wrapper's, a documented recovery), then a step with no gradient, then training: as DDP + the plain optimizer
     without that batch."""
-    model, reference = Chain(4), Chain(4)
-    zero, sdp = _sdp(model, partition="even")
-    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
-
-    def step_both(step: int) -> None:
-        for opt, wrapper in ((zero, sdp), (plain, ddp)):
-            opt.zero_grad()
-            wrapper(_x(rank, step), True).square().mean().backward()
-            opt.step()
-
-    def fail(*_: Any) -> None:
-        raise _Fails("the backward fails here")
+    model, reference, zero, sdp, plain, step_both = _even_chain_beside_ddp(rank, True)
 
     step_both(0)
-    handle = model.layers[1].register_full_backward_pre_hook(fail)
+    handle = model.layers[1].register_full_backward_pre_hook(_fail)
     with contextlib.suppress(_Fails):
         sdp(_x(rank, 1), True).square().mean().backward()
     handle.remove()
