@@ -309,9 +309,9 @@ class Run:
         self.compare_values(f"action {self.counter} clip norm", got, want, self._norm_inputs())
 
     def _norm_inputs(self) -> torch.dtype | None:
-        """bf16 where a clip norm measures bf16 gradients: summed in bf16 by DDP, in fp32 by ``reduce_dtype``, and
-        the twin's one-ulp-up moves a norm's positive and negative elements in opposite directions, so it measures
-        too little there (seed 60108: a norm 1.2e-3 off where the twin's distance allowed 4.3e-4)."""
+        """bf16 where a clip norm measures bf16 gradients: summed in another order by SDP, and the twin's one-ulp-up
+        moves a norm's positive and negative elements in opposite directions, so it measures too little there
+        (seed 60108: a norm 1.2e-3 off where the twin's distance allowed 4.3e-4)."""
         return torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters()) else None
 
     def step(self) -> None:
@@ -436,6 +436,7 @@ class Run:
         box = [zero.state_dict() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         zero.load_state_dict(box[0])
+        self.oracle.reload_optimizer()
 
     def resume(self, kind: str) -> None:
         old = self.subject
@@ -460,6 +461,7 @@ class Run:
             model_state = {k: v.clone() for k, v in old.model.state_dict().items()}
             new = build_subject(self.program, self.structure, seed=1, model_state=model_state)
             new.zero.load_state_dict(box[0])
+            self.oracle.reload_optimizer()
         if old.scheduler is not None:
             new.scheduler.load_state_dict(old.scheduler.state_dict())
         if old.scaler is not None:
@@ -514,8 +516,8 @@ class Run:
             self.clipped_adaptive or any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters())
         ):
             # with a bf16 layer every step is compared and aligned (``compare``), not only at ``check()``: the CPU's
-            # bf16 kernels round a few ties differently on a fragment than on the whole tensor, and SDP sums a bf16
-            # gradient in fp32 where DDP sums it in bf16 (reduce_dtype); a bf16 ulp of a weight moves every fp32
+            # bf16 kernels round a few ties differently on a fragment than on the whole tensor, and SDP accumulates a
+            # bf16 gradient after its reduction where DDP does before; a bf16 ulp of a weight moves every fp32
             # gradient through it by 2^-8 relative, which an adaptive optimizer (Adagrad, Adam) turns into lr * 2^-8
             # on elements whose gradient is near zero, and unaligned over steps that compounds faster than the
             # steps-scaled tolerance (seed 78: 2e-4 after three steps, within the tolerance at each step)

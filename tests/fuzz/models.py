@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tests.fuzz.matrices import hidden_matrices
-from tests.fuzz.noise import one_bf16_ulp_up, one_ulp_up
+from tests.fuzz.noise import one_bf16_ulp_up, one_ulp_up_of_sum
 
 WIDTH, VOCAB, BATCH = 16, 11, 4
 # Exact programs' gradient grid: each rank's local gradient rounded to multiples of GRID, magnitude capped at CAP, by
@@ -71,11 +71,11 @@ def register_gradient_hooks(program: Any, subject: nn.Module, oracle: nn.Module)
 
     grid = bool(program.options.get("exact")) and dist.get_world_size() in (2, 4)
     for model, hooks in ((subject, [on_grid] if grid else []), (oracle, [on_grid] if grid else [])):
-        if program.options.get("twin") and model is oracle:
-            hooks.append(one_ulp_up)
         for param in model.parameters():
             for hook in hooks:
                 param.register_hook(hook)
+            if program.options.get("twin") and model is oracle:
+                param.register_hook(one_ulp_up_of_sum(param))
 
 
 class FuzzModel(nn.Module):
@@ -109,7 +109,7 @@ class FuzzModel(nn.Module):
         if twin:  # the noise-measuring oracle's gradients, one ulp up (noise.py); ``twin="muon"``: Muon's in bf16
             matrices = hidden_matrices(self) if twin == "muon" else set()
             for param in self.parameters():
-                param.register_hook(one_bf16_ulp_up if id(param) in matrices else one_ulp_up)
+                param.register_hook(one_bf16_ulp_up if id(param) in matrices else one_ulp_up_of_sum(param))
         for frozen in (self.frozen, self.extra):  # frozen after the hooks: a hook needs requires_grad
             if frozen is not None:
                 frozen.requires_grad_(False)

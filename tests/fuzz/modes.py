@@ -4,6 +4,7 @@ mode keeps master weights), each on its own copy of the model built from the sam
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,13 +108,11 @@ class Subject:
         """(Re)wrap the model as the mode says; DDP modes wrap again after a structure change, as a user must."""
         mode, options = self.program.mode, self.program.options
         if mode == "sdp":
-            master = options["master"]
+            # gradients reduced in their own dtype, as DDP's: ``reduce_dtype=torch.float32`` sums a bf16 gradient in
+            # fp32, arithmetic DDP has no way to do (seed 102534: a master a bf16 ulp of its gradient apart after one
+            # step, outside the twin's measure); its parity test: tests/sharded_data_parallel/test_parity.py
             self.wrapper = ShardedDataParallel(
-                self.model,
-                self.zero,
-                bucket_cap_mb=BUCKET_CAP_MB,
-                reduce_dtype=torch.float32 if master else None,
-                overlap_param_sync=options["overlap"],
+                self.model, self.zero, bucket_cap_mb=BUCKET_CAP_MB, overlap_param_sync=options["overlap"]
             )
             return
         self.wrapper = ddp = _ddp(self.model, self.group)
@@ -237,6 +236,12 @@ class Oracle:
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), buffers):
                 buffer.copy_(saved)
+
+    def reload_optimizer(self) -> None:
+        """The consolidated round trip the subject makes (``load_optim``, ``resume``): torch's ``load_state_dict``
+        casts each floating state to its parameter's dtype (NAdam's ``mu_product`` to bf16, seed 104686)."""
+        for part in getattr(self.optimizer, "parts", [self.optimizer]):
+            part.load_state_dict(copy.deepcopy(part.state_dict()))
 
     def add_group(self) -> None:
         group = extra_group(self.model, self.lr)

@@ -49,6 +49,24 @@ def one_ulp_up(grad: Tensor) -> Tensor:
     return torch.nextafter(grad, torch.full_like(grad, math.inf))
 
 
+def one_ulp_up_of_sum(param: Tensor) -> Any:
+    """The twin's hook on ``param``: its gradient one ulp up, of the gradient or of what it accumulates into,
+    whichever is larger. A sum accumulated before its reduction (DDP: ``.grad`` then the all-reduce) rounds where
+    one accumulated after it (``ShardedDataParallel``: each backward reduced, then added) does not: in bf16 a whole
+    ulp of the accumulated gradient (seed 100670: three micro-batches, Adam)."""
+
+    def hook(grad: Tensor) -> Tensor:
+        up = one_ulp_up(grad)
+        held = param.grad
+        if grad.is_sparse or held is None or held.is_sparse or held.shape != grad.shape:
+            return up
+        total = held + grad
+        ulp_of_total = torch.nextafter(total, torch.full_like(total, math.inf)) - total
+        return torch.where(ulp_of_total > up - grad, grad + ulp_of_total, up)
+
+    return hook
+
+
 def floor(want: Tensor, steps: int) -> Tensor:
     """What any element may be off without a measurement: ``FLOOR_ULPS`` ulps of itself and of its tensor's mean
     magnitude, per unaligned step (the twin can be exactly right where the subject rounds once)."""
