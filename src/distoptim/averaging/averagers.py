@@ -223,11 +223,9 @@ class HierarchicalModelAverager(ModelAverager):
         TypeError: ``process_group`` is not a ``ProcessGroup``.
         RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
 
-    Example:
+    Example (8 ranks, 4 per node: within each node every 2 steps, across all ranks every 8 steps):
         ```python
-        # 8 ranks, 4 per node: within each node every 2 steps, across all ranks every 8 steps
         averager = HierarchicalModelAverager({2: 4, 8: 8}, warmup_steps=100)
-        optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), averager)
         ```
     """
 

@@ -18,12 +18,9 @@ __all__ = ["PostLocalSGDOptimizer"]
 class PostLocalSGDOptimizer(torch.optim.Optimizer):
     """Run ``optim`` every step, then let ``averager`` average the parameters (post-local SGD).
 
-    Param groups, state and defaults are the wrapped optimizer's own objects (read through, never copied), so
-    learning-rate schedulers built on this wrapper drive the wrapped optimizer, also after ``load_state_dict``.
-    ``optim`` may be any optimizer. A ``ZeroRedundancyOptimizer`` must shard over a strict subgroup of the averaging
-    group, whose ranks keep averaging gradients every step after the warm-up (hierarchical local SGD: ZeRO within a
-    node, ``post_localSGD_hook``'s subgroup the same node, models averaged across nodes); averaging writes in place,
-    so parameters that view into its buckets stay views.
+    Param groups, state and defaults are the wrapped optimizer's own objects, so schedulers drive it. ``optim`` may
+    be any optimizer; a ``ZeroRedundancyOptimizer`` must shard over a strict subgroup of the averaging group
+    (hierarchical local SGD: ``docs/guides/post-local-sgd.md``).
 
     Args:
         optim: the local optimizer, already built over the model's parameters (an instance, not a class).

@@ -1,15 +1,9 @@
 """``torch.distributed.checkpoint``'s save and load, coordinated over distoptim's own collectives.
 
-``dcp.save`` and ``dcp.load`` move their plans between ranks with torch's object collectives (``gather_object``,
-``scatter_object_list``, ...), whose receiving side needs numpy (``Tensor.numpy()``), and report a failure on any
-rank as a ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses, its cause hidden in a
-per-rank table. Here the same planner and storage steps run (``DefaultSavePlanner`` / ``DefaultLoadPlanner`` over
-a ``FileSystemWriter`` / ``FileSystemReader``: the files are DCP's), with plans moved as pickled bytes
-(``comm.send_object``) and each step's success agreed across ranks (``agreement.run_agreed``): a failure raises an
-ordinary exception on every rank, the failing rank its own and the others a ``ValueError`` naming it. A save ends
-with a manifest of every file's size and checksum (``_checksums``); a load checks, before reading anything, that
-every file its plan reads is there, long enough and, with a manifest, unchanged, so that a missing, truncated or
-damaged file changes nothing in the state being loaded.
+The same planner and storage steps as ``dcp.save``/``dcp.load`` (the files are DCP's), with plans moved as pickled
+bytes and each step agreed across ranks: no numpy, and a failure raises an ordinary exception on every rank. A
+save ends with a manifest of every file's size and checksum; a load checks it before reading anything.
+``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

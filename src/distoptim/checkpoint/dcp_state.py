@@ -1,28 +1,10 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves and loads its fragments only.
 
-Each parameter-shaped state tensor (Adam's moments, a master weight) is presented to DCP as a tensor of the
-parameter's shape of which this rank holds its fragment: the whole tensor, or for a fragment of a split parameter
-the boxes of the parameter's (logical, row-major) index space that its range of elements in memory order covers
-(``boxes.memory_range_boxes``), each a view of the fragment's state as DCP chunk metadata. A checkpoint is thus
-independent of memory layout: one saved from a ``channels_last`` model loads into a contiguous one and back. DCP
-writes each rank's pieces from their own memory, and a load under another world size, partition or layout reads,
-for each rank, exactly the bytes that overlap its new fragments. Step counts and other
-per-parameter scalars are saved by every rank that holds a piece of the parameter (DCP keeps one copy), the
-hyperparameters once. No rank ever holds more than its own shard. Zero-sized parameters are left out (their state
-holds nothing). A plain ``dcp.load`` needs, for every fragment the new optimizer holds, the state the checkpoint's
-optimizer had for it; ``distoptim.checkpoint.load`` also loads checkpoints in which a parameter had no state yet (it
-never had a gradient) or that carry no master weights: it asks only for what was saved (``prune_unsaved``), and
-``install_loaded`` starts the rest afresh.
-
-Usage (the method names are the contract)::
-
-    dcp.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, checkpoint_id=path)
-    state = {"optim": zero.sharded_state_dict()}      # on the new optimizer, any world size or partition
-    dcp.load(state, checkpoint_id=path)
-    zero.load_sharded_state_dict(state["optim"])
-
-``dcp.async_save`` works too (its staging copies each fragment's pieces to the CPU), and so do
-``distoptim.checkpoint.save`` / ``load``, which need no numpy and make saves crash-safe.
+Each parameter-shaped state tensor is presented to DCP as a tensor of the parameter's shape of which this rank
+holds the boxes its fragment covers (``boxes.memory_range_boxes``), so a checkpoint is independent of world size,
+partition and memory layout. Usage: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``, then
+``zero.load_sharded_state_dict(state["optim"])`` after ``dcp.load``; ``distoptim.checkpoint`` adds crash safety and
+loads states a parameter never had (``prune_unsaved``, ``install_loaded``). ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""With ``p2p.py`` (gloo's point-to-point transfers), the only ZeRO module that calls ``torch.distributed``: a few
-collectives, always given an explicit group.
+"""With ``p2p.py``, the only ZeRO module that calls ``torch.distributed``: a few collectives, always given a group.
 
-Ranks are group ranks everywhere in distoptim; translation to the global ranks that ``torch.distributed``'s
-point-to-point and rooted collectives expect happens in these two modules and nowhere else.
-
-Two styles of collectives move a step's bytes (``Collectives``), chosen once per optimizer (``choose_collectives``):
-gloo moves them fastest point to point (each rank sending each owner its share directly moves a bucket twice as fast
-as gloo's reduces, reduce-scatter or all-reduce of it), NCCL with its equal-chunk collectives.
-``DISTOPTIM_COLLECTIVES`` overrides the choice, so that CI runs NCCL's style on gloo. Neither style pads: the chunked
-one runs an equal-chunk collective only where the owners' shares are equal (the even partition's regions), and rooted
-calls (a reduce to each owner, a broadcast from it) elsewhere.
+Ranks are group ranks everywhere in distoptim; translation to global ranks happens here and in ``p2p.py`` only.
+Two styles move a step's bytes (``Collectives``), chosen once per optimizer (``choose_collectives``): point to
+point on gloo, equal-chunk collectives on NCCL; ``DISTOPTIM_COLLECTIVES`` overrides. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """gloo's fastest way to move a step's bytes: point to point, each rank sending each owner its share directly.
 
-On gloo, N ranks sending each owner its share with ``isend``/``irecv`` move a bucket about twice as fast as its
-reduces, reduce-scatter or all-reduce of the same bucket, at 2 and 4 ranks (``benchmarks/collectives.py``). Two
-transfers are built from them:
-
-- ``ReductionExchange``: every rank's contributions to an owner's ranges, summed on the owner. The owner receives
-  them chunk by chunk, two chunks from each rank at a time, and adds each as it arrives: a reduction holds at most
-  ``STAGING_BYTES`` of staging beside its bucket (or 2/4096 of its largest share, when that is more), and the
-  reductions of a group stage at most twice that at once (past it, reductions start receiving when waited for, in
-  order, once the earlier ones are done).
-- ``send_from_owners``: each owner's ranges sent to every rank, received in place (the parameter sync).
-
-Receives are posted from two threads (the training loop's and the group's waiter), so the order of posting cannot
-pair messages: every reduction's messages carry tags of their own (the group's count of reductions, and the chunk),
-which every rank derives alike since all start their reductions in the same order. gloo's point-to-point works have
-no future: ``future_of`` gives them one, from a daemon thread per group that waits for them in the order they were
-started (per group: ranks may interleave the reductions of different groups differently).
+``ReductionExchange`` sums every rank's contributions on the owner, chunk by chunk within a staging budget;
+``send_from_owners`` sends each owner's ranges to every rank (the parameter sync). Tags are derived alike on every
+rank, and a daemon thread per group gives gloo's works a future. Why and how: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

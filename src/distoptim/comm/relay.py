@@ -1,20 +1,8 @@
 """gloo's transfers where the owners' shares are unequal: each element reaches its owner through an aggregator.
 
-Point to point (``p2p.py``), an owner receives every other rank's copy of its share in the reduction and sends its
-share to every other rank in the sync: where one rank owns a fraction ``s`` of a layout's ``T`` elements it moves
-``(N-1) s T`` elements each way, more than an all-reduce's ``2 (N-1)/N T`` once ``s`` is well above ``1/N`` (a
-greedy partition with a large embedding). Here each rank aggregates ``T/N`` of the elements, whoever owns them
-(``aggregators``: an owner keeps up to ``T/N`` of its own, the larger shares' surplus goes to the ranks short of
-``T/N``). An element owned by ``r`` and aggregated by ``g != r``: in the reduction every rank but ``r`` and ``g``
-sends ``g`` its contribution, ``g`` adds its own and sends the partial sum to ``r``, which adds its own; in the sync
-``r`` sends it to ``g``, which forwards it to the others. Every element still travels ``N-1`` times each way, and a
-step (reduction and sync) sends and receives ``2 (N-1)/N T``, an all-reduce's, on every rank in any partition.
-
-``reduction`` and ``send_from_owners`` choose per layout (``relayed``, the one place): the direct path (one hop, one
-rounding of a 16-bit sum) where it moves at most 5% of an all-reduce more than the relay, else the relay; at 2 ranks
-the two are the same. The aggregators' and the owners' receiving runs on a thread of the group's beside its waiter
-(``p2p.run_beside``), so that it never waits for the order in which any rank waits for its transfers, and the next
-bucket's is summed while this rank waits for the last one's.
+Each rank aggregates ``T/N`` of a layout's elements whoever owns them, so a step sends and receives an
+all-reduce's ``2 (N-1)/N T`` on every rank in any partition; ``relayed`` chooses per layout between this and the
+direct path (``p2p.py``). The routing: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

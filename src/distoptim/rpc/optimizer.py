@@ -83,15 +83,9 @@ class DistributedOptimizer(Optimizer):
         Exception: an error raised on an owner while building its optimizer (a hyperparameter its class refuses)
             reaches the caller with its own type and message; the remote traceback is its ``__cause__``.
 
-    ``step(context_id)`` applies, on all owners concurrently, the gradients recorded in that distributed autograd
-    context; steps from several trainers on one owner are serialized. ``param_groups`` is a single group with the
-    hyperparameters (no tensors to optimize): change it directly or with a ``torch.optim.lr_scheduler`` scheduler
-    (this class is an ``Optimizer`` for that reason), and the owners get the change with the next step.
-    ``state_dict()`` uses ``torch.optim``'s format, parameters numbered by their position in ``params_rref``.
-    The optimizer state itself lives on the owners (``self.state`` stays empty), and ``zero_grad()`` has nothing to
-    do: gradients live in the autograd context, not in ``.grad``.
-
-    Example, on a trainer after ``rpc.init_rpc``::
+    ``step(context_id)`` applies, on all owners concurrently, the gradients recorded in that context;
+    ``param_groups`` (one group of hyperparameters) drives schedulers; the state lives on the owners
+    (``docs/guides/rpc.md``). Example, on a trainer after ``rpc.init_rpc``::
 
         optimizer = DistributedOptimizer(torch.optim.Adam, param_rrefs, lr=1e-3)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)

@@ -1,20 +1,9 @@
 """Flat per-(device, dtype) layouts of the owned parameter elements, and the two ways to sync them.
 
-A layout is the tensor side of a ``partition.LayoutPlan``: its parameters' ``Piece``s (one per fragment) in buffer
-order, and the ranges each rank owns (``bounds``, one tuple per region). Greedy layouts are ordered rank by rank,
-even ones cut into equal ranges; either way syncing is one collective per (rank, region) or one all-gather per
-region, never one per parameter. Zero-sized parameters have nothing to sync and are left out. A piece is a range
-of its parameter's elements in memory order (``_flat.flat_view``), the order DDP's buckets use too.
-
-- ``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, which are
-  synced in place. No copies, no extra memory. A view keeps its parameter's strides (a channels_last convolution
-  stays channels_last).
-- ``StagedSync`` (default): parameters keep their own storage. Small pieces are packed into staging buffers (kept
-  between steps; together the size of the small pieces only), broadcast and unpacked; a piece of ``direct_bytes`` or
-  more of a dense parameter is broadcast in place, since copying it twice costs more than one more call.
-
-What a step copies and sends is fixed by the layout, so both strategies work it out at construction (or first use):
-a step runs no Python per parameter. A group of one rank syncs nothing: its shard is every shard.
+``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, synced in
+place. ``StagedSync`` (default): parameters keep their storage; small pieces are packed into staging buffers, large
+ones broadcast in place. Either way one collective per (rank, region) or one all-gather per region, worked out at
+construction: a step runs no Python per parameter. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

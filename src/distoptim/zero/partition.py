@@ -1,31 +1,11 @@
 """Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors.
 
-Parameters are laid out in one flat buffer per layout key (the caller's (device, dtype)), and each rank owns
-ranges of it. A parameter's share of a rank's range is a ``Fragment``; everything downstream (the local step, the
-sync, checkpoints, hooks) reads fragments, never the mode that produced them. Two modes:
-
-- ``greedy`` (torch's): sorted-greedy by element count, each parameter whole on the least-loaded rank (ties to the
-  lowest rank); a layout is ordered rank by rank, so each rank's range is contiguous and parameters never split.
-- ``even``: a layout keeps the parameters' order and is cut into ``world_size`` ranges of equal length (the last
-  padded), so a parameter may straddle ranks. The largest shard is at most ``world_size - 1`` elements over ideal.
-  With ``region_numel`` (what ``ShardedDataParallel`` asks for: a gradient bucket of at most that many elements)
-  each layout is first cut into regions of whole parameters (walking from its last parameter, as gradients arrive)
-  and each region is cut evenly by itself, so that every bucket splits into equal shares, one per rank (FSDP2's
-  per-parameter shards, at bucket granularity); the largest shard is then at most ``world_size - 1`` elements a
-  region over ideal.
-
-Frozen parameters are owned by nobody (``UNOWNED``, no fragment): they have no optimizer state, take no part in the
-balance and are never communicated; zero-sized ones own no elements (greedy still gives them an owner, as torch
-does, so the local optimizer holds them). A plan can grow from a previous one (``add_param_group``, a frozen
-parameter made trainable): parameters that have fragments keep them, with their optimizer state, even when frozen
-since; only newly trainable parameters are placed (greedy: onto the least-loaded ranks; even: as a new region at
-the end of their layout, cut evenly by itself).
-
-Whole-tensor parameters (``whole``: those of optimizers that are not elementwise, Muon, Adafactor) are never cut,
-in either mode: each is one fragment on one rank, chosen by ``costs`` (Muon: its Newton-Schulz cost), largest first
-to the least-costly rank (ties to the lowest), balanced among themselves only: the elementwise parameters are
-balanced by element count without them. In an even layout each growth's whole-tensor parameters form regions of
-their own (cut like the others by ``region_numel``), ordered rank by rank (unequal ranges, as a greedy layout has).
+Parameters are laid out in one flat buffer per layout key ((device, dtype)); each rank owns ranges of it, and a
+parameter's share of a range is a ``Fragment``, which everything downstream reads. ``greedy`` (torch's) places
+whole parameters on the least-loaded rank; ``even`` cuts each layout (or each ``region_numel`` region, for
+``ShardedDataParallel``'s buckets) into equal ranges. Frozen parameters are owned by nobody; whole-tensor
+parameters (Muon, Adafactor) are never cut. A plan grows from the previous one (``add_param_group``, unfreezing).
+The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

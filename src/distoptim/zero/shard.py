@@ -1,17 +1,9 @@
 """This rank's shard as its local optimizer sees it: one tensor per owned fragment, and its state's global format.
 
-A fragment that covers its parameter whole is stepped as the parameter itself (so the greedy partition, and any
-parameter that an even cut leaves whole, behaves exactly like a plain optimizer, state shapes included). A partial
-fragment is stepped as a 1-D view of its parameter's elements (memory order) whose ``.grad`` is attached for the
-step from the parameter's gradient; elementwise optimizers then do on the piece what they would do on the whole.
-
-With master weights (``master_dtype``), a fragment of a narrower parameter is stepped as a copy in
-``master_dtype`` instead (its gradient upcast for the step, the result written back, rounded, into the parameter),
-so only this rank's fragments ever have a master copy.
-
-In the global (``torch.optim``) format a partial fragment's state is keyed ``(index, offset)`` until the
-consolidating rank stitches the pieces back into parameter-shaped tensors (``stitch``); loading slices them again
-(``slice_entry``). A master copy travels in its entry as ``"master_weight"``.
+A whole fragment is stepped as the parameter itself; a partial one as a 1-D view of its elements with ``.grad``
+attached for the step; with ``master_dtype`` a narrower parameter's fragment as a master copy, rounded back after
+the step. In ``torch.optim``'s format a partial fragment's state is keyed ``(index, offset)`` until ``stitch``;
+``slice_entry`` cuts it again. A master copy travels as ``"master_weight"``. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

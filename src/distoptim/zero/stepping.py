@@ -1,15 +1,9 @@
 """The pieces of a ZeroRedundancyOptimizer's ``step()``: the agreement around its local part, and the local step.
 
-Before the sync the ranks agree (one small all-reduce on the control plane) that the local part succeeded
-everywhere, with the same parameters trainable and the same hyperparameters: if it raised on one rank, or a setting
-was changed on one rank only, every rank raises instead of waiting in the sync or stepping with other settings.
-Under a ``torch.amp.GradScaler`` the same agreement carries each rank's inf/nan flag, and the local optimizer steps
-after it (agreed once more) only when no rank found one: every rank skips the same steps. The optimizer's ``step``
-composes them (``optimizer.py``); the overlap hooks and the Join hook use the agreements too. A rank joined under
-``Join`` (uneven inputs) steps its shard with its ``.grad`` as torch's ZeRO does, once the ranks have agreed (the
-agreement carries a flag saying a rank is joined; the others then agree once more, after its local step). A joined
-rank's hyperparameters are its own (its LR scheduler stopped with its inputs), as in torch: they are compared among
-the ranks still training only.
+Before the sync the ranks agree (one small all-reduce) that the local part succeeded everywhere with the same
+trainable parameters and hyperparameters, so a failure or a one-rank change raises on every rank instead of a hang;
+the agreement also carries a GradScaler's inf flag and a joined rank's flag (``Join``). The details:
+``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
