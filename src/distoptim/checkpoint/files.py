@@ -21,7 +21,7 @@ from distoptim.checkpoint import dcp as _dcp
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
-from distoptim.comm.groups import new_gloo_group
+from distoptim.comm.groups import gloo_twin
 
 __all__ = ["load", "save"]
 
@@ -29,7 +29,6 @@ METADATA = ".metadata"  # DCP's index, written by its coordinator after every ra
 
 _writer: ThreadPoolExecutor | None = None  # the thread that asynchronous saves write in, one at a time
 _pending: Future[None] | None = None  # the latest asynchronous save
-_async_groups: dict[comm.Group, comm.Group] = {}  # the default group -> the group asynchronous saves use
 
 
 @overload
@@ -135,10 +134,7 @@ def _async_group(process_group: comm.Group | None) -> comm.Group:
                 "leave process_group unset for one made for it"
             )
         return group
-    world = comm.default_group(None)
-    if world not in _async_groups:
-        _async_groups[world] = new_gloo_group()
-    return _async_groups[world]
+    return gloo_twin(comm.default_group(None), "async_checkpoint")
 
 
 def _staged(state: dict[str, Any]) -> dict[str, Any]:

@@ -14,12 +14,13 @@ __all__ = [
     "comm_device",
     "control_group",
     "default_group",
+    "gloo_twin",
     "group_size",
     "is_member",
-    "new_gloo_group",
 ]
 
-_CONTROL_TWINS: weakref.WeakKeyDictionary[ProcessGroup, ProcessGroup] = weakref.WeakKeyDictionary()
+# gloo groups over a group's ranks, by purpose: the library's one registry of groups (each made once, collectively)
+_GLOO_TWINS: weakref.WeakKeyDictionary[ProcessGroup, dict[str, ProcessGroup]] = weakref.WeakKeyDictionary()
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
@@ -44,11 +45,15 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
     return dist.group.WORLD
 
 
-def new_gloo_group() -> ProcessGroup:
-    """A new gloo group of every rank (every rank of the default group must call this, in the same order): for
-    coordination that runs beside training, from another thread, and so must not share its group."""
-    group: ProcessGroup = dist.new_group(backend="gloo")
-    return group
+def gloo_twin(group: ProcessGroup, purpose: str) -> ProcessGroup:
+    """A gloo group over ``group``'s ranks, one per ``purpose``, made the first time (a collective over those ranks):
+    ``"control"`` carries agreements (``control_group``), ``"async_checkpoint"`` an asynchronous save's coordination
+    from its own thread, which must not share a group with anything else."""
+    twins = _GLOO_TWINS.setdefault(group, {})
+    if purpose not in twins:
+        ranks = dist.get_process_group_ranks(group)
+        twins[purpose] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return twins[purpose]
 
 
 def is_member(group: object) -> bool:
@@ -92,16 +97,11 @@ def choose_comm_device(backend: str, devices: Iterable[torch.device]) -> torch.d
     )
 
 
-def control_group(group: ProcessGroup, *, separate: bool = False) -> ProcessGroup:
+def control_group(group: ProcessGroup) -> ProcessGroup:
     """A group over ``group``'s ranks whose tensors live on the CPU: ``group`` itself when its backend is gloo, else
-    (or when ``separate``) a gloo twin, made once per group (collective over its ranks, the first time).
+    its ``"control"`` gloo twin.
 
     Agreements and other control messages carry host values (flags, digests): sent over NCCL they would have to be
     copied to the GPU and read back, which blocks the CPU until the GPU has drained its queue.
     """
-    if not separate and str(dist.get_backend(group)) == "gloo":
-        return group
-    if group not in _CONTROL_TWINS:
-        ranks = dist.get_process_group_ranks(group)
-        _CONTROL_TWINS[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return _CONTROL_TWINS[group]
+    return group if str(dist.get_backend(group)) == "gloo" else gloo_twin(group, "control")
