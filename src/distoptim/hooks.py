@@ -1,5 +1,5 @@
-"""DDP communication hooks: gradients reduced to their owners (ZeRO-2), ZeRO steps overlapped with the gradient
-reduction, and post-local SGD."""
+"""DDP communication hooks: ZeRO steps overlapped with the gradient reduction, post-local SGD, and the deprecated
+``reduce_to_owners_hook`` (an all-reduce now; ZeRO-2 is ``distoptim.ShardedDataParallel``)."""
 
 from distoptim.ddp.post_local_sgd import PostLocalSGDState, allreduce_hook, post_localSGD_hook
 from distoptim.ddp.reduce_to_owners import reduce_to_owners_hook

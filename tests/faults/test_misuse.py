@@ -285,12 +285,6 @@ def _reduce_to_owners_without_zero(r: Rank) -> None:
     _backward(ddp)
 
 
-def _reduce_to_owners_over_another_model(r: Rank) -> None:
-    ddp = _ddp(r)
-    ddp.register_comm_hook(_zero(r, _model().parameters()), reduce_to_owners_hook)
-    _backward(ddp)
-
-
 def _post_local_sgd_hook_without_state(r: Rank) -> None:
     ddp = _ddp(r)
     ddp.register_comm_hook(r.pick(PostLocalSGDState(r.group, r.group, 1), None), post_localSGD_hook)
@@ -657,9 +651,6 @@ MISUSES: list[Misuse] = [
     Misuse("reduce_to_owners_hook registered without the optimizer as its state", _reduce_to_owners_without_zero, ALL,
            TypeError, r"reduce_to_owners_hook needs the ZeroRedundancyOptimizer as its state: "
                       r"ddp\.register_comm_hook\(zero, reduce_to_owners_hook\), got NoneType"),
-    Misuse("reduce_to_owners_hook over another DDP model's parameters", _reduce_to_owners_over_another_model, ALL,
-           ValueError, r"trains parameters of shapes \[\(3, 4\), \(3,\), \(2, 3\)\] that this ZeroRedundancyOptimizer "
-                       r"does not hold.*build ZeRO over all of the DDP model's trainable parameters"),
     Misuse("post_localSGD_hook registered without a PostLocalSGDState", _post_local_sgd_hook_without_state, ALL,
            TypeError, r"post_localSGD_hook needs a PostLocalSGDState as its state: ddp\.register_comm_hook\("
                       r"PostLocalSGDState\(\.\.\.\), post_localSGD_hook\), got NoneType"),

@@ -138,28 +138,6 @@ def _iteration(ddp: DDP, zero: Any, rank: int, iteration: int, stepping: str, sc
 def _bytes_body(rank: int, world_size: int) -> list[tuple[str, int, int, int]]:
     """For every mode that reduces to owners: (mode, reduction elements, sync elements, trainable elements)."""
     results = []
-    configs = itertools.product(
-        ["greedy", "even"], ["explicit", "hook", "interleaved"], [False, True], list(comm.Collectives)
-    )
-    for partition, stepping, bucket_view, style in configs:
-        os.environ[comm.ENVIRONMENT] = style.value
-        model = _Net()
-        ddp = DDP(model, bucket_cap_mb=0.004)
-        zero = ZeroRedundancyOptimizer(
-            model.parameters(),
-            torch.optim.SGD,
-            parameters_as_bucket_view=bucket_view,
-            overlap_with_ddp=stepping != "explicit",
-            partition=partition,
-            lr=0.1,
-        )
-        register(ddp, zero, "to_owners", stepping)
-        _iteration(ddp, zero, rank, 0, stepping)  # DDP rebuilds its buckets after the first iteration
-        handed: Counter[str] = Counter()
-        with _counting_elements(handed):
-            _iteration(ddp, zero, rank, 1, stepping)
-        mode = f"{partition} {stepping} bucket_view={bucket_view} {style.value} world={world_size}"
-        results.append((mode, handed["reduction"], handed["sync"], sum(p.numel() for p in model.parameters())))
     for partition, bucket_view, overlap, style in itertools.product(
         ["greedy", "even"], [False, True], [False, True], list(comm.Collectives)
     ):
@@ -249,18 +227,13 @@ def _greedy_bytes_body(rank: int, world_size: int) -> list[tuple[str, dict[str, 
     """Per mode: (mode, the bytes this rank moved in a steady-state iteration, the gradient's bytes)."""
     os.environ[comm.ENVIRONMENT] = comm.Collectives.POINT_TO_POINT.value
     results = []
-    for mode in ("sharded_data_parallel", "zero2_hook", "zero1", "overlap hook", "overlap interleaved"):
+    for mode in ("sharded_data_parallel", "zero1"):
         model = _Embedded()
-        overlap = mode.startswith("overlap")
-        zero = ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.SGD, partition="greedy", overlap_with_ddp=overlap, lr=0.1
-        )
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="greedy", lr=0.1)
         if mode == "sharded_data_parallel":
             net: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
         else:
             net = DDP(model, bucket_cap_mb=0.004)
-            reduction = "to_owners" if mode == "zero2_hook" or overlap else "all_reduce"
-            register(net, zero, reduction, mode.split()[1] if overlap else "explicit")
         moved: Counter[str] = Counter()
         for iteration in range(2):  # DDP rebuilds its buckets after the first
             with _counting_bytes(moved) if iteration == 1 else contextlib.nullcontext():
@@ -296,7 +269,7 @@ def test_no_rank_moves_more_than_an_all_reduce_under_greedy_shares(world_size: i
 
 def _sync_per_rank_body(rank: int, world_size: int) -> list[tuple[str, tuple[int, int]]]:
     """Per (partition, stepping): the parameter sync's (sent, received) bytes on this rank in a steady-state step,
-    point to point, with gradients reduced to owners."""
+    point to point, with gradients all-reduced."""
     os.environ[comm.ENVIRONMENT] = comm.Collectives.POINT_TO_POINT.value
     results = []
     for partition, stepping in itertools.product(["greedy", "even"], ["explicit", "hook", "interleaved"]):
@@ -305,7 +278,7 @@ def _sync_per_rank_body(rank: int, world_size: int) -> list[tuple[str, tuple[int
         zero = ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.SGD, overlap_with_ddp=stepping != "explicit", partition=partition, lr=0.1
         )
-        register(ddp, zero, "to_owners", stepping)
+        register(ddp, zero, "all_reduce", stepping)
         moved: Counter[str] = Counter()
         for iteration in range(2):  # DDP rebuilds its buckets after the first
             with _counting_bytes(moved) if iteration == 1 else contextlib.nullcontext():
@@ -336,16 +309,14 @@ def test_overlap_hooks_sync_no_more_than_an_explicit_step(world_size: int) -> No
 EXPECTED_READS = {
     **{
         (reduction, stepping, False, False): {}
-        for reduction in ("all_reduce", "to_owners")
+        for reduction in ("all_reduce",)
         for stepping in ("explicit", "hook", "interleaved")
     },
     ("all_reduce", "explicit", False, True): {"GradScaler's skip decision": 1},
-    ("to_owners", "explicit", False, True): {"GradScaler's skip decision": 1},
     ("all_reduce", "explicit", True, False): {},
-    ("to_owners", "explicit", True, False): {},
     # the overlap hooks step a parameter no rank used as a plain optimizer would (not at all): they must know which
     ("all_reduce", "hook", True, False): {"which parameters some rank used": 1},
-    ("to_owners", "interleaved", True, False): {"which parameters some rank used": "buckets"},
+    ("all_reduce", "interleaved", True, False): {"which parameters some rank used": "buckets"},
     # ShardedDataParallel: which parameters were used is host data; with the sync overlapped (the default), whether
     # a write while it was in flight changed an owned element (sharded_data_parallel/sync.py)
     ("sharded", "explicit", False, False): {"writes to parameters while their sync was in flight": 1},

@@ -1,7 +1,8 @@
 """Hybrid sharding: ZeRO shards within a group of ranks (a node), DDP averages over all of them, and the shard
 groups replicate one another. With ``replicate_group`` every way of reducing and stepping equals DDP + the plain
-optimizer on every rank; without it, gradients reduced to owners would be averaged within the shard group only and
-the replicas would drift apart, so the first backward raises on every rank."""
+optimizer on every rank; without it, the deprecated ``reduce_to_owners_hook`` would average within the shard group
+only and the replicas would drift apart, so it is refused on every rank (at the first backward; the overlap hooks,
+which see DDP's group, at their construction)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,11 @@ def _refusal_body(rank: int, world_size: int, stepping: str) -> str:
 @pytest.mark.parametrize("stepping", ["explicit", "interleaved"])
 def test_zero_over_a_subgroup_of_ddp_without_replicas_is_refused(stepping: str) -> None:
     for message in run_on_ranks(_refusal_body, WORLD, stepping):
-        assert "DDP averages gradients over ranks [0, 1, 2, 3]" in message, message
+        if stepping == "explicit":  # the bare hook cannot see DDP's group: it refuses any ZeRO over fewer ranks
+            assert "averages over this ZeroRedundancyOptimizer's 2 ranks" in message, message
+            assert "fewer than the world's 4" in message and "Drop the hook" in message, message
+        else:
+            assert "DDP averages gradients over ranks [0, 1, 2, 3]" in message, message
         assert "pass replicate_group=" in message, message
 
 
@@ -112,8 +117,8 @@ def test_replicas_at_other_positions_are_refused_on_every_rank() -> None:
 
 
 def _unfreezing_body(rank: int, world_size: int) -> None:
-    """A layer unfrozen between steps has no owner at its first backward (``reduce_to_owners_hook`` all-reduces it,
-    owner EVERY): its sums must reach the other shard groups too, as the owned ones do."""
+    """A layer unfrozen between steps has no owner at its first backward: its average must reach the other shard
+    groups too (the deprecated hook all-reduces over the shard group, then over the replicas)."""
     shard, replicate = _mesh(rank)
     for partition, stepping in itertools.product(["greedy", "even"], ["explicit", "hook"]):
         model, reference = _net(), _net()

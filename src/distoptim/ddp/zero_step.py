@@ -11,9 +11,8 @@ numbering: in DDP's static-graph first iteration every bucket arrives as index 0
 
 Each backward the ranks agree (one small all-reduce on the control plane, as ``step()`` does) on the parameters they
 train and their hyperparameters, so that a parameter unfrozen between steps gets an owner before it is stepped, and a
-setting changed on one rank only raises everywhere instead of stepping each shard differently. With
-``reduce_to_owners_hook`` inside, a backward that adds onto what the last one left is refused before any step
-(``zero/accumulation.py``; ``hook_with_zero_step`` agrees once more, only where a ``.grad`` still holds it).
+setting changed on one rank only raises everywhere instead of stepping each shard differently. The deprecated
+``reduce_to_owners_hook`` inside is an all-reduce over ZeRO's ranks, checked here against DDP's group.
 
 The hooks hand the optimizer exactly what DDP would leave in ``.grad`` for a plain optimizer: each gradient read
 with the layout DDP gives it in the bucket, and no gradient at all for a parameter no rank computed one for.
@@ -37,7 +36,7 @@ from distoptim import _host
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
 from distoptim.comm import collectives as comm
-from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
+from distoptim.ddp.reduce_to_owners import average_over_zero, check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
 from distoptim.zero.overlap import OverlapStepper, buckets_final
 
@@ -100,7 +99,9 @@ class _BucketReduction:
 
 def _checked_stepper(
     ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook, step_from_first_backward: bool
-) -> OverlapStepper:
+) -> tuple[OverlapStepper, CommHook]:
+    """The stepper, checked against ``ddp``, and the inner hook to call (``reduce_to_owners_hook`` checked here
+    against DDP's group, then called without its own check, which cannot see DDP)."""
     if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(
             f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
@@ -121,10 +122,11 @@ def _checked_stepper(
     )
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)
+        hook = average_over_zero
     stepper.hooked = True
     if step_from_first_backward:
         stepper.skip_warmup()
-    return stepper
+    return stepper, hook
 
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
@@ -200,7 +202,7 @@ def hook_with_zero_step(
 
     Args:
         hook: the DDP communication hook that averages a bucket (``distoptim.hooks.allreduce_hook``, or any hook
-            that returns a future of the bucket's averaged gradients, ``reduce_to_owners_hook`` included).
+            that returns a future of the bucket's averaged gradients; the deprecated ``reduce_to_owners_hook`` too).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
             parameters (checked here; refused otherwise) and over DDP's process group.
@@ -216,8 +218,6 @@ def hook_with_zero_step(
         TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
         ValueError: ``zero`` was built without ``overlap_with_ddp``, already has a hook, or holds other parameters
             than the DDP model trains; at the first backward, when the hook runs on another DDP model than ``ddp``.
-        RuntimeError: on every rank, before any step, in a backward that adds onto the gradients
-            ``reduce_to_owners_hook`` left (no ``zero_grad()`` between synced backwards).
 
     Example:
         ```python
@@ -235,7 +235,7 @@ def hook_with_zero_step(
     steps nothing and makes no optimizer state; ``zero.step()`` after it steps nothing either.
     Clipping cannot take part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
     """
-    stepper = _checked_stepper(ddp, zero, hook, step_from_first_backward)
+    stepper, hook = _checked_stepper(ddp, zero, hook, step_from_first_backward)
     backward = _Backward(stepper, ddp)
 
     def finish() -> None:
@@ -249,8 +249,6 @@ def hook_with_zero_step(
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
-        if in_backward() and zero._accumulation.suspects_in_backward():  # a joined rank's buckets are zeros
-            zero._agreed(zero._accumulation.check_in_backward)  # before any rank steps with a sum of leftovers
         zero._agreed(lambda: _step_after_repartition(zero, stepper, grads))
         zero.sync_parameters()
 
@@ -301,13 +299,6 @@ def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: Distribu
         finish()
 
 
-def _refuse_accumulation_then_repartition(zero: "ZeroRedundancyOptimizer") -> None:
-    """The interleaved hook's agreement, at a backward's first bucket (a joined rank's buckets are zeros)."""
-    if in_backward():
-        zero._accumulation.check_in_backward()
-    zero._repartition_if_changed()
-
-
 def _step_after_repartition(zero: "ZeroRedundancyOptimizer", stepper: OverlapStepper, grads: Any) -> None:
     zero._repartition_if_changed()
     stepper.step(grads)
@@ -330,7 +321,7 @@ def hook_with_zero_step_interleaved(
     lets the step and the parameter sync hide behind the rest of the backward.
 
     Args:
-        hook: the DDP communication hook that averages a bucket (``allreduce_hook``, ``reduce_to_owners_hook``).
+        hook: the DDP communication hook that averages a bucket (``allreduce_hook``).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over the DDP model's trainable parameters.
         shard_buckets: accepted for compatibility with torch (default False).
@@ -349,7 +340,7 @@ def hook_with_zero_step_interleaved(
     one rank only (a bucket's step runs unprotected, in the middle of the backward) leaves the others waiting in the
     next collective until the group's timeout.
     """
-    stepper = _checked_stepper(ddp, zero, hook, step_from_first_backward)
+    stepper, hook = _checked_stepper(ddp, zero, hook, step_from_first_backward)
     backward = _Backward(stepper, ddp)
     syncs: list[Any] = []
     direct: list[Any] = []
@@ -375,7 +366,7 @@ def hook_with_zero_step_interleaved(
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
         if _start_of_bucket(backward, ddp, bucket, zero, finish) and not backward.warmup:  # before any step
-            zero._agreed(lambda: _refuse_accumulation_then_repartition(zero))
+            zero._agreed(zero._repartition_if_changed)
         if backward.warmup:
             reduced = hook(state, bucket)
             _end_of_shadow(bucket, finish, ddp, zero)

@@ -5,8 +5,8 @@ protocol (``_step_supports_amp_scaling``, with the ``grad_scaler`` keyword of ``
 (its owned gradient fragments, upcast into the master dtype first when it keeps master weights, so fp16 gradients
 are unscaled in fp32), and the step's agreement across ranks (one small all-reduce it makes anyway) carries the
 inf/nan flag, so every rank gets the same verdict. The verdict is what the scaler's ``update()`` reads, so every rank
-skips the same steps and keeps the same scale, whether the gradients were all-reduced, reduced to their owners (only
-owned fragments are averaged there) or sharded in memory (``ShardedDataParallel``: no ``.grad`` at all). Nothing is
+skips the same steps and keeps the same scale, whether the gradients were all-reduced or sharded in memory
+(``ShardedDataParallel``: no ``.grad`` at all). Nothing is
 written into ``.grad`` to pass the verdict on.
 
 Skipping needs the flag on the host: one host read per step, only when a scaler is used.
@@ -97,5 +97,5 @@ def refuse_in_overlap_mode(grad_scaler: Any, optimizer: object) -> None:
         raise RuntimeError(
             "torch.amp.GradScaler cannot drive a ZeroRedundancyOptimizer with overlap_with_ddp=True: its step runs "
             "inside the backward, before the scaler can unscale the gradients or skip the step; build it with "
-            "overlap_with_ddp=False (optionally with reduce_to_owners_hook for ZeRO-2) and call scaler.step(zero)"
+            "overlap_with_ddp=False (optionally under ShardedDataParallel for ZeRO-2) and call scaler.step(zero)"
         )

@@ -56,7 +56,6 @@ class PlanParts(Protocol):
     _sync: ParameterSync | None
     _unowned: list[Tensor]
     _trainability: tuple[bool, ...]
-    _routes: dict[tuple[Any, ...], Any]
     _region_numel: dict[Any, int] | None
     _plan_listeners: list[Callable[[], None]]
 
@@ -203,7 +202,6 @@ class Partitioning:
         self._placement = placed
         self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
         self._trainability = placed.trainability
-        self._routes.clear()
         self.optim = optim = placement.bind_local_optimizer(
             self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
         )
@@ -271,7 +269,6 @@ class _Snapshot:
     def restore(self, zero: PlanParts) -> None:
         del zero.param_groups[self.groups :]
         zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability = self.placed
-        zero._routes.clear()
         zero.optim = optim = self.optim
         if optim is None:
             return

@@ -31,8 +31,7 @@ __all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook", "ZeroParts
 JOIN_WITH_SDP = (
     "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
     "bucket's reduction and the parameter sync; give every rank the same number of batches (drop the last, uneven "
-    "one: DistributedSampler(drop_last=True)), or use DDP (with reduce_to_owners_hook for ZeRO-2) under "
-    "Join([ddp, zero])"
+    "one: DistributedSampler(drop_last=True)), or use DDP under Join([ddp, zero])"
 )
 
 
@@ -191,9 +190,8 @@ class Joining:
 
         DDP's join hook discards the average the joined rank takes part in, so its ``.grad`` is whatever it last
         held (the last average, if nothing clears it), or what an earlier joinable's hook sets (torch's own test
-        sets DDP's gradient there and matches DDP). Under ``reduce_to_owners_hook`` the owned fragments are stepped
-        likewise. In overlap mode DDP's join hook runs the comm hook on zero buckets, which hands the joined rank
-        the true average, and the shard is stepped with it.
+        sets DDP's gradient there and matches DDP). In overlap mode DDP's join hook runs the comm hook on zero
+        buckets, which hands the joined rank the true average, and the shard is stepped with it.
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).

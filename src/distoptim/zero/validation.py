@@ -189,7 +189,7 @@ def check_overlap_classes(optimizer_class: type, groups: ParamGroups) -> type[Fu
             raise ValueError(
                 f"overlap_with_ddp=True steps every group with one functional optimizer "
                 f"({functional_cls.__qualname__}), but param group {index} names optimizer_class={name}: build it "
-                "with overlap_with_ddp=False (with distoptim.hooks.reduce_to_owners_hook for ZeRO-2) to step groups "
+                "with overlap_with_ddp=False (or use ShardedDataParallel for ZeRO-2) to step groups "
                 "with their own classes"
             )
     return functional_cls
