@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distoptim
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.comm import collectives as comm
-from distoptim.hooks import allreduce_hook, reduce_to_owners_hook
+from distoptim.hooks import allreduce_hook
 from distoptim.plan.cli import build_report, main, parse_bytes, parse_count
 from distoptim.plan.inventory import Inventory, ParamSpec, from_factory, load_factory, transformer
 from distoptim.plan.memory import PlanConfig, plan_modes
@@ -145,8 +145,7 @@ def _live_run(rank: int, world_size: int, config: dict[str, Any], baseline: set[
             parameters_as_bucket_view=config.get("param_view", False),
             **dict(optimizer_class.kwargs),
         )
-        inner, state = (reduce_to_owners_hook, optimizer) if mode == "zero2_hook" else (allreduce_hook, None)
-        ddp.register_comm_hook(state, _capturing(inner, buckets))
+        ddp.register_comm_hook(None, _capturing(allreduce_hook, buckets))
         local = optimizer.local_optimizer
 
         def record_upcast(*_: Any) -> None:  # the master copies' gradients, made for this step
@@ -205,14 +204,14 @@ def _planned(config: dict[str, Any], world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("world_size", "settings"), [(2, LIVE_CONFIGS), (4, LIVE_CONFIGS[1:3])], ids=["2-ranks", "4-ranks"]
 )
-def test_plan_matches_live_tensor_bytes_of_ddp_zero1_and_zero2(world_size: int, settings: list[Any]) -> None:
+def test_plan_matches_live_tensor_bytes_of_ddp_and_zero1(world_size: int, settings: list[Any]) -> None:
     """Every category, every rank, exact: DDP's buckets and .grad (and with gradient_as_bucket_view), the local
     optimizer's state and master copies of this rank's shard, ZeRO's staging buffers (none, and parameters in flat
     buffers, with parameters_as_bucket_view), the master gradients made for the step;
     and nothing else stays alive. (4 ranks: two of the settings, to keep the suite fast on 2 cores.)"""
-    configs = [{**c, "mode": mode} for c in settings for mode in ("ddp", "zero1", "zero2_hook")]
+    configs = [{**c, "mode": mode} for c in settings for mode in ("ddp", "zero1")]
     configs.append({**settings[0], "mode": "ddp", "bucket_view": True})
-    configs += [{**settings[-1], "mode": mode, "param_view": True} for mode in ("zero1", "zero2_hook")]
+    configs += [{**settings[-1], "mode": "zero1", "param_view": True}]
     results = run_on_ranks(_live_body, world_size, configs, timeout=240)
     for index, config in enumerate(configs):
         if config["mode"] == "ddp":  # DDP + a plain torch.optim optimizer: it keeps no master copies
@@ -438,14 +437,14 @@ def test_transformer_model_of_a_parameter_count_is_exact(total: int) -> None:
 
 def test_ring_collective_bytes_per_rank() -> None:
     """One flat fp32 tensor of P = 4k elements on 4 ranks: DDP all-reduces 2 (N-1)/N P b, ZeRO-1 adds an all-gather
-    of (N-1)/N P b, ZeRO-2 and ShardedDataParallel reduce-scatter instead; FSDP2 gathers in forward (the root is
+    of (N-1)/N P b, ShardedDataParallel reduce-scatters instead; FSDP2 gathers in forward (the root is
     not resharded, so not again in backward) and reduce-scatters."""
     size, numel = 4, 4096
     inventory = Inventory((ParamSpec("w", (numel,), F32, True),), "flat")
     modes = {m.key: m for m in plan_modes(inventory, PlanConfig(size, resolve_optimizer("adamw")))}
     ring = (size - 1) * numel * 4 // size
     assert {key: mode.sends_total for key, mode in modes.items()} == {
-        "ddp": 2 * ring, "zero1": 3 * ring, "zero2_hook": 2 * ring, "sharded_data_parallel": 2 * ring,
+        "ddp": 2 * ring, "zero1": 3 * ring, "sharded_data_parallel": 2 * ring,
         "fsdp2": 2 * ring,
     }  # fmt: skip
 
@@ -494,7 +493,7 @@ def test_table_says_what_is_not_counted(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["--params", "7e9", "--world-size", "64", "--dtype", "bf16", "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "activations are NOT counted" in out
-    for title in ("DDP", "ZeRO-1", "ZeRO-2 hook", "ShardedDataParallel", "FSDP2 (ZeRO-3)"):
+    for title in ("DDP", "ZeRO-1", "ShardedDataParallel", "FSDP2 (ZeRO-3)"):
         assert f"\n{title} " in out
 
 

@@ -20,7 +20,7 @@ import distoptim
 from benchmarks.comm_bytes import CommCounter
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.comm import collectives as comm
-from distoptim.hooks import allreduce_hook, reduce_to_owners_hook
+from distoptim.hooks import allreduce_hook
 from distoptim.plan.inventory import from_factory, load_factory
 from distoptim.plan.memory import PlanConfig, plan_modes
 from distoptim.plan.state import resolve_optimizer
@@ -58,7 +58,7 @@ def _model(config: dict[str, Any], world_size: int) -> tuple[Any, Any]:
             model, zero, bucket_cap_mb=CAP_MB, reduce_dtype=config.get("reduce_dtype")
         ), zero
     ddp = DDP(model, bucket_cap_mb=0.004)
-    ddp.register_comm_hook(*((zero, reduce_to_owners_hook) if mode == "zero2_hook" else (None, allreduce_hook)))
+    ddp.register_comm_hook(None, allreduce_hook)
     return ddp, zero
 
 
@@ -101,7 +101,7 @@ def _planned(config: dict[str, Any], world_size: int) -> tuple[int, int, tuple[i
 F32 = {"dtype": torch.float32, "partition": "even", "bucket_view": False}
 CONFIGS = [
     {**F32, "mode": mode, "partition": partition, "bucket_view": bucket_view, "style": style}
-    for mode in ("zero1", "zero2_hook", "sharded_data_parallel")
+    for mode in ("zero1", "sharded_data_parallel")
     for partition in ("even", "greedy")
     for bucket_view in (False, True)
     for style in ("chunked", "p2p")

@@ -1,4 +1,4 @@
-"""The memory planner: bytes per rank and bytes sent per step for DDP, ZeRO-1, the ZeRO-2 hook,
+"""The memory planner: bytes per rank and bytes sent per step for DDP, ZeRO-1,
 ``ShardedDataParallel`` and FSDP2, computed with the library's own partition plan (``python -m distoptim plan``)."""
 
 from distoptim.plan.inventory import Inventory, ParamSpec, from_factory, from_module, transformer

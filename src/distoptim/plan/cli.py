@@ -1,4 +1,4 @@
-"""``python -m distoptim plan``: bytes per rank and bytes sent per step for DDP, ZeRO-1, the ZeRO-2 hook,
+"""``python -m distoptim plan``: bytes per rank and bytes sent per step for DDP, ZeRO-1,
 ``ShardedDataParallel`` and FSDP2, and which of them fit in a GPU's memory (activations not counted)."""
 
 from __future__ import annotations

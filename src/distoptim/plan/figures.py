@@ -24,7 +24,7 @@ __all__ = [
     "step_dtype",
 ]
 
-MODES = ("ddp", "zero1", "zero2_hook", "sharded_data_parallel", "fsdp2")
+MODES = ("ddp", "zero1", "sharded_data_parallel", "fsdp2")
 DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
 MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
 
@@ -74,8 +74,7 @@ class ModePlan:
     sends: tuple[tuple[str, int], ...]
     notes: tuple[str, ...]
     gloo_received: tuple[int, ...] = ()
-    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled,
-    as for the ZeRO-2 hook, whose reductions follow DDP's buckets)."""
+    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled)."""
     newton_schulz: tuple[int, ...] = ()
     """With Muon: each rank's Newton-Schulz FLOPs per step (``plan.muon.newton_schulz_flops``)."""
 

@@ -47,7 +47,7 @@ __all__ = ["MODES", "ModePlan", "PlanConfig", "RankMemory", "dtype_name", "plan_
 
 
 def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
-    """DDP, ZeRO-1, the ZeRO-2 hook, ShardedDataParallel and FSDP2 for ``inventory`` trained as ``config`` says."""
+    """DDP, ZeRO-1, ShardedDataParallel and FSDP2 for ``inventory`` trained as ``config`` says."""
     if config.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {config.world_size}")
     if config.muon is not None:
@@ -59,12 +59,12 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
         (DEVICE, p.dtype): max(1, cap_bytes // (config.reduce_dtype or p.dtype).itemsize) for p in inventory.params
     }
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
-    zero1, zero2 = zero.modes()
+    zero1 = zero.zero1()
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
-    modes = [ddp_plan(inventory, config), zero1, zero2, sdp, fsdp2_plan(inventory, config)]
+    modes = [ddp_plan(inventory, config), zero1, sdp, fsdp2_plan(inventory, config)]
     if config.muon is None:
         return modes
-    plans = {"zero1": zero.plan, "zero2_hook": zero.plan, "sharded_data_parallel": sharded.plan}  # else every rank
+    plans = {"zero1": zero.plan, "sharded_data_parallel": sharded.plan}  # else every rank
     everywhere = {
         "ddp": "Muon: every rank orthogonalizes every matrix (plain torch.optim.Muon)",
         "fsdp2": "Muon as its users run it: every rank gathers each matrix (full_tensor()) and orthogonalizes it",
@@ -161,8 +161,8 @@ class _ZeroShards:
             f"largest shard, rank {largest}'s, has {loads[largest]:,} of {sum(loads):,} trainable elements)"
         )
 
-    def modes(self) -> tuple[ModePlan, ModePlan]:
-        """ZeRO-1 and the ZeRO-2 hook (under DDP, which keeps full gradients)."""
+    def zero1(self) -> ModePlan:
+        """ZeRO-1 (under DDP, which keeps full gradients)."""
         config, size = self.config, self.config.world_size
         params = self.params_bytes()
         grad_bytes = sum(p.nbytes for p in self.params if p.trainable)
@@ -179,13 +179,7 @@ class _ZeroShards:
         all_reduce = ("all-reduce of gradients", all_reduce_bytes(grad_bytes, size))
         synced = self._not_owned()
         gloo = tuple(all_reduce[1] + synced[rank] for rank in range(size))
-        zero1 = ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note), gloo)
-        reduce_scatter = ("reduction of gradients to owners", self._moved(False))  # per DDP bucket: rooted calls
-        zero2_note = "reduce_to_owners_hook: DDP still holds full gradients; only the bytes sent shrink"
-        zero2 = ModePlan(
-            "zero2_hook", "ZeRO-2 hook", under_ddp, (reduce_scatter, gather), (shard_note, ddp_note, zero2_note)
-        )
-        return zero1, zero2
+        return ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note), gloo)
 
     def _not_owned(self) -> list[int]:
         """Per rank, the bytes of the trainable elements it does not own: what a sync brings it on gloo, by either
