@@ -2,10 +2,10 @@
 
 The plain Trainer rejects a ``ZeroRedundancyOptimizer`` (Accelerate's ``prepare`` asks every rank for its
 ``state_dict()``). ``distoptim.integrations.transformers.ZeroTrainer`` trains with one, as ZeRO-1 (greedy, passed
-as ``optimizers=(zero, scheduler)``), with the even partition and with the ZeRO-2 hook (both built by the Trainer
-through ``optimizer_cls_and_kwargs``), equal to the plain Trainer with torch's AdamW under DDP; a checkpoint written
-mid-run (sharded, or consolidated into ``optimizer.pt``) resumes in new processes to the uninterrupted run's
-parameters and optimizer state, bitwise.
+as ``optimizers=(zero, scheduler)``), with the even partition, with the deprecated ``reduce_to_owners=True`` and
+under ``ShardedDataParallel`` (built by the Trainer through ``optimizer_cls_and_kwargs``), equal to the plain
+Trainer with torch's AdamW under DDP; a checkpoint written mid-run (sharded, or consolidated into ``optimizer.pt``)
+resumes in new processes to the uninterrupted run's parameters and optimizer state, bitwise.
 
 The job is ``transformers_job.py``, run twice (train, then resume) with both ranks at once.
 """
@@ -86,7 +86,7 @@ def test_the_plain_trainer_rejects_a_zero_optimizer(job: Path) -> None:
 
 
 def test_settings_zero_trainer_cannot_honour_raise_on_every_rank(job: Path) -> None:
-    expected = ["optimizer_checkpoint must be one of", "needs a distoptim ZeroRedundancyOptimizer", "overlap_with_ddp"]
+    expected = ["optimizer_checkpoint must be one of", "pass sharded_data_parallel only", "overlap_with_ddp"]
     for rank in range(WORLD_SIZE):
         errors = _errors(job, rank)[1:]
         assert len(errors) == len(expected) and all(e in error for e, error in zip(expected, errors)), errors
@@ -101,7 +101,7 @@ def test_resume_from_a_trainer_checkpoint_is_bitwise(job: Path, mode: str) -> No
     assert all(int(state["step"]) == 8 for state in full[0]["optimizer"]["state"].values())
     # the log history: the checkpoint's (steps 1-5), then the same gradient norms measured after the resume
     assert len(full[0]["grad_norms"]) == 8 and resumed[0]["grad_norms"] == full[0]["grad_norms"]
-    hook = {"zero2": "reduce_to_owners_hook", "sdp": "ShardedDataParallel"}.get(mode)  # on the DDP model anew
+    hook = {"sdp": "ShardedDataParallel"}.get(mode)  # reduce_to_owners=True (deprecated) leaves DDP's default
     assert [r["comm_hook"] for r in full + resumed] == [hook] * 2 * WORLD_SIZE
 
 

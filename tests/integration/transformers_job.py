@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "zero": ({}, {}),  # ZeRO-1, greedy partition, optimizers=(zero, StepLR); sharded checkpoint
     # built by the Trainer (optimizer_cls_and_kwargs) from here on; parameters split across ranks, optimizer.pt
     "even": ({"partition": "even"}, {"optimizer_checkpoint": "consolidated"}),
-    # reduce_to_owners_hook on the DDP model; parameters as views of flat buffers
+    # reduce_to_owners=True, deprecated: a FutureWarning, DDP's default all-reduce; parameters as views of flat buffers
     "zero2": ({"parameters_as_bucket_view": True}, {"reduce_to_owners": True}),
     # ShardedDataParallel instead of DDP: 1/N of the gradient per rank, several buckets, the sync overlapped
     "sdp": (
@@ -110,7 +111,12 @@ def zero_trainer(mode: str, out: Path, run: str, seed: int, save: bool) -> ZeroT
     if mode == "zero":
         return ZeroTrainer(**common, optimizers=user_optimizer(ZeroRedundancyOptimizer, model))
     built = (ZeroRedundancyOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": LR, **zero_options})
-    return ZeroTrainer(**common, optimizer_cls_and_kwargs=built, **trainer_options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = ZeroTrainer(**common, optimizer_cls_and_kwargs=built, **trainer_options)
+    deprecated = [w for w in caught if issubclass(w.category, FutureWarning) and "reduce_to_owners" in str(w.message)]
+    assert len(deprecated) == (mode == "zero2"), [str(w.message) for w in caught]
+    return trainer
 
 
 def record(trainer: Trainer, out: Path, run: str) -> None:
@@ -158,7 +164,7 @@ def misuse_errors(out: Path) -> list[str]:
     overlap = {"optimizer_class": torch.optim.AdamW, "lr": LR, "overlap_with_ddp": True}
     attempts = [
         lambda: ZeroTrainer(model=make_model(0), optimizer_checkpoint="sharded-please", **common),
-        lambda: ZeroTrainer(model=make_model(0), reduce_to_owners=True, **common).train(),  # the Trainer's AdamW
+        lambda: ZeroTrainer(model=make_model(0), reduce_to_owners=True, sharded_data_parallel=True, **common),
         lambda: ZeroTrainer(
             model=make_model(0), optimizer_cls_and_kwargs=(ZeroRedundancyOptimizer, overlap), **common
         ).train(),

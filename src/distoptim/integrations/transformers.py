@@ -5,9 +5,8 @@ optimizer's ``state_dict()`` (to move the state to the device), and a checkpoint
 ``state_dict()``; a ZeRO optimizer has its whole state only where ``consolidate_state_dict()``, a collective, put it.
 ``ZeroTrainer`` prepares the ZeRO optimizer without that device placement (its state already lives on its
 parameters' device), saves and loads it on every rank, clips the gradient through ``zero.clip_grad_norm_``
-(right with gradients reduced to their owners too) and, with ``reduce_to_owners=True``, registers
-``distoptim.hooks.reduce_to_owners_hook`` on the DDP model Accelerate builds (ZeRO-2). With any other optimizer it is
-the plain Trainer. docs/guides/transformers.md says what is not supported and why. (Accelerate's ``prepare`` moves
+and, with ``sharded_data_parallel``, wraps the model in ``ShardedDataParallel`` (ZeRO-2). With any other optimizer it
+is the plain Trainer. docs/guides/transformers.md says what is not supported and why. (Accelerate's ``prepare`` moves
 the model to ``cpu:0`` on CPU ranks, which copies every parameter after the ZeRO optimizer was built: ZeRO binds its
 views to the new storage at its next step by itself.)
 
@@ -18,14 +17,14 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 try:
-    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers import Trainer
     from transformers.trainer import SCHEDULER_NAME
 except ImportError as error:  # pragma: no cover - exercised only where transformers is missing
     raise ImportError(
@@ -34,7 +33,6 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
 
 from distoptim import checkpoint
 from distoptim.comm import agreement
-from distoptim.ddp.reduce_to_owners import reduce_to_owners_hook
 from distoptim.sharded_data_parallel.wrapper import ShardedDataParallel
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -46,6 +44,10 @@ rank). Its name contains "optimizer", so a plain Trainer resuming from it fails 
 of silently starting the optimizer afresh."""
 
 CHECKPOINT_FORMATS = ("sharded", "consolidated")
+REDUCE_TO_OWNERS_DEPRECATED = (
+    "ZeroTrainer(reduce_to_owners=True) is deprecated and keeps DDP's default all-reduce: use "
+    "ZeroTrainer(sharded_data_parallel=True) (distoptim.ShardedDataParallel) for ZeRO-2"
+)
 
 
 class ZeroTrainer(Trainer):
@@ -56,9 +58,8 @@ class ZeroTrainer(Trainer):
     builds it over the Trainer's weight-decay groups. Launch every rank (``torchrun``).
 
     Args:
-        reduce_to_owners: register ``reduce_to_owners_hook`` on the Trainer's DDP model, so that each rank receives
-            the averaged gradient of what it owns only (ZeRO-2); needs a ``ZeroRedundancyOptimizer`` over all of the
-            model's trainable parameters.
+        reduce_to_owners: deprecated (a ``FutureWarning``), and DDP's default all-reduce is kept: the hook it
+            registered now all-reduces too. Use ``sharded_data_parallel`` for ZeRO-2.
         sharded_data_parallel: wrap the model in ``distoptim.ShardedDataParallel`` instead of Accelerate's DDP
             (every rank keeps 1/N of the gradient); ``True``, or a dict of its keyword arguments. Accelerate then
             prepares the optimizer only: no bf16/fp16 autocast and no ``torch_compile`` from it (refused).
@@ -88,9 +89,11 @@ class ZeroTrainer(Trainer):
             raise ValueError(f"optimizer_checkpoint must be one of {CHECKPOINT_FORMATS}, got {optimizer_checkpoint!r}")
         if sharded_data_parallel and reduce_to_owners:
             raise ValueError(
-                "reduce_to_owners=True registers ZeRO-2's hook on DDP, sharded_data_parallel replaces DDP (and "
-                "reduces to owners itself): pass one of them"
+                "reduce_to_owners=True (deprecated) keeps DDP, sharded_data_parallel replaces it: pass "
+                "sharded_data_parallel only"
             )
+        if reduce_to_owners:
+            warnings.warn(REDUCE_TO_OWNERS_DEPRECATED, FutureWarning, stacklevel=2)
         super().__init__(*args, **kwargs)
         if sharded_data_parallel and (self.args.bf16 or self.args.fp16 or self.args.torch_compile):
             raise ValueError(
@@ -108,8 +111,6 @@ class ZeroTrainer(Trainer):
             )
         self.reduce_to_owners = reduce_to_owners
         self.optimizer_checkpoint = optimizer_checkpoint
-        self._hooked_model: nn.Module | None = None
-        self.add_callback(_AfterPrepare(self))
 
     def _zero(self) -> ZeroRedundancyOptimizer | None:
         """The ZeroRedundancyOptimizer this Trainer steps (inside Accelerate's wrapper once prepared), or None."""
@@ -123,18 +124,12 @@ class ZeroTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         zero = self._zero()
         if zero is None:
-            if self.reduce_to_owners:
-                raise ValueError(
-                    "ZeroTrainer(reduce_to_owners=True) needs a distoptim ZeroRedundancyOptimizer, got "
-                    f"{type(optimizer).__name__}: pass one (optimizers=... or optimizer_cls_and_kwargs=...) or drop "
-                    "reduce_to_owners"
-                )
             return optimizer
         if zero.overlap_stepper is not None:
             raise ValueError(
                 "a ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, before the Trainer "
-                "clips the gradient and calls step(): build it with overlap_with_ddp=False (reduce_to_owners=True "
-                "keeps ZeRO-2's gradient sharding)"
+                "clips the gradient and calls step(): build it with overlap_with_ddp=False (sharded_data_parallel=True "
+                "for ZeRO-2)"
             )
         if optimizer is zero:
             optimizer = self.optimizer = self.accelerator.prepare(zero, device_placement=[False])
@@ -155,23 +150,6 @@ class ZeroTrainer(Trainer):
             return super()._get_grad_norm(model, grad_norm)  # type: ignore[no-untyped-call]
         self.accelerator.unscale_gradients()
         return zero.clip_grad_norm_(math.inf)
-
-    def _after_prepare(self) -> None:
-        """Once Accelerate has wrapped the model: register the ZeRO-2 hook on the DDP model (once per DDP model)."""
-        zero, model = self._zero(), self.model_wrapped
-        if zero is None:
-            return
-        if not self.reduce_to_owners or model is self._hooked_model:
-            return
-        if not isinstance(model, DistributedDataParallel):
-            if zero.world_size == 1:
-                return  # one rank owns everything: its gradient needs no reduction
-            raise ValueError(
-                f"reduce_to_owners=True needs the Trainer's model wrapped in DistributedDataParallel, got "
-                f"{type(model).__name__}: launch the ranks with torchrun and leave the DDP wrapping to the Trainer"
-            )
-        model.register_comm_hook(zero, reduce_to_owners_hook)
-        self._hooked_model = model
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """With ``sharded_data_parallel``, training wraps the model in ``ShardedDataParallel`` (once), and the
@@ -251,16 +229,3 @@ class ZeroTrainer(Trainer):
             then_agree_on=lambda found: {"whether the directory exists: {}": found},
             fix="resume from a checkpoint directory that every rank sees",
         )
-
-
-class _AfterPrepare(TrainerCallback):
-    """Calls ``ZeroTrainer._after_prepare`` when training begins: after Accelerate wrapped the model and a resume
-    loaded the state, before the first backward."""
-
-    def __init__(self, trainer: ZeroTrainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self.trainer._after_prepare()
