@@ -28,6 +28,9 @@ FACTOR = 8.0
 # cancelling) that an adaptive optimizer turns into a whole update lands on one element in the twin, another in
 # the subject
 OUTLIER = 2.0
+# an element whose gradient has no sign (``signless``) may be off by this many times the oracle's update of it, per
+# step from then on: a sign flip turns an update into its opposite (2), plus weight decay's share of the update
+SIGNLESS_UPDATES = 3.0
 FLOOR_ULPS = 4  # ulps (of the element, plus of its tensor's mean magnitude) allowed per unaligned step regardless
 Record = dict[str, Tensor]  # what a pass saw at each comparison: "where|what" -> the oracle's value
 
@@ -65,6 +68,15 @@ def one_ulp_up_of_sum(param: Tensor) -> Any:
         return torch.where(ulp_of_total > up - grad, grad + ulp_of_total, up)
 
     return hook
+
+
+def signless(grad: Tensor, twin: Tensor) -> Tensor:
+    """Per element: whether the oracle's averaged gradient is within ``FACTOR`` times the twin's distance from it (or
+    that distance's rms over the tensor) of zero, so that its sign is the rounding's."""
+    g = grad.detach().float()
+    apart = (twin.detach().float() - g).abs()
+    spread = apart.square().mean().sqrt() if apart.numel() else apart.sum()
+    return g.abs() <= FACTOR * torch.maximum(apart, spread)
 
 
 def floor(want: Tensor, steps: int) -> Tensor:

@@ -9,7 +9,7 @@ import math
 import torch
 
 from tests.fuzz.models import CAP, GRID, on_grid
-from tests.fuzz.noise import allowance, one_ulp_up
+from tests.fuzz.noise import allowance, one_ulp_up, one_ulp_up_of_sum, signless
 from tests.fuzz.program import Action, Program, generate
 from tests.fuzz.session import run_programs
 
@@ -35,6 +35,22 @@ def test_the_twin_moves_every_element_one_ulp_up_and_the_allowance_follows_it() 
     allowed = allowance(want, twin, steps=1)
     assert float(allowed[3]) >= 8e-3 and float(allowed[0]) >= 2e-3  # the element, the tensor's largest
     assert float(allowance(want, None, steps=1).max()) == 0.0  # no twin, zeros: nothing allowed
+
+
+def test_the_twin_moves_an_accumulated_gradient_by_an_ulp_of_the_sum() -> None:
+    param = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
+    hook = one_ulp_up_of_sum(param)
+    grad = torch.tensor([2**-10, 1.0], dtype=torch.bfloat16)
+    assert torch.equal(hook(grad), one_ulp_up(grad))  # nothing held yet: the gradient's own ulp
+    param.grad = torch.tensor([64.0, 0.0], dtype=torch.bfloat16)
+    moved = hook(grad) - grad
+    assert float(moved[0]) == 0.5 and torch.equal(moved[1:], (one_ulp_up(grad) - grad)[1:])  # 64's ulp in bf16
+
+
+def test_only_gradients_within_the_twins_noise_of_zero_are_signless() -> None:
+    grad = torch.tensor([1.0, -0.5, 3e-7, 0.0, 2e-5])
+    twin = grad + torch.tensor([1e-7, -1e-7, -1e-7, 1e-7, 0.0])  # the twin's measured rounding
+    assert signless(grad, twin).tolist() == [False, False, True, True, False]
 
 
 def test_at_least_half_of_ci_programs_are_exact() -> None:
