@@ -64,34 +64,6 @@ def _sparse_even(program: Program, _: int) -> bool:
     return False
 
 
-def _backward_passes(action: Action) -> Iterator[bool]:
-    """Whether each backward pass of ``action`` reduces (False: under ``no_sync()``)."""
-    if action.name == "backward":
-        micro, quiet = action.args["micro"], action.args["no_sync"]
-        yield from (not (quiet and m < micro - 1) for m in range(micro))
-    elif action.name in ("scaler_step", "gan"):
-        yield True
-
-
-def _zero2_accumulation(program: Program, _: int) -> bool:
-    """zero2_hook: a backward that adds onto what a backward reduced to owners left in ``.grad`` (not cleared since),
-    then a step or clip that reads it (accumulation.py). ``closure_step`` and ``gan`` clear before their backward."""
-    if program.mode != "zero2_hook" or "sparse" in program.features:
-        return False
-    left = added = False
-    for action in program.actions:
-        if action.name in ("zero_grad", "hand_grad", "resume", "closure_step") or (action.name == "gan"):
-            left = added = False  # cleared (gan and closure_step clear first), replaced, or a new model
-        for reduces in _backward_passes(action):
-            added = added or left
-            left = left or reduces
-        if action.name in ("step", "clip", "scaler_step") and added:
-            return True
-        if action.name in ("closure_step", "gan"):
-            left = True
-    return False
-
-
 def _lands(action: Action) -> bool:
     """Whether ``action`` lands ShardedDataParallel's parameter sync: a forward (the submodules' pre-hooks), a read
     through the wrapper (``parameters()``, ``state_dict``; a load), the optimizer's checkpoints, the comparisons."""
@@ -143,32 +115,33 @@ def _write_in_flight(program: Program, _: int) -> bool:
     return _first_write_in_flight(program) is not None
 
 
-def _unrecovered(program: Program) -> str:
-    """SDP: "must" where a backward that raised midway, having reduced a bucket (it failed in ``body``, after
-    ``head`` and ``out``; or in ``head`` after an untied ``out``), was cleared otherwise than through
-    ``zero.zero_grad()``/``model.zero_grad()`` and a forward through the wrapper or a step follows before such a
-    clear (or a resume or reshard: a new subject); "may" where an action the table does not model comes between
-    (a re-placement, a load, a hand-set gradient), or the failing layer may have reduced nothing; else ""."""
-    verdict = ""
-    pending, sure = False, False
-    for action in program.actions:
-        if pending and action.name in ("backward", "closure_step", "scaler_step", "gan", "step", "clip"):
-            verdict = "must" if sure and verdict != "may" else "may"
-            pending = False
-        elif pending and action.name in ("retype", "data_clone", "load_optim", "unfreeze", "add_group", "hand_grad"):
-            sure = False
-        elif action.name in ("resume", "reshard") or (  # a new subject: the failed backward's store is gone
-            action.name == "zero_grad" and action.args["via"] in ("optimizer", "wrapper")
-        ):
-            pending = False
-        if action.name == "failed_backward" and action.args["via"] in ("module", "bare", "param_none"):
-            if pending:
-                verdict = "may"
-            pending = True
-            sure = action.args["layer"] == "body" or "tied" not in program.features
-        elif action.name == "failed_backward":
-            pending = False
-    return verdict
+_REFUSING = ("backward", "closure_step", "scaler_step", "gan", "step", "clip", "eval")
+
+
+def _poisoned(program: Program) -> str:
+    """SDP: "must" where a ``failed_backward`` reduced a bucket before it raised (it failed in ``body``, after ``head``
+    and ``out``; or in ``head`` after an untied ``out``) and its clear goes through ``zero``/the wrapper, or a forward
+    through the wrapper, a step or a clip follows before a new subject (resume, reshard): each refuses, "restart
+    from a checkpoint"; "may" there where the failing layer may have reduced nothing; else ""."""
+    for index, action in enumerate(program.actions):
+        if action.name != "failed_backward":
+            continue
+        sure = action.args["layer"] == "body" or "tied" not in program.features
+        refused = action.args["via"] in ("optimizer", "wrapper")
+        for later in program.actions[index + 1 :]:
+            if refused or later.name in ("resume", "reshard"):
+                break
+            refused = later.name in _REFUSING or (
+                later.name == "zero_grad" and later.args["via"] in ("optimizer", "wrapper")
+            )
+        if refused:
+            return "must" if sure else "may"
+    return ""
+
+
+def _shared_backward(program: Program, _: int) -> bool:
+    """SDP with a GAN round: the generator's backward reaches the discriminator's wrapper, on the same group."""
+    return program.mode == "sdp" and any(a.name == "gan" for a in program.actions)
 
 
 TABLE: tuple[Refusal, ...] = (
@@ -204,13 +177,6 @@ TABLE: tuple[Refusal, ...] = (
         _sparse_even,
     ),
     Refusal(
-        "zero2_accumulation",
-        "`zero2_hook`: a backward adds onto what a reducing backward left (micro-batches without `no_sync`, no "
-        "clear between backwards), then a step or clip",
-        r"^RuntimeError: a backward added onto the gradients of a backward that reduce_to_owners_hook had reduced",
-        _zero2_accumulation,
-    ),
-    Refusal(
         "sdp_even_state",
         '`sdp`, `partition="even"`, Adagrad (its state exists at construction; the re-cut into buckets moves it)',
         r"^RuntimeError: ShardedDataParallel re-cuts an even partition into buckets",
@@ -232,11 +198,17 @@ TABLE: tuple[Refusal, ...] = (
     ),
     Refusal(
         "sdp_failed_backward",
-        "`sdp`: `failed_backward` cleared through `model.module`, a bare submodule or `p.grad` (not the documented "
-        "`zero.zero_grad()`/`model.zero_grad()`)",
-        r"^RuntimeError: ShardedDataParallel: the last backward raised before it finished",
-        lambda p, w: _unrecovered(p) == "must",
-        lambda p, w: _unrecovered(p) == "may",
+        "`sdp`: `failed_backward` that reduced a bucket, then a clear through `zero`/the wrapper, a forward, a step "
+        "or a clip (a restart from a checkpoint is the recovery, as after DDP's)",
+        r"^RuntimeError: ShardedDataParallel: a backward raised before it finished",
+        lambda p, w: _poisoned(p) == "must",
+        lambda p, w: _poisoned(p) == "may",
+    ),
+    Refusal(
+        "sdp_shared_backward",
+        "`sdp`: `gan` (the generator's backward reaches the discriminator's wrapper on the same process group)",
+        r"^RuntimeError: two ShardedDataParallel models on one process group in one backward",
+        _shared_backward,
     ),
     Refusal(
         "adafactor_eps1",

@@ -49,7 +49,7 @@ DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size
         2,
     ),
     "clip_local_norm": (_program("zero1", _block(clip=0.05) * 2), 2),
-    "zero2_route_edge": (_program("zero2_hook", TWO, partition="even"), 2),
+    "clip_unclamped": (_program("zero1", _block(clip=10.0) * 2), 2),
     "zero2_hybrid_div": (_program("zero2_hook", TWO, kwargs={"lr": 0.05}, hybrid=True), 4),
     "sdp_land_copy": (_program("sdp", _block(micro=2) * 2), 2),
     "sdp_unfreeze_no_div": (
