@@ -42,8 +42,8 @@ def train(rank: int, world_size: int, device: torch.device, steps: int, hook: st
     model = make_model().to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.02)  # ~4 buckets
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)
-    # The inner hook reduces each bucket (here DDP's all-reduce; reduce_to_owners_hook gives ZeRO-2); the wrapper
-    # steps ZeRO on what it reduced and syncs the updated parameters.
+    # The inner hook reduces each bucket (here DDP's all-reduce); the wrapper steps ZeRO on what it reduced and
+    # syncs the updated parameters.
     ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp, zero, step_from_first_backward=True))
 
     for step in range(steps):

@@ -1,9 +1,9 @@
-"""ZeRO-2 on DDP: even shards, gradients reduced only to their owners, ZeRO-aware gradient clipping.
+"""ZeRO-2: even shards, gradients reduced only to their owners (``ShardedDataParallel``), ZeRO-aware clipping.
 
 ``partition="even"`` cuts the parameters into ``world_size`` equal ranges (a parameter may straddle two ranks);
-``reduce_to_owners_hook`` replaces DDP's all-reduce, so each rank receives the averaged gradient of its own range
-only; ``zero.clip_grad_norm_`` clips by the norm of the whole averaged gradient (one scalar all-reduce), which
-``torch.nn.utils.clip_grad_norm_`` cannot compute from partial gradients.
+``ShardedDataParallel`` replaces DDP, so each rank receives and keeps the averaged gradient of its own range only;
+``zero.clip_grad_norm_`` clips by the norm of the whole averaged gradient (one scalar all-reduce), which
+``torch.nn.utils.clip_grad_norm_`` cannot compute from the owned gradients.
 
 Run (2 local processes on 127.0.0.1; gloo on CPU, NCCL when there is a GPU per rank):
 
@@ -17,10 +17,8 @@ import argparse
 import torch
 from _local import checksum, launch, say
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import ZeroRedundancyOptimizer
-from distoptim.hooks import reduce_to_owners_hook
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 
 
 def make_model() -> nn.Module:
@@ -36,17 +34,16 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(rank: int, world_size: int, device: torch.device, steps: int) -> None:
     model = make_model().to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     zero = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.AdamW, partition="even", parameters_as_bucket_view=True, lr=3e-3
     )
-    ddp.register_comm_hook(zero, reduce_to_owners_hook)  # ZeRO-2: no rank receives the whole averaged gradient
+    sdp = ShardedDataParallel(model, zero)  # ZeRO-2: no rank receives or keeps the whole averaged gradient
 
     for step in range(steps):
         x, y = (t.to(device) for t in batch(rank, step))
         zero.zero_grad()
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()  # each rank holds the averaged gradient of what it owns; the rest of .grad is partial
+        loss = nn.functional.mse_loss(sdp(x), y)
+        loss.backward()  # each rank holds the averaged gradient of what it owns, and only that
         norm = zero.clip_grad_norm_(1.0)  # the norm of the whole averaged gradient, equal on every rank
         zero.step()  # each rank steps its range, then the ranges are gathered into every rank's parameters
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
