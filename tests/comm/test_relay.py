@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.comm import collectives as comm
 from distoptim.comm import p2p, relay
-from distoptim.hooks import reduce_to_owners_hook
 from tests._dist import run_on_ranks
 
 P2P = comm.Collectives.POINT_TO_POINT
@@ -146,7 +145,7 @@ class _Model(nn.Module):
 
 
 def _training_body(rank: int, world_size: int) -> dict[str, int]:
-    """ShardedDataParallel and the ZeRO-2 hook (greedy, gloo's style) against DDP + plain AdamW, step by step."""
+    """ShardedDataParallel (greedy, gloo's style) against DDP + plain AdamW, step by step."""
     relayed = {"reductions": 0, "syncs": 0}
     build, tags = relay.RelayedReduction, p2p.sync_tags
 
@@ -160,14 +159,10 @@ def _training_body(rank: int, world_size: int) -> dict[str, int]:
 
     reductions = mock.patch.object(relay, "RelayedReduction", counted_reduction)
     with reductions, mock.patch.object(p2p, "sync_tags", counted_sync):
-        for mode in ("sharded_data_parallel", "zero2_hook"):
+        for mode in ("sharded_data_parallel",):
             model, reference = _Model(), _Model()
             zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="greedy", lr=0.01)
-            if mode == "sharded_data_parallel":
-                net: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
-            else:
-                net = DDP(model, bucket_cap_mb=0.004)
-                net.register_comm_hook(zero, reduce_to_owners_hook)
+            net = ShardedDataParallel(model, zero, bucket_cap_mb=0.004)
             ddp = DDP(reference, bucket_cap_mb=0.004)
             plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
             for step in range(3):
