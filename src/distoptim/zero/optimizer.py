@@ -19,11 +19,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
-from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
-from distoptim.zero.accumulation import AccumulationGuard
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
@@ -39,7 +37,7 @@ class ZeroRedundancyOptimizer(
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     Every trainable element is owned by one rank (``partition``). ``step()`` expects gradients already averaged
-    across ranks (DDP does this; with ``distoptim.hooks.reduce_to_owners_hook`` only the owned ones are, which is
+    across ranks (DDP does this; ``ShardedDataParallel`` averages only the owned ones, which is
     ZeRO-2): each rank steps what it owns with its local optimizer, then the updated parameters are synced to every
     rank. A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``; ``clip_grad_norm_`` clips the whole
     gradient from the owned parts.
@@ -136,8 +134,6 @@ class ZeroRedundancyOptimizer(
         self.process_group = group
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding this shard in other shard groups
         self.replica_count = 1 if replicate_group is None else comm.group_size(replicate_group)
-        self._ddp_group_checked = False  # reduce_to_owners_hook checks DDP's group against ours once
-        self._accumulation = AccumulationGuard()  # and step() refuses gradients added onto what it left
         self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
@@ -157,7 +153,6 @@ class ZeroRedundancyOptimizer(
         self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
         self._sync: ParameterSync | None = None
-        self._routes: dict[tuple[Any, ...], Any] = {}  # the gradient routes of DDP buckets under this plan
         self._shard: LocalShard | None = None
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
@@ -268,7 +263,6 @@ class ZeroRedundancyOptimizer(
         """Everything a step does locally; with a ``grad_scaler`` (or ``hold``: a rank joined under Join), all but
         the local optimizer's step, which waits for the ranks' verdict."""
         try:  # inside the agreement: every rank raises if one does
-            self._accumulation.check()
             if self._gradient_store is not None:
                 self._gradient_store.check_finished()
             if self._sync is not None:
@@ -341,8 +335,8 @@ class ZeroRedundancyOptimizer(
         (collective: one scalar all-reduce; returns the total norm, the same on every rank).
 
         Each rank measures and scales the gradient of what it owns, so it is right with gradients reduced to their
-        owners (``reduce_to_owners_hook``, ``ShardedDataParallel``) too; gradients a rank does not own are left as
-        they are. Norms accumulate in float32. Call it between ``backward()`` and ``step()`` on every rank.
+        owners (``ShardedDataParallel``) too; gradients a rank does not own are left as they are. Norms accumulate
+        in float32. Call it between ``backward()`` and ``step()`` on every rank.
 
         Args:
             max_norm: the largest total norm the gradient may have.
@@ -355,8 +349,7 @@ class ZeroRedundancyOptimizer(
         Raises:
             RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
                 ``overlap_with_ddp=True`` (the step ran inside the backward already: clipping could not take part),
-                under ``ShardedDataParallel`` after a backward that raised midway and no ``zero_grad()`` since, or
-                after gradients were accumulated onto what ``reduce_to_owners_hook`` left (as ``step()`` refuses).
+                or under ``ShardedDataParallel`` after a backward that raised midway and no ``zero_grad()`` since.
 
         Example:
             ```python
@@ -369,13 +362,10 @@ class ZeroRedundancyOptimizer(
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) cannot clip: its step already ran inside DDP's "
                 "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
-                "worked. Build it with overlap_with_ddp=False (with reduce_to_owners_hook for ZeRO-2) to clip"
+                "worked. Build it with overlap_with_ddp=False (with ShardedDataParallel for ZeRO-2) to clip"
             )
-        # every rank alike: neither a half-reduced gradient nor one accumulated onto owners' leftovers is clipped
-        if self._gradient_store is not None:
+        if self._gradient_store is not None:  # every rank alike: a half-reduced gradient is not clipped
             self._gradient_store.check_finished()
-        if self._accumulation.may_refuse:  # a collective only where it may
-            agreement.run_agreed(self._accumulation.check, self.agreement_groups, "clip_grad_norm_")
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
         shard, params, group, device = self.local_shard, self.global_params, self.process_group, self._comm_device
@@ -392,7 +382,6 @@ class ZeroRedundancyOptimizer(
         """
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
-        self._accumulation.cleared()
         if self._gradient_store is not None:
             self._gradient_store.clear(set_to_none)
         super().zero_grad(set_to_none)
