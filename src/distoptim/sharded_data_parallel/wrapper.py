@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,57 +25,29 @@ __all__ = ["ShardedDataParallel"]
 class ShardedDataParallel(nn.Module):
     """Data parallelism for a model stepped by a ``ZeroRedundancyOptimizer``, holding 1/N of the gradient per rank.
 
-    Use it instead of ``DistributedDataParallel``: as each parameter's gradient is accumulated it goes into a
-    bucket and its ``.grad`` is released; full buckets are reduced to the ranks that own their elements (inside the
-    backward, in one fixed order on every rank), and each rank keeps only its owned part, which ``zero`` clips,
-    scales and steps. After the backward ``.grad`` holds a marker (no values) where ``zero`` holds the gradient, so
-    that one intake decides what the step uses: a ``.grad`` set to None through any object (this wrapper, the inner
-    module, ``p.grad = None``) clears the owned gradient, one zeroed in place zeroes it, one set by hand is used as
-    it is; ``zero.step(closure)`` steps what the closure's backward reduced. ``zero.clip_grad_norm_`` returns the
-    whole gradient's norm. Parameters one rank did not use (a branch taken on some ranks) contribute zeros, and one
-    no rank used gets no gradient at the step (as under DDP with ``find_unused_parameters``): no flag is needed.
-    ``zero.step()`` then syncs the parameters bucket by bucket; with ``overlap_param_sync`` it returns with the sync
-    in flight, and each module's forward pre-hook waits for the buckets of its own parameters, so the next forward
-    starts while later layers' parameters still travel. ``state_dict()``, ``parameters()``, ``zero``'s checkpoints
-    and its next ``step()`` wait for it first, and the end of each forward lands the rest (the loss may read
-    parameters the forward did not: weight decay). Hooks, in order: module-global forward pre-hooks and the user's
-    on the wrapper itself (while any is registered, the whole sync lands before the forward), then on each module
-    the landing hook, then the user's pre-hooks, registered before or after wrapping, with ``prepend=True`` or not
-    (``hook_order.py``).
-    Between ``step()`` and the next forward, read or write parameters through the inner module only after
-    ``model.sync_finished()``: a write before it is overwritten on the ranks not owning the element, and the next
-    ``step()`` raises on every rank saying so.
+    Use it instead of ``DistributedDataParallel``: buckets of gradients are reduced to the ranks owning their elements
+    inside the backward; each rank keeps its owned part (the store: ``.grad`` stays None), which ``zero`` clips, steps
+    and consumes. A backward that raised midway makes every later forward, step and ``zero_grad`` refuse (restart
+    from a checkpoint, as after DDP's). The contract in full: the ShardedDataParallel guide.
 
     Args:
         module: the model; its trainable parameters must be exactly ``zero``'s.
-        zero: a ``ZeroRedundancyOptimizer`` over the model's parameters, built without ``overlap_with_ddp``, with
-            no optimizer state yet (an even partition is re-cut into buckets, one region each).
+        zero: its ``ZeroRedundancyOptimizer``, without ``overlap_with_ddp``, with no optimizer state yet.
         bucket_cap_mb: the most a gradient bucket holds, in MiB (default 25).
         broadcast_buffers: broadcast rank 0's buffers before each forward, as DDP does (default True).
-        reduce_dtype: the dtype gradients are reduced and kept in (``torch.float32`` for a bf16 model); default:
-            the parameters' dtype.
-        overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward to wait for
-            bucket by bucket; then read or write parameters outside the forward only after ``sync_finished()``
-            (a read before it is stale on the ranks not owning the element). Default False: ``step()`` returns
-            with every parameter synced, so anything may read them (an EMA of the weights, logging); on this
-            machine the overlap gained nothing measurable (``docs/report``).
+        reduce_dtype: the dtype gradients are reduced and kept in (default: the parameters').
+        overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward (default False).
 
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
-        ValueError: on every rank, when the trainable parameters of ``module`` and ``zero`` differ (the extra or
-            missing ones named), when an embedding makes sparse gradients, when the ranks' models or settings
-            differ, for ``overlap_with_ddp=True``, a second wrapper, a bad ``bucket_cap_mb`` or ``reduce_dtype``.
-        RuntimeError: when ``zero`` already has optimizer state and its even partition must be re-cut.
+        ValueError: on every rank: parameters of ``module`` and ``zero`` differ, sparse gradients, the ranks' models
+            or settings differ, ``overlap_with_ddp=True``, a second wrapper, a bad setting.
+        RuntimeError: ``zero`` already has optimizer state and its even partition must be re-cut.
 
     Example:
         ```python
-        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", lr=1e-3)
         model = distoptim.ShardedDataParallel(model, zero)     # instead of DDP(model)
-        for batch in loader:
-            zero.zero_grad()
-            loss_fn(model(batch)).backward()    # gradients reduced to their owners; every .grad freed
-            zero.clip_grad_norm_(1.0)
-            zero.step()                         # the parameter sync overlaps the next forward
+        loss_fn(model(batch)).backward()                      # then zero.step()
         ```
     """
 
@@ -137,7 +108,6 @@ class ShardedDataParallel(nn.Module):
         self._first: list[tuple[nn.Module, int]] = []  # (module, id) of each landing pre-hook: kept first
         self.register_forward_pre_hook(self._before_forward, prepend=True)
         self._rebuild()
-        zero._plan_listeners.append(self._rebuild)
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
@@ -145,22 +115,25 @@ class ShardedDataParallel(nn.Module):
         construction, ``add_param_group``, unfreezing or parameters given new storage: buckets already planned stay)."""
         zero = self.zero
         self._buckets = plan_buckets(zero.plan, self._caps, self._buckets)
-        self.gradients = OwnedGradients(zero, self._buckets, self.reduce_dtype, previous=self.gradients)
-        zero._gradient_store = self.gradients
-        zero.local_shard.source = self.gradients.grad_of
         inner = zero._sync.inner if isinstance(zero._sync, BucketedSync) else zero._sync
         assert inner is not None
-        zero._sync = BucketedSync(inner, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
+        sync = BucketedSync(inner, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
+        self.gradients = OwnedGradients(
+            zero, self._buckets, self.reduce_dtype, sync, self._rebuild, previous=self.gradients
+        )
+        zero.attach_gradient_source(self.gradients)
         for param in zero.global_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
-                self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
         if self.overlap_param_sync:
-            self._register_forward_pre_hooks(zero._sync)
+            self._register_forward_pre_hooks(sync)
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
+        if not self.gradients.in_backward:  # this wrapper's first gradient of a backward
+            for other in checks.one_wrapper_per_backward(self, self.zero.process_group):
+                self.gradients.shared = other.gradients.shared = True  # none waits until the flushes
         self.gradients.on_grad(param)
 
     def _register_forward_pre_hooks(self, sync: BucketedSync) -> None:
@@ -205,8 +178,6 @@ class ShardedDataParallel(nn.Module):
         output = self.module(*args, **kwargs)
         self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
-        if self._sync_buffers_next:  # a backward that reduces may follow (pending.py)
-            self.gradients.pending.forward()
         return output
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -258,7 +229,7 @@ class ShardedDataParallel(nn.Module):
             set_to_none: set each ``.grad`` to None rather than to zeros (default True).
         """
         assert self.gradients is not None
-        self.gradients.clear(set_to_none)  # first, as zero.zero_grad(): it puts back markers a raised backward left
+        self.gradients.clear(set_to_none)
         super().zero_grad(set_to_none)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -305,18 +276,6 @@ class ShardedDataParallel(nn.Module):
         """
         self._land_sync()
         return super().named_parameters(*args, **kwargs)
-
-
-class _BeforeGradient:
-    """A parameter's gradient hook: ``OwnedGradients.before_gradient`` (the parameter held weakly)."""
-
-    def __init__(self, wrapper: ShardedDataParallel, param: Tensor) -> None:
-        self.wrapper, self.param = wrapper, weakref.ref(param)
-
-    def __call__(self, _: Tensor) -> None:
-        param, gradients = self.param(), self.wrapper.gradients
-        if param is not None and gradients is not None:
-            gradients.before_gradient(param)
 
 
 class _Lander:
