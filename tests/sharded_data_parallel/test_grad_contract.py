@@ -237,3 +237,38 @@ def _unreached_body(rank: int, world_size: int) -> None:
 
 def test_a_hand_set_grad_the_backward_did_not_reach_is_stepped_and_reads_after_step_agree() -> None:
     run_on_ranks(_unreached_body, 2, timeout=120)
+
+
+# ------------------------------------------ the step that places a parameter again consumes the new placement's store
+def _replaced_body(rank: int, world_size: int, how: str) -> None:
+    """No ``zero_grad()`` at all; after the first step a frozen layer is thawed (``unfreeze``) or a layer given new
+    storage (``new_storage``), so the next step places again and its store takes over: that step must consume it too.
+    Reference: plain AdamW on gradients averaged by hand, cleared before each backward (the contract)."""
+    for partition in PARTITIONS:
+        model, reference = Chain(), Chain()
+        for m in (model, reference):
+            m.side.requires_grad_(how != "unfreeze")
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition=partition, **KW)
+        sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+        plain = torch.optim.AdamW(reference.parameters(), **KW)
+        for step in range(3):
+            if step == 1:
+                for m in (model, reference):
+                    m.side.requires_grad_(True) if how == "unfreeze" else m.side.weight.data.copy_(m.side.weight)
+                if how == "new_storage":
+                    model.side.weight.data = model.side.weight.data.clone()
+            sdp(_x(rank, step)).square().mean().backward()
+            zero.step()
+            plain.zero_grad()
+            reference(_x(rank, step)).square().mean().backward()
+            for p in reference.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            plain.step()
+            _compare(model, reference, f"{partition} {how} step {step}")
+
+
+@pytest.mark.parametrize("how", ["unfreeze", "new_storage"])
+def test_a_step_that_places_again_consumes_the_gradient(how: str) -> None:
+    run_on_ranks(_replaced_body, 2, how, timeout=120)

@@ -84,6 +84,7 @@ class OwnedGradients:
         self._next = 0
         self._backward = False  # between a backward's first gradient and its flush
         self.shared = False  # this backward reached another wrapper (on another group): no waits before the flushes
+        self.successor: OwnedGradients | None = None  # the store built over the next placement, once there is one
         if previous is not None:
             self._take_over(previous)
 
@@ -133,10 +134,13 @@ class OwnedGradients:
         try:
             yield
         finally:
-            self._stepping = False
-            if not self._backward:  # else refused at the next forward, step or clear
-                self.had = [had or held for had, held in zip(self.had, self.holds)]
-                self._drop(to_zeros=False)
+            current = self
+            while current.successor is not None:  # the step placed again: its store took over from this one
+                current = current.successor
+            current._stepping = False
+            if not current._backward:  # else refused at the next forward, step or clear
+                current.had = [had or held for had, held in zip(current.had, current.holds)]
+                current._drop(to_zeros=False)
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: drop the owned gradient, or with ``set_to_none=False`` zero it where a parameter had one
@@ -312,6 +316,7 @@ class OwnedGradients:
             mine[: len(theirs)] = theirs
         self._unreduced, self._unagreed, self._stepping = previous._unreduced, previous._unagreed, previous._stepping
         self._backward = previous._backward  # a backward that raised stays refused
+        previous.successor = self
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
