@@ -131,7 +131,7 @@ class ShardedDataParallel(nn.Module):
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
-        if not self.gradients.in_backward:  # this wrapper's first gradient of a backward
+        if not self.gradients.in_backward and not self.gradients.no_sync:  # its first gradient of a reducing backward
             for other in checks.one_wrapper_per_backward(self, self.zero.process_group):
                 self.gradients.shared = other.gradients.shared = True  # none waits until the flushes
         self.gradients.on_grad(param)
