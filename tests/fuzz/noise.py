@@ -33,6 +33,7 @@ OUTLIER = 2.0
 SIGNLESS_UPDATES = 3.0
 FLOOR_ULPS = 4  # ulps (of the element, plus of its tensor's mean magnitude) allowed per unaligned step regardless
 Record = dict[str, Tensor]  # what a pass saw at each comparison: "where|what" -> the oracle's value
+_DIRECTIONS = torch.Generator().manual_seed(0)  # a bf16 gradient's elements move up or down, as orders round them
 
 
 def one_bf16_ulp_up(grad: Tensor) -> Tensor:
@@ -56,7 +57,9 @@ def one_ulp_up_of_sum(param: Tensor) -> Any:
     """The twin's hook on ``param``: its gradient one ulp up, of the gradient or of what it accumulates into,
     whichever is larger. A sum accumulated before its reduction (DDP: ``.grad`` then the all-reduce) rounds where
     one accumulated after it (``ShardedDataParallel``: each backward reduced, then added) does not: in bf16 a whole
-    ulp of the accumulated gradient (seed 100670: three micro-batches, Adam)."""
+    ulp of the accumulated gradient (seed 100670: three micro-batches, Adam). A bf16 gradient's elements move up or
+    down at random: another reduction order rounds each either way, and all moving up rounds fewer of the bf16
+    weights after them across a tie (3 ranks: seeds 301066, 301590, 301622 within the twin's measure only so)."""
 
     def hook(grad: Tensor) -> Tensor:
         up = one_ulp_up(grad)
@@ -67,7 +70,14 @@ def one_ulp_up_of_sum(param: Tensor) -> Any:
         ulp_of_total = torch.nextafter(total, torch.full_like(total, math.inf)) - total
         return torch.where(ulp_of_total > up - grad, grad + ulp_of_total, up)
 
-    return hook
+    def either_way(grad: Tensor) -> Tensor:
+        moved = hook(grad)
+        if grad.dtype != torch.bfloat16 or grad.is_sparse:
+            return moved
+        down = torch.randint(0, 2, grad.shape, generator=_DIRECTIONS).bool()
+        return torch.where(down, grad - (moved - grad), moved)
+
+    return either_way
 
 
 def signless(grad: Tensor, twin: Tensor) -> Tensor:

@@ -41,10 +41,12 @@ def test_the_twin_moves_an_accumulated_gradient_by_an_ulp_of_the_sum() -> None:
     param = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
     hook = one_ulp_up_of_sum(param)
     grad = torch.tensor([2**-10, 1.0], dtype=torch.bfloat16)
-    assert torch.equal(hook(grad), one_ulp_up(grad))  # nothing held yet: the gradient's own ulp
+    assert torch.equal((hook(grad) - grad).abs(), one_ulp_up(grad) - grad)  # nothing held yet: the gradient's own ulp
     param.grad = torch.tensor([64.0, 0.0], dtype=torch.bfloat16)
-    moved = hook(grad) - grad
+    moved = (hook(grad) - grad).abs()  # a bf16 gradient's elements move either way
     assert float(moved[0]) == 0.5 and torch.equal(moved[1:], (one_ulp_up(grad) - grad)[1:])  # 64's ulp in bf16
+    many = torch.ones(1000, dtype=torch.bfloat16)
+    assert 300 < int((one_ulp_up_of_sum(torch.zeros(1000, dtype=torch.bfloat16))(many) < many).sum()) < 700
 
 
 def test_only_gradients_within_the_twins_noise_of_zero_are_signless() -> None:
