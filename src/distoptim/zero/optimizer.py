@@ -38,67 +38,27 @@ class ZeroRedundancyOptimizer(
 ):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
-    Every trainable element is owned by one rank (``partition``). ``step()`` expects gradients already averaged
-    across ranks (DDP does this; ``ShardedDataParallel`` averages only the owned ones, which is
-    ZeRO-2): each rank steps what it owns with its local optimizer, then the updated parameters are synced to every
-    rank. A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``; ``clip_grad_norm_`` clips the whole
-    gradient from the owned parts.
+    A drop-in for torch's: ``step()`` takes averaged gradients (DDP's, or ``ShardedDataParallel``'s owned ones),
+    steps this rank's share and syncs the parameters. More: ``docs/guides/zero.md``.
 
     Args:
-        params: the parameters to optimize, as for any ``torch.optim`` optimizer: an iterable of tensors, of
-            ``(name, tensor)`` pairs (names kept as ``param_names``) or of param-group dicts. Every rank must pass
-            the same parameters (shapes, dtypes, ``requires_grad``, groups) in the same order; a mismatch raises on
-            every rank. A group may name its own ``"optimizer_class"`` (``torch.optim.Muon`` for the matrices
-            beside AdamW): it then takes that class's defaults, not ``**defaults`` (see the Muon guide).
-        optimizer_class: the ``torch.optim.Optimizer`` subclass to shard (``torch.optim.AdamW`` ...), or a
-            ``distoptim.functional`` class. Pass the class, not an instance.
-        process_group: the group to shard over; ``None`` is the default (world) group.
-        parameters_as_bucket_view: parameters become views into flat (device, dtype) buffers: the sync is in place
-            (default False).
-        overlap_with_ddp: step inside DDP's backward through ``distoptim.hooks.hook_with_zero_step`` (or
-            ``hook_with_zero_step_interleaved``) registered on the DDP model; ``optimizer_class`` must have a
-            functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop); default False.
-        partition: ``"greedy"`` (default, torch's: each parameter whole on one rank, sorted-greedy by size) or
-            ``"even"`` (each (device, dtype) cut into ``world_size`` equal ranges; parameters may straddle ranks; the
-            largest shard is within ``world_size - 1`` elements of the ideal). Either way, parameters of an
-            optimizer that is not elementwise (Muon, Adafactor) are never cut: each is owned whole by one rank,
-            balanced by cost (Muon: Newton-Schulz's ``m * n * min(m, n)``) among themselves.
-        master_dtype: step a copy in this dtype (``torch.float32`` for a bf16 model) of this rank's fragments of
-            lower-precision parameters, rounded into them after each step; ``None`` (default): step the parameters.
-        replicate_group: hybrid sharding (shard within a node, replicate across nodes): the ranks that hold this
-            rank's shard in the other shard groups (one per group, at this rank's position), over which gradients
-            reduced to owners are summed too; ``None`` (default): ``process_group`` is every data-parallel rank.
-        **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...); they must agree across ranks.
-
-    ``param_groups`` is the global view that schedulers and users edit; ``optim`` the local optimizer, ``state`` its
-    shard. Checkpoints: ``consolidate_state_dict`` + ``state_dict`` (``torch.optim``'s format, on one rank) or
-    ``sharded_state_dict`` (DCP, every rank its shard); either loads at any world size and partition. ``GradScaler``
-    drives it like any optimizer (``scaler.step(zero)``). Defaults: ``parameters_as_bucket_view=False`` and
-    ``overlap_with_ddp=False`` (as torch's), ``process_group`` the default group.
-
-    The collectives follow the backend (gloo: point to point, each rank sending each owner its share; NCCL:
-    reduce-scatter and all-gather of equal chunks where the shares are equal), or ``$DISTOPTIM_COLLECTIVES``
-    (``auto``, ``p2p``, ``chunked``), read at construction.
+        params: as for any ``torch.optim`` optimizer (a group may name its own ``"optimizer_class"``).
+        optimizer_class: the ``torch.optim.Optimizer`` subclass (or ``distoptim.functional`` class) to shard.
+        process_group: the group to shard over (default None: the world).
+        parameters_as_bucket_view: parameters become views into flat buffers synced in place (default False).
+        overlap_with_ddp: step inside DDP's backward through ``distoptim.hooks.hook_with_zero_step`` (default False).
+        partition: ``"greedy"`` (default, torch's: whole parameters) or ``"even"`` (equal ranges).
+        master_dtype: step a copy in this dtype of narrower parameters (default None: the parameters themselves).
+        replicate_group: hybrid sharding: the ranks holding this shard elsewhere (default None: no replicas).
+        **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...).
 
     Raises:
-        TypeError: ``params`` is a single tensor or not an iterable of tensors or dicts, ``optimizer_class`` is not
-            an optimizer class (an instance, say), ``process_group`` is not a group (a learning rate passed
-            positionally), or ``master_dtype`` is not a floating-point dtype.
-        ValueError: on every rank, when any rank's arguments are refused (an empty or sparse parameter list,
-            a hyperparameter ``optimizer_class`` rejects, a parameter that is not a matrix in a Muon group, a group
-            naming another class under ``overlap_with_ddp=True``, an unknown ``$DISTOPTIM_COLLECTIVES``), when the
-            ranks disagree on parameters or settings, or when ``replicate_group`` does not hold this shard's
-            replicas.
+        TypeError: an argument of the wrong kind (a learning rate passed positionally, an optimizer instance).
+        ValueError: on every rank, when any rank's arguments are refused or the ranks disagree.
 
     Example:
         ```python
-        model = DDP(make_model())                 # inside an initialised process group
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-        for batch in loader:
-            optimizer.zero_grad()
-            loss_fn(model(batch)).backward()
-            optimizer.step()
-        distoptim.checkpoint.save({"model": model.state_dict(), "optim": optimizer.sharded_state_dict()}, path)
+        optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), torch.optim.AdamW, lr=1e-3)
         ```
     """
 
