@@ -206,8 +206,7 @@ class HierarchicalModelAverager(ModelAverager):
 
     ``period_group_size_dict`` maps period -> subgroup size, smallest period first; the last level must span the
     whole ``process_group``. At a step past warm-up, the level with the largest period dividing ``step`` averages
-    (PyTorch's schedule: note it tests ``step % period``, not ``step - warmup_steps``). Subgroups are consecutive
-    ranks, created here: a collective that every rank of the default group must enter, in the same order.
+    (PyTorch's schedule: ``step % period``). Subgroups are consecutive ranks, created here (a collective).
 
     Args:
         period_group_size_dict: ``{period: subgroup size}`` in increasing period order, each size dividing the

@@ -36,10 +36,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=100), post_localSGD_hook)
         local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         optimizer = PostLocalSGDOptimizer(local, PeriodicModelAverager(period=4, warmup_steps=100))
-        for batch in loader:
-            optimizer.zero_grad()
-            loss_fn(ddp(batch)).backward()
-            optimizer.step()        # local step, then the model average when one is due
+        loss_fn(ddp(batch)).backward()
+        optimizer.step()        # local step, then the model average when one is due
         ```
     """
 

@@ -1,24 +1,10 @@
 """Overlap with DDP: the ZeRO step runs inside DDP's backward, through a DDP communication hook.
 
 ``hook_with_zero_step`` steps every owned parameter at the end of the backward, then syncs;
-``hook_with_zero_step_interleaved`` steps (and starts syncing) each bucket's owned parameters while the next bucket
-is being reduced, and finishes at the end of the backward. By default they keep torch's warm-up (no step until DDP
-has rebuilt its buckets, nor in the backward after: ``OverlapStepper.begin_backward``), their gradients averaged
-into ``.grad`` as DDP alone would leave them. ``step_from_first_backward=True`` steps from the first backward,
-which is possible here because ownership comes from ZeRO's own partition plan, never from DDP's buckets. "The end of
-the backward" is the autograd engine's (a callback queued at a backward's first bucket), never DDP's bucket
-numbering: in DDP's static-graph first iteration every bucket arrives as index 0 and none as the last.
-
-Each backward the ranks agree (one small all-reduce on the control plane, as ``step()`` does) on the parameters they
-train and their hyperparameters, so that a parameter unfrozen between steps gets an owner before it is stepped, and a
-setting changed on one rank only raises everywhere instead of stepping each shard differently. The deprecated
-``reduce_to_owners_hook`` inside is an all-reduce over ZeRO's ranks, checked here against DDP's group.
-
-The hooks hand the optimizer exactly what DDP would leave in ``.grad`` for a plain optimizer: each gradient read
-with the layout DDP gives it in the bucket, and no gradient at all for a parameter no rank computed one for.
-
-Everything runs on the thread that calls the hooks (no collective is issued from a future's callback, which is
-what deadlocks gloo); a hook returns an already completed future for the buckets it waited on.
+``hook_with_zero_step_interleaved`` steps and syncs each bucket's owned parameters while the next is reduced. Both
+keep torch's warm-up (``step_from_first_backward=True`` skips it), hand the optimizer exactly what DDP leaves in
+``.grad``, agree on the trained parameters and hyperparameters each backward, and issue no collective from a
+future's callback (which deadlocks gloo). The details: ``docs/guides/internals.md``.
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against the real classes.

@@ -1,16 +1,10 @@
 """``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` driving a ``ZeroRedundancyOptimizer`` (under ``torchrun``).
 
-The plain Trainer fails with a sharded optimizer in two places: Accelerate's ``prepare`` asks every rank for the
-optimizer's ``state_dict()`` (to move the state to the device), and a checkpoint is the main process's
-``state_dict()``; a ZeRO optimizer has its whole state only where ``consolidate_state_dict()``, a collective, put it.
-``ZeroTrainer`` prepares the ZeRO optimizer without that device placement (its state already lives on its
-parameters' device), saves and loads it on every rank, clips the gradient through ``zero.clip_grad_norm_``
-and, with ``sharded_data_parallel``, wraps the model in ``ShardedDataParallel`` (ZeRO-2). With any other optimizer it
-is the plain Trainer. docs/guides/transformers.md says what is not supported and why. (Accelerate's ``prepare`` moves
-the model to ``cpu:0`` on CPU ranks, which copies every parameter after the ZeRO optimizer was built: ZeRO binds its
-views to the new storage at its next step by itself.)
-
-This module imports ``transformers``; ``import distoptim`` does not import this module.
+The plain Trainer asks every rank for the optimizer's ``state_dict()`` (Accelerate's ``prepare``) and saves the
+main process's; a ZeRO optimizer has its whole state only after ``consolidate_state_dict()``, a collective.
+``ZeroTrainer`` prepares it without that, saves and loads it on every rank, clips through ``zero.clip_grad_norm_``
+and, with ``sharded_data_parallel``, wraps the model in ``ShardedDataParallel``. ``docs/guides/transformers.md``
+says what is not supported. This module imports ``transformers``; ``import distoptim`` does not import it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Bytes per rank for each way of training data-parallel, from the same arithmetic the library runs.
 
-ZeRO's shards come from ``distoptim.zero.partition.partition_parameters`` called exactly as
-``ZeroRedundancyOptimizer`` calls it (element counts, trainability, (device, dtype) keys, the chosen partition), the
-optimizer state from ``state.state_cost`` (measured from ``torch.optim``), and the parameter sync's staging buffers
-from ``distoptim.zero.buckets``' rule. DDP, ``ShardedDataParallel`` and FSDP2 are modelled from what they allocate;
-each mode's ``notes`` say what is assumed. Activations, the CUDA context, allocator fragmentation and
-``torch.optim``'s temporaries inside ``step()`` are not counted.
-
-Bytes sent per step are what one rank receives, counted as ``benchmarks/comm_bytes.py`` counts the collectives the
-library calls in its chunked style (NCCL's), where every rank receives alike: an all-reduce of ``S`` bytes
-``2 (N-1)/N S``; a rooted reduce or broadcast, or an all-gather or reduce-scatter of ``S``, ``(N-1)/N S``. An
-equal-chunk collective runs over a whole region of the even partition, padding included. On gloo (point to point)
-the ranks' figures differ by their shards' sizes and average to the same figure.
+ZeRO's shards come from ``partition_parameters`` called as the optimizer calls it, the state from
+``state.state_cost`` (measured from ``torch.optim``), the staging buffers from ``zero.buckets``' rule; DDP,
+``ShardedDataParallel`` and FSDP2 are modelled from what they allocate (each mode's ``notes`` say what is assumed).
+Bytes sent per step are what one rank receives in the chunked (NCCL) style. Activations, the CUDA context and
+allocator fragmentation are not counted. The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """DistributedOptimizer: step parameters that live on other RPC workers with a distributed-autograd context's gradients.
 
-Each worker that owns some of the parameters holds a ``LocalOptimizer`` (``rpc/owner.py``): those parameters and one
-optimizer over them. ``step(context_id)`` asks every owner at once to read the gradients that
-``torch.distributed.autograd`` recorded for that context and hand them *explicitly* to its optimizer, so a parameter
-without a gradient in this context is not touched (nothing is parked in ``.grad``, nothing stale is re-applied).
-Optimizers with a functional counterpart in ``distoptim.functional`` run that; any other ``torch.optim`` class runs
-behind an adapter that sets ``.grad`` to this context's gradients only for the duration of the step.
-
-Beyond PyTorch's class: errors raised on an owner reach the caller with their own type and message (the remote
-traceback is the ``__cause__``); ``state_dict()`` / ``load_state_dict()`` gather and restore every owner's state in
-``torch.optim``'s format; ``param_groups`` holds one group of hyperparameters that a user or any
-``torch.optim.lr_scheduler`` may change, shipped to the owners with the next step.
+Each owner holds a ``LocalOptimizer`` (``rpc/owner.py``); ``step(context_id)`` asks every owner at once to hand that
+context's gradients explicitly to its optimizer (nothing parked in ``.grad``, nothing stale re-applied). Beyond
+PyTorch's class: owners' errors keep their type, ``state_dict()`` gathers every owner's state in ``torch.optim``'s
+format, and ``param_groups`` drives schedulers. The guide: ``docs/guides/rpc.md``.
 """
 
 from __future__ import annotations
@@ -83,17 +76,12 @@ class DistributedOptimizer(Optimizer):
         Exception: an error raised on an owner while building its optimizer (a hyperparameter its class refuses)
             reaches the caller with its own type and message; the remote traceback is its ``__cause__``.
 
-    ``step(context_id)`` applies, on all owners concurrently, the gradients recorded in that context;
-    ``param_groups`` (one group of hyperparameters) drives schedulers; the state lives on the owners
-    (``docs/guides/rpc.md``). Example, on a trainer after ``rpc.init_rpc``::
+    Example, on a trainer after ``rpc.init_rpc`` (``step(context_id)`` steps every owner; ``docs/guides/rpc.md``)::
 
         optimizer = DistributedOptimizer(torch.optim.Adam, param_rrefs, lr=1e-3)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
-        for batch in batches:
-            with dist_autograd.context() as context_id:
-                dist_autograd.backward(context_id, [loss_fn(model(batch))])
-                optimizer.step(context_id)
-            scheduler.step()
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [loss_fn(model(batch))])
+            optimizer.step(context_id)
     """
 
     def __init__(self, optimizer_class: type, params_rref: Sequence[PyRRef[Tensor]], *args: Any, **kwargs: Any) -> None:

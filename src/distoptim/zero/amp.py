@@ -1,15 +1,9 @@
-"""Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling
-protocol (``_step_supports_amp_scaling``, with the ``grad_scaler`` keyword of ``step``).
+"""Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling protocol
+(``_step_supports_amp_scaling``, the ``grad_scaler`` keyword of ``step``).
 
-``scaler.step(zero)`` hands the optimizer the scaler itself. The step then checks and unscales only what it steps
-(its owned gradient fragments, upcast into the master dtype first when it keeps master weights, so fp16 gradients
-are unscaled in fp32), and the step's agreement across ranks (one small all-reduce it makes anyway) carries the
-inf/nan flag, so every rank gets the same verdict. The verdict is what the scaler's ``update()`` reads, so every rank
-skips the same steps and keeps the same scale, whether the gradients were all-reduced or sharded in memory
-(``ShardedDataParallel``: no ``.grad`` at all). Nothing is
-written into ``.grad`` to pass the verdict on.
-
-Skipping needs the flag on the host: one host read per step, only when a scaler is used.
+The step checks and unscales only what it steps (its owned fragments, upcast into the master dtype first), and the
+step's agreement carries the inf/nan flag, so every rank skips the same steps and keeps the same scale, with or
+without ``.grad`` (``ShardedDataParallel``). One host read per step, only when a scaler is used.
 """
 
 from __future__ import annotations
