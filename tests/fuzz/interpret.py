@@ -24,7 +24,7 @@ import distoptim.checkpoint
 from distoptim.zero.shard import MASTER_KEY
 from tests.fuzz import episodes, noise, refusals
 from tests.fuzz.models import batch, layer
-from tests.fuzz.modes import Oracle, Structure, build_subject
+from tests.fuzz.modes import Consumed, Oracle, Structure, build_subject
 from tests.fuzz.program import Action, Program, inexact_parts
 
 EVAL_STEP = 999  # the eval batches' step number (data no step trains on)
@@ -80,6 +80,7 @@ class Run:
         )
         self.extras: dict[str, Any] = {}  # what gan() and reshard() keep between calls (episodes.py)
         self.oracle_steps = 0  # the oracle's steps so far: the key of each step's gradient in the twin's record
+        self.consumed = Consumed()  # sdp: the oracle's side of the step consuming the gradient
         self.signless: dict[str, Tensor] = {}  # per parameter: elements whose gradient had no sign (oracle_stepping)
         self.sign_slack: dict[str, Tensor] = {}  # ... and what they may be off by since
         self.subject = build_subject(program, self.structure)
@@ -163,6 +164,13 @@ class Run:
         before = {name: p.detach().clone() for name, p in self.oracle.model.named_parameters()}
         yield
         self.oracle_steps += 1
+        try:
+            self._measure_signless(before)
+        finally:
+            if self.program.mode == "sdp":
+                self.consumed.consume(self.oracle.model)
+
+    def _measure_signless(self, before: dict[str, Tensor]) -> None:
         for name, p in self.oracle.model.named_parameters():
             grad = p.grad
             if grad is None or grad.is_sparse or grad.shape != p.shape:
@@ -330,6 +338,8 @@ class Run:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
+        if self.program.mode == "sdp" and via in ("optimizer", "wrapper"):  # another object reaches nothing (the guide)
+            self.consumed.clear(self.oracle.model, set_to_none)
         self.oracle.model.zero_grad(set_to_none)
 
     def backward(self, micro: int, no_sync: bool) -> None:

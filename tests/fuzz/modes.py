@@ -178,6 +178,28 @@ def build_subject(
     return subject
 
 
+class Consumed:
+    """The oracle's side of ``ShardedDataParallel``'s contract (the SDP guide): ``zero.step()`` consumes the
+    gradient, as if ``zero_grad()`` ran after it, and a later ``zero_grad(set_to_none=False)`` through the optimizer
+    or the wrapper gives zeros to the parameters that had one, as DDP's zeroed ``.grad`` would be."""
+
+    def __init__(self) -> None:
+        self.had: set[int] = set()
+
+    def consume(self, model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                self.had.add(id(p))
+                p.grad = None
+
+    def clear(self, model: nn.Module, set_to_none: bool) -> None:
+        if not set_to_none:
+            for p in model.parameters():
+                if id(p) in self.had and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self.had.clear()
+
+
 class Oracle:
     """DDP + the plain optimizer; with master weights the optimizer steps fp32 copies of the bf16 parameters, which
     follow the model whenever the program writes to it (a load, a clamp): the model is what the user sees."""
@@ -242,8 +264,7 @@ class Oracle:
     def reload_optimizer(self) -> None:
         """The consolidated round trip the subject makes (``load_optim``, ``resume``): torch's ``load_state_dict``
         casts each floating state to its parameter's dtype (NAdam's ``mu_product`` to bf16, seed 104686)."""
-        for part in getattr(self.optimizer, "parts", [self.optimizer]):
-            part.load_state_dict(copy.deepcopy(part.state_dict()))
+        self.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))  # PlainPerGroup: into each part
 
     def add_group(self) -> None:
         group = extra_group(self.model, self.lr)

@@ -139,11 +139,6 @@ def _poisoned(program: Program) -> str:
     return ""
 
 
-def _shared_backward(program: Program, _: int) -> bool:
-    """SDP with a GAN round: the generator's backward reaches the discriminator's wrapper, on the same group."""
-    return program.mode == "sdp" and any(a.name == "gan" for a in program.actions)
-
-
 TABLE: tuple[Refusal, ...] = (
     Refusal(
         "lbfgs",
@@ -203,12 +198,6 @@ TABLE: tuple[Refusal, ...] = (
         r"^RuntimeError: ShardedDataParallel: a backward raised before it finished",
         lambda p, w: _poisoned(p) == "must",
         lambda p, w: _poisoned(p) == "may",
-    ),
-    Refusal(
-        "sdp_shared_backward",
-        "`sdp`: `gan` (the generator's backward reaches the discriminator's wrapper on the same process group)",
-        r"^RuntimeError: two ShardedDataParallel models on one process group in one backward",
-        _shared_backward,
     ),
     Refusal(
         "adafactor_eps1",
