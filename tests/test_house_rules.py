@@ -180,3 +180,20 @@ def test_library_uses_public_torch_names_only() -> None:
         if (private := [name for name in _imported_modules(ast.parse(path.read_text())) if name.startswith("torch._C")])
     }
     assert not offenders, f"private torch imports: {offenders}"
+
+
+def test_docstrings_say_what_in_a_few_lines() -> None:
+    """Module docstrings at most 12 lines, class docstrings at most 25 (issue 45): the mechanisms live in
+    ``docs/guides/internals.md`` and the guides, where they can be read as a whole."""
+    long: list[str] = []
+    for path in sorted(SRC.rglob("*.py")):
+        if "demo" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        owners: list[tuple[str, ast.AST, int]] = [(str(path.relative_to(SRC)), tree, 12)]
+        owners += [(f"{path.relative_to(SRC)}:{n.name}", n, 25) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        for where, node, most in owners:
+            doc = ast.get_docstring(node, clean=False)  # type: ignore[arg-type]
+            if doc and doc.count("\n") + 1 > most:
+                long.append(f"{where}: {doc.count(chr(10)) + 1} lines (at most {most})")
+    assert not long, f"docstrings too long: {long}"

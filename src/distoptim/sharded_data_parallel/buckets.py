@@ -1,15 +1,10 @@
 """Which gradients share a bucket, where each sits in it, and who owns which range: pure arithmetic over a partition
 plan, no tensors, no process group.
 
-A bucket holds whole parameters of one layout key (device, dtype). Buckets are reduced in one fixed order on every
-rank, the order gradients arrive in: walking the parameters from the last one, as the backward produces them
-(DDP's initial order too). Under the even partition that ``ShardedDataParallel`` asks for, each bucket is one region
-of the plan, cut into equal shares, one per rank: a reduce-scatter without padding, an all-gather likewise (or, on
-gloo, one message to each owner). Under the greedy partition a bucket gathers consecutive parameters up to the cap,
-each owned whole by one rank: one message (or one reduce) per owner's run.
-
-A rank's owned gradient (``store_plan``) is, per bucket, its owned ranges of that bucket one after another: one
-tensor a bucket, allocated when the bucket first lands in a backward and freed by ``zero_grad()``.
+A bucket holds whole parameters of one layout key, reduced in the order gradients arrive (from the last parameter);
+under the even partition each bucket is one region cut into equal shares (a reduce-scatter without padding), under
+the greedy one consecutive parameters up to the cap. ``store_plan``: a rank's owned ranges, one tensor a bucket.
+``docs/guides/internals.md`` has the details.
 """
 
 from __future__ import annotations

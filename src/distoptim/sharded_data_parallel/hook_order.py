@@ -1,16 +1,9 @@
 """Where ``ShardedDataParallel``'s landing hooks stand among the user's forward pre-hooks: first.
 
-torch runs, before a module's forward, the module-global forward pre-hooks
-(``torch.nn.modules.module.register_module_forward_pre_hook``), then the module's own in their dict's order. A
-user's pre-hook that reads parameters (``w = base + delta``, the old ``weight_norm`` and ``spectral_norm``) must find
-them landed, whenever it was registered: the landing hooks are registered with ``prepend=True`` (so they precede
-those registered before wrapping and after it, appended), and before each forward of the wrapper ``keep_first``
-moves any of them that a later ``prepend=True`` registration displaced back to the front. Nothing can precede a
-module-global pre-hook or one on the wrapper itself, so while any is registered the wrapper lands the whole sync
-before its forward (``others_run_first``): right, without overlap. Parametrizations (``torch.nn.utils.parametrize``)
-read their parameter through a property, which calls the ``ParametrizationList`` module: it holds the parameter and
-has its own landing hook when registered before wrapping; registered after, the parametrized module's hook and its
-ancestors' cover it, as any parameter of theirs.
+The landing hooks are registered with ``prepend=True``, and before each forward ``keep_first`` moves any that a
+later ``prepend=True`` registration displaced back to the front, so a user's pre-hook that reads parameters finds
+them landed. While a module-global pre-hook or one on the wrapper exists, the whole sync lands before the forward
+(``others_run_first``). Why, and parametrizations: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

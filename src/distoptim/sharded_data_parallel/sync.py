@@ -1,34 +1,10 @@
 """The parameter side of ``ShardedDataParallel``: after the local step, each bucket's parameters are gathered from
-their owners on their own, in the order the forward reads them (the reverse of the gradients'), so that with
-``overlap_param_sync`` the next forward starts while later buckets are still in flight: each module's forward
-pre-hook lands what its parameters need (and every bucket before), as Megatron-Core's ``overlap_param_gather`` does.
-
-Every bucket's sync is launched by ``step()`` itself, on every rank in the same order; landing one afterwards only
-waits and copies, locally. So whatever runs on some ranks only between two steps (a branch, an evaluation, a
-``state_dict()`` on rank 0) cannot put the ranks' collectives out of order.
-
-A bucket that is one region of an even layout with bucket views is gathered in place (one all-gather in the chunked
-style, each owner sending its share to every rank in the point-to-point one). Any other bucket goes through a
-``StagedSync`` of its own pieces: large pieces sent in place, small ones (under ``buckets.DEFAULT_DIRECT_BYTES``)
-packed through staging kept between steps.
-
-With ``overlap``, between a bucket's launch and its landing its parameters hold, on a rank that does not own a piece,
-the value before the step: a write in that window (WGAN's ``p.data.clamp_`` through ``model.module`` right after
-``step()``) is overwritten there by the landing, and only the owners keep it. It cannot be made right locally (a
-non-owner does not know the written value) and a write through ``.data`` leaves no trace in the parameter's version
-counter, so the owners watch their own elements instead: an exact checksum of the raw bits of what each rank owns in
-a bucket is taken at launch and again at landing (a read of 1/N of the parameters, twice a step). Every rank runs the
-same program, so a write that changes anything changes some owner's elements; a write that changes no owned value
-(a clamp already satisfied) leaves every rank right. ``check_untouched`` raises it from inside the next step's
-agreement (or a consolidation's, or a sharded save's: after the last step), so every rank raises (one host read a
-step); an explicit ``sync_finished()`` (local) raises it on the owners that saw it.
-
-A read in that window (a loss term computed before ``model(x)``, the root's forward reading a deep child's weight
-before the child ran) sees the value before the step on the non-owners. Landing a bucket with ``overlap`` therefore
-bumps its parameters' version counters on every rank (the non-owners' copies bump some of them only, and an in-place
-gather none): a read that autograd saved for the backward then raises torch's "modified by an inplace operation"
-on every rank, instead of one rank raising while the others wait in a reduction, or none. A read autograd did not
-save is not detected.
+their owners on their own, in the order the forward reads them, so that with ``overlap_param_sync`` the next
+forward starts while later buckets travel (each module's pre-hook lands what it needs, as Megatron-Core's
+``overlap_param_gather``). ``step()`` launches every bucket on every rank in one order; landing only waits and
+copies, locally. With ``overlap``, a write between launch and landing is caught by the owners' checksums of their
+elements and raised inside the next step's agreement; a read autograd saved raises torch's in-place error. The
+window's rules in full: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

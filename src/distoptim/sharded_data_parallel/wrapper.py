@@ -25,10 +25,8 @@ __all__ = ["ShardedDataParallel"]
 class ShardedDataParallel(nn.Module):
     """Data parallelism for a model stepped by a ``ZeroRedundancyOptimizer``, holding 1/N of the gradient per rank.
 
-    Use it instead of ``DistributedDataParallel``: buckets of gradients are reduced to the ranks owning their elements
-    inside the backward; each rank keeps its owned part (the store: ``.grad`` stays None), which ``zero`` clips, steps
-    and consumes. A backward that raised midway makes every later forward, step and ``zero_grad`` refuse (restart
-    from a checkpoint, as after DDP's). The contract in full: the ShardedDataParallel guide.
+    Use it instead of ``DistributedDataParallel``: gradients are reduced to their owners inside the backward and kept
+    in the store (``.grad`` stays None), which ``zero`` clips, steps and consumes. The contract: the SDP guide.
 
     Args:
         module: the model; its trainable parameters must be exactly ``zero``'s.
