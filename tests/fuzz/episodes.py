@@ -98,6 +98,7 @@ def gan(run: Any, d_lr: float) -> None:
         with torch.no_grad():
             theirs[name].copy_(got)
     run.zero_grad("optimizer", True)  # the generator's round, through the discriminator (which keeps a gradient)
+    run.consumed.set_by_program.clear()
     for side in ("subject", "oracle"):
         wrapper = sides[side][2]
         (-wrapper(generators[side](*inputs, step, rank)).mean()).backward()

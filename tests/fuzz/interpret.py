@@ -359,6 +359,7 @@ class Run:
         step runs inside each backward that reduces (the documented meaning), so the oracle steps after each, one
         micro-batch at a time on both sides; with a bf16 layer both are compared and aligned after each such step
         (the bf16 ulps a step leaves would otherwise move the next micro-batch's fp32 gradients: seed 1963)."""
+        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         overlap = self.program.mode == "overlap_hook"
         bf16 = any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters())
         sides = (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp))
@@ -382,6 +383,7 @@ class Run:
                 g = torch.zeros_like(p) if g is None else g
                 dist.all_reduce(g)
                 p.grad = g / self.world_size
+        self.consumed.set_by_program = {id(p) for p in self.oracle.model.parameters() if p.grad is not None}
 
     def clip(self, max_norm: float, norm_type: Any) -> None:
         norm_type = math.inf if norm_type == "inf" else float(norm_type)
@@ -403,6 +405,7 @@ class Run:
         self.step_number += 1
 
     def closure_step(self) -> None:
+        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         seen: list[dict[str, Tensor]] = []  # each side's parameters as its forward read them
 
         def closure(side: Any, optimizer: Any) -> Any:
@@ -424,6 +427,7 @@ class Run:
         self.step_number += 1
 
     def scaler_step(self, clip: bool, overflow: str | None = None) -> None:
+        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         s = self.subject
         poisoned = _overflowing(overflow, [s.model, self.oracle.model])
         s.scaler.scale(self.forward_loss(s.wrapper)).backward()
@@ -566,6 +570,7 @@ class Run:
         reduces (under ``no_sync``, its next forward still broadcasting buffers, as after a forward that trained),
         and the same failing backward with fresh leaves for the parameters (out of DDP's sight: its hooks would
         count them as used), buffers kept: the parameters it reached get a ``.grad`` for the clear to zero or drop."""
+        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         oracle = self.oracle.model
         with self.oracle.ddp.no_sync():
             self.forward_loss(self.oracle.ddp)

@@ -180,15 +180,17 @@ def build_subject(
 
 class Consumed:
     """The oracle's side of ``ShardedDataParallel``'s contract (the SDP guide): ``zero.step()`` consumes the
-    gradient, as if ``zero_grad()`` ran after it, and a later ``zero_grad(set_to_none=False)`` through the optimizer
-    or the wrapper gives zeros to the parameters that had one, as DDP's zeroed ``.grad`` would be."""
+    gradient a backward reduced, as if ``zero_grad()`` ran after it, and a later ``zero_grad(set_to_none=False)``
+    through the optimizer or the wrapper gives zeros to the parameters that had one, as DDP's zeroed ``.grad`` would
+    be. A ``.grad`` the program set is used and kept, until a backward adds onto it (then it is reduced, owned)."""
 
     def __init__(self) -> None:
         self.had: set[int] = set()
+        self.set_by_program: set[int] = set()  # a ``.grad`` the program set, used by the step and kept, as DDP's
 
     def consume(self, model: nn.Module) -> None:
         for p in model.parameters():
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in self.set_by_program:
                 self.had.add(id(p))
                 p.grad = None
 

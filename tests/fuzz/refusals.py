@@ -85,15 +85,15 @@ def _in_flight_writes(program: Program) -> Iterator[tuple[int, Action]]:
     """The actions that write parameters while ShardedDataParallel(overlap_param_sync=True)'s sync is in flight."""
     if program.mode != "sdp" or not program.options.get("overlap"):
         return
-    in_flight = False
+    in_flight: set[str] = set()  # the layers whose sync the last step launched (trained then)
     trained = {"body", "head"}
     for index, action in enumerate(program.actions):
-        if in_flight and action.name in ("retype", "data_clone", "clamp") and action.args["layer"] in trained:
+        if action.name in ("retype", "data_clone", "clamp") and action.args["layer"] in in_flight:
             yield index, action
         if _lands(action):
-            in_flight = False
+            in_flight = set()
         if action.name in STEPPING and not (_compared_each_step(program) and action.name != "reshard"):
-            in_flight = True
+            in_flight = set(trained)  # (seed 500326: a layer unfrozen after the step is not in its sync)
         if action.name == "unfreeze" and "frozen" in program.features:
             trained.add("frozen")
         if action.name == "add_group" and "extra" in program.features:
