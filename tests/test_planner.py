@@ -334,9 +334,9 @@ def _sdp_body(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list
             staged = [unit.sync for unit in zero._sync.units if hasattr(unit, "sync")]  # the in-place ones have none
             counter.add("staging", _storages(r.work.stage for s in staged for r in s.rounds if r.work is not None))
             counter.add("grads", _storages(zero._gradient_store.owned))
-            counter.add("markers", _storages(p.grad for p in model.parameters()))  # none: .grad stays None
+            counter.add("markers", _storages(p.grad for p in model.parameters()))  # one element each, no values
             counter.add("unaccounted", {p: s for p, s in _all_live_tensors().items() if p not in baseline})
-            markers = 0  # the store is the gradient's one home: no marker in .grad
+            markers = sum(p.element_size() for p in model.parameters() if p.requires_grad and p.numel())
             counts = {**counter.bytes, "peak": watch.peak, "markers_planned": markers}
             zero.step()
         results.append({**counts, "casts": watch.casts})
@@ -376,7 +376,7 @@ def test_plan_matches_sharded_data_parallel_live_bytes(world_size: int) -> None:
                 "master": planned.master,
                 "staging": other.get("parameter sync staging", 0),
                 "casts": other.get("gradients cast to the step's dtype", 0),
-                "markers": live["markers_planned"],  # .grad after the backward: None, nothing held
+                "markers": live["markers_planned"],  # .grad's markers: one element a parameter (not planned)
                 "unaccounted": 0,
             }
             got = {key: live.get(key, 0) for key in want}

@@ -9,7 +9,7 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distoptim"
 
 PRIVATE_NAMES = {
-    "_C": "the namespace of _current_graph_task_id, _execution_engine's home and DisableTorchFunction",
+    "_C": "the namespace of _current_graph_task_id and the DisableTorchFunction modes",
     "_current_graph_task_id": "which backward is running: a hook tells a backward's first gradient from a later one",
     "_execution_engine": "queue_callback: run at the end of the running backward, as DDP's reducer does",
     "_amp_foreach_non_finite_check_and_unscale_": "GradScaler's own unscale-and-check kernel, on the owned shard",
@@ -26,6 +26,8 @@ PRIVATE_NAMES = {
     "_make_wrapper_subclass": "a fragment presented to DCP as a tensor of its parameter's shape",
     "_version": "a tensor's version counter: whether a gradient changed since it was read",
     "DisableTorchFunction": "(torch._C) data pointers read beneath a tensor subclass's __torch_function__",
+    "DisableTorchFunctionSubclass": "(torch._C) the .grad marker's own ops run as plain tensor ops",
+    "_get_default_store": "the c10d store, to line up the ranks' reductions after a backward that raised",
 }
 
 

@@ -24,7 +24,7 @@ from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from distoptim.hooks import reduce_to_owners_hook
 from tests.fuzz import models as hooks
 from tests.fuzz.models import BATCH, VOCAB, batch
-from tests.fuzz.modes import BUCKET_CAP_MB, Consumed, Oracle, Subject, build_subject, group_of, hybrid_groups
+from tests.fuzz.modes import BUCKET_CAP_MB, Oracle, Subject, build_subject, group_of, hybrid_groups
 
 GAN_MICRO = 7  # the generator's inputs in a GAN round: a micro-batch number no backward() uses
 
@@ -44,8 +44,6 @@ def _gan_sides(run: Any, d_lr: float) -> dict[str, Any]:
         groups: dict[str, Any] = {}
         if program.options.get("hybrid"):
             groups["process_group"], groups["replicate_group"] = hybrid_groups()
-        if program.mode == "sdp":
-            groups["process_group"] = dist.new_group(list(range(dist.get_world_size())))
         zero = ZeroRedundancyOptimizer(
             model.parameters(),
             torch.optim.SGD,
@@ -56,7 +54,7 @@ def _gan_sides(run: Any, d_lr: float) -> dict[str, Any]:
             **groups,
         )
         wrapper: nn.Module
-        if program.mode == "sdp":  # a group of its own: two wrappers in one backward need one each (the SDP guide)
+        if program.mode == "sdp":
             wrapper = ShardedDataParallel(model, zero, bucket_cap_mb=BUCKET_CAP_MB)
         else:
             wrapper = ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
@@ -64,7 +62,6 @@ def _gan_sides(run: Any, d_lr: float) -> dict[str, Any]:
                 ddp.register_comm_hook(zero, reduce_to_owners_hook)
         plain = torch.optim.SGD(reference.parameters(), lr=d_lr, momentum=0.9)
         run.extras["gan"] = {
-            "consumed": Consumed(),
             "subject": (model, zero, wrapper),
             "oracle": (reference, plain, DDP(reference, bucket_cap_mb=BUCKET_CAP_MB)),
         }
@@ -77,19 +74,14 @@ def gan(run: Any, d_lr: float) -> None:
     inputs = batch(rank, step, GAN_MICRO)
     real = torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(500_000 + 1000 * step + rank))
     generators = {"subject": run.subject.wrapper, "oracle": run.oracle.ddp}
-    consumed = sides["consumed"] if run.program.mode == "sdp" else None  # the step consumes (modes.Consumed)
     for side in ("subject", "oracle"):  # the discriminator's round, its last gradient cleared in place
-        model, optimizer, wrapper = sides[side]
-        if side == "oracle" and consumed is not None:
-            consumed.clear(model, set_to_none=False)
+        _, optimizer, wrapper = sides[side]
         optimizer.zero_grad(set_to_none=False)
         with torch.no_grad():
             fake = generators[side](*inputs, step, rank)
         scores = wrapper(torch.cat([fake, real]))
         (scores[:BATCH].mean() - scores[BATCH:].mean()).backward()
         optimizer.step()
-        if side == "oracle" and consumed is not None:
-            consumed.consume(model)
     if isinstance(sides["subject"][1], ZeroRedundancyOptimizer):
         sides["subject"][1].sync_finished()
     theirs = dict(sides["oracle"][0].named_parameters())
@@ -98,7 +90,6 @@ def gan(run: Any, d_lr: float) -> None:
         with torch.no_grad():
             theirs[name].copy_(got)
     run.zero_grad("optimizer", True)  # the generator's round, through the discriminator (which keeps a gradient)
-    run.consumed.set_by_program.clear()
     for side in ("subject", "oracle"):
         wrapper = sides[side][2]
         (-wrapper(generators[side](*inputs, step, rank)).mean()).backward()

@@ -24,7 +24,7 @@ import distoptim.checkpoint
 from distoptim.zero.shard import MASTER_KEY
 from tests.fuzz import episodes, noise, refusals
 from tests.fuzz.models import batch, layer
-from tests.fuzz.modes import Consumed, Oracle, Structure, build_subject
+from tests.fuzz.modes import Oracle, Structure, build_subject
 from tests.fuzz.program import Action, Program, inexact_parts
 
 EVAL_STEP = 999  # the eval batches' step number (data no step trains on)
@@ -80,7 +80,6 @@ class Run:
         )
         self.extras: dict[str, Any] = {}  # what gan() and reshard() keep between calls (episodes.py)
         self.oracle_steps = 0  # the oracle's steps so far: the key of each step's gradient in the twin's record
-        self.consumed = Consumed()  # sdp: the oracle's side of the step consuming the gradient
         self.signless: dict[str, Tensor] = {}  # per parameter: elements whose gradient had no sign (oracle_stepping)
         self.sign_slack: dict[str, Tensor] = {}  # ... and what they may be off by since
         self.subject = build_subject(program, self.structure)
@@ -164,11 +163,7 @@ class Run:
         before = {name: p.detach().clone() for name, p in self.oracle.model.named_parameters()}
         yield
         self.oracle_steps += 1
-        try:
-            self._measure_signless(before)
-        finally:
-            if self.program.mode == "sdp":
-                self.consumed.consume(self.oracle.model)
+        self._measure_signless(before)
 
     def _measure_signless(self, before: dict[str, Tensor]) -> None:
         for name, p in self.oracle.model.named_parameters():
@@ -350,8 +345,6 @@ class Run:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-        if self.program.mode == "sdp" and via in ("optimizer", "wrapper"):  # another object reaches nothing (the guide)
-            self.consumed.clear(self.oracle.model, set_to_none)
         self.oracle.model.zero_grad(set_to_none)
 
     def backward(self, micro: int, no_sync: bool) -> None:
@@ -359,7 +352,6 @@ class Run:
         step runs inside each backward that reduces (the documented meaning), so the oracle steps after each, one
         micro-batch at a time on both sides; with a bf16 layer both are compared and aligned after each such step
         (the bf16 ulps a step leaves would otherwise move the next micro-batch's fp32 gradients: seed 1963)."""
-        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         overlap = self.program.mode == "overlap_hook"
         bf16 = any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters())
         sides = (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp))
@@ -383,7 +375,6 @@ class Run:
                 g = torch.zeros_like(p) if g is None else g
                 dist.all_reduce(g)
                 p.grad = g / self.world_size
-        self.consumed.set_by_program = {id(p) for p in self.oracle.model.parameters() if p.grad is not None}
 
     def clip(self, max_norm: float, norm_type: Any) -> None:
         norm_type = math.inf if norm_type == "inf" else float(norm_type)
@@ -405,7 +396,6 @@ class Run:
         self.step_number += 1
 
     def closure_step(self) -> None:
-        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         seen: list[dict[str, Tensor]] = []  # each side's parameters as its forward read them
 
         def closure(side: Any, optimizer: Any) -> Any:
@@ -427,7 +417,6 @@ class Run:
         self.step_number += 1
 
     def scaler_step(self, clip: bool, overflow: str | None = None) -> None:
-        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         s = self.subject
         poisoned = _overflowing(overflow, [s.model, self.oracle.model])
         s.scaler.scale(self.forward_loss(s.wrapper)).backward()
@@ -570,7 +559,6 @@ class Run:
         reduces (under ``no_sync``, its next forward still broadcasting buffers, as after a forward that trained),
         and the same failing backward with fresh leaves for the parameters (out of DDP's sight: its hooks would
         count them as used), buffers kept: the parameters it reached get a ``.grad`` for the clear to zero or drop."""
-        self.consumed.set_by_program.clear()  # a backward adds onto a set .grad: reduced, owned
         oracle = self.oracle.model
         with self.oracle.ddp.no_sync():
             self.forward_loss(self.oracle.ddp)

@@ -178,30 +178,6 @@ def build_subject(
     return subject
 
 
-class Consumed:
-    """The oracle's side of ``ShardedDataParallel``'s contract (the SDP guide): ``zero.step()`` consumes the
-    gradient a backward reduced, as if ``zero_grad()`` ran after it, and a later ``zero_grad(set_to_none=False)``
-    through the optimizer or the wrapper gives zeros to the parameters that had one, as DDP's zeroed ``.grad`` would
-    be. A ``.grad`` the program set is used and kept, until a backward adds onto it (then it is reduced, owned)."""
-
-    def __init__(self) -> None:
-        self.had: set[int] = set()
-        self.set_by_program: set[int] = set()  # a ``.grad`` the program set, used by the step and kept, as DDP's
-
-    def consume(self, model: nn.Module) -> None:
-        for p in model.parameters():
-            if p.grad is not None and id(p) not in self.set_by_program:
-                self.had.add(id(p))
-                p.grad = None
-
-    def clear(self, model: nn.Module, set_to_none: bool) -> None:
-        if not set_to_none:
-            for p in model.parameters():
-                if id(p) in self.had and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        self.had.clear()
-
-
 class Oracle:
     """DDP + the plain optimizer; with master weights the optimizer steps fp32 copies of the bf16 parameters, which
     follow the model whenever the program writes to it (a load, a clamp): the model is what the user sees."""

@@ -4,6 +4,7 @@ forward (which ran while the previous step's parameter sync was in flight), or c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -346,8 +347,7 @@ def _assorted_body(rank: int, world_size: int, how: str, partition: str, overlap
 
     def ref_step(step: int) -> None:
         plain.step()
-        if how == "twice":  # the first step consumed SDP's gradient: the second steps nothing, as after zero_grad()
-            plain.zero_grad()
+        if how == "twice":
             plain.step()
 
     _run(ddp, rank, "plain" if how in ("reentrant", "nonreentrant") else how, ref_step, plain.zero_grad, ddp.no_sync)
@@ -397,7 +397,7 @@ def test_eval_between_steps(partition: str, overlap: bool) -> None:
     run_on_ranks(_eval_between_body, 2, partition, overlap, timeout=60)
 
 
-# ------------------- 8. no zero_grad between steps: the step consumed the gradient, a branch left later
+# ------------------------- 8. no zero_grad between steps (gradients accumulate across steps), a branch left later
 def _no_zero_grad_body(rank: int, world_size: int, partition: str, overlap: bool, reduce_dtype: Any) -> None:
     model, reference = Chain(), Chain()
     zero, sdp = _sdp(model, partition, overlap_param_sync=overlap, reduce_dtype=reduce_dtype)
@@ -410,7 +410,8 @@ def _no_zero_grad_body(rank: int, world_size: int, partition: str, overlap: bool
     ddp = DDP(reference, find_unused_parameters=True)
     plain = torch.optim.AdamW(reference.parameters(), **KW)
     for step in range(3):
-        plain.zero_grad()  # the contract: each step consumes the store, as if zero_grad() ran after it
+        if step == 0:
+            plain.zero_grad()
         ddp(_x(rank, step), step == 0 or rank == step % 2).square().mean().backward()
         plain.step()
     _compare(model, reference, "end")
@@ -420,8 +421,6 @@ def _no_zero_grad_body(rank: int, world_size: int, partition: str, overlap: bool
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("partition", ["greedy", "even"])
 def test_no_zero_grad_between_steps(partition: str, overlap: bool, reduce_dtype: Any) -> None:
-    """Without ``zero_grad()`` between steps the next backward starts afresh: ``zero.step()`` consumes the owned
-    gradient (the guide's contract; torch.optim would add onto ``.grad``). A branch used by some ranks only."""
     run_on_ranks(_no_zero_grad_body, 2, partition, overlap, reduce_dtype, timeout=60)
 
 
@@ -578,6 +577,157 @@ def test_a_graph_pending_across_wrapping_and_a_gradient_twice_in_one_backward_ra
     run_on_ranks(_pending_and_twice_body, 2)
 
 
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.branch = nn.Linear(6, 6)  # used on rank 0 only
+
+    def forward(self, z: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        for layer in self.layers:
+            z = torch.tanh(layer(z))
+        return z + self.branch(z) if use_branch else z
+
+
+def _gan_body(rank: int, world_size: int) -> None:
+    """The generator's loss through the discriminator: one backward reaches both wrappers' stores, several buckets
+    each, with a generator parameter only some ranks use."""
+    g, d, g_ref, d_ref = Generator(), Chain(2), Generator(), Chain(2)
+    ddp_g, ddp_d = DDP(g_ref, find_unused_parameters=True), DDP(d_ref, find_unused_parameters=True)
+    plain_g, plain_d = torch.optim.AdamW(g_ref.parameters(), **KW), torch.optim.AdamW(d_ref.parameters(), **KW)
+    zero_g = ZeroRedundancyOptimizer(g.parameters(), torch.optim.AdamW, **KW)
+    zero_d = ZeroRedundancyOptimizer(d.parameters(), torch.optim.AdamW, partition="even", **KW)
+    sdp_g = ShardedDataParallel(g, zero_g, bucket_cap_mb=0.0001)
+    sdp_d = ShardedDataParallel(d, zero_d, bucket_cap_mb=0.0001)
+    use = rank == 0
+    for step in range(3):
+        z, x = _x(rank, step), _x(rank, step + 50)
+        for G, D, opt_g, opt_d in ((sdp_g, sdp_d, zero_g, zero_d), (ddp_g, ddp_d, plain_g, plain_d)):
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            D(G(z, use), False).mean().backward()  # the generator's loss: gradients into both models
+            opt_g.step()
+            opt_d.zero_grad()
+            (D(x, False).mean() - D(G(z, use).detach(), False).mean()).backward()
+            opt_d.step()
+        _compare(g, g_ref, f"generator step {step}")
+        _compare(d, d_ref, f"discriminator step {step}")
+
+
+def test_two_wrapped_models_in_one_backward_with_a_parameter_some_ranks_do_not_use() -> None:
+    """A GAN's generator loss through its discriminator, a generator branch on rank 0 only, buckets of a parameter
+    or two: DDP's result. Before, rank 0 launched the generator's buckets inside the backward while rank 1 (its
+    branch unused) launched the discriminator's first: gloo aborted on a size mismatch."""
+    run_on_ranks(_gan_body, 2, timeout=60)
+
+
+# ----------------------------------------------- a backward that raised midway (an OOM a loop catches, a hook's error)
+class _Fails(Exception):
+    pass
+
+
+def _fail(*_: Any) -> None:
+    """A backward pre-hook that raises: a backward that fails midway."""
+    raise _Fails("the backward fails here")
+
+
+def _even_chain_beside_ddp(rank: int, flag: bool) -> tuple[Any, ...]:
+    """A 4-layer chain under ShardedDataParallel (even) and its twin under DDP + the plain optimizer, and a step of
+    both on this rank's batch ``step`` (``flag``: the chain's second forward argument)."""
+    model, reference = Chain(4), Chain(4)
+    zero, sdp = _sdp(model, partition="even")
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
+
+    def step_both(step: int) -> None:
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step), flag).square().mean().backward()
+            opt.step()
+
+    return model, reference, zero, sdp, plain, step_both
+
+
+def _failed_backward_body(rank: int, world_size: int, then: str) -> str:
+    """Each rank's backward raises after the last layer's buckets launched; then either ``zero_grad()`` and two
+    steps (compared with DDP + the plain optimizer that never saw the failed batch) or, without ``zero_grad``, a
+    forward and a step (each must refuse)."""
+    model, reference, zero, sdp, _plain, step_both = _even_chain_beside_ddp(rank, False)
+
+    step_both(0)
+    zero.zero_grad()
+    hidden = torch.tanh(model.layers[0](_x(rank, 1)))
+    hidden.register_hook(lambda grad: (_ for _ in ()).throw(_Fails("the backward fails here")))
+    for layer in model.layers[1:]:
+        hidden = torch.tanh(layer(hidden))
+    with contextlib.suppress(_Fails):
+        hidden.square().mean().backward()  # the last layers' buckets reduced, the first layer's never reached
+    if then == "zero_grad":
+        zero.zero_grad()
+        step_both(2)
+        step_both(3)
+        sdp.sync_finished()
+        _compare(model, reference, "after the failed backward")
+        return "ok"
+    outcomes = []
+    for attempt in (lambda: sdp(_x(rank, 2), False), zero.step):
+        try:
+            attempt()
+            outcomes.append("accepted")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return " | ".join(outcomes)
+
+
+def _unequal_failed_backward_body(rank: int, world_size: int, clear: str, between: str) -> None:
+    """A backward through the wrapper that raises at a different layer on each rank (rank 0 after two layers'
+    buckets launched, rank 1 after one), with ``between`` its forward and it another forward (none, one without
+    gradients, one with), cleared through ``clear``; then training goes on and must end as DDP + the
+    plain optimizer's without that batch."""
+    model, reference, zero, sdp, _plain, step_both = _even_chain_beside_ddp(rank, True)
+
+    step_both(0)
+    with contextlib.suppress(_Fails):
+        if between == "another_backward_first":  # two forwards; the first's backward finishes, the second's raises
+            first = sdp(_x(rank, 9), True).square().mean()
+        handle = model.layers[1 + rank].register_full_backward_pre_hook(_fail)
+        loss = sdp(_x(rank, 1), True).square().mean()
+        if between == "no_grad_forward":  # an evaluation between the forward and its backward
+            with torch.no_grad():
+                sdp(_x(rank, 7), True)
+        elif between == "second_forward":  # a second forward whose graph is never backwarded
+            sdp(_x(rank, 8), True)
+        elif between == "another_backward_first":  # ran before the hook was registered: it does not raise
+            first.backward()
+        loss.backward()
+    handle.remove()
+    if clear == "zero":
+        zero.zero_grad()
+    else:  # not a clear the store can see: the next forward refuses on every rank, then zero_grad() recovers
+        model.zero_grad()
+        with pytest.raises(RuntimeError, match="the last backward raised before it finished"):
+            sdp(_x(rank, 2), True)
+        zero.zero_grad()
+    step_both(2)
+    step_both(3)
+    sdp.sync_finished()
+    _compare(model, reference, f"after a backward that raised unequally, cleared through {clear}")
+
+
+@pytest.mark.parametrize(
+    ("clear", "between"),
+    [("zero", "nothing"), ("module", "nothing")]
+    + [("zero", between) for between in ["no_grad_forward", "second_forward", "another_backward_first"]],
+)
+def test_a_backward_that_raised_at_different_points_on_each_rank_is_lined_up(clear: str, between: str) -> None:
+    """The ranks launched different numbers of bucket reductions before the error (6 and 4 of 10 here): the ranks
+    compare how far each got out of band and the ones behind launch the rest, so that ``zero_grad()`` waits for
+    reductions every rank launched and the next collectives pair as they should. A forward between the forward and
+    its backward does not end the wait for that backward (before: an evaluation forward there made the ranks skip
+    the comparison and hang in ``zero_grad()``)."""
+    run_on_ranks(_unequal_failed_backward_body, 2, clear, between, timeout=90)
+
+
 def _two_views_body(rank: int, world_size: int) -> None:
     """Two forwards a step; the second view's loss term only where this rank's batch has positives (the same code on
     every rank, a different graph): against DDP + the plain optimizer, step by step."""
@@ -597,6 +747,86 @@ def _two_views_body(rank: int, world_size: int) -> None:
 
 
 def test_two_forwards_whose_second_output_some_ranks_leave_unused_train_as_ddp() -> None:
-    """A second forward whose output only some ranks' losses reach: no rank waits for another (the store has no
-    exchange of its own outside the bucket reductions)."""
+    """Whether the ranks compare their backwards through the store follows what every rank does alike (forwards,
+    finished backwards), never which outputs this rank's loss reached (before: one rank waited in the store)."""
     run_on_ranks(_two_views_body, 2, timeout=90)
+
+
+class _Side(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk1, self.side, self.trunk2 = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        x = torch.tanh(self.trunk1(x))
+        return torch.tanh(self.trunk2(x + self.side(x) if use_side else x))
+
+
+def _zeros_where_some_rank_reached_body(rank: int, world_size: int) -> list[bool]:
+    """Rank 0's raised backward reached ``side`` (split between both owners), rank 1's raised before it."""
+    model = _Side()
+    zero, sdp = _sdp(model, partition="even")
+
+    sdp(_x(rank, 0), False).square().mean().backward()
+    zero.step()
+    before = model.side.weight.detach().clone()
+    handle = (model.trunk1 if rank == 0 else model.side).register_full_backward_pre_hook(_fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1), True).square().mean().backward()
+    handle.remove()
+    for step in range(2, 4):
+        zero.zero_grad(set_to_none=False)
+        sdp(_x(rank, step), False).square().mean().backward()
+        zero.step()
+    sdp.sync_finished()
+    return (model.side.weight.detach() != before).flatten().tolist()
+
+
+def test_zero_grad_to_zeros_after_a_raised_backward_gives_zeros_where_any_rank_reached() -> None:
+    """A parameter the raised backward reached on some ranks only: after ``zero_grad(set_to_none=False)`` every rank
+    steps it with zeros (AdamW decays it whole), as if each had reached it; before, each owner went by its own
+    backward, so half the matrix decayed and half stood still."""
+    moved = run_on_ranks(_zeros_where_some_rank_reached_body, 2, timeout=60)
+    assert moved[0] == moved[1] and all(moved[0]), moved
+
+
+@pytest.mark.parametrize("then", ["zero_grad", "forward_and_step"])
+def test_a_backward_that_raised_midway_is_dropped_by_zero_grad_or_refused(then: str) -> None:
+    """After a backward that raised (the engine then runs no end-of-backward callback, so the store's flush never
+    ran): ``zero_grad()`` drops its half-reduced gradient and training goes on as DDP's without that batch; without
+    it, the next forward and step refuse on every rank. Before, the next backward raised a misleading "second
+    gradient" error, or its gradient was never reduced."""
+    for outcome in run_on_ranks(_failed_backward_body, 2, then, timeout=90):
+        if then == "zero_grad":
+            assert outcome == "ok", outcome
+        else:
+            assert outcome.count("the last backward raised before it finished") == 2, outcome
+
+
+def _wrapper_clear_then_step_body(rank: int, world_size: int) -> None:
+    """A backward through the wrapper that raises in a layer's backward pre-hook, cleared through ``model.zero_grad()``
+    (the wrapper's, a documented recovery), then a step with no gradient, then training: as DDP + the plain optimizer
+    without that batch."""
+    model, reference, zero, sdp, plain, step_both = _even_chain_beside_ddp(rank, True)
+
+    step_both(0)
+    handle = model.layers[1].register_full_backward_pre_hook(_fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1), True).square().mean().backward()
+    handle.remove()
+    sdp.zero_grad()
+    zero.step()
+    plain.zero_grad()
+    plain.step()
+    step_both(2)
+    step_both(3)
+    sdp.sync_finished()
+    _compare(model, reference, "after a raised backward, model.zero_grad() and a step without gradients")
+
+
+def test_model_zero_grad_after_a_raised_backward_then_a_step() -> None:
+    """``model.zero_grad()`` cleared ``.grad`` before the store put back the markers the raised backward had taken
+    out, so they stayed in ``.grad`` and the next step refused a marker "not the one this store put there last"
+    (the fuzzer, issue 42: seeds 90054, 92154); it clears the store first now, as ``zero.zero_grad()`` does."""
+    run_on_ranks(_wrapper_clear_then_step_body, 2, timeout=60)

@@ -47,17 +47,16 @@ def _body(rank: int, world_size: int) -> tuple[int, int]:
     for step in range(3):
         data = torch.randn(8, 512, generator=torch.Generator().manual_seed(100 * step + rank))
         zero.zero_grad()
-        sdp(2 * data).square().mean().backward()
-        assert sdp.gradients is not None
-        owned = sum(t.numel() * t.element_size() for t in sdp.gradients.owned if t is not None)
-        before = _glibc_in_use()
-        zero.zero_grad()  # frees the owned gradient (and nothing else of this size); as the step does
-        freed = max(freed, before - _glibc_in_use())
         sdp(data).square().mean().backward()
         zero.step()
         plain.zero_grad()
         ddp(data).square().mean().backward()
         plain.step()
+        assert sdp.gradients is not None
+        owned = sum(t.numel() * t.element_size() for t in sdp.gradients.owned if t is not None)
+        before = _glibc_in_use()
+        zero.zero_grad()  # frees the owned gradient (and nothing else of this size)
+        freed = max(freed, before - _glibc_in_use())
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs)
     return freed, owned

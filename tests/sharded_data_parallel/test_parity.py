@@ -123,8 +123,9 @@ def _body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
                 last = micro == MICRO_BATCHES - 1
                 with sdp.no_sync() if accumulation == "no_sync" and not last else contextlib.nullcontext():
                     sdp(*batch(rank, step, micro), step, rank).square().mean().backward()
-            # the store is the gradient's one home: every .grad is None after the backward
-            assert all(p.grad is None for p in model.parameters()), f"{what}: a .grad outlived the backward"
+            # every .grad freed: None, or the store's marker (one element of storage)
+            held = [p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None]
+            assert max(held, default=0) <= 4, f"{what}: a .grad outlived the backward"
             norm = zero.clip_grad_norm_(1.0)
             zero.step()
             expected_norm = reference.train_step(rank, step, accumulation)

@@ -1,15 +1,12 @@
 """What ``ShardedDataParallel`` checks before it builds anything: the optimizer it is given, its settings, and that
-the module's trainable parameters are exactly the optimizer's; what the ranks must agree on (``fingerprint``); and
-that no two wrappers on one process group share a backward (``one_wrapper_per_backward``)."""
+the module's trainable parameters are exactly the optimizer's; and what the ranks must agree on (``fingerprint``)."""
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from distoptim.comm import agreement as _agreement
 from distoptim.zero import validation
@@ -17,16 +14,7 @@ from distoptim.zero import validation
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["check_wrapping", "fingerprint", "one_wrapper_per_backward"]
-
-# each process group -> the last backward (graph task) that reached a wrapper on it, and that wrapper
-_REACHED: weakref.WeakKeyDictionary[ProcessGroup, tuple[int, weakref.ref[Any]]] = weakref.WeakKeyDictionary()
-SHARED_BACKWARD = (
-    "two ShardedDataParallel models on one process group in one backward (a GAN's generator loss through its "
-    "discriminator): their bucket reductions would pair up in a different order on ranks that leave different "
-    "parameters unused. Give each model's ZeroRedundancyOptimizer a process group of its own "
-    "(process_group=dist.new_group()); then restart from a checkpoint"
-)
+__all__ = ["check_wrapping", "fingerprint"]
 
 
 def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
@@ -88,14 +76,3 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
     for name, buffer in module.named_buffers():
         entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
     return entries
-
-
-def one_wrapper_per_backward(wrapper: Any, group: ProcessGroup) -> list[Any]:
-    """At ``wrapper``'s first gradient of a backward: refuse a second wrapper on ``group`` in the same backward (on
-    every rank alike: the same backward reaches both everywhere); return the wrappers on other groups it reached."""
-    task = torch._C._current_graph_task_id()  # torch's id of the running backward: unique per backward
-    reached = [(g, ref()) for g, (t, ref) in _REACHED.items() if t == task and ref() not in (None, wrapper)]
-    if any(g is group for g, _ in reached):
-        raise RuntimeError(SHARED_BACKWARD)
-    _REACHED[group] = (task, weakref.ref(wrapper))
-    return [other for _, other in reached]

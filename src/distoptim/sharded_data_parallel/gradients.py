@@ -1,20 +1,17 @@
-"""The gradient side of ``ShardedDataParallel``: the store is the gradient's only home. Each parameter's gradient,
-once autograd has accumulated it, goes into its bucket and ``.grad`` is set back to None; full buckets are reduced to
-their owners in one fixed order, and each rank keeps its owned part, which ZeRO clips, scales and steps.
-``zero.step()`` consumes it; ``zero_grad()`` through the optimizer or the wrapper clears it.
+"""The gradient side of ``ShardedDataParallel``: each parameter's gradient, as soon as autograd has accumulated it,
+goes into its bucket and its ``.grad`` is released; full buckets are reduced to their owners in one fixed order,
+and each rank keeps only its owned part (``OwnedGradients``), which ZeRO then clips, scales and steps.
 
-Memory: the owned gradient (about 1/N) plus at most ``max_in_flight`` buckets filling or in flight. Which parameters
-some rank used (a parameter no rank used gets no gradient, as under DDP with ``find_unused_parameters``) is agreed
-once per step (``agree_on_use``), not per backward. A backward that raised midway leaves its reductions unmatched:
-the store refuses everything after it (``check_finished``), as DDP's reducer does.
+A rank holds its owned gradient plus at most ``max_in_flight`` buckets; at the end of the backward the rest are
+launched alike on every rank and the ranks agree on which parameters some rank used (an unused one has no gradient,
+as under DDP). The intake of ``.grad`` between backwards is ``intake.MarkerIntake``'s. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,10 +20,13 @@ from torch import Tensor
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim._host_memory import host_zeros
-from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
+from distoptim.comm.out_of_band import max_through_store
+from distoptim.sharded_data_parallel import coordination
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
-from distoptim.zero.buckets import ParameterSync
+from distoptim.sharded_data_parallel.intake import MarkerIntake
+from distoptim.sharded_data_parallel.marker import GradientMarker
+from distoptim.sharded_data_parallel.pending import PendingForwards
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:
@@ -34,19 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["OwnedGradients"]
 
-POISONED = (
-    "ShardedDataParallel: a backward raised before it finished, after some of its gradient reductions were "
-    "launched; the ranks' reductions no longer pair up (DDP's reducer is left the same way). Restart from a "
-    "checkpoint: build the model, the optimizer and the wrapper again"
-)
-UNREDUCED = (
-    "ShardedDataParallel: zero.step() found gradients that backward passes under model.no_sync() accumulated and no "
-    "backward outside no_sync() reduced (each rank's own, unaveraged). Run the last micro-batch's backward outside "
-    "no_sync(), or call zero.zero_grad() to drop them"
-)
 
-
-class OwnedGradients:
+class OwnedGradients(MarkerIntake):
     """This rank's owned gradient of ``zero``'s parameters, filled bucket by bucket during each backward."""
 
     def __init__(
@@ -54,13 +43,10 @@ class OwnedGradients:
         zero: ZeroRedundancyOptimizer,
         buckets: Sequence[BucketPlan],
         reduce_dtype: torch.dtype | None,
-        sync: ParameterSync,
-        replanned: Callable[[], None],
         max_in_flight: int = 2,
         previous: OwnedGradients | None = None,
     ) -> None:
         self.zero, self.buckets, self.max_in_flight = zero, list(buckets), max_in_flight
-        self.sync, self.replanned = sync, replanned  # what the optimizer runs after a step, and after a re-placement
         self.params = zero.global_params
         first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
         self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
@@ -69,33 +55,38 @@ class OwnedGradients:
         self.layout = store_plan(self.buckets, zero.rank, zero.plan)
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
-        self.landed = [False] * len(self.buckets)  # since the last clear: added to rather than copied into
-        self.used = [False] * len(self.params)  # by this rank, since the last agreement on use
+        self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
+        self.used = [False] * len(self.params)  # by this rank, since the last clear()
+        self.everywhere: tuple[bool, ...] | None = None  # used by some rank: agreed at the end of each backward
         self.holds = [False] * len(self.params)  # the store holds the parameter's gradient (zeros included)
-        self.had = [False] * len(self.params)  # held one when the last step consumed it (zero_grad to zeros)
+        self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
+        for (index, offset), (bucket, start) in self.layout.fragments.items():
+            length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
+            self.pieces.setdefault(index, []).append((bucket, start, length))
+        self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
+        self._swapped: set[int] = set()  # markers taken out of .grad for this backward to accumulate into
+        self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
         self.no_sync = False
-        self._unagreed = False  # a backward reduced since the ranks last agreed on which parameters were used
-        self._stepping = False  # inside zero.step(): a closure's backward is agreed on at its end
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
         self._buffers: dict[int, Tensor] = {}
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
-        self._backward = False  # between a backward's first gradient and its flush
-        self.shared = False  # this backward reached another wrapper (on another group): no waits before the flushes
-        self.successor: OwnedGradients | None = None  # the store built over the next placement, once there is one
+        self._backward = False
+        self.pending = PendingForwards()  # whose backward may have raised (pending.py)
+        self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
+        self._deferred = False  # this backward reached another store on the group: launch only at the flush
         if previous is not None:
             self._take_over(previous)
 
     # ------------------------------------------------------------------------------- what the step reads
     def grad_of(self, local: LocalTensor) -> Tensor | None:
-        """``local``'s piece of its parameter's gradient: of a ``.grad`` the program set since the last backward,
-        used as it is (as a plain optimizer would); else of the owned gradient (a view); None where none is held."""
+        """``local``'s piece of its parameter's gradient: of a ``.grad`` set by hand, used as it is; else of the
+        owned gradient (a view); None when the parameter has none (no rank used it since it was cleared)."""
         param = self.params[local.index]
-        if param.grad is not None:
-            if self._unreduced.get(local.index, _dead)() is param.grad:
-                raise RuntimeError(UNREDUCED)
+        self.settle(local.index)
+        if param.grad is not None and not self._is_marker(local.index, param.grad):
             if not local.whole and param.grad.stride() != param.stride():  # its pieces as views, for clipping
                 param.grad = torch.empty_like(param).copy_(param.grad)
             return local.grad_from(param.grad)
@@ -106,81 +97,100 @@ class OwnedGradients:
         assert owned is not None
         return view_like(owned, start, local.param) if local.whole else owned[start : start + local.length]
 
-    def check_finished(self) -> None:
-        """Refuse anything after a backward that raised midway (its flush never ran): local, as DDP's reducer."""
-        if self._backward:
-            raise RuntimeError(POISONED)
-
-    def ready(self) -> None:
-        """Before the gradient is read (``step``, ``clip_grad_norm_``; collective on every rank alike): refuse a
-        raised backward, and agree on which parameters some rank used since the last agreement."""
-        self.check_finished()
-        if self._unagreed:
-            self.agree_on_use()
-
-    def agree_on_use(self) -> None:
-        """One all-reduce (MAX) of the used flags on the control plane: a parameter no rank used since the last
-        clear has no gradient at the step (the optimizer skips it, as under DDP); one some rank used has its sum."""
-        everywhere = agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used)
-        self.holds = [held or now for held, now in zip(self.holds, everywhere)]
-        self._unagreed = False
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Around ``zero.step()``'s local part: ``ready`` first (a closure's backward inside is agreed at its end);
-        then the step consumed the gradient, which is dropped (its buffers freed)."""
-        self.ready()
-        self._stepping = True
-        try:
-            yield
-        finally:
-            current = self
-            while current.successor is not None:  # the step placed again: its store took over from this one
-                current = current.successor
-            current._stepping = False
-            if not current._backward:  # else refused at the next forward, step or clear
-                current.had = [had or held for had, held in zip(current.had, current.holds)]
-                current._drop(to_zeros=False)
-
     def clear(self, set_to_none: bool = True) -> None:
-        """``zero_grad``: drop the owned gradient, or with ``set_to_none=False`` zero it where a parameter had one
-        (since the last step too), so that a plain optimizer steps it with zeros where no rank uses it, as DDP's."""
-        self.check_finished()
-        if not set_to_none:
-            self.holds = [had or held for had, held in zip(self.had, self.holds)]
-        self.had = [False] * len(self.params)
-        self._drop(to_zeros=not set_to_none)
-
-    def _drop(self, to_zeros: bool) -> None:
-        self.landed = [to_zeros] * len(self.buckets)
+        """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
+        ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
+        then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
+        self._line_up_unfinished()
+        reached: set[int] = set()  # .grad that a backward which raised took on some rank: zeros on every rank
+        if self._backward and not set_to_none:  # (the ranks' own sets differ where they raised at different points)
+            took = max_through_store([int(i in self._filled) for i in range(len(self.params))], self._groups, "sdp")
+            reached = {index for index, on_some_rank in enumerate(took) if on_some_rank}
+        if self._backward:
+            self._abandon_backward()
+        self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
-        self._unagreed = False
-        self._unreduced.clear()
-        if not to_zeros:
+        self.everywhere = None
+        if set_to_none:
             self.holds = [False] * len(self.params)
+        self._unreduced.clear()
+        self._unswap()  # a backward that raised left its markers out
+        if set_to_none:
+            self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
-            if not to_zeros:
+            if set_to_none:
                 self.owned[bucket] = None
             elif owned is None:
                 self.owned[bucket] = self._new_owned(bucket).zero_()
             else:
                 owned.zero_()
+        if not set_to_none and reached:  # zeros, as the .grad the raised backward had accumulated would be now
+            for index in reached:
+                self.holds[index] = True
+            self.mark()
+
+    def _line_up_unfinished(self) -> None:
+        """When a forward's backward never reached its flush (it raised midway, or none ran), the ranks compare, out
+        of band (``max_through_store``), whether and how far each one's backward got: a parameter some ranks do
+        not use makes them launch fewer buckets before the error. The ranks behind launch the buckets the others
+        did (contents to be dropped), so that every rank waits for the same reductions and every rank refuses the
+        half-reduced gradient alike (``_backward``). Only where some forward is not known to have finished its
+        backward everywhere (``pending.py``)."""
+        if not self.pending.due:
+            return
+        raised, furthest = max_through_store([int(self._backward), self._next], self._groups, "sdp")
+        self.pending.compared()
+        if not raised:
+            return
+        self._deferred, self._backward = False, True
+        for bucket in range(self._next, furthest):
+            self._launch(bucket)
+
+    @property
+    def _groups(self) -> list[Any]:
+        return self.zero.agreement_groups
+
+    def _abandon_backward(self) -> None:
+        """Forget what a backward that raised left behind (the autograd engine runs no end-of-backward callback
+        after an error, so its flush never ran): the reductions it launched are waited for (every rank launched the
+        same ones: ``_line_up_unfinished``) and dropped with its buckets, so that the next backward starts as after
+        a flush."""
+        while self._in_flight:
+            self._in_flight.popleft()[2].wait()
+        self._buffers.clear()
+        self._next_backward_afresh()
+        self._places = []
+        self._backward = self._deferred = False
+        coordination.forget(self)
+
+    def _next_backward_afresh(self) -> None:
+        """No parameter's gradient in a bucket yet, and no bucket launched: as the next backward must find it."""
+        self._filled.clear()
+        self._remaining = [len(bucket.slots) for bucket in self.buckets]
+        self._next = 0
+
+    def check_finished(self) -> None:
+        """Refuse to read a gradient that a backward which raised left half reduced (before a step or a forward), on
+        every rank where a forward's backward never reached its flush."""
+        self._line_up_unfinished()
+        if self._backward:
+            raise RuntimeError(
+                "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced "
+                "and cannot be stepped or added to. Call zero_grad() (it drops that gradient) before the next "
+                "forward and step"
+            )
 
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
         return host_zeros(self.layout.lengths[bucket], dtype, device)
 
     # ------------------------------------------------------------------------------------- the backward
-    @property
-    def in_backward(self) -> bool:
-        """Between a backward's first gradient and its flush (still so after a backward that raised)."""
-        return self._backward
-
     def on_grad(self, param: Tensor) -> None:
         """A post-accumulate-grad hook: ``param.grad`` into its bucket, ``.grad`` released, full buckets launched."""
         index = self.zero._index_of(param)
         if index is not None:
             self.used[index] = True
+            self._swapped.discard(index)
         if self.no_sync:
             if index is not None and param.grad is not None:
                 self._unreduced[index] = weakref.ref(param.grad)
@@ -188,6 +198,7 @@ class OwnedGradients:
         if not self._backward:
             self._backward = True
             self.zero._land_sync()  # buckets no module of the forward read (local: step() launched every one)
+            coordination.reached(self)  # a second store on the group in this backward: launches wait (``flush``)
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
@@ -218,9 +229,11 @@ class OwnedGradients:
         self._remaining[bucket] -= 1
 
     def _is_whole_bucket(self, bucket: int, param: Tensor, grad: Tensor) -> bool:
-        """Whether ``grad`` can be bucket ``bucket`` itself: its only parameter, no padding, the bucket's dtype, the
-        parameter's memory order, and memory of its own (a gradient sharing memory with one another branch of the
-        backward still reads would be read scaled and summed)."""
+        """Whether ``grad`` can be bucket ``bucket`` itself: laid out flat it is exactly the bucket (its only
+        parameter, no padding, the bucket's dtype, the parameter's memory order), and its memory is its own. Autograd
+        may hand a parameter a gradient that shares memory with one another branch of the backward still needs (a
+        parameter read through a view and added to an activation): reduced in place, that branch would read it
+        scaled and summed."""
         plan = self.buckets[bucket]
         return (
             len(plan.slots) == 1
@@ -232,11 +245,10 @@ class OwnedGradients:
         )
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
-        """Bucket ``bucket``'s buffer (``gradient``, or zeros), once fewer than ``max_in_flight`` are in use."""
+        """Bucket ``bucket``'s buffer (``gradient``, or zeros, when it has none yet), once fewer than
+        ``max_in_flight`` buckets are filling or in flight."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:
-                if self.shared:  # the other ranks may launch it only in a flush: waiting here could wait forever
-                    break
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
@@ -245,7 +257,7 @@ class OwnedGradients:
 
     def _launch_ready(self) -> None:
         """Launch, in order, every bucket whose parameters have all handed in their gradients."""
-        while self._next < len(self.buckets) and not self._remaining[self._next]:
+        while not self._deferred and self._next < len(self.buckets) and not self._remaining[self._next]:
             self._launch(self._next)
 
     def _launch(self, bucket: int) -> None:
@@ -258,14 +270,15 @@ class OwnedGradients:
         )
         self._in_flight.append((bucket, buffer, reduced))
         self._next = bucket + 1
+        self._places.append(coordination.next_place(zero.process_group))
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction and add its owned sums into the owned gradient (copy: the first since
-        the last clear)."""
+        ``clear()``)."""
         bucket, buffer, reduced = self._in_flight.popleft()
         reduced.wait()
         owned = self.owned[bucket]
-        if owned is None:  # its first landing since the last clear: allocated here, and copied into
+        if owned is None:  # its first landing since zero_grad(): allocated here, and copied into, not added to
             owned = self.owned[bucket] = self._new_owned(bucket)
         at = 0
         for start, end in self.buckets[bucket].owned(self.zero.rank):
@@ -275,48 +288,48 @@ class OwnedGradients:
         self.landed[bucket] = True
 
     def flush(self) -> None:
-        """The end of a backward: the remaining buckets launched in order (with the gradients it did not reach:
-        ``no_sync()``'s or set by hand, zeros for the parameters this rank did not use) and landed; gradients of
-        parameters trainable since the plan was made are averaged in their ``.grad``."""
+        """The end of a backward: every bucket launched (in order, with the gradients accumulated under
+        ``no_sync`` that this backward did not touch) and landed; the ranks agree on which parameters were used;
+        gradients of parameters trainable since the plan was made are averaged in their ``.grad``.
+
+        Two wrapped models in one backward on one process group (a GAN's generator loss through its discriminator)
+        must launch their reductions in the same order on every rank, and a parameter some ranks do not use makes a
+        bucket ready on some ranks only. So once a backward reaches a second store on the group, no store on it
+        launches before this flush (their gradients wait in their buckets: more memory, for this backward only),
+        and here every store the backward reached launches its last buckets, in the order the backward reached
+        them, before this one waits for anything: before that, only the first store launched, in its own order."""
+        self._backward = False
+        self.pending.finished()
+        coordination.launch_the_rest(self)
+        while self._in_flight:
+            self._land_oldest()
+        self._next_backward_afresh()
+        coordination.agree_on_use(self)
+        self.holds = [held or now for held, now in zip(self.holds, self.everywhere or ())]
+        self.mark()
+
+    def _launch_the_rest(self) -> None:
+        """Launch, in order, the buckets this backward has not: with the gradients it did not reach (``no_sync()``'s,
+        or set by hand; not markers) and zeros for the parameters this rank did not use."""
         for bucket in range(self._next, len(self.buckets)):
             for slot in self.buckets[bucket].slots:
                 param = self.params[slot.index]
-                if slot.index not in self._filled and param.grad is not None:
-                    self.used[slot.index] = True  # reduced and stepped, as DDP + torch.optim would
+                grad = param.grad
+                if slot.index not in self._filled and grad is not None and not self._is_marker(slot.index, grad):
+                    self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
                     self._fill(bucket, slot, param)
             self._launch(bucket)
-        while self._in_flight:
-            self._land_oldest()
-        self._filled.clear()
-        self._remaining = [len(bucket.slots) for bucket in self.buckets]
-        self._next = 0
-        self._average_unplaced()
-        self._backward, self._unagreed, self.shared = False, True, False
-        if self._stepping:  # a closure's backward: every rank runs it, failing ones too (optimizer._prepare)
-            self.agree_on_use()
-
-    def _average_unplaced(self) -> None:
-        """The local gradients of parameters no bucket holds yet (trainable since the plan) averaged in ``.grad``,
-        for the step that places them."""
-        zero = self.zero
-        for index, param in enumerate(self.params):
-            if param.requires_grad and param.numel() and id(param) not in self.slot_of:
-                self.used[index] = self.used[index] or param.grad is not None
-                grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                for group in zero.agreement_groups:
-                    comm.all_reduce_(grad, group)
-                param.grad = grad.div_(zero.world_size * zero.replica_count)
 
     def _take_over(self, previous: OwnedGradients) -> None:
         """After the plan grew: keep what ``previous`` had landed (its buckets come first, laid out alike), and take
         the averaged ``.grad`` of parameters placed since into their new buckets."""
         self.owned[: len(previous.owned)] = previous.owned
         self.landed[: len(previous.landed)] = previous.landed
-        for mine, theirs in ((self.used, previous.used), (self.holds, previous.holds), (self.had, previous.had)):
-            mine[: len(theirs)] = theirs
-        self._unreduced, self._unagreed, self._stepping = previous._unreduced, previous._unagreed, previous._stepping
-        self._backward = previous._backward  # a backward that raised stays refused
-        previous.successor = self
+        self.used[: len(previous.used)] = previous.used
+        self.everywhere = previous.everywhere
+        self.holds[: len(previous.holds)] = previous.holds
+        self._markers, self._unreduced = previous._markers, previous._unreduced
+        self.pending = previous.pending
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
@@ -329,13 +342,10 @@ class OwnedGradients:
             self._in_flight.append((bucket, buffer, _done(buffer)))
             self.landed[bucket] = False
             self._land_oldest()
+        self.mark()
 
 
 def _done(value: Tensor) -> Any:
     future: torch.futures.Future[Tensor] = torch.futures.Future()
     future.set_result(value)
     return future
-
-
-def _dead() -> None:
-    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +26,8 @@ __all__ = ["ShardedDataParallel"]
 class ShardedDataParallel(nn.Module):
     """Data parallelism for a model stepped by a ``ZeroRedundancyOptimizer``, holding 1/N of the gradient per rank.
 
-    Use it instead of ``DistributedDataParallel``: gradients are reduced to their owners inside the backward and kept
-    in the store (``.grad`` stays None), which ``zero`` clips, steps and consumes. The contract: the SDP guide.
+    Use it instead of ``DistributedDataParallel``: gradients are reduced to their owners inside the backward and
+    kept there (``.grad`` holds a marker, so that a clear through any object is seen). The contract: the SDP guide.
 
     Args:
         module: the model; its trainable parameters must be exactly ``zero``'s.
@@ -106,6 +107,7 @@ class ShardedDataParallel(nn.Module):
         self._first: list[tuple[nn.Module, int]] = []  # (module, id) of each landing pre-hook: kept first
         self.register_forward_pre_hook(self._before_forward, prepend=True)
         self._rebuild()
+        zero._plan_listeners.append(self._rebuild)
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
@@ -113,25 +115,22 @@ class ShardedDataParallel(nn.Module):
         construction, ``add_param_group``, unfreezing or parameters given new storage: buckets already planned stay)."""
         zero = self.zero
         self._buckets = plan_buckets(zero.plan, self._caps, self._buckets)
+        self.gradients = OwnedGradients(zero, self._buckets, self.reduce_dtype, previous=self.gradients)
+        zero._gradient_store = self.gradients
+        zero.local_shard.source = self.gradients.grad_of
         inner = zero._sync.inner if isinstance(zero._sync, BucketedSync) else zero._sync
         assert inner is not None
-        sync = BucketedSync(inner, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
-        self.gradients = OwnedGradients(
-            zero, self._buckets, self.reduce_dtype, sync, self._rebuild, previous=self.gradients
-        )
-        zero.attach_gradient_source(self.gradients)
+        zero._sync = BucketedSync(inner, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
         for param in zero.global_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
+                self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
         if self.overlap_param_sync:
-            self._register_forward_pre_hooks(sync)
+            self._register_forward_pre_hooks(zero._sync)
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
-        if not self.gradients.in_backward and not self.gradients.no_sync:  # its first gradient of a reducing backward
-            for other in checks.one_wrapper_per_backward(self, self.zero.process_group):
-                self.gradients.shared = other.gradients.shared = True  # none waits until the flushes
         self.gradients.on_grad(param)
 
     def _register_forward_pre_hooks(self, sync: BucketedSync) -> None:
@@ -176,6 +175,8 @@ class ShardedDataParallel(nn.Module):
         output = self.module(*args, **kwargs)
         self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
+        if self._sync_buffers_next:  # a backward that reduces may follow (pending.py)
+            self.gradients.pending.forward()
         return output
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -227,7 +228,7 @@ class ShardedDataParallel(nn.Module):
             set_to_none: set each ``.grad`` to None rather than to zeros (default True).
         """
         assert self.gradients is not None
-        self.gradients.clear(set_to_none)
+        self.gradients.clear(set_to_none)  # first, as zero.zero_grad(): it puts back markers a raised backward left
         super().zero_grad(set_to_none)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -274,6 +275,18 @@ class ShardedDataParallel(nn.Module):
         """
         self._land_sync()
         return super().named_parameters(*args, **kwargs)
+
+
+class _BeforeGradient:
+    """A parameter's gradient hook: ``OwnedGradients.before_gradient`` (the parameter held weakly)."""
+
+    def __init__(self, wrapper: ShardedDataParallel, param: Tensor) -> None:
+        self.wrapper, self.param = wrapper, weakref.ref(param)
+
+    def __call__(self, _: Tensor) -> None:
+        param, gradients = self.param(), self.wrapper.gradients
+        if param is not None and gradients is not None:
+            gradients.before_gradient(param)
 
 
 class _Lander:

@@ -9,7 +9,6 @@ optimizer as a protocol); this module is the public surface and the only one hol
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +23,6 @@ from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.gradient_source import GradientSource
 from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import PartitionPlan
@@ -118,7 +116,7 @@ class ZeroRedundancyOptimizer(
         self._shard: LocalShard | None = None
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
-        self._gradient_store: GradientSource | None = None  # attach_gradient_source: ShardedDataParallel's store
+        self._gradient_store: Any = None  # ShardedDataParallel's owned gradient, when it holds the gradient
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._placement: placement.Placement | None = None
@@ -207,16 +205,14 @@ class ZeroRedundancyOptimizer(
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
         self._land_sync()
-        with self._gradient_store.stepping() if self._gradient_store is not None else contextlib.nullcontext():
-            try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
-                step = self._agreed_step(lambda: self._prepare(closure, kwargs, grad_scaler))
-                (loss, verdict), scaled, found_inf = step
-                if verdict is not None:
-                    verdict.record(found_inf)
-                if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient had an inf/nan
-                    self._agreed(lambda: None if verdict is None else self._step_local(None, kwargs))
-            finally:
-                self.local_shard.detach_grads()  # no stale gradient piece outlives ShardedDataParallel's consuming
+        try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
+            (loss, verdict), scaled, found_inf = self._agreed_step(lambda: self._prepare(closure, kwargs, grad_scaler))
+            if verdict is not None:
+                verdict.record(found_inf)
+            if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient held an inf or nan
+                self._agreed(lambda: None if verdict is None else self._step_local(None, kwargs))
+        finally:
+            self.local_shard.detach_grads()  # no stale gradient piece outlives the step
         self.sync_parameters()  # 3. every rank's updated shard to every rank
         self._consolidated = None
         return loss
@@ -227,6 +223,8 @@ class ZeroRedundancyOptimizer(
         """Everything a step does locally; with a ``grad_scaler`` (or ``hold``: a rank joined under Join), all but
         the local optimizer's step, which waits for the ranks' verdict."""
         try:  # inside the agreement: every rank raises if one does
+            if self._gradient_store is not None:
+                self._gradient_store.check_finished()
             if self._sync is not None:
                 self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
             check_classes_unchanged(self.param_groups, self.local_optimizer, self._optimizer_class)
@@ -239,7 +237,8 @@ class ZeroRedundancyOptimizer(
         self._repartition_if_changed()
         loss: float | None = None
         shard = self.local_shard
-        # torch.optim's order (the closure's backward first) where the step reads no .grad: pieces, masters, a source
+        # torch.optim's order, the closure's backward first, wherever the step does not read the parameters' own .grad
+        # (pieces and master copies take .grad when attached; ShardedDataParallel's owned gradient is attached likewise)
         if closure is not None and (shard.detached or shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
@@ -265,16 +264,6 @@ class ZeroRedundancyOptimizer(
 
     def _agreed(self, action: Callable[[], Any]) -> Any:
         return stepping.agreed(action, self._fingerprint, self.agreement_groups, stepping.shadowing(self))
-
-    def attach_gradient_source(self, source: GradientSource) -> None:
-        """Read the gradient from ``source``, not ``.grad``, and sync through ``source.sync`` (``ShardedDataParallel``).
-
-        Args:
-            source: the gradient's one owner (read by the step and clipping, consumed by the step).
-        """
-        self._gradient_store, self.local_shard.source, self._sync = source, source.grad_of, source.sync
-        if source.replanned not in self._plan_listeners:  # it attaches a new source over the new placement
-            self._plan_listeners.append(source.replanned)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
@@ -335,8 +324,8 @@ class ZeroRedundancyOptimizer(
                 "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
                 "worked. Build it with overlap_with_ddp=False (with ShardedDataParallel for ZeRO-2) to clip"
             )
-        if self._gradient_store is not None:  # a half-reduced gradient is not clipped
-            self._gradient_store.ready()
+        if self._gradient_store is not None:  # every rank alike: a half-reduced gradient is not clipped
+            self._gradient_store.check_finished()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
         shard, params, group, device = self.local_shard, self.global_params, self.process_group, self._comm_device

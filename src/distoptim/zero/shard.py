@@ -155,7 +155,7 @@ class LocalShard:
         """Drop the pieces again, so that no stale gradient outlives ``zero_grad``."""
         for local in self.detached if self.source is None else (t for group in self.groups for t in group):
             local.tensor.grad = None
-        for param, grad in self._given_back:  # what .grad held before the step (None, or one the program set)
+        for param, grad in self._given_back:  # what .grad held before the step (a source's marker, or the user's)
             param.grad = grad
         self._given_back = []
 

@@ -1,12 +1,13 @@
-"""ShardedDataParallel's gradient contract: the store is the gradient's one home (``.grad`` stays None), a
-backward's or a closure's gradient is what ``zero.step()`` uses and consumes, a ``.grad`` the program sets is used
-as it is, and ``zero_grad`` through the optimizer or the wrapper clears the store (to None or to zeros); a clear
-through another object after the step is covered by the step's consumption. Each case runs against DDP
+"""One gradient intake for ShardedDataParallel: whatever gradient the program produced since the last clear (a
+backward through the wrapper, a closure's, a hand-set ``.grad``) is what ``zero.step()`` uses, and clearing works
+through every object a user can call it on (the wrapper, the inner module or a reference to it kept from before
+wrapping, ``.grad = None`` by hand, the optimizer; to None or in place). Each case runs against DDP
 (find_unused_parameters) + plain AdamW on the same seeds and data, at 2 ranks, in both partitions; a gradient that
 cannot be right (``no_sync``'s, never reduced) is refused on every rank, as are sparse gradients at wrapping."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
-from distoptim.hooks import allreduce_hook, hook_with_zero_step
+from distoptim.hooks import allreduce_hook, hook_with_zero_step, reduce_to_owners_hook
 from tests._dist import run_on_ranks
 
 KW = {"lr": 0.05, "weight_decay": 0.1}
@@ -79,16 +80,16 @@ def test_a_closures_backward_is_what_the_step_uses() -> None:
     run_on_ranks(_closure_body, 2, timeout=120)
 
 
-# ------------------------------------------------------- 5. clearing through the inner module, by hand, in place
-# Not here: the inner module's zero_grad(set_to_none=False) after a step whose next backward leaves a parameter
-# unused on every rank (DDP steps it with its zeroed .grad; here .grad is None, the clear reaches nothing, and the
-# step skips it): the guide's contract says to clear to zeros through the optimizer or the wrapper.
-CLEARS = ["inner_module", "grad_none_by_hand", "wrapper", "wrapper_in_place", "zero", "zero_in_place"]
+# -------------------------------------------------- 5. clearing through the inner module, by hand, in place
+CLEARS = ["inner_module", "inner_module_in_place", "grad_none_by_hand", "wrapper", "wrapper_in_place", "zero"]
+CLEARS += ["zero_in_place"]
 
 
 def _clear(how: str, model: nn.Module, sdp: ShardedDataParallel, zero: ZeroRedundancyOptimizer) -> None:
     if how == "inner_module":  # model.module.zero_grad(), or the bare model a script kept from before wrapping
         model.zero_grad()
+    elif how == "inner_module_in_place":
+        sdp.module.zero_grad(set_to_none=False)
     elif how == "grad_none_by_hand":
         for p in model.parameters():
             p.grad = None
@@ -162,7 +163,7 @@ def test_a_hand_set_grad_is_used_as_is() -> None:
     run_on_ranks(_hand_set_body, 2, timeout=120)
 
 
-# ---------------------------------------------- no_sync's gradient, never reduced, is refused on every rank
+# ---------------------- no_sync's gradient, never reduced, and torch's clip_grad_norm_ are refused on every rank
 def _refusals_body(rank: int, world_size: int) -> list[str]:
     outcomes = []
     for partition in PARTITIONS:
@@ -177,16 +178,131 @@ def _refusals_body(rank: int, world_size: int) -> list[str]:
             outcomes.append(str(error))
         zero.zero_grad()
         sdp(_x(rank, 0)).square().mean().backward()
-        assert all(p.grad is None for p in model.parameters()), "a .grad outlived the backward"
+        try:  # it would read no gradient at all: a silent no-op before the markers
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            outcomes.append("clipped")
+        except RuntimeError as error:
+            outcomes.append(str(error))
     return outcomes
 
 
-def test_no_syncs_unreduced_gradient_is_refused_on_every_rank() -> None:
+def test_no_syncs_unreduced_gradient_and_torchs_clipping_are_refused_on_every_rank() -> None:
     for outcomes in run_on_ranks(_refusals_body, 2, timeout=60):
-        for outcome in outcomes:
+        for outcome in outcomes[0::2]:
             assert "no_sync" in outcome and "outside" in outcome, outcome
+        for outcome in outcomes[1::2]:
+            assert "zero.clip_grad_norm_()" in outcome, outcome
 
 
+# ------------- the marker in .grad refuses every read of values; module.to() and deepcopy keep it a marker
+READS_OF_A_MARKER = {
+    "detach().norm()": lambda g: g.detach().norm(),
+    ".data.sum()": lambda g: g.data.sum(),
+    "pow(2).sum()": lambda g: g.pow(2).sum(),
+    "max()": lambda g: g.max(),
+    "isinf().any()": lambda g: torch.isinf(g).any(),
+    "linalg.norm": lambda g: torch.linalg.norm(g),
+    "clone()": lambda g: g.clone(),
+    "g * 2": lambda g: g * 2,
+    "copy into a buffer": lambda g: torch.zeros(g.shape).copy_(g),
+    "float(g[0].sum())": lambda g: float(g[0].sum()),
+    "g.data = values": lambda g: setattr(g, "data", torch.zeros(g.shape)),
+}
+
+
+def _marker_body(rank: int, world_size: int) -> dict[str, Any]:
+    model, zero, sdp, reference, ddp, plain = _pair("greedy")
+    outcomes: dict[str, Any] = {}
+    for step in range(2):
+        for optimizer, wrapped in ((zero, sdp), (plain, ddp)):
+            optimizer.zero_grad()
+            wrapped(_x(rank, step)).square().mean().backward()
+        grad = model.layers[0].weight.grad
+        for name, read in READS_OF_A_MARKER.items():
+            try:
+                outcomes[name] = f"returned {read(grad)!r}"
+            except RuntimeError as error:
+                outcomes[name] = str(error)
+        outcomes["repr"] = repr(grad)
+        copy.deepcopy(model)  # an EMA or best-model copy taken after a backward
+        outcomes["deepcopy"] = type(copy.deepcopy(grad)).__name__
+        # module.to() converts .grad too: the held gradient must survive it (DDP must be wrapped again after it)
+        for module in (model, reference):
+            module.to(torch.float64).to(torch.float32)
+        ddp = DDP(reference, find_unused_parameters=True)
+        zero.step()
+        plain.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"step {step} after module.to()")
+    return outcomes
+
+
+def test_the_marker_refuses_every_read_and_survives_module_to() -> None:
+    for outcomes in run_on_ranks(_marker_body, 2, timeout=60):
+        for name in READS_OF_A_MARKER:
+            assert "zero.clip_grad_norm_()" in outcomes[name], f"{name}: {outcomes[name]}"
+        assert "held sharded" in outcomes["repr"], outcomes["repr"]
+        assert outcomes["deepcopy"] == "GradientMarker"
+
+
+# ------------- a marker that is not the store's (another parameter's, kept across a clear) is refused; .data clears
+def _outcome(action: Any) -> str:
+    try:
+        action()
+        return "ran"
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+
+
+def _foreign_marker_body(rank: int, world_size: int) -> dict[str, str]:
+    outcomes = {}
+    for case in ["another parameter's", "transposed", "kept across zero_grad"]:
+        model, zero, sdp, *_ = _pair("greedy")
+        zero.zero_grad()
+        sdp(_x(rank, 0)).square().mean().backward()
+        first, second = model.layers[0].weight, model.layers[1].weight
+        if case == "another parameter's":
+            first.grad = second.grad
+        elif case == "transposed":
+            outcomes["transposed .T"] = _outcome(lambda p=first: setattr(p, "grad", p.grad.T))
+        else:
+            kept = [p.grad for p in model.parameters()]
+            zero.zero_grad()
+            for param, grad in zip(model.parameters(), kept):
+                param.grad = grad
+        outcomes[case] = _outcome(zero.step)
+    # the old idiom p.grad.data.zero_() zeroes the held gradient, as it zeroes DDP's
+    model, zero, sdp, reference, ddp, plain = _pair("even")
+    for step in range(3):
+        for optimizer, wrapped, module in ((zero, sdp, model), (plain, ddp, reference)):
+            wrapped(_x(rank, step)).square().mean().backward()
+            if step == 1:
+                for param in module.parameters():
+                    param.grad.data.zero_()
+                wrapped(_x(rank, 10 + step)).square().mean().backward()
+            optimizer.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"step {step}, .grad.data.zero_() between backwards")
+    # a layer unfrozen before a backward and added after it: each rank's own gradient, refused
+    model = Chain()
+    model.side.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW, **KW)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    model.side.requires_grad_(True)
+    sdp(_x(rank, 0)).square().mean().backward()
+    outcomes["added after its backward"] = _outcome(lambda: zero.add_param_group({"params": model.side.parameters()}))
+    return outcomes
+
+
+def test_a_marker_not_the_stores_is_refused_and_data_zero_clears() -> None:
+    for outcomes in run_on_ranks(_foreign_marker_body, 2, timeout=90):
+        for case in ["another parameter's", "kept across zero_grad"]:
+            assert "not the one this store put there last" in outcomes[case], f"{case}: {outcomes[case]}"
+        assert ".T cannot use" in outcomes["transposed .T"], outcomes["transposed .T"]
+        assert "already have a .grad" in outcomes["added after its backward"], outcomes["added after its backward"]
+
+
+# ------------------------------------------ 9. sparse gradients are refused at wrapping or at the hook's registration
 class Sparse(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -204,15 +320,20 @@ def _sparse_body(rank: int, world_size: int, where: str) -> str:
     try:
         if where == "sharded":
             ShardedDataParallel(model, zero)
-        else:  # the hook steps inside DDP's backward, on dense bucket views
+        elif where == "overlap":  # the hook steps inside DDP's backward, on dense bucket views
             ddp = DDP(model)
             ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        else:
+            ddp = DDP(model)
+            ddp.register_comm_hook(zero, reduce_to_owners_hook)
+            ddp(torch.tensor([[1, 2, 3]])).sum().backward()
+            zero.step()
     except ValueError as error:
         return str(error)
     return "accepted"
 
 
-@pytest.mark.parametrize("where", ["sharded", "overlap"])
+@pytest.mark.parametrize("where", ["sharded", "reduce_to_owners_hook", "overlap"])
 def test_sparse_gradients_are_refused_on_every_rank(where: str) -> None:
     for outcome in run_on_ranks(_sparse_body, 2, where, timeout=60):
         assert "sparse" in outcome and "embed" in outcome, outcome
@@ -237,38 +358,3 @@ def _unreached_body(rank: int, world_size: int) -> None:
 
 def test_a_hand_set_grad_the_backward_did_not_reach_is_stepped_and_reads_after_step_agree() -> None:
     run_on_ranks(_unreached_body, 2, timeout=120)
-
-
-# ------------------------------------------ the step that places a parameter again consumes the new placement's store
-def _replaced_body(rank: int, world_size: int, how: str) -> None:
-    """No ``zero_grad()`` at all; after the first step a frozen layer is thawed (``unfreeze``) or a layer given new
-    storage (``new_storage``), so the next step places again and its store takes over: that step must consume it too.
-    Reference: plain AdamW on gradients averaged by hand, cleared before each backward (the contract)."""
-    for partition in PARTITIONS:
-        model, reference = Chain(), Chain()
-        for m in (model, reference):
-            m.side.requires_grad_(how != "unfreeze")
-        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition=partition, **KW)
-        sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
-        plain = torch.optim.AdamW(reference.parameters(), **KW)
-        for step in range(3):
-            if step == 1:
-                for m in (model, reference):
-                    m.side.requires_grad_(True) if how == "unfreeze" else m.side.weight.data.copy_(m.side.weight)
-                if how == "new_storage":
-                    model.side.weight.data = model.side.weight.data.clone()
-            sdp(_x(rank, step)).square().mean().backward()
-            zero.step()
-            plain.zero_grad()
-            reference(_x(rank, step)).square().mean().backward()
-            for p in reference.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world_size
-            plain.step()
-            _compare(model, reference, f"{partition} {how} step {step}")
-
-
-@pytest.mark.parametrize("how", ["unfreeze", "new_storage"])
-def test_a_step_that_places_again_consumes_the_gradient(how: str) -> None:
-    run_on_ranks(_replaced_body, 2, how, timeout=120)
