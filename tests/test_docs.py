@@ -3,7 +3,6 @@ site built from it (``mkdocs build --strict``, offline), whose API reference ren
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import os
@@ -207,27 +206,3 @@ def test_the_layout_page_names_every_module_and_only_real_ones() -> None:
 def test_the_layout_reader_nests_by_indentation() -> None:
     tree = "src/\n  a.py   x\n  pkg/   y\n    b.py  z\n  c.py\n"
     assert _layout_paths(tree) == {"src", "src/a.py", "src/pkg", "src/pkg/b.py", "src/c.py"}
-
-
-def _defines(path: Path, qualified: str) -> bool:
-    """Whether ``path`` defines ``qualified`` (``function``, ``Class`` or ``Class.method``)."""
-    tree = ast.parse(path.read_text())
-    scope: list[ast.stmt] = tree.body
-    for part in qualified.split("."):
-        found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
-        if not found:
-            return False
-        scope = found[0].body
-    return True
-
-
-def test_the_gradient_walk_in_the_layout_page_is_true_and_short() -> None:
-    """docs/layout.md's walk of one gradient element under ShardedDataParallel (issue 45): every hop names a function
-    that exists in its file, at most 12 hops over at most 8 modules."""
-    text = (ROOT / "docs" / "layout.md").read_text()
-    section = text.split("## One gradient element under ShardedDataParallel", 1)[1].split("\n## ", 1)[0]
-    hops = re.findall(r"^\d+\. `([^`]+)` : `([^`]+)`", section, flags=re.M)
-    assert 8 <= len(hops) <= 12, hops
-    assert len({file for file, _ in hops}) <= 8
-    missing = [f"{file} : {name}" for file, name in hops if not _defines(ROOT / "src" / "distoptim" / file, name)]
-    assert not missing, f"the walk names functions that are not there: {missing}"
