@@ -127,13 +127,13 @@ class ShardedDataParallel(nn.Module):
                 self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
         if self.overlap_param_sync:
-            self._register_forward_pre_hooks(zero._sync)
+            self._register_landing_hooks(zero._sync)
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
         self.gradients.on_grad(param)
 
-    def _register_forward_pre_hooks(self, sync: BucketedSync) -> None:
+    def _register_landing_hooks(self, sync: BucketedSync) -> None:
         """Before each submodule's forward, land the buckets of every parameter in its subtree (a module may read
         a child's parameter without running the child: ``nn.MultiheadAttention`` reads ``out_proj.weight``) and of
         every bucket before them; before the root's, those of its own parameters only (its subtree is everything:
