@@ -21,8 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from distoptim import _host
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
+from distoptim._text import few
 from distoptim.comm import collectives as comm
-from distoptim.ddp.reduce_to_owners import average_over_zero, check_ddp_group, reduce_to_owners_hook
+from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
 from distoptim.zero.overlap import OverlapStepper, buckets_final
 
@@ -86,8 +87,7 @@ class _BucketReduction:
 def _checked_stepper(
     ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook, step_from_first_backward: bool
 ) -> tuple[OverlapStepper, CommHook]:
-    """The stepper, checked against ``ddp``, and the inner hook to call (``reduce_to_owners_hook`` checked here
-    against DDP's group, then called without its own check, which cannot see DDP)."""
+    """The stepper, checked against ``ddp`` (``reduce_to_owners_hook``'s group against DDP's), and the hook."""
     if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(
             f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
@@ -100,18 +100,13 @@ def _checked_stepper(
         )
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}")
-    if stepper.hooked:
-        raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
     _check_same_parameters(ddp, zero)
     validation.refuse_sparse_gradients(
         ddp.module, "the overlap hook", "build the optimizer without overlap_with_ddp and call zero.step()"
     )
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)
-        hook = average_over_zero
-    stepper.hooked = True
-    if step_from_first_backward:
-        stepper.skip_warmup()
+    stepper.attach_hook(step_from_first_backward)
     return stepper, hook
 
 
@@ -126,7 +121,7 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
     ]
     if unheld:
         raise ValueError(
-            f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {_few(unheld)}; the hook "
+            f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {few(unheld)}; the hook "
             "steps only ZeRO's parameters, so these would never be updated. Give ZeRO all of the DDP model's "
             "trainable parameters (ddp.module.parameters()), or wrap only the part ZeRO manages in DDP"
         )
@@ -139,15 +134,10 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
     if not_in_ddp:
         raise ValueError(
             f"this ZeroRedundancyOptimizer holds trainable parameters that are not in the DDP model: "
-            f"{_few(not_in_ddp)} (or are in its parameters_to_ignore); the hook only sees the gradients DDP reduces, "
+            f"{few(not_in_ddp)} (or are in its parameters_to_ignore); the hook only sees the gradients DDP reduces, "
             "so these would never be updated. Build ZeRO over the DDP model's parameters (ddp.module.parameters()) "
             "and step any others with another optimizer"
         )
-
-
-def _few(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "ZeroRedundancyOptimizer") -> None:
@@ -280,7 +270,7 @@ def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: Distribu
     if in_backward() or not bucket.is_last():
         return
     if ddp.find_unused_parameters:
-        zero.overlap_stepper.deferred_finish = finish
+        zero.overlap_stepper.defer_finish(finish)
     else:
         finish()
 

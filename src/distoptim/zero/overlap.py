@@ -51,11 +51,11 @@ class OverlapStepper:
         self.functional_cls = functional_cls
         self.group, self.collectives = group, collectives
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
-        self.hooked = False
+        self._hooked = False
         self._warmup = _WAITING  # torch's warm-up: no step until DDP's buckets are final, then one more backward
         self.stepped = False  # by a hook since the last zero_grad()
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
-        self.deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
+        self._deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
         self._grad_seen: tuple[int, int] | None = None
         self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
         self._relay: bool | None = None  # whether the bucket syncs go through aggregators (p2p style)
@@ -110,8 +110,22 @@ class OverlapStepper:
         """Whether the hooked backwards step now: the warm-up is over (or was skipped: ``step_from_first_backward``)."""
         return self._warmup == _OVER
 
-    def skip_warmup(self) -> None:
-        self._warmup = _OVER
+    def attach_hook(self, step_from_first_backward: bool) -> None:
+        """A DDP hook now steps this optimizer (at most one may); ``step_from_first_backward`` skips the warm-up."""
+        if self._hooked:
+            raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
+        self._hooked = True
+        if step_from_first_backward:
+            self._warmup = _OVER
+
+    def defer_finish(self, finish: Callable[[], None]) -> None:
+        """A joined rank's end of backward, run by ``run_deferred`` from ZeRO's join hook after DDP's."""
+        self._deferred_finish = finish
+
+    def run_deferred(self) -> None:
+        finish, self._deferred_finish = self._deferred_finish, None
+        if finish is not None:
+            finish()
 
     def begin_backward(self, buckets_final: Callable[[], bool]) -> bool:
         """At a hooked backward's first bucket: whether it is a warm-up backward, which takes no step.
@@ -178,7 +192,7 @@ class OverlapStepper:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.hooked:
+        if not self._hooked:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, but no overlap hook is "
                 "registered: call ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)) (or "
