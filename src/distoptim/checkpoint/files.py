@@ -21,14 +21,24 @@ from distoptim.checkpoint import dcp as _dcp
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
-from distoptim.comm.groups import gloo_twin
+from distoptim.comm.groups import attached, gloo_twin
 
 __all__ = ["load", "save"]
 
 METADATA = ".metadata"  # DCP's index, written by its coordinator after every rank's data: its presence = complete
 
-_writer: ThreadPoolExecutor | None = None  # the thread that asynchronous saves write in, one at a time
-_pending: Future[None] | None = None  # the latest asynchronous save
+
+class _Writer:
+    """The thread this process's asynchronous saves write in, one at a time, and the latest of them; kept with the
+    default group (``comm.groups.attached``), as the saves' own gloo group is."""
+
+    def __init__(self) -> None:
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
+        self.pending: Future[None] | None = None
+
+
+def _writer() -> _Writer:
+    return attached(comm.default_group(None), "async_checkpoint_writer", _Writer)
 
 
 @overload
@@ -96,17 +106,15 @@ def save(
     if not async_save:
         _write(state, final, group)
         return None
-    global _writer, _pending
-    staged = _staged(state)
-    _writer = _writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
-    _pending = _writer.submit(_write, staged, final, group)
-    return _pending
+    writer = _writer()
+    writer.pending = writer.thread.submit(_write, _staged(state), final, group)
+    return writer.pending
 
 
 def _wait_for_pending_save() -> None:
     """Block until the latest asynchronous save has finished; warn (once) if it failed (its future has the error)."""
-    global _pending
-    pending, _pending = _pending, None
+    writer = _writer()
+    pending, writer.pending = writer.pending, None
     if pending is None:
         return
     error = pending.exception()
