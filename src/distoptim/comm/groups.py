@@ -54,7 +54,12 @@ def gloo_twin(group: ProcessGroup, purpose: str) -> ProcessGroup:
     """A gloo group over ``group``'s ranks, one per ``purpose``, made the first time (a collective over those ranks):
     ``"control"`` carries agreements (``control_group``), ``"async_checkpoint"`` an asynchronous save's coordination
     from its own thread, which must not share a group with anything else."""
-    make = lambda: dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+
+    def make() -> ProcessGroup:
+        ranks = dist.get_process_group_ranks(group)
+        twin: ProcessGroup = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return twin
+
     return attached(group, f"gloo {purpose}", make)
 
 

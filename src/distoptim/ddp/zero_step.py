@@ -68,18 +68,18 @@ class _BucketReduction:
     reduced: Future[Tensor]
     used: _UsedFlags | None = None
 
-    def grads(self, used: list[bool] | None = None) -> dict[int, Tensor | None]:
-        """The trainable parameters' averaged gradients by parameter id; None where ``used`` says no rank has one.
+    def grads(self, used: list[bool] | None = None) -> dict[Tensor, Tensor | None]:
+        """The trainable parameters' averaged gradients by parameter; None where ``used`` says no rank has one.
 
         Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
         """
         reduced = self.reduced.wait()
         used = [True] * len(self.params) if used is None else used
-        grads: dict[int, Tensor | None] = {}
+        grads: dict[Tensor, Tensor | None] = {}
         offset = 0
         for param, param_used in zip(self.params, used, strict=True):
             if param.requires_grad:
-                grads[id(param)] = view_like(reduced, offset, param) if param_used else None
+                grads[param] = view_like(reduced, offset, param) if param_used else None
             offset += param.numel()
         return grads
 
@@ -112,12 +112,10 @@ def _checked_stepper(
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
-    held = {id(p) for p in zero.global_params}
-    in_ddp = {id(p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
+    held = set(zero.global_params)
+    in_ddp = {p for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
     unheld = [
-        f"'{name}'"
-        for name, p in ddp.module.named_parameters()
-        if id(p) in in_ddp and p.requires_grad and id(p) not in held
+        f"'{name}'" for name, p in ddp.module.named_parameters() if p in in_ddp and p.requires_grad and p not in held
     ]
     if unheld:
         raise ValueError(
@@ -129,7 +127,7 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
         f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
         for g, group in enumerate(zero.param_groups)
         for i, p in enumerate(group["params"])
-        if p.requires_grad and id(p) not in in_ddp
+        if p.requires_grad and p not in in_ddp
     ]
     if not_in_ddp:
         raise ValueError(
@@ -142,8 +140,8 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
 
 def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook was built for ``ddp``: registered on another model, it would step ZeRO with foreign gradients."""
-    known = {id(p) for p in ddp.module.parameters()}
-    if not all(id(p) in known for p in bucket.parameters()):
+    known = set(ddp.module.parameters())
+    if not all(p in known for p in bucket.parameters()):
         raise ValueError(
             "this ZeRO overlap hook was built for another DistributedDataParallel model than the one running it: "
             "build it with the model you register it on, hook_with_zero_step(hook, ddp, zero) then "
@@ -221,7 +219,7 @@ def hook_with_zero_step(
             return
         params = [p for earlier in pending for p in earlier.params]
         used = _UsedFlags(params, ddp).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
-        grads: dict[int, Tensor | None] = {}
+        grads: dict[Tensor, Tensor | None] = {}
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
