@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -68,9 +68,10 @@ def attached(group: ProcessGroup, purpose: str, make: Callable[[], _T]) -> _T:
     kept = _ATTACHED.get(group)
     if kept is None:
         kept = _ATTACHED[group] = {}
-    if purpose not in kept:
-        kept[purpose] = make()
-    return cast(_T, kept[purpose])
+    value: _T | None = kept.get(purpose)
+    if value is None:
+        value = kept[purpose] = make()
+    return value
 
 
 def is_member(group: object) -> bool:
