@@ -28,17 +28,9 @@ __all__ = ["load", "save"]
 METADATA = ".metadata"  # DCP's index, written by its coordinator after every rank's data: its presence = complete
 
 
-class _Writer:
-    """The thread this process's asynchronous saves write in, one at a time, and the latest of them; kept with the
-    default group (``comm.groups.attached``), as the saves' own gloo group is."""
-
-    def __init__(self) -> None:
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
-        self.pending: Future[None] | None = None
-
-
-def _writer() -> _Writer:
-    return attached(comm.default_group(None), "async_checkpoint_writer", _Writer)
+def _pending() -> list[Future[None]]:
+    """The latest asynchronous save, kept with the default group (``comm.groups.attached``), as their gloo group is."""
+    return attached(comm.default_group(None), "pending asynchronous save", list)
 
 
 @overload
@@ -106,18 +98,18 @@ def save(
     if not async_save:
         _write(state, final, group)
         return None
-    writer = _writer()
-    writer.pending = writer.thread.submit(_write, _staged(state), final, group)
-    return writer.pending
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
+    _pending()[:] = [writer.submit(_write, _staged(state), final, group)]
+    writer.shutdown(wait=False)  # its thread ends with the save: one save at a time, each waiting for the last
+    return _pending()[0]
 
 
 def _wait_for_pending_save() -> None:
     """Block until the latest asynchronous save has finished; warn (once) if it failed (its future has the error)."""
-    writer = _writer()
-    pending, writer.pending = writer.pending, None
-    if pending is None:
+    pending = _pending()
+    if not pending:
         return
-    error = pending.exception()
+    error = pending.pop().exception()
     if error is not None:
         warnings.warn(f"an earlier asynchronous checkpoint save failed: {type(error).__name__}: {error}", stacklevel=3)
 
