@@ -116,9 +116,8 @@ class Subject:
             )
             return
         self.wrapper = ddp = _ddp(self.model, self.group)
-        if mode == "zero2_hook" and self.group is None:  # the deprecated hook (its FutureWarning: session.py
-            # ignores warnings) refuses a ZeRO over fewer ranks than the world, such as reshard's one-rank group, and
-            # says to drop it there: DDP's default all-reduce leaves the same gradients
+        if mode == "zero2_hook":  # the deprecated hook (its FutureWarning: session.py ignores warnings) averages
+            # over the optimizer's ranks, which are DDP's (reshard's one-rank group too)
             ddp.register_comm_hook(self.zero, reduce_to_owners_hook)
         elif mode == "overlap_hook":
             register(ddp, self.zero, options.get("reduction", "all_reduce"), options["stepping"])

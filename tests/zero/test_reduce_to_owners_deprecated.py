@@ -1,13 +1,15 @@
 """The deprecated ``reduce_to_owners_hook``: it warns once per process, naming the migration, and trains bitwise as
 DDP + the plain optimizer: ``.grad`` is DDP's average on every rank, so accumulating across backwards without
 ``zero_grad`` and ``torch.nn.utils.clip_grad_norm_`` on the model's ``.grad`` are right (the retired hook left only
-the owned ranges averaged: the first was refused, the second silently wrong)."""
+the owned ranges averaged: the first was refused, the second silently wrong). The hook averages over the optimizer's
+ranks, so DDP and ZeRO over the same subgroup of the world train as DDP + the plain optimizer on that subgroup."""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -32,11 +34,16 @@ def _backward(ddp: DDP, reference_ddp: DDP, x: torch.Tensor, what: str) -> None:
     _equal(ddp.module, reference_ddp.module, f"{what}: .grad", grads=True)  # DDP's average, every element
 
 
-def _train(rank: int, partition: str, bucket_view: bool) -> None:
+def _train(rank: int, partition: str, bucket_view: bool, group: dist.ProcessGroup | None = None) -> None:
     model, reference = _Net(), _Net()
-    ddp, reference_ddp = DDP(model, bucket_cap_mb=0.002), DDP(reference, bucket_cap_mb=0.002)
+    ddp, reference_ddp = (DDP(net, bucket_cap_mb=0.002, process_group=group) for net in (model, reference))
     zero = ZeroRedundancyOptimizer(
-        _groups(model), torch.optim.AdamW, partition=partition, parameters_as_bucket_view=bucket_view, **KWARGS
+        _groups(model),
+        torch.optim.AdamW,
+        process_group=group,
+        partition=partition,
+        parameters_as_bucket_view=bucket_view,
+        **KWARGS,
     )
     ddp.register_comm_hook(zero, reduce_to_owners_hook)
     plain = torch.optim.AdamW(_groups(reference), **KWARGS)
@@ -76,3 +83,16 @@ def test_the_deprecated_hook_warns_once_and_trains_bitwise_as_ddp() -> None:
         assert len(messages) == 1, messages  # once per process, though every bucket of every backward calls it
         assert "use distoptim.ShardedDataParallel(model, zero) instead of DDP + reduce_to_owners_hook" in messages[0]
         assert "this hook now all-reduces, as DDP's default" in messages[0]
+
+
+def _subgroup_body(rank: int, world_size: int) -> None:
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, as new_group needs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _train(rank, "even", True, halves[rank // 2])
+
+
+def test_ddp_and_zero_over_the_same_subgroup_train_as_ddp_on_it() -> None:
+    """A comm hook picks its own group (torch's allreduce_hook takes it as its state): this one averages over the
+    optimizer's ranks, which here are DDP's, a 2-rank subgroup of a 4-rank world (refused before: a false refusal)."""
+    run_on_ranks(_subgroup_body, 4, timeout=180)

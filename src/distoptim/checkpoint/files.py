@@ -21,14 +21,16 @@ from distoptim.checkpoint import dcp as _dcp
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
-from distoptim.comm.groups import gloo_twin
+from distoptim.comm.groups import attached, gloo_twin
 
 __all__ = ["load", "save"]
 
 METADATA = ".metadata"  # DCP's index, written by its coordinator after every rank's data: its presence = complete
 
-_writer: ThreadPoolExecutor | None = None  # the thread that asynchronous saves write in, one at a time
-_pending: Future[None] | None = None  # the latest asynchronous save
+
+def _pending() -> list[Future[None]]:
+    """The latest asynchronous save, kept with the default group (``comm.groups.attached``), as their gloo group is."""
+    return attached(comm.default_group(None), "pending asynchronous save", list)
 
 
 @overload
@@ -96,20 +98,18 @@ def save(
     if not async_save:
         _write(state, final, group)
         return None
-    global _writer, _pending
-    staged = _staged(state)
-    _writer = _writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
-    _pending = _writer.submit(_write, staged, final, group)
-    return _pending
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distoptim-checkpoint")
+    _pending()[:] = [writer.submit(_write, _staged(state), final, group)]
+    writer.shutdown(wait=False)  # its thread ends with the save: one save at a time, each waiting for the last
+    return _pending()[0]
 
 
 def _wait_for_pending_save() -> None:
     """Block until the latest asynchronous save has finished; warn (once) if it failed (its future has the error)."""
-    global _pending
-    pending, _pending = _pending, None
-    if pending is None:
+    pending = _pending()
+    if not pending:
         return
-    error = pending.exception()
+    error = pending.pop().exception()
     if error is not None:
         warnings.warn(f"an earlier asynchronous checkpoint save failed: {type(error).__name__}: {error}", stacklevel=3)
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 __all__ = [
+    "attached",
     "choose_comm_device",
     "comm_device",
     "control_group",
@@ -19,8 +21,11 @@ __all__ = [
     "is_member",
 ]
 
-# gloo groups over a group's ranks, by purpose: the library's one registry of groups (each made once, collectively)
-_GLOO_TWINS: weakref.WeakKeyDictionary[ProcessGroup, dict[str, ProcessGroup]] = weakref.WeakKeyDictionary()
+# What the library keeps for a process group, by purpose (its gloo twins, p2p's tags and threads, the pending
+# asynchronous save): the library's one registry of per-group state, dropped with the group
+_ATTACHED: weakref.WeakKeyDictionary[ProcessGroup, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+_T = TypeVar("_T")
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
@@ -49,11 +54,24 @@ def gloo_twin(group: ProcessGroup, purpose: str) -> ProcessGroup:
     """A gloo group over ``group``'s ranks, one per ``purpose``, made the first time (a collective over those ranks):
     ``"control"`` carries agreements (``control_group``), ``"async_checkpoint"`` an asynchronous save's coordination
     from its own thread, which must not share a group with anything else."""
-    twins = _GLOO_TWINS.setdefault(group, {})
-    if purpose not in twins:
+
+    def make() -> ProcessGroup:
         ranks = dist.get_process_group_ranks(group)
-        twins[purpose] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return twins[purpose]
+        twin: ProcessGroup = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return twin
+
+    return attached(group, f"gloo {purpose}", make)
+
+
+def attached(group: ProcessGroup, purpose: str, make: Callable[[], _T]) -> _T:
+    """What is kept for ``group`` under ``purpose``: what ``make()`` returned the first time; gone with ``group``."""
+    kept = _ATTACHED.get(group)
+    if kept is None:
+        kept = _ATTACHED[group] = {}
+    value: _T | None = kept.get(purpose)
+    if value is None:
+        value = kept[purpose] = make()
+    return value
 
 
 def is_member(group: object) -> bool:

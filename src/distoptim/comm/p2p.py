@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from distoptim._host_memory import host_zeros
-from distoptim.comm.groups import group_size
+from distoptim.comm.groups import attached, group_size
 
 __all__ = [
     "CHUNKS",
@@ -271,11 +271,5 @@ class _Group:
         self.waiter, self.beside = _Waiter(), _Waiter()
 
 
-_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _Group] = weakref.WeakKeyDictionary()  # a group gone: dropped
-
-
 def _state(group: dist.ProcessGroup) -> _Group:
-    state = _groups.get(group)
-    if state is None:
-        state = _groups[group] = _Group()
-    return state
+    return attached(group, "p2p", _Group)  # a group gone: dropped

@@ -21,8 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from distoptim import _host
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
+from distoptim._text import few
 from distoptim.comm import collectives as comm
-from distoptim.ddp.reduce_to_owners import average_over_zero, check_ddp_group, reduce_to_owners_hook
+from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
 from distoptim.zero.overlap import OverlapStepper, buckets_final
 
@@ -67,18 +68,18 @@ class _BucketReduction:
     reduced: Future[Tensor]
     used: _UsedFlags | None = None
 
-    def grads(self, used: list[bool] | None = None) -> dict[int, Tensor | None]:
-        """The trainable parameters' averaged gradients by parameter id; None where ``used`` says no rank has one.
+    def grads(self, used: list[bool] | None = None) -> dict[Tensor, Tensor | None]:
+        """The trainable parameters' averaged gradients by parameter; None where ``used`` says no rank has one.
 
         Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
         """
         reduced = self.reduced.wait()
         used = [True] * len(self.params) if used is None else used
-        grads: dict[int, Tensor | None] = {}
+        grads: dict[Tensor, Tensor | None] = {}
         offset = 0
         for param, param_used in zip(self.params, used, strict=True):
             if param.requires_grad:
-                grads[id(param)] = view_like(reduced, offset, param) if param_used else None
+                grads[param] = view_like(reduced, offset, param) if param_used else None
             offset += param.numel()
         return grads
 
@@ -86,8 +87,7 @@ class _BucketReduction:
 def _checked_stepper(
     ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook, step_from_first_backward: bool
 ) -> tuple[OverlapStepper, CommHook]:
-    """The stepper, checked against ``ddp``, and the inner hook to call (``reduce_to_owners_hook`` checked here
-    against DDP's group, then called without its own check, which cannot see DDP)."""
+    """The stepper, checked against ``ddp`` (``reduce_to_owners_hook``'s group against DDP's), and the hook."""
     if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
         raise TypeError(
             f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
@@ -100,33 +100,26 @@ def _checked_stepper(
         )
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}")
-    if stepper.hooked:
-        raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
     _check_same_parameters(ddp, zero)
     validation.refuse_sparse_gradients(
         ddp.module, "the overlap hook", "build the optimizer without overlap_with_ddp and call zero.step()"
     )
     if hook is reduce_to_owners_hook:
         check_ddp_group(zero, ddp)
-        hook = average_over_zero
-    stepper.hooked = True
-    if step_from_first_backward:
-        stepper.skip_warmup()
+    stepper.attach_hook(step_from_first_backward)
     return stepper, hook
 
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
-    held = {id(p) for p in zero.global_params}
-    in_ddp = {id(p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
+    held = set(zero.global_params)
+    in_ddp = {p for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
     unheld = [
-        f"'{name}'"
-        for name, p in ddp.module.named_parameters()
-        if id(p) in in_ddp and p.requires_grad and id(p) not in held
+        f"'{name}'" for name, p in ddp.module.named_parameters() if p in in_ddp and p.requires_grad and p not in held
     ]
     if unheld:
         raise ValueError(
-            f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {_few(unheld)}; the hook "
+            f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {few(unheld)}; the hook "
             "steps only ZeRO's parameters, so these would never be updated. Give ZeRO all of the DDP model's "
             "trainable parameters (ddp.module.parameters()), or wrap only the part ZeRO manages in DDP"
         )
@@ -134,26 +127,21 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
         f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
         for g, group in enumerate(zero.param_groups)
         for i, p in enumerate(group["params"])
-        if p.requires_grad and id(p) not in in_ddp
+        if p.requires_grad and p not in in_ddp
     ]
     if not_in_ddp:
         raise ValueError(
             f"this ZeroRedundancyOptimizer holds trainable parameters that are not in the DDP model: "
-            f"{_few(not_in_ddp)} (or are in its parameters_to_ignore); the hook only sees the gradients DDP reduces, "
+            f"{few(not_in_ddp)} (or are in its parameters_to_ignore); the hook only sees the gradients DDP reduces, "
             "so these would never be updated. Build ZeRO over the DDP model's parameters (ddp.module.parameters()) "
             "and step any others with another optimizer"
         )
 
 
-def _few(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
-
-
 def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook was built for ``ddp``: registered on another model, it would step ZeRO with foreign gradients."""
-    known = {id(p) for p in ddp.module.parameters()}
-    if not all(id(p) in known for p in bucket.parameters()):
+    known = set(ddp.module.parameters())
+    if not all(p in known for p in bucket.parameters()):
         raise ValueError(
             "this ZeRO overlap hook was built for another DistributedDataParallel model than the one running it: "
             "build it with the model you register it on, hook_with_zero_step(hook, ddp, zero) then "
@@ -231,7 +219,7 @@ def hook_with_zero_step(
             return
         params = [p for earlier in pending for p in earlier.params]
         used = _UsedFlags(params, ddp).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
-        grads: dict[int, Tensor | None] = {}
+        grads: dict[Tensor, Tensor | None] = {}
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
@@ -280,7 +268,7 @@ def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: Distribu
     if in_backward() or not bucket.is_last():
         return
     if ddp.find_unused_parameters:
-        zero.overlap_stepper.deferred_finish = finish
+        zero.overlap_stepper.defer_finish(finish)
     else:
         finish()
 

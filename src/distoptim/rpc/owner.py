@@ -71,7 +71,7 @@ class LocalOptimizer:
         self, optimizer_class: type, param_rrefs: list[PyRRef[Tensor]], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         self.params: list[Tensor] = [rref.local_value() for rref in param_rrefs]
-        if len({id(param) for param in self.params}) != len(self.params):
+        if len(set(self.params)) != len(self.params):
             raise ValueError("a parameter appears more than once in params_rref")
         functional_class = registered_functional_optim(optimizer_class)
         if functional_class is not None:
@@ -112,8 +112,7 @@ def _context_gradients(context_id: int, params: list[Tensor]) -> list[Tensor | N
     recorded = recorded_gradients(context_id)
     if recorded is None:
         return [None] * len(params)  # the caller checked the id: this owner just took no part in the context
-    by_id = {id(tensor): grad for tensor, grad in recorded.items()}
-    return [by_id.get(id(param)) for param in params]
+    return [recorded.get(param) for param in params]
 
 
 def recorded_gradients(context_id: int) -> dict[Tensor, Tensor] | None:

@@ -8,7 +8,7 @@ construction: a step runs no Python per parameter. ``docs/guides/internals.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +18,10 @@ from torch import Tensor
 from distoptim._flat import copy_each_, flat_view, is_dense, view_like
 from distoptim.comm import collectives as comm
 from distoptim.zero.layout_moves import movable_within, place, release_leavers
-from distoptim.zero.layouts import FlatLayout, Piece, piece_view
+from distoptim.zero.layouts import FlatLayout, Piece, layouts_from_plan, piece_view
+from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["BucketViewSync", "ParameterSync", "StagedSync"]
+__all__ = ["BucketViewSync", "ParameterSync", "StagedSync", "staged_sync_of"]
 
 DEFAULT_STAGE_BYTES = 64 * 2**20
 DEFAULT_DIRECT_BYTES = 2**20
@@ -100,6 +101,23 @@ class BucketViewSync(ParameterSync):
             return
         for layout, buffer in zip(self.layouts, self.buffers):
             comm.gather_from_owners(buffer, layout.bounds, self.group, self.collectives)
+
+
+def staged_sync_of(
+    plan: PartitionPlan,
+    params: Sequence[Tensor],
+    chosen: Iterable[int],
+    group: comm.Group,
+    collectives: comm.Collectives,
+    relay: bool | None = None,
+) -> StagedSync:
+    """The staged sync of the parameters ``params[i]``, ``i`` in ``chosen``, alone (one bucket of a DDP or
+    ``ShardedDataParallel`` backward), staging at most their bytes at once."""
+    inside = set(chosen)
+    fragments = [pieces if index in inside else () for index, pieces in enumerate(plan.fragments)]
+    stage_bytes = sum(params[index].numel() * params[index].element_size() for index in inside)
+    layouts = [layout for layout in layouts_from_plan(plan.layouts, fragments, params) if layout.pieces]
+    return StagedSync(layouts, group, collectives, stage_bytes=max(1, stage_bytes), relay=relay)
 
 
 class StagedSync(ParameterSync):

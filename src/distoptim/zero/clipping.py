@@ -77,7 +77,7 @@ def clip_shard(
     unclipped ones."""
     whole = None
     if shard.source is None:
-        whole = list({id(p.grad): p.grad for p in global_params if p.grad is not None}.values())
+        whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
     return clip_grad_norm_(
         shard.owned_grads(), max_norm, norm_type, error_if_nonfinite, group, device, grad_scale, scaled=whole
     )

@@ -21,11 +21,11 @@ __all__ = ["movable_within", "place", "release_leavers"]
 def release_leavers(before: Sequence[FlatLayout], after: Sequence[FlatLayout], spare: dict[Any, Tensor]) -> None:
     """Parameters of the ``before`` layouts that the ``after`` ones leave out (a re-cut from scratch places frozen
     parameters nowhere) get their own storage back: the buffer they view is about to be rewritten."""
-    staying = {id(param) for layout in after for param in layout.params}
+    staying = {param for layout in after for param in layout.params}
     reused = {_storage(allocation) for allocation in spare.values()}
     for layout in before:
         for param in layout.params:
-            if id(param) not in staying and _storage(param) in reused:
+            if param not in staying and _storage(param) in reused:
                 param.data = param.detach().clone()
                 torch.autograd.graph.increment_version(param)  # its old memory is about to be overwritten
 

@@ -56,7 +56,7 @@ class FlatLayout:
     @property
     def params(self) -> list[Tensor]:
         """The distinct parameters of the layout, in buffer order."""
-        return list({id(piece.param): piece.param for piece in self.pieces}.values())
+        return list(dict.fromkeys(piece.param for piece in self.pieces))
 
 
 def layouts_from_plan(

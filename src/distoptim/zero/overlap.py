@@ -20,7 +20,7 @@ from distoptim._flat import copy_each_
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp
-from distoptim.zero.buckets import StagedSync
+from distoptim.zero.buckets import StagedSync, staged_sync_of
 from distoptim.zero.layouts import FlatLayout, layouts_from_plan
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, LocalTensor
@@ -51,17 +51,18 @@ class OverlapStepper:
         self.functional_cls = functional_cls
         self.group, self.collectives = group, collectives
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
-        self.hooked = False
+        self._hooked = False
         self._warmup = _WAITING  # torch's warm-up: no step until DDP's buckets are final, then one more backward
         self.stepped = False  # by a hook since the last zero_grad()
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
-        self.deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
+        self._deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
         self._grad_seen: tuple[int, int] | None = None
-        self._bucket_syncs: dict[tuple[int, ...], StagedSync] = {}
+        self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
         self._relay: bool | None = None  # whether the bucket syncs go through aggregators (p2p style)
-        self._parts: dict[tuple[int, ...], list[_Part]] = {}  # by the ids of the parameters stepped together
+        self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
         self._options: list[dict[str, Any]] = []  # each local group's settings for its functional optimizers
-        self._locals_of: dict[int, list[tuple[int, LocalTensor]]] = {}  # parameter id -> (group, local tensor)
+        self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
+        self._index_of: dict[Tensor, int] = {}  # parameter -> its index in global_params
 
     def rebuild(
         self,
@@ -81,13 +82,14 @@ class OverlapStepper:
         self._locals_of = {}
         for index, locals_ in enumerate(shard.groups):
             for local in locals_:
-                self._locals_of.setdefault(id(local.param), []).append((index, local))
+                self._locals_of.setdefault(local.param, []).append((index, local))
+        self._index_of = {param: index for index, param in enumerate(global_params)}
         self._parts.clear()
         self._bucket_syncs.clear()
         self._relay = comm.relayed(_shares(layouts_from_plan(plan.layouts, plan.fragments, global_params), self.group))
 
-    def step(self, grads: dict[int, Tensor | None]) -> None:
-        """Step the owned parameters (or fragments) of the parameters whose id is in ``grads`` with those gradients
+    def step(self, grads: dict[Tensor, Tensor | None]) -> None:
+        """Step the owned parameters (or fragments) of the parameters in ``grads`` with those gradients
         (None: skip it, as torch.optim skips a parameter whose ``.grad`` is None).
 
         The work is in the parameters given, not in the shard: each set of parameters (a DDP bucket) gets its own
@@ -110,8 +112,22 @@ class OverlapStepper:
         """Whether the hooked backwards step now: the warm-up is over (or was skipped: ``step_from_first_backward``)."""
         return self._warmup == _OVER
 
-    def skip_warmup(self) -> None:
-        self._warmup = _OVER
+    def attach_hook(self, step_from_first_backward: bool) -> None:
+        """A DDP hook now steps this optimizer (at most one may); ``step_from_first_backward`` skips the warm-up."""
+        if self._hooked:
+            raise ValueError("a ZeRO overlap hook is already registered for this ZeroRedundancyOptimizer")
+        self._hooked = True
+        if step_from_first_backward:
+            self._warmup = _OVER
+
+    def defer_finish(self, finish: Callable[[], None]) -> None:
+        """A joined rank's end of backward, run by ``run_deferred`` from ZeRO's join hook after DDP's."""
+        self._deferred_finish = finish
+
+    def run_deferred(self) -> None:
+        finish, self._deferred_finish = self._deferred_finish, None
+        if finish is not None:
+            finish()
 
     def begin_backward(self, buckets_final: Callable[[], bool]) -> bool:
         """At a hooked backward's first bucket: whether it is a warm-up backward, which takes no step.
@@ -132,14 +148,14 @@ class OverlapStepper:
         and ``step()`` take the backward as the hook's, as torch's do (its ``step()`` does nothing then)."""
         self.stepped = self._unconfirmed = True
 
-    def _parts_for(self, grads: dict[int, Tensor | None]) -> list[_Part]:
-        """This rank's tensors of the parameters in ``grads``, one part per local param group (cached by ids)."""
+    def _parts_for(self, grads: dict[Tensor, Tensor | None]) -> list[_Part]:
+        """This rank's tensors of the parameters in ``grads``, one part per local param group (cached)."""
         key = tuple(grads)
         parts = self._parts.get(key)
         if parts is None:
             by_group: dict[int, list[LocalTensor]] = {}
-            for param_id in key:
-                for index, local in self._locals_of.get(param_id, ()):
+            for param in key:
+                for index, local in self._locals_of.get(param, ()):
                     by_group.setdefault(index, []).append(local)
             parts = [self._part(index, locals_) for index, locals_ in sorted(by_group.items())]
             self._parts[key] = parts
@@ -153,7 +169,7 @@ class OverlapStepper:
             group=index,
             functional=functional,
             locals=locals_,
-            keys=[id(local.param) for local in locals_],
+            keys=[local.param for local in locals_],
             as_given=all(local.whole and not local.master for local in locals_),
             write_into=[local.param if local.whole else local.param_piece() for local in masters],
             write_from=[local.tensor for local in masters],
@@ -178,7 +194,7 @@ class OverlapStepper:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.hooked:
+        if not self._hooked:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's backward, but no overlap hook is "
                 "registered: call ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)) (or "
@@ -198,15 +214,11 @@ class OverlapStepper:
         it goes through aggregators (gloo's p2p style) is decided once over every owned byte, as the whole sync
         decides it: decided per bucket (mostly one owner's), it relayed buckets the whole sync sends directly, and
         a rank sent up to 1.02x what it sends there (issue 44)."""
-        key = tuple(map(id, params))
+        key = tuple(params)
         if key not in self._bucket_syncs:
-            plan, held = self.plan, self.global_params
-            in_bucket = set(key)
-            fragments = [f if id(p) in in_bucket else () for p, f in zip(held, plan.fragments)]
-            stage_bytes = sum(p.numel() * p.element_size() for p in params)
-            layouts = layouts_from_plan(plan.layouts, fragments, held)
-            self._bucket_syncs[key] = StagedSync(
-                layouts, self.group, self.collectives, stage_bytes=stage_bytes, relay=self._relay
+            chosen = [self._index_of[param] for param in params if param in self._index_of]
+            self._bucket_syncs[key] = staged_sync_of(
+                self.plan, self.global_params, chosen, self.group, self.collectives, self._relay
             )
         return self._bucket_syncs[key]
 
@@ -266,7 +278,7 @@ class _Part:
     group: int
     functional: FunctionalOptimizer
     locals: list[LocalTensor]
-    keys: list[int]
+    keys: list[Tensor]
     as_given: bool
     write_into: list[Tensor]
     write_from: list[Tensor]

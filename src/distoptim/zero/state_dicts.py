@@ -308,10 +308,8 @@ class ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         zero, stepper = self.zero, self.zero.overlap_stepper
-        if stepper is not None and stepper.deferred_finish is not None:  # after DDP's join hook (Join([ddp, zero]))
-            finish, stepper.deferred_finish = stepper.deferred_finish, None
-            finish()
-        if stepper is not None:
+        if stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
+            stepper.run_deferred()
             return
         zero._land_sync()
         try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse

@@ -215,11 +215,11 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
 
 
 def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
-    twins: dict[int, Tensor] = {}  # one twin per parameter, so that a parameter given twice is still seen twice
+    twins: dict[Tensor, Tensor] = {}  # one twin per parameter, so that a parameter given twice is still seen twice
     for param in (p for group in groups for p in group["params"]):
-        if id(param) not in twins:
-            twins[id(param)] = _stand_in(param)
-    return [{**group, "params": [twins[id(p)] for p in group["params"]]} for group in groups]
+        if param not in twins:
+            twins[param] = _stand_in(param)
+    return [{**group, "params": [twins[p] for p in group["params"]]} for group in groups]
 
 
 def _stand_in(param: Tensor) -> Tensor:

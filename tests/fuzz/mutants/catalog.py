@@ -116,8 +116,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a parameter's gradient read from DDP's bucket as if contiguous (row-major), where DDP lays it out with "
         "the parameter's strides",
         "distoptim/ddp/zero_step.py",
-        "grads[id(param)] = view_like(reduced, offset, param) if param_used else None",
-        "grads[id(param)] = reduced[offset : offset + param.numel()].view(param.shape) if param_used else None",
+        "grads[param] = view_like(reduced, offset, param) if param_used else None",
+        "grads[param] = reduced[offset : offset + param.numel()].view(param.shape) if param_used else None",
     ),
     _one(
         "master_reseed_all",
