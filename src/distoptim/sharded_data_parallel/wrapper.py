@@ -106,6 +106,7 @@ class ShardedDataParallel(nn.Module):
         self._landers: list[Any] = []  # the forward pre-hooks' handles (registered again when the buckets change)
         self._first: list[tuple[nn.Module, int]] = []  # (module, id) of each landing pre-hook: kept first
         self.register_forward_pre_hook(self._before_forward, prepend=True)
+        checks.claim_groups(self)
         self._rebuild()
         zero._plan_listeners.append(self._rebuild)
 
@@ -131,6 +132,9 @@ class ShardedDataParallel(nn.Module):
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
+        if not self.gradients.in_backward:
+            checks.check_current(self)
+            self.gradients.shared = checks.others_live(self)
         self.gradients.on_grad(param)
 
     def _register_landing_hooks(self, sync: BucketedSync) -> None:
@@ -168,6 +172,7 @@ class ShardedDataParallel(nn.Module):
         assert self.gradients is not None
         if not in_backward():  # a recomputing checkpoint runs forwards inside the backward
             self.gradients.check_finished()
+            checks.check_current(self)
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
@@ -175,8 +180,6 @@ class ShardedDataParallel(nn.Module):
         output = self.module(*args, **kwargs)
         self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
-        if self._sync_buffers_next:  # a backward that reduces may follow (pending.py)
-            self.gradients.pending.forward()
         return output
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:

@@ -117,6 +117,7 @@ class ZeroRedundancyOptimizer(
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
         self._gradient_store: Any = None  # ShardedDataParallel's owned gradient, when it holds the gradient
+        self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._placement: placement.Placement | None = None
@@ -206,7 +207,15 @@ class ZeroRedundancyOptimizer(
         Join.notify_join_context(self)
         self._land_sync()
         try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
-            (loss, verdict), scaled, found_inf = self._agreed_step(lambda: self._prepare(closure, kwargs, grad_scaler))
+            (loss, verdict), scaled, found_inf, flags = self._agreed_step(
+                lambda: self._prepare(closure, kwargs, grad_scaler)
+            )
+            if self._gradient_store is not None:  # 1b. which parameters some rank used; then the ranks that held
+                self._gradient_store.agreed(flags[:-1])  # back their local part (it needed those) run it, agreed
+                if flags[-1]:
+                    (_, verdict), scaled, found_inf, _ = self._agreed_step(
+                        lambda: self._gradient_store_step(kwargs, grad_scaler, verdict)
+                    )
             if verdict is not None:
                 verdict.record(found_inf)
             if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient held an inf or nan
@@ -222,6 +231,7 @@ class ZeroRedundancyOptimizer(
     ) -> stepping.Prepared:
         """Everything a step does locally; with a ``grad_scaler`` (or ``hold``: a rank joined under Join), all but
         the local optimizer's step, which waits for the ranks' verdict."""
+        self._held_back = False
         try:  # inside the agreement: every rank raises if one does
             if self._gradient_store is not None:
                 self._gradient_store.check_finished()
@@ -244,6 +254,9 @@ class ZeroRedundancyOptimizer(
                 loss, closure = closure(), None
         validation.check_unowned_have_no_grad(self._unowned)
         self._push_hyperparameters()
+        if self._gradient_store is not None and not self._gradient_store.prepare_step():
+            self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
+            return loss, None
         self.local_shard.attach_grads()
         sharded_in_memory = self._gradient_store is not None
         verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
@@ -252,6 +265,16 @@ class ZeroRedundancyOptimizer(
             loss = loss if closure is None else local_loss
         return loss, verdict
 
+    def _gradient_store_step(self, kwargs: dict[str, Any], grad_scaler: Any, verdict: Any) -> stepping.Prepared:
+        """Step 1b: on a rank that held its local part back, that part, now that the store knows what it holds."""
+        if not self._held_back:
+            return None, verdict
+        self.local_shard.attach_grads()
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, True)
+        if verdict is None:
+            self._step_local(None, kwargs)
+        return None, verdict
+
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
 
@@ -259,8 +282,18 @@ class ZeroRedundancyOptimizer(
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
         return fingerprints.step_fingerprint(self._trainability, self.param_groups)
 
-    def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]:
-        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups)
+    def _agreed_step(
+        self, action: Callable[[], stepping.Prepared]
+    ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
+        count = 0 if self._gradient_store is None else len(self.global_params) + 1
+        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=self._store_flags(count))
+
+    def _store_flags(self, count: int) -> Callable[[stepping.Prepared | None], tuple[bool, ...]]:
+        """What the step's agreement carries for the gradient store (read after the local part, which may have
+        built a new store): which parameters this rank used, and whether it held its local part back."""
+        return lambda done: (
+            (False,) * count if done is None or not count else (*self._gradient_store.used, self._held_back)
+        )
 
     def _agreed(self, action: Callable[[], Any]) -> Any:
         return stepping.agreed(action, self._fingerprint, self.agreement_groups, stepping.shadowing(self))
@@ -324,8 +357,8 @@ class ZeroRedundancyOptimizer(
                 "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
                 "worked. Build it with overlap_with_ddp=False (with ShardedDataParallel for ZeRO-2) to clip"
             )
-        if self._gradient_store is not None:  # every rank alike: a half-reduced gradient is not clipped
-            self._gradient_store.check_finished()
+        if self._gradient_store is not None:  # every rank alike: which parameters some rank used
+            self._gradient_store.ready()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
         shard, params, group, device = self.local_shard, self.global_params, self.process_group, self._comm_device
