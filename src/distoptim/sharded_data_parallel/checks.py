@@ -29,7 +29,7 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
             "ZeroRedundancyOptimizer without overlap_with_ddp (overlap_param_sync=True overlaps the parameter sync "
             "with the next forward instead)"
         )
-    if zero._gradient_store is not None:
+    if zero.gradient_source is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
     validation.refuse_sparse_gradients(module, "ShardedDataParallel")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:

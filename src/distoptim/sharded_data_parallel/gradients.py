@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.sharded_data_parallel.intake import MarkerIntake
 from distoptim.sharded_data_parallel.marker import GradientMarker
+from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:
@@ -52,10 +53,13 @@ class OwnedGradients(MarkerIntake):
         zero: ZeroRedundancyOptimizer,
         buckets: Sequence[BucketPlan],
         reduce_dtype: torch.dtype | None,
+        sync: ParameterSync,
+        replanned: Callable[[], None],
         max_in_flight: int = 2,
         previous: OwnedGradients | None = None,
     ) -> None:
         self.zero, self.buckets, self.max_in_flight = zero, list(buckets), max_in_flight
+        self.sync, self.replanned = sync, replanned  # what the optimizer syncs through, and calls after placing
         self.params = zero.global_params
         first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
         self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
@@ -180,17 +184,12 @@ class OwnedGradients(MarkerIntake):
         self.mark()
 
     def ready(self) -> None:
-        """Before ``clip_grad_norm_`` reads the gradient: ``prepare_step``, and where a backward ran since the ranks
-        last agreed, the used flags agreed (one all-reduce on the control plane; every rank raises if one did)."""
-        outcome: agreement.Fingerprint | BaseException = {}
-        try:
-            self.prepare_step()
-        except RuntimeError as error:
-            outcome = error
-        if not isinstance(outcome, BaseException) and not self.unagreed:
-            return
-        flags = self.used if not isinstance(outcome, BaseException) else [False] * len(self.params)
-        self.agreed(agreement.agree_across_ranks(outcome, self.zero.agreement_groups, "clip_grad_norm_", flags=flags))
+        """Before ``clip_grad_norm_`` reads the gradient: ``prepare_step`` (its refusals local, as DDP's), then, where a
+        backward ran since the ranks last agreed, the used flags agreed (one all-reduce on the control plane)."""
+        self.prepare_step()
+        if self.unagreed:
+            groups = self.zero.agreement_groups
+            self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
 
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
@@ -204,7 +203,7 @@ class OwnedGradients(MarkerIntake):
 
     def on_grad(self, param: Tensor) -> None:
         """A post-accumulate-grad hook: ``param.grad`` into its bucket, ``.grad`` released, full buckets launched."""
-        index = self.zero._index_of(param)
+        index = self.zero.index_of(param)
         if index is not None:
             self.used[index] = True
             self._swapped.discard(index)
@@ -214,7 +213,7 @@ class OwnedGradients(MarkerIntake):
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
-            self.zero._land_sync()  # buckets no module of the forward read (local: step() launched every one)
+            self.zero.land_sync()  # buckets no module of the forward read (local: step() launched every one)
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end

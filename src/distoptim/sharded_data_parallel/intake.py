@@ -112,7 +112,7 @@ class MarkerIntake:
         """A parameter's gradient hook, before the backward accumulates into ``.grad``: at the first of a backward,
         settle every parameter (markers taken out of ``.grad``, to be put back at its end where nothing accumulated:
         ``torch.autograd.grad``, a parameter this backward did not reach), before any bucket lands."""
-        if self._task != -1 or self.zero._index_of(param) is None:
+        if self._task != -1 or self.zero.index_of(param) is None:
             return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)
         self._task = torch._C._current_graph_task_id()
         at_end_of_backward(self._unswap)
