@@ -279,3 +279,35 @@ def test_agreements_none_per_backward_one_per_plain_step(how: str, per_step: int
         assert counts.get("backward", 0) == 0, counts
         assert counts["step"] == per_step * 3, counts
         assert counts.get("clip", 0) == (3 if how == "sdp_clip" else 0), counts
+
+
+# ------------------------------------------- a clear between backwards, before the ranks agreed on what was used
+def _clear_before_the_agreement_body(rank: int, world_size: int, how: str) -> None:
+    """The branch is used on rank 0 only (even partition: rank 1 owns half of it without using it); between two
+    backwards, no step between, the program clears through the inner module (to None or zeros). Rank 1 must see
+    that clear too, though nothing told it yet that rank 0 used the branch: else the stale half of the first
+    backward's sum would be stepped with the second's."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp = DDP(reference, find_unused_parameters=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(2):
+        for opt, wrapper, inner in ((zero, sdp, model), (plain, ddp, reference)):
+            opt.zero_grad()
+            wrapper(_x(rank, 10 * step), use_branch=rank == 0).square().mean().backward()
+            if how == "module":
+                inner.zero_grad()
+            elif how == "module_zeros":
+                inner.zero_grad(set_to_none=False)
+            else:
+                for p in inner.parameters():
+                    p.grad = None
+            wrapper(_x(rank, 10 * step + 1), use_branch=rank == 0).square().mean().backward()
+            opt.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"{how}, step {step}")
+
+
+@pytest.mark.parametrize("how", ["module", "module_zeros", "param_none"])
+def test_a_clear_between_backwards_reaches_owners_that_did_not_use_the_parameter(how: str) -> None:
+    run_on_ranks(_clear_before_the_agreement_body, 2, how, timeout=60)
