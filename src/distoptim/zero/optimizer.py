@@ -299,6 +299,24 @@ class ZeroRedundancyOptimizer(
 
         return flags
 
+    def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
+        """Place again where the placement is stale (a parameter made trainable or given new storage since), then
+        run ``action`` on this rank, agreed across ranks (collective): the DDP hooks' step.
+
+        Args:
+            action: what to run after placing (default: nothing); its result is returned.
+
+        Raises:
+            ValueError: on every rank, when placing or ``action`` raised on another rank, or the ranks' trainable
+                parameters or hyperparameters differ; the failing rank raises its own error.
+        """
+
+        def place_then_act() -> Any:
+            self._repartition_if_changed()
+            return action()
+
+        return self._agreed(place_then_act)
+
     def _agreed(self, action: Callable[[], Any]) -> Any:
         return stepping.agreed(action, self._fingerprint, self.agreement_groups, stepping.shadowing(self))
 
