@@ -290,7 +290,7 @@ class _Watch:
     def record_casts(self, *_: Any) -> None:
         """A step pre-hook: the stepped gradients that are not views of the owned gradient."""
         stepped = (t.tensor.grad for group in self.zero.local_shard.groups for t in group)
-        owned = set(_storages(self.zero._gradient_store.owned))
+        owned = set(_storages(self.zero.gradient_source.owned))
         self.casts = sum(size for ptr, size in _storages(stepped).items() if ptr not in owned)
 
 
@@ -333,7 +333,7 @@ def _sdp_body(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list
             counter.add("master", _storages(t.tensor for t in zero.local_shard.masters))
             staged = [unit.sync for unit in zero._sync.units if hasattr(unit, "sync")]  # the in-place ones have none
             counter.add("staging", _storages(r.work.stage for s in staged for r in s.rounds if r.work is not None))
-            counter.add("grads", _storages(zero._gradient_store.owned))
+            counter.add("grads", _storages(zero.gradient_source.owned))
             counter.add("markers", _storages(p.grad for p in model.parameters()))  # one element each, no values
             counter.add("unaccounted", {p: s for p, s in _all_live_tensors().items() if p not in baseline})
             markers = sum(p.element_size() for p in model.parameters() if p.requires_grad and p.numel())

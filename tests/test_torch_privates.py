@@ -27,7 +27,6 @@ PRIVATE_NAMES = {
     "_version": "a tensor's version counter: whether a gradient changed since it was read",
     "DisableTorchFunction": "(torch._C) data pointers read beneath a tensor subclass's __torch_function__",
     "DisableTorchFunctionSubclass": "(torch._C) the .grad marker's own ops run as plain tensor ops",
-    "_get_default_store": "the c10d store, to line up the ranks' reductions after a backward that raised",
 }
 
 

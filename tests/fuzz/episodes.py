@@ -44,6 +44,8 @@ def _gan_sides(run: Any, d_lr: float) -> dict[str, Any]:
         groups: dict[str, Any] = {}
         if program.options.get("hybrid"):
             groups["process_group"], groups["replicate_group"] = hybrid_groups()
+        if program.mode == "sdp":  # one ShardedDataParallel a process group (the SDP guide): groups of its own
+            groups = _own_groups(bool(program.options.get("hybrid")))
         zero = ZeroRedundancyOptimizer(
             model.parameters(),
             torch.optim.SGD,
@@ -66,6 +68,16 @@ def _gan_sides(run: Any, d_lr: float) -> dict[str, Any]:
             "oracle": (reference, plain, DDP(reference, bucket_cap_mb=BUCKET_CAP_MB)),
         }
     return run.extras["gan"]
+
+
+def _own_groups(hybrid: bool) -> dict[str, Any]:
+    """New groups over the ranks of the subject's (every rank creates each, in order, as ``dist.new_group`` needs)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not hybrid:
+        return {"process_group": dist.new_group(list(range(world_size)))}
+    shards = [dist.new_group([start, start + 1]) for start in (0, 2)]
+    replicas = [dist.new_group([offset, offset + 2]) for offset in (0, 1)]
+    return {"process_group": shards[rank // 2], "replicate_group": replicas[rank % 2]}
 
 
 def gan(run: Any, d_lr: float) -> None:

@@ -115,32 +115,28 @@ def _write_in_flight(program: Program, _: int) -> bool:
     return _first_write_in_flight(program) is not None
 
 
-def _unrecovered(program: Program) -> str:
-    """SDP: "must" where a backward that raised midway, having reduced a bucket (it failed in ``body``, after
-    ``head`` and ``out``; or in ``head`` after an untied ``out``), was cleared otherwise than through
-    ``zero.zero_grad()``/``model.zero_grad()`` and a forward through the wrapper or a step follows before such a
-    clear (or a resume or reshard: a new subject); "may" where an action the table does not model comes between
-    (a re-placement, a load, a hand-set gradient), or the failing layer may have reduced nothing; else ""."""
-    verdict = ""
-    pending, sure = False, False
-    for action in program.actions:
-        if pending and action.name in ("backward", "closure_step", "scaler_step", "gan", "step", "clip"):
-            verdict = "must" if sure and verdict != "may" else "may"
-            pending = False
-        elif pending and action.name in ("retype", "data_clone", "load_optim", "unfreeze", "add_group", "hand_grad"):
-            sure = False
-        elif action.name in ("resume", "reshard") or (  # a new subject: the failed backward's store is gone
-            action.name == "zero_grad" and action.args["via"] in ("optimizer", "wrapper")
-        ):
-            pending = False
-        if action.name == "failed_backward" and action.args["via"] in ("module", "bare", "param_none"):
-            if pending:
-                verdict = "may"
-            pending = True
-            sure = action.args["layer"] == "body" or "tied" not in program.features
-        elif action.name == "failed_backward":
-            pending = False
-    return verdict
+_REFUSING = ("backward", "closure_step", "scaler_step", "gan", "step", "clip", "eval")
+
+
+def _poisoned(program: Program) -> str:
+    """SDP: "must" where a ``failed_backward`` reached a gradient before it raised (it failed in ``body``, after
+    ``head`` and ``out``; or in ``head`` after an untied ``out``) and its clear goes through ``zero``/the wrapper, or a
+    forward through the wrapper, a step or a clip follows before a new subject (resume, reshard): each refuses where
+    a bucket was launched ("restart from a checkpoint"); "may" where the failing layer may have reached nothing."""
+    for index, action in enumerate(program.actions):
+        if action.name != "failed_backward":
+            continue
+        sure = action.args["layer"] == "body" or "tied" not in program.features
+        refused = action.args["via"] in ("optimizer", "wrapper")
+        for later in program.actions[index + 1 :]:
+            if refused or later.name in ("resume", "reshard"):
+                break
+            refused = later.name in _REFUSING or (
+                later.name == "zero_grad" and later.args["via"] in ("optimizer", "wrapper")
+            )
+        if refused:
+            return "must" if sure else "may"
+    return ""
 
 
 TABLE: tuple[Refusal, ...] = (
@@ -197,11 +193,12 @@ TABLE: tuple[Refusal, ...] = (
     ),
     Refusal(
         "sdp_failed_backward",
-        "`sdp`: `failed_backward` cleared through `model.module`, a bare submodule or `p.grad` (not the documented "
-        "`zero.zero_grad()`/`model.zero_grad()`)",
-        r"^RuntimeError: ShardedDataParallel: the last backward raised before it finished",
-        lambda p, w: _unrecovered(p) == "must",
-        lambda p, w: _unrecovered(p) == "may",
+        "`sdp`: `failed_backward` that launched a bucket's reduction, then a clear through `zero`/the wrapper, a "
+        "forward, a step or a clip (a restart from a checkpoint is the recovery, as after DDP's); one that launched "
+        "none, until `zero.zero_grad()`/`model.zero_grad()` (which one depends on the buckets: allowed, not predicted)",
+        r"^RuntimeError: ShardedDataParallel: (a backward raised after|the last backward raised before it finished)",
+        lambda p, w: False,
+        lambda p, w: _poisoned(p) != "",
     ),
     Refusal(
         "adafactor_eps1",

@@ -223,7 +223,7 @@ def hook_with_zero_step(
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
-        zero._agreed(lambda: _step_after_repartition(zero, stepper, grads))
+        zero.agreed_after_placing(lambda: stepper.step(grads))
         zero.sync_parameters()
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
@@ -271,11 +271,6 @@ def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: Distribu
         zero.overlap_stepper.defer_finish(finish)
     else:
         finish()
-
-
-def _step_after_repartition(zero: "ZeroRedundancyOptimizer", stepper: OverlapStepper, grads: Any) -> None:
-    zero._repartition_if_changed()
-    stepper.step(grads)
 
 
 def hook_with_zero_step_interleaved(
@@ -340,7 +335,7 @@ def hook_with_zero_step_interleaved(
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
         if _start_of_bucket(backward, ddp, bucket, zero, finish) and not backward.warmup:  # before any step
-            zero._agreed(zero._repartition_if_changed)
+            zero.agreed_after_placing()
         if backward.warmup:
             reduced = hook(state, bucket)
             _end_of_shadow(bucket, finish, ddp, zero)

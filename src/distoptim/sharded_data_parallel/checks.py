@@ -3,6 +3,7 @@ the module's trainable parameters are exactly the optimizer's; and what the rank
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +15,9 @@ from distoptim.zero import validation
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["check_wrapping", "fingerprint"]
+__all__ = ["NEWEST", "check_current", "check_wrapping", "claim_groups", "fingerprint", "others_live"]
+
+NEWEST: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()  # process group -> its newest wrapper
 
 
 def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
@@ -26,7 +29,7 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
             "ZeroRedundancyOptimizer without overlap_with_ddp (overlap_param_sync=True overlaps the parameter sync "
             "with the next forward instead)"
         )
-    if zero._gradient_store is not None:
+    if zero.gradient_source is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
     validation.refuse_sparse_gradients(module, "ShardedDataParallel")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
@@ -55,6 +58,29 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
             )
             + ". Build ZeRO over module.parameters() (freeze what it should not train)"
         )
+
+
+def claim_groups(wrapper: Any) -> None:
+    """``wrapper`` is now its groups' wrapper: an older one on any of them refuses to run (``check_current``)."""
+    for group in wrapper.zero.agreement_groups:
+        NEWEST[group] = wrapper
+
+
+def check_current(wrapper: Any) -> None:
+    """Refuse a forward or backward through a wrapper that a newer one on one of its groups superseded: two
+    wrappers on one process group (or replicate group) could launch their reductions in a different order on
+    different ranks (a parameter some ranks do not use), mixing their sums. Local, the same on every rank."""
+    if any(NEWEST.get(group) is not wrapper for group in wrapper.zero.agreement_groups):
+        raise RuntimeError(
+            "ShardedDataParallel: a newer ShardedDataParallel was built on this model's process group (or "
+            "replicate group), and one group serves one wrapper. Give each wrapped model's optimizer a group of "
+            "its own: ZeroRedundancyOptimizer(..., process_group=dist.new_group())"
+        )
+
+
+def others_live(wrapper: Any) -> bool:
+    """Whether a wrapper on other groups lives beside ``wrapper`` (one backward may reach both)."""
+    return any(other is not wrapper for other in NEWEST.values())
 
 
 def _few(names: list[str], limit: int = 3) -> str:

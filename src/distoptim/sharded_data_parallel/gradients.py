@@ -3,15 +3,16 @@ goes into its bucket and its ``.grad`` is released; full buckets are reduced to 
 and each rank keeps only its owned part (``OwnedGradients``), which ZeRO then clips, scales and steps.
 
 A rank holds its owned gradient plus at most ``max_in_flight`` buckets; at the end of the backward the rest are
-launched alike on every rank and the ranks agree on which parameters some rank used (an unused one has no gradient,
-as under DDP). The intake of ``.grad`` between backwards is ``intake.MarkerIntake``'s. ``docs/guides/internals.md``.
+launched alike on every rank; the step's agreement (or ``clip_grad_norm_``'s) says which parameters some rank used
+(an unused one has no gradient, as under DDP). The intake of ``.grad`` between backwards is
+``intake.MarkerIntake``'s. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,19 +21,28 @@ from torch import Tensor
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim._host_memory import host_zeros
+from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
-from distoptim.comm.out_of_band import max_through_store
-from distoptim.sharded_data_parallel import coordination
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.sharded_data_parallel.intake import MarkerIntake
 from distoptim.sharded_data_parallel.marker import GradientMarker
-from distoptim.sharded_data_parallel.pending import PendingForwards
+from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["OwnedGradients"]
+
+POISONED = (
+    "ShardedDataParallel: a backward raised after some of its gradient reductions were launched; the ranks' "
+    "reductions no longer pair up (DDP's reducer is left the same way). Restart from a checkpoint: build the model, "
+    "the optimizer and the wrapper again"
+)
+UNFINISHED = (
+    "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced and cannot "
+    "be stepped or added to. Call zero_grad() (it drops that gradient) before the next forward and step"
+)
 
 
 class OwnedGradients(MarkerIntake):
@@ -43,10 +53,13 @@ class OwnedGradients(MarkerIntake):
         zero: ZeroRedundancyOptimizer,
         buckets: Sequence[BucketPlan],
         reduce_dtype: torch.dtype | None,
+        sync: ParameterSync,
+        replanned: Callable[[], None],
         max_in_flight: int = 2,
         previous: OwnedGradients | None = None,
     ) -> None:
         self.zero, self.buckets, self.max_in_flight = zero, list(buckets), max_in_flight
+        self.sync, self.replanned = sync, replanned  # what the optimizer syncs through, and calls after placing
         self.params = zero.global_params
         first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
         self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
@@ -56,9 +69,9 @@ class OwnedGradients(MarkerIntake):
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
-        self.used = [False] * len(self.params)  # by this rank, since the last clear()
-        self.everywhere: tuple[bool, ...] | None = None  # used by some rank: agreed at the end of each backward
-        self.holds = [False] * len(self.params)  # the store holds the parameter's gradient (zeros included)
+        self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
+        self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
+        self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
         for (index, offset), (bucket, start) in self.layout.fragments.items():
             length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
@@ -74,9 +87,7 @@ class OwnedGradients(MarkerIntake):
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self._backward = False
-        self.pending = PendingForwards()  # whose backward may have raised (pending.py)
-        self._places: list[int] = []  # this backward's launches, numbered among every store's on the group
-        self._deferred = False  # this backward reached another store on the group: launch only at the flush
+        self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
         if previous is not None:
             self._take_over(previous)
 
@@ -91,7 +102,7 @@ class OwnedGradients(MarkerIntake):
                 param.grad = torch.empty_like(param).copy_(param.grad)
             return local.grad_from(param.grad)
         where = self.layout.fragments.get((local.index, local.offset))
-        if where is None or not self.holds[local.index] or self.owned[where[0]] is None:
+        if where is None or not (self.holds[local.index] or self.used[local.index]) or self.owned[where[0]] is None:
             return None
         owned, start = self.owned[where[0]], where[1]
         assert owned is not None
@@ -101,20 +112,13 @@ class OwnedGradients(MarkerIntake):
         """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
         ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
         then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
-        self._line_up_unfinished()
-        reached: set[int] = set()  # .grad that a backward which raised took on some rank: zeros on every rank
-        if self._backward and not set_to_none:  # (the ranks' own sets differ where they raised at different points)
-            took = max_through_store([int(i in self._filled) for i in range(len(self.params))], self._groups, "sdp")
-            reached = {index for index, on_some_rank in enumerate(took) if on_some_rank}
-        if self._backward:
-            self._abandon_backward()
+        reached = self._recover()  # a backward that raised before launching anything: its gradient is dropped
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
-        self.everywhere = None
+        self.unagreed = False
         if set_to_none:
             self.holds = [False] * len(self.params)
         self._unreduced.clear()
-        self._unswap()  # a backward that raised left its markers out
         if set_to_none:
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
@@ -124,44 +128,24 @@ class OwnedGradients(MarkerIntake):
                 self.owned[bucket] = self._new_owned(bucket).zero_()
             else:
                 owned.zero_()
-        if not set_to_none and reached:  # zeros, as the .grad the raised backward had accumulated would be now
+        if not set_to_none:  # zeros where the raised backward reached, on every rank where any did (the step agrees)
             for index in reached:
-                self.holds[index] = True
+                self.used[index] = self.unagreed = True
             self.mark()
 
-    def _line_up_unfinished(self) -> None:
-        """When a forward's backward never reached its flush (it raised midway, or none ran), the ranks compare, out
-        of band (``max_through_store``), whether and how far each one's backward got: a parameter some ranks do
-        not use makes them launch fewer buckets before the error. The ranks behind launch the buckets the others
-        did (contents to be dropped), so that every rank waits for the same reductions and every rank refuses the
-        half-reduced gradient alike (``_backward``). Only where some forward is not known to have finished its
-        backward everywhere (``pending.py``)."""
-        if not self.pending.due:
-            return
-        raised, furthest = max_through_store([int(self._backward), self._next], self._groups, "sdp")
-        self.pending.compared()
-        if not raised:
-            return
-        self._deferred, self._backward = False, True
-        for bucket in range(self._next, furthest):
-            self._launch(bucket)
-
-    @property
-    def _groups(self) -> list[Any]:
-        return self.zero.agreement_groups
-
-    def _abandon_backward(self) -> None:
-        """Forget what a backward that raised left behind (the autograd engine runs no end-of-backward callback
-        after an error, so its flush never ran): the reductions it launched are waited for (every rank launched the
-        same ones: ``_line_up_unfinished``) and dropped with its buckets, so that the next backward starts as after
-        a flush."""
-        while self._in_flight:
-            self._in_flight.popleft()[2].wait()
+    def _recover(self) -> set[int]:
+        """After a backward that raised before it launched a reduction (nothing to pair up): drop its buckets, put
+        back the markers it took out, and return the parameters it reached. Refused after one that launched."""
+        if not self._backward:
+            return set()
+        if self._next:
+            raise RuntimeError(POISONED)
+        reached = set(self._filled)
         self._buffers.clear()
         self._next_backward_afresh()
-        self._places = []
-        self._backward = self._deferred = False
-        coordination.forget(self)
+        self._backward = False
+        self._unswap()
+        return reached
 
     def _next_backward_afresh(self) -> None:
         """No parameter's gradient in a bucket yet, and no bucket launched: as the next backward must find it."""
@@ -170,24 +154,56 @@ class OwnedGradients(MarkerIntake):
         self._next = 0
 
     def check_finished(self) -> None:
-        """Refuse to read a gradient that a backward which raised left half reduced (before a step or a forward), on
-        every rank where a forward's backward never reached its flush."""
-        self._line_up_unfinished()
+        """Refuse a gradient a backward that raised midway left (local, as DDP's reducer): after one that launched
+        a reduction, for good (restart from a checkpoint); after one that launched none, until ``zero_grad()``."""
         if self._backward:
-            raise RuntimeError(
-                "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced "
-                "and cannot be stepped or added to. Call zero_grad() (it drops that gradient) before the next "
-                "forward and step"
-            )
+            raise RuntimeError(POISONED if self._next else UNFINISHED)
+
+    # ------------------------------------------------------------------- which parameters some rank used
+    def prepare_step(self) -> bool:
+        """Before a step reads the gradient (inside its agreement): refuse what cannot be read, take in what the
+        program did to ``.grad``; whether this rank already knows which of its owned parameters some rank used
+        (every one it owns was used here, or is held), so that it may step before the ranks agree."""
+        self.check_finished()
+        for index in range(len(self.params)):
+            self.settle(index)
+        return not self.unagreed or all(
+            self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad
+        )
+
+    def agreed(self, everywhere: Sequence[bool]) -> None:
+        """The ranks agreed which parameters some rank used (``everywhere``, from the step's ``used`` flags): the
+        store holds those; markers of the others go."""
+        self.holds = [held or now for held, now in zip(self.holds, everywhere)]
+        self.used = [False] * len(self.params)
+        self.unagreed = False
+        for index, (marker, _) in list(self._markers.items()):
+            if not self.holds[index] and self.params[index].grad is marker:
+                self.params[index].grad = None
+                del self._markers[index]
+        self.mark()
+
+    def ready(self) -> None:
+        """Before ``clip_grad_norm_`` reads the gradient: ``prepare_step`` (its refusals local, as DDP's), then, where a
+        backward ran since the ranks last agreed, the used flags agreed (one all-reduce on the control plane)."""
+        self.prepare_step()
+        if self.unagreed:
+            groups = self.zero.agreement_groups
+            self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
 
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
         return host_zeros(self.layout.lengths[bucket], dtype, device)
 
     # ------------------------------------------------------------------------------------- the backward
+    @property
+    def in_backward(self) -> bool:
+        """Between a backward's first gradient and its flush (still so after a backward that raised)."""
+        return self._backward
+
     def on_grad(self, param: Tensor) -> None:
         """A post-accumulate-grad hook: ``param.grad`` into its bucket, ``.grad`` released, full buckets launched."""
-        index = self.zero._index_of(param)
+        index = self.zero.index_of(param)
         if index is not None:
             self.used[index] = True
             self._swapped.discard(index)
@@ -197,8 +213,7 @@ class OwnedGradients(MarkerIntake):
             return  # the local gradient accumulates in .grad until a backward outside no_sync
         if not self._backward:
             self._backward = True
-            self.zero._land_sync()  # buckets no module of the forward read (local: step() launched every one)
-            coordination.reached(self)  # a second store on the group in this backward: launches wait (``flush``)
+            self.zero.land_sync()  # buckets no module of the forward read (local: step() launched every one)
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
         if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
@@ -249,6 +264,8 @@ class OwnedGradients(MarkerIntake):
         ``max_in_flight`` buckets are filling or in flight."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:
+                if self.shared:  # another wrapper's reductions may come first on other ranks: no wait before flushes
+                    break
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
@@ -257,7 +274,7 @@ class OwnedGradients(MarkerIntake):
 
     def _launch_ready(self) -> None:
         """Launch, in order, every bucket whose parameters have all handed in their gradients."""
-        while not self._deferred and self._next < len(self.buckets) and not self._remaining[self._next]:
+        while self._next < len(self.buckets) and not self._remaining[self._next]:
             self._launch(self._next)
 
     def _launch(self, bucket: int) -> None:
@@ -270,7 +287,6 @@ class OwnedGradients(MarkerIntake):
         )
         self._in_flight.append((bucket, buffer, reduced))
         self._next = bucket + 1
-        self._places.append(coordination.next_place(zero.process_group))
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction and add its owned sums into the owned gradient (copy: the first since
@@ -289,24 +305,29 @@ class OwnedGradients(MarkerIntake):
 
     def flush(self) -> None:
         """The end of a backward: every bucket launched (in order, with the gradients accumulated under
-        ``no_sync`` that this backward did not touch) and landed; the ranks agree on which parameters were used;
-        gradients of parameters trainable since the plan was made are averaged in their ``.grad``.
-
-        Two wrapped models in one backward on one process group (a GAN's generator loss through its discriminator)
-        must launch their reductions in the same order on every rank, and a parameter some ranks do not use makes a
-        bucket ready on some ranks only. So once a backward reaches a second store on the group, no store on it
-        launches before this flush (their gradients wait in their buckets: more memory, for this backward only),
-        and here every store the backward reached launches its last buckets, in the order the backward reached
-        them, before this one waits for anything: before that, only the first store launched, in its own order."""
+        ``no_sync`` that this backward did not touch) and landed; gradients of parameters trainable since the plan
+        was made are averaged in their ``.grad``; markers put in. Which parameters some rank used is agreed at the
+        step (or ``clip_grad_norm_``), once for all its backwards."""
         self._backward = False
-        self.pending.finished()
-        coordination.launch_the_rest(self)
+        self._launch_the_rest()
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
-        coordination.agree_on_use(self)
-        self.holds = [held or now for held, now in zip(self.holds, self.everywhere or ())]
+        self._average_unplaced()
+        self.unagreed = True
         self.mark()
+
+    def _average_unplaced(self) -> None:
+        """The local gradients of the parameters no bucket holds yet (made trainable since the plan), averaged in
+        their ``.grad``, for the step that places them (every rank trains the same ones: the step agrees on it)."""
+        zero, params = self.zero, self.params
+        for index, param in enumerate(params):
+            if param.requires_grad and id(param) not in self.slot_of and param.numel():
+                self.used[index] = self.used[index] or param.grad is not None
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                for group in zero.agreement_groups:
+                    comm.all_reduce_(grad, group)
+                param.grad = grad.div_(zero.world_size * zero.replica_count)
 
     def _launch_the_rest(self) -> None:
         """Launch, in order, the buckets this backward has not: with the gradients it did not reach (``no_sync()``'s,
@@ -326,10 +347,8 @@ class OwnedGradients(MarkerIntake):
         self.owned[: len(previous.owned)] = previous.owned
         self.landed[: len(previous.landed)] = previous.landed
         self.used[: len(previous.used)] = previous.used
-        self.everywhere = previous.everywhere
         self.holds[: len(previous.holds)] = previous.holds
-        self._markers, self._unreduced = previous._markers, previous._unreduced
-        self.pending = previous.pending
+        self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])

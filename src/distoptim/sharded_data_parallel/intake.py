@@ -35,6 +35,7 @@ class MarkerIntake:
     owned: list[Tensor | None]
     holds: list[bool]
     used: list[bool]
+    unagreed: bool
     pieces: dict[int, list[tuple[int, int, int]]]
     slot_of: dict[int, tuple[int, object]]
     _markers: dict[int, tuple[GradientMarker, int]]
@@ -55,7 +56,7 @@ class MarkerIntake:
         param, marker = self.params[index], self._markers.get(index)
         grad = param.grad
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
-            if marker is None or not self.holds[index] or grad.origin is not marker[0].origin:
+            if marker is None or grad.origin is not marker[0].origin:
                 raise RuntimeError(
                     "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is "
                     "not the one this store put there last: copied from another parameter, or kept from before a "
@@ -64,7 +65,7 @@ class MarkerIntake:
                 )
             marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
         if grad is None:
-            if self.holds[index] and index not in self._swapped:
+            if marker is not None and index not in self._swapped:
                 self._forget(index)
         elif marker is not None and grad is marker[0]:
             if grad._version != marker[1]:  # zero_grad(set_to_none=False), through whatever object
@@ -80,7 +81,7 @@ class MarkerIntake:
                     "accumulated and no backward outside no_sync() reduced (each rank's own, unaveraged). Run the "
                     "last micro-batch's backward outside no_sync(), or call zero.zero_grad() to drop them"
                 )
-        elif self.holds[index]:  # set by hand: it replaces the owned gradient
+        elif marker is not None or self.holds[index]:  # set by hand: it replaces the owned gradient
             self._forget(index)
 
     def _is_marker(self, index: int, grad: Tensor) -> bool:
@@ -89,6 +90,7 @@ class MarkerIntake:
     def _forget(self, index: int) -> None:
         self._zero(index)
         self.holds[index] = self.used[index] = False
+        self._markers.pop(index, None)
 
     def _zero(self, index: int) -> None:
         for bucket, start, length in self.pieces.get(index, ()):
@@ -97,10 +99,11 @@ class MarkerIntake:
                 owned[start : start + length].zero_()
 
     def mark(self) -> None:
-        """Put a marker into the ``.grad`` of every parameter whose gradient the store holds and whose ``.grad`` is
-        free (after each backward)."""
+        """Put a marker into each free ``.grad`` whose gradient the store holds, may hold (used here), or, until the
+        ranks agree which were used, of which this rank owns a piece (its clear is seen here, where it counts)."""
         for index, param in enumerate(self.params):
-            if self.holds[index] and param.grad is None and id(param) in self.slot_of:
+            maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
+            if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
                 marker = GradientMarker.like(param)
                 param.grad = marker
                 self._markers[index] = (marker, marker._version)
@@ -109,7 +112,7 @@ class MarkerIntake:
         """A parameter's gradient hook, before the backward accumulates into ``.grad``: at the first of a backward,
         settle every parameter (markers taken out of ``.grad``, to be put back at its end where nothing accumulated:
         ``torch.autograd.grad``, a parameter this backward did not reach), before any bucket lands."""
-        if self._task != -1 or self.zero._index_of(param) is None:
+        if self._task != -1 or self.zero.index_of(param) is None:
             return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)
         self._task = torch._C._current_graph_task_id()
         at_end_of_backward(self._unswap)

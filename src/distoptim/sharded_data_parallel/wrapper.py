@@ -41,7 +41,7 @@ class ShardedDataParallel(nn.Module):
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
         ValueError: on every rank: parameters of ``module`` and ``zero`` differ, sparse gradients, the ranks' models
             or settings differ, ``overlap_with_ddp=True``, a second wrapper, a bad setting.
-        RuntimeError: ``zero`` already has optimizer state and its even partition must be re-cut.
+        RuntimeError: ``zero`` has state and must be re-cut; later, after a raised backward, or an older wrapper.
 
     Example:
         ```python
@@ -95,19 +95,20 @@ class ShardedDataParallel(nn.Module):
         )
         self._cap_bytes = cap_bytes = int(bucket_cap_mb * 2**20)
         self._caps = BucketCaps(cap_bytes, reduce_dtype)  # any (device, dtype), one added later too
-        zero._land_sync()
+        zero.land_sync()
         broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
-        zero._use_regions(self._caps)
+        zero.use_regions(self._caps)
         self._buckets: list[BucketPlan] = []
         self.gradients: OwnedGradients | None = None
+        self._bucketed: BucketedSync | None = None  # the parameter sync, bucket by bucket (the gradients' sync)
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self._sync_buffers_next = True
         self._landers: list[Any] = []  # the forward pre-hooks' handles (registered again when the buckets change)
         self._first: list[tuple[nn.Module, int]] = []  # (module, id) of each landing pre-hook: kept first
         self.register_forward_pre_hook(self._before_forward, prepend=True)
+        checks.claim_groups(self)
         self._rebuild()
-        zero._plan_listeners.append(self._rebuild)
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
@@ -115,22 +116,25 @@ class ShardedDataParallel(nn.Module):
         construction, ``add_param_group``, unfreezing or parameters given new storage: buckets already planned stay)."""
         zero = self.zero
         self._buckets = plan_buckets(zero.plan, self._caps, self._buckets)
-        self.gradients = OwnedGradients(zero, self._buckets, self.reduce_dtype, previous=self.gradients)
-        zero._gradient_store = self.gradients
-        zero.local_shard.source = self.gradients.grad_of
-        inner = zero._sync.inner if isinstance(zero._sync, BucketedSync) else zero._sync
-        assert inner is not None
-        zero._sync = BucketedSync(inner, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
+        sync = BucketedSync(zero.placed_sync, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
+        self._bucketed = sync
+        self.gradients = OwnedGradients(
+            zero, self._buckets, self.reduce_dtype, sync, self._rebuild, previous=self.gradients
+        )
+        zero.attach_gradient_source(self.gradients)
         for param in zero.global_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
                 self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
                 self._hooked.add(id(param))
         if self.overlap_param_sync:
-            self._register_landing_hooks(zero._sync)
+            self._register_landing_hooks(sync)
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
+        if not self.gradients.in_backward:
+            checks.check_current(self)
+            self.gradients.shared = checks.others_live(self)
         self.gradients.on_grad(param)
 
     def _register_landing_hooks(self, sync: BucketedSync) -> None:
@@ -148,7 +152,7 @@ class ShardedDataParallel(nn.Module):
             params = _held_directly(submodule) if submodule is self.module else submodule.parameters()
             last = sync.last_unit(params)
             if last >= 0:  # before the user's pre-hooks, whenever registered (hook_order.py)
-                self._landers.append(submodule.register_forward_pre_hook(_Lander(self.zero, last), prepend=True))
+                self._landers.append(submodule.register_forward_pre_hook(_Lander(self, last), prepend=True))
                 self._first.append((submodule, self._landers[-1].id))
                 # model.module.state_dict(), DDP's saving idiom, reads every parameter: it waits for all of them
                 self._landers.append(submodule.register_state_dict_pre_hook(_Finisher(self.zero)))  # type: ignore[no-untyped-call]
@@ -168,21 +172,20 @@ class ShardedDataParallel(nn.Module):
         assert self.gradients is not None
         if not in_backward():  # a recomputing checkpoint runs forwards inside the backward
             self.gradients.check_finished()
+            checks.check_current(self)
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
-        self.zero._land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
+        self.zero.land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
-        if self._sync_buffers_next:  # a backward that reduces may follow (pending.py)
-            self.gradients.pending.forward()
         return output
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """The wrapper's first forward pre-hook: the landing hooks first among the user's (``hook_order.py``)."""
         if hook_order.others_run_first(self):
-            self.zero._land_sync()  # in a forward: the step's agreement raises a write on every rank
+            self.zero.land_sync()  # in a forward: the step's agreement raises a write on every rank
         else:
             hook_order.keep_first(self._first)
 
@@ -219,7 +222,7 @@ class ShardedDataParallel(nn.Module):
         """``sync_finished`` without its local check: the wrapper's own waits (``parameters()``, ``state_dict()``,
         ``to()``), which run inside training loops, where one rank raising would leave the others waiting; the next
         agreement raises a write on every rank."""
-        self.zero._land_sync()
+        self.zero.land_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the owned gradient (as ``zero.zero_grad()`` does) and any ``.grad`` (left by ``no_sync``).
@@ -292,13 +295,13 @@ class _BeforeGradient:
 class _Lander:
     """A forward pre-hook: land the parameter sync through bucket ``last`` (in forward order)."""
 
-    def __init__(self, zero: ZeroRedundancyOptimizer, last: int) -> None:
-        self.zero, self.last = zero, last
+    def __init__(self, wrapper: ShardedDataParallel, last: int) -> None:
+        self.wrapper, self.last = weakref.ref(wrapper), last
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        sync = self.zero._sync
-        if isinstance(sync, BucketedSync):
-            sync.land_through(self.last)
+        wrapper = self.wrapper()
+        if wrapper is not None and wrapper._bucketed is not None:
+            wrapper._bucketed.land_through(self.last)
 
 
 class _Finisher:
@@ -308,7 +311,7 @@ class _Finisher:
         self.zero = zero
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.zero._land_sync()
+        self.zero.land_sync()
 
 
 def _held_directly(module: nn.Module) -> Iterator[Tensor]:

@@ -23,6 +23,7 @@ from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.gradient_source import GradientSource
 from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import PartitionPlan
@@ -116,7 +117,8 @@ class ZeroRedundancyOptimizer(
         self._shard: LocalShard | None = None
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
-        self._gradient_store: Any = None  # ShardedDataParallel's owned gradient, when it holds the gradient
+        self._gradient_source: GradientSource | None = None  # attach_gradient_source: ShardedDataParallel's store
+        self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._placement: placement.Placement | None = None
@@ -204,9 +206,17 @@ class ZeroRedundancyOptimizer(
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
-        self._land_sync()
+        self.land_sync()
         try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
-            (loss, verdict), scaled, found_inf = self._agreed_step(lambda: self._prepare(closure, kwargs, grad_scaler))
+            (loss, verdict), scaled, found_inf, flags = self._agreed_step(
+                lambda: self._prepare(closure, kwargs, grad_scaler)
+            )
+            if self._gradient_source is not None:  # 1b. which parameters some rank used; then the ranks that held
+                self._gradient_source.agreed(flags[:-1])  # back their local part (it needed those) run it, agreed
+                if flags[-1]:
+                    (_, verdict), scaled, found_inf, _ = self._agreed_step(
+                        lambda: self._gradient_source_step(kwargs, grad_scaler, verdict)
+                    )
             if verdict is not None:
                 verdict.record(found_inf)
             if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient held an inf or nan
@@ -222,9 +232,10 @@ class ZeroRedundancyOptimizer(
     ) -> stepping.Prepared:
         """Everything a step does locally; with a ``grad_scaler`` (or ``hold``: a rank joined under Join), all but
         the local optimizer's step, which waits for the ranks' verdict."""
+        self._held_back = False
         try:  # inside the agreement: every rank raises if one does
-            if self._gradient_store is not None:
-                self._gradient_store.check_finished()
+            if self._gradient_source is not None:
+                self._gradient_source.check_finished()
             if self._sync is not None:
                 self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
             check_classes_unchanged(self.param_groups, self.local_optimizer, self._optimizer_class)
@@ -244,13 +255,26 @@ class ZeroRedundancyOptimizer(
                 loss, closure = closure(), None
         validation.check_unowned_have_no_grad(self._unowned)
         self._push_hyperparameters()
+        if self._gradient_source is not None and not self._gradient_source.prepare_step():
+            self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
+            return loss, None
         self.local_shard.attach_grads()
-        sharded_in_memory = self._gradient_store is not None
+        sharded_in_memory = self._gradient_source is not None
         verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
         if verdict is None and not hold:
             local_loss = self._step_local(closure, kwargs)
             loss = loss if closure is None else local_loss
         return loss, verdict
+
+    def _gradient_source_step(self, kwargs: dict[str, Any], grad_scaler: Any, verdict: Any) -> stepping.Prepared:
+        """Step 1b: on a rank that held its local part back, that part, now that the store knows what it holds."""
+        if not self._held_back:
+            return None, verdict
+        self.local_shard.attach_grads()
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, True)
+        if verdict is None:
+            self._step_local(None, kwargs)
+        return None, verdict
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
@@ -259,8 +283,39 @@ class ZeroRedundancyOptimizer(
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
         return fingerprints.step_fingerprint(self._trainability, self.param_groups)
 
-    def _agreed_step(self, action: Callable[[], stepping.Prepared]) -> tuple[stepping.Prepared, bool, bool]:
-        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups)
+    def _agreed_step(
+        self, action: Callable[[], stepping.Prepared]
+    ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
+        count = 0 if self._gradient_source is None else len(self.global_params) + 1
+        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=self._store_flags(count))
+
+    def _store_flags(self, count: int) -> Callable[[stepping.Prepared | None], tuple[bool, ...]]:
+        """What the step's agreement carries for the gradient store (read after the local part, which may have
+        built a new store): which parameters this rank used, and whether it held its local part back."""
+
+        def flags(done: stepping.Prepared | None) -> tuple[bool, ...]:
+            source = self._gradient_source
+            return (False,) * count if done is None or source is None else (*source.used, self._held_back)
+
+        return flags
+
+    def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
+        """Place again where the placement is stale (a parameter made trainable or given new storage since), then
+        run ``action`` on this rank, agreed across ranks (collective): the DDP hooks' step.
+
+        Args:
+            action: what to run after placing (default: nothing); its result is returned.
+
+        Raises:
+            ValueError: on every rank, when placing or ``action`` raised on another rank, or the ranks' trainable
+                parameters or hyperparameters differ; the failing rank raises its own error.
+        """
+
+        def place_then_act() -> Any:
+            self._repartition_if_changed()
+            return action()
+
+        return self._agreed(place_then_act)
 
     def _agreed(self, action: Callable[[], Any]) -> Any:
         return stepping.agreed(action, self._fingerprint, self.agreement_groups, stepping.shadowing(self))
@@ -274,14 +329,38 @@ class ZeroRedundancyOptimizer(
         """Wait for any parameter sync still in flight (``ShardedDataParallel(overlap_param_sync=True)`` leaves the
         sync of later buckets to finish during the next forward): after it every parameter holds its value. Local
         (no collective); raises here if this rank saw a parameter written while its sync was in flight."""
-        self._land_sync()
+        self.land_sync()
         assert self._sync is not None
         self._sync.check_untouched_here()
 
-    def _land_sync(self) -> None:
-        """``sync_finished`` without its local check: where an agreement follows that raises on every rank."""
+    def land_sync(self) -> None:
+        """``sync_finished`` without its local check: where an agreement follows that raises a write seen in flight
+        on every rank (the next step, a checkpoint)."""
         assert self._sync is not None
         self._sync.finish()
+
+    @property
+    def gradient_source(self) -> GradientSource | None:
+        """Where the step reads the gradient instead of ``.grad`` (``attach_gradient_source``), or None."""
+        return self._gradient_source
+
+    @property
+    def placed_sync(self) -> ParameterSync:
+        """The parameter sync the current placement built (a gradient source's ``sync`` wraps it)."""
+        assert self._placement is not None
+        return self._placement.sync
+
+    def attach_gradient_source(self, source: GradientSource) -> None:
+        """Read the gradient from ``source``, not ``.grad``, and sync through ``source.sync``
+        (``ShardedDataParallel``). After a re-placement the optimizer calls ``source.replanned()``, which attaches a
+        source over the new placement.
+
+        Args:
+            source: the gradient's one owner (``zero/gradient_source.py``).
+        """
+        self._gradient_source, self.local_shard.source, self._sync = source, source.grad_of, source.sync
+        if source.replanned not in self._plan_listeners:
+            self._plan_listeners.append(source.replanned)
 
     def _push_hyperparameters(self) -> None:
         """``param_groups`` (what schedulers and users edit) into the local optimizer's groups: the one direction
@@ -324,8 +403,8 @@ class ZeroRedundancyOptimizer(
                 "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
                 "worked. Build it with overlap_with_ddp=False (with ShardedDataParallel for ZeRO-2) to clip"
             )
-        if self._gradient_store is not None:  # every rank alike: a half-reduced gradient is not clipped
-            self._gradient_store.check_finished()
+        if self._gradient_source is not None:  # every rank alike: which parameters some rank used
+            self._gradient_source.ready()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self._repartition_if_changed()
         shard, params, group, device = self.local_shard, self.global_params, self.process_group, self._comm_device
@@ -342,8 +421,8 @@ class ZeroRedundancyOptimizer(
         """
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
-        if self._gradient_store is not None:
-            self._gradient_store.clear(set_to_none)
+        if self._gradient_source is not None:
+            self._gradient_source.clear(set_to_none)
         super().zero_grad(set_to_none)
         if self.overlap_stepper is not None:
             self.overlap_stepper.record_grads()

@@ -43,7 +43,10 @@ class PlanParts(Protocol):
     partition: str
     master_dtype: torch.dtype | None
     _ready: bool
-    _gradient_store: Any
+
+    @property
+    def gradient_source(self) -> Any: ...
+
     overlap_stepper: OverlapStepper | None
     optim: Optimizer | None
     _optimizer_class: type[Optimizer]
@@ -67,7 +70,7 @@ class PlanParts(Protocol):
     def local_shard(self) -> LocalShard: ...
     @property
     def local_optimizer(self) -> Optimizer: ...
-    def _index_of(self, param: Tensor) -> int | None: ...
+    def index_of(self, param: Tensor) -> int | None: ...
     def _add_group(self, group: dict[str, Any]) -> None: ...
     def _push_hyperparameters(self) -> None: ...
     def _agreed(self, action: Callable[[], Any]) -> Any: ...
@@ -124,7 +127,7 @@ class Partitioning:
             self.param_groups,
             self._defaults,
             self.process_group,
-            sharded_gradients=self._gradient_store is not None,
+            sharded_gradients=self.gradient_source is not None,
             master_dtype=self.master_dtype,
             check_existing=lambda: _check_before_adding(self),
         )
@@ -163,7 +166,7 @@ class Partitioning:
         Raises:
             ValueError: this optimizer does not hold ``param``.
         """
-        if (index := self._index_of(param)) is None:
+        if (index := self.index_of(param)) is None:
             raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
         return self.plan.owners[index]
 
@@ -173,11 +176,15 @@ class Partitioning:
         Args:
             param: a tensor, one of this optimizer's parameters or not.
         """
-        index = self._index_of(param)
+        index = self.index_of(param)
         return None if index is None else self.plan.fragments[index]
 
-    def _index_of(self: PlanParts, param: Tensor) -> int | None:
-        """``param``'s global index (None when not held), from a table rebuilt with the plan."""
+    def index_of(self: PlanParts, param: Tensor) -> int | None:
+        """``param``'s global index (None when this optimizer does not hold it), from a table rebuilt with the plan.
+
+        Args:
+            param: a tensor, one of this optimizer's parameters or not.
+        """
         if self._index_cache[0] is not self.plan:
             self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self.global_params)})
         return self._index_cache[1].get(id(param))
@@ -239,9 +246,16 @@ class Partitioning:
         stale, so that the master weights loaded are written into the parameters' present storage."""
         self._agreed(self._place_if_stale)
 
-    def _use_regions(self: PlanParts, region_numel: dict[Any, int]) -> None:
+    def use_regions(self: PlanParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change."""
+        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change.
+
+        Args:
+            region_numel: the most elements a region holds, per layout key ``(device, dtype)``.
+
+        Raises:
+            RuntimeError: the optimizer has state already (under the even partition).
+        """
         if region_numel == self._region_numel or self.partition != "even":
             return
         if any(self.local_optimizer.state.values()):

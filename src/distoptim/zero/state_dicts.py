@@ -47,7 +47,10 @@ class ZeroParts(Protocol):
     _consolidated: Any
     _sync: Any
     _comm_device: torch.device
-    _gradient_store: Any
+
+    @property
+    def gradient_source(self) -> Any: ...
+
     _optimizer_class: type[Optimizer]
     _optimizer_state_dict_pre_hooks: Any
     _optimizer_state_dict_post_hooks: Any
@@ -63,7 +66,7 @@ class ZeroParts(Protocol):
     @property
     def agreement_groups(self) -> list[dist.ProcessGroup]: ...
     def sync_finished(self) -> None: ...
-    def _land_sync(self) -> None: ...
+    def land_sync(self) -> None: ...
     def sync_parameters(self) -> None: ...
     def _push_hyperparameters(self) -> None: ...
     def _masters_follow_parameters(self) -> None: ...
@@ -207,7 +210,7 @@ class Joining:
                     ...
             ```
         """
-        if self._gradient_store is not None:
+        if self.gradient_source is not None:
             raise NotImplementedError(JOIN_WITH_SDP)
         if self.replicate_group is not None:
             raise NotImplementedError(
@@ -252,7 +255,7 @@ def _state_dict(zero: ZeroParts) -> dict[str, Any]:
 
 
 def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
-    zero._land_sync()  # the load may write master weights into the parameters
+    zero.land_sync()  # the load may write master weights into the parameters
     zero._place_for_load()
     state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
     state_dict = checkpoint.apply_hooks(zero._optimizer_load_state_dict_pre_hooks.values(), zero, state_dict)
@@ -273,7 +276,7 @@ def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
 def _land_and_agree_untouched(zero: ZeroParts) -> None:
     """Land the sync and raise on every rank if a parameter was written while it was in flight (after the last
     step, no step's agreement follows to see it: a checkpoint must not save the ranks' differing values)."""
-    zero._land_sync()
+    zero.land_sync()
     if zero._sync.watches_writes:  # the same on every rank
         zero._agreed(zero._sync.check_untouched)
 
@@ -288,7 +291,7 @@ def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
 
 
 def _load_sharded(zero: ZeroParts, state_dict: dict[str, Any]) -> None:
-    zero._land_sync()
+    zero.land_sync()
     zero._place_for_load()  # write_back below writes into the pieces the placement holds
     saved_groups = sharded.load_param_groups(state_dict, zero.param_groups, zero._optimizer_class)
     for group, saved in zip(zero.param_groups, saved_groups):
@@ -311,7 +314,7 @@ class ZeroJoinHook(JoinHook):
         if stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
             stepper.run_deferred()
             return
-        zero._land_sync()
+        zero.land_sync()
         try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse
             stepping.agreed_step(
                 lambda: zero._prepare(None, {}, None, hold=True),

@@ -38,18 +38,21 @@ def agreed_step(
     fingerprint: Fingerprint,
     groups: Sequence[dist.ProcessGroup],
     joined_step: Callable[[], object] | None = None,
-) -> tuple[Prepared, bool, bool]:
+    extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
+) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
     """``action()`` (the local part; on a joined rank all of it but the local step, ``joined_step``), agreed over
-    ``groups``; then whether any rank steps under a GradScaler, and whether any of those found an inf or nan (every
-    rank then skips). Where a rank has joined, every rank agrees once more, around that rank's ``joined_step``; under
-    a GradScaler every rank raises instead, before any rank stepped."""
+    ``groups``; then whether any rank steps under a GradScaler, whether any of those found an inf or nan (every
+    rank then skips), and for each of ``extra(prepared)`` (flags carried along, as many on every rank: a gradient
+    source's) whether any rank raised it. Where a rank has joined, every rank agrees once more, around that rank's
+    ``joined_step``; under a GradScaler every rank raises instead, before any rank stepped."""
     joined = joined_step is not None
-    prepared, (scaled, found_inf, any_joined) = agreement.run_step_agreed(
+    prepared, (scaled, found_inf, any_joined, *extras) = agreement.run_step_agreed(
         action,
         fingerprint,
         list(groups),
         flags=lambda done: (
-            (False, False, joined) if done is None or done[1] is None else (True, done[1].found_here, joined)
+            ((False, False, joined) if done is None or done[1] is None else (True, done[1].found_here, joined))
+            + tuple(extra(done))
         ),
         joined=joined,
     )
@@ -57,7 +60,7 @@ def agreed_step(
         if scaled:
             raise RuntimeError(JOIN_WITH_SCALER)
         agreed(joined_step or (lambda: None), fingerprint, groups, joined)
-    return prepared, scaled, found_inf
+    return prepared, scaled, found_inf, tuple(extras)
 
 
 def agreed(

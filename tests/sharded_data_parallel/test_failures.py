@@ -1,0 +1,313 @@
+"""ShardedDataParallel where the ranks' programs part: forwards through the wrapper that not every rank runs (each
+must train as DDP + the plain optimizer, not hang), a backward that raised midway (after a launched reduction every
+later forward, step, clear and clip refuses: restart from a checkpoint, as after DDP's; before any, ``zero_grad()``
+drops it), two wrappers on one process group (refused; a group each trains as DDP), and what a step costs on the
+control plane (nothing per backward, one agreement per plain step)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
+from distoptim.comm import agreement
+from tests._dist import run_on_ranks
+
+KW = {"lr": 0.05, "weight_decay": 0.1}
+
+
+class Chain(nn.Module):
+    def __init__(self, n: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(n))
+        self.branch = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x + self.branch(x) if use_branch else x
+
+
+def _x(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _sdp(model: nn.Module, partition: str = "even", group: Any = None) -> tuple[Any, ShardedDataParallel]:
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, partition=partition, process_group=group, **KW
+    )
+    return zero, ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+
+
+def _compare(ours: nn.Module, ref: nn.Module, label: str) -> None:
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+# ------------------------------------------------------ forwards through the wrapper that not every rank runs
+def _uneven(how: str, sdp: ShardedDataParallel, rank: int, step: int) -> torch.Tensor | None:
+    """A forward on some ranks only, before this step's training forward (or, ``eval_before_backward``, between it
+    and its backward: the loss is returned to be backwarded after)."""
+    if how == "validation_with_grad":  # an uneven validation loop, gradients left enabled
+        for batch in range(3 if rank == 0 else 1):
+            sdp(_x(rank, 500 + batch)).sum()
+    elif how == "sample_on_rank0" and rank == 0:  # a sample logged on rank 0
+        sdp(_x(rank, 900 + step))
+    loss = sdp(_x(rank, step)).square().mean()
+    if how == "eval_before_backward" and rank == 0:  # a no_grad evaluation between a forward and its backward
+        with torch.no_grad():
+            sdp(_x(rank, 700 + step))
+    return loss
+
+
+def _uneven_body(rank: int, world_size: int, how: str) -> None:
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(3):
+        zero.zero_grad()
+        loss = _uneven(how, sdp, rank, step)
+        assert loss is not None
+        loss.backward()
+        zero.step()
+        plain.zero_grad()
+        ddp(_x(rank, step)).square().mean().backward()
+        plain.step()
+        _compare(model, reference, f"{how} step {step}")
+
+
+@pytest.mark.parametrize("how", ["validation_with_grad", "sample_on_rank0", "eval_before_backward"])
+def test_forwards_some_ranks_run_alone_do_not_hang_and_train_as_ddp(how: str) -> None:
+    """Before, these hung until the process group's timeout: the ranks compared their pending forwards through the
+    c10d store only where a forward was pending, which differed between ranks."""
+    run_on_ranks(_uneven_body, 2, how, timeout=60)
+
+
+# ------------------------------------------------------------------------ a backward that raised midway
+class _Fails(Exception):
+    pass
+
+
+def _fail(*_: Any) -> None:
+    raise _Fails("the backward fails here")
+
+
+def _failed_backward_body(rank: int, world_size: int, layer: int) -> list[str]:
+    """A step, then a backward that raises in ``layers[layer]``'s backward (ranks 0 and 1 alike); then a forward, a
+    step, ``zero_grad`` (each through every object) are tried: what each raised, or "accepted"."""
+    model = Chain()
+    zero, sdp = _sdp(model)
+    sdp(_x(rank, 0)).square().mean().backward()
+    zero.step()
+    handle = model.layers[layer].register_full_backward_pre_hook(_fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1)).square().mean().backward()
+    handle.remove()
+    outcomes = []
+    for attempt in (
+        lambda: sdp(_x(rank, 2)),
+        zero.step,
+        zero.zero_grad,
+        sdp.zero_grad,
+        lambda: zero.clip_grad_norm_(1),
+    ):
+        try:
+            attempt()
+            outcomes.append("accepted")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_a_backward_that_raised_after_launching_reductions_is_refused_until_a_restart() -> None:
+    """The first layer's backward raises after the later layers' buckets were launched: every later forward, step,
+    clear and clip refuses on every rank (the ranks' reductions no longer pair up), naming the restart."""
+    for outcomes in run_on_ranks(_failed_backward_body, 2, 0, timeout=60):
+        assert all("Restart from a checkpoint" in outcome for outcome in outcomes), outcomes
+
+
+def _failed_before_any_gradient_body(rank: int, world_size: int) -> None:
+    """A backward that raises before any parameter's gradient arrived (in the loss's own backward) launched nothing:
+    training goes on, as DDP + the plain optimizer's without that batch."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    out = sdp(_x(rank, 1))
+    out.register_hook(_fail)
+    with contextlib.suppress(_Fails):
+        out.square().mean().backward()
+    for step in range(2):
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step)).square().mean().backward()
+            opt.step()
+    _compare(model, reference, "after a backward that raised before any gradient")
+
+
+def test_a_backward_that_raised_before_any_gradient_leaves_training_as_ddp() -> None:
+    run_on_ranks(_failed_before_any_gradient_body, 2, timeout=60)
+
+
+def _failed_before_any_launch_body(rank: int, world_size: int, set_to_none: bool) -> list[str]:
+    """One bucket: a backward that raises in the first layer, after the later layers' gradients went into it and
+    before it was launched. The next forward refuses until ``zero_grad()``, which drops that gradient; then training
+    is DDP + the plain optimizer's without that batch (their ``zero_grad`` alike)."""
+    model, reference = Chain(), Chain()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", **KW)
+    sdp = ShardedDataParallel(model, zero)  # one bucket of 25 MiB: launched at the end of the backward only
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    for opt, wrapper in ((zero, sdp), (plain, ddp)):
+        opt.zero_grad(set_to_none=set_to_none)
+        wrapper(_x(rank, 0)).square().mean().backward()
+        opt.step()
+    handle = model.layers[0].register_full_backward_pre_hook(_fail)
+    with contextlib.suppress(_Fails):
+        sdp(_x(rank, 1)).square().mean().backward()
+    handle.remove()
+    refused = []
+    for attempt in (lambda: sdp(_x(rank, 2)), zero.step, lambda: zero.clip_grad_norm_(1.0)):
+        try:
+            attempt()
+            refused.append("accepted")
+        except RuntimeError as error:
+            refused.append(str(error))
+    for step in range(2, 4):
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad(set_to_none=set_to_none)
+            wrapper(_x(rank, step)).square().mean().backward()
+            opt.step()
+    _compare(model, reference, "after a backward that raised before launching")
+    return refused
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_backward_that_raised_before_any_launch_is_dropped_by_zero_grad(set_to_none: bool) -> None:
+    for outcomes in run_on_ranks(_failed_before_any_launch_body, 2, set_to_none, timeout=60):
+        assert all("Call zero_grad()" in outcome for outcome in outcomes), outcomes
+
+
+# ------------------------------------------------------------- two wrappers on one process group, one backward
+def _gan_body(rank: int, world_size: int, own_groups: bool) -> str:
+    """The generator's loss through the discriminator (one backward reaching both wrappers), the generator's branch
+    on rank 0 only: refused on every rank on one group; with a group each, DDP + the plain optimizer's result."""
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])] if own_groups else [None, None]  # every rank both
+    g, d, g_ref, d_ref = Chain(3, seed=1), Chain(2), Chain(3, seed=1), Chain(2)
+    (zero_g, sdp_g), (zero_d, sdp_d) = _sdp(g, "greedy", groups[0]), _sdp(d, "even", groups[1])
+    ddp_g, ddp_d = DDP(g_ref, find_unused_parameters=True), DDP(d_ref, find_unused_parameters=True)
+    plain_g, plain_d = torch.optim.AdamW(g_ref.parameters(), **KW), torch.optim.AdamW(d_ref.parameters(), **KW)
+    for step in range(2):
+        z, x = _x(rank, step), _x(rank, step + 50)
+        for G, D, opt_g, opt_d in ((sdp_g, sdp_d, zero_g, zero_d), (ddp_g, ddp_d, plain_g, plain_d)):
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            try:  # the generator's loss: gradients into both models
+                D(G(z, rank == 0), False).mean().backward()
+            except RuntimeError as error:  # one group: the older wrapper refuses its forward
+                return str(error)
+            opt_g.step()
+            opt_d.zero_grad()
+            (D(x, False).mean() - D(G(z, rank == 0).detach(), False).mean()).backward()
+            opt_d.step()
+        _compare(g, g_ref, f"generator step {step}")
+        _compare(d, d_ref, f"discriminator step {step}")
+    return "trained"
+
+
+@pytest.mark.parametrize("own_groups", [False, True])
+def test_two_wrappers_in_one_backward_need_a_process_group_each(own_groups: bool) -> None:
+    for outcome in run_on_ranks(_gan_body, 2, own_groups, timeout=60):
+        assert outcome == "trained" if own_groups else "a group of its own" in outcome, outcome
+
+
+# ------------------------------------------------------------------- what a step costs on the control plane
+def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
+    """Agreements (``agree_across_ranks``: one all-reduce on the control plane each) made in the backwards and in
+    the steps of three steps of two micro-batches each."""
+    model, reference = Chain(), Chain()
+    if how == "ddp":
+        ddp = DDP(model)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **KW)
+        wrapper: nn.Module = ddp
+    else:
+        zero, wrapper = _sdp(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0) if how == "sdp_scaler" else None
+    counts: Counter[str] = Counter()
+    phase = ["setup"]
+    original = agreement.agree_across_ranks
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts[phase[0]] += 1
+        return original(*args, **kwargs)
+
+    with mock.patch.object(agreement, "agree_across_ranks", counted):
+        for step in range(3):
+            zero.zero_grad()
+            phase[0] = "backward"
+            for micro in range(2):
+                loss = wrapper(_x(rank, 10 * step + micro), use_branch=how != "sdp_unused" or rank == 0)
+                (loss.square().mean() if scaler is None else scaler.scale(loss.square().mean())).backward()
+            if how == "sdp_clip":  # the flags agreed here, for the step too
+                phase[0] = "clip"
+                zero.clip_grad_norm_(1.0)
+            phase[0] = "step"
+            if scaler is None:
+                zero.step()
+            else:
+                scaler.step(zero)
+                scaler.update()
+    del reference
+    return dict(counts)
+
+
+@pytest.mark.parametrize(
+    ("how", "per_step"), [("ddp", 1), ("sdp", 1), ("sdp_scaler", 2), ("sdp_unused", 2), ("sdp_clip", 1)]
+)
+def test_agreements_none_per_backward_one_per_plain_step(how: str, per_step: int) -> None:
+    """DDP + ZeRO-1 and a plain SDP loop: one agreement a step (the used-parameter flags ride on the step's), none in
+    the backwards (before, SDP made one per backward and one per step). A GradScaler adds the agreement around the
+    local step; a parameter some rank did not use, one for the flags before the ranks that could not tell step."""
+    for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
+        assert counts.get("backward", 0) == 0, counts
+        assert counts["step"] == per_step * 3, counts
+        assert counts.get("clip", 0) == (3 if how == "sdp_clip" else 0), counts
+
+
+# ------------------------------------------- a clear between backwards, before the ranks agreed on what was used
+def _clear_before_the_agreement_body(rank: int, world_size: int, how: str) -> None:
+    """The branch is used on rank 0 only (even partition: rank 1 owns half of it without using it); between two
+    backwards, no step between, the program clears through the inner module (to None or zeros). Rank 1 must see
+    that clear too, though nothing told it yet that rank 0 used the branch: else the stale half of the first
+    backward's sum would be stepped with the second's."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp = DDP(reference, find_unused_parameters=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(2):
+        for opt, wrapper, inner in ((zero, sdp, model), (plain, ddp, reference)):
+            opt.zero_grad()
+            wrapper(_x(rank, 10 * step), use_branch=rank == 0).square().mean().backward()
+            if how == "module":
+                inner.zero_grad()
+            elif how == "module_zeros":
+                inner.zero_grad(set_to_none=False)
+            else:
+                for p in inner.parameters():
+                    p.grad = None
+            wrapper(_x(rank, 10 * step + 1), use_branch=rank == 0).square().mean().backward()
+            opt.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"{how}, step {step}")
+
+
+@pytest.mark.parametrize("how", ["module", "module_zeros", "param_none"])
+def test_a_clear_between_backwards_reaches_owners_that_did_not_use_the_parameter(how: str) -> None:
+    run_on_ranks(_clear_before_the_agreement_body, 2, how, timeout=60)
