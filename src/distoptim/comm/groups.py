@@ -12,6 +12,7 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "attached",
+    "attached_everywhere",
     "choose_comm_device",
     "comm_device",
     "control_group",
@@ -72,6 +73,11 @@ def attached(group: ProcessGroup, purpose: str, make: Callable[[], _T]) -> _T:
     if value is None:
         value = kept[purpose] = make()
     return value
+
+
+def attached_everywhere(purpose: str) -> list[Any]:
+    """What is kept under ``purpose`` for every live group."""
+    return [kept[purpose] for kept in list(_ATTACHED.values()) if purpose in kept]
 
 
 def is_member(group: object) -> bool:

@@ -9,15 +9,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distoptim._text import few
 from distoptim.comm import agreement as _agreement
+from distoptim.comm.groups import attached, attached_everywhere
 from distoptim.zero import validation
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["NEWEST", "check_current", "check_wrapping", "claim_groups", "fingerprint", "others_live"]
+__all__ = ["check_current", "check_wrapping", "claim_groups", "fingerprint", "others_live"]
 
-NEWEST: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()  # process group -> its newest wrapper
+_NEWEST = "newest ShardedDataParallel"  # under comm.groups.attached: a group's newest wrapper, weakly
+
+
+class _Newest:
+    """A process group's newest wrapper, held weakly (a finished wrapper may live on in a reference cycle)."""
+
+    def __init__(self) -> None:
+        self.wrapper: weakref.ref[Any] | None = None
+
+    def get(self) -> Any:
+        return None if self.wrapper is None else self.wrapper()
 
 
 def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
@@ -51,8 +63,8 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
             + "; ".join(
                 part
                 for part in (
-                    f"it does not hold the module's {_few(extra)}" if extra else "",
-                    f"the module has no {_few(missing)}" if missing else "",
+                    f"it does not hold the module's {few(extra)}" if extra else "",
+                    f"the module has no {few(missing)}" if missing else "",
                 )
                 if part
             )
@@ -63,14 +75,14 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
 def claim_groups(wrapper: Any) -> None:
     """``wrapper`` is now its groups' wrapper: an older one on any of them refuses to run (``check_current``)."""
     for group in wrapper.zero.agreement_groups:
-        NEWEST[group] = wrapper
+        attached(group, _NEWEST, _Newest).wrapper = weakref.ref(wrapper)
 
 
 def check_current(wrapper: Any) -> None:
     """Refuse a forward or backward through a wrapper that a newer one on one of its groups superseded: two
     wrappers on one process group (or replicate group) could launch their reductions in a different order on
     different ranks (a parameter some ranks do not use), mixing their sums. Local, the same on every rank."""
-    if any(NEWEST.get(group) is not wrapper for group in wrapper.zero.agreement_groups):
+    if any(attached(group, _NEWEST, _Newest).get() is not wrapper for group in wrapper.zero.agreement_groups):
         raise RuntimeError(
             "ShardedDataParallel: a newer ShardedDataParallel was built on this model's process group (or "
             "replicate group), and one group serves one wrapper. Give each wrapped model's optimizer a group of "
@@ -80,12 +92,7 @@ def check_current(wrapper: Any) -> None:
 
 def others_live(wrapper: Any) -> bool:
     """Whether a wrapper on other groups lives beside ``wrapper`` (one backward may reach both)."""
-    return any(other is not wrapper for other in NEWEST.values())
-
-
-def _few(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+    return any(newest.get() not in (None, wrapper) for newest in attached_everywhere(_NEWEST))
 
 
 def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
