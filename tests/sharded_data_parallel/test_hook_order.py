@@ -229,6 +229,16 @@ def test_writes_through_the_inner_module_after_step_are_refused_on_every_rank() 
     run_on_ranks(_outside_write_body, 2, configs, timeout=120)
 
 
+def test_a_write_through_data_leaves_the_version_counter_alone() -> None:
+    """Why the in-flight write watch compares values (the owners' checksums) and not version counters (issue 45
+    item 4): WGAN's ``p.data.clamp_`` above leaves ``p._version`` as it was, so a version watch would let that write
+    be lost on the non-owners, silently. If torch ever counts it, the checksums can go."""
+    param = nn.Parameter(torch.ones(3))
+    before = param._version
+    param.data.clamp_(-0.5, 0.5)
+    assert param._version == before and param.max() == 0.5
+
+
 def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[tuple[str, str]]:
     """A write right after the last step, then the end of a program: the local wait, a collective one, a step."""
     outcomes = []
