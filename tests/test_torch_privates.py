@@ -20,8 +20,6 @@ PRIVATE_NAMES = {
     "_use_count": "whether gloo's worker thread still holds a finished collective's tensor",
     "_foreach_copy_": "one kernel for many small copies (torch.optim uses the foreach kernels the same way)",
     "_foreach_mul_": "one kernel to scale many gradients (torch.nn.utils.clip_grad_norm_ uses it too)",
-    "_forward_pre_hooks": "overlap_param_sync's landing hook placed before the user's own pre-hooks",
-    "_global_forward_pre_hooks": "... and whether module-global pre-hooks exist (they run before any module's)",
     "_has_rebuilt_buckets": "DDP's warm-up, read as torch's own hook_with_zero_step reads it",
     "_make_wrapper_subclass": "a fragment presented to DCP as a tensor of its parameter's shape",
     "_version": "a tensor's version counter: whether a gradient changed since it was read",

@@ -111,6 +111,13 @@ def _hook_after(model: Hooked, how: str, wrapper: nn.Module) -> None:
         parametrize.register_parametrization(model.block.inner, "weight", Doubled())
 
 
+def _hook_in_flight(model: Hooked, how: str) -> None:
+    if how == "prepend_in_flight":
+        model.shifted.register_forward_pre_hook(_shift, prepend=True)
+    elif not _GLOBAL:  # one module-global hook serves both models
+        _GLOBAL.append(register_module_forward_pre_hook(_global_shift))
+
+
 def _hook_order_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
     for (partition, bucket_view), overlap, how in configs:
         label = f"{how} {partition} overlap={overlap}"
@@ -128,6 +135,9 @@ def _hook_order_body(rank: int, world_size: int, configs: list[tuple[Any, ...]])
                 _hook_after(reference, how, ddp)
             for step in range(3):
                 _step_both(zero, sdp, plain, ddp, _x(rank, step), f"{label} step {step}")
+                if step == 0 and how.endswith("in_flight"):  # registered while step 0's sync is in flight
+                    _hook_in_flight(model, how)
+                    _hook_in_flight(reference, how)
             sdp.sync_finished()
             _compare(model, reference, label)
         finally:
@@ -139,7 +149,9 @@ HOWS = [
     "on_wrapper",
     "pre_hook",
     "prepend_after",
+    "prepend_in_flight",
     "global",
+    "global_in_flight",
     "weight_norm",
     "spectral_norm",
     "parametrize_before",
@@ -149,8 +161,8 @@ HOWS = [
 
 @pytest.mark.parametrize("how", HOWS)
 def test_user_pre_hooks_run_after_the_landing_hook(how: str) -> None:
-    """A pre-hook registered before wrapping, one registered after it with ``prepend=True``, a module-global one, one
-    on the wrapper,
+    """A pre-hook registered before wrapping, one registered after it with ``prepend=True`` (before a step, or while
+    its sync is in flight), a module-global one (the same), one on the wrapper,
     the old ``weight_norm`` (a pre-hook; one rank raised in the backward while the other waited) and
     ``spectral_norm``, parametrizations
     registered before and after wrapping (read through a property in the parent's forward): every forward's loss is
@@ -215,6 +227,16 @@ def test_writes_through_the_inner_module_after_step_are_refused_on_every_rank() 
         )
     )
     run_on_ranks(_outside_write_body, 2, configs, timeout=120)
+
+
+def test_a_write_through_data_leaves_the_version_counter_alone() -> None:
+    """Why the in-flight write watch compares values (the owners' checksums) and not version counters (issue 45
+    item 4): WGAN's ``p.data.clamp_`` above leaves ``p._version`` as it was, so a version watch would let that write
+    be lost on the non-owners, silently. If torch ever counts it, the checksums can go."""
+    param = nn.Parameter(torch.ones(3))
+    before = param._version
+    param.data.clamp_(-0.5, 0.5)
+    assert param._version == before and param.max() == 0.5
 
 
 def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> list[tuple[str, str]]:

@@ -1,19 +1,21 @@
 """The parameter side of ``ShardedDataParallel``: after the local step, each bucket's parameters are gathered from
 their owners on their own, in the order the forward reads them, so that with ``overlap_param_sync`` the next
-forward starts while later buckets travel (each module's pre-hook lands what it needs, as Megatron-Core's
-``overlap_param_gather``). ``step()`` launches every bucket on every rank in one order; landing only waits and
-copies, locally. With ``overlap``, a write between launch and landing is caught by the owners' checksums of their
-elements and raised inside the next step's agreement; a read autograd saved raises torch's in-place error. The
-window's rules in full: ``docs/guides/internals.md``.
+forward starts while later buckets travel (before each module, a module-global forward pre-hook, registered only
+while the sync is in flight, lands what it needs, as Megatron-Core's ``overlap_param_gather``). ``step()`` launches
+every bucket on every rank in one order; landing only waits and copies, locally. With ``overlap``, a write between
+launch and landing is caught by the owners' checksums of their elements and raised inside the next step's
+agreement; a read autograd saved raises torch's in-place error. The window's rules: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from distoptim import _host
 from distoptim._flat import copy_each_
@@ -27,6 +29,20 @@ __all__ = ["BucketedSync"]
 
 
 _Storage = tuple[tuple[Any, int], ...]  # each parameter's storage (held: its address is not reused) and data pointer
+
+
+class _LandBefore:
+    """The module-global forward pre-hook while a sync is in flight: before a module (and before every forward
+    pre-hook of its own, whenever registered: torch runs module-global ones first), land the buckets it reads."""
+
+    def __init__(self, sync: BucketedSync) -> None:
+        self.sync = weakref.ref(sync)  # a sync dropped in flight leaves no hook holding it
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        sync = self.sync()
+        last = -1 if sync is None else sync.landing.get(module, -1)
+        if sync is not None and last >= 0:
+            sync.land_through(last)
 
 
 class _Unit:
@@ -111,6 +127,8 @@ class BucketedSync(ParameterSync):
         self._sums: list[Tensor | None] = []  # with overlap: each launched bucket's checksum of this rank's elements
         self._changed: list[Tensor] = []  # whether they changed before landing, for each landed bucket
         self._storage: list[_Storage] = []  # with overlap: each launched bucket's parameters' storages, held
+        self.landing: dict[nn.Module, int] = {}  # the last bucket (forward order) each module reads: set by the wrapper
+        self._hook: weakref.finalize[Any, Any] | None = None  # removes the landing pre-hook: held while in flight
 
     def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
@@ -131,11 +149,16 @@ class BucketedSync(ParameterSync):
     def sync_parameters(self) -> None:
         self.finish()
         self._launched, self._landed = [unit.launch() for unit in self.units], 0
-        if not self.overlap:
+        if not self.overlap or self.alone:
             self.finish()
-        elif not self.alone:  # nothing is overwritten in a group of one
-            self._sums = [_checksum(unit.owned(landed=False)) for unit in self.units]
-            self._storage = [_where(params) for params in self.params_of]
+            return
+        self._sums = [_checksum(unit.owned(landed=False)) for unit in self.units]
+        self._storage = [_where(params) for params in self.params_of]
+        handle = register_module_forward_pre_hook(_LandBefore(self))
+        self._hook = weakref.finalize(self, handle.remove)  # removed when all landed, or when the sync is dropped
+        hooks = handle.hooks_dict_ref()  # read through the handle torch returned (public), never reordered
+        if hooks is None or any(not isinstance(hook, _LandBefore) for hook in hooks.values()):
+            self.finish()  # a module-global pre-hook of the user's runs before ours and may read any parameter
 
     def land_through(self, last: int) -> None:
         """Land the buckets up to ``last`` (in forward order): local waiting and copying only."""
@@ -159,6 +182,10 @@ class BucketedSync(ParameterSync):
             if self._storage:
                 self._storage[self._landed] = ()  # held until landed only
             self._landed += 1
+        hook = self._hook
+        if hook is not None and self._landed >= len(self._launched):
+            self._hook = None
+            hook()
 
     def in_flight(self, unit: int) -> bool:
         """Whether bucket ``unit``'s sync has been launched and not landed."""
@@ -217,7 +244,7 @@ def _same_storage(launched: _Storage, params: Sequence[Tensor]) -> bool:
     """Whether ``params`` still lie where they lay at launch: the same storages (by identity), the same pointers."""
     now = _where(params)
     return len(now) == len(launched) and all(
-        a._cdata == b._cdata and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True)
+        a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True)
     )
 
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from distoptim._backward import in_backward
 from distoptim.comm import agreement as _agreement
-from distoptim.sharded_data_parallel import checks, hook_order
+from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.broadcast import broadcast_from_first
 from distoptim.sharded_data_parallel.buckets import BucketCaps, BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
@@ -49,6 +49,8 @@ class ShardedDataParallel(nn.Module):
         loss_fn(model(batch)).backward()                      # then zero.step()
         ```
     """
+
+    _pre_hooked = False  # whether the user registered a forward pre-hook on the wrapper itself
 
     def __init__(
         self,
@@ -104,9 +106,7 @@ class ShardedDataParallel(nn.Module):
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self._sync_buffers_next = True
-        self._landers: list[Any] = []  # the forward pre-hooks' handles (registered again when the buckets change)
-        self._first: list[tuple[nn.Module, int]] = []  # (module, id) of each landing pre-hook: kept first
-        self.register_forward_pre_hook(self._before_forward, prepend=True)
+        self._landers: list[Any] = []  # the state-dict pre-hooks' handles (registered again when the buckets change)
         checks.claim_groups(self)
         self._rebuild()
 
@@ -138,24 +138,39 @@ class ShardedDataParallel(nn.Module):
         self.gradients.on_grad(param)
 
     def _register_landing_hooks(self, sync: BucketedSync) -> None:
-        """Before each submodule's forward, land the buckets of every parameter in its subtree (a module may read
-        a child's parameter without running the child: ``nn.MultiheadAttention`` reads ``out_proj.weight``) and of
-        every bucket before them; before the root's, those of its own parameters only (its subtree is everything:
-        waiting for all of it would overlap nothing), counting those of its parameter containers (GPT-2's learned
-        positions in an ``nn.ParameterDict``: never called, read by the root). A parameter read by a module outside
-        its subtree before any module holding it ran (the root reading a deep child's weight) needs
-        ``model.sync_finished()`` first."""
+        """Before each submodule's forward (``sync.py``'s module-global pre-hook), land the buckets of every
+        parameter in its subtree (a module may read a child's parameter without running the child:
+        ``nn.MultiheadAttention`` reads ``out_proj.weight``) and of every bucket before them; before the root's,
+        those of its own parameters only (its subtree is everything: waiting for all of it would overlap nothing),
+        counting those of its parameter containers (GPT-2's learned positions in an ``nn.ParameterDict``). Before
+        the wrapper's, once the user registered a pre-hook on it, everything. A parameter read by a module outside
+        its subtree before any module holding it ran needs ``model.sync_finished()`` first."""
         for handle in self._landers:
             handle.remove()
-        self._landers, self._first = [], []
+        self._landers = []
         for submodule in self.module.modules():
             params = _held_directly(submodule) if submodule is self.module else submodule.parameters()
             last = sync.last_unit(params)
-            if last >= 0:  # before the user's pre-hooks, whenever registered (hook_order.py)
-                self._landers.append(submodule.register_forward_pre_hook(_Lander(self, last), prepend=True))
-                self._first.append((submodule, self._landers[-1].id))
+            if last >= 0:
+                sync.landing[submodule] = last
                 # model.module.state_dict(), DDP's saving idiom, reads every parameter: it waits for all of them
                 self._landers.append(submodule.register_state_dict_pre_hook(_Finisher(self.zero)))  # type: ignore[no-untyped-call]
+        if self._pre_hooked:
+            sync.landing[self] = len(sync.units)
+
+    def register_forward_pre_hook(self, hook: Any, *, prepend: bool = False, with_kwargs: bool = False) -> Any:
+        """``nn.Module.register_forward_pre_hook``; with ``overlap_param_sync`` the whole sync lands before the
+        wrapper's pre-hooks from then on (one may read any parameter).
+
+        Args:
+            hook: the pre-hook.
+            prepend: run it before the wrapper's other pre-hooks (default False).
+            with_kwargs: pass it the keyword arguments too (default False).
+        """
+        self._pre_hooked = True
+        if self._bucketed is not None and self.overlap_param_sync:
+            self._register_landing_hooks(self._bucketed)
+        return super().register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
 
     # ------------------------------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -181,13 +196,6 @@ class ShardedDataParallel(nn.Module):
         self.zero.land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
         return output
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """The wrapper's first forward pre-hook: the landing hooks first among the user's (``hook_order.py``)."""
-        if hook_order.others_run_first(self):
-            self.zero.land_sync()  # in a forward: the step's agreement raises a write on every rank
-        else:
-            hook_order.keep_first(self._first)
 
     def join_hook(self, **kwargs: Any) -> Any:
         """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs), where ``Join([model, ...])`` is built,
@@ -290,18 +298,6 @@ class _BeforeGradient:
         param, gradients = self.param(), self.wrapper.gradients
         if param is not None and gradients is not None:
             gradients.before_gradient(param)
-
-
-class _Lander:
-    """A forward pre-hook: land the parameter sync through bucket ``last`` (in forward order)."""
-
-    def __init__(self, wrapper: ShardedDataParallel, last: int) -> None:
-        self.wrapper, self.last = weakref.ref(wrapper), last
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        wrapper = self.wrapper()
-        if wrapper is not None and wrapper._bucketed is not None:
-            wrapper._bucketed.land_through(self.last)
 
 
 class _Finisher:
