@@ -57,14 +57,15 @@ def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
     """The 256 sorted code values in [-1, 1] (signed) or [0, 1], and the 255 midpoints between neighbours.
 
     Dynamic tree quantization with 7 exponent bits: for exponent ``i`` in 0..6, magnitudes ``10**(i - 6)`` times
-    the centres of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal bins of [0.1, 1]; plus 0 and 1."""
-    values: list[float] = [0.0, 1.0]
+    the centres of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal bins of [0.1, 1]; plus 0 and 1. The signed
+    map also holds -1 (in place of its smallest negative value; bitsandbytes' has +1 only), so that the element
+    setting a block's absmax decodes to it exactly, either sign: encoding what was decoded gives the same codes."""
+    values: list[float] = [0.0, 1.0] + ([-1.0] if signed else [])
     for i in range(7):
         count = 2**i if signed else 2 ** (i + 1)
         edges = torch.linspace(0.1, 1.0, count + 1, dtype=torch.float64)
         centres = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)).tolist()
-        values += centres + ([-c for c in centres] if signed else [])
-    values += [0.0] * (256 - len(values))
+        values += centres + ([-c for c in centres[int(i == 0) :]] if signed else [])
     table = torch.tensor(sorted(values), dtype=torch.float32)
     return table, (table[:-1] + table[1:]) / 2
 
