@@ -11,6 +11,7 @@ to nearest (``.to(torch.bfloat16)``). Which keys are encoded: ``SIGNED`` and ``N
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import Tensor
@@ -72,34 +73,39 @@ def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """For each run of 2**15 floats sharing their top 17 bits: how many midpoints lie below the run, and the one
-    midpoint inside it (+inf if none; the map's bins are far wider than a run, so never two)."""
+    """For each run of 2**16 floats sharing their top 16 bits (sign, exponent, 7 mantissa bits): how many midpoints
+    lie below the run, and the one midpoint inside it (+inf if none; the map's bins are wider than a run)."""
     _, midpoints = dynamic_map(signed)
-    top = torch.arange(1 << 17, dtype=torch.int64) << 15
-    low, high = top.to(torch.int32).view(torch.float32), (top | 0x7FFF).to(torch.int32).view(torch.float32)
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low, high = top.to(torch.int32).view(torch.float32), (top | 0xFFFF).to(torch.int32).view(torch.float32)
     low, high = torch.minimum(low, high), torch.maximum(low, high)  # negative floats run the other way
     below = torch.searchsorted(midpoints, low)  # midpoints < low
     inside = torch.searchsorted(midpoints, high, right=True) - below
     finite = low.isfinite() & high.isfinite()
     assert int(inside[finite].max()) <= 1
     after = torch.where(inside > 0, midpoints[below.clamp(max=254)], torch.full_like(low, float("inf")))
-    return below.to(torch.int32).to(device), after.to(device)
+    return below.to(torch.uint8).to(device), after.to(device)  # below + 1 <= 255 wherever a midpoint follows
+
+
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
 def nearest_codes(normalized: Tensor, signed: bool) -> Tensor:
     """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; a tie to the lower code):
     ``torch.bucketize`` on the map's midpoints, the same bits, by two lookups in tables of the floats' top bits."""
     below, after = _code_tables(signed, normalized.device)
-    run = (normalized.view(torch.int32) >> 15) & 0x1FFFF
-    return below.index_select(0, run).add_(after.index_select(0, run) < normalized)
+    halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
+    run = halves.view(torch.uint16).to(torch.int32)
+    return below.index_select(0, run).add_((after.index_select(0, run) < normalized).view(torch.uint8))
 
 
 def _flat(tensor: Tensor) -> Tensor:
     return flat_view(tensor) if is_dense(tensor) else tensor.reshape(-1)
 
 
-def _like(value: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.empty_like(value, dtype=dtype) if is_dense(value) else value.new_empty(value.shape, dtype=dtype)
+def _laid_like(flat: Tensor, like: Tensor) -> Tensor:
+    """``flat`` (new, contiguous: ``like``'s elements in ``_flat``'s order) shaped and laid out as ``like``."""
+    return flat.as_strided(like.shape, like.stride()) if is_dense(like) else flat.view(like.shape)
 
 
 def encode(key: str, value: Tensor, fmt: str) -> dict[str, Tensor]:
@@ -114,15 +120,11 @@ def encode(key: str, value: Tensor, fmt: str) -> dict[str, Tensor]:
     if full < count:
         absmax[-1] = flat[full:].abs().amax()
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = _like(value, torch.uint8)
-    out = _flat(codes)
     normalized = torch.empty_like(flat)
     torch.div(flat[:full].view(-1, BLOCK), safe[: full // BLOCK, None], out=normalized[:full].view(-1, BLOCK))
     if full < count:
         torch.div(flat[full:], safe[-1], out=normalized[full:])
-    out.copy_(nearest_codes(normalized, key in SIGNED))
-    if not is_dense(value):
-        codes = out.view(value.shape)
+    codes = _laid_like(nearest_codes(normalized, key in SIGNED), value)
     return {f"{key}.int8": codes, f"{key}.int8_{SCALE}": absmax}
 
 
@@ -137,6 +139,4 @@ def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype) -> 
     values[:full].view(-1, BLOCK).mul_(absmax[: full // BLOCK, None])
     if full < count:
         values[full:].mul_(absmax[-1])
-    out = _like(codes, dtype)
-    _flat(out).copy_(values) if is_dense(out) else out.copy_(values.view(codes.shape))
-    return out
+    return _laid_like(values if dtype == torch.float32 else values.to(dtype), codes)
