@@ -154,3 +154,31 @@ def _refusals_body(rank: int, world_size: int) -> None:
 
 def test_refusals_on_every_rank() -> None:
     run_on_ranks(_refusals_body, 2)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_int8_codec_is_the_nearest_code_and_decode_encode_is_identity(key: str) -> None:
+    signed = key in codecs.SIGNED
+    table, midpoints = codecs.dynamic_map(signed)
+    assert table.numel() == 256 and table.unique().numel() == 256 and table.min() == (-1.0 if signed else 0.0)
+    edges = [midpoints, midpoints.nextafter(torch.tensor(2.0)), midpoints.nextafter(torch.tensor(-2.0)), table]
+    values = torch.cat([torch.rand(100_000) * 2 - 1, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30]), *edges])
+    values = values if signed else values.abs()
+    expected = torch.bucketize(values, midpoints)
+    assert torch.equal(codecs.nearest_codes(values, signed).long(), expected)
+    generator = torch.Generator().manual_seed(0)
+    for scale in (1e-8, 1e-3, 1.0, 1e4):
+        for shape, transpose in (((5000,), False), ((70, 80), True), ((3, 300), False)):
+            x = torch.randn(shape, generator=generator) * scale
+            x = x.t() if transpose else x
+            x = x if signed else x * x
+            encoded = codecs.encode(key, x, "int8")
+            assert encoded[f"{key}.int8"].stride() == x.stride()
+            back = codecs.decode(key, encoded, "int8", torch.float32)
+            assert back.stride() == x.stride()
+            assert (back - x).abs().max() <= 0.08 * x.abs().max()
+            again = codecs.encode(key, back, "int8")
+            assert all(torch.equal(encoded[name], again[name]) for name in encoded)
+    # a piece starting on a block boundary encodes as the same elements of the whole
+    whole, piece = codecs.encode(key, x.reshape(-1), "int8"), codecs.encode(key, x.reshape(-1)[512:], "int8")
+    assert torch.equal(whole[f"{key}.int8"][512:], piece[f"{key}.int8"])
