@@ -5,6 +5,7 @@ through the same codec after every step, bitwise (clipping: within its norm's ro
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -126,6 +127,40 @@ def _added_groups_body(rank: int, world_size: int) -> None:
 
 def test_add_param_group_with_formats() -> None:
     run_on_ranks(_added_groups_body, 2, timeout=240)
+
+
+def _muon_body(rank: int, world_size: int) -> None:
+    """Muon with bf16 momentum on two matrices beside AdamW with int8 state on the rest (per-group classes)."""
+    model, reference = _model(torch.float32), _model(torch.float32)
+    ddp, reference_ddp = DDP(model), DDP(reference)
+    muon = {"lr": 0.02, "momentum": 0.95}
+
+    def groups(net: nn.Sequential, zero: bool) -> list[dict[str, Any]]:
+        matrices = [net[0].weight, net[4].weight]
+        rest = [p for p in net.parameters() if all(p is not m for m in matrices)]
+        named = {"optimizer_class": torch.optim.Muon} if zero else {}
+        return [{"params": matrices, "state_format": "bf16", **muon, **named}, {"params": rest, "state_format": "int8"}]
+
+    zero = ZeroRedundancyOptimizer(groups(model, True), torch.optim.AdamW, partition="even", **KWARGS)
+    plain_groups = groups(reference, False)
+    plains = [torch.optim.Muon([plain_groups[0]]), torch.optim.AdamW([plain_groups[1]], **KWARGS)]
+    for step in range(4):
+        zero.zero_grad()
+        for plain in plains:
+            plain.zero_grad()
+        for net in (ddp, reference_ddp):
+            _loss(net, rank, step, torch.float32).backward()
+        zero.step()
+        for plain in plains:
+            plain.step()
+            roundtrip(plain, "fp32")
+        _check(model, reference, f"Muon bf16 + AdamW int8 step {step}", exact=True)
+    formats = {k.rsplit(".", 1)[-1] for e in zero.local_optimizer.state.values() for k in e if "." in k}
+    assert formats, formats
+
+
+def test_muon_bf16_beside_adamw_int8() -> None:
+    run_on_ranks(_muon_body, 2, timeout=240)
 
 
 def _sdp_body(rank: int, world_size: int) -> None:

@@ -23,7 +23,7 @@ from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero.elementwise import ELEMENTWISE_NAMES, is_coupled, is_elementwise, torch_class_of
+from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.fingerprints import fingerprint
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
 from distoptim.zero.param_input import check_names_alike, normalize_param_groups
@@ -217,22 +217,17 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
 
 
 def check_state_formats(groups: ParamGroups, optimizer_class: type, state_format: Any, overlap_with_ddp: bool) -> None:
-    """Each group's ``state_format`` (its own, or the constructor's) is a format; a low-bit one only for an
-    elementwise class, and not in overlap mode (its hooks step torch's functional kernels on the state directly)."""
+    """Each group's ``state_format`` (its own, or the constructor's) is a format; a low-bit one not in overlap mode
+    (its hooks step torch's functional kernels on the state directly). Any class may take one: a whole-tensor class
+    (Muon) owns its parameters whole, and state keys not in ``codecs``' table (Adafactor's factors) stay as they are."""
     check_format(state_format, "ZeroRedundancyOptimizer")
     for index, group in enumerate(groups):
         fmt = check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
-        cls = group_class(group, optimizer_class)
         if fmt != "fp32" and overlap_with_ddp:
             raise ValueError(
                 f"param group {index}: state_format={fmt!r} is not supported with overlap_with_ddp=True (its hooks "
                 "step the state with torch's functional kernels directly); use overlap_with_ddp=False, or "
                 "ShardedDataParallel for ZeRO-2"
-            )
-        if fmt != "fp32" and not is_elementwise(cls):
-            raise ValueError(
-                f"param group {index} ({cls.__qualname__}): state_format={fmt!r} needs an elementwise optimizer "
-                f'({ELEMENTWISE_NAMES}); give this group "state_format": "fp32"'
             )
 
 
