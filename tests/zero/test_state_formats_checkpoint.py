@@ -108,3 +108,25 @@ def _consolidated_body(rank: int, world_size: int) -> None:
 
 def test_consolidated_checkpoint_is_torch_optims_and_loads_back() -> None:
     run_on_ranks(_consolidated_body, 2)
+
+
+def _other_format_body(rank: int, world_size: int, path: str, saved_format: str, load_format: str) -> str:
+    params = make_params()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition="even", state_format=saved_format)
+    _train(zero, params, rank, world_size, range(1))
+    checkpoint.save({"optim": zero.sharded_state_dict()}, path)
+    other = ZeroRedundancyOptimizer(make_params(), torch.optim.AdamW, partition="even", state_format=load_format)
+    state = {"optim": other.sharded_state_dict()}
+    try:
+        checkpoint.load(state, path)
+        other.load_sharded_state_dict(state["optim"])
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return "loaded"
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("int8", "fp32"), ("fp32", "int8"), ("int8", "bf16")])
+def test_sharded_checkpoint_of_another_format_is_refused(tmp_path: Path, saved: str, loaded: str) -> None:
+    results = run_on_ranks(_other_format_body, 2, str(tmp_path / "checkpoint"), saved, loaded)
+    assert all("lacks" in result for result in results), results
+    assert all(result.startswith("ValueError") for result in results), results
