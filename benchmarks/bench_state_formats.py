@@ -72,8 +72,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--partition", choices=("even", "greedy"), default="even")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {args.params_millions}M-parameter GPT, AdamW, partition={args.partition}")
-    print("world | format | state MiB/rank (max) | x fp32 | step ms (median) | x fp32")
+    print(
+        f"torch {torch.__version__}, the demo's GPT shapes (--params-millions {args.params_millions}), AdamW, "
+        f"partition={args.partition}"
+    )
+    print("world | format | state MiB/rank (max) | x fp32 | step ms (median) | x fp32 | parameters")
     for world_size in args.world_sizes:
         ranks = run_ranks(_rank, world_size, (args.params_millions, args.iters, args.partition), timeout_s=1800.0)
         for fmt in FORMATS:
@@ -82,6 +85,7 @@ def main() -> None:
             ms, base = ranks[0]["ms"][fmt], ranks[0]["ms"]["fp32"]
             print(
                 f"{world_size:5} | {fmt:6} | {most / 2**20:20.2f} | {most / fp32:6.3f} | {ms:16.1f} | {ms / base:6.2f}"
+                f" | {ranks[0]['numel']:,}"
             )
 
 
