@@ -633,3 +633,37 @@ def test_muon_takes_the_matrices_of_a_gpt2s_blocks_and_leaves_its_tied_embedding
     assert [p.name for p in inventory.params[: len(muon)]] == muon
     rest = {p.name for p in inventory.params[len(muon) :]}
     assert {"transformer.wte.weight", "transformer.wpe.weight"} <= rest and "lm_head.weight" not in rest
+
+
+def _zero_state_of_format(rank: int, world_size: int, fmt: str) -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 128), nn.Linear(128, 40))
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", state_format=fmt)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    zero.step()
+    return sum(v.numel() * v.element_size() for e in zero.state.values() for v in e.values() if isinstance(v, Tensor))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_state_formats_bytes_match_the_optimizer(fmt: str) -> None:
+    """The planner's state bytes per rank in a state format are what ZeroRedundancyOptimizer holds (blocks cut as
+    the even partition cuts them: within a block's scale per rank)."""
+    from tests._dist import run_on_ranks
+
+    measured = run_on_ranks(_zero_state_of_format, 2, fmt)
+    inventory = Inventory(
+        (
+            ParamSpec("0.weight", (128, 96), torch.float32, True),
+            ParamSpec("0.bias", (128,), torch.float32, True),
+            ParamSpec("1.weight", (40, 128), torch.float32, True),
+            ParamSpec("1.bias", (40,), torch.float32, True),
+        ),
+        "two linears",
+    )
+    config = PlanConfig(2, resolve_optimizer("adamw"), state_format=fmt)
+    zero1 = next(mode for mode in plan_modes(inventory, config) if mode.key == "zero1")
+    planned = [rank.state for rank in zero1.ranks]
+    assert sum(planned) == pytest.approx(sum(measured), abs=16), (planned, measured)
+    fp32 = next(m for m in plan_modes(inventory, PlanConfig(2, resolve_optimizer("adamw"))) if m.key == "zero1")
+    assert sum(planned) < sum(rank.state for rank in fp32.ranks) * (0.51 if fmt == "bf16" else 0.27)

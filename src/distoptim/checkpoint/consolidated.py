@@ -19,6 +19,7 @@ from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.zero.elementwise import class_name, is_elementwise, torch_class_of
 from distoptim.zero.local_optimizer import CLASS_KEY
+from distoptim.zero.state_formats import FORMAT_KEY
 
 __all__ = [
     "STAGING_BYTES",
@@ -202,9 +203,10 @@ def select_shard(
 
 
 def loaded_hyperparameters(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved group's settings to load into a group: all but ``params`` and the class (the group's own class,
-    checked to have the saved name, stays: ``param_groups`` keeps showing the class, not its name)."""
-    return {k: v for k, v in saved.items() if k not in ("params", CLASS_KEY)}
+    """A saved group's settings to load into a group: all but ``params``, the class (the group's own class,
+    checked to have the saved name, stays: ``param_groups`` keeps showing the class, not its name) and the state
+    format (the group's own stays: a load converts the state into it)."""
+    return {k: v for k, v in saved.items() if k not in ("params", CLASS_KEY, FORMAT_KEY)}
 
 
 # Implementation switches, not hyperparameters: torch.optim fills them in when an older checkpoint lacks them.

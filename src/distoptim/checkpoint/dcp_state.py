@@ -4,7 +4,8 @@ Each parameter-shaped state tensor is presented to DCP as a tensor of the parame
 holds the boxes its fragment covers (``boxes.memory_range_boxes``), so a checkpoint is independent of world size,
 partition and memory layout. Usage: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``, then
 ``zero.load_sharded_state_dict(state["optim"])`` after ``dcp.load``; ``distoptim.checkpoint`` adds crash safety and
-loads states a parameter never had (``prune_unsaved``, ``install_loaded``). ``docs/guides/internals.md``.
+loads states a parameter never had (``prune_unsaved``, ``install_loaded``). ``docs/guides/internals.md``. A state
+kept in fewer bits is saved encoded, its keys tagged with the format (``codecs.encoded_names``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from distoptim._flat import is_dense
 from distoptim.checkpoint.boxes import memory_range_boxes
 from distoptim.checkpoint.consolidated import check_hyperparameters, loaded_hyperparameters
+from distoptim.zero.codecs import BLOCK, SCALES_SUFFIX
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
 
 if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a third of distoptim's import time
@@ -147,7 +149,8 @@ def sharded_state(
         saved = local.tensor in state
         entry = dict(state[local.tensor] if saved else placeholders.get(local.tensor, {}))
         for name, value in entry.items():
-            exported[f"state.{local.index}.{name}"] = _as_saved(value, local, saved)
+            scales = name.endswith(SCALES_SUFFIX) and isinstance(value, Tensor)
+            exported[f"state.{local.index}.{name}"] = (_scales_saved if scales else _as_saved)(value, local, saved)
         if local.master:
             exported[f"state.{local.index}.{MASTER_KEY}"] = _as_saved(local.tensor, local, True)
     return exported
@@ -166,6 +169,13 @@ def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
             _boxes(piece, local.param, local.offset, local.length), tuple(local.param.shape), value, saved
         )
     return value if saved else Placeholder(value)
+
+
+def _scales_saved(value: Tensor, local: LocalTensor, saved: bool) -> FragmentTensor:
+    """An int8 state's per-block scales as a fragment of the parameter's blocks (``codecs.BLOCK`` elements each,
+    counted from its first element; an even partition cuts at block boundaries, so ranks never share a block)."""
+    blocks = -(-local.param.numel() // BLOCK)
+    return FragmentTensor([((local.offset // BLOCK,), value.detach())], (blocks,), value, saved)
 
 
 def _check_piece(piece: Tensor, local: LocalTensor) -> None:

@@ -36,6 +36,7 @@ class DemoOptions:
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
+    state_format: str = "fp32"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -91,6 +92,12 @@ def build_parser() -> OneLineParser:
         type=Path,
         default=None,
         help="continue from a DIR/step-N that --checkpoint wrote, up to --steps in all",
+    )
+    parser.add_argument(
+        "--state-format",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="ZeroRedundancyOptimizer's state_format: AdamW's moments in fp32 (default), bf16 or int8",
     )
     parser.add_argument("--debug", action="store_true", help="show the ranks' tracebacks and logs on failure")
     return parser
@@ -152,4 +159,5 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
         checkpoint=None if args.checkpoint is None else str(args.checkpoint),
         checkpoint_every=args.checkpoint_every,
         resume=None if args.resume is None else str(args.resume),
+        state_format=args.state_format,
     )

@@ -50,7 +50,12 @@ def train_rank(ctx: RankContext, options: DemoOptions) -> RankReport:
     model = GPT(config)
     ddp = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(
-        ddp.parameters(), torch.optim.AdamW, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1
+        ddp.parameters(),
+        torch.optim.AdamW,
+        lr=options.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        state_format=options.state_format,
     )
     warmup = max(1, options.steps // 10)
     scheduler = LambdaLR(  # linear warm-up, cosine decay to a tenth; the scheduler edits ZeRO's global groups

@@ -19,6 +19,7 @@ from distoptim.plan.inventory import Inventory, from_factory, load_factory, tran
 from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, dtype_name, plan_modes
 from distoptim.plan.muon import takes_muon
 from distoptim.plan.state import OptimizerSpec, StateCost, resolve_optimizer, state_cost
+from distoptim.zero.codecs import FORMATS
 from distoptim.zero.partition import MODES as PARTITIONS
 
 __all__ = ["main", "parse_bytes", "parse_count", "parse_dtype"]
@@ -117,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ShardedDataParallel's (default 25)")
     parser.add_argument("--reduce-dtype", help="ShardedDataParallel's and FSDP2's gradient reduction dtype")
+    parser.add_argument(
+        "--state-format",
+        default="fp32",
+        choices=FORMATS,
+        help="ZeroRedundancyOptimizer's state_format (ZeRO's modes): fp32, bf16, int8 (default fp32)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser  # fmt: skip
 
@@ -155,6 +162,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         bucket_cap_mb=args.bucket_cap_mb,
         reduce_dtype=parse_dtype(args.reduce_dtype) if args.reduce_dtype else None,
         muon=OptimizerSpec(torch.optim.Muon) if args.muon else None,
+        state_format=args.state_format,
     )
     gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     return build_report(inventory, config, gpu_memory)
@@ -182,6 +190,10 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
         "world_size": config.world_size,
         "optimizer": config.optimizer.name,
         "state_bytes": _state_bytes(costs),
+        "state_format": config.state_format,
+        "format_state_bytes": _state_bytes(
+            {name: state_cost(config.optimizer, parse_dtype(name), config.state_format) for name in costs}
+        ),
         "muon": muon,
         "master_dtype": None if master is None else dtype_name(master),
         "partition": config.partition,
@@ -251,6 +263,11 @@ def _table(report: dict[str, Any]) -> str:
         for name, c in report["state_bytes"].items()
     )
     master = f", master weights in {report['master_dtype']}" if report["master_dtype"] else ""
+    if report["state_format"] != "fp32":
+        master += f", ZeRO's state in {report['state_format']} (parameters of 4,096 elements or more)"
+        costs += f"; in {report['state_format']}: " + "; ".join(
+            f"{c['per_element']:.4g} B per element in {name}" for name, c in report["format_state_bytes"].items()
+        )
     muon = report["muon"]
     muon_line = (
         [

@@ -9,6 +9,7 @@ import torch
 
 from distoptim.plan.inventory import ParamSpec
 from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
+from distoptim.zero.codecs import MIN_NUMEL
 
 __all__ = [
     "DEVICE",
@@ -42,6 +43,7 @@ class PlanConfig:
     parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
     reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
     muon: OptimizerSpec | None = None  # Muon on the blocks' matrices (``plan.muon``), ``optimizer`` on the rest
+    state_format: str = "fp32"  # ZeroRedundancyOptimizer's (its modes only): fp32, bf16, int8
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,13 @@ class ModePlan:
         return rank, self.ranks[rank]
 
 
-def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype) -> StateCost:
-    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one)."""
-    return state_cost(config.muon if param.muon and config.muon is not None else config.optimizer, dtype)
+def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype, zero: bool = False) -> StateCost:
+    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one); ``zero``:
+    by ZeroRedundancyOptimizer, in ``config.state_format`` where the parameter takes it (``zero.state_formats``)."""
+    muon = param.muon and config.muon is not None
+    formatted = zero and not muon and param.numel >= MIN_NUMEL and dtype.is_floating_point
+    optimizer = config.muon if muon and config.muon is not None else config.optimizer
+    return state_cost(optimizer, dtype, config.state_format if formatted else "fp32")
 
 
 def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:

@@ -97,7 +97,7 @@ class _ZeroShards:
         self.state, self.master = [0] * size, [0] * size
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
         for param, fragments in zip(params, plan.fragments):
-            cost = step_cost(param, config, step_dtype(param, master))
+            cost = step_cost(param, config, step_dtype(param, master), zero=True)
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
                 if master is not None and mastered(param, master):

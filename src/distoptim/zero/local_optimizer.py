@@ -7,6 +7,8 @@ plain ``torch.optim`` optimizers ignore the key, so it can stay in the group. Wh
 local optimizer is that plain optimizer (``zero.optim``, as before); otherwise a ``CompositeOptimizer``: its
 ``param_groups`` are its parts' group dicts in the global order, its ``state`` one dict the parts share (so
 consolidation, loading, ``state``, clipping and GradScaler see one optimizer), its ``step`` each part's step.
+Where a group keeps its state in fewer bits (``"state_format"``), the local optimizer is a composite too, stepping
+through ``state_formats.StateFormats`` (set by ``placement.bind_local_optimizer``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.optim import Optimizer
 from distoptim.zero.elementwise import is_elementwise, torch_class_of
 from distoptim.zero.partition import newton_schulz_cost
 from distoptim.zero.shard import has_master
+from distoptim.zero.state_formats import StateFormats, needs_formats
 
 __all__ = [
     "CLASS_KEY",
@@ -66,7 +69,7 @@ def whole_tensor_weights(groups: Sequence[dict[str, Any]], default: type) -> tup
 def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defaults: dict[str, Any]) -> Optimizer:
     """The local optimizer over ``groups`` (this rank's, in global order): plain where every group is of one kind."""
     kinds = [kind_of(group, default) for group in groups]
-    if len(set(kinds)) == 1:
+    if len(set(kinds)) == 1 and not needs_formats(groups):
         cls, named = kinds[0]
         optim: Optimizer = cls(list(groups), **({} if named else defaults))
         return optim
@@ -126,6 +129,7 @@ class CompositeOptimizer(Optimizer):
         default: type,
     ) -> None:
         self._make, self._default = make, default
+        self.formats: StateFormats | None = None  # the state's formats, where a group keeps it in fewer bits
         self.parts: dict[Kind, Optimizer] = {}
         self._shared: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
         super().__init__([{"params": []}], {})  # the hook registries; the groups are the parts'
@@ -173,6 +177,9 @@ class CompositeOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.formats is not None:
+            self.formats.step(list(self.parts.values()), self.param_groups, self._shared, kwargs)
+            return loss
         for part in self.parts.values():
             part.step(**kwargs)
         return loss
@@ -199,3 +206,5 @@ class CompositeOptimizer(Optimizer):
             optim.load_state_dict(per_part[kind])
             self._shared.update(optim.state)
             optim.state = self._shared
+        if self.formats is not None:  # torch.optim's format is decoded: encoded again here
+            self.formats.encode_all(self._shared)

@@ -28,6 +28,7 @@ from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_fr
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, copy_hyperparameters
+from distoptim.zero.state_formats import FORMAT_KEY
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -38,7 +39,7 @@ class ZeroRedundancyOptimizer(
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     A drop-in for torch's: ``step()`` takes averaged gradients (DDP's, or ``ShardedDataParallel``'s owned ones),
-    steps this rank's share and syncs the parameters. More: ``docs/guides/zero.md``.
+    steps this rank's share and syncs the parameters. More: ``docs/guides/zero.md``, ``docs/guides/state-formats.md``.
 
     Args:
         params: as for any ``torch.optim`` optimizer (a group may name its own ``"optimizer_class"``).
@@ -49,6 +50,7 @@ class ZeroRedundancyOptimizer(
         partition: ``"greedy"`` (default, torch's: whole parameters) or ``"even"`` (equal ranges).
         master_dtype: step a copy in this dtype of narrower parameters (default None: the parameters themselves).
         replicate_group: hybrid sharding: the ranks holding this shard elsewhere (default None: no replicas).
+        state_format: ``"fp32"`` (default), ``"bf16"`` or ``"int8"``: the state between steps (groups may name theirs).
         **defaults: ``optimizer_class``'s hyperparameters (``lr=1e-3`` ...).
 
     Raises:
@@ -58,8 +60,7 @@ class ZeroRedundancyOptimizer(
     Example:
         ```python
         optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), torch.optim.AdamW, lr=1e-3)
-        ```
-    """
+        ```"""
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands step() its verdict and scale (see zero/amp.py)
 
@@ -74,6 +75,7 @@ class ZeroRedundancyOptimizer(
         partition: str = "greedy",
         master_dtype: torch.dtype | None = None,
         replicate_group: dist.ProcessGroup | None = None,
+        state_format: str = "fp32",
         **defaults: Any,
     ) -> None:
         group = comm.default_group(process_group)
@@ -87,10 +89,12 @@ class ZeroRedundancyOptimizer(
             partition=partition,
             master_dtype=master_dtype,
             replicate_group=replicate_group,
+            state_format=state_format,
         )
 
         self._ready = False  # until then, add_param_group only records groups (Optimizer.__init__ calls it)
-        super().__init__(groups, defaults)
+        shown = defaults if state_format == "fp32" else {**defaults, FORMAT_KEY: state_format}  # each group's default
+        super().__init__(groups, shown)
         Joinable.__init__(self)
         self.process_group = group
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding this shard in other shard groups

@@ -105,6 +105,7 @@ def partition_parameters(
     region_numel: Mapping[Hashable, int] | None = None,
     whole: Sequence[bool] | None = None,
     costs: Sequence[int] | None = None,
+    align: Sequence[int] | None = None,
 ) -> PartitionPlan:
     """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
 
@@ -112,7 +113,9 @@ def partition_parameters(
     omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. ``region_numel``
     (even mode): the most elements a region of each key holds (a larger parameter gets a region of its own); one
     region per key and growth when omitted. ``whole`` marks parameters never to cut, placed by ``costs`` (element
-    counts when omitted). O(P log P) for P parameters (and O(P log N) for N ranks in greedy mode).
+    counts when omitted). ``align`` (even mode): each parameter's block (1: none); a range boundary that cuts a
+    parameter is moved down to one of its block boundaries, counted from its first element. O(P log P) for P
+    parameters (and O(P log N) for N ranks in greedy mode).
     """
     keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
@@ -121,7 +124,8 @@ def partition_parameters(
         raise ValueError(f"partition must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     whole = tuple(whole) if whole is not None else (False,) * len(numels)
     costs = tuple(costs) if costs is not None else tuple(numels)
-    if not len(numels) == len(trainable) == len(keys) == len(whole) == len(costs):
+    align = tuple(align) if align is not None else (1,) * len(numels)
+    if not len(numels) == len(trainable) == len(keys) == len(whole) == len(costs) == len(align):
         raise ValueError(
             f"got {len(numels)} element counts, {len(trainable)} trainable flags, {len(keys)} keys, {len(whole)} "
             f"whole flags and {len(costs)} costs"
@@ -150,7 +154,8 @@ def partition_parameters(
     if mode == "greedy":
         layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in _distinct(keys, placed)]
     else:
-        layouts = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {}, whole, owners)
+        grown = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {}, whole, owners)
+        layouts = [_aligned(layout, numels, align, previous) for layout in grown]
     fragments: list[tuple[Fragment, ...]] = [()] * len(numels)
     for layout in layouts:
         for index, position in zip(layout.params, layout.positions):
@@ -244,6 +249,30 @@ def _grown_even_layouts(
     return list(layouts.values())
 
 
+def _aligned(
+    layout: LayoutPlan, numels: Sequence[int], align: Sequence[int], previous: PartitionPlan | None
+) -> LayoutPlan:
+    """``layout`` with each new region's inner boundaries moved down to a block boundary of the parameter they cut
+    (never below the boundary before), so that a block never straddles two ranks; regions ``previous`` made stay."""
+    if all(block == 1 for block in align):
+        return layout
+    kept = {old.key: len(old.bounds) for old in previous.layouts} if previous is not None else {}
+    starts = [(position, index) for index, position in zip(layout.params, layout.positions)]
+    starts.sort()
+    bounds = list(layout.bounds[: kept.get(layout.key, 0)])
+    for region in layout.bounds[len(bounds) :]:
+        moved = [region[0]]
+        for bound in region[1:-1]:
+            at = bisect.bisect_right(starts, (bound, len(numels))) - 1
+            if at >= 0:
+                position, index = starts[at]
+                if position < bound < position + numels[index]:
+                    bound = position + (bound - position) // align[index] * align[index]
+            moved.append(max(bound, moved[-1]))
+        bounds.append((*moved, region[-1]))
+    return LayoutPlan(layout.key, layout.params, layout.positions, tuple(bounds))
+
+
 def _whole_region(
     layout: LayoutPlan, kept: Sequence[tuple[int, int]], numels: Sequence[int], world_size: int
 ) -> LayoutPlan:
@@ -289,7 +318,8 @@ def _fragments(layout: LayoutPlan, numel: int, position: int, owner: int | None)
     first = bisect.bisect_right(region, position) - 1  # the rank whose range holds the parameter's first element
     for rank in range(first, len(region) - 1):
         start, end = max(region[rank], position), min(region[rank + 1], position + numel)
-        if start >= end:
+        if region[rank] >= position + numel:
             break
-        pieces.append(Fragment(rank, start - position, end - start, start))
+        if start < end:  # an aligned cut may leave a rank's range empty (``_aligned``)
+            pieces.append(Fragment(rank, start - position, end - start, start))
     return tuple(pieces)

@@ -25,6 +25,7 @@ from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optimizer, kind_of
 from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard
+from distoptim.zero.state_formats import StateFormats, block_sizes, needs_formats
 
 __all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "check_layout_keys", "is_stale", "place"]
 
@@ -85,6 +86,7 @@ def place(
         region_numel=region_numel,
         whole=whole,
         costs=costs,
+        align=block_sizes(param_groups),
     )
     unowned = [
         p for p, owner, trainable in zip(params, plan.owners, trainability) if owner == UNOWNED and not trainable
@@ -109,13 +111,28 @@ def bind_local_optimizer(
 ) -> Optimizer:
     """The local optimizer over ``shard``: a new one, or ``optim`` given the new shard's tensors, its state kept
     for every fragment that stays on this rank (a plain one becomes a composite when a group of another kind
-    arrives: ``local_optimizer.py``)."""
+    arrives: ``local_optimizer.py``); where a group keeps its state in fewer bits, it steps through the formats."""
+    optim = _bound(optim, optimizer_class, defaults, shard, previous_shard, param_groups)
+    if isinstance(optim, CompositeOptimizer) and needs_formats(param_groups):
+        optim.formats = StateFormats.for_shard(shard, param_groups)
+        optim.formats.encode_all(optim.state)  # eager state (Adagrad's), a plain optimizer's before a format came
+    return optim
+
+
+def _bound(
+    optim: Optimizer | None,
+    optimizer_class: type[Optimizer],
+    defaults: dict[str, Any],
+    shard: LocalShard,
+    previous_shard: LocalShard | None,
+    param_groups: Sequence[dict[str, Any]],
+) -> Optimizer:
     local_groups = shard.param_groups(param_groups)
     if optim is None:
         return build_local_optimizer(local_groups, optimizer_class, defaults)
     shard.move_state(optim.state, previous_shard)
     kinds = {kind_of(group, optimizer_class) for group in local_groups}
-    if len(kinds) > 1 and not isinstance(optim, CompositeOptimizer):
+    if (len(kinds) > 1 or needs_formats(local_groups)) and not isinstance(optim, CompositeOptimizer):
         composite = build_local_optimizer(local_groups, optimizer_class, defaults)
         for old, new in zip(optim.param_groups, composite.param_groups):  # settings the old groups hold
             new.update((k, v) for k, v in old.items() if k != "params")

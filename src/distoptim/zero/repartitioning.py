@@ -30,6 +30,7 @@ from distoptim.zero.local_optimizer import (
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters
+from distoptim.zero.state_formats import FORMAT_KEY
 
 __all__ = ["Partitioning", "PlanParts"]
 
@@ -130,6 +131,7 @@ class Partitioning:
             sharded_gradients=self.gradient_source is not None,
             master_dtype=self.master_dtype,
             check_existing=lambda: _check_before_adding(self),
+            state_format=self.defaults.get(FORMAT_KEY, "fp32"),
         )
         before = _Snapshot(self)
         self._add_group(group)
@@ -145,7 +147,8 @@ class Partitioning:
         if CLASS_KEY not in group:
             Optimizer.add_param_group(cast(Optimizer, self), group)
             return
-        constructor_defaults, self.defaults = self.defaults, {}
+        constructor_defaults = self.defaults  # but the constructor's state_format, which any class may keep
+        self.defaults = {k: v for k, v in constructor_defaults.items() if k == FORMAT_KEY}
         try:
             Optimizer.add_param_group(cast(Optimizer, self), group)
         finally:
@@ -279,6 +282,7 @@ class _Snapshot:
         self.state = {} if zero.optim is None else dict(zero.optim.state)
         composite = zero.optim if isinstance(zero.optim, CompositeOptimizer) else None
         self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
+        self.formats = None if composite is None else composite.formats
 
     def restore(self, zero: PlanParts) -> None:
         del zero.param_groups[self.groups :]
@@ -288,6 +292,7 @@ class _Snapshot:
             return
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
             optim._order[:], optim.parts = self.parts[0], self.parts[1]
+            optim.formats = self.formats
             for kind, part in optim.parts.items():
                 del part.param_groups[sum(1 for k, _ in optim._order if k == kind) :]
         else:

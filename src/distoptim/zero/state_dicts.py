@@ -25,6 +25,7 @@ from distoptim.checkpoint import dcp_state as sharded
 from distoptim.zero import stepping
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.shard import LocalShard, stitch
+from distoptim.zero.state_formats import decoded
 
 __all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook", "ZeroParts"]
 
@@ -236,7 +237,7 @@ def _consolidate(zero: ZeroParts, to: int) -> None:
     checkpoint.agree_on_target(to, zero.world_size, zero.process_group)
     _land_and_agree_untouched(zero)
     zero._masters_follow_parameters()
-    mine = zero.local_shard.global_state(zero.local_optimizer.state)
+    mine = zero.local_shard.global_state(decoded(zero.local_optimizer.state))  # torch.optim's format: decoded
     merged = checkpoint.gather_state(mine, to, zero.process_group, zero._comm_device)
     zero._consolidated = None if merged is None else dict(sorted(stitch(merged, zero.global_params).items()))
 

@@ -28,6 +28,7 @@ from distoptim.zero.fingerprints import fingerprint
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
 from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import MODES
+from distoptim.zero.state_formats import FORMAT_KEY, check_format
 
 __all__ = [
     "ParamGroups",
@@ -40,6 +41,7 @@ __all__ = [
     "check_overlap_class",
     "check_overlap_classes",
     "check_partition",
+    "check_state_formats",
     "check_unowned_have_no_grad",
     "normalize_param_groups",
     "refuse_sparse_gradients",
@@ -214,6 +216,21 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
                 )
 
 
+def check_state_formats(groups: ParamGroups, optimizer_class: type, state_format: Any, overlap_with_ddp: bool) -> None:
+    """Each group's ``state_format`` (its own, or the constructor's) is a format; a low-bit one not in overlap mode
+    (its hooks step torch's functional kernels on the state directly). Any class may take one: a whole-tensor class
+    (Muon) owns its parameters whole, and state keys not in ``codecs``' table (Adafactor's factors) stay as they are."""
+    check_format(state_format, "ZeroRedundancyOptimizer")
+    for index, group in enumerate(groups):
+        fmt = check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
+        if fmt != "fp32" and overlap_with_ddp:
+            raise ValueError(
+                f"param group {index}: state_format={fmt!r} is not supported with overlap_with_ddp=True (its hooks "
+                "step the state with torch's functional kernels directly); use overlap_with_ddp=False, or "
+                "ShardedDataParallel for ZeRO-2"
+            )
+
+
 def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
     twins: dict[Tensor, Tensor] = {}  # one twin per parameter, so that a parameter given twice is still seen twice
     for param in (p for group in groups for p in group["params"]):
@@ -243,6 +260,7 @@ def check_construction(
     partition: str,
     master_dtype: torch.dtype | None,
     replicate_group: comm.Group | None,
+    state_format: str = "fp32",
 ) -> tuple[type[Optimizer], ParamGroups, torch.device, type[FunctionalOptimizer] | None, comm.Collectives]:
     """ZeroRedundancyOptimizer's arguments checked on this rank, the optimizer's own checks included, then one
     agreement, so that all ranks raise or none does. Returns the ``torch.optim`` class, the normalized param groups,
@@ -260,6 +278,7 @@ def check_construction(
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
+        check_state_formats(groups, local_class, state_format, overlap_with_ddp)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
             raise TypeError(
                 f"replicate_group must be a torch.distributed.ProcessGroup or None, got {replicate_group!r}"
@@ -270,6 +289,7 @@ def check_construction(
             "overlap_with_ddp": overlap_with_ddp,
             "partition": partition,
             "master_dtype": str(master_dtype),
+            "state_format": state_format,
             comm.ENVIRONMENT: collectives.value,
             "p2p.STAGING_BYTES": p2p.STAGING_BYTES,  # sets the chunks every rank cuts its messages into
             "replicas": 1 if replicate_group is None else comm.group_size(replicate_group),
@@ -330,6 +350,7 @@ def agreed_param_group(
     sharded_gradients: bool = False,
     master_dtype: torch.dtype | None = None,
     check_existing: Callable[[], None] | None = None,
+    state_format: str = "fp32",
 ) -> dict[str, Any]:
     """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
     all agree on it: a bad group on one rank raises on every rank (``add_param_group``). ``sharded_gradients``
@@ -343,6 +364,7 @@ def agreed_param_group(
         (checked,) = normalize_param_groups([param_group])
         check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
+        check_state_formats([checked], optimizer_class, state_format, False)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
             raise ValueError(

@@ -1,0 +1,142 @@
+"""How one optimizer-state tensor is stored between steps: fp32 as it is, bf16, or blockwise int8 (pure tensor ops).
+
+int8 is Dettmers et al.'s scheme (2022, "8-bit Optimizers via Block-wise Quantization"): one fp32 absmax scale per
+block of ``BLOCK`` elements, each element the nearest code of a dynamic quantile map (signed for signed keys,
+unsigned for non-negative ones). Blocks are laid on the tensor's memory order from its first element, so a piece of
+a parameter that starts on a block boundary encodes exactly as the same elements of the whole parameter. bf16 rounds
+to nearest (``.to(torch.bfloat16)``). Which keys are encoded: ``SIGNED`` and ``NON_NEGATIVE``; every other key
+(``step``, ``mu_product``, Rprop's ``step_size``, anything unknown) stays as torch.optim keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from torch import Tensor
+
+from distoptim._flat import flat_view, is_dense
+
+__all__ = [
+    "BLOCK",
+    "FORMATS",
+    "MIN_NUMEL",
+    "NON_NEGATIVE",
+    "SCALES_SUFFIX",
+    "SIGNED",
+    "decode",
+    "dynamic_map",
+    "encode",
+    "encoded_names",
+    "is_encodable",
+]
+
+FORMATS = ("fp32", "bf16", "int8")
+BLOCK = 256
+"""Elements per int8 block (torchao's block size; bitsandbytes uses 2048 for large tensors)."""
+MIN_NUMEL = 4096
+"""A parameter with fewer elements keeps fp32 state in every format (decided on the whole parameter)."""
+SIGNED = frozenset({"exp_avg", "momentum_buffer", "prev", "grad_avg"})
+NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
+SCALE = "absmax"
+SCALES_SUFFIX = f".int8_{SCALE}"
+
+
+def encoded_names(key: str, fmt: str) -> tuple[str, ...]:
+    """The state keys a key is stored under in ``fmt``: its codes (and, int8, its per-block scales)."""
+    return (f"{key}.bf16",) if fmt == "bf16" else (f"{key}.int8", f"{key}.int8_{SCALE}")
+
+
+def is_encodable(key: str, value: object) -> bool:
+    """Whether state ``key`` holding ``value`` is stored encoded in a low-bit format."""
+    return (key in SIGNED or key in NON_NEGATIVE) and isinstance(value, Tensor) and value.is_floating_point()
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
+    """The 256 sorted code values in [-1, 1] (signed) or [0, 1], and the 255 midpoints between neighbours.
+
+    Dynamic tree quantization with 7 exponent bits: for exponent ``i`` in 0..6, magnitudes ``10**(i - 6)`` times
+    the centres of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal bins of [0.1, 1]; plus 0 and 1. The signed
+    map also holds -1 (in place of its smallest negative value; bitsandbytes' has +1 only), so that the element
+    setting a block's absmax decodes to it exactly, either sign: encoding what was decoded gives the same codes."""
+    values: list[float] = [0.0, 1.0] + ([-1.0] if signed else [])
+    for i in range(7):
+        count = 2**i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1.0, count + 1, dtype=torch.float64)
+        centres = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)).tolist()
+        values += centres + ([-c for c in centres[int(i == 0) :]] if signed else [])
+    table = torch.tensor(sorted(values), dtype=torch.float32)
+    return table, (table[:-1] + table[1:]) / 2
+
+
+@functools.cache
+def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """For each run of 2**16 floats sharing their top 16 bits (sign, exponent, 7 mantissa bits): how many midpoints
+    lie below the run, and the one midpoint inside it (+inf if none; the map's bins are wider than a run)."""
+    _, midpoints = dynamic_map(signed)
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low, high = top.to(torch.int32).view(torch.float32), (top | 0xFFFF).to(torch.int32).view(torch.float32)
+    low, high = torch.minimum(low, high), torch.maximum(low, high)  # negative floats run the other way
+    below = torch.searchsorted(midpoints, low)  # midpoints < low
+    inside = torch.searchsorted(midpoints, high, right=True) - below
+    finite = low.isfinite() & high.isfinite()
+    assert int(inside[finite].max()) <= 1
+    after = torch.where(inside > 0, midpoints[below.clamp(max=254)], torch.full_like(low, float("inf")))
+    return below.to(torch.uint8).to(device), after.to(device)  # below + 1 <= 255 wherever a midpoint follows
+
+
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0
+
+
+def nearest_codes(normalized: Tensor, signed: bool) -> Tensor:
+    """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; a tie to the lower code):
+    ``torch.bucketize`` on the map's midpoints, the same bits, by two lookups in tables of the floats' top bits."""
+    below, after = _code_tables(signed, normalized.device)
+    halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
+    run = halves.view(torch.uint16).to(torch.int32)
+    return below.index_select(0, run).add_((after.index_select(0, run) < normalized).view(torch.uint8))
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return flat_view(tensor) if is_dense(tensor) else tensor.reshape(-1)
+
+
+def _laid_like(flat: Tensor, like: Tensor) -> Tensor:
+    """``flat`` (new, contiguous: ``like``'s elements in ``_flat``'s order) shaped and laid out as ``like``."""
+    return flat.as_strided(like.shape, like.stride()) if is_dense(like) else flat.view(like.shape)
+
+
+def encode(key: str, value: Tensor, fmt: str) -> dict[str, Tensor]:
+    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names."""
+    if fmt == "bf16":
+        return {f"{key}.bf16": value.to(torch.bfloat16)}
+    flat = _flat(value).float()
+    count, full = flat.numel(), flat.numel() // BLOCK * BLOCK
+    blocks = -(-count // BLOCK)
+    absmax = flat.new_empty(blocks)
+    torch.amax(flat[:full].view(-1, BLOCK).abs(), 1, out=absmax[: full // BLOCK])
+    if full < count:
+        absmax[-1] = flat[full:].abs().amax()
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normalized = torch.empty_like(flat)
+    torch.div(flat[:full].view(-1, BLOCK), safe[: full // BLOCK, None], out=normalized[:full].view(-1, BLOCK))
+    if full < count:
+        torch.div(flat[full:], safe[-1], out=normalized[full:])
+    codes = _laid_like(nearest_codes(normalized, key in SIGNED), value)
+    return {f"{key}.int8": codes, f"{key}.int8_{SCALE}": absmax}
+
+
+def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype) -> Tensor:
+    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype``."""
+    if fmt == "bf16":
+        return entry[f"{key}.bf16"].to(dtype)
+    codes, absmax = entry[f"{key}.int8"], entry[f"{key}.int8_{SCALE}"]
+    table, _ = dynamic_map(key in SIGNED)
+    values = table.to(codes.device).index_select(0, _flat(codes).to(torch.int32))
+    count, full = values.numel(), values.numel() // BLOCK * BLOCK
+    values[:full].view(-1, BLOCK).mul_(absmax[: full // BLOCK, None])
+    if full < count:
+        values[full:].mul_(absmax[-1])
+    return _laid_like(values if dtype == torch.float32 else values.to(dtype), codes)

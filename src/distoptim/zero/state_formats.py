@@ -1,0 +1,174 @@
+"""Optimizer state kept in fewer bits between steps (``state_format``), around torch.optim's own step.
+
+Each local tensor's format is its group's ``"state_format"``, or ``"fp32"`` for a parameter of fewer than
+``codecs.MIN_NUMEL`` elements (decided on the whole parameter, never a shard). At a step the local tensors with a
+gradient are taken in chunks of at most ``CHUNK_NUMEL`` encoded elements: their state is decoded to the tensors'
+dtype, the plain optimizer steps that chunk only (the others' ``.grad`` is held back: torch.optim skips a tensor
+without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. ``CompositeOptimizer``
+calls this (``local_optimizer.py``); consolidation decodes (``decoded``), a consolidated load encodes again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from distoptim.zero import codecs
+from distoptim.zero.shard import LocalShard
+
+__all__ = [
+    "CHUNK_NUMEL",
+    "FORMAT_KEY",
+    "StateFormats",
+    "check_format",
+    "group_format",
+    "needs_formats",
+    "tensor_format",
+]
+
+FORMAT_KEY = "state_format"
+CHUNK_NUMEL = 1 << 22
+"""Encoded elements decoded at once in a step: bounds the transient fp32 state (16 MiB per fp32 state key)."""
+
+
+def check_format(value: Any, where: str) -> str:
+    """``value`` as a format name, or a ValueError naming the formats."""
+    if value not in codecs.FORMATS:
+        raise ValueError(f"{where}: state_format must be one of {', '.join(map(repr, codecs.FORMATS))}, got {value!r}")
+    return str(value)
+
+
+def group_format(group: dict[str, Any]) -> str:
+    return str(group.get(FORMAT_KEY, "fp32"))
+
+
+def needs_formats(groups: Iterable[dict[str, Any]]) -> bool:
+    """Whether any group keeps its state in fewer bits (the local optimizer then steps through ``StateFormats``)."""
+    return any(group_format(group) != "fp32" for group in groups)
+
+
+def tensor_format(param: Tensor, fmt: str) -> str:
+    """The format a parameter's state is kept in, decided on the whole parameter."""
+    return fmt if param.is_floating_point() and param.numel() >= codecs.MIN_NUMEL else "fp32"
+
+
+def block_sizes(groups: Sequence[dict[str, Any]]) -> list[int]:
+    """Each parameter's quantization block (global order; 1 where its state is not blockwise): what an even
+    partition must cut at."""
+    return [
+        codecs.BLOCK if tensor_format(p, group_format(group)) == "int8" else 1
+        for group in groups
+        for p in group["params"]
+    ]
+
+
+class StateFormats:
+    """The format of each local tensor's state, and the step that decodes, steps and encodes chunk by chunk."""
+
+    def __init__(self, formats: dict[Tensor, str], group_formats: list[str]) -> None:
+        self.formats = formats
+        self.group_formats = group_formats
+
+    @classmethod
+    def for_shard(cls, shard: LocalShard, global_groups: Sequence[dict[str, Any]]) -> StateFormats:
+        formats = {}
+        for group, local in zip(global_groups, shard.groups):
+            for piece in local:
+                formats[piece.tensor] = tensor_format(piece.param, group_format(group))
+        return cls(formats, [group_format(group) for group in global_groups])
+
+    def encode_entry(self, tensor: Tensor, entry: dict[str, Any]) -> None:
+        """Encode ``entry`` (one tensor's state) in place, in ``tensor``'s format."""
+        fmt = self.formats.get(tensor, "fp32")
+        if fmt == "fp32":
+            return
+        for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
+            entry.update(codecs.encode(key, entry.pop(key), fmt))
+
+    def encode_all(self, state: dict[Tensor, dict[str, Any]]) -> None:
+        for tensor, entry in state.items():
+            self.encode_entry(tensor, entry)
+
+    def check_unchanged(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Refuse a group whose ``state_format`` was edited since it was added (the partition was cut for it)."""
+        for index, (group, fmt) in enumerate(zip(groups, self.group_formats)):
+            if group_format(group) != fmt:
+                raise ValueError(
+                    f"param group {index}: its 'state_format' was changed to {group_format(group)!r} after the group "
+                    f"was added as {fmt!r}; a group's state format is fixed when it is added. Put it back, or build "
+                    "the optimizer again and load a consolidated checkpoint into it (that converts the state)"
+                )
+
+    def step(
+        self, parts: Sequence[Optimizer], groups: Sequence[dict[str, Any]], state: dict[Tensor, Any], kwargs: Any
+    ) -> None:
+        """Each part's step, chunk by chunk, with the chunk's state decoded for it (see the module's docstring)."""
+        self.check_unchanged(groups)
+        stepped = [p for group in groups for p in group["params"] if p.grad is not None]
+        chunks = self._chunks(stepped)
+        if len(chunks) <= 1:
+            self._step_chunk(parts, stepped, state, kwargs)
+            return
+        grads = [p.grad for p in stepped]
+        for tensor in stepped:
+            tensor.grad = None
+        try:
+            for chunk in chunks:
+                for tensor, grad in chunk:
+                    tensor.grad = grad
+                try:
+                    self._step_chunk(parts, [tensor for tensor, _ in chunk], state, kwargs)
+                finally:
+                    for tensor, _ in chunk:
+                        tensor.grad = None
+        finally:
+            for tensor, grad in zip(stepped, grads):
+                tensor.grad = grad
+
+    def _chunks(self, stepped: list[Tensor]) -> list[list[tuple[Tensor, Tensor | None]]]:
+        chunks: list[list[tuple[Tensor, Tensor | None]]] = [[]]
+        filled = 0
+        for tensor in stepped:
+            size = tensor.numel() if self.formats.get(tensor, "fp32") != "fp32" else 0
+            if filled and filled + size > CHUNK_NUMEL:
+                chunks.append([])
+                filled = 0
+            chunks[-1].append((tensor, tensor.grad))
+            filled += size
+        return chunks
+
+    def _step_chunk(
+        self, parts: Sequence[Optimizer], chunk: list[Tensor], state: dict[Tensor, Any], kwargs: Any
+    ) -> None:
+        for tensor in chunk:
+            if tensor in state:
+                decode_entry(tensor, state[tensor])
+        try:
+            for part in parts:
+                part.step(**kwargs)
+        finally:
+            for tensor in chunk:
+                if tensor in state:
+                    self.encode_entry(tensor, state[tensor])
+
+
+def decode_entry(tensor: Tensor, entry: dict[str, Any]) -> None:
+    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype, whatever format they were stored in."""
+    for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
+        key, fmt = name.rsplit(".", 1)
+        encoded = {n: entry.pop(n) for n in codecs.encoded_names(key, fmt)}
+        entry[key] = codecs.decode(key, encoded, fmt, tensor.dtype)
+
+
+def decoded(state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
+    """``state`` with every encoded entry decoded (copies; the others as they are): torch.optim's format."""
+    out = {}
+    for tensor, entry in state.items():
+        if any(k.endswith((".bf16", ".int8")) for k in entry):
+            entry = dict(entry)
+            decode_entry(tensor, entry)
+        out[tensor] = entry
+    return out

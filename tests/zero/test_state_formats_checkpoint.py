@@ -1,0 +1,132 @@
+"""Checkpoints of low-bit state: a sharded one stores the encoded state and resumes bit for bit at another world size
+and partition; a consolidated one is torch.optim's fp32 format (a plain optimizer loads it) and encodes on load,
+from an fp32 run's checkpoint too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distoptim import ZeroRedundancyOptimizer, checkpoint
+from tests._dist import run_on_ranks
+from tests.zero.test_state_formats import CodecReference, _assert_bitwise, exact_average, local_grads, make_params
+
+KWARGS = {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}
+
+
+def _train(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor], rank: int, world_size: int, steps: range) -> None:
+    for step in steps:
+        for param, grad in zip(params, local_grads(rank, world_size, step)):
+            dist.all_reduce(grad)
+            param.grad = grad.div_(world_size)
+        zero.step()
+
+
+def _reference(fmt: str, phases: list[tuple[int, range]]) -> CodecReference:
+    reference = CodecReference(make_params(), torch.optim.AdamW, fmt, **KWARGS)
+    for world_size, steps in phases:
+        for step in steps:
+            reference.step(exact_average(world_size, step))
+    return reference
+
+
+def _save_body(rank: int, world_size: int, path: str, fmt: str, partition: str) -> list[torch.Tensor]:
+    params = make_params()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition=partition, state_format=fmt, **KWARGS)
+    _train(zero, params, rank, world_size, range(3))
+    state = zero.sharded_state_dict()
+    assert any(key.endswith(f".{fmt}") for key in state), sorted(state)[:8]
+    checkpoint.save({"optim": state}, path)
+    return [p.detach().clone() for p in params]
+
+
+def _load_body(
+    rank: int, world_size: int, path: str, fmt: str, partition: str, saved: list[torch.Tensor], saved_ranks: int
+) -> None:
+    params = make_params()
+    with torch.no_grad():
+        for param, value in zip(params, saved):
+            param.copy_(value)
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition=partition, state_format=fmt, **KWARGS)
+    state = {"optim": zero.sharded_state_dict()}
+    checkpoint.load(state, path)
+    zero.load_sharded_state_dict(state["optim"])
+    _train(zero, params, rank, world_size, range(3, 6))
+    reference = _reference(fmt, [(saved_ranks, range(3)), (world_size, range(3, 6))])
+    _assert_bitwise(params, reference.params, f"resumed at {world_size} ({partition})")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_sharded_checkpoint_resumes_bitwise_at_another_world_size(tmp_path: Path, fmt: str) -> None:
+    path = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(_save_body, 3, path, fmt, "even")[0]
+    run_on_ranks(_load_body, 2, path, fmt, "greedy", saved, 3)
+    run_on_ranks(_load_body, 4, path, fmt, "even", saved, 3)
+
+
+def _everyone(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _consolidated_body(rank: int, world_size: int) -> None:
+    params = make_params()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition="even", state_format="int8", **KWARGS)
+    _train(zero, params, rank, world_size, range(3))
+    zero.consolidate_state_dict(to=0)
+    saved = _everyone(zero.state_dict() if rank == 0 else None)
+    tensors = [v for entry in saved["state"].values() for v in entry.values() if v.dim() > 0]
+    assert tensors and all(v.dtype == torch.float32 for v in tensors)  # torch.optim's format: decoded
+    plain = torch.optim.AdamW(make_params(), **KWARGS)
+    plain.load_state_dict(saved)  # what a plain optimizer loads
+    values = [p.detach().clone() for p in params]
+
+    fresh = make_params()
+    with torch.no_grad():
+        for param, value in zip(fresh, values):
+            param.copy_(value)
+    again = ZeroRedundancyOptimizer(fresh, torch.optim.AdamW, partition="greedy", state_format="int8", **KWARGS)
+    again.load_state_dict(saved)  # encodes again: decode then encode is the identity, so it resumes bit for bit
+    assert any(key.endswith(".int8") for entry in again.local_optimizer.state.values() for key in entry)
+    _train(zero, params, rank, world_size, range(3, 5))
+    _train(again, fresh, rank, world_size, range(3, 5))
+    _assert_bitwise(fresh, params, "resumed from a consolidated checkpoint")
+
+    fp32 = ZeroRedundancyOptimizer(make_params(), torch.optim.AdamW, partition="even", **KWARGS)
+    _train(fp32, fp32.global_params, rank, world_size, range(2))
+    fp32.consolidate_state_dict(to=0)
+    converted = ZeroRedundancyOptimizer(make_params(), torch.optim.AdamW, partition="even", state_format="int8")
+    converted.load_state_dict(_everyone(fp32.state_dict() if rank == 0 else None))  # an fp32 run's, into int8
+    assert any(key.endswith(".int8") for entry in converted.local_optimizer.state.values() for key in entry)
+    _train(converted, converted.global_params, rank, world_size, range(2, 3))
+
+
+def test_consolidated_checkpoint_is_torch_optims_and_loads_back() -> None:
+    run_on_ranks(_consolidated_body, 2)
+
+
+def _other_format_body(rank: int, world_size: int, path: str, saved_format: str, load_format: str) -> str:
+    params = make_params()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition="even", state_format=saved_format)
+    _train(zero, params, rank, world_size, range(1))
+    checkpoint.save({"optim": zero.sharded_state_dict()}, path)
+    other = ZeroRedundancyOptimizer(make_params(), torch.optim.AdamW, partition="even", state_format=load_format)
+    state = {"optim": other.sharded_state_dict()}
+    try:
+        checkpoint.load(state, path)
+        other.load_sharded_state_dict(state["optim"])
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return "loaded"
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("int8", "fp32"), ("fp32", "int8"), ("int8", "bf16")])
+def test_sharded_checkpoint_of_another_format_is_refused(tmp_path: Path, saved: str, loaded: str) -> None:
+    results = run_on_ranks(_other_format_body, 2, str(tmp_path / "checkpoint"), saved, loaded)
+    assert all("lacks" in result for result in results), results
+    assert all(result.startswith("ValueError") for result in results), results
