@@ -46,6 +46,26 @@ class OracleFailed(Exception):
     """The oracle itself raised: the program is not one plain DDP runs (a fuzzer problem, not distoptim's)."""
 
 
+class ComparisonFailed(Exception):
+    """The fuzzer's comparison code raised (``fuzzer_error``, a failure): never the oracle's error, which passes."""
+
+
+def _comparing(method: Any) -> Any:
+    """A comparison method whose own exceptions become ``ComparisonFailed`` (``noise.excess`` once raised on a
+    column-major parameter, and the program read as ``oracle_error``)."""
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except ComparisonFailed:
+            raise
+        except Exception as error:
+            raise ComparisonFailed(f"{method.__name__}: {type(error).__name__}: {error}") from error
+
+    return wrapped
+
+
 def is_exact(program: Program, world_size: int) -> bool:
     """Compared bitwise: gradients on the grid (``models.on_grid``) at 2 or 4 ranks, where DDP's division by the
     world size is exact and every reduction order sums grid values to the same fp32 bits."""
@@ -119,6 +139,7 @@ class Run:
         # read as the oracle's error, its mismatch dropped (a mutant whose sync skips an element: tests/fuzz/mutants)
         self.compare_local(where, align and not differ)
 
+    @_comparing
     def compare_local(self, where: str, align: bool = True) -> None:
         """This rank's parameters against the oracle's (no collective); ``align``: the oracle takes the subject's.
         Exact programs bitwise; the others within the twin's measured noise (``noise.allowance``), never aligned (so
@@ -208,6 +229,7 @@ class Run:
                 total += float(grad.float().abs().mul(apart * tie).sum())
         return 2 * total
 
+    @_comparing
     def compare_values(
         self, where: str, got: Any, want: Any, ulps_of: torch.dtype | None = None, moved: float = 0.0
     ) -> None:
@@ -302,6 +324,7 @@ class Run:
             return None
         return noise.FACTOR * value.detach().float().abs() * signless
 
+    @_comparing
     def compare_tensor(self, where: str, got: Tensor, want: Tensor) -> None:
         """A tensor outside the model (the GAN's discriminator): recorded by the twin, else as ``_compare_state``."""
         if self.recorder is not None:
@@ -309,6 +332,7 @@ class Run:
         else:
             self._compare_state(where, got, want, where)
 
+    @_comparing
     def _compare_state(self, where: str, got: Any, want: Any, key: str, slack: Tensor | None = None) -> None:
         """An end value the alignments never touch (state, masters, buffers): bitwise in exact programs, else
         within the twin's noise over all the program's steps (and ``slack``)."""
@@ -653,6 +677,16 @@ def run_program(program: Program, workdir: str) -> dict[str, Any]:
         if run.must_refuse:
             run.mismatches.append(f"{run.must_refuse}: not refused")
         return {"status": "ok", "mismatches": run.mismatches}
+    except ComparisonFailed as error:
+        return {
+            "status": "raised",
+            "side": "fuzzer",
+            "type": "ComparisonFailed",
+            "message": str(error)[:300],
+            "at": _at(run),
+            "traceback": traceback.format_exc()[-3000:],
+            "mismatches": [] if run is None else run.mismatches,
+        }
     except OracleFailed as error:
         if run is not None and run.must_refuse:  # the subject ran what it should have refused
             return {"status": "ok", "mismatches": [f"{run.must_refuse}: not refused (the oracle then: {error})"]}

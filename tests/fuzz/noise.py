@@ -123,8 +123,8 @@ def excess(where: str, got: Tensor, want: Tensor, allowed: Tensor) -> str:
         return ""
     worst = int(torch.where(bad, off - allowed, torch.zeros_like(off)).nan_to_num(math.inf).argmax())
     return (
-        f"{where}: {int(bad.sum())} / {off.numel()} elements off, {float(off.view(-1)[worst]):.3g} where "
-        f"{float(allowed.view(-1)[worst]):.3g} is allowed (the twin's distance times {FACTOR:g}, with the floor)"
+        f"{where}: {int(bad.sum())} / {off.numel()} elements off, {float(off.reshape(-1)[worst]):.3g} where "
+        f"{float(allowed.reshape(-1)[worst]):.3g} is allowed (the twin's distance times {FACTOR:g}, with the floor)"
     )
 
 

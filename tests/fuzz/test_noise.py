@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 import math
 
+import pytest
 import torch
 
+from tests.fuzz.interpret import ComparisonFailed, _comparing
 from tests.fuzz.models import CAP, GRID, on_grid
-from tests.fuzz.noise import allowance, one_ulp_up, one_ulp_up_of_sum, signless
+from tests.fuzz.noise import allowance, excess, one_ulp_up, one_ulp_up_of_sum, signless
 from tests.fuzz.program import Action, Program, generate
-from tests.fuzz.session import run_programs
+from tests.fuzz.session import FAILURES, classify, run_programs
 
 
 def test_grid_values_sum_alike_in_any_order() -> None:
@@ -77,3 +79,26 @@ def test_an_exact_program_catches_an_error_below_the_old_tolerance() -> None:
     verdicts = run_programs([exact, right])
     assert [v["category"] for v in verdicts] == ["mismatch", "pass"], verdicts
     assert "bitwise" in verdicts[0]["detail"][0], verdicts[0]
+
+
+def test_excess_reports_a_column_major_tensor_instead_of_raising() -> None:
+    want = torch.zeros(16, 5).t()  # the ``transposed`` layer's layout: not row-major
+    got = want.clone(memory_format=torch.preserve_format)
+    got[2, 3] = 1.0
+    assert not got.is_contiguous()
+    assert "1 / 80 elements off, 1 where 0 is allowed" in excess("w", got, want, torch.zeros_like(want))
+
+
+def test_an_error_in_the_comparison_is_a_failure_never_the_oracles() -> None:
+    program = generate(0)
+    broken = {"status": "raised", "side": "fuzzer", "type": "ComparisonFailed", "message": "excess: boom", "at": "x"}
+    fine = {"status": "ok", "mismatches": []}
+    for outcomes in ([broken, broken], [broken, fine]):
+        verdict = classify(outcomes, program, 2)
+        assert verdict["category"] == "fuzzer_error" and "fuzzer_error" in FAILURES, verdict
+    with pytest.raises(ComparisonFailed, match="excess_raising: ValueError"):
+        _comparing(excess_raising)()
+
+
+def excess_raising() -> None:
+    raise ValueError("a comparison's own bug")
