@@ -86,7 +86,7 @@ def signless(grad: Tensor, twin: Tensor) -> Tensor:
     g = grad.detach().float()
     apart = (twin.detach().float() - g).abs()
     spread = apart.square().mean().sqrt() if apart.numel() else apart.sum()
-    return g.abs() <= FACTOR * torch.maximum(apart, spread)
+    return g.abs() < FACTOR * torch.maximum(apart, spread)  # strict: a gradient exactly 0 with no noise has none
 
 
 def floor(want: Tensor, steps: int) -> Tensor:

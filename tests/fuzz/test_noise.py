@@ -102,3 +102,10 @@ def test_an_error_in_the_comparison_is_a_failure_never_the_oracles() -> None:
 
 def excess_raising() -> None:
     raise ValueError("a comparison's own bug")
+
+
+def test_an_unused_parameter_is_not_signless() -> None:
+    """A gradient exactly 0 with a twin exactly 0 (an unused layer: seed 140's ``odd.weight``) has no rounding to
+    flip: it was excused as signless, 3 x lr of slack per step for the whole layer."""
+    zeros = torch.zeros(256)
+    assert not bool(signless(zeros, zeros.clone()).any())
