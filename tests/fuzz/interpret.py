@@ -105,7 +105,7 @@ class Run:
         self.subject = build_subject(program, self.structure)
         self.oracle = self._oracle(lambda: Oracle(program))
         sabotage = program.options.get("sabotage")  # the fuzzer's own tests: a subject wrong on purpose
-        if sabotage == "lr":
+        if sabotage in ("lr", "lr_then_oracle_fails"):
             for group in self.subject.zero.param_groups:
                 group["lr"] *= 1.5
         elif sabotage == "grad_tiny":  # every gradient 2.4e-4 relative too large: inside the old fp32 tolerance
@@ -613,6 +613,8 @@ class Run:
 
     def check(self) -> None:
         self.compare(f"check at action {self.counter}")
+        if self.program.options.get("sabotage") == "lr_then_oracle_fails":  # the fuzzer's own test
+            raise OracleFailed("the oracle raised after a mismatch (on purpose)")
 
     def do(self, action: Action) -> None:
         getattr(self, action.name)(**action.args)
@@ -688,9 +690,17 @@ def run_program(program: Program, workdir: str) -> dict[str, Any]:
             "mismatches": [] if run is None else run.mismatches,
         }
     except OracleFailed as error:
+        seen = [] if run is None else run.mismatches  # a mismatch recorded before the oracle failed stands
         if run is not None and run.must_refuse:  # the subject ran what it should have refused
-            return {"status": "ok", "mismatches": [f"{run.must_refuse}: not refused (the oracle then: {error})"]}
-        return {"status": "raised", "side": "oracle", "type": "OracleFailed", "message": str(error), "at": _at(run)}
+            return {"status": "ok", "mismatches": [*seen, f"{run.must_refuse}: not refused (the oracle then: {error})"]}
+        return {
+            "status": "raised",
+            "side": "oracle",
+            "type": "OracleFailed",
+            "message": str(error),
+            "at": _at(run),
+            "mismatches": seen,
+        }
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return {

@@ -69,6 +69,13 @@ def test_a_wrong_subject_is_caught_and_shrunk() -> None:
     assert "--program" in rerun_command(small, 2)
 
 
+def test_a_mismatch_before_the_oracle_fails_stands() -> None:
+    """The oracle raising after a recorded mismatch (``OracleFailed``) once dropped it: ``oracle_error``, a pass."""
+    [verdict] = run_programs([_sabotaged("lr_then_oracle_fails")])
+    assert verdict["category"] == "mismatch", verdict
+    assert "the oracle raised after a mismatch" in verdict["detail"][-1], verdict
+
+
 def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
     fine = generate(0)
     verdicts = run_programs([fine, _sabotaged("hang"), fine], pg_timeout=3.0)
