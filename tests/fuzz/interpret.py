@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import traceback
@@ -127,11 +128,19 @@ class Run:
         # every rank must hold the same parameters: on the oracle's side, or the program is one DDP cannot run; on
         # the subject's, or a sync went wrong
         theirs = dict(self.oracle.model.named_parameters())
-        sums = torch.stack([p.detach().double().sum() for p in [*ours.values(), *theirs.values()]])
-        gathered = [torch.empty_like(sums) for _ in range(self.world_size)]
-        dist.all_gather(gathered, sums)
+        # the parameters themselves, bitwise (fp32 and bf16 are exact in fp64; ~2,000 elements a side): a sum let
+        # two ranks' values that only sum alike (two elements swapped, an error and its opposite) through
+        params = [p.detach() for p in [*ours.values(), *theirs.values()]]
+        flat = torch.cat([p.double().reshape(-1) for p in params]).view(torch.int64)
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat)
         names = [*(f"subject {n}" for n in ours), *(f"oracle {n}" for n in theirs)]
-        differ = [name for name, *values in zip(names, *gathered) if len({float(v) for v in values}) > 1]
+        bounds = [0, *itertools.accumulate(p.numel() for p in params)]
+        differ = [
+            name
+            for name, start, end in zip(names, bounds, bounds[1:])
+            if any(not torch.equal(g[start:end], flat[start:end]) for g in gathered)
+        ]
         if any(name.startswith("oracle") for name in differ):
             raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
         self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
@@ -612,6 +621,10 @@ class Run:
         episodes.reshard(self, kind)
 
     def check(self) -> None:
+        if self.program.options.get("sabotage") == "swap_on_rank1" and self.rank == 1:  # sums alike, values not
+            with torch.no_grad():
+                flat = next(self.subject.model.parameters()).view(-1)
+                flat[[0, -1]] = flat[[-1, 0]].clone()
         self.compare(f"check at action {self.counter}")
         if self.program.options.get("sabotage") == "lr_then_oracle_fails":  # the fuzzer's own test
             raise OracleFailed("the oracle raised after a mismatch (on purpose)")

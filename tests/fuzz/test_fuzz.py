@@ -76,6 +76,13 @@ def test_a_mismatch_before_the_oracle_fails_stands() -> None:
     assert "the oracle raised after a mismatch" in verdict["detail"][-1], verdict
 
 
+def test_ranks_whose_parameters_only_sum_alike_disagree() -> None:
+    """Two elements swapped on rank 1 before a ``check()``: the ranks' sums agree, their parameters do not."""
+    [verdict] = run_programs([_sabotaged("swap_on_rank1")])
+    assert verdict["category"] == "mismatch", verdict
+    assert any("the ranks hold different values of subject" in line for line in verdict["detail"]), verdict
+
+
 def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
     fine = generate(0)
     verdicts = run_programs([fine, _sabotaged("hang"), fine], pg_timeout=3.0)
