@@ -280,6 +280,7 @@ class Run:
                 if master is not None:
                     self.recorder.keep(f"end|master|{key}", master)
             return
+        self._compare_schedules()
         ours = dict(self.subject.model.named_buffers())
         for name, buffer in self.oracle.model.named_buffers():  # statistics that carry the parameters' rounding
             self._compare_state(f"end: buffer {name}", ours[name], buffer, f"end|buffer|{name}")
@@ -289,8 +290,9 @@ class Run:
             return
         got = zero.state_dict()
         for index, (g, w) in enumerate(zip(got["param_groups"], want["param_groups"], strict=False)):
-            if not math.isclose(g["lr"], w["lr"], rel_tol=1e-12):
-                self.mismatches.append(f"end: param_groups[{index}]['lr'] {g['lr']} != {w['lr']}")
+            for name, value in w.items():  # every hyperparameter torch's group holds, not only lr
+                if name != "params" and not _same_setting(g.get(name, _ABSENT), value):
+                    self.mismatches.append(f"end: param_groups[{index}][{name!r}] {g.get(name, _ABSENT)} != {value}")
         if len(got["param_groups"]) != len(want["param_groups"]):
             self.mismatches.append(f"end: {len(got['param_groups'])} param groups != {len(want['param_groups'])}")
         for key, state in want["state"].items():
@@ -321,6 +323,23 @@ class Run:
             others = {k: v for k, v in state.items() if k != MASTER_KEY}
             if key not in want["state"] and any(torch.as_tensor(v).abs().sum() > 0 for v in others.values()):
                 self.mismatches.append(f"end: state of parameter {key} present, the plain optimizer has none")
+
+    def _compare_schedules(self) -> None:
+        """This rank's GradScaler (scale, growth tracker) and LR scheduler against the oracle's, exactly: a scale is
+        a power of two, a tracker a count, and a scheduler's state is its own arithmetic on the same numbers."""
+        pairs = [
+            ("scaler", self.subject.scaler, self.oracle.scaler),
+            ("scheduler", self.subject.scheduler, self.oracle.scheduler),
+        ]
+        for what, ours, theirs in pairs:
+            if (ours is None) != (theirs is None):
+                self.mismatches.append(f"end: {what}: {ours!r} != {theirs!r}")
+            if ours is None or theirs is None:
+                continue
+            got, want = ours.state_dict(), theirs.state_dict()
+            for name, value in want.items():
+                if not _same_setting(got.get(name, _ABSENT), value):
+                    self.mismatches.append(f"end: {what} {name!r}: {got.get(name, _ABSENT)} != {value}")
 
     def _signless_state(self, key: int, value: Any) -> Tensor | None:
         """A state element of a parameter element whose gradient had no sign (``oracle_stepping``) is itself a sum
@@ -621,6 +640,9 @@ class Run:
         episodes.reshard(self, kind)
 
     def check(self) -> None:
+        if self.program.options.get("sabotage") == "momentum_late":  # a hyperparameter no later step reads
+            for group in self.subject.zero.param_groups:
+                group["momentum"] = 0.5
         if self.program.options.get("sabotage") == "swap_on_rank1" and self.rank == 1:  # sums alike, values not
             with torch.no_grad():
                 flat = next(self.subject.model.parameters()).view(-1)
@@ -646,6 +668,21 @@ class Run:
             # step moves the elements whose gradient is small (1e-3 of the largest) by ~5 lr: their rounding becomes
             # 8e-5, which the next backward spreads to every gradient, 2.2e-4 after five unaligned steps: seed 20680.)
             self.compare(f"after action {self.counter - 1}")
+
+
+_ABSENT = "<absent>"
+
+
+def _same_setting(got: Any, want: Any) -> bool:
+    """A hyperparameter or a scaler's/scheduler's entry: numbers within 1e-12 relative, sequences elementwise,
+    tensors (a GradScaler's scale) by value, anything else equal."""
+    if isinstance(got, Tensor) or isinstance(want, Tensor):
+        return _same_setting(torch.as_tensor(got).tolist(), torch.as_tensor(want).tolist())
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(_same_setting(a, b) for a, b in zip(got, want))
+    if isinstance(got, bool) or isinstance(want, bool) or not isinstance(want, (int, float)):
+        return bool(got == want)
+    return isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-12, abs_tol=0.0)
 
 
 def _overflowing(name: str | None, models: list[Any]) -> list[Any]:

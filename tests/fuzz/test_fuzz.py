@@ -83,6 +83,14 @@ def test_ranks_whose_parameters_only_sum_alike_disagree() -> None:
     assert any("the ranks hold different values of subject" in line for line in verdict["detail"]), verdict
 
 
+def test_every_group_hyperparameter_is_compared_at_the_end() -> None:
+    """The subject's momentum edited after its last step: the parameters agree, the end's group does not (only
+    ``lr`` was compared before issue 42's review)."""
+    [verdict] = run_programs([_sabotaged("momentum_late")])
+    assert verdict["category"] == "mismatch", verdict
+    assert any("['momentum'] 0.5 != 0.9" in line for line in verdict["detail"]), verdict
+
+
 def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
     fine = generate(0)
     verdicts = run_programs([fine, _sabotaged("hang"), fine], pg_timeout=3.0)
