@@ -263,7 +263,7 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
             kwargs["eps"] = [2**-23, 1e-3]  # fp32's epsilon
     elif optimizer not in ("LBFGS",) and "sparse" not in features and mode != "overlap_hook" and drawn < 0.2:
         optimizer, kwargs = "Muon", dict(whole.choice(WHOLE_TENSOR_OPTIMIZERS["Muon"]))  # matrices.py
-    if hybrid and mode != "sdp":
+    if hybrid:  # ShardedDataParallel too: its buckets divide by world_size * replica_count
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
     return _faults(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions)))

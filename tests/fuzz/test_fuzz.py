@@ -101,6 +101,13 @@ def test_ci_seeds() -> None:
     _run_and_fail_on_failures([generate(seed) for seed in CI_SEEDS], 2)
 
 
+def test_hybrid_programs_cover_sharded_data_parallel() -> None:
+    """``--hybrid`` gave every mode but ``sdp`` its replicate groups (issue 42's review): CI's hybrid seeds hold
+    hybrid ``ShardedDataParallel`` programs too."""
+    programs = [generate(seed, hybrid=True) for seed in HYBRID_SEEDS]
+    assert {p.mode for p in programs if p.options.get("hybrid")} == set(MODES)
+
+
 def test_ci_hybrid_seeds() -> None:
     """A few 4-rank hybrid programs (shard pairs, replicate groups across them): a bug in the replicate group's
     averaging is invisible at 2 ranks (the mutation score's one miss without them)."""
