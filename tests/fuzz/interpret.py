@@ -172,7 +172,8 @@ class Run:
             if id(want) in muon:  # orthogonalized in bf16: in Frobenius norm (noise.excess_norm)
                 problem = noise.excess_norm(f"{where}: parameter {name}", got, want, twin, steps)
             else:
-                allowed = noise.allowance(want, twin, steps, want.dtype) + self.sign_slack.get(name, 0.0)
+                masters = bool(self.program.options.get("master"))
+                allowed = noise.allowance(want, twin, steps, want.dtype, masters) + self.sign_slack.get(name, 0.0)
                 problem = noise.excess(f"{where}: parameter {name}", got, want, allowed)
             if problem:
                 self.mismatches.append(problem)

@@ -109,3 +109,15 @@ def test_an_unused_parameter_is_not_signless() -> None:
     flip: it was excused as signless, 3 x lr of slack per step for the whole layer."""
     zeros = torch.zeros(256)
     assert not bool(signless(zeros, zeros.clone()).any())
+
+
+def test_the_bf16_floor_is_ulps_of_the_element_not_of_the_mean() -> None:
+    """4 bf16 ulps of |w| + mean |w| per step grew to 31% of the median weight after 5 steps (issue 42's review):
+    now one bf16 ulp of the element with master weights, one per step without, nothing for a zero element."""
+    want = torch.tensor([0.0, 0.1, 1.0, -2.0])
+    eps = torch.finfo(torch.bfloat16).eps
+    with_masters = allowance(want, None, 5, torch.bfloat16, masters=True)
+    assert torch.equal(with_masters, eps * want.abs())
+    without = allowance(want, None, 5, torch.bfloat16)
+    assert torch.equal(without, 5 * eps * want.abs()) and float(without[0]) == 0.0
+    assert float(allowance(want, None, 5)[0]) > 0  # fp32 keeps its floor of the mean magnitude
