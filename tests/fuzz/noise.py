@@ -7,10 +7,10 @@ moves, so a sum that cancels moves by its summands' ulps, as a reduction in anot
 and a matrix Muon orthogonalizes in bf16, by a bf16 ulp), its values recorded at each comparison. Then for real:
 each element of the subject within ``FACTOR`` times the twin's distance from the oracle there (or that distance's
 rms over the tensor, if larger; at least ``OUTLIER`` times its largest in the tensor), plus ``floor``
-(``FLOOR_ULPS`` ulps of the element and of its tensor's mean magnitude, per step). The subject's trajectory never
-depends on the oracle, so both passes see the same subject. Neither oracle is ever aligned to the subject: an
-allowance is what the twin drifted since the start, never carried past an alignment, and a slow drift of the
-subject adds up until it leaves the allowance.
+(fp32: ``FLOOR_ULPS`` ulps of the element and its tensor's mean per step; bf16: of the element). The
+subject's trajectory never depends on the oracle, so both passes see the same subject. Neither oracle is ever
+aligned to the subject: an allowance is what the twin drifted since the start, never carried past an alignment,
+and a slow drift of the subject adds up until it leaves the allowance.
 """
 
 from __future__ import annotations
