@@ -101,6 +101,19 @@ def test_ci_seeds() -> None:
     _run_and_fail_on_failures([generate(seed) for seed in CI_SEEDS], 2)
 
 
+def test_ci_clears_a_gradient_to_zero_then_leaves_its_parameter_unused() -> None:
+    """``sdp`` + ``odd_branch``: a zeroing clear after the branch's step, then a backward without it, stepped (the
+    review's mutant ``sdp_clear_forgets_held`` passed every CI seed without it)."""
+    zeroing = Action("zero_grad", {"via": "optimizer", "set_to_none": False})
+    pattern = [zeroing, Action("backward", {"micro": 1, "no_sync": False}), Action("step")] * 2
+    found = [
+        seed
+        for seed in CI_SEEDS
+        if any(generate(seed).actions[i : i + 6] == pattern for i in range(len(generate(seed).actions)))
+    ]
+    assert len(found) >= 3, found
+
+
 def test_hybrid_programs_cover_sharded_data_parallel() -> None:
     """``--hybrid`` gave every mode but ``sdp`` its replicate groups (issue 42's review): CI's hybrid seeds hold
     hybrid ``ShardedDataParallel`` programs too."""
