@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import traceback
@@ -44,6 +45,26 @@ def _fail(*_: Any) -> None:
 
 class OracleFailed(Exception):
     """The oracle itself raised: the program is not one plain DDP runs (a fuzzer problem, not distoptim's)."""
+
+
+class ComparisonFailed(Exception):
+    """The fuzzer's comparison code raised (``fuzzer_error``, a failure): never the oracle's error, which passes."""
+
+
+def _comparing(method: Any) -> Any:
+    """A comparison method whose own exceptions become ``ComparisonFailed`` (``noise.excess`` once raised on a
+    column-major parameter, and the program read as ``oracle_error``)."""
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except ComparisonFailed:
+            raise
+        except Exception as error:
+            raise ComparisonFailed(f"{method.__name__}: {type(error).__name__}: {error}") from error
+
+    return wrapped
 
 
 def is_exact(program: Program, world_size: int) -> bool:
@@ -85,7 +106,7 @@ class Run:
         self.subject = build_subject(program, self.structure)
         self.oracle = self._oracle(lambda: Oracle(program))
         sabotage = program.options.get("sabotage")  # the fuzzer's own tests: a subject wrong on purpose
-        if sabotage == "lr":
+        if sabotage in ("lr", "lr_then_oracle_fails"):
             for group in self.subject.zero.param_groups:
                 group["lr"] *= 1.5
         elif sabotage == "grad_tiny":  # every gradient 2.4e-4 relative too large: inside the old fp32 tolerance
@@ -107,11 +128,19 @@ class Run:
         # every rank must hold the same parameters: on the oracle's side, or the program is one DDP cannot run; on
         # the subject's, or a sync went wrong
         theirs = dict(self.oracle.model.named_parameters())
-        sums = torch.stack([p.detach().double().sum() for p in [*ours.values(), *theirs.values()]])
-        gathered = [torch.empty_like(sums) for _ in range(self.world_size)]
-        dist.all_gather(gathered, sums)
+        # the parameters themselves, bitwise (fp32 and bf16 are exact in fp64; ~2,000 elements a side): a sum let
+        # two ranks' values that only sum alike (two elements swapped, an error and its opposite) through
+        params = [p.detach() for p in [*ours.values(), *theirs.values()]]
+        flat = torch.cat([p.double().reshape(-1) for p in params]).view(torch.int64)
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat)
         names = [*(f"subject {n}" for n in ours), *(f"oracle {n}" for n in theirs)]
-        differ = [name for name, *values in zip(names, *gathered) if len({float(v) for v in values}) > 1]
+        bounds = [0, *itertools.accumulate(p.numel() for p in params)]
+        differ = [
+            name
+            for name, start, end in zip(names, bounds, bounds[1:])
+            if any(not torch.equal(g[start:end], flat[start:end]) for g in gathered)
+        ]
         if any(name.startswith("oracle") for name in differ):
             raise OracleFailed(f"{where}: the oracle's ranks disagree on {differ}")
         self.mismatches += [f"{where}: the ranks hold different values of {name}" for name in differ]
@@ -119,6 +148,7 @@ class Run:
         # read as the oracle's error, its mismatch dropped (a mutant whose sync skips an element: tests/fuzz/mutants)
         self.compare_local(where, align and not differ)
 
+    @_comparing
     def compare_local(self, where: str, align: bool = True) -> None:
         """This rank's parameters against the oracle's (no collective); ``align``: the oracle takes the subject's.
         Exact programs bitwise; the others within the twin's measured noise (``noise.allowance``), never aligned (so
@@ -142,7 +172,8 @@ class Run:
             if id(want) in muon:  # orthogonalized in bf16: in Frobenius norm (noise.excess_norm)
                 problem = noise.excess_norm(f"{where}: parameter {name}", got, want, twin, steps)
             else:
-                allowed = noise.allowance(want, twin, steps, want.dtype) + self.sign_slack.get(name, 0.0)
+                masters = bool(self.program.options.get("master"))
+                allowed = noise.allowance(want, twin, steps, want.dtype, masters) + self.sign_slack.get(name, 0.0)
                 problem = noise.excess(f"{where}: parameter {name}", got, want, allowed)
             if problem:
                 self.mismatches.append(problem)
@@ -208,6 +239,7 @@ class Run:
                 total += float(grad.float().abs().mul(apart * tie).sum())
         return 2 * total
 
+    @_comparing
     def compare_values(
         self, where: str, got: Any, want: Any, ulps_of: torch.dtype | None = None, moved: float = 0.0
     ) -> None:
@@ -249,6 +281,7 @@ class Run:
                 if master is not None:
                     self.recorder.keep(f"end|master|{key}", master)
             return
+        self._compare_schedules()
         ours = dict(self.subject.model.named_buffers())
         for name, buffer in self.oracle.model.named_buffers():  # statistics that carry the parameters' rounding
             self._compare_state(f"end: buffer {name}", ours[name], buffer, f"end|buffer|{name}")
@@ -258,8 +291,9 @@ class Run:
             return
         got = zero.state_dict()
         for index, (g, w) in enumerate(zip(got["param_groups"], want["param_groups"], strict=False)):
-            if not math.isclose(g["lr"], w["lr"], rel_tol=1e-12):
-                self.mismatches.append(f"end: param_groups[{index}]['lr'] {g['lr']} != {w['lr']}")
+            for name, value in w.items():  # every hyperparameter torch's group holds, not only lr
+                if name != "params" and not _same_setting(g.get(name, _ABSENT), value):
+                    self.mismatches.append(f"end: param_groups[{index}][{name!r}] {g.get(name, _ABSENT)} != {value}")
         if len(got["param_groups"]) != len(want["param_groups"]):
             self.mismatches.append(f"end: {len(got['param_groups'])} param groups != {len(want['param_groups'])}")
         for key, state in want["state"].items():
@@ -291,6 +325,23 @@ class Run:
             if key not in want["state"] and any(torch.as_tensor(v).abs().sum() > 0 for v in others.values()):
                 self.mismatches.append(f"end: state of parameter {key} present, the plain optimizer has none")
 
+    def _compare_schedules(self) -> None:
+        """This rank's GradScaler (scale, growth tracker) and LR scheduler against the oracle's, exactly: a scale is
+        a power of two, a tracker a count, and a scheduler's state is its own arithmetic on the same numbers."""
+        pairs = [
+            ("scaler", self.subject.scaler, self.oracle.scaler),
+            ("scheduler", self.subject.scheduler, self.oracle.scheduler),
+        ]
+        for what, ours, theirs in pairs:
+            if (ours is None) != (theirs is None):
+                self.mismatches.append(f"end: {what}: {ours!r} != {theirs!r}")
+            if ours is None or theirs is None:
+                continue
+            got, want = ours.state_dict(), theirs.state_dict()
+            for name, value in want.items():
+                if not _same_setting(got.get(name, _ABSENT), value):
+                    self.mismatches.append(f"end: {what} {name!r}: {got.get(name, _ABSENT)} != {value}")
+
     def _signless_state(self, key: int, value: Any) -> Tensor | None:
         """A state element of a parameter element whose gradient had no sign (``oracle_stepping``) is itself a sum
         of roundings: it may be off by ``FACTOR`` times its own size (4 ranks, seed 401690: RMSprop's ``square_avg``
@@ -302,6 +353,7 @@ class Run:
             return None
         return noise.FACTOR * value.detach().float().abs() * signless
 
+    @_comparing
     def compare_tensor(self, where: str, got: Tensor, want: Tensor) -> None:
         """A tensor outside the model (the GAN's discriminator): recorded by the twin, else as ``_compare_state``."""
         if self.recorder is not None:
@@ -309,6 +361,7 @@ class Run:
         else:
             self._compare_state(where, got, want, where)
 
+    @_comparing
     def _compare_state(self, where: str, got: Any, want: Any, key: str, slack: Tensor | None = None) -> None:
         """An end value the alignments never touch (state, masters, buffers): bitwise in exact programs, else
         within the twin's noise over all the program's steps (and ``slack``)."""
@@ -588,7 +641,16 @@ class Run:
         episodes.reshard(self, kind)
 
     def check(self) -> None:
+        if self.program.options.get("sabotage") == "momentum_late":  # a hyperparameter no later step reads
+            for group in self.subject.zero.param_groups:
+                group["momentum"] = 0.5
+        if self.program.options.get("sabotage") == "swap_on_rank1" and self.rank == 1:  # sums alike, values not
+            with torch.no_grad():
+                flat = next(self.subject.model.parameters()).view(-1)
+                flat[[0, -1]] = flat[[-1, 0]].clone()
         self.compare(f"check at action {self.counter}")
+        if self.program.options.get("sabotage") == "lr_then_oracle_fails":  # the fuzzer's own test
+            raise OracleFailed("the oracle raised after a mismatch (on purpose)")
 
     def do(self, action: Action) -> None:
         getattr(self, action.name)(**action.args)
@@ -609,6 +671,21 @@ class Run:
             self.compare(f"after action {self.counter - 1}")
 
 
+_ABSENT = "<absent>"
+
+
+def _same_setting(got: Any, want: Any) -> bool:
+    """A hyperparameter or a scaler's/scheduler's entry: numbers within 1e-12 relative, sequences elementwise,
+    tensors (a GradScaler's scale) by value, anything else equal."""
+    if isinstance(got, Tensor) or isinstance(want, Tensor):
+        return _same_setting(torch.as_tensor(got).tolist(), torch.as_tensor(want).tolist())
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(_same_setting(a, b) for a, b in zip(got, want))
+    if isinstance(got, bool) or isinstance(want, bool) or not isinstance(want, (int, float)):
+        return bool(got == want)
+    return isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-12, abs_tol=0.0)
+
+
 def _overflowing(name: str | None, models: list[Any]) -> list[Any]:
     """An injected overflow (``scaler_step(overflow=layer)``): the gradient of the layer's weight holds an inf in
     its first element on every rank, so only that element's owner finds it; the hooks' handles, to remove."""
@@ -627,6 +704,10 @@ def _twin(program: Program, workdir: str) -> noise.Record:
     folder = os.path.join(workdir, "twin")
     os.makedirs(folder, exist_ok=True)
     recorder = noise.Recorder()
+    # the bf16 directions from the program's seed, not from the session's earlier programs: a verdict that depends
+    # on the twin's sample must not depend on the program's place in a session (hybrid seed 10 failed first in a
+    # session and passed second)
+    noise._DIRECTIONS.manual_seed(program.seed)
     try:
         run = Run(program.replace(options={**program.options, "twin": True}), folder, record=True)
         recorder = run.recorder or recorder
@@ -653,10 +734,28 @@ def run_program(program: Program, workdir: str) -> dict[str, Any]:
         if run.must_refuse:
             run.mismatches.append(f"{run.must_refuse}: not refused")
         return {"status": "ok", "mismatches": run.mismatches}
+    except ComparisonFailed as error:
+        return {
+            "status": "raised",
+            "side": "fuzzer",
+            "type": "ComparisonFailed",
+            "message": str(error)[:300],
+            "at": _at(run),
+            "traceback": traceback.format_exc()[-3000:],
+            "mismatches": [] if run is None else run.mismatches,
+        }
     except OracleFailed as error:
+        seen = [] if run is None else run.mismatches  # a mismatch recorded before the oracle failed stands
         if run is not None and run.must_refuse:  # the subject ran what it should have refused
-            return {"status": "ok", "mismatches": [f"{run.must_refuse}: not refused (the oracle then: {error})"]}
-        return {"status": "raised", "side": "oracle", "type": "OracleFailed", "message": str(error), "at": _at(run)}
+            return {"status": "ok", "mismatches": [*seen, f"{run.must_refuse}: not refused (the oracle then: {error})"]}
+        return {
+            "status": "raised",
+            "side": "oracle",
+            "type": "OracleFailed",
+            "message": str(error),
+            "at": _at(run),
+            "mismatches": seen,
+        }
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return {

@@ -263,7 +263,7 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
             kwargs["eps"] = [2**-23, 1e-3]  # fp32's epsilon
     elif optimizer not in ("LBFGS",) and "sparse" not in features and mode != "overlap_hook" and drawn < 0.2:
         optimizer, kwargs = "Muon", dict(whole.choice(WHOLE_TENSOR_OPTIMIZERS["Muon"]))  # matrices.py
-    if hybrid and mode != "sdp":
+    if hybrid:  # ShardedDataParallel too: its buckets divide by world_size * replica_count
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
     return _faults(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions)))
@@ -317,4 +317,23 @@ def _faults(program: Program) -> Program:
         else a
         for a in program.actions
     ]
-    return program.replace(features=features, actions=actions)
+    return program.replace(features=features, actions=_held_then_unused(program, actions))
+
+
+def _held_then_unused(program: Program, actions: list[Action]) -> list[Action]:
+    """From a seventh stream, half the ``sdp`` programs with ``odd_branch``: after the first step, a clear that
+    zeroes (``set_to_none=False``) once the odd branch got a gradient, then a backward that leaves it unused, each
+    stepped: torch.optim steps a zeroed parameter (momentum, state, weight decay move it), so the wrapper must
+    remember it holds one (mutant ``sdp_clear_forgets_held``: every CI seed passed it)."""
+    rng = random.Random(f"held-{program.seed}")
+    first = next((i for i, a in enumerate(actions) if a.name == "step"), None)
+    if program.mode != "sdp" or "odd_branch" not in program.features or first is None or rng.random() >= 0.5:
+        return actions
+    block = [
+        Action("zero_grad", {"via": "optimizer", "set_to_none": False}),
+        Action("backward", {"micro": 1, "no_sync": False}),
+        Action("step"),
+    ]
+    steps = sum(a.name in ("step", "closure_step", "scaler_step") for a in actions[: first + 1])
+    used = [] if steps % 2 else block  # the first block's backward at an odd step (the branch used), then an even
+    return [*actions[: first + 1], *used, *block, *block, *actions[first + 1 :]]

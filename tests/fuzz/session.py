@@ -31,8 +31,9 @@ SECONDS_PER_PROGRAM = 6.0  # the session's budget per program, beyond a fixed st
 REFUSALS = ("ValueError", "RuntimeError", "TypeError")  # what distoptim documents raising
 OURS = os.path.dirname(os.path.abspath(distoptim.__file__)) + os.sep  # the imported package, not any "distoptim" path
 # verdicts that fail a run: ``unexpected_error`` (an error on every rank that no table entry predicts and matches,
-# or not distoptim's own: a raw torch error), ``missing_refusal`` (a predicted refusal that never came)
-FAILURES = ("mismatch", "divergent", "unexpected_error", "missing_refusal", "hang")
+# or not distoptim's own: a raw torch error), ``missing_refusal`` (a predicted refusal that never came),
+# ``fuzzer_error`` (the comparison code itself raised: what it compared is unknown)
+FAILURES = ("mismatch", "divergent", "unexpected_error", "missing_refusal", "hang", "fuzzer_error")
 
 
 def _frames(text: str, torch_too: bool = False) -> list[str]:
@@ -95,6 +96,9 @@ def classify(outcomes: list[dict[str, Any]], program: Program, world_size: int) 
             }
         return {"category": "mismatch" if mismatches else "pass", "detail": mismatches[:40]}
     raised = [o for o in outcomes if o["status"] == "raised"]
+    broken = [o for o in raised if o.get("side") == "fuzzer"]
+    if broken:  # the comparison raised on some rank: never the oracle's error, never a pass
+        return {"category": "fuzzer_error", "detail": [broken[0]["message"], broken[0].get("traceback", "")]}
     if len(raised) < len(outcomes):
         first = raised[0]
         return {

@@ -69,6 +69,28 @@ def test_a_wrong_subject_is_caught_and_shrunk() -> None:
     assert "--program" in rerun_command(small, 2)
 
 
+def test_a_mismatch_before_the_oracle_fails_stands() -> None:
+    """The oracle raising after a recorded mismatch (``OracleFailed``) once dropped it: ``oracle_error``, a pass."""
+    [verdict] = run_programs([_sabotaged("lr_then_oracle_fails")])
+    assert verdict["category"] == "mismatch", verdict
+    assert "the oracle raised after a mismatch" in verdict["detail"][-1], verdict
+
+
+def test_ranks_whose_parameters_only_sum_alike_disagree() -> None:
+    """Two elements swapped on rank 1 before a ``check()``: the ranks' sums agree, their parameters do not."""
+    [verdict] = run_programs([_sabotaged("swap_on_rank1")])
+    assert verdict["category"] == "mismatch", verdict
+    assert any("the ranks hold different values of subject" in line for line in verdict["detail"]), verdict
+
+
+def test_every_group_hyperparameter_is_compared_at_the_end() -> None:
+    """The subject's momentum edited after its last step: the parameters agree, the end's group does not (only
+    ``lr`` was compared before issue 42's review)."""
+    [verdict] = run_programs([_sabotaged("momentum_late")])
+    assert verdict["category"] == "mismatch", verdict
+    assert any("['momentum'] 0.5 != 0.9" in line for line in verdict["detail"]), verdict
+
+
 def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
     fine = generate(0)
     verdicts = run_programs([fine, _sabotaged("hang"), fine], pg_timeout=3.0)
@@ -77,6 +99,26 @@ def test_a_hang_fails_with_its_program_and_the_rest_still_run() -> None:
 
 def test_ci_seeds() -> None:
     _run_and_fail_on_failures([generate(seed) for seed in CI_SEEDS], 2)
+
+
+def test_ci_clears_a_gradient_to_zero_then_leaves_its_parameter_unused() -> None:
+    """``sdp`` + ``odd_branch``: a zeroing clear after the branch's step, then a backward without it, stepped (the
+    review's mutant ``sdp_clear_forgets_held`` passed every CI seed without it)."""
+    zeroing = Action("zero_grad", {"via": "optimizer", "set_to_none": False})
+    pattern = [zeroing, Action("backward", {"micro": 1, "no_sync": False}), Action("step")] * 2
+    found = [
+        seed
+        for seed in CI_SEEDS
+        if any(generate(seed).actions[i : i + 6] == pattern for i in range(len(generate(seed).actions)))
+    ]
+    assert len(found) >= 3, found
+
+
+def test_hybrid_programs_cover_sharded_data_parallel() -> None:
+    """``--hybrid`` gave every mode but ``sdp`` its replicate groups (issue 42's review): CI's hybrid seeds hold
+    hybrid ``ShardedDataParallel`` programs too."""
+    programs = [generate(seed, hybrid=True) for seed in HYBRID_SEEDS]
+    assert {p.mode for p in programs if p.options.get("hybrid")} == set(MODES)
 
 
 def test_ci_hybrid_seeds() -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 import math
 
+import pytest
 import torch
 
+from tests.fuzz.interpret import ComparisonFailed, _comparing
 from tests.fuzz.models import CAP, GRID, on_grid
-from tests.fuzz.noise import allowance, one_ulp_up, one_ulp_up_of_sum, signless
+from tests.fuzz.noise import allowance, excess, one_ulp_up, one_ulp_up_of_sum, signless
 from tests.fuzz.program import Action, Program, generate
-from tests.fuzz.session import run_programs
+from tests.fuzz.session import FAILURES, classify, run_programs
 
 
 def test_grid_values_sum_alike_in_any_order() -> None:
@@ -77,3 +79,45 @@ def test_an_exact_program_catches_an_error_below_the_old_tolerance() -> None:
     verdicts = run_programs([exact, right])
     assert [v["category"] for v in verdicts] == ["mismatch", "pass"], verdicts
     assert "bitwise" in verdicts[0]["detail"][0], verdicts[0]
+
+
+def test_excess_reports_a_column_major_tensor_instead_of_raising() -> None:
+    want = torch.zeros(16, 5).t()  # the ``transposed`` layer's layout: not row-major
+    got = want.clone(memory_format=torch.preserve_format)
+    got[2, 3] = 1.0
+    assert not got.is_contiguous()
+    assert "1 / 80 elements off, 1 where 0 is allowed" in excess("w", got, want, torch.zeros_like(want))
+
+
+def test_an_error_in_the_comparison_is_a_failure_never_the_oracles() -> None:
+    program = generate(0)
+    broken = {"status": "raised", "side": "fuzzer", "type": "ComparisonFailed", "message": "excess: boom", "at": "x"}
+    fine = {"status": "ok", "mismatches": []}
+    for outcomes in ([broken, broken], [broken, fine]):
+        verdict = classify(outcomes, program, 2)
+        assert verdict["category"] == "fuzzer_error" and "fuzzer_error" in FAILURES, verdict
+    with pytest.raises(ComparisonFailed, match="excess_raising: ValueError"):
+        _comparing(excess_raising)()
+
+
+def excess_raising() -> None:
+    raise ValueError("a comparison's own bug")
+
+
+def test_an_unused_parameter_is_not_signless() -> None:
+    """A gradient exactly 0 with a twin exactly 0 (an unused layer: seed 140's ``odd.weight``) has no rounding to
+    flip: it was excused as signless, 3 x lr of slack per step for the whole layer."""
+    zeros = torch.zeros(256)
+    assert not bool(signless(zeros, zeros.clone()).any())
+
+
+def test_the_bf16_floor_is_ulps_of_the_element_not_of_the_mean() -> None:
+    """4 bf16 ulps of |w| + mean |w| per step grew to 31% of the median weight after 5 steps (issue 42's review):
+    now one bf16 ulp of the element with master weights, one per step without, nothing for a zero element."""
+    want = torch.tensor([0.0, 0.1, 1.0, -2.0])
+    eps = torch.finfo(torch.bfloat16).eps
+    with_masters = allowance(want, None, 5, torch.bfloat16, masters=True)
+    assert torch.equal(with_masters, eps * want.abs())
+    without = allowance(want, None, 5, torch.bfloat16)
+    assert torch.equal(without, 5 * eps * want.abs()) and float(without[0]) == 0.0
+    assert float(allowance(want, None, 5)[0]) > 0  # fp32 keeps its floor of the mean magnitude

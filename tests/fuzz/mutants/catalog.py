@@ -161,6 +161,74 @@ MUTANTS: tuple[Mutant, ...] = (
         "            whole.append(not is_elementwise(cls))\n",
         "            whole.append(issubclass(cls, torch.optim.Muon))\n",
     ),
+    # --- review R-42: mutants planted by the acceptance check (not the fuzzer's authors)
+    _one(
+        "clip_inf_summed",
+        "clip_grad_norm_(norm_type=inf) (every mode that clips)",
+        "the inf-norm's per-rank maxima summed over the ranks, not max-reduced (the inf case forgotten)",
+        "distoptim/zero/clipping.py",
+        'op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"',
+        'op = "min" if norm_type == -math.inf else "sum"',
+    ),
+    _one(
+        "overlap_lr_stale",
+        "the overlap hooks (overlap_with_ddp) with a scheduler or an lr edit",
+        "the functional optimizers keep the hyperparameters they were built with: param_groups edits never pushed",
+        "distoptim/zero/overlap.py",
+        "            functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)\n",
+        "",
+    ),
+    _one(
+        "overlap_adamw_coupled",
+        "the overlap hooks with AdamW (functional kernel)",
+        "AdamW's kernel spec without decoupled_weight_decay=True: L2 weight decay added to the gradient, as Adam's",
+        "distoptim/functional/kernels.py",
+        '    pairs=_BETAS,\n    fixed={"decoupled_weight_decay": True},\n',
+        "    pairs=_BETAS,\n",
+    ),
+    _one(
+        "scaler_local_verdict",
+        "GradScaler with an overflow only some ranks' owned gradient holds",
+        "the scaler handed this rank's own inf verdict, not the agreed one: only the owner backs its scale off",
+        "distoptim/zero/amp.py",
+        "        self.flag.fill_(float(found_anywhere))\n",
+        "        self.flag.fill_(float(self.found_here))\n",
+    ),
+    _one(
+        "stitch_row_major",
+        "consolidated state of a fragment of a parameter not stored row-major (even partition)",
+        "the whole-parameter state made row-major (torch.empty(shape)), its pieces written in the parameter's "
+        "memory order",
+        "distoptim/zero/shard.py",
+        "                whole[name] = torch.empty_like(param, dtype=value.dtype, device=value.device)\n",
+        "                whole[name] = torch.empty(param.shape, dtype=value.dtype, device=value.device)\n",
+    ),
+    _one(
+        "master_reseed_always",
+        "master weights (bf16 + master_dtype), every mode that steps through ZeroRedundancyOptimizer.step",
+        "every master copy re-seeded from its rounded bf16 parameter before each step (the written-test dropped): "
+        "master weights in name only, updates below half a bf16 ulp are lost",
+        "distoptim/zero/shard.py",
+        "                torch.where(written, into, master, out=master)\n",
+        "                master.copy_(into)\n",
+    ),
+    _one(
+        "sdp_hybrid_div",
+        "ShardedDataParallel under hybrid sharding (replicate_group)",
+        "each bucket divided by the shard group's size only: the replicas' gradients summed, not averaged",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "        buffer.div_(zero.world_size * zero.replica_count)\n",
+        "        buffer.div_(zero.world_size)\n",
+    ),
+    _one(
+        "sdp_clear_forgets_held",
+        "ShardedDataParallel: zero_grad(set_to_none=False), then a backward that does not use a parameter",
+        "a clear that zeroes also forgets which parameters hold a gradient: a zeroed, unused parameter is skipped "
+        "at the step, where torch.optim steps it on zeros (momentum, weight decay still move it)",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "        if set_to_none:\n            self.holds = [False] * len(self.params)\n        self._unreduced.clear()",
+        "        self.holds = [False] * len(self.params)\n        self._unreduced.clear()",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS}

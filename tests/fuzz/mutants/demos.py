@@ -81,3 +81,76 @@ DEMOS: dict[str, tuple[Program, int]] = {  # mutant name -> (program, world size
     ),
     "adafactor_cut": (_program("zero1", TWO, "Adafactor", {"lr": 0.01}, partition="even"), 2),
 }
+
+CLIP_INF = [
+    Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+    Action("backward", {"micro": 1, "no_sync": False}),
+    Action("clip", {"max_norm": 0.05, "norm_type": "inf"}),
+    Action("step"),
+]
+DEMOS.update(
+    {
+        "clip_inf_summed": (_program("zero1", CLIP_INF * 2), 2),
+        "overlap_lr_stale": (
+            _program("overlap_hook", [*TWO, Action("edit_lr", {"group": 0, "factor": 0.5}), *TWO], "AdamW", ADAMW),
+            2,
+        ),
+        "overlap_adamw_coupled": (_program("overlap_hook", TWO + TWO, "AdamW", ADAMW), 2),
+        "scaler_local_verdict": (
+            _program(
+                "zero1",
+                [
+                    Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+                    Action("scaler_step", {"clip": False, "overflow": "head"}),
+                    Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+                    Action("scaler_step", {"clip": False}),
+                    Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+                    Action("scaler_step", {"clip": False}),
+                ],
+            ),
+            2,
+        ),
+        "stitch_row_major": (
+            _program(
+                "zero1",
+                [*_block(), Action("load_optim"), *_block()],
+                partition="even",
+                features=("transposed",),
+                exact=True,
+            ),
+            2,
+        ),
+    }
+)
+DEMOS["master_reseed_always"] = (
+    _program("zero1", _block() * 6, "SGD", {"lr": 0.05}, features=("bf16",), master=True),
+    2,
+)
+DEMOS["sdp_hybrid_div"] = (_program("sdp", TWO, hybrid=True), 4)
+# review R-42: the same wrong result under the exact and the measured (inexact) comparison
+VARIANTS: dict[str, tuple[Program, int]] = {}
+KEEP = [
+    Action("zero_grad", {"via": "optimizer", "set_to_none": False}),
+    Action("backward", {"micro": 1, "no_sync": False}),
+    Action("step"),
+]
+DEMOS["sdp_clear_forgets_held"] = (
+    _program("sdp", KEEP * 3, "Adam", {"lr": 0.01}, features=("odd_branch",), exact=True),
+    2,
+)
+VARIANTS["sdp_clear_forgets_held_inexact"] = (
+    _program("sdp", KEEP * 3, "Adam", {"lr": 0.01}, features=("odd_branch",)),
+    2,
+)
+VARIANTS["sdp_clear_forgets_held_sgd_inexact"] = (
+    _program("sdp", KEEP * 3, "SGD", {"lr": 0.05, "momentum": 0.9}, features=("odd_branch",)),
+    2,
+)
+VARIANTS["sdp_clear_forgets_held_sgd_exact"] = (
+    _program("sdp", KEEP * 3, "SGD", {"lr": 0.05, "momentum": 0.9}, features=("odd_branch",), exact=True),
+    2,
+)
+VARIANTS["stitch_row_major_inexact"] = (
+    _program("zero1", [*_block(), Action("load_optim"), *_block()], partition="even", features=("transposed",)),
+    2,
+)
