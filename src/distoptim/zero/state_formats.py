@@ -71,6 +71,7 @@ class StateFormats:
     def __init__(self, formats: dict[Tensor, str], group_formats: list[str]) -> None:
         self.formats = formats
         self.group_formats = group_formats
+        self.scratch = codecs.Scratch()  # a chunk's decoded state and the codecs' temporaries, kept between steps
 
     @classmethod
     def for_shard(cls, shard: LocalShard, global_groups: Sequence[dict[str, Any]]) -> StateFormats:
@@ -86,7 +87,7 @@ class StateFormats:
         if fmt == "fp32":
             return
         for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
-            entry.update(codecs.encode(key, entry.pop(key), fmt))
+            entry.update(codecs.encode(key, entry.pop(key), fmt, self.scratch))
 
     def encode_all(self, state: dict[Tensor, dict[str, Any]]) -> None:
         for tensor, entry in state.items():
@@ -143,9 +144,10 @@ class StateFormats:
     def _step_chunk(
         self, parts: Sequence[Optimizer], chunk: list[Tensor], state: dict[Tensor, Any], kwargs: Any
     ) -> None:
+        self.scratch.reset()
         for tensor in chunk:
             if tensor in state:
-                decode_entry(tensor, state[tensor])
+                decode_entry(tensor, state[tensor], self.scratch)
         try:
             for part in parts:
                 part.step(**kwargs)
@@ -155,12 +157,13 @@ class StateFormats:
                     self.encode_entry(tensor, state[tensor])
 
 
-def decode_entry(tensor: Tensor, entry: dict[str, Any]) -> None:
-    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype, whatever format they were stored in."""
+def decode_entry(tensor: Tensor, entry: dict[str, Any], scratch: codecs.Scratch | None = None) -> None:
+    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype, whatever format they were stored in (into
+    ``scratch``'s slices where given)."""
     for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
         key, fmt = name.rsplit(".", 1)
         encoded = {n: entry.pop(n) for n in codecs.encoded_names(key, fmt)}
-        entry[key] = codecs.decode(key, encoded, fmt, tensor.dtype)
+        entry[key] = codecs.decode(key, encoded, fmt, tensor.dtype, scratch)
 
 
 def decoded(state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
