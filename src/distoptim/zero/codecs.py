@@ -26,6 +26,7 @@ __all__ = [
     "NON_NEGATIVE",
     "SCALES_SUFFIX",
     "SIGNED",
+    "SPAN",
     "Scratch",
     "decode",
     "dynamic_map",
@@ -120,7 +121,9 @@ def _fresh(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> T
     return torch.empty(numel, dtype=dtype, device=device)
 
 
-def nearest_codes(normalized: Tensor, signed: bool, scratch: Scratch | None = None) -> Tensor:
+def nearest_codes(
+    normalized: Tensor, signed: bool, scratch: Scratch | None = None, out: Tensor | None = None
+) -> Tensor:
     """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; a tie to the lower code):
     ``torch.bucketize`` on the map's midpoints, the same bits, by two lookups in tables of the floats' top bits."""
     below, after = _code_tables(signed, normalized.device)
@@ -132,7 +135,7 @@ def nearest_codes(normalized: Tensor, signed: bool, scratch: Scratch | None = No
         normalized,
         out=get("above", count, torch.bool, device),
     )
-    return below.index_select(0, run).add_(above.view(torch.uint8))
+    return torch.index_select(below, 0, run, out=out).add_(above.view(torch.uint8))
 
 
 def _flat(tensor: Tensor) -> Tensor:
@@ -144,15 +147,14 @@ def _laid_like(flat: Tensor, like: Tensor) -> Tensor:
     return flat.as_strided(like.shape, like.stride()) if is_dense(like) else flat.view(like.shape)
 
 
-def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) -> dict[str, Tensor]:
-    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names; temporaries from
-    ``scratch`` where given."""
-    if fmt == "bf16":
-        return {f"{key}.bf16": value.to(torch.bfloat16)}
-    flat = _flat(value).float()
+SPAN = 1 << 18
+"""Elements encoded or decoded at once (a multiple of ``BLOCK``): bounds the temporaries and keeps them in cache."""
+
+
+def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scratch: Scratch | None) -> None:
+    """Blocks from ``flat``'s start into ``absmax`` and ``codes`` (slices of the outputs; only the last span ends
+    in a partial block)."""
     count, full = flat.numel(), flat.numel() // BLOCK * BLOCK
-    blocks = -(-count // BLOCK)
-    absmax = flat.new_empty(blocks)
     normalized = (scratch.get if scratch else _fresh)("normalized", count, torch.float32, flat.device)
     torch.amax(torch.abs(flat[:full], out=normalized[:full]).view(-1, BLOCK), 1, out=absmax[: full // BLOCK])
     if full < count:
@@ -161,8 +163,21 @@ def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) ->
     torch.div(flat[:full].view(-1, BLOCK), safe[: full // BLOCK, None], out=normalized[:full].view(-1, BLOCK))
     if full < count:
         torch.div(flat[full:], safe[-1], out=normalized[full:])
-    codes = _laid_like(nearest_codes(normalized, key in SIGNED, scratch), value)
-    return {f"{key}.int8": codes, f"{key}.int8_{SCALE}": absmax}
+    nearest_codes(normalized, signed, scratch, out=codes)
+
+
+def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) -> dict[str, Tensor]:
+    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names; temporaries from
+    ``scratch`` where given."""
+    if fmt == "bf16":
+        return {f"{key}.bf16": value.to(torch.bfloat16)}
+    flat = _flat(value).float()
+    count = flat.numel()
+    absmax, codes = flat.new_empty(-(-count // BLOCK)), torch.empty(count, dtype=torch.uint8, device=flat.device)
+    for start in range(0, count, SPAN):
+        end, blocks = min(start + SPAN, count), slice(start // BLOCK, -(-(start + SPAN) // BLOCK))
+        _encode_span(flat[start:end], absmax[blocks], codes[start:end], key in SIGNED, scratch)
+    return {f"{key}.int8": _laid_like(codes, value), f"{key}.int8_{SCALE}": absmax}
 
 
 def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scratch: Scratch | None = None) -> Tensor:
@@ -173,10 +188,15 @@ def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scr
     values = (scratch.take if scratch else _fresh)(f"decoded {key}", count, dtype, device)
     if fmt == "bf16":
         return _laid_like(values.copy_(_flat(codes)), codes)
-    absmax = entry[f"{key}.int8_{SCALE}"]
-    table, _ = dynamic_map(key in SIGNED)
-    indices = (scratch.get if scratch else _fresh)("int32", count, torch.int32, device).copy_(_flat(codes))
-    decoded = torch.index_select(table.to(device), 0, indices, out=values.float() if dtype == torch.float32 else None)
+    absmax, table = entry[f"{key}.int8_{SCALE}"], dynamic_map(key in SIGNED)[0].to(device)
+    decoded, flat = (
+        values if dtype == torch.float32 else torch.empty(count, device=device, dtype=torch.float32),
+        _flat(codes),
+    )
+    for start in range(0, count, SPAN):
+        end = min(start + SPAN, count)
+        indices = (scratch.get if scratch else _fresh)("int32", end - start, torch.int32, device)
+        torch.index_select(table, 0, indices.copy_(flat[start:end]), out=decoded[start:end])
     full = count // BLOCK * BLOCK
     decoded[:full].view(-1, BLOCK).mul_(absmax[: full // BLOCK, None])
     if full < count:
