@@ -96,9 +96,11 @@ _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 class Scratch:
     """Flat temporaries kept between calls, one per role, grown to the largest request: a step's encode and decode
     then write into pages already mapped instead of fresh ones (whose faults cost more than the arithmetic).
-    ``take`` hands out consecutive slices of a role's buffer until ``reset`` (a chunk's decoded state)."""
+    ``take`` hands out consecutive slices of a role's buffer until ``reset`` (a chunk's decoded state); past
+    ``limit`` elements of a role it hands out fresh tensors instead, so that what is kept stays bounded."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self.buffers: dict[str, Tensor] = {}
         self.used: dict[str, int] = {}
 
@@ -110,6 +112,8 @@ class Scratch:
 
     def take(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         start = self.used.get(role, 0)
+        if start + numel > self.limit:
+            return _fresh(role, numel, dtype, device)
         self.used[role] = start + numel
         return self.get(role, start + numel, dtype, device)[start:]
 

@@ -4,7 +4,8 @@ Each local tensor's format is its group's ``"state_format"``, or ``"fp32"`` for 
 ``codecs.MIN_NUMEL`` elements (decided on the whole parameter, never a shard). At a step the local tensors with a
 gradient are taken in chunks of at most ``CHUNK_NUMEL`` encoded elements: their state is decoded to the tensors'
 dtype, the plain optimizer steps that chunk only (the others' ``.grad`` is held back: torch.optim skips a tensor
-without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. ``CompositeOptimizer``
+without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. It is decoded into
+buffers kept between steps (``codecs.Scratch``: up to ``CHUNK_NUMEL`` elements per key). ``CompositeOptimizer``
 calls this (``local_optimizer.py``); consolidation decodes (``decoded``), a consolidated load encodes again.
 """
 
@@ -31,7 +32,8 @@ __all__ = [
 
 FORMAT_KEY = "state_format"
 CHUNK_NUMEL = 1 << 22
-"""Encoded elements decoded at once in a step: bounds the transient fp32 state (16 MiB per fp32 state key)."""
+"""Encoded elements decoded at once in a step: bounds the fp32 state decoded, and the buffers kept for it between
+steps (16 MiB per fp32 state key; a larger tensor is decoded into fresh memory)."""
 
 
 def check_format(value: Any, where: str) -> str:
@@ -71,7 +73,7 @@ class StateFormats:
     def __init__(self, formats: dict[Tensor, str], group_formats: list[str]) -> None:
         self.formats = formats
         self.group_formats = group_formats
-        self.scratch = codecs.Scratch()  # a chunk's decoded state and the codecs' temporaries, kept between steps
+        self.scratch = codecs.Scratch(CHUNK_NUMEL)  # a chunk's decoded state, the codecs' temporaries: kept
 
     @classmethod
     def for_shard(cls, shard: LocalShard, global_groups: Sequence[dict[str, Any]]) -> StateFormats:
