@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from distoptim._flat import flat_view, is_dense
+from distoptim._host_memory import host_zeros
 
 __all__ = [
     "BLOCK",
@@ -25,6 +26,8 @@ __all__ = [
     "NON_NEGATIVE",
     "SCALES_SUFFIX",
     "SIGNED",
+    "SPAN",
+    "Scratch",
     "decode",
     "dynamic_map",
     "encode",
@@ -90,13 +93,53 @@ def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
-def nearest_codes(normalized: Tensor, signed: bool) -> Tensor:
+class Scratch:
+    """Flat temporaries kept between calls, one per role, grown to the largest request: a step's encode and decode
+    then write into pages already mapped instead of fresh ones (whose faults cost more than the arithmetic).
+    ``take`` hands out consecutive slices of a role's buffer until ``reset`` (a chunk's decoded state); past
+    ``limit`` elements of a role it hands out fresh tensors instead, so that what is kept stays bounded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffers: dict[str, Tensor] = {}
+        self.used: dict[str, int] = {}
+
+    def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        buffer = self.buffers.get(role)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self.buffers[role] = host_zeros(numel, dtype, device)
+        return buffer[:numel]
+
+    def take(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        start = self.used.get(role, 0)
+        if start + numel > self.limit:
+            return _fresh(role, numel, dtype, device)
+        self.used[role] = start + numel
+        return self.get(role, start + numel, dtype, device)[start:]
+
+    def reset(self) -> None:
+        self.used.clear()
+
+
+def _fresh(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def nearest_codes(
+    normalized: Tensor, signed: bool, scratch: Scratch | None = None, out: Tensor | None = None
+) -> Tensor:
     """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; a tie to the lower code):
     ``torch.bucketize`` on the map's midpoints, the same bits, by two lookups in tables of the floats' top bits."""
     below, after = _code_tables(signed, normalized.device)
+    get, count, device = scratch.get if scratch else _fresh, normalized.numel(), normalized.device
     halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
-    run = halves.view(torch.uint16).to(torch.int32)
-    return below.index_select(0, run).add_((after.index_select(0, run) < normalized).view(torch.uint8))
+    run = get("int32", count, torch.int32, device).copy_(halves.view(torch.uint16))
+    above = torch.lt(
+        torch.index_select(after, 0, run, out=get("after", count, torch.float32, device)),
+        normalized,
+        out=get("above", count, torch.bool, device),
+    )
+    return torch.index_select(below, 0, run, out=out).add_(above.view(torch.uint8))
 
 
 def _flat(tensor: Tensor) -> Tensor:
@@ -108,35 +151,58 @@ def _laid_like(flat: Tensor, like: Tensor) -> Tensor:
     return flat.as_strided(like.shape, like.stride()) if is_dense(like) else flat.view(like.shape)
 
 
-def encode(key: str, value: Tensor, fmt: str) -> dict[str, Tensor]:
-    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names."""
-    if fmt == "bf16":
-        return {f"{key}.bf16": value.to(torch.bfloat16)}
-    flat = _flat(value).float()
+SPAN = 1 << 18
+"""Elements encoded or decoded at once (a multiple of ``BLOCK``): bounds the temporaries and keeps them in cache."""
+
+
+def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scratch: Scratch | None) -> None:
+    """Blocks from ``flat``'s start into ``absmax`` and ``codes`` (slices of the outputs; only the last span ends
+    in a partial block)."""
     count, full = flat.numel(), flat.numel() // BLOCK * BLOCK
-    blocks = -(-count // BLOCK)
-    absmax = flat.new_empty(blocks)
-    torch.amax(flat[:full].view(-1, BLOCK).abs(), 1, out=absmax[: full // BLOCK])
+    normalized = (scratch.get if scratch else _fresh)("normalized", count, torch.float32, flat.device)
+    torch.amax(torch.abs(flat[:full], out=normalized[:full]).view(-1, BLOCK), 1, out=absmax[: full // BLOCK])
     if full < count:
         absmax[-1] = flat[full:].abs().amax()
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    normalized = torch.empty_like(flat)
     torch.div(flat[:full].view(-1, BLOCK), safe[: full // BLOCK, None], out=normalized[:full].view(-1, BLOCK))
     if full < count:
         torch.div(flat[full:], safe[-1], out=normalized[full:])
-    codes = _laid_like(nearest_codes(normalized, key in SIGNED), value)
-    return {f"{key}.int8": codes, f"{key}.int8_{SCALE}": absmax}
+    nearest_codes(normalized, signed, scratch, out=codes)
 
 
-def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype) -> Tensor:
-    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype``."""
+def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) -> dict[str, Tensor]:
+    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names; temporaries from
+    ``scratch`` where given."""
     if fmt == "bf16":
-        return entry[f"{key}.bf16"].to(dtype)
-    codes, absmax = entry[f"{key}.int8"], entry[f"{key}.int8_{SCALE}"]
-    table, _ = dynamic_map(key in SIGNED)
-    values = table.to(codes.device).index_select(0, _flat(codes).to(torch.int32))
-    count, full = values.numel(), values.numel() // BLOCK * BLOCK
-    values[:full].view(-1, BLOCK).mul_(absmax[: full // BLOCK, None])
+        return {f"{key}.bf16": value.to(torch.bfloat16)}
+    flat = _flat(value).float()
+    count = flat.numel()
+    absmax, codes = flat.new_empty(-(-count // BLOCK)), torch.empty(count, dtype=torch.uint8, device=flat.device)
+    for start in range(0, count, SPAN):
+        end, blocks = min(start + SPAN, count), slice(start // BLOCK, -(-(start + SPAN) // BLOCK))
+        _encode_span(flat[start:end], absmax[blocks], codes[start:end], key in SIGNED, scratch)
+    return {f"{key}.int8": _laid_like(codes, value), f"{key}.int8_{SCALE}": absmax}
+
+
+def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scratch: Scratch | None = None) -> Tensor:
+    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype``; where ``scratch`` is given, into
+    its next slice for ``key`` (valid until it is reset)."""
+    codes = entry[f"{key}.bf16" if fmt == "bf16" else f"{key}.int8"]
+    count, device = codes.numel(), codes.device
+    values = (scratch.take if scratch else _fresh)(f"decoded {key}", count, dtype, device)
+    if fmt == "bf16":
+        return _laid_like(values.copy_(_flat(codes)), codes)
+    absmax, table = entry[f"{key}.int8_{SCALE}"], dynamic_map(key in SIGNED)[0].to(device)
+    decoded, flat = (
+        values if dtype == torch.float32 else torch.empty(count, device=device, dtype=torch.float32),
+        _flat(codes),
+    )
+    for start in range(0, count, SPAN):
+        end = min(start + SPAN, count)
+        indices = (scratch.get if scratch else _fresh)("int32", end - start, torch.int32, device)
+        torch.index_select(table, 0, indices.copy_(flat[start:end]), out=decoded[start:end])
+    full = count // BLOCK * BLOCK
+    decoded[:full].view(-1, BLOCK).mul_(absmax[: full // BLOCK, None])
     if full < count:
-        values[full:].mul_(absmax[-1])
-    return _laid_like(values if dtype == torch.float32 else values.to(dtype), codes)
+        decoded[full:].mul_(absmax[-1])
+    return _laid_like(values if decoded is values else values.copy_(decoded), codes)

@@ -4,7 +4,8 @@ Each local tensor's format is its group's ``"state_format"``, or ``"fp32"`` for 
 ``codecs.MIN_NUMEL`` elements (decided on the whole parameter, never a shard). At a step the local tensors with a
 gradient are taken in chunks of at most ``CHUNK_NUMEL`` encoded elements: their state is decoded to the tensors'
 dtype, the plain optimizer steps that chunk only (the others' ``.grad`` is held back: torch.optim skips a tensor
-without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. ``CompositeOptimizer``
+without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. It is decoded into
+buffers kept between steps (``codecs.Scratch``: up to ``CHUNK_NUMEL`` elements per key). ``CompositeOptimizer``
 calls this (``local_optimizer.py``); consolidation decodes (``decoded``), a consolidated load encodes again.
 """
 
@@ -31,7 +32,8 @@ __all__ = [
 
 FORMAT_KEY = "state_format"
 CHUNK_NUMEL = 1 << 22
-"""Encoded elements decoded at once in a step: bounds the transient fp32 state (16 MiB per fp32 state key)."""
+"""Encoded elements decoded at once in a step: bounds the fp32 state decoded, and the buffers kept for it between
+steps (16 MiB per fp32 state key; a larger tensor is decoded into fresh memory)."""
 
 
 def check_format(value: Any, where: str) -> str:
@@ -71,6 +73,7 @@ class StateFormats:
     def __init__(self, formats: dict[Tensor, str], group_formats: list[str]) -> None:
         self.formats = formats
         self.group_formats = group_formats
+        self.scratch = codecs.Scratch(CHUNK_NUMEL)  # a chunk's decoded state, the codecs' temporaries: kept
 
     @classmethod
     def for_shard(cls, shard: LocalShard, global_groups: Sequence[dict[str, Any]]) -> StateFormats:
@@ -86,7 +89,7 @@ class StateFormats:
         if fmt == "fp32":
             return
         for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
-            entry.update(codecs.encode(key, entry.pop(key), fmt))
+            entry.update(codecs.encode(key, entry.pop(key), fmt, self.scratch))
 
     def encode_all(self, state: dict[Tensor, dict[str, Any]]) -> None:
         for tensor, entry in state.items():
@@ -143,9 +146,10 @@ class StateFormats:
     def _step_chunk(
         self, parts: Sequence[Optimizer], chunk: list[Tensor], state: dict[Tensor, Any], kwargs: Any
     ) -> None:
+        self.scratch.reset()
         for tensor in chunk:
             if tensor in state:
-                decode_entry(tensor, state[tensor])
+                decode_entry(tensor, state[tensor], self.scratch)
         try:
             for part in parts:
                 part.step(**kwargs)
@@ -155,12 +159,13 @@ class StateFormats:
                     self.encode_entry(tensor, state[tensor])
 
 
-def decode_entry(tensor: Tensor, entry: dict[str, Any]) -> None:
-    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype, whatever format they were stored in."""
+def decode_entry(tensor: Tensor, entry: dict[str, Any], scratch: codecs.Scratch | None = None) -> None:
+    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype, whatever format they were stored in (into
+    ``scratch``'s slices where given)."""
     for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
         key, fmt = name.rsplit(".", 1)
         encoded = {n: entry.pop(n) for n in codecs.encoded_names(key, fmt)}
-        entry[key] = codecs.decode(key, encoded, fmt, tensor.dtype)
+        entry[key] = codecs.decode(key, encoded, fmt, tensor.dtype, scratch)
 
 
 def decoded(state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
