@@ -3,6 +3,7 @@ site built from it (``mkdocs build --strict``, offline), whose API reference ren
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import os
@@ -206,3 +207,26 @@ def test_the_layout_page_names_every_module_and_only_real_ones() -> None:
 def test_the_layout_reader_nests_by_indentation() -> None:
     tree = "src/\n  a.py   x\n  pkg/   y\n    b.py  z\n  c.py\n"
     assert _layout_paths(tree) == {"src", "src/a.py", "src/pkg", "src/pkg/b.py", "src/c.py"}
+
+
+def _defines(path: Path, qualified: str) -> bool:
+    """Whether ``path`` defines ``qualified`` (``function``, ``Class`` or ``Class.method``)."""
+    scope: list[ast.stmt] = ast.parse(path.read_text()).body
+    for part in qualified.split("."):
+        found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
+        if not found:
+            return False
+        scope = found[0].body
+    return True
+
+
+def test_the_gradient_walk_names_real_functions() -> None:
+    """docs/layout.md's walk of one gradient element under ShardedDataParallel stays true: each hop's function is
+    defined in the file it names, and the heading's count is the list's."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    walk = text.split("## One gradient element under ShardedDataParallel", 1)[1].split("\n## ", 1)[0]
+    hops = re.findall(r"^\d+\. `([\w/]+\.py)` : `([\w.]+)`", walk, flags=re.M)
+    assert len(hops) >= 10, walk
+    missing = [f"{path} : {name}" for path, name in hops if not _defines(ROOT / "src" / "distoptim" / path, name)]
+    assert not missing, f"docs/layout.md's gradient walk names functions that are not there: {missing}"
+    assert f"**{len(hops)} hops over {len({path for path, _ in hops})} modules**" in " ".join(walk.split())
