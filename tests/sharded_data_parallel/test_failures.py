@@ -255,7 +255,7 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
             for micro in range(2):
                 loss = wrapper(_x(rank, 10 * step + micro), use_branch=how != "sdp_unused" or rank == 0)
                 (loss.square().mean() if scaler is None else scaler.scale(loss.square().mean())).backward()
-            if how == "sdp_clip":  # the flags agreed here, for the step too
+            if how == "sdp_clip":  # the flags were agreed in the backwards: none here
                 phase[0] = "clip"
                 zero.clip_grad_norm_(1.0)
             phase[0] = "step"
@@ -269,16 +269,16 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("how", "per_step"), [("ddp", 1), ("sdp", 1), ("sdp_scaler", 2), ("sdp_unused", 2), ("sdp_clip", 1)]
+    ("how", "per_backward", "per_step"),
+    [("ddp", 0, 1), ("sdp", 1, 1), ("sdp_scaler", 1, 2), ("sdp_unused", 1, 1), ("sdp_clip", 1, 1)],
 )
-def test_agreements_none_per_backward_one_per_plain_step(how: str, per_step: int) -> None:
-    """DDP + ZeRO-1 and a plain SDP loop: one agreement a step (the used-parameter flags ride on the step's), none in
-    the backwards (before, SDP made one per backward and one per step). A GradScaler adds the agreement around the
-    local step; a parameter some rank did not use, one for the flags before the ranks that could not tell step."""
+def test_agreements_one_per_backward_one_per_plain_step(how: str, per_backward: int, per_step: int) -> None:
+    """DDP + ZeRO-1: one agreement a step. SDP: one a backward too (which parameters some rank used, so that
+    ``.grad`` is None exactly where DDP's is), and the step's; a GradScaler adds the one around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
-        assert counts.get("backward", 0) == 0, counts
+        assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == per_step * 3, counts
-        assert counts.get("clip", 0) == (3 if how == "sdp_clip" else 0), counts
+        assert counts.get("clip", 0) == 0, counts
 
 
 # ------------------------------------------- a clear between backwards, before the ranks agreed on what was used
@@ -311,3 +311,32 @@ def _clear_before_the_agreement_body(rank: int, world_size: int, how: str) -> No
 @pytest.mark.parametrize("how", ["module", "module_zeros", "param_none"])
 def test_a_clear_between_backwards_reaches_owners_that_did_not_use_the_parameter(how: str) -> None:
     run_on_ranks(_clear_before_the_agreement_body, 2, how, timeout=60)
+
+
+# ------------------------------------------------------------- .grad is None exactly where DDP's is
+def _fill_none_body(rank: int, world_size: int, partition: str) -> list[list[int]]:
+    """The branch no rank uses; the program gives every ``.grad`` that is None zeros (so that AdamW decays it), as
+    some training loops do: each rank must see None where DDP's ranks do, or the owner skips the decay."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, partition)
+    ddp = DDP(reference, find_unused_parameters=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    seen = []
+    for step in range(2):
+        for opt, wrapper, inner in ((zero, sdp, model), (plain, ddp, reference)):
+            opt.zero_grad()
+            wrapper(_x(rank, step), use_branch=False).square().mean().backward()
+            seen.append([i for i, p in enumerate(inner.parameters()) if p.grad is None])
+            for p in inner.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+        sdp.sync_finished()
+        _compare(model, reference, f"{partition}, step {step}")
+    return seen
+
+
+@pytest.mark.parametrize("partition", ["even", "greedy"])
+def test_grad_is_none_where_no_rank_used_the_parameter_as_under_ddp(partition: str) -> None:
+    for seen in run_on_ranks(_fill_none_body, 2, partition, timeout=60):
+        assert seen[0] == seen[1] == seen[2] == seen[3] != [], seen

@@ -101,6 +101,13 @@ def _global_shift(module: nn.Module, args: Any) -> None:
         _shift(module, args)
 
 
+def _global_scale(module: nn.Module, args: Any) -> Any:
+    """On the root model: its input scaled by a sum over every parameter (a hook that reads them all)."""
+    if isinstance(module, Hooked):
+        return (args[0] * (1 + 0.01 * sum(float(p.detach().sum()) for p in module.parameters())),)
+    return None
+
+
 def _hook_after(model: Hooked, how: str, wrapper: nn.Module) -> None:
     """What the user registers after wrapping (the same on the reference)."""
     if how == "prepend_after":
@@ -115,7 +122,8 @@ def _hook_in_flight(model: Hooked, how: str) -> None:
     if how == "prepend_in_flight":
         model.shifted.register_forward_pre_hook(_shift, prepend=True)
     elif not _GLOBAL:  # one module-global hook serves both models
-        _GLOBAL.append(register_module_forward_pre_hook(_global_shift))
+        hook = _global_scale if how == "global_root_in_flight" else _global_shift
+        _GLOBAL.append(register_module_forward_pre_hook(hook))
 
 
 def _hook_order_body(rank: int, world_size: int, configs: list[tuple[Any, ...]]) -> None:
@@ -152,6 +160,7 @@ HOWS = [
     "prepend_in_flight",
     "global",
     "global_in_flight",
+    "global_root_in_flight",
     "weight_norm",
     "spectral_norm",
     "parametrize_before",

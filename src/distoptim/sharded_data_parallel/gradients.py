@@ -306,8 +306,9 @@ class OwnedGradients(MarkerIntake):
     def flush(self) -> None:
         """The end of a backward: every bucket launched (in order, with the gradients accumulated under
         ``no_sync`` that this backward did not touch) and landed; gradients of parameters trainable since the plan
-        was made are averaged in their ``.grad``; markers put in. Which parameters some rank used is agreed at the
-        step (or ``clip_grad_norm_``), once for all its backwards."""
+        was made are averaged in their ``.grad``; the ranks agree which parameters some rank used (one small
+        all-reduce), and markers go in: ``.grad`` is None exactly where no rank used the parameter, as under DDP
+        (a program's ``if p.grad is None: p.grad = zeros`` must see what DDP's sees)."""
         self._backward = False
         self._launch_the_rest()
         while self._in_flight:
@@ -315,7 +316,7 @@ class OwnedGradients(MarkerIntake):
         self._next_backward_afresh()
         self._average_unplaced()
         self.unagreed = True
-        self.mark()
+        self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
 
     def _average_unplaced(self) -> None:
         """The local gradients of the parameters no bucket holds yet (made trainable since the plan), averaged in

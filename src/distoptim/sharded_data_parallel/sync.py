@@ -37,11 +37,18 @@ class _LandBefore:
 
     def __init__(self, sync: BucketedSync) -> None:
         self.sync = weakref.ref(sync)  # a sync dropped in flight leaves no hook holding it
+        self.hooks: Any = lambda: None  # torch's module-global pre-hooks, read through the handle it returned
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         sync = self.sync()
-        last = -1 if sync is None else sync.landing.get(module, -1)
-        if sync is not None and last >= 0:
+        if sync is None:
+            return
+        hooks = self.hooks()
+        if hooks is not None and any(not isinstance(hook, _LandBefore) for hook in hooks.values()):
+            sync.finish()  # a module-global pre-hook of the user's, registered since the step, may read anything
+            return
+        last = sync.landing.get(module, -1)
+        if last >= 0:
             sync.land_through(last)
 
 
@@ -154,9 +161,11 @@ class BucketedSync(ParameterSync):
             return
         self._sums = [_checksum(unit.owned(landed=False)) for unit in self.units]
         self._storage = [_where(params) for params in self.params_of]
-        handle = register_module_forward_pre_hook(_LandBefore(self))
+        lander = _LandBefore(self)
+        handle = register_module_forward_pre_hook(lander)
         self._hook = weakref.finalize(self, handle.remove)  # removed when all landed, or when the sync is dropped
-        hooks = handle.hooks_dict_ref()  # read through the handle torch returned (public), never reordered
+        lander.hooks = handle.hooks_dict_ref  # read through the handle torch returned (public), never reordered
+        hooks = handle.hooks_dict_ref()
         if hooks is None or any(not isinstance(hook, _LandBefore) for hook in hooks.values()):
             self.finish()  # a module-global pre-hook of the user's runs before ours and may read any parameter
 
