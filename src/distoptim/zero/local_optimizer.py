@@ -166,6 +166,7 @@ class CompositeOptimizer(Optimizer):
         part = self.parts.get(kind)
         if part is None:
             part = self.parts[kind] = self._make(kind, [param_group])
+            self._shared.update(part.state)  # what it made at construction (Adagrad's sums, from the group's value)
             part.state = self._shared
         else:
             part.add_param_group(param_group)
