@@ -384,6 +384,13 @@ def _sdp_after_a_step(r: Rank) -> None:
     ShardedDataParallel(model, zero)
 
 
+def _sdp_over_adagrad_one_rank_owns_nothing(r: Rank) -> None:
+    """Adagrad's state exists at construction, but only on the ranks owning a piece: a one-element model leaves the
+    other rank none, and the refusal must not depend on this rank's shard (it once hung there)."""
+    model = nn.Linear(1, 1, bias=False)
+    ShardedDataParallel(model, _zero(r, model.parameters(), torch.optim.Adagrad, partition="even"))
+
+
 def _sdp_twice(r: Rank) -> None:
     model = _model()
     zero = _zero(r, model.parameters())
@@ -707,6 +714,9 @@ MISUSES: list[Misuse] = [
            ValueError, r"ShardedDataParallel construction: rank \d and rank \d disagree \(buffer 'running': \(shape, "
                        r"dtype\) (\(\(2,\), 'torch.float32'\) vs \(\(3,\)|\(\(3,\), 'torch.float32'\) vs \(\(2,\))"),
     Misuse("ShardedDataParallel over an even-partition ZeRO that has stepped already", _sdp_after_a_step, ALL,
+           RuntimeError, r"re-cuts an even partition into buckets.*wrap the model before the optimizer has any state"),
+    Misuse("ShardedDataParallel over an even Adagrad ZeRO of which one rank owns nothing",
+           _sdp_over_adagrad_one_rank_owns_nothing, ALL,
            RuntimeError, r"re-cuts an even partition into buckets.*wrap the model before the optimizer has any state"),
     Misuse("ShardedDataParallel twice over one ZeRO", _sdp_twice, ALL,
            ValueError, r"already belongs to a ShardedDataParallel: wrap the model once"),

@@ -21,8 +21,10 @@ def _params() -> list[torch.Tensor]:
 def _body(rank: int, world_size: int, variant: str) -> None:
     params, reference_params = _params(), _params()
     extra: dict[str, Any] = {"state_format": variant}
-    zero = ZeroRedundancyOptimizer(params, torch.optim.Adagrad, lr=0.1, initial_accumulator_value=0.5, **extra)
-    reference = torch.optim.Adagrad(reference_params, lr=0.1, initial_accumulator_value=0.5)
+    groups = [{"params": params[:1]}, {"params": params[1:]}]  # a part's later groups too
+    zero = ZeroRedundancyOptimizer(groups, torch.optim.Adagrad, lr=0.1, initial_accumulator_value=0.5, **extra)
+    reference_groups = [{"params": reference_params[:1]}, {"params": reference_params[1:]}]
+    reference = torch.optim.Adagrad(reference_groups, lr=0.1, initial_accumulator_value=0.5)
     zero.consolidate_state_dict(to=0)
     if rank == 0:
         saved, expected = zero.state_dict()["state"], reference.state_dict()["state"]

@@ -134,8 +134,13 @@ class CompositeOptimizer(Optimizer):
         self._shared: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
         super().__init__([{"params": []}], {})  # the hook registries; the groups are the parts'
         self._order: list[tuple[Kind, int]] = []  # global group number -> (part, its group number)
-        for group in groups:
-            self.add_param_group(group)
+        by_kind: dict[Kind, list[dict[str, Any]]] = {}
+        for group in groups:  # each part built with all its groups, as the plain class is (its state at construction)
+            kind = kind_of(group, default)
+            by_kind.setdefault(kind, []).append(group)
+            self._order.append((kind, len(by_kind[kind]) - 1))
+        for kind, kind_groups in by_kind.items():
+            self._add_part(kind, kind_groups)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -165,12 +170,16 @@ class CompositeOptimizer(Optimizer):
         kind = kind_of(param_group, self._default)
         part = self.parts.get(kind)
         if part is None:
-            part = self.parts[kind] = self._make(kind, [param_group])
-            self._shared.update(part.state)  # what it made at construction (Adagrad's sums, from the group's value)
-            part.state = self._shared
+            part = self._add_part(kind, [param_group])
         else:
             part.add_param_group(param_group)
         self._order.append((kind, len(part.param_groups) - 1))
+
+    def _add_part(self, kind: Kind, groups: list[dict[str, Any]]) -> Optimizer:
+        part = self.parts[kind] = self._make(kind, groups)
+        self._shared.update(part.state)  # what it made at construction (Adagrad's sums)
+        part.state = self._shared
+        return part
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim.comm import collectives as comm
 from distoptim.zero import placement, validation
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import (
@@ -257,11 +258,12 @@ class Partitioning:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.
 
         Raises:
-            RuntimeError: the optimizer has state already (under the even partition).
+            RuntimeError: the optimizer has state already on some rank (under the even partition), on every rank.
         """
         if region_numel == self._region_numel or self.partition != "even":
             return
-        if any(self.local_optimizer.state.values()):
+        has_state = torch.tensor([float(any(self.local_optimizer.state.values()))])
+        if comm.all_reduce_(has_state, self.process_group, "max").item():  # a rank may own no state: ask all
             raise RuntimeError(
                 "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the "
                 "model before the optimizer has any state (before the first step() and before loading a checkpoint)"
