@@ -7,8 +7,9 @@ thaws it); ``extra`` a frozen layer outside the optimizer (``add_group`` thaws i
 a bf16 head (``master`` in the mode adds fp32 master weights); ``batchnorm`` BatchNorm buffers; ``conv`` a
 channels_last convolution on an image input; ``prehook`` a layer whose weight a forward pre-hook registered at
 construction (before any wrapping) computes as ``base + delta``; ``sparse`` an ``nn.Embedding(sparse=True)``;
-``transposed`` a layer whose weight is stored column-major (not row-major in memory), of an odd element count. Every
-rank builds the same values from the seed.
+``transposed`` a layer whose weight is stored column-major (not row-major in memory), of an odd element count;
+``wide`` two layers of 8,192-element weights (a state format keeps those in bf16 or int8). Every rank builds the
+same values from the seed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ WIDTH, VOCAB, BATCH = 16, 11, 4
 GRID, CAP = 2.0**-16, 2.0**3
 
 
+WIDE = 512  # the wide layers' hidden width: 512 x 16 weights, twice codecs.MIN_NUMEL (a low-bit state; most of
+# the model's elements, so that an even partition cuts inside them)
 SKEW = 5  # the transposed layer's outputs: 5 x 16 + 5 elements, a count no world size above 1 divides
 
 
@@ -92,6 +95,8 @@ class FuzzModel(nn.Module):
         self.odd = nn.Linear(WIDTH, WIDTH) if has("odd_branch") else None
         self.composed = Composed() if has("prehook") else None
         self.skew = _transposed(nn.Linear(WIDTH, SKEW)) if has("transposed") else None
+        self.up = nn.Linear(WIDTH, WIDE, bias=False) if has("wide") else None  # no bias: cuts fall in weights
+        self.down = nn.Linear(WIDE, WIDTH) if has("wide") else None
         self.sparse = nn.Embedding(VOCAB, WIDTH, sparse=True) if has("sparse") else None
         self.rank0 = nn.Linear(WIDTH, WIDTH) if has("rank_branch") else None
         self.never = nn.Linear(WIDTH, 4) if has("unused") else None
@@ -130,6 +135,8 @@ class FuzzModel(nn.Module):
             h = self.composed(h)
         if self.skew is not None:
             h = torch.cat([h[:, :SKEW] + torch.tanh(self.skew(h)), h[:, SKEW:]], 1)
+        if self.up is not None and self.down is not None:
+            h = h + torch.tanh(self.down(torch.tanh(self.up(h))))
         if self.odd is not None and step % 2 == 1:
             h = h + torch.tanh(self.odd(h))
         if self.rank0 is not None and rank == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from distoptim.hooks import reduce_to_owners_hook
 from tests.fuzz.matrices import MUON, PlainPerGroup, constructor_class, muon_step_size, with_muon_groups
 from tests.fuzz.models import FuzzModel, param_groups
 from tests.fuzz.program import Program
+from tests.zero._codec import eligible, round_trip
 from tests.zero._hooks import register
 
 MODEL_SEED = 0
@@ -60,9 +62,25 @@ def on_grid(program: Program) -> bool:
 
 
 def program_groups(program: Program, model: FuzzModel, lr: float) -> list[dict[str, Any]]:
-    """The program's param groups: the model zoo's, each split into Muon's matrices and the rest for Muon."""
+    """The program's param groups: the model zoo's, each split into Muon's matrices and the rest for Muon; with
+    ``format_on="last"`` the last one names the program's state format."""
     groups = param_groups(model, lr)
-    return with_muon_groups(groups, model, lr) if program.optimizer == MUON else groups
+    groups = with_muon_groups(groups, model, lr) if program.optimizer == MUON else groups
+    if state_format(program) != "fp32" and program.options.get("format_on") == "last":
+        groups[-1] = {**groups[-1], "state_format": state_format(program)}
+    return groups
+
+
+def state_format(program: Program) -> str:
+    """The program's ZeRO state format where it is compared (on the grid, bitwise); elsewhere (3 ranks) fp32 on
+    both sides: a format's rounding turns a reduction-order ulp into a whole quantization step."""
+    return str(program.options.get("state_format", "fp32")) if on_grid(program) else "fp32"
+
+
+def constructor_format(program: Program) -> dict[str, str]:
+    """The ``state_format`` ZeroRedundancyOptimizer is built with (``format_on="all"``), as keyword arguments."""
+    fmt = state_format(program)
+    return {"state_format": fmt} if fmt != "fp32" and program.options.get("format_on") != "last" else {}
 
 
 def _scheduler(optimizer: Any, program: Program) -> Any:
@@ -168,6 +186,7 @@ def build_subject(
         partition=options["partition"],
         master_dtype=torch.float32 if options["master"] else None,
         **groups,
+        **constructor_format(program),
         **program.kwargs,
     )
     if structure.added:
@@ -198,10 +217,20 @@ class Oracle:
                         self.masters[id(p)] = p.detach().float().requires_grad_()
         self.params = [p for g in groups for p in g["params"]]
         stepped = [{**g, "params": [self._stepped(p) for p in g["params"]]} for g in groups]
+        default_format = constructor_format(program).get("state_format", "fp32")
+        self.formats = {  # the stepped tensors whose state the subject keeps in a format (``_codec``)
+            p: g.get("state_format", default_format)
+            for g in stepped
+            for p in g["params"]
+            if eligible(p, g.get("state_format", default_format))
+        }
+        stepped = [{k: v for k, v in g.items() if k != "state_format"} for g in stepped]
         if program.optimizer == MUON:  # one plain optimizer per group, as plain torch users write it
             self.optimizer: Any = PlainPerGroup(stepped, torch.optim.AdamW, program.kwargs)
         else:
             self.optimizer = getattr(torch.optim, program.optimizer)(stepped, **program.kwargs)
+        if self.formats:
+            self.optimizer.step = types.MethodType(_coded_step(type(self.optimizer).step, self.formats), self.optimizer)
         if structure.added:
             self.add_group()
         self.scheduler = _scheduler(self.optimizer, program)
@@ -317,6 +346,20 @@ class Oracle:
             if id(p) in self.masters and p.grad is not None:
                 p.grad.copy_(self.masters[id(p)].grad)
         return total
+
+
+def _coded_step(step: Any, formats: dict[Tensor, str]) -> Any:
+    """``step`` followed by the codec round trip of the stepped tensors' state: the plain optimizer then holds what
+    the subject's decodes to. A bound method (``types.MethodType``), as LR schedulers wrap ``step.__func__``; a step
+    the GradScaler skips never reaches it."""
+
+    def coded(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        loss = step(optimizer, *args, **kwargs)
+        round_trip(optimizer.state, stepped, formats)
+        return loss
+
+    return coded
 
 
 def world() -> tuple[int, int]:

@@ -28,7 +28,7 @@ MODEL_FEATURES = (
     "conv",
 )
 # drawn from a second random stream (``_widen``), so the programs of earlier seeds keep what they had
-NEW_FEATURES = ("prehook", "sparse", "transposed")
+NEW_FEATURES = ("prehook", "sparse", "transposed", "wide")
 
 MODES = ("zero1", "zero2_hook", "sdp", "overlap_hook")
 
@@ -266,7 +266,7 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
     if hybrid:  # ShardedDataParallel too: its buckets divide by world_size * replica_count
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
-    return _faults(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions)))
+    return _faults(_formats(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions))))
 
 
 def inexact_parts(program: Program) -> list[str]:
@@ -302,6 +302,25 @@ def _exact(program: Program) -> Program:
         if a.name != "clip"
     ]
     return program.replace(features=features, options=options, actions=actions)
+
+
+STATE_FORMATS = ("bf16", "int8")
+FORMAT_MODES = ("zero1", "zero2_hook", "sdp")
+
+
+def _formats(program: Program) -> Program:
+    """From an eighth stream, about a third of the exact programs keep ZeRO's state in bf16 or int8 (issue 43):
+    ``state_format`` for every group, or for the last group only (``format_on``), with the ``wide`` layers so that
+    some parameters are large enough to take it. Exact programs only: a code one side rounds the other way moves a
+    whole quantization step, so the format's oracle (``modes.Oracle``) is compared bitwise, on the grid."""
+    rng = random.Random(f"formats-{program.seed}")
+    drawn = rng.random()
+    if not program.options.get("exact") or program.optimizer == "LBFGS" or program.mode not in FORMAT_MODES:
+        return program
+    if drawn >= 0.35:
+        return program
+    options = {**program.options, "state_format": rng.choice(STATE_FORMATS), "format_on": rng.choice(["all", "last"])}
+    return program.replace(features=sorted([*program.features, "wide"]), options=options)
 
 
 def _faults(program: Program) -> Program:

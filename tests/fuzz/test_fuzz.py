@@ -11,7 +11,17 @@ from typing import Any
 import pytest
 
 from tests.fuzz.__main__ import FAILURES, rerun_command
-from tests.fuzz.program import ACTIONS, MODEL_FEATURES, MODES, NEW_FEATURES, Action, Program, generate
+from tests.fuzz.program import (
+    ACTIONS,
+    FORMAT_MODES,
+    MODEL_FEATURES,
+    MODES,
+    NEW_FEATURES,
+    STATE_FORMATS,
+    Action,
+    Program,
+    generate,
+)
 from tests.fuzz.session import OURS, classify, refusal_summary, run_programs
 from tests.fuzz.shrink import shrink
 
@@ -37,6 +47,12 @@ def test_generator_is_pure_and_covers_every_action_and_mode() -> None:
     whole_tensor = {(p.optimizer, p.mode) for p in programs if p.optimizer in ("Adafactor", "Muon")}
     assert {(o, m) for o in ("Adafactor", "Muon") for m in ("zero1", "zero2_hook", "sdp")} <= whole_tensor
     options = {(p.mode, k, str(v)) for p in programs for k, v in p.options.items()}
+    formats = {
+        (p.mode, p.options["state_format"], p.options["format_on"]) for p in programs if "state_format" in p.options
+    }
+    assert {(m, f) for m in FORMAT_MODES for f in STATE_FORMATS} <= {(m, f) for m, f, _ in formats}, formats
+    assert {on for _, _, on in formats} == {"all", "last"}
+    assert all(p.options.get("exact") for p in programs if "state_format" in p.options)  # compared bitwise
     for mode, key, value in [
         ("sdp", "overlap", "True"),
         ("sdp", "overlap", "False"),

@@ -231,4 +231,25 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
 )
 
+MUTANTS += (  # issue 43: the state formats
+    _one(
+        "format_on_shard_size",
+        "state_format bf16/int8 under partition='even' (every mode)",
+        "a tensor's state format decided on this rank's piece, not on the whole parameter (the bug of torchao "
+        "under FSDP2, pytorch/ao#4912): a parameter cut in pieces below the threshold keeps fp32 state",
+        "distoptim/zero/state_formats.py",
+        "                formats[piece.tensor] = tensor_format(piece.param, group_format(group))",
+        "                formats[piece.tensor] = tensor_format(piece.tensor, group_format(group))",
+    ),
+    _one(
+        "int8_cut_inside_block",
+        "state_format='int8' under partition='even'",
+        "the even partition no longer told to cut at quantization blocks: a rank's blocks start at its piece, not "
+        "at the parameter's element 0, so the scales cover other elements than one process's",
+        "distoptim/zero/state_formats.py",
+        '        codecs.BLOCK if tensor_format(p, group_format(group)) == "int8" else 1',
+        "        1",
+    ),
+)
+
 BY_NAME = {m.name: m for m in MUTANTS}

@@ -154,3 +154,11 @@ VARIANTS["stitch_row_major_inexact"] = (
     _program("zero1", [*_block(), Action("load_optim"), *_block()], partition="even", features=("transposed",)),
     2,
 )
+DEMOS["format_on_shard_size"] = (
+    _program("zero1", TWO, "AdamW", ADAMW, features=("wide",), partition="even", exact=True, state_format="int8"),
+    4,
+)
+DEMOS["int8_cut_inside_block"] = (
+    _program("zero1", TWO, "AdamW", ADAMW, features=("wide",), partition="even", exact=True, state_format="int8"),
+    2,
+)
