@@ -424,8 +424,8 @@ class Run:
             params = [p for p in model.parameters() if p.requires_grad]
             loss = self.forward_loss(model)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-            for p, g in zip(params, grads):
-                g = torch.zeros_like(p) if g is None else g
+            for p, g in zip(params, grads):  # a clone: autograd may give two leaves one tensor (``base + delta``),
+                g = torch.zeros_like(p) if g is None else g.clone()  # reduced twice in place (seed 140: delta's 2x)
                 dist.all_reduce(g)
                 p.grad = g / self.world_size
 
