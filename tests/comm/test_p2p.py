@@ -8,6 +8,7 @@ import gc
 import time
 import weakref
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -134,3 +135,34 @@ def _staging_disagreement_body(rank: int, world_size: int) -> str:
 
 def test_ranks_that_cut_messages_differently_are_refused_on_every_rank() -> None:
     run_on_ranks(_staging_disagreement_body, 2, timeout=60)
+
+
+_EXITING_JOB = """
+import os, sys, time
+import torch.distributed as dist
+from distoptim.comm import p2p
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+def job():
+    time.sleep(1.0)
+    open(sys.argv[1], "w").write("done")
+p2p.run_beside(job, dist.group.WORLD)
+"""  # the script ends at once: the job must still run to its end before the interpreter shuts down
+
+
+def test_jobs_handed_to_the_threads_finish_before_the_process_exits(tmp_path: Any) -> None:
+    """A relay job a peer still needs is not abandoned when this rank's script ends, and no daemon thread is left
+    inside a collective's wait while the interpreter shuts down (killed in C++ there: std::terminate)."""
+    import socket
+    import subprocess
+    import sys
+
+    marker = tmp_path / "done"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-c", _EXITING_JOB, str(marker), str(port)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert marker.exists(), "the job handed to the thread beside was dropped at exit"
