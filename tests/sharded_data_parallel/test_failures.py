@@ -228,6 +228,28 @@ def test_two_wrappers_in_one_backward_need_a_process_group_each(own_groups: bool
         assert outcome == "trained" if own_groups else "a group of its own" in outcome, outcome
 
 
+def _rewrap_body(rank: int, world_size: int) -> None:
+    """The model wrapped again (a new optimizer, as after changing its settings) once the first wrapper is dropped:
+    trains as DDP + AdamW built afresh at that point; the dropped wrapper's hooks once refused its backward."""
+    model, reference = Chain(), Chain()
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    zero, sdp = _sdp(model)
+    for step in range(4):
+        if step == 2:
+            del sdp
+            zero, sdp = _sdp(model)
+            plain = torch.optim.AdamW(reference.parameters(), **KW)
+        for wrapper, optimizer in ((sdp, zero), (ddp, plain)):
+            optimizer.zero_grad()
+            wrapper(_x(rank, step)).square().mean().backward()
+            optimizer.step()
+        _compare(model, reference, f"step {step}")
+
+
+def test_a_model_wrapped_again_after_dropping_its_wrapper_trains_as_ddp() -> None:
+    run_on_ranks(_rewrap_body, 2, timeout=60)
+
+
 # ------------------------------------------------------------------- what a step costs on the control plane
 def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
     """Agreements (``agree_across_ranks``: one all-reduce on the control plane each) made in the backwards and in

@@ -72,10 +72,17 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
         )
 
 
-def claim_groups(wrapper: Any) -> None:
-    """``wrapper`` is now its groups' wrapper: an older one on any of them refuses to run (``check_current``)."""
+def claim_groups(wrapper: Any) -> list[Any]:
+    """``wrapper`` is now its groups' wrapper: an older one on any of them refuses to run (``check_current``).
+    Returns the older ones still alive."""
+    older: list[Any] = []
     for group in wrapper.zero.agreement_groups:
-        attached(group, _NEWEST, _Newest).wrapper = weakref.ref(wrapper)
+        newest = attached(group, _NEWEST, _Newest)
+        previous = newest.get()
+        if previous is not None and previous is not wrapper and all(previous is not o for o in older):
+            older.append(previous)
+        newest.wrapper = weakref.ref(wrapper)
+    return older
 
 
 def check_current(wrapper: Any) -> None:

@@ -103,12 +103,13 @@ class ShardedDataParallel(nn.Module):
         self._buckets: list[BucketPlan] = []
         self.gradients: OwnedGradients | None = None
         self._bucketed: BucketedSync | None = None  # the parameter sync, bucket by bucket (the gradients' sync)
-        self._hooked: set[int] = set()
-        self._handles: list[Any] = []
+        self._handles: dict[int, list[Any]] = {}  # id(parameter) -> its hooks' handles
         self._sync_buffers_next = True
         self._landers: list[Any] = []  # the state-dict pre-hooks' handles (registered again when the buckets change)
-        checks.claim_groups(self)
+        superseded = checks.claim_groups(self)
         self._rebuild()
+        for older in superseded:  # the model wrapped again: its backward is this wrapper's alone
+            older.let_go_of(self)
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
@@ -123,12 +124,24 @@ class ShardedDataParallel(nn.Module):
         )
         zero.attach_gradient_source(self.gradients)
         for param in zero.global_params:
-            if param.requires_grad and id(param) not in self._hooked:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
-                self._handles.append(param.register_hook(_BeforeGradient(self, param)))  # type: ignore[no-untyped-call]
-                self._hooked.add(id(param))
+            if param.requires_grad and id(param) not in self._handles:
+                self._handles[id(param)] = [
+                    param.register_post_accumulate_grad_hook(self._on_grad),  # type: ignore[no-untyped-call]
+                    param.register_hook(_BeforeGradient(self, param)),  # type: ignore[no-untyped-call]
+                ]
         if self.overlap_param_sync:
             self._register_landing_hooks(sync)
+
+    def let_go_of(self, newer: ShardedDataParallel) -> None:
+        """Superseded by ``newer``: remove this wrapper's hooks from the parameters ``newer`` hooks too (the model
+        wrapped again after dropping this wrapper: they would refuse its backward); elsewhere they stay, and refuse."""
+        for key in self._handles.keys() & newer._handles.keys():
+            for handle in self._handles.pop(key):
+                handle.remove()
+        if newer.module is self.module:
+            for handle in self._landers:
+                handle.remove()
+            self._landers = []
 
     def _on_grad(self, param: Tensor) -> None:
         assert self.gradients is not None
