@@ -71,6 +71,7 @@ def _rank_main(
 ) -> None:
     stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks there too
     os.environ.update(loopback_rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     try:
@@ -158,8 +159,11 @@ def _collect(procs: list[Any], conns: dict[Connection, int], workdir: str, timeo
                 status, payload = conn.recv()
             except EOFError:
                 procs[rank].join(timeout=5)
+                with open(os.path.join(workdir, f"stack-{rank}.txt")) as handle:
+                    stack = handle.read().strip()
                 raise RankFailure(
                     f"rank {rank} exited (code {procs[rank].exitcode}) without reporting a result"
+                    + (f"; its stacks when it crashed:\n{stack}" if stack else "")
                 ) from None
             if status == "error":
                 raise RankFailure(f"rank {rank} of {len(procs)} failed:\n{payload}")

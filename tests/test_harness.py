@@ -60,3 +60,14 @@ def test_hung_rank_fails_within_timeout_and_leaves_no_process(tmp_path) -> None:
 def test_rank_dying_without_report_fails() -> None:
     with pytest.raises(RankFailure, match=r"exited \(code 3\) without reporting"):
         run_on_ranks(_exit_hard, 2, backend=None, timeout=30)
+
+
+def _crash(rank: int, world_size: int) -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # a segmentation fault, as a crash inside a torch kernel would be
+
+
+def test_a_crashing_rank_reports_where_it_crashed() -> None:
+    with pytest.raises(RankFailure, match=r"(?s)exited \(code -11\).*stacks when it crashed.*Segmentation.*_crash"):
+        run_on_ranks(_crash, 2, backend=None, timeout=30)
