@@ -2,13 +2,12 @@
 ``torch.optim``'s state dict (which plain optimizers, ``load_state_dict`` and torch's ZeroRedundancyOptimizer use).
 
 ``python -m distoptim checkpoint DIR --to-torch optim.pt`` writes the ``torch.optim`` dict of the optimizer saved
-under ``--key`` (default ``optim``) in DIR; ``python -m distoptim checkpoint DIR --from-torch optim.pt`` writes a
-sharded checkpoint DIR from one. Conversion holds the whole state in memory: it is for leaving and joining the
-format, not for training. Each says what it wrote, in one line.
-
-A sharded checkpoint records each parameter's shape (a load checks it). ``--from-torch`` reads it from the state:
-torch.optim's parameter-shaped entries (Adam's moments, momentum buffers ...), Adafactor's row and column factors;
-where the state cannot tell (an optimizer's own entries of other shapes), ``--params FILE`` gives the shapes.
+under ``--key`` (default ``optim``) in DIR, low-bit state (``state_format``) decoded to fp32 as a consolidated dict
+is; ``--from-torch optim.pt`` writes a sharded checkpoint DIR from one, encoded in each group's ``"state_format"`` (or
+``--state-format``'s). Conversion holds the whole state in memory: it is for leaving and joining the format, not for
+training. Each says what it wrote, in one line. A sharded checkpoint records each parameter's shape (a load checks
+it); ``--from-torch`` reads it from the state (parameter-shaped entries, Adafactor's factors); where the state cannot
+tell, ``--params FILE`` gives the shapes (the parameters themselves give int8 blocks their memory order).
 """
 
 from __future__ import annotations
@@ -30,7 +29,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from distoptim._flat import flat_view
 from distoptim.checkpoint import checksums
 from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
-from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS
+from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS, memory_order
+from distoptim.zero import codecs
+from distoptim.zero.state_formats import FORMAT_KEY, check_format, tensor_format
 
 __all__ = ["dcp_to_torch_optim", "main", "parameter_shapes", "torch_optim_to_dcp"]
 
@@ -78,11 +79,34 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
         if name.startswith("state."):
             index, _, entry = name.removeprefix("state.").partition(".")
             state.setdefault(int(index), {})[entry] = _reshaped(value, layouts[int(index)])
+    for index, entry in state.items():
+        _decode(entry, index, layouts[index])
     return {"state": dict(sorted(state.items())), "param_groups": pickle.loads(saved[PARAM_GROUPS])}
 
 
+def _decode(entry: dict[str, Any], index: int, layout: tuple[Any, ...] | None) -> None:
+    """Decode ``entry``'s encoded keys (``exp_avg.int8`` + ``exp_avg.int8_absmax``, ``exp_avg.bf16``) in place to
+    fp32 ``exp_avg``, as ``state_formats.decoded`` does; int8 blocks in the saved memory order (``layout``)."""
+    for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
+        key, fmt = name.rsplit(".", 1)
+        names = codecs.encoded_names(key, fmt)
+        missing = [n for n in names if n not in entry]
+        if missing:
+            raise ValueError(f"parameter {index}'s state has {name} but not {missing}: the checkpoint is incomplete")
+        encoded = {n: entry.pop(n) for n in names}
+        order = None if layout is None or len(layout) < 3 else tuple(layout[2])
+        if order is not None:  # codes saved by logical index: lay them in the memory order their blocks follow
+            codes = encoded[name]
+            encoded[name] = torch.empty_strided(codes.shape, order, dtype=codes.dtype).copy_(codes)
+        entry[key] = codecs.decode(key, encoded, fmt, torch.float32).contiguous()
+
+
 def torch_optim_to_dcp(
-    state_dict: dict[str, Any], directory: str | Path, key: str = "optim", shapes: Shapes | None = None
+    state_dict: dict[str, Any],
+    directory: str | Path,
+    key: str = "optim",
+    shapes: Shapes | None = None,
+    state_format: str | None = None,
 ) -> int:
     """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes;
     return how many data files were written.
@@ -90,12 +114,26 @@ def torch_optim_to_dcp(
     State tensors are saved as they are (parameter-shaped ones by their logical indices, as ZeRO saves them: the
     memory layout does not matter). ``shapes``: the parameters' shapes (or the parameters), in the optimizer's order,
     or a model state dict when the param groups name their parameters (``param_names``); needed only where the
-    state cannot tell (see ``parameter_shapes``).
+    state cannot tell (see ``parameter_shapes``). ``state_format``: the format to encode the state in for an
+    optimizer of that ``state_format`` to load (default: each group's ``"state_format"``, fp32 where it has none);
+    int8 blocks follow the memory order of ``shapes``' tensors where given, else row-major.
     """
-    layouts = [None if shape is None else (shape, None) for shape in parameter_shapes(state_dict, shapes)]
-    payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(state_dict["param_groups"]), LAYOUTS: pickle.dumps(layouts)}
+    found = parameter_shapes(state_dict, shapes)
+    groups = [dict(group) for group in state_dict["param_groups"]]
+    orders = _orders(shapes, groups, len(found))
+    formats: list[str] = []
+    for number, group in enumerate(groups):
+        fmt = check_format(group.get(FORMAT_KEY, "fp32") if state_format is None else state_format, f"group {number}")
+        if state_format is not None:
+            group[FORMAT_KEY] = state_format
+        formats += [fmt] * len(group["params"])
+    layouts = [
+        None if shape is None else (shape, None) if order is None else (shape, None, order)
+        for shape, order in zip(found, orders)
+    ]
+    payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(groups), LAYOUTS: pickle.dumps(layouts)}
     for index, entry in sorted(state_dict["state"].items()):
-        for name, value in entry.items():
+        for name, value in _encoded(entry, found[index], orders[index], formats[index]).items():
             payload[f"state.{index}.{name}"] = value
     with warnings.catch_warnings():  # dcp warns that it "assumes" one process even where no_dist=True says so
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -104,6 +142,36 @@ def torch_optim_to_dcp(
     files = [w.relative_path for w in written]
     checksums.write_manifest(Path(directory), checksums.checksums(Path(directory), files))
     return len(set(files))
+
+
+def _orders(shapes: Shapes | None, groups: list[dict[str, Any]], count: int) -> list[tuple[int, ...] | None]:
+    """Each parameter's memory order (``dcp_state.memory_order``) where ``shapes`` gives it as a tensor, else None."""
+    if shapes is None:
+        return [None] * count
+    if isinstance(shapes, Mapping):  # names checked by parameter_shapes
+        items: list[Any] = [shapes[name] for group in groups for name in group.get("param_names", ())]
+    else:
+        items = list(shapes)
+    return [memory_order(item) if isinstance(item, Tensor) else None for item in items]
+
+
+def _encoded(
+    entry: dict[str, Any], shape: tuple[int, ...] | None, order: tuple[int, ...] | None, fmt: str
+) -> dict[str, Any]:
+    """``entry`` with its encodable parameter-shaped keys encoded in ``fmt`` (a parameter's own format: fp32 under
+    ``codecs.MIN_NUMEL`` elements), as ``StateFormats.encode_entry`` does."""
+    out: dict[str, Any] = {}
+    for name, value in entry.items():
+        if shape is None or not codecs.is_encodable(name, value) or tuple(value.shape) != shape:
+            out[name] = value
+            continue
+        own = tensor_format(value, fmt)
+        if own == "fp32":
+            out[name] = value
+            continue
+        laid = value if order is None else torch.empty_strided(shape, order, dtype=value.dtype).copy_(value)
+        out.update(codecs.encode(name, laid, own))
+    return out
 
 
 def parameter_shapes(state_dict: dict[str, Any], shapes: Shapes | None = None) -> list[tuple[int, ...] | None]:
@@ -202,9 +270,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --from-torch, where the state does not show the parameters' shapes: a torch.save'd list of them "
         "(or of the parameters) in the optimizer's order, or the model's state_dict() if param groups carry names",
     )
+    parser.add_argument(
+        "--state-format",
+        choices=codecs.FORMATS,
+        help="with --from-torch, encode the state for an optimizer of this state_format (default: each param "
+        "group's 'state_format', fp32 where it has none)",
+    )
     args = parser.parse_args(argv)
     if args.params is not None and args.from_torch is None:
         parser.error("--params goes with --from-torch")
+    if args.state_format is not None and args.from_torch is None:
+        parser.error("--state-format goes with --from-torch")
     try:
         if args.to_torch is not None:
             optim = dcp_to_torch_optim(args.directory, args.key)
@@ -213,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             optim = torch.load(args.from_torch, weights_only=False)
             shapes = None if args.params is None else torch.load(args.params, weights_only=False)
-            files = torch_optim_to_dcp(optim, args.directory, args.key, shapes)
+            files = torch_optim_to_dcp(optim, args.directory, args.key, shapes, args.state_format)
             print(
                 f"wrote {args.directory}: sharded checkpoint (torch.distributed.checkpoint, {files} data "
                 f"file{'s' * (files != 1)}), {_counts(optim)}; under key {args.key!r}"

@@ -23,6 +23,7 @@ from distoptim.checkpoint.boxes import memory_range_boxes
 from distoptim.checkpoint.consolidated import check_hyperparameters, loaded_hyperparameters
 from distoptim.zero.codecs import BLOCK, SCALES_SUFFIX
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
+from distoptim.zero.state_formats import block_sizes
 
 if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a third of distoptim's import time
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -43,8 +44,9 @@ CHUNK_BYTES = 4 << 20
 so this bounds the memory a load takes besides the state (a save writes each chunk from the state's own memory)."""
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"
-"""Each parameter's ``(shape, None)``: its state is saved by logical index. distoptim 0.2 saved ``(shape, strides)``,
-the memory order in which it saved parameter-shaped state flat (``convert`` still reads those)."""
+"""Each parameter's ``(shape, None)``: its state is saved by logical index; ``(shape, None, strides)`` for a dense
+parameter not laid out row-major (int8 blocks follow its memory order: ``memory_order``). distoptim 0.2 saved
+``(shape, strides)``, the memory order in which it saved parameter-shaped state flat (``convert`` still reads those)."""
 
 
 class FragmentTensor(Tensor):
@@ -143,7 +145,7 @@ def sharded_state(
 ) -> dict[str, Any]:
     """``{"state.<index>.<name>": piece or scalar, "param_groups": pickled, "param_layouts": pickled}`` for this
     rank's fragments: their state, or for a fragment without any, ``placeholders`` that only a load fills."""
-    layouts = pickle.dumps([(tuple(p.shape), None) for p in params])
+    layouts = pickle.dumps([layout_of(p) for p in params])
     exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: layouts}
     for local in (t for group in shard.groups for t in group if t.param.numel() > 0):  # zero-sized: nothing to keep
         saved = local.tensor in state
@@ -154,6 +156,18 @@ def sharded_state(
         if local.master:
             exported[f"state.{local.index}.{MASTER_KEY}"] = _as_saved(local.tensor, local, True)
     return exported
+
+
+def memory_order(tensor: Tensor) -> tuple[int, ...] | None:
+    """The strides of ``tensor``'s memory order, by which int8 blocks are laid; None where it is the logical order
+    (a row-major tensor, or one that is not dense, whose blocks follow the logical order)."""
+    return None if tensor.is_contiguous() or not is_dense(tensor) else tuple(tensor.stride())
+
+
+def layout_of(param: Tensor) -> tuple[Any, ...]:
+    """``param``'s entry in ``LAYOUTS``."""
+    order = memory_order(param)
+    return (tuple(param.shape), None) if order is None else (tuple(param.shape), None, order)
 
 
 def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
@@ -246,9 +260,29 @@ def load_param_groups(
             f"the checkpoint was saved for other parameters (shapes {_shown(saved_shapes)}) than this optimizer's "
             f"({_shown(shapes)}); load a checkpoint of this model, with its parameters in this order"
         )
+    _check_block_orders(param_groups, pickle.loads(layouts))
     for number, (group, own) in enumerate(zip(groups, param_groups)):
         check_hyperparameters(group, own, number, optimizer_class)
     return [loaded_hyperparameters(group) for group in groups]
+
+
+def _check_block_orders(param_groups: list[dict[str, Any]], layouts: list[Any]) -> None:
+    """Refuse int8 state saved in blocks of another memory order than the parameter's here (a transposed or
+    channels_last parameter on one side only): its codes would be scaled by other elements' block scales. Decided
+    on the global parameters, so on every rank alike."""
+    params = [p for group in param_groups for p in group["params"]]
+    for index, block in enumerate(block_sizes(param_groups)):
+        if block == 1:
+            continue
+        layout, own = layouts[index], memory_order(params[index])
+        saved_order = None if layout is None or len(layout) < 3 else tuple(layout[2])
+        if layout is not None and saved_order != own:
+            raise ValueError(
+                f"parameter {index}'s int8 state was saved in blocks of memory order (strides) "
+                f"{saved_order or 'row-major'}, but this optimizer's parameter is laid out {own or 'row-major'}: int8 "
+                "blocks follow the memory order; lay the parameter out as when saved, or go through a consolidated "
+                "checkpoint"
+            )
 
 
 def _shown(shapes: list[tuple[int, ...]]) -> str:
