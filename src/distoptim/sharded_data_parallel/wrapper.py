@@ -109,7 +109,7 @@ class ShardedDataParallel(nn.Module):
         superseded = checks.claim_groups(self)
         self._rebuild()
         for older in superseded:  # the model wrapped again: its backward is this wrapper's alone
-            older.let_go_of(self)
+            older._let_go_of(self)
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
@@ -132,7 +132,7 @@ class ShardedDataParallel(nn.Module):
         if self.overlap_param_sync:
             self._register_landing_hooks(sync)
 
-    def let_go_of(self, newer: ShardedDataParallel) -> None:
+    def _let_go_of(self, newer: ShardedDataParallel) -> None:
         """Superseded by ``newer``: remove this wrapper's hooks from the parameters ``newer`` hooks too (the model
         wrapped again after dropping this wrapper: they would refuse its backward); elsewhere they stay, and refuse."""
         for key in self._handles.keys() & newer._handles.keys():
