@@ -36,24 +36,27 @@ STEPS = 5
 
 
 class Linear(nn.Module):
-    """``sum(p * x)`` over ``SHAPES``' parameters: each parameter's gradient is its input, exactly (dyadic)."""
+    """``sum(p * x)`` over ``SHAPES``' parameters: in fp32 each parameter's gradient is its input, exactly."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weights = nn.ParameterList(nn.Parameter(p.detach().clone()) for p in make_params())
+        self.weights = nn.ParameterList(nn.Parameter(p.detach().to(dtype)) for p in make_params())
 
     def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * x).sum() for p, x in zip(self.weights, inputs))  # type: ignore[return-value]
+        return sum((p * x.to(p.dtype)).float().sum() for p, x in zip(self.weights, inputs))  # type: ignore[return-value]
 
 
-def _overlapped(hook: str, name: str, fmt: str, partition: str) -> tuple[DDP, ZeroRedundancyOptimizer]:
+def _overlapped(hook: str, name: str, fmt: str, partition: str, **options: Any) -> tuple[DDP, ZeroRedundancyOptimizer]:
+    """DDP over ``Linear`` and ZeRO with ``hook`` stepping it (``"explicit"``: no overlap, ``zero.step()`` steps)."""
     cls, kwargs = CLASSES[name]
-    model = Linear()
+    model = Linear(options.pop("dtype", torch.float32))
     ddp = DDP(model, bucket_cap_mb=0.03)  # several buckets once rebuilt: parts cut by buckets
+    overlap = hook != "explicit"
     zero = ZeroRedundancyOptimizer(
-        model.parameters(), cls, overlap_with_ddp=True, partition=partition, state_format=fmt, **kwargs
+        model.parameters(), cls, overlap_with_ddp=overlap, partition=partition, state_format=fmt, **kwargs, **options
     )
-    ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp, zero))
+    if overlap:
+        ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ddp, zero))
     return ddp, zero
 
 
@@ -155,3 +158,31 @@ def _edited_format_body(rank: int, world_size: int, hook: str) -> str:
 def test_edited_group_format_is_refused_on_every_rank(hook: str) -> None:
     errors = run_on_ranks(_edited_format_body, 2, hook)
     assert all("its 'state_format' was changed to 'bf16'" in error for error in errors), errors
+
+
+def _master_body(rank: int, world_size: int) -> None:
+    """A bf16 model with fp32 master weights and int8 state: each hook equal bitwise to the same program stepped by
+    ``zero.step()`` without overlap (bitwise against the codec's reference in test_state_formats_modes.py), which
+    skips the warm-up's backwards."""
+    options = {"dtype": torch.bfloat16, "master_dtype": torch.float32}
+    for hook, partition in [("hook", "even"), ("interleaved", "greedy"), ("interleaved", "even")]:
+        ddp, zero = _overlapped(hook, "adamw", "int8", partition, **options)
+        plain_ddp, plain = _overlapped("explicit", "adamw", "int8", partition, **options)
+        for step in range(STEPS):
+            _backward(ddp, zero, rank, world_size, step)
+            plain.zero_grad()
+            plain_ddp(local_grads(rank, world_size, step)).backward()
+            if step >= WARMUP:
+                plain.step()
+            _assert_bitwise(
+                list(ddp.module.parameters()), list(plain_ddp.module.parameters()), f"{hook} {partition} {step}"
+            )
+            masters, plain_masters = (
+                [t.tensor for group in z.local_shard.groups for t in group] for z in (zero, plain)
+            )
+            _assert_bitwise(masters, plain_masters, f"{hook} {partition} masters {step}")
+        assert any(key.endswith(".int8") for entry in zero.local_optimizer.state.values() for key in entry)
+
+
+def test_master_weights_under_the_overlap_hooks() -> None:
+    run_on_ranks(_master_body, 2)
