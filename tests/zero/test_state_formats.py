@@ -142,8 +142,6 @@ def _refusals_body(rank: int, world_size: int) -> None:
     params = make_params()
     with pytest.raises(ValueError, match="state_format must be one of"):
         ZeroRedundancyOptimizer(params, torch.optim.AdamW, state_format="int4")
-    with pytest.raises(ValueError, match="overlap_with_ddp"):
-        ZeroRedundancyOptimizer(params, torch.optim.AdamW, overlap_with_ddp=True, state_format="bf16")
     zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition="even", state_format="int8")
     for param in params:
         param.grad = torch.ones_like(param)

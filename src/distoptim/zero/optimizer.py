@@ -316,6 +316,8 @@ class ZeroRedundancyOptimizer(
         """
 
         def place_then_act() -> Any:
+            if self.overlap_stepper is not None:
+                self.overlap_stepper.check_formats()
             self._repartition_if_changed()
             return action()
 

@@ -22,8 +22,10 @@ from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp
 from distoptim.zero.buckets import StagedSync, staged_sync_of
 from distoptim.zero.layouts import FlatLayout, layouts_from_plan
+from distoptim.zero.local_optimizer import CompositeOptimizer
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, LocalTensor
+from distoptim.zero.state_formats import StateFormats
 
 __all__ = ["OverlapStepper", "buckets_final"]
 
@@ -37,8 +39,9 @@ _SCHEDULER_SAW_STEP = "_opt_called"
 class OverlapStepper:
     """The overlap-mode step of one ZeroRedundancyOptimizer: functional optimizers over the local param groups.
 
-    They share the local ``torch.optim`` optimizer's ``state`` (so consolidation and loading work unchanged) and
-    read the global ``param_groups`` at every step (so schedulers work).
+    They share the local ``torch.optim`` optimizer's ``state`` (so consolidation and loading work unchanged), kept
+    in its formats (``state_format``: decoded around each part's step), and read the global ``param_groups`` at every
+    step (so schedulers work).
     """
 
     def __init__(
@@ -76,6 +79,9 @@ class OverlapStepper:
         a change of trainability); ``step`` makes them again for each set of parameters it is given. ``param_groups``
         is the global view, read at every step."""
         self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
+        self.formats: StateFormats | None = (  # set by placement.bind_local_optimizer where a group takes a format
+            local_optimizer.formats if isinstance(local_optimizer, CompositeOptimizer) else None
+        )
         self.global_params, self.param_groups = global_params, param_groups
         defaults = self.functional_cls.spec.defaults
         self._options = [{k: v for k, v in group.items() if k in defaults} for group in local_optimizer.param_groups]
@@ -100,9 +106,15 @@ class OverlapStepper:
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
             if part.as_given:
-                functional.step([grads.get(key) for key in part.keys])
+                step_grads = [grads.get(key) for key in part.keys]
             else:
-                functional.step([local.grad_for_step(grads.get(key)) for local, key in zip(part.locals, part.keys)])
+                step_grads = [local.grad_for_step(grads.get(key)) for local, key in zip(part.locals, part.keys)]
+            if self.formats is None:
+                functional.step(step_grads)
+            else:
+                tensors = [local.tensor for local, grad in zip(part.locals, step_grads) if grad is not None]
+                with self.formats.decoded_for(tensors, state):
+                    functional.step(step_grads)
             copy_each_(part.write_into, part.write_from)  # master copies, rounded into their parameters
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
@@ -142,6 +154,11 @@ class OverlapStepper:
         if self._warmup == _LEARNING:
             self._warmup = _OVER
         return False
+
+    def check_formats(self) -> None:
+        """Refuse a group whose ``state_format`` was edited since it was added (in the hooks' agreement)."""
+        if self.formats is not None:
+            self.formats.check_unchanged(self.param_groups)
 
     def skip_step(self) -> None:
         """The end of a warm-up backward: nothing stepped (no state, no sync, no scheduler mark), but ``zero_grad``

@@ -6,12 +6,14 @@ gradient are taken in chunks of at most ``CHUNK_NUMEL`` encoded elements: their 
 dtype, the plain optimizer steps that chunk only (the others' ``.grad`` is held back: torch.optim skips a tensor
 without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. It is decoded into
 buffers kept between steps (``codecs.Scratch``: up to ``CHUNK_NUMEL`` elements per key). ``CompositeOptimizer``
-calls this (``local_optimizer.py``); consolidation decodes (``decoded``), a consolidated load encodes again.
+calls this (``local_optimizer.py``), the overlap hooks' step ``decoded_for`` around each bucket's part (``overlap.py``);
+consolidation decodes (``decoded``), a consolidated load encodes again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -146,15 +148,22 @@ class StateFormats:
     def _step_chunk(
         self, parts: Sequence[Optimizer], chunk: list[Tensor], state: dict[Tensor, Any], kwargs: Any
     ) -> None:
+        with self.decoded_for(chunk, state):
+            for part in parts:
+                part.step(**kwargs)
+
+    @contextlib.contextmanager
+    def decoded_for(self, tensors: Sequence[Tensor], state: dict[Tensor, Any]) -> Iterator[None]:
+        """``tensors``' state decoded (into the scratch, reset first) for a step of them, and encoded again after,
+        with what that step created (a first step's state); the normal step's chunks and the overlap hooks' parts."""
         self.scratch.reset()
-        for tensor in chunk:
+        for tensor in tensors:
             if tensor in state:
                 decode_entry(tensor, state[tensor], self.scratch)
         try:
-            for part in parts:
-                part.step(**kwargs)
+            yield
         finally:
-            for tensor in chunk:
+            for tensor in tensors:
                 if tensor in state:
                     self.encode_entry(tensor, state[tensor])
 

@@ -216,19 +216,13 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
                 )
 
 
-def check_state_formats(groups: ParamGroups, optimizer_class: type, state_format: Any, overlap_with_ddp: bool) -> None:
-    """Each group's ``state_format`` (its own, or the constructor's) is a format; a low-bit one not in overlap mode
-    (its hooks step torch's functional kernels on the state directly). Any class may take one: a whole-tensor class
-    (Muon) owns its parameters whole, and state keys not in ``codecs``' table (Adafactor's factors) stay as they are."""
+def check_state_formats(groups: ParamGroups, optimizer_class: type, state_format: Any) -> None:
+    """Each group's ``state_format`` (its own, or the constructor's) is a format. Any class may take one, in every
+    mode: a whole-tensor class (Muon) owns its parameters whole, and state keys not in ``codecs``' table (Adafactor's
+    factors) stay as they are."""
     check_format(state_format, "ZeroRedundancyOptimizer")
     for index, group in enumerate(groups):
-        fmt = check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
-        if fmt != "fp32" and overlap_with_ddp:
-            raise ValueError(
-                f"param group {index}: state_format={fmt!r} is not supported with overlap_with_ddp=True (its hooks "
-                "step the state with torch's functional kernels directly); use overlap_with_ddp=False, or "
-                "ShardedDataParallel for ZeRO-2"
-            )
+        check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
 
 
 def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
@@ -278,7 +272,7 @@ def check_construction(
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
-        check_state_formats(groups, local_class, state_format, overlap_with_ddp)
+        check_state_formats(groups, local_class, state_format)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
             raise TypeError(
                 f"replicate_group must be a torch.distributed.ProcessGroup or None, got {replicate_group!r}"
@@ -364,7 +358,7 @@ def agreed_param_group(
         (checked,) = normalize_param_groups([param_group])
         check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
-        check_state_formats([checked], optimizer_class, state_format, False)
+        check_state_formats([checked], optimizer_class, state_format)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
             raise ValueError(
