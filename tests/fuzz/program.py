@@ -305,7 +305,7 @@ def _exact(program: Program) -> Program:
 
 
 STATE_FORMATS = ("bf16", "int8")
-FORMAT_MODES = ("zero1", "zero2_hook", "sdp")
+FORMAT_MODES = ("zero1", "zero2_hook", "sdp", "overlap_hook")
 
 
 def _formats(program: Program) -> Program:

@@ -250,6 +250,16 @@ MUTANTS += (  # issue 43: the state formats
         '        codecs.BLOCK if tensor_format(p, group_format(group)) == "int8" else 1',
         "        1",
     ),
+    _one(
+        "overlap_format_new_state_plain",
+        "state_format bf16/int8 under the overlap hooks",
+        "only tensors that already had state are encoded after a bucket's step: a first step's new state stays "
+        "fp32 until the next step, which starts from unrounded moments",
+        "distoptim/zero/overlap.py",
+        "                tensors = [local.tensor for local, grad in zip(part.locals, step_grads) if grad is not None]",
+        "                tensors = [\n                    local.tensor\n                    for local, grad in zip(part.locals, step_grads)\n"
+        "                    if grad is not None and local.tensor in state\n                ]",
+    ),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS}

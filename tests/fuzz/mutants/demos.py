@@ -162,3 +162,7 @@ DEMOS["int8_cut_inside_block"] = (
     _program("zero1", TWO, "AdamW", ADAMW, features=("wide",), partition="even", exact=True, state_format="int8"),
     2,
 )
+DEMOS["overlap_format_new_state_plain"] = (
+    _program("overlap_hook", TWO * 2, "AdamW", ADAMW, features=("wide",), exact=True, state_format="int8"),
+    2,
+)
