@@ -257,7 +257,8 @@ MUTANTS += (  # issue 43: the state formats
         "fp32 until the next step, which starts from unrounded moments",
         "distoptim/zero/overlap.py",
         "                tensors = [local.tensor for local, grad in zip(part.locals, step_grads) if grad is not None]",
-        "                tensors = [\n                    local.tensor\n                    for local, grad in zip(part.locals, step_grads)\n"
+        "                tensors = [\n                    local.tensor\n"
+        "                    for local, grad in zip(part.locals, step_grads)\n"
         "                    if grad is not None and local.tensor in state\n                ]",
     ),
 )
