@@ -299,6 +299,72 @@ def _torchao_comparison(millions: float, iters: int) -> None:
     )
 
 
+def _bitsandbytes_one_process(context: Any, millions: float, iters: int) -> dict[str, Any]:
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    from distoptim.zero import codecs
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(config_for_params(millions))
+    names = ("AdamW fp32", "ours int8", "bitsandbytes AdamW8bit")
+    params = {name: [p.detach().clone().requires_grad_() for p in model.parameters()] for name in names}
+    steppers: dict[str, Any] = {
+        names[0]: torch.optim.AdamW(params[names[0]], lr=1e-4),
+        names[1]: ZeroRedundancyOptimizer(params[names[1]], torch.optim.AdamW, state_format="int8", lr=1e-4),
+        names[2]: bnb.optim.AdamW8bit(params[names[2]], lr=1e-4, min_8bit_size=codecs.MIN_NUMEL),
+    }
+    shapes = [p.shape for p in params[names[0]]]
+
+    def set_grads(step: int) -> None:
+        grads = _grads(shapes, step)
+        for name in names:
+            for param, grad in zip(params[name], grads):
+                param.grad = grad.clone()
+
+    _, ms, _ = _timed_steps(steppers, set_grads, iters)
+    values, scratch = torch.randn(1 << 20) * 1e-3, codecs.Scratch(1 << 22)
+
+    def ours() -> None:
+        scratch.reset()
+        codecs.decode("exp_avg", codecs.encode("exp_avg", values, "int8", scratch), "int8", torch.float32, scratch)
+
+    def theirs() -> None:
+        bnb_functional.dequantize_blockwise(*bnb_functional.quantize_blockwise(values, blocksize=codecs.BLOCK))
+
+    codec_ms = {}
+    for name, codec in (("ours", ours), ("bitsandbytes", theirs)):
+        codec()
+        codec_ms[name] = 1e3 * statistics.median(_seconds(codec) for _ in range(9))
+    return {"ms": ms, "codec_ms": codec_ms, "version": bnb.__version__}
+
+
+def _seconds(work: Any) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def _bitsandbytes_comparison(millions: float, iters: int) -> None:
+    try:
+        import bitsandbytes  # noqa: F401  (optional: only this comparison uses it)
+    except Exception as error:
+        print(f"bitsandbytes: not importable ({type(error).__name__}: {error}); its comparison skipped")
+        return
+    one = run_ranks(_bitsandbytes_one_process, 1, (millions, iters), timeout_s=3600.0)[0]
+    base = one["ms"]["AdamW fp32"]
+    print(f"\nbitsandbytes {one['version']} (its CPU backend): AdamW8bit beside ours, one process, one thread")
+    print("optimizer | step ms (median) | x AdamW")
+    for name, ms in one["ms"].items():
+        print(f"{name} | {ms:.1f} | {ms / base:.2f}")
+    codec = one["codec_ms"]
+    print(
+        f"blockwise int8 encode + decode of 2^20 elements (block 256): ours {codec['ours']:.1f} ms, bitsandbytes "
+        f"{codec['bitsandbytes']:.1f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
@@ -322,6 +388,7 @@ def main() -> None:
                 f"{world_size:5} | {fmt:6} | {most / 2**20:20.2f} | {most / fp32:6.3f} | {ms:16.1f} | {ms / base:6.2f}"
                 f" | {ranks[0]['numel']:,}"
             )
+    _bitsandbytes_comparison(args.params_millions, args.iters)
     if args.no_torchao:
         print("torchao: --no-torchao, its comparison skipped")
     else:
