@@ -1,7 +1,8 @@
 """State formats: per-rank live optimizer-state bytes and step time of ZeroRedundancyOptimizer(AdamW) with
 ``state_format`` fp32 / bf16 / int8, on N local ranks (gloo, one thread each), on GPT-shaped parameters.
 
-State bytes: every tensor the local optimizer's state holds after the steps (codes, scales, step counts). Step
+State bytes: every tensor the local optimizer's state holds after the steps (codes, scales, step counts). Peak
+RSS: each format alone in fresh ranks, a few steps, and the optimizer's share of it (the decode buffers too). Step
 time: ``zero.step()`` (the local step and the parameter sync) with fixed gradients, median over iterations of the
 slowest rank, and its ratio to fp32's measured in the same ranks, formats interleaved iteration by iteration.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -73,6 +75,26 @@ def _rank(context: Any, millions: float, iters: int, partition: str) -> dict[str
         "bytes": {fmt: _state_bytes(zeros[fmt]) for fmt in FORMATS},
         "ms": {fmt: 1e3 * statistics.median(times[fmt]) for fmt in FORMATS},
     }
+
+
+def _peak_rss(context: Any, millions: float, fmt: str, partition: str, steps: int) -> dict[str, int]:
+    """One format alone in fresh ranks: the peak RSS of a few steps (model, gradients, state, the codec's buffers and
+    temporaries), and the RSS before the optimizer was built (model and gradients only)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    params = list(GPT(config_for_params(millions)).parameters())
+    generator = torch.Generator().manual_seed(1)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator) * 1e-3
+    before = _max_rss()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, partition=partition, state_format=fmt, lr=1e-4)
+    for _ in range(steps):
+        zero.step()
+    return {"before": before, "peak": _max_rss()}
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _torchao_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -387,6 +409,16 @@ def main() -> None:
             print(
                 f"{world_size:5} | {fmt:6} | {most / 2**20:20.2f} | {most / fp32:6.3f} | {ms:16.1f} | {ms / base:6.2f}"
                 f" | {ranks[0]['numel']:,}"
+            )
+    print("\nworld | format | peak RSS MiB/rank (max) | of which the optimizer's (peak - before it) | x fp32")
+    for world_size in args.world_sizes:
+        grown = {}
+        for fmt in FORMATS:
+            ranks = run_ranks(_peak_rss, world_size, (args.params_millions, fmt, args.partition, 3), timeout_s=1800.0)
+            peak, grown[fmt] = max(r["peak"] for r in ranks), max(r["peak"] - r["before"] for r in ranks)
+            print(
+                f"{world_size:5} | {fmt:6} | {peak / 2**20:23.1f} | {grown[fmt] / 2**20:43.1f} | "
+                f"{grown[fmt] / grown['fp32']:6.3f}"
             )
     _bitsandbytes_comparison(args.params_millions, args.iters)
     if args.no_torchao:
