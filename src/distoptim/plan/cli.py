@@ -199,14 +199,20 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
         "partition": config.partition,
         "gpu_memory": gpu_memory,
         "counted": "parameters, gradients, optimizer state, master weights, communication buffers",
-        "not_counted": "activations, CUDA context, allocator fragmentation, torch.optim's temporaries in step()",
+        "not_counted": "activations, CUDA context, allocator fragmentation, torch.optim's temporaries in step(), "
+        "a state format's decode buffers (up to 4M elements per state key)",
         "modes": [_mode_report(mode, gpu_memory) for mode in plan_modes(inventory, config)],
     }
 
 
 def _state_bytes(costs: dict[str, StateCost]) -> dict[str, dict[str, Any]]:
     return {
-        name: {"per_element": c.per_element, "per_tensor": c.per_tensor, "at_construction": c.at_construction}
+        name: {
+            "per_element": c.per_element,
+            "per_block": c.per_block,
+            "per_tensor": c.per_tensor,
+            "at_construction": c.at_construction,
+        }
         for name, c in costs.items()
     }
 
@@ -266,7 +272,8 @@ def _table(report: dict[str, Any]) -> str:
     if report["state_format"] != "fp32":
         master += f", ZeRO's state in {report['state_format']} (parameters of 4,096 elements or more)"
         costs += f"; in {report['state_format']}: " + "; ".join(
-            f"{c['per_element']:.4g} B per element in {name}" for name, c in report["format_state_bytes"].items()
+            f"{c['per_element']:.4g} B per element + {c['per_block']} B per block of 256 in {name}"
+            for name, c in report["format_state_bytes"].items()
         )
     muon = report["muon"]
     muon_line = (

@@ -48,12 +48,13 @@ class StateCost:
     """Bytes of state for a stepped tensor of ``n`` elements: ``per_element * n + per_tensor``. ``at_construction``:
     the optimizer makes that state when it is built, for every parameter it is given, frozen ones too (Adagrad)."""
 
-    per_element: float  # int8: a byte per element per moment plus its scale's share (4 bytes per 256 elements)
+    per_element: float  # int8: a byte per element per moment
     per_tensor: int
     at_construction: bool = False
+    per_block: int = 0  # int8: each started block of ``codecs.BLOCK`` elements, its fp32 scale per moment
 
     def bytes_for(self, numel: int) -> int:
-        return round(self.per_element * numel) + self.per_tensor
+        return round(self.per_element * numel) + self.per_block * -(-numel // codecs.BLOCK) + self.per_tensor
 
 
 def resolve_optimizer(name: str, kwargs: Mapping[str, Any] | None = None) -> OptimizerSpec:
@@ -87,9 +88,15 @@ def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str =
 
 @functools.cache
 def _encoded(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str) -> StateCost:
-    small, large = (_state_bytes(optimizer, dtype, (numel,), fmt=state_format) for numel in (4096, 8192))
-    per_element = (large - small) / 4096
-    return StateCost(per_element, small - round(4096 * per_element), _measured(optimizer, dtype).at_construction)
+    """Measured at 16 blocks, 16 blocks and one element, and 32 blocks: bytes per element and per started block."""
+    small, one_more, large = (_state_bytes(optimizer, dtype, (n,), fmt=state_format) for n in (4096, 4097, 8192))
+    blocks = 4096 // codecs.BLOCK
+    per_element, uneven = divmod(large - small - blocks * (one_more - small), 4096 - blocks)
+    per_block = one_more - small - per_element
+    if uneven or per_block < 0:
+        raise ValueError(f"{optimizer.name}'s {state_format} state is not blockwise-proportional; cannot plan it")
+    per_tensor = small - 4096 * per_element - blocks * per_block
+    return StateCost(per_element, per_tensor, _measured(optimizer, dtype).at_construction, per_block)
 
 
 @functools.cache

@@ -52,8 +52,14 @@ def encoded_names(key: str, fmt: str) -> tuple[str, ...]:
 
 
 def is_encodable(key: str, value: object) -> bool:
-    """Whether state ``key`` holding ``value`` is stored encoded in a low-bit format."""
-    return (key in SIGNED or key in NON_NEGATIVE) and isinstance(value, Tensor) and value.is_floating_point()
+    """Whether state ``key`` holding ``value`` is stored encoded in a low-bit format (never a sparse one: SGD's
+    momentum of a sparse gradient, which holds only the rows it touched)."""
+    return (
+        (key in SIGNED or key in NON_NEGATIVE)
+        and isinstance(value, Tensor)
+        and value.is_floating_point()
+        and value.layout == torch.strided
+    )
 
 
 @functools.cache
@@ -174,7 +180,7 @@ def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) ->
     """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names; temporaries from
     ``scratch`` where given."""
     if fmt == "bf16":
-        return {f"{key}.bf16": value.to(torch.bfloat16)}
+        return {f"{key}.bf16": value.to(torch.bfloat16, copy=True)}  # a copy: bf16 state decodes into the scratch
     flat = _flat(value).float()
     count = flat.numel()
     absmax, codes = flat.new_empty(-(-count // BLOCK)), torch.empty(count, dtype=torch.uint8, device=flat.device)

@@ -114,8 +114,8 @@ def bind_local_optimizer(
     arrives: ``local_optimizer.py``); where a group keeps its state in fewer bits, it steps through the formats."""
     optim = _bound(optim, optimizer_class, defaults, shard, previous_shard, param_groups)
     if isinstance(optim, CompositeOptimizer) and needs_formats(param_groups):
-        optim.formats = StateFormats.for_shard(shard, param_groups)
-        optim.formats.encode_all(optim.state)  # eager state (Adagrad's), a plain optimizer's before a format came
+        optim.formats = StateFormats.for_shard(shard, param_groups)  # the state made at construction (Adagrad's)
+        # stays as torch made it until its parameter's first step encodes it, as one process's would
     return optim
 
 
