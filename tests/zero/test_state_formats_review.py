@@ -152,3 +152,27 @@ def _sparse_momentum_body(rank: int, world_size: int, fmt: str) -> str:
 def test_sparse_momentum_buffer_is_kept_or_clearly_refused(fmt: str) -> None:
     (result,) = run_on_ranks(_sparse_momentum_body, 1, fmt)
     assert result == "stepped", result  # kept as torch keeps it (sparse), as the reference's round trip does
+
+
+def _muon_state_bytes_body(rank: int, world_size: int, fmt: str) -> int:
+    matrix = torch.zeros(70, 97, requires_grad=True)  # 6790 elements: a format's, with a partial last block
+    groups = [{"params": [matrix], "optimizer_class": torch.optim.Muon}]
+    zero = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, state_format=fmt)
+    matrix.grad = torch.ones_like(matrix)
+    zero.step()
+    state = zero.local_optimizer.state.values()
+    return sum(v.numel() * v.element_size() for entry in state for v in entry.values() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_planner_counts_muons_momentum_in_the_format(fmt: str) -> None:
+    """The constructor's ``state_format`` reaches a Muon group (its momentum is encoded); the planner counted
+    Muon's state in fp32 whatever the format."""
+    from distoptim.plan.figures import PlanConfig, step_cost
+    from distoptim.plan.inventory import ParamSpec
+    from distoptim.plan.state import OptimizerSpec, resolve_optimizer
+
+    measured = run_on_ranks(_muon_state_bytes_body, 1, fmt)[0]
+    spec = ParamSpec("w", (70, 97), torch.float32, True, muon=True)
+    config = PlanConfig(1, resolve_optimizer("adamw"), muon=OptimizerSpec(torch.optim.Muon), state_format=fmt)
+    assert step_cost(spec, config, torch.float32, zero=True).bytes_for(spec.numel) == measured

@@ -94,7 +94,7 @@ def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype, zero: bo
     """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one); ``zero``:
     by ZeroRedundancyOptimizer, in ``config.state_format`` where the parameter takes it (``zero.state_formats``)."""
     muon = param.muon and config.muon is not None
-    formatted = zero and not muon and param.numel >= MIN_NUMEL and dtype.is_floating_point
+    formatted = zero and param.numel >= MIN_NUMEL and dtype.is_floating_point  # Muon's momentum too
     optimizer = config.muon if muon and config.muon is not None else config.optimizer
     return state_cost(optimizer, dtype, config.state_format if formatted else "fp32")
 

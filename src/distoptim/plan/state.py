@@ -89,7 +89,10 @@ def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str =
 @functools.cache
 def _encoded(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str) -> StateCost:
     """Measured at 16 blocks, 16 blocks and one element, and 32 blocks: bytes per element and per started block."""
-    small, one_more, large = (_state_bytes(optimizer, dtype, (n,), fmt=state_format) for n in (4096, 4097, 8192))
+    muon = issubclass(optimizer.cls, torch.optim.Muon)  # matrices only
+    small, one_more, large = (
+        _state_bytes(optimizer, dtype, (1, n) if muon else (n,), fmt=state_format) for n in (4096, 4097, 8192)
+    )
     blocks = 4096 // codecs.BLOCK
     per_element, uneven = divmod(large - small - blocks * (one_more - small), 4096 - blocks)
     per_block = one_more - small - per_element
