@@ -41,9 +41,11 @@ def _x(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _sdp(model: nn.Module, partition: str = "even", group: Any = None) -> tuple[Any, ShardedDataParallel]:
+def _sdp(
+    model: nn.Module, partition: str = "even", group: Any = None, replicas: Any = None
+) -> tuple[Any, ShardedDataParallel]:
     zero = ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.AdamW, partition=partition, process_group=group, **KW
+        model.parameters(), torch.optim.AdamW, partition=partition, process_group=group, replicate_group=replicas, **KW
     )
     return zero, ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
 
@@ -196,12 +198,24 @@ def test_a_backward_that_raised_before_any_launch_is_dropped_by_zero_grad(set_to
 
 
 # ------------------------------------------------------------- two wrappers on one process group, one backward
-def _gan_body(rank: int, world_size: int, own_groups: bool) -> str:
+def _hybrid_groups(rank: int) -> tuple[Any, Any]:
+    """Shard pairs {0, 1}, {2, 3} and replicas {0, 2}, {1, 3}: this rank's (every rank makes every group)."""
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return shards[rank // 2], replicas[rank % 2]
+
+
+def _gan_body(rank: int, world_size: int, own_groups: bool, hybrid: bool = False) -> str:
     """The generator's loss through the discriminator (one backward reaching both wrappers), the generator's branch
     on rank 0 only: refused on every rank on one group; with a group each, DDP + the plain optimizer's result."""
-    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])] if own_groups else [None, None]  # every rank both
+    if hybrid:  # each wrapper its own shard and replicate groups (a launch once waited there: a hang)
+        (g_shards, g_replicas), (d_shards, d_replicas) = _hybrid_groups(rank), _hybrid_groups(rank)
+    else:
+        every = list(range(world_size))
+        g_shards, d_shards = (dist.new_group(every), dist.new_group(every)) if own_groups else (None, None)
+        g_replicas = d_replicas = None
     g, d, g_ref, d_ref = Chain(3, seed=1), Chain(2), Chain(3, seed=1), Chain(2)
-    (zero_g, sdp_g), (zero_d, sdp_d) = _sdp(g, "greedy", groups[0]), _sdp(d, "even", groups[1])
+    (zero_g, sdp_g), (zero_d, sdp_d) = _sdp(g, "greedy", g_shards, g_replicas), _sdp(d, "even", d_shards, d_replicas)
     ddp_g, ddp_d = DDP(g_ref, find_unused_parameters=True), DDP(d_ref, find_unused_parameters=True)
     plain_g, plain_d = torch.optim.AdamW(g_ref.parameters(), **KW), torch.optim.AdamW(d_ref.parameters(), **KW)
     for step in range(2):
@@ -226,6 +240,10 @@ def _gan_body(rank: int, world_size: int, own_groups: bool) -> str:
 def test_two_wrappers_in_one_backward_need_a_process_group_each(own_groups: bool) -> None:
     for outcome in run_on_ranks(_gan_body, 2, own_groups, timeout=60):
         assert outcome == "trained" if own_groups else "a group of its own" in outcome, outcome
+
+
+def test_two_hybrid_wrappers_in_one_backward_with_a_rank_dependent_branch_train_as_ddp() -> None:
+    assert run_on_ranks(_gan_body, 4, True, True, timeout=90) == ["trained"] * 4
 
 
 def _rewrap_body(rank: int, world_size: int) -> None:

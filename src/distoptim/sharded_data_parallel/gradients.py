@@ -273,7 +273,12 @@ class OwnedGradients(MarkerIntake):
         return self._buffers[bucket]
 
     def _launch_ready(self) -> None:
-        """Launch, in order, every bucket whose parameters have all handed in their gradients."""
+        """Launch, in order, every bucket whose parameters have all handed in their gradients. Not while another
+        wrapper shares the backward under hybrid sharding: a launch there waits for the shard group's sums before
+        summing across replicas, and with a rank-dependent graph one rank waited in one wrapper's reduction while its
+        peer waited in the other's (a hang); the flush launches them, wrapper after wrapper."""
+        if self.shared and self.zero.replicate_group is not None:
+            return
         while self._next < len(self.buckets) and not self._remaining[self._next]:
             self._launch(self._next)
 
