@@ -160,23 +160,20 @@ def _cold_compile_cache() -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _torchao_one_process(context: Any, millions: float, iters: int) -> dict[str, Any]:
-    with _cold_compile_cache():
-        return _torchao_one_process_body(millions, iters)
-
-
-def _torchao_one_process_body(millions: float, iters: int) -> dict[str, Any]:
-    from torchao.optim import AdamW8bit
-
+def _beside_adamw(
+    millions: float, peer: str, make_peer: Any
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any], Any]:
+    """Plain AdamW, ours in int8 and ``peer`` (``make_peer(params)``) on copies of the demo GPT's parameters, one
+    thread: each one's parameters, the steppers, and ``set_grads(step)`` giving all three the same fresh gradients."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(config_for_params(millions))
-    names = ("AdamW fp32", "ours int8", "torchao AdamW8bit")
+    names = ("AdamW fp32", "ours int8", peer)
     params = {name: [p.detach().clone().requires_grad_() for p in model.parameters()] for name in names}
     steppers: dict[str, Any] = {
         names[0]: torch.optim.AdamW(params[names[0]], lr=1e-4),
         names[1]: ZeroRedundancyOptimizer(params[names[1]], torch.optim.AdamW, state_format="int8", lr=1e-4),
-        names[2]: AdamW8bit(params[names[2]], lr=1e-4, block_size=256),
+        peer: make_peer(params[peer]),
     }
     shapes = [p.shape for p in params[names[0]]]
 
@@ -186,6 +183,20 @@ def _torchao_one_process_body(millions: float, iters: int) -> dict[str, Any]:
             for param, grad in zip(params[name], grads):
                 param.grad = grad.clone()
 
+    return params, steppers, set_grads
+
+
+def _torchao_one_process(context: Any, millions: float, iters: int) -> dict[str, Any]:
+    with _cold_compile_cache():
+        return _torchao_one_process_body(millions, iters)
+
+
+def _torchao_one_process_body(millions: float, iters: int) -> dict[str, Any]:
+    from torchao.optim import AdamW8bit
+
+    names = ("AdamW fp32", "ours int8", "torchao AdamW8bit")
+    params, steppers, set_grads = _beside_adamw(millions, names[2], lambda ps: AdamW8bit(ps, lr=1e-4, block_size=256))
+    shapes = [p.shape for p in params[names[0]]]
     first, ms, _ = _timed_steps(steppers, set_grads, iters)
     tao_bytes, tao_quantized = _torchao_bytes(steppers[names[2]])
 
@@ -327,24 +338,9 @@ def _bitsandbytes_one_process(context: Any, millions: float, iters: int) -> dict
 
     from distoptim.zero import codecs
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT(config_for_params(millions))
-    names = ("AdamW fp32", "ours int8", "bitsandbytes AdamW8bit")
-    params = {name: [p.detach().clone().requires_grad_() for p in model.parameters()] for name in names}
-    steppers: dict[str, Any] = {
-        names[0]: torch.optim.AdamW(params[names[0]], lr=1e-4),
-        names[1]: ZeroRedundancyOptimizer(params[names[1]], torch.optim.AdamW, state_format="int8", lr=1e-4),
-        names[2]: bnb.optim.AdamW8bit(params[names[2]], lr=1e-4, min_8bit_size=codecs.MIN_NUMEL),
-    }
-    shapes = [p.shape for p in params[names[0]]]
-
-    def set_grads(step: int) -> None:
-        grads = _grads(shapes, step)
-        for name in names:
-            for param, grad in zip(params[name], grads):
-                param.grad = grad.clone()
-
+    _, steppers, set_grads = _beside_adamw(
+        millions, "bitsandbytes AdamW8bit", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-4, min_8bit_size=codecs.MIN_NUMEL)
+    )
     _, ms, _ = _timed_steps(steppers, set_grads, iters)
     values, scratch = torch.randn(1 << 20) * 1e-3, codecs.Scratch(1 << 22)
 

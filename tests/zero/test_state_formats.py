@@ -12,6 +12,7 @@ import torch.distributed as dist
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.zero import codecs
 from tests._dist import run_on_ranks
+from tests.zero._codec import eligible, round_trip
 
 SHAPES = [(80, 70), (4097,), (300,), (64, 64), (33, 129)]
 CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -59,12 +60,7 @@ class CodecReference:
         for param, grad in zip(self.params, grads):
             param.grad = grad.clone()
         self.optimizer.step()
-        for param in self.params:
-            if self.fmt == "fp32" or param.numel() < codecs.MIN_NUMEL:
-                continue
-            entry = self.optimizer.state[param]
-            for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == param.shape]:
-                entry[key] = codecs.decode(key, codecs.encode(key, entry[key], self.fmt), self.fmt, param.dtype)
+        round_trip(self.optimizer.state, self.params, {p: self.fmt for p in self.params if eligible(p, self.fmt)})
 
 
 def _assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor], what: str) -> None:
