@@ -139,6 +139,9 @@ def main() -> None:
         print(f"  {category:12s} {mode:12s} {count}")
     for line in refusal_summary(verdicts):  # by the refusal table's kind (refusals.py)
         print(f"  {line}")
+    for program, verdict in zip(programs, verdicts):  # a first sample's mismatch that more twin samples measured
+        if "resampled" in verdict:
+            print(f"  resampled seed {program.seed}: {verdict['category']} ({verdict['resampled'][0][:120]})")
     for program, verdict in zip(programs, verdicts):  # the fuzzer's own gaps: programs plain DDP cannot run
         if verdict["category"] == "oracle_error":
             print(f"  oracle_error seed {program.seed}: {verdict['detail'][0][:160]}")

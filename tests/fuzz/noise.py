@@ -37,13 +37,26 @@ FLOOR_ULPS = 4  # ulps (of the element, plus of its tensor's mean magnitude) all
 BF16_ULPS = 1
 Record = dict[str, Tensor]  # what a pass saw at each comparison: "where|what" -> the oracle's value
 _DIRECTIONS = torch.Generator().manual_seed(0)  # a bf16 gradient's elements move up or down, as orders round them
+RESAMPLES = 4  # more twin samples for an inexact program's mismatch (``Twins``), each fp32 element either way too
+_either_way = {"fp32 too": False}
+
+
+def draw(seed: int, sample: int) -> None:
+    """Which twin sample the next twin pass is: its directions from the program's ``seed`` (a verdict must not depend
+    on the program's place in a session: hybrid seed 10), and past the first, fp32 elements up or down too."""
+    _DIRECTIONS.manual_seed(seed + 1_000_003 * sample)
+    _either_way["fp32 too"] = sample > 0
 
 
 def one_bf16_ulp_up(grad: Tensor) -> Tensor:
     """The twin's hook on a matrix Muon steps: Newton-Schulz runs in bf16, where an fp32 ulp mostly vanishes and a
     reduction in another order now and then moves an element by a bf16 ulp: every element to the next bf16 value
-    up."""
-    return torch.nextafter(grad.bfloat16(), torch.full_like(grad, math.inf, dtype=torch.bfloat16)).to(grad.dtype)
+    up (in a later sample, ``draw``, up or down at random)."""
+    up = torch.nextafter(grad.bfloat16(), torch.full_like(grad, math.inf, dtype=torch.bfloat16)).to(grad.dtype)
+    if not _either_way["fp32 too"]:
+        return up
+    down = torch.randint(0, 2, grad.shape, generator=_DIRECTIONS).bool()  # a later sample: either way
+    return torch.where(down, 2 * grad - up, up)
 
 
 def one_ulp_up(grad: Tensor) -> Tensor:
@@ -75,7 +88,7 @@ def one_ulp_up_of_sum(param: Tensor) -> Any:
 
     def either_way(grad: Tensor) -> Tensor:
         moved = hook(grad)
-        if grad.dtype != torch.bfloat16 or grad.is_sparse:
+        if grad.is_sparse or (grad.dtype != torch.bfloat16 and not _either_way["fp32 too"]):
             return moved
         down = torch.randint(0, 2, grad.shape, generator=_DIRECTIONS).bool()
         return torch.where(down, grad - (moved - grad), moved)
@@ -151,6 +164,28 @@ def excess_norm(where: str, got: Tensor, want: Tensor, twin: Tensor | None, step
         measured = "" if twin is not None else " (no twin: the floor alone)"
         return f"{where}: {off:.3g} off in Frobenius norm where {allowed:.3g} is allowed{measured}"
     return ""
+
+
+class Twins:
+    """The twin passes' records: each element measured by the sample farthest from the oracle. A program's noise is
+    discrete where a bf16 rounding (or a clip's) flips: a flip moves a gradient by a whole bf16 ulp and everything
+    after it, so one sample now and then flips fewer elements than the subject (4 ranks, ``sdp``: 5 of 318 such
+    programs 1.02x to 1.88x their allowance with one). ``RESAMPLES`` more are drawn only for a mismatch."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.records = records
+
+    def get(self, key: str, want: Any) -> Tensor | None:
+        """The recorded value at ``key``, per element the sample farthest from ``want`` (None: not recorded)."""
+        values = [record[key] for record in self.records if key in record]
+        if not values:
+            return None
+        farthest, target = values[0], torch.as_tensor(want).detach().float()
+        for value in values[1:]:
+            if value.shape == farthest.shape == target.shape:
+                fuller = (value.float() - target).abs() > (farthest.float() - target).abs()
+                farthest = torch.where(fuller, value, farthest)
+        return farthest
 
 
 class Recorder:

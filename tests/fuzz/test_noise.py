@@ -11,7 +11,7 @@ import torch
 
 from tests.fuzz.interpret import ComparisonFailed, _comparing
 from tests.fuzz.models import CAP, GRID, on_grid
-from tests.fuzz.noise import allowance, excess, one_ulp_up, one_ulp_up_of_sum, signless
+from tests.fuzz.noise import Twins, allowance, draw, excess, one_ulp_up, one_ulp_up_of_sum, signless
 from tests.fuzz.program import Action, Program, generate
 from tests.fuzz.session import FAILURES, classify, run_programs
 
@@ -121,3 +121,31 @@ def test_the_bf16_floor_is_ulps_of_the_element_not_of_the_mean() -> None:
     without = allowance(want, None, 5, torch.bfloat16)
     assert torch.equal(without, 5 * eps * want.abs()) and float(without[0]) == 0.0
     assert float(allowance(want, None, 5)[0]) > 0  # fp32 keeps its floor of the mean magnitude
+
+
+def test_more_twin_samples_measure_each_element_by_the_farthest() -> None:
+    want = torch.zeros(4)
+    first, second = torch.tensor([1e-3, 0.0, -2e-3, 0.0]), torch.tensor([0.0, -3e-3, 1e-3, 0.0])
+    farthest = Twins([{"k": first}, {"k": second}]).get("k", want)
+    assert torch.equal(farthest, torch.tensor([1e-3, -3e-3, -2e-3, 0.0]))
+    assert Twins([{"k": first}]).get("other", want) is None
+
+
+def test_a_later_sample_moves_fp32_elements_either_way_and_repeats_from_the_seed() -> None:
+    grad = torch.linspace(-1, 1, 64)
+    hook = one_ulp_up_of_sum(torch.zeros(64))
+    draw(5, 0)
+    assert bool((hook(grad) > grad).all())  # the first sample: every fp32 element up
+    draw(5, 1)
+    moved = hook(grad)
+    assert bool((moved > grad).any()) and bool((moved < grad).any())
+    draw(5, 1)
+    assert torch.equal(hook(grad), moved)  # the program's seed decides, not the session's history
+    draw(5, 0)
+
+
+def test_a_rounding_one_twin_sample_misses_is_measured_by_more_samples() -> None:
+    """3 ranks, seed 311025 (Adam, bf16 head without masters, ``zero2_hook``, even): the first sample puts
+    ``body.weight`` 1.02 times its allowance; the resampled verdict passes, and says so."""
+    (verdict,) = run_programs([generate(311025)], world_size=3)
+    assert verdict["category"] == "pass" and "body.weight" in verdict["resampled"][0]
