@@ -179,33 +179,22 @@ class ZeroRedundancyOptimizer(
     ) -> float | None:
         """Step this rank's shard with its local optimizer, then sync the parameters (collective).
 
-        The ranks first agree (one small all-reduce on the control plane) that the local part succeeded everywhere,
-        with the same parameters trainable and the same hyperparameters (``stepping.py``). A parameter made
-        trainable since the last step gets an owner first; parameters given new storage are bound again.
+        The ranks first agree (one small all-reduce) that the local part succeeded everywhere, with the same
+        parameters trainable and the same hyperparameters; a parameter made trainable or given new storage since
+        the last step is placed first.
 
         Args:
-            closure: re-evaluates the model and returns the loss (run before the step, as ``torch.optim`` does);
-                default None.
-            grad_scaler: passed by ``torch.amp.GradScaler.step(zero)``: the step then checks and unscales its owned
-                gradients and every rank skips alike (see ``zero/amp.py``); default None.
+            closure: re-evaluates the model and returns the loss, run before the step as ``torch.optim`` does.
+            grad_scaler: passed by ``torch.amp.GradScaler.step(zero)``: every rank then skips alike (``zero/amp.py``).
             **kwargs: passed to the local optimizer's ``step``.
 
         Returns:
             The closure's loss, or None.
 
         Raises:
-            ValueError: on every rank, when the local part raised on another rank (naming it) or a setting (a
-                hyperparameter, ``requires_grad``) was changed on some ranks only; the failing rank raises its own.
-                Also when the parameters' dtype or device changed since the optimizer was built
-                (``model.to(torch.float64)``): convert the model first, or build a new optimizer after it.
+            ValueError: on every rank, when the local part raised on some rank (naming it), a setting was changed on
+                some ranks only, or the parameters' dtype or device changed since construction.
             RuntimeError: in overlap mode, when no hook stepped since the last ``step()``.
-
-        Example:
-            ```python
-            optimizer.zero_grad()
-            loss_fn(model(batch)).backward()
-            optimizer.step()
-            ```
         """
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
@@ -305,14 +294,8 @@ class ZeroRedundancyOptimizer(
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
         """Place again where the placement is stale (a parameter made trainable or given new storage since), then
-        run ``action`` on this rank, agreed across ranks (collective): the DDP hooks' step.
-
-        Args:
-            action: what to run after placing (default: nothing); its result is returned.
-
-        Raises:
-            ValueError: on every rank, when placing or ``action`` raised on another rank, or the ranks' trainable
-                parameters or hyperparameters differ; the failing rank raises its own error.
+        run ``action`` on this rank and return its result, agreed across ranks (collective; the DDP hooks' step):
+        every rank raises ``ValueError`` if placing or ``action`` raised on any rank or the ranks' settings differ.
         """
 
         def place_then_act() -> Any:
@@ -376,32 +359,19 @@ class ZeroRedundancyOptimizer(
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
-        """Clip the gradient by its total norm, as ``torch.nn.utils.clip_grad_norm_`` would on the whole gradient
-        (collective: one scalar all-reduce; returns the total norm, the same on every rank).
-
-        Each rank measures and scales the gradient of what it owns, so it is right with gradients reduced to their
-        owners (``ShardedDataParallel``) too; gradients a rank does not own are left as they are. Norms accumulate
-        in float32. Call it between ``backward()`` and ``step()`` on every rank.
+        """Clip the gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` would on the whole gradient;
+        returns the total norm, the same on every rank (collective: one scalar all-reduce). Each rank measures and
+        scales what it owns, so it is right under ``ShardedDataParallel`` too. Call it between ``backward()`` and
+        ``step()`` on every rank.
 
         Args:
-            max_norm: the largest total norm the gradient may have.
-            norm_type: the order of the norm (default 2.0; ``math.inf`` for the largest element).
-            error_if_nonfinite: raise when the total norm is inf or nan (default False, as torch's).
-            grad_scale: the loss scale the gradients still carry (``scaler.get_scale()`` where
-                ``scaler.unscale_(zero)`` cannot run: fp16 gradients, ``ShardedDataParallel``): the norm returned
-                and the clipping are then those of the unscaled gradient; default None.
+            max_norm, norm_type, error_if_nonfinite: as torch's.
+            grad_scale: the loss scale the gradients still carry where ``scaler.unscale_(zero)`` cannot run (fp16
+                gradients, ``ShardedDataParallel``): the norm and the clipping are then the unscaled gradient's.
 
         Raises:
             RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
-                ``overlap_with_ddp=True`` (the step ran inside the backward already: clipping could not take part),
-                or under ``ShardedDataParallel`` after a backward that raised midway and no ``zero_grad()`` since.
-
-        Example:
-            ```python
-            loss_fn(model(batch)).backward()
-            total = zero.clip_grad_norm_(1.0)
-            zero.step()
-            ```
+                ``overlap_with_ddp=True`` (the step already ran inside the backward).
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(
@@ -417,14 +387,9 @@ class ZeroRedundancyOptimizer(
         return clipping.clip_shard(shard, params, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient).
-
-        Args:
-            set_to_none: set each ``.grad`` to None rather than to zeros (default True, as torch's).
-
-        Raises:
-            RuntimeError: in overlap mode, when gradients arrived but no hook stepped (the hook is missing).
-        """
+        """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient), to
+        None or, with ``set_to_none=False``, zeros. In overlap mode, raises ``RuntimeError`` when gradients arrived
+        but no hook stepped (the hook is missing)."""
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
         if self._gradient_source is not None:
