@@ -216,7 +216,7 @@ class Run:
             self.sign_slack[name] = self.sign_slack.get(name, torch.zeros_like(update)) + slack
 
     def _piece_rounding(self, name: str, p: Tensor, before: Tensor, update: Tensor) -> Tensor:
-        """A bf16 parameter without master weights that an even partition may cut: torch's CPU kernels step the
+        """A bf16 parameter without master weights that an even partition cuts: torch's CPU kernels step the
         scalar tail of a tensor to other bits than its vector body, so a piece's elements can round otherwise than
         the whole tensor's (the mixed-precision guide). Measured (Adam, 16 x 16 cut 100 / 156, 50 draws): one bf16
         ulp of the element, none without weight decay, and a whole update where the L2 decay cancels the gradient
@@ -226,6 +226,8 @@ class Run:
         none = torch.zeros(p.shape, dtype=torch.bool)
         if p.dtype != torch.bfloat16 or options.get("partition") != "even" or options.get("master"):
             return none
+        if not self._cut(name):  # owned whole by one rank: stepped as the oracle steps it, the same bits
+            return none
         eps = torch.finfo(torch.bfloat16).eps
         ulps = eps * (before.float().abs() + update)
         self.sign_slack[name] = self.sign_slack.get(name, torch.zeros_like(update)) + ulps
@@ -234,6 +236,13 @@ class Run:
             return none
         decayed = decay * before.float()
         return (p.grad.float() + decayed).abs() <= 2 * eps * decayed.abs()
+
+    def _cut(self, name: str) -> bool:
+        """Whether the subject's partition cuts its parameter ``name`` into pieces of several ranks (or does not say:
+        a parameter it does not hold, as after new storage, counts as cut)."""
+        param = dict(self.subject.model.named_parameters()).get(name)
+        fragments = None if param is None else self.subject.zero.fragments_of(param)
+        return fragments is None or len(fragments) > 1
 
     def _l2_decay(self, p: Tensor) -> float:
         """The weight decay the oracle's optimizer adds to ``p``'s gradient (L2, not AdamW's decoupled one), or 0."""

@@ -149,3 +149,29 @@ def test_a_rounding_one_twin_sample_misses_is_measured_by_more_samples() -> None
     ``body.weight`` 1.02 times its allowance; the resampled verdict passes, and says so."""
     (verdict,) = run_programs([generate(311025)], world_size=3)
     assert verdict["category"] == "pass" and "body.weight" in verdict["resampled"][0]
+
+
+def test_only_a_bf16_parameter_the_even_partition_cuts_gets_the_piece_slack() -> None:
+    """``Run._piece_rounding``: torch steps a piece's scalar tail otherwise than the whole tensor, but a parameter one
+    rank owns whole is stepped as the oracle steps it (the same bits): no slack there (review r-42b: the slack on
+    an uncut 16-element bf16 bias let an SGD update 5% too large through at CI seed 59)."""
+    from types import SimpleNamespace
+
+    from distoptim.zero.partition import Fragment
+    from tests.fuzz.interpret import Run
+
+    cut, whole = torch.ones(16, dtype=torch.bfloat16), torch.ones(16, dtype=torch.bfloat16)
+    fragments = {id(cut): (Fragment(0, 0, 9, 0), Fragment(1, 9, 7, 0)), id(whole): (Fragment(0, 0, 16, 9),)}
+    run = Run.__new__(Run)
+    run.program = Program(59, ["bf16"], "zero2_hook", {"partition": "even", "master": False}, "SGD", {}, [])
+    run.subject = SimpleNamespace(
+        model=SimpleNamespace(named_parameters=lambda: [("cut", cut), ("whole", whole)]),
+        zero=SimpleNamespace(fragments_of=lambda p: fragments.get(id(p))),
+    )
+    run.oracle = SimpleNamespace(optimizer=torch.optim.SGD([cut.clone().requires_grad_()], lr=0.05))
+    run.sign_slack = {}
+    update = torch.full((16,), 0.01)
+    for name, param in (("cut", cut), ("whole", whole)):
+        run._piece_rounding(name, param, param.clone(), update)
+    assert set(run.sign_slack) == {"cut"}
+    assert torch.allclose(run.sign_slack["cut"], torch.finfo(torch.bfloat16).eps * (1 + update))
