@@ -266,7 +266,9 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
     if hybrid:  # ShardedDataParallel too: its buckets divide by world_size * replica_count
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
-    return _piece_invariant(_faults(_formats(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions)))))
+    return _piece_invariant(
+        _faults(_formats(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions))))
+    )
 
 
 def _piece_invariant(program: Program) -> Program:

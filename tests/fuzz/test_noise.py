@@ -159,6 +159,8 @@ def test_no_l2_decay_is_drawn_where_torch_steps_a_bf16_piece_otherwise() -> None
     program = generate(311025)  # Adam(weight_decay=0.01) drawn, a bf16 head without masters, even partition
     assert program.optimizer == "Adam" and program.kwargs["weight_decay"] == 0.0
     assert program.options["partition"] == "even" and not program.options["master"] and "bf16" in program.features
+
+
 def test_only_a_bf16_parameter_the_even_partition_cuts_gets_the_piece_slack() -> None:
     """``Run._piece_rounding``: torch steps a piece's scalar tail otherwise than the whole tensor, but a parameter one
     rank owns whole is stepped as the oracle steps it (the same bits): no slack there (review r-42b: the slack on
