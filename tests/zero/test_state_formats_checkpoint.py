@@ -130,3 +130,34 @@ def test_sharded_checkpoint_of_another_format_is_refused(tmp_path: Path, saved: 
     results = run_on_ranks(_other_format_body, 2, str(tmp_path / "checkpoint"), saved, loaded)
     assert all("lacks" in result for result in results), results
     assert all(result.startswith("ValueError") for result in results), results
+
+
+def _construction_state_body(rank: int, world_size: int, path: str, fmt: str) -> None:
+    """Adagrad makes its ``sum`` at construction, which the first step encodes: a fresh optimizer's sharded dict
+    must name the keys a stepped one saved (4-rank fuzz seed 420403: "lacks ... optim.state.4.sum")."""
+    params = make_params()
+    zero = ZeroRedundancyOptimizer(params, torch.optim.Adagrad, state_format=fmt, lr=0.05)
+    before = sorted(k for k in zero.sharded_state_dict() if k.startswith("state."))
+    _train(zero, params, rank, world_size, range(2))
+    state = zero.sharded_state_dict()
+    assert before == sorted(k for k in state if k.startswith("state.")), (before, sorted(state))
+    checkpoint.save({"optim": state}, path)
+    saved = [p.detach().clone() for p in params]
+    fresh = make_params(seed=1)
+    with torch.no_grad():
+        for param, value in zip(fresh, saved):
+            param.copy_(value)
+    resumed = ZeroRedundancyOptimizer(fresh, torch.optim.Adagrad, state_format=fmt, lr=0.05)
+    loaded = {"optim": resumed.sharded_state_dict()}
+    checkpoint.load(loaded, path)
+    resumed.load_sharded_state_dict(loaded["optim"])
+    _train(resumed, fresh, rank, world_size, range(2, 4))
+    reference = CodecReference(make_params(), torch.optim.Adagrad, fmt, lr=0.05)
+    for step in range(4):
+        reference.step(exact_average(world_size, step))
+    _assert_bitwise(fresh, reference.params, f"Adagrad {fmt} resumed")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_state_made_at_construction_saves_and_loads_under_the_keys_a_step_gives(tmp_path: Path, fmt: str) -> None:
+    run_on_ranks(_construction_state_body, 2, str(tmp_path / "checkpoint"), fmt)

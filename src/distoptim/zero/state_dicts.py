@@ -287,6 +287,8 @@ def _sharded_state(zero: ZeroParts) -> dict[str, Any]:
     zero._masters_follow_parameters()
     shard, state = zero.local_shard, zero.local_optimizer.state
     placeholders = sharded.template_state(shard, zero.local_optimizer.step, state)
+    formats = getattr(zero.local_optimizer, "formats", None)
+    state = state if formats is None else formats.as_kept(state)  # the keys a step gives, before one ran too
     groups = pickle.dumps(checkpoint.saved_param_groups(zero.param_groups))
     return sharded.sharded_state(shard, state, placeholders, groups, zero.global_params)
 

@@ -93,6 +93,15 @@ class StateFormats:
         for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
             entry.update(codecs.encode(key, entry.pop(key), fmt, self.scratch))
 
+    def as_kept(self, state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
+        """``state`` with each entry as a step leaves it: one that construction made and no step encoded yet
+        (Adagrad's ``sum``) as an encoded copy, so that a checkpoint's keys do not depend on whether a step ran."""
+        kept = {}
+        for tensor, entry in state.items():
+            kept[tensor] = entry = dict(entry)
+            self.encode_entry(tensor, entry)
+        return kept
+
     def encode_all(self, state: dict[Tensor, dict[str, Any]]) -> None:
         for tensor, entry in state.items():
             self.encode_entry(tensor, entry)
