@@ -37,7 +37,7 @@ FLOOR_ULPS = 4  # ulps (of the element, plus of its tensor's mean magnitude) all
 BF16_ULPS = 1
 Record = dict[str, Tensor]  # what a pass saw at each comparison: "where|what" -> the oracle's value
 _DIRECTIONS = torch.Generator().manual_seed(0)  # a bf16 gradient's elements move up or down, as orders round them
-RESAMPLES = 8  # more twin samples for an inexact program's mismatch (``Twins``), each fp32 element either way too
+RESAMPLES = 16  # more twin samples for an inexact program's mismatch (``Twins``), each fp32 element either way too
 # ... and an element may be this many times the farthest later sample's distance (``Twins``): a sample that rounds
 # the same element as the subject lands about as far, give or take what follows it
 RESAMPLED_FACTOR = 4.0
