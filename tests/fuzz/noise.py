@@ -195,7 +195,7 @@ class Twins:
     def __init__(self, records: list[Record]) -> None:
         self.records = records
 
-    def get(self, key: str, want: Any = None) -> Tensor | None:
+    def get(self, key: str) -> Tensor | None:
         """The first sample's value at ``key`` (None: not recorded)."""
         return self.records[0].get(key) if self.records else None
 
