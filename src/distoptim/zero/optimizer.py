@@ -161,8 +161,7 @@ class ZeroRedundancyOptimizer(
         self.__dict__["_initial_state"] = value
 
     def all_ranks(self) -> tuple[list[int], int]:
-        """The global ranks of this shard group and of its replicas, and how many ranks they span in all (the shard
-        groups times the replicas): the ranks DDP must average gradients over."""
+        """The global ranks of this shard group and its replicas, and how many ranks DDP must average over."""
         ranks = set(dist.get_process_group_ranks(self.process_group))
         if self.replicate_group is not None:
             ranks |= set(dist.get_process_group_ranks(self.replicate_group))
@@ -177,19 +176,17 @@ class ZeroRedundancyOptimizer(
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
-        """Step this rank's shard with its local optimizer, then sync the parameters (collective).
+        """Step this rank's shard with its local optimizer, then sync the parameters (collective); returns the
+        closure's loss, or None.
 
         The ranks first agree (one small all-reduce) that the local part succeeded everywhere, with the same
         parameters trainable and the same hyperparameters; a parameter made trainable or given new storage since
         the last step is placed first.
 
         Args:
-            closure: re-evaluates the model and returns the loss, run before the step as ``torch.optim`` does.
-            grad_scaler: passed by ``torch.amp.GradScaler.step(zero)``: every rank then skips alike (``zero/amp.py``).
+            closure: re-evaluates the model and returns the loss, run first as ``torch.optim`` does (default None).
+            grad_scaler: passed by ``torch.amp.GradScaler.step(zero)``: ranks skip alike (``amp.py``; default None).
             **kwargs: passed to the local optimizer's ``step``.
-
-        Returns:
-            The closure's loss, or None.
 
         Raises:
             ValueError: on every rank, when the local part raised on some rank (naming it), a setting was changed on
@@ -223,8 +220,7 @@ class ZeroRedundancyOptimizer(
     def _prepare(
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
     ) -> stepping.Prepared:
-        """Everything a step does locally; with a ``grad_scaler`` (or ``hold``: a rank joined under Join), all but
-        the local optimizer's step, which waits for the ranks' verdict."""
+        """Everything a step does locally (with a ``grad_scaler``, or ``hold`` under Join: all but the local step)."""
         self._held_back = False
         try:  # inside the agreement: every rank raises if one does
             if self._gradient_source is not None:
@@ -283,8 +279,7 @@ class ZeroRedundancyOptimizer(
         return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=self._store_flags(count))
 
     def _store_flags(self, count: int) -> Callable[[stepping.Prepared | None], tuple[bool, ...]]:
-        """What the step's agreement carries for the gradient store (read after the local part, which may have
-        built a new store): which parameters this rank used, and whether it held its local part back."""
+        """The step agreement's flags for the gradient store: the parameters this rank used, and a held-back part."""
 
         def flags(done: stepping.Prepared | None) -> tuple[bool, ...]:
             source = self._gradient_source
@@ -294,8 +289,13 @@ class ZeroRedundancyOptimizer(
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
         """Place again where the placement is stale (a parameter made trainable or given new storage since), then
-        run ``action`` on this rank and return its result, agreed across ranks (collective; the DDP hooks' step):
-        every rank raises ``ValueError`` if placing or ``action`` raised on any rank or the ranks' settings differ.
+        run ``action`` on this rank and return its result, agreed across ranks (collective; the DDP hooks' step).
+
+        Args:
+            action: what to run after placing (default: nothing).
+
+        Raises:
+            ValueError: on every rank, if placing or ``action`` raised on any rank or the ranks' settings differ.
         """
 
         def place_then_act() -> Any:
@@ -315,16 +315,14 @@ class ZeroRedundancyOptimizer(
         self._sync.sync_parameters()
 
     def sync_finished(self) -> None:
-        """Wait for any parameter sync still in flight (``ShardedDataParallel(overlap_param_sync=True)`` leaves the
-        sync of later buckets to finish during the next forward): after it every parameter holds its value. Local
-        (no collective); raises here if this rank saw a parameter written while its sync was in flight."""
+        """Wait for any parameter sync still in flight (``overlap_param_sync=True`` lands later buckets in the next
+        forward); local; raises here if this rank saw a parameter written while its sync was in flight."""
         self.land_sync()
         assert self._sync is not None
         self._sync.check_untouched_here()
 
     def land_sync(self) -> None:
-        """``sync_finished`` without its local check: where an agreement follows that raises a write seen in flight
-        on every rank (the next step, a checkpoint)."""
+        """``sync_finished`` without its local check (an agreement follows: the next step, a checkpoint)."""
         assert self._sync is not None
         self._sync.finish()
 
@@ -340,9 +338,8 @@ class ZeroRedundancyOptimizer(
         return self._placement.sync
 
     def attach_gradient_source(self, source: GradientSource) -> None:
-        """Read the gradient from ``source``, not ``.grad``, and sync through ``source.sync``
-        (``ShardedDataParallel``). After a re-placement the optimizer calls ``source.replanned()``, which attaches a
-        source over the new placement.
+        """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``;
+        after a re-placement ``source.replanned()`` attaches one over the new placement.
 
         Args:
             source: the gradient's one owner (``zero/gradient_source.py``).
@@ -352,22 +349,21 @@ class ZeroRedundancyOptimizer(
             self._plan_listeners.append(source.replanned)
 
     def _push_hyperparameters(self) -> None:
-        """``param_groups`` (what schedulers and users edit) into the local optimizer's groups: the one direction
-        hyperparameters flow (``load_state_dict`` sets ``param_groups`` from the checkpoint first)."""
+        """``param_groups`` (what schedulers and users edit) into the local optimizer's: the one direction."""
         copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
-        """Clip the gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` would on the whole gradient;
-        returns the total norm, the same on every rank (collective: one scalar all-reduce). Each rank measures and
-        scales what it owns, so it is right under ``ShardedDataParallel`` too. Call it between ``backward()`` and
-        ``step()`` on every rank.
+        """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` would, each rank what it
+        owns (so under ``ShardedDataParallel`` too); returns the total norm on every rank (one scalar all-reduce).
 
         Args:
-            max_norm, norm_type, error_if_nonfinite: as torch's.
+            max_norm: the largest total norm the gradient may have.
+            norm_type: the order of the norm (default 2.0; ``math.inf`` for the largest element).
+            error_if_nonfinite: raise when the total norm is inf or nan (default False, as torch's).
             grad_scale: the loss scale the gradients still carry where ``scaler.unscale_(zero)`` cannot run (fp16
-                gradients, ``ShardedDataParallel``): the norm and the clipping are then the unscaled gradient's.
+                gradients, ``ShardedDataParallel``): the norm and the clipping are the unscaled ones (default None).
 
         Raises:
             RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
@@ -387,9 +383,14 @@ class ZeroRedundancyOptimizer(
         return clipping.clip_shard(shard, params, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient), to
-        None or, with ``set_to_none=False``, zeros. In overlap mode, raises ``RuntimeError`` when gradients arrived
-        but no hook stepped (the hook is missing)."""
+        """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient).
+
+        Args:
+            set_to_none: set each ``.grad`` to None rather than to zeros (default True, as torch's).
+
+        Raises:
+            RuntimeError: in overlap mode, when gradients arrived but no hook stepped (the hook is missing).
+        """
         if self.overlap_stepper is not None:
             self.overlap_stepper.check_stepped()
         if self._gradient_source is not None:
