@@ -96,10 +96,8 @@ class StateFormats:
     def as_kept(self, state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
         """``state`` with each entry as a step leaves it: one that construction made and no step encoded yet
         (Adagrad's ``sum``) as an encoded copy, so that a checkpoint's keys do not depend on whether a step ran."""
-        kept = {}
-        for tensor, entry in state.items():
-            kept[tensor] = entry = dict(entry)
-            self.encode_entry(tensor, entry)
+        kept = {tensor: dict(entry) for tensor, entry in state.items()}
+        self.encode_all(kept)
         return kept
 
     def encode_all(self, state: dict[Tensor, dict[str, Any]]) -> None:
