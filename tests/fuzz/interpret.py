@@ -83,19 +83,9 @@ class Run:
     """One pass of a program on both sides: compares (``twin``: the twin pass's record, noise.py), or with
     ``record`` keeps the oracle's values at each comparison (the twin pass)."""
 
-    def __init__(
-        self,
-        program: Program,
-        workdir: str,
-        record: bool = False,
-        twin: noise.Twins | None = None,
-        guide: noise.Record | None = None,
-        seen: noise.Record | None = None,
-    ) -> None:
+    def __init__(self, program: Program, workdir: str, record: bool = False, twin: noise.Twins | None = None) -> None:
         self.program = program
         self.recorder = noise.Recorder() if record else None
-        self.guide = guide  # a guided twin pass (noise.Twins): what the subject held and where it had no sign
-        self.seen: noise.Record = {} if seen is None else seen  # ... which the real pass keeps for it
         self.noise = twin or noise.Twins([])
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.workdir = workdir
@@ -169,10 +159,8 @@ class Run:
         for name, want in self.oracle.model.named_parameters():
             got, key = ours[name].detach(), f"{where}|{name}"
             if self.recorder is not None:
-                self._follow_guide(key, name, want)
                 self.recorder.keep(key, want)
                 continue
-            self.seen[key] = got.clone()
             if got.stride() != want.stride():
                 self.mismatches.append(f"{where}: parameter {name} lost its layout {got.stride()} != {want.stride()}")
             if self.exact:
@@ -228,20 +216,6 @@ class Run:
             self.signless[name] = signless
             slack = noise.SIGNLESS_UPDATES * update * signless
             self.sign_slack[name] = self.sign_slack.get(name, torch.zeros_like(update)) + slack
-        for name, signless in self.signless.items():
-            self.seen[f"signless|{self.oracle_steps}|{name}"] = signless.clone()
-
-    def _follow_guide(self, key: str, name: str, want: Tensor) -> None:
-        """A guided twin pass (``noise.Twins``): the oracle's elements that had no sign in the real pass take the
-        subject's values there, so that what follows a rounding's sign choice is measured, not only the choice."""
-        if self.guide is None:
-            return
-        mask, subject = self.guide.get(f"signless|{self.oracle_steps}|{name}"), self.guide.get(key)
-        if mask is None or subject is None or subject.shape != want.shape:
-            return
-        with torch.no_grad():
-            want.copy_(torch.where(mask, subject.to(want.dtype), want))
-        self.oracle.align_masters()
 
     def _piece_rounding(self, name: str, p: Tensor, before: Tensor, update: Tensor) -> None:
         """A bf16 parameter without master weights that an even partition cuts: torch's CPU kernels step the scalar
@@ -749,16 +723,16 @@ def _overflowing(name: str | None, models: list[Any]) -> list[Any]:
     return [] if name is None else [layer(model, name).weight.register_hook(poison) for model in models]
 
 
-def _twin(program: Program, workdir: str, sample: int = 0, guide: noise.Record | None = None) -> noise.Record:
+def _twin(program: Program, workdir: str, sample: int = 0) -> noise.Record:
     """The twin pass (noise.py): the oracle, its local gradients one ulp up, recorded at each comparison; where it
     raises (a refusal the real pass meets too), what it recorded until then. ``sample``: which draw of the bf16
-    directions; ``guide``: the subject's values where it had no sign (``noise.Twins``)."""
+    directions."""
     folder = os.path.join(workdir, f"twin{sample}")
     os.makedirs(folder, exist_ok=True)
     recorder = noise.Recorder()
     noise.draw(program.seed, sample)
     try:
-        run = Run(program.replace(options={**program.options, "twin": True}), folder, record=True, guide=guide)
+        run = Run(program.replace(options={**program.options, "twin": True}), folder, record=True)
         recorder = run.recorder or recorder
         for action in program.actions:
             run.do(action)
@@ -769,23 +743,15 @@ def _twin(program: Program, workdir: str, sample: int = 0, guide: noise.Record |
     return recorder.values
 
 
-def run_program(
-    program: Program,
-    workdir: str,
-    samples: int = 1,
-    guide: noise.Record | None = None,
-    seen: noise.Record | None = None,
-) -> dict[str, Any]:
+def run_program(program: Program, workdir: str, samples: int = 1) -> dict[str, Any]:
     """This rank's outcome: ``{"status": "ok", "mismatches": [...]}`` or ``{"status": "raised", "side": ...}``.
-    An inexact program is first run as its ``twin`` (``samples`` times, and guided by ``guide``: ``noise.Twins``)
-    to measure its noise (noise.py); ``seen`` receives what a guided twin needs of this pass."""
+    An inexact program is first run as its ``twin`` (``samples`` times) to measure its noise (noise.py)."""
     run: Run | None = None
     exact = is_exact(program, dist.get_world_size())
     # (a refusal may come after comparisons that count)
-    guided = [] if guide is None else [_twin(program, workdir, samples, guide)]
-    twin = None if exact else noise.Twins([_twin(program, workdir, i) for i in range(samples)] + guided)
+    twin = None if exact else noise.Twins([_twin(program, workdir, i) for i in range(samples)])
     try:
-        run = Run(program, workdir, twin=twin, seen=seen)
+        run = Run(program, workdir, twin=twin)
         for action in program.actions:
             run.do(action)
         run.compare_end()

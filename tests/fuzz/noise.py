@@ -190,9 +190,7 @@ class Twins:
     then flips fewer elements than the subject (4 ranks, ``sdp``: 5 of 318 such programs 1.02x to 1.88x their
     allowance with one). A sample that flips the same element lands about as far as the subject, so an element may
     be ``RESAMPLED_FACTOR`` times the farthest sample's distance, no more: ``FACTOR`` times the farthest of five hid
-    a clip coefficient 1e-3 off and an SDP bf16 gradient 1% short (issue 42's second review). The last sample of a
-    resampled verdict is guided (``Run._follow_guide``): it takes the subject's values where the real pass found no
-    sign, so what follows a sign the rounding chose is measured too."""
+    a clip coefficient 1e-3 off and an SDP bf16 gradient 1% short (issue 42's second review)."""
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records

@@ -156,11 +156,9 @@ def refusal_summary(verdicts: list[dict[str, Any]]) -> list[str]:
     return lines + [f"  refused x{count}: {kind}" for kind, count in kinds.most_common()]
 
 
-def _verdict(
-    program: Program, workdir: str, world_size: int, samples: int = 1, guide: Any = None, seen: Any = None
-) -> dict[str, Any]:
+def _verdict(program: Program, workdir: str, world_size: int, samples: int = 1) -> dict[str, Any]:
     outcomes: list[Any] = [None] * world_size
-    dist.all_gather_object(outcomes, run_program(program, workdir, samples, guide, seen))
+    dist.all_gather_object(outcomes, run_program(program, workdir, samples))
     return classify(outcomes, program, world_size)
 
 
@@ -172,12 +170,11 @@ def _session(rank: int, world_size: int, programs: list[str], workdir: str, pg_t
         with open(os.path.join(workdir, f"progress-{rank}"), "w") as handle:
             handle.write(str(index))
         program = Program.from_json(text)
-        seen: noise.Record = {}
-        verdict = _verdict(program, workdir, world_size, seen=seen)
+        verdict = _verdict(program, workdir, world_size)
         inexact = verdict["category"] == "mismatch" and not is_exact(program, world_size)
         if inexact and resampled < RESAMPLED_PER_SESSION:  # noise.Twins: more samples
             first, resampled = verdict, resampled + 1
-            verdict = _verdict(program, workdir, world_size, samples=1 + noise.RESAMPLES, guide=seen)
+            verdict = _verdict(program, workdir, world_size, samples=1 + noise.RESAMPLES)
             verdict["resampled"] = first["detail"][:3]
         if rank == 0:
             with open(os.path.join(workdir, "results.jsonl"), "a") as handle:
@@ -204,7 +201,7 @@ def run_programs(programs: list[Program], world_size: int = 2, pg_timeout: float
                 pg_timeout,
                 timeout=30
                 + pg_timeout
-                + SECONDS_PER_PROGRAM * (len(pending) + RESAMPLED_PER_SESSION * (noise.RESAMPLES + 2)),
+                + SECONDS_PER_PROGRAM * (len(pending) + RESAMPLED_PER_SESSION * noise.RESAMPLES),
                 backend=None,
             )
         except RankFailure as error:

@@ -185,39 +185,3 @@ def test_only_a_bf16_parameter_the_even_partition_cuts_gets_the_piece_slack() ->
         run._piece_rounding(name, param, param.clone(), update)
     assert set(run.sign_slack) == {"cut"}
     assert torch.allclose(run.sign_slack["cut"], torch.finfo(torch.bfloat16).eps * (1 + update))
-
-
-def test_a_sign_rounding_decides_is_followed_by_the_guided_sample() -> None:
-    """4 ranks hybrid, seed 521121 (``zero2_hook``, Adagrad, a bf16 head, an L1 clip): one head element the ranks'
-    rounding leaves without a sign steps half an update apart at step 1, and every weight the next backward reaches
-    follows it (119 of 128 ``inp.weight`` elements 0.017 apart where the first sample allows 2.2e-6). The guided
-    sample takes the subject's values at exactly those elements and measures what follows: the program passes. The
-    same program with its learning rate 1.5x still fails, resampled."""
-    program = generate(521121, hybrid=True)
-    wrong = program.replace(options={**program.options, "sabotage": "lr"})
-    right, sabotaged = run_programs([program, wrong], world_size=4)
-    assert right["category"] == "pass" and "inp.weight" in right["resampled"][0]
-    assert sabotaged["category"] == "mismatch" and "resampled" in sabotaged
-
-
-def test_the_guided_sample_takes_the_subjects_values_only_where_no_sign_was_measured() -> None:
-    from types import SimpleNamespace
-
-    from tests.fuzz.interpret import Run
-
-    aligned: list[bool] = []
-    run = Run.__new__(Run)
-    run.oracle = SimpleNamespace(align_masters=lambda: aligned.append(True))
-    run.oracle_steps = 2
-    mask = torch.tensor([True, False, False, True])
-    run.guide = {"signless|2|w": mask, "after action 3|w": torch.full((4,), 9.0)}
-    want = torch.zeros(4)
-    run._follow_guide("after action 3|w", "w", want)
-    assert torch.equal(want, torch.tensor([9.0, 0.0, 0.0, 9.0])) and aligned == [True]
-    run._follow_guide("after action 4|w", "w", want)  # the subject not seen there: nothing taken
-    run.oracle_steps = 1  # no mask recorded at this step: nothing taken
-    run._follow_guide("after action 3|w", "w", torch.zeros(4))
-    assert aligned == [True]
-    run.guide = None
-    run._follow_guide("after action 3|w", "w", want)
-    assert aligned == [True]
