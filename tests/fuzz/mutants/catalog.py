@@ -263,4 +263,18 @@ MUTANTS += (  # issue 43: the state formats
     ),
 )
 
+MUTANTS += (  # issue 42's third review: a bug on the elements whose gradient is near zero
+    _one(
+        "bf16_grad_flush",
+        "a bf16 layer (every mode that steps through ZeRO's shards)",
+        "a bf16 gradient piece passed through fp16 with denormals flushed: elements below 2^-14 step as zero "
+        "(RMSprop's first step moves them 10 lr on the oracle, nothing here; every layer below follows)",
+        "distoptim/zero/shard.py",
+        "        piece = self.grad_from(grad)\n",
+        "        piece = self.grad_from(grad)\n"
+        "        if piece is not None and piece.dtype == torch.bfloat16:\n"
+        "            piece = torch.where(piece.abs() < 2**-14, torch.zeros_like(piece), piece)\n",
+    ),
+)
+
 BY_NAME = {m.name: m for m in MUTANTS}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.fuzz.program import Action, Program
+from tests.fuzz.program import Action, Program, generate
 
 SEED = 7  # the model's and data's seed (any fixed one)
 
@@ -166,3 +166,4 @@ DEMOS["overlap_format_new_state_plain"] = (
     _program("overlap_hook", TWO * 2, "AdamW", ADAMW, features=("wide",), exact=True, state_format="int8"),
     2,
 )
+DEMOS["bf16_grad_flush"] = (generate(148), 2)  # zero1, RMSprop, a bf16 head, a clip: CI's seed 148
