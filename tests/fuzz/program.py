@@ -41,6 +41,17 @@ OPTIMIZERS: dict[str, list[dict[str, Any]]] = {
     "NAdam": [{"lr": 0.01}],
 }
 
+# Hyperparameters beyond the step size, one set drawn per program from its own stream (``_hyperparameters``): a
+# library that drops, renames or fails to save one of them trains wrong with no error (issue 42's third review)
+HYPERPARAMETERS: dict[str, list[dict[str, Any]]] = {
+    "SGD": [{"momentum": 0.9, "nesterov": True, "dampening": 0.0}, {"momentum": 0.9, "dampening": 0.5}],
+    "Adam": [{"betas": (0.8, 0.95)}, {"amsgrad": True}, {"eps": 1e-6, "maximize": True}],
+    "AdamW": [{"betas": (0.8, 0.95), "amsgrad": True}, {"eps": 1e-6}],
+    "RMSprop": [{"momentum": 0.5, "centered": True}, {"alpha": 0.9, "maximize": True}],
+    "Adagrad": [{"lr_decay": 0.01, "initial_accumulator_value": 0.1}, {"eps": 1e-6, "maximize": True}],
+    "NAdam": [{"momentum_decay": 0.002}, {"betas": (0.8, 0.95), "decoupled_weight_decay": True}],
+}
+
 # Optimizers that are not elementwise: distoptim owns each of their tensors whole (drawn in ``_widen``); no
 # functional counterpart, so not under the overlap hooks (refused at construction, on every rank)
 WHOLE_TENSOR_OPTIMIZERS: dict[str, list[dict[str, Any]]] = {
@@ -190,6 +201,14 @@ def _between(rng: random.Random, name: str, features: list[str]) -> Action:
     return Action(name)
 
 
+def _hyperparameters(seed: int, optimizer: str) -> dict[str, Any]:
+    """Half the programs keep torch's defaults; the others take one of ``HYPERPARAMETERS``'s sets, from a stream of
+    their own so that a seed's model, mode and actions stay what they were before these were drawn."""
+    sets = HYPERPARAMETERS.get(optimizer, [])
+    stream = random.Random(seed * 7919 + 17)
+    return dict(stream.choice(sets)) if sets and stream.random() < 0.5 else {}
+
+
 def generate(
     seed: int, actions: set[str] | None = None, modes: tuple[str, ...] = MODES, hybrid: bool = False
 ) -> Program:
@@ -203,7 +222,7 @@ def generate(
     optimizer = rng.choice(sorted(OPTIMIZERS))
     if mode == "overlap_hook" and optimizer == "NAdam":  # no functional counterpart: refused at construction
         optimizer = "AdamW"
-    kwargs = dict(rng.choice(OPTIMIZERS[optimizer]))
+    kwargs = {**rng.choice(OPTIMIZERS[optimizer]), **_hyperparameters(seed, optimizer)}
     between = [a for a in BETWEEN if a in allowed and mode in (ACTIONS[a] or MODES)]
     if "frozen" not in features:
         between = [a for a in between if a != "unfreeze"]

@@ -14,6 +14,7 @@ from tests.fuzz.__main__ import FAILURES, rerun_command
 from tests.fuzz.program import (
     ACTIONS,
     FORMAT_MODES,
+    HYPERPARAMETERS,
     MODEL_FEATURES,
     MODES,
     NEW_FEATURES,
@@ -234,3 +235,14 @@ def test_a_deferred_refusal_excuses_only_what_follows_its_trigger() -> None:
     assert classify(after, program, 2)["category"] == "refused"
     before = [_raised("RuntimeError", written, INSIDE, ("check at action 2: parameter head.weight ...",))] * 2
     assert classify(before, program, 2)["category"] == "mismatch"
+
+
+def test_ci_draws_every_set_of_hyperparameters() -> None:
+    """A library that drops or fails to save ``amsgrad``, ``nesterov``, ``maximize``... trains wrong without an error
+    (issue 42's third review): CI's programs must draw each set, and as many keep torch's defaults."""
+    programs = [generate(seed) for seed in CI_SEEDS]
+    drawn = [p for p in programs if any(k not in ("lr", "momentum", "weight_decay", "eps") for k in p.kwargs)]
+    for optimizer, sets in HYPERPARAMETERS.items():
+        for chosen in sets:
+            assert any(p.optimizer == optimizer and chosen.items() <= p.kwargs.items() for p in programs), chosen
+    assert len(programs) // 4 < len(drawn) < 3 * len(programs) // 4
