@@ -46,11 +46,7 @@ Groups = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 
 
 def agree_across_ranks(
-    local: Fingerprint | BaseException,
-    group: Groups,
-    what: str,
-    fix: str = SAME_EVERYWHERE,
-    flags: Sequence[bool] = (),
+    local: Fingerprint | BaseException, group: Groups, what: str, fix: str = SAME_EVERYWHERE, flags: Sequence[bool] = ()
 ) -> tuple[bool, ...]:
     """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree
     (a failing rank raises its own error, the others name it); return, for each of ``flags``, whether any rank

@@ -131,9 +131,8 @@ class PostLocalSGDState:
 
 
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default reduction as a comm hook: average the bucket over ``process_group`` (None: the world).
-
-    The inner hook for ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved`` when gradients are all-reduced.
+    """DDP's default reduction as a comm hook (and the overlap hooks' inner hook): average the bucket over
+    ``process_group`` (None: the world).
 
     Args:
         process_group: the hook's state, as ``register_comm_hook`` passes it: the group, or ``None`` for the world.
