@@ -55,18 +55,12 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
         for i, p in enumerate(group["params"])
         if p.requires_grad and id(p) not in in_module
     ]
-    if extra or missing:
+    parts = [f"it does not hold the module's {few(extra)}"] if extra else []
+    parts += [f"the module has no {few(missing)}"] if missing else []
+    if parts:
         raise ValueError(
-            "the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: "
-            + "; ".join(
-                part
-                for part in (
-                    f"it does not hold the module's {few(extra)}" if extra else "",
-                    f"the module has no {few(missing)}" if missing else "",
-                )
-                if part
-            )
-            + ". Build ZeRO over module.parameters() (freeze what it should not train)"
+            f"the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: {'; '.join(parts)}. "
+            "Build ZeRO over module.parameters() (freeze what it should not train)"
         )
 
 
