@@ -1,12 +1,6 @@
-"""Agreement across ranks: each rank does its part, then one small all-reduce tells every rank whether all of them
-succeeded and whether their fingerprints match, so that all ranks raise the same clear error or none does.
-
-A fingerprint maps "what {} is" templates to canonical values; when two ranks disagree, a second round gathers
-the fingerprints and names the first difference, with both values in the template's "{}". Nothing here needs numpy.
-A fingerprint's ``STEPPING_ONLY`` entry (a fingerprint itself) is compared only among the ranks that give it: a
-rank joined under ``Join`` steps with its own hyperparameters, as torch's ZeroRedundancyOptimizer does: it gives none.
-Agreements travel on the group's control twin (``_groups.control_group``: the group itself under gloo, a gloo twin
-under NCCL): their values are host values, and reading a GPU tensor back would stall the CPU on the GPU's queue.
+"""Agreement across ranks: each rank does its part, then one small all-reduce (on the group's control twin, host
+values) tells every rank whether all succeeded and whether their fingerprints match, so that all ranks raise the same
+error or none does. A fingerprint maps "what {} is" templates to values; a disagreement is named in a second round.
 """
 
 from __future__ import annotations
@@ -19,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distoptim.comm.groups import control_group
-from distoptim.comm.objects import all_gather_objects
-from distoptim.comm.released import release
+from distoptim.comm.objects import all_gather_objects, release
 
 __all__ = [
     "SAME_EVERYWHERE",
@@ -53,20 +46,11 @@ Groups = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 
 
 def agree_across_ranks(
-    local: Fingerprint | BaseException,
-    group: Groups,
-    what: str,
-    fix: str = SAME_EVERYWHERE,
-    flags: Sequence[bool] = (),
+    local: Fingerprint | BaseException, group: Groups, what: str, fix: str = SAME_EVERYWHERE, flags: Sequence[bool] = ()
 ) -> tuple[bool, ...]:
-    """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree;
-    return, for each of ``flags`` (verdicts carried along, such as "a gradient held an inf"), whether any rank raised
-    it. Every rank must pass as many flags.
-
-    One all-reduce (MAX) of ``[failed, -failed, flags, digest, -digest]`` over each group's control twin in turn
-    tells every rank whether any or all failed and whether the digests' maxima equal their minima. A failing rank
-    raises its own error; the others name it.
-    """
+    """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree
+    (a failing rank raises its own error, the others name it); return, for each of ``flags``, whether any rank
+    raised it. One all-reduce (MAX) of ``[failed, -failed, flags, digest, -digest]``."""
     groups = [group] if isinstance(group, dist.ProcessGroup) else list(group)
     controls, cpu = [control_group(g) for g in groups], torch.device("cpu")
     failed = isinstance(local, BaseException)
@@ -105,12 +89,10 @@ def _first_of_everyone(value: Any, controls: list[dist.ProcessGroup], global_ran
 
 
 def _words(local: Fingerprint | None) -> tuple[list[int], list[int]]:
-    """This rank's digest words and their negations, for its fingerprint and for its ``STEPPING_ONLY`` part (a rank
-    without one gives words that move no maximum: 0 and ``_ABSENT``)."""
+    """This rank's digest words and their negations, for its fingerprint and its ``STEPPING_ONLY`` part."""
     if local is None:  # a failed rank: its words are never compared
         return [0] * 2 * _DIGEST_WORDS, [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
-    always = {key: value for key, value in local.items() if key != STEPPING_ONLY}
-    words = _digest(always)
+    words = _digest(_always(local))
     if STEPPING_ONLY not in local:
         return [*words, *(-w for w in words)], [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
     optional = _digest(local[STEPPING_ONLY])
@@ -118,8 +100,7 @@ def _words(local: Fingerprint | None) -> tuple[list[int], list[int]]:
 
 
 def _agreed(digests: list[int]) -> bool:
-    """Whether the maxima of the digests equal those of their negations: both parts, the optional one where any
-    rank gave it."""
+    """Whether the digests' maxima equal their minima (the ``STEPPING_ONLY`` part where any rank gave it)."""
     n = _DIGEST_WORDS
     always, optional = digests[: 2 * n], digests[2 * n :]
     same = always[:n] == [-w for w in always[n:]]
@@ -140,10 +121,8 @@ def run_agreed(
     then_agree_on: Callable[[_T], Fingerprint] = lambda result: {},
     fix: str = SAME_EVERYWHERE,
 ) -> _T:
-    """``action()`` on this rank, with its success agreed (one all-reduce): if it raised one of ``errors`` on any
-    rank, every rank raises (the failing one its own error, the others a ``ValueError`` naming it), so that no rank
-    goes on to a collective the failing one never reaches. ``then_agree_on(result)``, evaluated after a successful
-    ``action``, must be the same on every rank too (a ``ValueError`` with ``fix`` otherwise), in the same all-reduce."""
+    """``action()`` on this rank, with its success agreed: if it raised one of ``errors`` on any rank, every rank
+    raises. ``then_agree_on(result)`` must be the same on every rank too (a ``ValueError`` with ``fix`` otherwise)."""
     return _run(action, group, what, errors, then_agree_on, fix, lambda _: ())[0]
 
 
@@ -177,23 +156,21 @@ def run_step_agreed(
     flags: Callable[[_T | None], Sequence[bool]] = lambda result: (),
     joined: bool = False,
 ) -> tuple[_T, tuple[bool, ...]]:
-    """``action()``, a step's local part, then ``run_agreed``'s all-reduce: every rank raises if it raised on any, or
-    if the ranks' ``fingerprint()`` (which parameters they train, with which hyperparameters) now differ because a
-    setting was changed on some ranks only. Returns the action's result and, for each of ``flags(result)``
-    (``flags(None)`` on a rank whose action raised: as many, all False), whether it held on any rank. A ``joined``
-    rank (Join, uneven inputs) leaves out its ``STEPPING_ONLY`` part: it steps with its own hyperparameters."""
-    return _run(action, group, "step", (Exception,), lambda _: _as_joined(fingerprint(), joined), STEP_FIX, flags)
+    """``action()``, a step's local part, agreed as ``run_agreed`` with ``fingerprint()``; returns its result and,
+    for each of ``flags(result)``, whether it held on any rank. A ``joined`` rank leaves out ``STEPPING_ONLY``."""
+    agreed_on = (lambda _: _always(fingerprint())) if joined else (lambda _: fingerprint())
+    return _run(action, group, "step", (Exception,), agreed_on, STEP_FIX, flags)
 
 
-def _as_joined(local: Fingerprint, joined: bool) -> Fingerprint:
-    return {key: value for key, value in local.items() if key != STEPPING_ONLY} if joined else local
+def _always(local: Fingerprint) -> Fingerprint:
+    """``local`` without its ``STEPPING_ONLY`` part."""
+    return {key: value for key, value in local.items() if key != STEPPING_ONLY}
 
 
 def _raise_first_disagreement(
     local: Fingerprint, everyone: list[Fingerprint], group: dist.ProcessGroup, what: str, fix: str
 ) -> None:
-    """Name the first difference this rank sees; a rank that sees none (a joined one, which gives no
-    ``STEPPING_ONLY`` part) names the first between two others, so that every rank raises the same kind of error."""
+    """Name the first difference this rank sees, else (a joined rank) the first between two others."""
     me = dist.get_rank(group)
     pairs = [(me, rank) for rank in range(len(everyone))]
     pairs += [(a, b) for a in range(len(everyone)) for b in range(a + 1, len(everyone))]
@@ -206,19 +183,11 @@ def _raise_first_disagreement(
 def _first_difference(mine: Fingerprint, theirs: Fingerprint) -> str | None:
     """The first entry that differs; ``STEPPING_ONLY`` entries only where both ranks give them."""
     if STEPPING_ONLY in mine and STEPPING_ONLY in theirs:
-        mine, theirs = _flat(mine), _flat(theirs)
+        mine, theirs = ({**_always(side), **side[STEPPING_ONLY]} for side in (mine, theirs))
     else:
-        mine, theirs = ({k: v for k, v in side.items() if k != STEPPING_ONLY} for side in (mine, theirs))
+        mine, theirs = _always(mine), _always(theirs)
     for template in [*mine, *(key for key in theirs if key not in mine)]:
-        a, b = (_show(side, template) for side in (mine, theirs))
+        a, b = (repr(side[template]) if template in side else "(not set)" for side in (mine, theirs))
         if a != b:
             return template.replace("{}", f"{a} vs {b}", 1)
     return None
-
-
-def _flat(entries: Fingerprint) -> Fingerprint:
-    return {**{k: v for k, v in entries.items() if k != STEPPING_ONLY}, **entries[STEPPING_ONLY]}
-
-
-def _show(entries: Fingerprint, template: str) -> str:
-    return repr(entries[template]) if template in entries else "(not set)"

@@ -1,8 +1,5 @@
-"""The only averaging module that calls ``torch.distributed``: group handling and the averaging collectives.
-
-Averaging is ``all_reduce(x / n, SUM)``: dividing first is what PyTorch's averagers and hooks do (it keeps
-fp16 from overflowing), so results match theirs bit for bit when the flat buffers are laid out the same way.
-"""
+"""The averagers' and hooks' collectives: ``all_reduce(x / n, SUM)``, dividing first as PyTorch's do (fp16 does
+not overflow), so results match theirs bit for bit."""
 
 from __future__ import annotations
 
@@ -34,9 +31,7 @@ __all__ = [
 
 def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: ProcessGroup | None, what: str) -> None:
     """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``
-    (one all-reduce; ``distoptim.comm.agreement.agree_across_ranks``): ranks that average on different schedules would
-    otherwise wait for each other in an all-reduce until the group's timeout. A failing rank raises its own error
-    (at once where no process group exists yet), the others name it."""
+    (ranks averaging on different schedules would hang)."""
     if isinstance(settings, BaseException) and process_group is None and not dist.is_initialized():
         raise settings
     group = default_group(process_group)
@@ -50,11 +45,7 @@ def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: P
 
 
 def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
-    """Cut ``group`` into consecutive subgroups of ``size`` ranks; return the one holding this rank.
-
-    A collective over the whole default group: every rank must call it, in the same order as its other group
-    creations. When ``size`` is the whole group, ``group`` itself is returned and nothing is created.
-    """
+    """Cut ``group`` into consecutive subgroups of ``size`` ranks (a collective); return the one holding this rank."""
     if size == group_size(group):
         return group
     subgroup, _ = dist.new_subgroups(group_size=size, group=group)  # type: ignore[no-untyped-call]
@@ -63,11 +54,8 @@ def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
 
 
 def node_subgroup_size(total: int, environ: Mapping[str, str] | None = None) -> int:
-    """How many ranks of a ``total``-rank group share this node, for per-node gradient all-reduce.
-
-    Read from the launcher (``LOCAL_WORLD_SIZE``, set by torchrun and most launchers). When that is unknown or
-    does not divide the group evenly, the whole group is one "node": correct everywhere, just less local.
-    """
+    """How many ranks of a ``total``-rank group share this node (``LOCAL_WORLD_SIZE``; ``total`` when unknown or
+    uneven)."""
     env = os.environ if environ is None else environ
     raw = env.get("LOCAL_WORLD_SIZE", "")
     try:
@@ -94,12 +82,8 @@ def group_by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]
 
 @torch.no_grad()
 def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> None:
-    """Replace every tensor by its mean over ``group``, in place (storage kept): one all-reduce per device.
-
-    Mixed dtypes are packed into their promoted dtype, divided, all-reduced and each result rounded back to its
-    tensor's dtype once: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``'s arithmetic,
-    so torch's averagers and these agree bit for bit. Ranks outside ``group`` leave their tensors untouched.
-    """
+    """Replace every tensor by its mean over ``group``, in place: one all-reduce per device, in the promoted dtype
+    (torch's ``average_parameters``' arithmetic). Ranks outside ``group`` leave theirs untouched."""
     if not is_member(group):
         return
     size = group_size(group)

@@ -1,8 +1,6 @@
-"""With ``p2p.py``, the only ZeRO module that calls ``torch.distributed``: a few collectives, always given a group.
-
-Ranks are group ranks everywhere in distoptim; translation to global ranks happens here and in ``p2p.py`` only.
-Two styles move a step's bytes (``Collectives``), chosen once per optimizer (``choose_collectives``): point to
-point on gloo, equal-chunk collectives on NCCL; ``DISTOPTIM_COLLECTIVES`` overrides. ``docs/guides/internals.md``.
+"""ZeRO's collectives, always given a group (ranks are group ranks; global ones only here and in ``p2p.py``).
+Two styles move a step's bytes (``Collectives``): point to point on gloo, equal-chunk collectives on NCCL;
+``DISTOPTIM_COLLECTIVES`` overrides. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -10,7 +8,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Sequence
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
@@ -59,19 +57,13 @@ class Collectives(enum.Enum):
     """How gradients reach their owners and parameters leave them."""
 
     POINT_TO_POINT = "p2p"
-    """Point to point (``p2p.py``): each rank sends each owner the owner's ranges and receives its own from every
-    rank, which it adds up; each owner sends its ranges to every rank (gloo's fastest). Where the owners' shares are
-    unequal, through aggregators of an even share each (``relay.py``), so that no rank moves more than an
-    all-reduce's bytes a step. gloo's point-to-point calls read host memory only, so GPU tensors on gloo go through
-    rooted calls."""
+    """Point to point between each rank and each owner (``p2p.py``, ``relay.py``); GPU tensors use rooted calls."""
     CHUNKED = "chunked"
-    """``reduce_scatter_tensor`` / ``all_gather_into_tensor`` over equal chunks where the owners' shares are equal
-    (NCCL's fastest), rooted calls elsewhere."""
+    """``reduce_scatter_tensor`` / ``all_gather_into_tensor`` where the owners' shares are equal, else rooted calls."""
 
 
 def choose_collectives(group: Group) -> Collectives:
-    """The style for ``group``: ``$DISTOPTIM_COLLECTIVES`` (``auto``, ``p2p`` or ``chunked``); ``auto`` (the
-    default) picks p2p on gloo and chunked on any other backend (NCCL's style); p2p is refused off gloo."""
+    """The style for ``group``: ``$DISTOPTIM_COLLECTIVES``, ``auto`` (p2p on gloo, else chunked), p2p or chunked."""
     value = os.environ.get(ENVIRONMENT, "auto").strip().lower() or "auto"
     backend = dist.get_backend(group)
     if value == "auto":
@@ -109,13 +101,8 @@ def broadcast_slices(
     collectives: Collectives | None = None,
     relay_path: bool | None = None,
 ) -> list[Any]:
-    """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently: rooted
-    broadcasts, or, in the p2p style, a send from ``src`` to every other rank, through aggregators where the shares
-    are unequal (``relay_path``: decided by the caller over the calls it launches together, by ``relayed``).
-
-    Empty slices are skipped on every rank alike since every rank knows the layout. With ``wait=False`` the pending
-    works are returned for ``wait_all``.
-    """
+    """Broadcast ``buffer[start:end]`` from group rank ``src`` for each ``(src, start, end)``, concurrently (p2p:
+    ``relay.send_from_owners``, ``relay_path`` as it takes it); ``wait=False`` returns the works for ``wait_all``."""
     if _point_to_point(collectives, buffer):
         works = relay.send_from_owners(buffer, slices, group, relay_path)
     else:
@@ -130,7 +117,7 @@ def broadcast_slices(
 
 
 def _point_to_point(collectives: Collectives | None, buffer: Tensor) -> bool:
-    """Whether ``buffer`` moves point to point: the p2p style, on host memory (gloo's sends read no GPU memory)."""
+    """Whether ``buffer`` moves point to point: the p2p style, on host memory."""
     return collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu"
 
 
@@ -156,12 +143,8 @@ def _equal_chunk(sizes: Sequence[int]) -> int | None:
 def gather_from_owners(
     buffer: Tensor, bounds: Sequence[Sequence[int]], group: Group, collectives: Collectives, wait: bool = True
 ) -> list[Any]:
-    """Every rank's ranges of ``buffer`` (rank ``r`` owns ``[b[r], b[r+1])`` of each region ``b``) to every rank.
-
-    Chunked: one in-place ``all_gather_into_tensor`` per region whose ranges are equal (the even partition's), one
-    broadcast per owner otherwise; p2p: each owner sends its range to every rank. ``wait=False`` returns the
-    pending works for ``wait_all``.
-    """
+    """Every rank's ranges of ``buffer`` (rank ``r`` owns ``[b[r], b[r+1])`` of each region ``b``) to every rank;
+    ``wait=False`` returns the pending works for ``wait_all``."""
     works = []
     for region in bounds:
         size = _equal_chunk([end - start for start, end in pairwise(region)])
@@ -186,17 +169,9 @@ def reduce_to_owners_async(
     replicas: Group | None = None,
     max_rooted_calls_per_rank: int = 4,
 ) -> Future[Tensor]:
-    """Sum ``buffer[start:end]`` over the ranks onto group rank ``owner``, for every ``(owner, start, end)``,
-    asynchronously; the future yields ``buffer``, whose owned slices then hold the sums (the rest is unspecified).
-    Slices of owner ``EVERY`` are summed onto every rank. ``replicas``: a group of ranks that hold the same shard in
-    other shard groups (hybrid sharding), over which the owned sums and the ``EVERY`` slices are then summed too.
-
-    Point to point (``relay.reduction``): each owner's slices sent to it, this rank's received from every other
-    rank chunk by chunk and added in rank order; where the shares are unequal, through aggregators. Chunked: one
-    ``reduce_scatter_tensor`` when the owners' shares are equal (packed first unless the buffer already is rank by
-    rank), otherwise one reduce per slice, in place, concurrently, or, when the slices are many (owners
-    interleaved), packed owner by owner into one staging tensor.
-    """
+    """Sum ``buffer[start:end]`` over the ranks onto group rank ``owner`` for every ``(owner, start, end)`` (owner
+    ``EVERY``: onto every rank), asynchronously; the future yields ``buffer``, its owned slices summed. ``replicas``
+    (hybrid sharding): the sums are then summed over that group too."""
     everywhere = [buffer[start:end] for owner, start, end in slices if owner == EVERY and end > start]
     works = [dist.all_reduce(piece, group=group, async_op=True) for piece in everywhere]
     owned = [piece for piece in slices if piece[0] != EVERY]
@@ -204,7 +179,7 @@ def reduce_to_owners_async(
     works += reduced
     if replicas is not None:  # the owned sums exist once the shard group's reduction is done (ordered, not blocking
         wait_all(works)  # the CPU, under NCCL); then they (and EVERY slices) are summed across the shard groups
-        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in [*land.owned_pieces(), *everywhere]]
+        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in [*land.pieces, *everywhere]]
 
     def landed(done: Future[Any]) -> Tensor:
         done.wait()  # a work's error (a peer gone, a timeout) reaches the caller, never a partial sum
@@ -216,14 +191,10 @@ def reduce_to_owners_async(
 
 
 class _Landing:
-    """What a reduction leaves where: the owned sums, and how they reach the buffer once the works are done."""
+    """What a reduction leaves where: the owned sums (``pieces``), and how they reach the buffer once done."""
 
     def __init__(self, buffer: Tensor, pieces: list[Tensor], moves: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
         self.buffer, self.pieces, self.moves = buffer, pieces, moves
-
-    def owned_pieces(self) -> list[Tensor]:
-        """The tensors holding this rank's owned sums (views of the buffer, or of the staging they land from)."""
-        return self.pieces
 
     def __call__(self) -> Tensor:
         for target, source in self.moves:
@@ -259,7 +230,7 @@ def _start_reduction(
     starts = [sum(shares[:rank]) for rank in range(size)]
     stage = buffer.new_empty(sum(shares))
     for ranges, at in zip(by_owner, starts):
-        _pack_into(stage[at:], buffer, ranges)
+        p2p.pack_into(stage[at:], buffer, ranges)
     works = [
         dist.reduce(stage[at : at + n], dst=global_rank(group, rank), group=group, async_op=True)
         for rank, (at, n) in enumerate(zip(starts, shares))
@@ -276,33 +247,18 @@ def _rank_by_rank(buffer: Tensor, by_owner: list[list[tuple[int, int]]], chunk: 
         return buffer[first : first + chunk * len(by_owner)]
     stage = buffer.new_empty(chunk * len(by_owner))
     for rank, ranges in enumerate(by_owner):
-        _pack_into(stage[rank * chunk :], buffer, ranges)
+        p2p.pack_into(stage[rank * chunk :], buffer, ranges)
     return stage
 
 
-def _pack_into(target: Tensor, buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> None:
-    at = 0
-    for start, end in ranges:
-        target[at : at + end - start].copy_(buffer[start:end])
-        at += end - start
-
-
 def _scatter_moves(buffer: Tensor, ranges: Sequence[tuple[int, int]], own: Tensor) -> list[tuple[Tensor, Tensor]]:
-    moves, at = [], 0
-    for start, end in ranges:
-        moves.append((buffer[start:end], own[at : at + end - start]))
-        at += end - start
-    return moves
+    starts = [0, *accumulate(end - start for start, end in ranges)]
+    return [(buffer[start:end], own[at : at + end - start]) for (start, end), at in zip(ranges, starts)]
 
 
 def _when_done(works: Sequence[Any], group: Group, on_host: bool) -> Future[Any]:
-    """A future that completes once every work has (device-aware under NCCL, as DDP's own futures are).
-
-    NCCL runs a group's works in order on one stream, so the last work's future (which carries its CUDA events) is
-    done when all are; gloo completes them out of order on its threads, so all are collected. gloo's point-to-point
-    works and its ``reduce_scatter_tensor`` have no future: ``p2p.future_of`` completes one for them when their
-    tensors are on the host (``on_host``), else they are waited for here, on this thread's CUDA stream.
-    """
+    """A future that completes once every work has: NCCL's last (its works run in order on one stream), all of
+    gloo's; works without a future are waited for on ``p2p``'s waiter thread (``on_host``), else here."""
     futures, futureless = [], []
     for work in works:
         try:

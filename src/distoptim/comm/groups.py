@@ -22,19 +22,15 @@ __all__ = [
     "is_member",
 ]
 
-# What the library keeps for a process group, by purpose (its gloo twins, p2p's tags and threads, the pending
-# asynchronous save): the library's one registry of per-group state, dropped with the group
+# What the library keeps for a process group, by purpose: its one registry of per-group state, dropped with the group
 _ATTACHED: weakref.WeakKeyDictionary[ProcessGroup, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 _T = TypeVar("_T")
 
 
 def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
-    """``process_group``, or the default (world) group when it is ``None``.
-
-    Raises a ``TypeError`` for anything else (a learning rate passed positionally lands here), except the sentinel
-    that ``dist.new_group`` hands the ranks outside the group (the averagers skip those ranks).
-    """
+    """``process_group``, or the default (world) group when it is ``None``; a ``TypeError`` for anything else but
+    the sentinel ``dist.new_group`` hands the ranks outside the group."""
     if process_group is not None:
         if not isinstance(process_group, ProcessGroup) and is_member(process_group):
             value = f" {process_group!r}" if isinstance(process_group, (int, float, str)) else ""
@@ -52,9 +48,8 @@ def default_group(process_group: ProcessGroup | None) -> ProcessGroup:
 
 
 def gloo_twin(group: ProcessGroup, purpose: str) -> ProcessGroup:
-    """A gloo group over ``group``'s ranks, one per ``purpose``, made the first time (a collective over those ranks):
-    ``"control"`` carries agreements (``control_group``), ``"async_checkpoint"`` an asynchronous save's coordination
-    from its own thread, which must not share a group with anything else."""
+    """A gloo group over ``group``'s ranks, one per ``purpose`` (``"control"``, ``"async_checkpoint"``), made the
+    first time (a collective over those ranks)."""
 
     def make() -> ProcessGroup:
         ranks = dist.get_process_group_ranks(group)
@@ -66,9 +61,7 @@ def gloo_twin(group: ProcessGroup, purpose: str) -> ProcessGroup:
 
 def attached(group: ProcessGroup, purpose: str, make: Callable[[], _T]) -> _T:
     """What is kept for ``group`` under ``purpose``: what ``make()`` returned the first time; gone with ``group``."""
-    kept = _ATTACHED.get(group)
-    if kept is None:
-        kept = _ATTACHED[group] = {}
+    kept = _ATTACHED.setdefault(group, {})
     value: _T | None = kept.get(purpose)
     if value is None:
         value = kept[purpose] = make()
@@ -91,11 +84,8 @@ def group_size(group: ProcessGroup) -> int:
 
 
 def comm_device(group: ProcessGroup, devices: Iterable[torch.device] | None = None) -> torch.device:
-    """Where tensors sent over ``group`` must live: see ``choose_comm_device``.
-
-    ``devices`` are those of the tensors the caller communicates (its parameters). Without them, NCCL falls back to
-    the current CUDA device, which is only right after ``torch.cuda.set_device``: pass them wherever there are any.
-    """
+    """Where tensors sent over ``group`` must live (``choose_comm_device``) for tensors on ``devices`` (without
+    them, NCCL's is the current CUDA device)."""
     backend = str(dist.get_backend(group))
     if devices is None:
         devices = [torch.device("cuda", torch.cuda.current_device())] if backend == "nccl" else []
@@ -103,12 +93,8 @@ def comm_device(group: ProcessGroup, devices: Iterable[torch.device] | None = No
 
 
 def choose_comm_device(backend: str, devices: Iterable[torch.device]) -> torch.device:
-    """The device for communication buffers: the parameters' CUDA device under NCCL, the CPU under other backends.
-
-    NCCL moves CUDA tensors only, each rank on its own device, so all ``devices`` must be one CUDA device: the one
-    the user put the model on (``model.to(f"cuda:{local_rank}")``), whatever ``torch.cuda.current_device()`` says.
-    Raises ``ValueError`` otherwise. Pure: no process group, no CUDA needed.
-    """
+    """The device for communication buffers: the CPU, or under NCCL the one CUDA device of ``devices`` (a
+    ``ValueError`` otherwise). Pure."""
     if backend != "nccl":
         return torch.device("cpu")
     distinct = sorted({torch.device(device) for device in devices}, key=str)
@@ -122,10 +108,6 @@ def choose_comm_device(backend: str, devices: Iterable[torch.device]) -> torch.d
 
 
 def control_group(group: ProcessGroup) -> ProcessGroup:
-    """A group over ``group``'s ranks whose tensors live on the CPU: ``group`` itself when its backend is gloo, else
-    its ``"control"`` gloo twin.
-
-    Agreements and other control messages carry host values (flags, digests): sent over NCCL they would have to be
-    copied to the GPU and read back, which blocks the CPU until the GPU has drained its queue.
-    """
+    """A group over ``group``'s ranks for host values (agreements): ``group`` itself under gloo, else its
+    ``"control"`` gloo twin (NCCL would block the CPU on the GPU's queue)."""
     return group if str(dist.get_backend(group)) == "gloo" else gloo_twin(group, "control")

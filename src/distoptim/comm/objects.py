@@ -1,12 +1,10 @@
-"""Picklable objects over a process group, as pickled bytes in uint8 tensors, length first.
-
-torch's own object collectives (``all_gather_object``, ``send_object_list``, ...) need numpy, which distoptim does not
-depend on; these need torch alone.
-"""
+"""Picklable objects over a process group, as pickled bytes in uint8 tensors, length first (torch's own object
+collectives need numpy, which distoptim does not depend on); ``release``, for gloo's worker thread."""
 
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -14,16 +12,29 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distoptim.comm.groups import comm_device, group_size
-from distoptim.comm.released import release
 
-__all__ = ["all_gather_objects", "receive_object", "send_object"]
+__all__ = ["RELEASE_TIMEOUT_S", "all_gather_objects", "receive_object", "release", "send_object"]
+
+RELEASE_TIMEOUT_S = 2.0
+
+
+def release(*tensors: Tensor) -> None:
+    """Return once no thread but the caller's holds ``tensors`` (CPU tensors of a finished blocking collective).
+
+    gloo's worker thread drops them a moment after ``wait()`` returned, taking the GIL; if the interpreter is
+    finalizing by then the process aborts ("terminate called without an active exception"). Gives up after
+    ``RELEASE_TIMEOUT_S`` (a dead peer: the caller raises)."""
+    deadline = None
+    for tensor in tensors:
+        while tensor._use_count() > 1:  # type: ignore[attr-defined]  # gloo's worker still holds it
+            deadline = deadline or time.monotonic() + RELEASE_TIMEOUT_S
+            if time.monotonic() > deadline:
+                return
+            time.sleep(1e-4)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device | None = None) -> list[Any]:
-    """Every rank's ``obj`` (small, picklable), on every rank: lengths first, then the bytes padded to the longest.
-
-    ``device``: the communication device (``comm_device(group)`` when None).
-    """
+    """Every rank's ``obj`` (small, picklable), on every rank; ``device``: ``comm_device(group)`` when None."""
     device = comm_device(group) if device is None else device
     mine = _to_bytes(obj, device)
     lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]

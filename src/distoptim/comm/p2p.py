@@ -26,8 +26,10 @@ __all__ = [
     "FIRST_REDUCTION_TAG",
     "STAGING_BYTES",
     "ReductionExchange",
+    "add_rows",
     "count_staging",
     "future_of",
+    "pack_into",
     "reduction_tags",
     "run_beside",
     "send_from_owners",
@@ -35,8 +37,7 @@ __all__ = [
 ]
 
 STAGING_BYTES = 8 << 20
-"""The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank); part of
-what ranks agree on when an optimizer is built, since it sets the chunks every rank cuts."""
+"""The most an owner's receives of one reduction hold at once (two chunks in flight from each other rank)."""
 
 _SYNC_TAG = 0xD15
 """The parameter sync's messages, posted by the training loop only, in the same order on every rank."""
@@ -74,13 +75,8 @@ def send_from_owners(buffer: Tensor, slices: Sequence[tuple[int, int, int]], gro
 
 
 class ReductionExchange:
-    """One reduction to owners, point to point; started when built, finished by ``wait()`` (once, in any thread).
-
-    ``by_owner[r]`` lists the ``(start, end)`` ranges of ``buffer`` that group rank ``r`` owns. This rank sends
-    every other owner its ranges (packed into one tensor when several) in chunks; it receives its own ranges' chunks
-    from every other rank, two at a time from each, and adds them into ``buffer`` in rank order (16-bit sums in fp32,
-    rounded once). Receiving starts when built if the group's staging allows, else when waited for.
-    """
+    """One reduction to owners (``by_owner[r]``: rank ``r``'s ranges of ``buffer``), point to point, in chunks;
+    started when built (receiving only if the group's staging allows), finished by ``wait()`` (once, any thread)."""
 
     def __init__(self, buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup):
         size, mine = group_size(group), dist.get_rank(group)
@@ -100,8 +96,7 @@ class ReductionExchange:
         self.targets = [buffer[start:end] for start, end in by_owner[mine]]
         share = sum(target.numel() for target in self.targets) if self.peers else 0  # alone: nothing to receive
         self.bounds = [(at, min(at + self.chunk, share)) for at in range(0, share, self.chunk)]
-        self.staging_bytes = min(2, len(self.bounds)) * min(self.chunk, share) * buffer.element_size()
-        self.staging_bytes *= len(self.peers)
+        self.staging_bytes = min(2, len(self.bounds)) * min(self.chunk, share) * buffer.element_size() * len(self.peers)
         self.staging: dict[int, list[Tensor]] = {}
         self.receives: dict[tuple[int, int], Any] = {}
         self.done = False
@@ -138,8 +133,7 @@ class ReductionExchange:
         )
 
     def wait(self) -> None:
-        """Receive and add every chunk (the next chunk from a rank posted into the staging its last one freed), then
-        wait for this rank's sends."""
+        """Receive and add every chunk, then wait for this rank's sends."""
         if self.done:
             return
         if not self.receiving:
@@ -168,8 +162,7 @@ class ReductionExchange:
 
 
 def reduction_tags(group: dist.ProcessGroup) -> int:
-    """The first of ``CHUNKS`` tags of a reduction's own, the next of ``group``'s: every rank reserves them in the
-    same order (it starts its reductions in the same order), so the same reduction gets the same tags everywhere."""
+    """The first of ``CHUNKS`` tags of a reduction's own, the next of ``group``'s (alike on every rank)."""
     state = _state(group)
     sequence, state.reductions = state.reductions, state.reductions + 1
     return FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
@@ -187,52 +180,55 @@ def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
     if len(ranges) == 1:
         return buffer[ranges[0][0] : ranges[0][1]]
     packed = buffer.new_empty(sum(end - start for start, end in ranges))
-    at = 0
-    for start, end in ranges:
-        packed[at : at + end - start].copy_(buffer[start:end])
-        at += end - start
+    pack_into(packed, buffer, ranges)
     return packed
 
 
+def pack_into(target: Tensor, buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+    """``buffer``'s ranges copied one after another into the start of ``target``."""
+    at = 0
+    for start, end in ranges:
+        target[at : at + end - start].copy_(buffer[start:end])
+        at += end - start
+
+
 def _add_into(targets: Sequence[Tensor], start: int, rows: Sequence[Tensor]) -> None:
-    """Add ``rows`` (elements ``start`` onwards of the targets laid end to end), in order, into the targets; a
-    16-bit sum is taken in fp32 and rounded once, not once a rank."""
+    """Add ``rows`` (elements ``start`` onwards of the targets laid end to end), in order, into the targets."""
     at = 0
     for target in targets:
         lo, hi = max(start, at), min(start + rows[0].numel(), at + target.numel())
         if lo < hi:
-            into = target[lo - at : hi - at]
-            total = into.float() if into.element_size() < 4 and into.is_floating_point() else into
-            for row in rows:
-                total.add_(row[lo - start : hi - start])
-            if total is not into:
-                into.copy_(total)
+            add_rows(target[lo - at : hi - at], [row[lo - start : hi - start] for row in rows])
         at += target.numel()
 
 
+def add_rows(into: Tensor, rows: Sequence[Tensor]) -> None:
+    """``rows`` added into ``into`` in order; a 16-bit sum taken in fp32 and rounded once, not once a rank."""
+    total = into.float() if into.element_size() < 4 and into.is_floating_point() else into
+    for row in rows:
+        total.add_(row)
+    if total is not into:
+        into.copy_(total)
+
+
 def count_staging(group: dist.ProcessGroup, nbytes: int) -> None:
-    """``nbytes`` more (fewer, if negative) staging held by ``group``'s transfers besides its ``ReductionExchange``s
-    (``relay.py``'s aggregators and owners): counted in the budget past which a reduction receives only when waited
-    for."""
+    """``nbytes`` more (fewer, if negative) staging held by ``group``'s transfers besides its reductions."""
     with _staged_lock:
         _state(group).staged += nbytes
 
 
 def run_beside(job: Callable[[], object], group: dist.ProcessGroup) -> Future[None]:
-    """``job`` run on a second thread of ``group``'s, after the jobs handed to it before: work that others' waits
-    depend on (``relay.py``'s aggregators), which must not queue behind this rank's own waits."""
+    """``job`` run on a second thread of ``group``'s, in order: work others' waits depend on (``relay.py``)."""
     return _state(group).beside.submit(job)
 
 
 def future_of(works: Sequence[Any], group: dist.ProcessGroup) -> Future[None]:
-    """A future completed (with the first error, if a work fails) once every one of ``works`` has been waited for,
-    in ``group``'s waiter thread, after the works handed to it before."""
+    """A future completed (or failed) once ``works`` have been waited for, on ``group``'s waiter thread, in order."""
     return _state(group).waiter.submit(lambda: [work.wait() for work in works])
 
 
 class _Waiter:
-    """A daemon thread that runs jobs (waiting for works) in the order they were submitted and completes a future for
-    each. ``Work.wait`` releases the GIL, so the thread costs the training loop nothing while it waits."""
+    """A daemon thread that runs jobs in the order they were submitted and completes a future for each."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | None] = queue.SimpleQueue()
@@ -271,9 +267,8 @@ def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | Non
 
 
 class _Group:
-    """What this module keeps for one process group: its counts of reductions and relayed syncs started (their
-    tags), the staging its reductions hold, how many wait to start receiving, its waiter and the thread beside it
-    (started on first use)."""
+    """What this module keeps for one group: reductions and syncs started (tags), staging held, deferred receives,
+    and its two threads."""
 
     def __init__(self) -> None:
         self.reductions = self.syncs = self.staged = self.deferred = 0
@@ -289,9 +284,8 @@ EXIT_TIMEOUT_S = 60.0
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """Before the interpreter shuts down, let each thread finish what it was handed: a relay job a peer still needs
-    (the peer waits for it), and a daemon thread still inside a collective's wait when finalization starts is killed
-    inside torch's C++ ("terminate called without an active exception": rank 1 of CI's Lightning job, once)."""
+    """Let each thread finish what it was handed before shutdown (a peer may wait for it; a daemon thread inside a
+    wait would be killed in torch's C++)."""
     for state in attached_everywhere("p2p"):
         state.beside.finish(EXIT_TIMEOUT_S)
         state.waiter.finish(EXIT_TIMEOUT_S)

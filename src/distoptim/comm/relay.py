@@ -1,8 +1,5 @@
-"""gloo's transfers where the owners' shares are unequal: each element reaches its owner through an aggregator.
-
-Each rank aggregates ``T/N`` of a layout's elements whoever owns them, so a step sends and receives an
-all-reduce's ``2 (N-1)/N T`` on every rank in any partition; ``relayed`` chooses per layout between this and the
-direct path (``p2p.py``). The routing: ``docs/guides/internals.md``.
+"""gloo's transfers where the owners' shares are unequal: each rank aggregates ``T/N`` of a layout's elements, so
+every rank moves an all-reduce's bytes; ``relayed`` chooses between this and ``p2p.py``. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -34,11 +31,8 @@ class Piece(NamedTuple):
 
 
 def relayed(shares: Sequence[int], pieces: int = 0) -> bool:
-    """Whether a layout whose ranks own ``shares`` elements goes through aggregators (``pieces``: how many pieces its
-    aggregators cut; a layout of more than ``p2p.CHUNKS`` goes direct, its messages could not be told apart).
-
-    Direct, the busiest rank moves ``(N-2)(max - T/N)`` elements a step more than the relay, which moves exactly an
-    all-reduce's ``2 (N-1)/N T``: direct while that is at most ``SLACK`` of it."""
+    """Whether a layout whose ranks own ``shares`` elements goes through aggregators: direct while its busiest rank
+    moves at most ``SLACK`` more than the relay, or when ``pieces`` exceed ``p2p.CHUNKS``."""
     size, total = len(shares), sum(shares)
     if size <= 2 or total == 0 or pieces > p2p.CHUNKS:
         return False
@@ -84,8 +78,7 @@ def _plan(by_owner: Sequence[Sequence[tuple[int, int]]], chosen: bool | None = N
 
 
 def received(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
-    """The elements each rank receives in a reduction to owners of this layout, by the path ``reduction`` takes
-    (what the planner prints). A sync receives every element a rank does not own once, by either path."""
+    """The elements each rank receives in a reduction to owners of this layout (what the planner prints)."""
     pieces = _plan(by_owner)
     if pieces is None:  # direct: every other rank's copy of each owned element
         return [(len(by_owner) - 1) * sum(end - start for start, end in ranges) for ranges in by_owner]
@@ -100,8 +93,7 @@ def received(by_owner: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
 
 
 def reduction(buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], group: dist.ProcessGroup) -> Any:
-    """A reduction to owners of ``buffer``'s ranges (``by_owner[r]``: rank ``r``'s), started; ``wait()`` ends it:
-    ``p2p.ReductionExchange`` or, where ``relayed``, a ``RelayedReduction``."""
+    """A reduction to owners of ``buffer``'s ranges (``by_owner[r]``: rank ``r``'s), started; ``wait()`` ends it."""
     pieces = _plan(by_owner)
     if pieces is None:
         return p2p.ReductionExchange(buffer, by_owner, group)
@@ -109,17 +101,9 @@ def reduction(buffer: Tensor, by_owner: Sequence[Sequence[tuple[int, int]]], gro
 
 
 class RelayedReduction:
-    """A reduction to owners through aggregators (``aggregators``' pieces); started when built, finished by
-    ``wait()`` (once, in any thread).
-
-    The pieces an owner aggregates itself go through a ``p2p.ReductionExchange``. Of the others: at once, this rank
-    sends each aggregator its contributions (in chunks, as ``p2p`` cuts them); on the thread beside the waiter, as an
-    aggregator, it receives each chunk from the other contributors (two chunks from each at a time), adds them into
-    its own contribution in rank order and sends the partial sum on to the owner, then, as an owner, adds each
-    partial sum it receives into its own contribution. A 16-bit sum is taken in fp32 at each of the two, so it is
-    rounded twice (once on the direct path): within the distance another order of reduction gives. Each staging
-    slot is as long as the longest chunk it holds, counted in the group's staging until the thread is done with it.
-    """
+    """A reduction to owners through aggregators; started when built, finished by ``wait()`` (once, any thread).
+    Each rank sends its contributions to their aggregators at once; on the thread beside the waiter it aggregates
+    (sums, in rank order, sent on to the owner), then as an owner adds the partial sums it receives."""
 
     def __init__(self, buffer: Tensor, pieces: Sequence[Piece], group: dist.ProcessGroup) -> None:
         size, mine = group_size(group), dist.get_rank(group)
@@ -163,9 +147,7 @@ class RelayedReduction:
         return dist.get_global_rank(self.group, rank)
 
     def _relay(self) -> None:
-        """On the thread beside the waiter: this rank's chunks aggregated and sent on, then the partial sums it owns
-        received and added in. Every rank runs these jobs in the order the reductions were built, and an owner's
-        partial sums depend only on their aggregators' earlier jobs, so no ``wait()`` order can hold them up."""
+        """On the thread beside the waiter: aggregate and send on, then collect the partial sums this rank owns."""
         try:
             self._aggregate()
             self._collect()
@@ -197,7 +179,7 @@ class RelayedReduction:
             for work, into in receives.pop(k):
                 work.wait()
                 rows.append(into)
-            _add(self.buffer[m.start : m.end], rows)
+            p2p.add_rows(self.buffer[m.start : m.end], rows)
             self.partial_sums.append(
                 dist.isend(
                     self.buffer[m.start : m.end], dst=self._global(m.owner), group=self.group, tag=self.to_owners + i
@@ -219,7 +201,7 @@ class RelayedReduction:
         posted = [post(k) for k in range(len(slots))]
         for k, (_, m) in enumerate(incoming):
             posted[k].wait()
-            _add(self.buffer[m.start : m.end], [slots[k % 2][: m.end - m.start]])
+            p2p.add_rows(self.buffer[m.start : m.end], [slots[k % 2][: m.end - m.start]])
             if k + 2 < len(incoming):
                 posted.append(post(k + 2))
 
@@ -238,27 +220,15 @@ class RelayedReduction:
 
 
 def _slots(messages: Sequence[tuple[int, Piece]]) -> list[int]:
-    """The elements of each of the (at most two) staging slots that ``messages`` take turns in: the longest each
-    holds."""
+    """The elements of each of the (at most two) staging slots that ``messages`` take turns in."""
     return [max(m.end - m.start for _, m in messages[slot::2]) for slot in range(min(2, len(messages)))]
-
-
-def _add(into: Tensor, rows: Sequence[Tensor]) -> None:
-    """``rows`` added into ``into`` in order; a 16-bit sum taken in fp32 and rounded once."""
-    total = into.float() if into.element_size() < 4 and into.is_floating_point() else into
-    for row in rows:
-        total.add_(row)
-    if total is not into:
-        into.copy_(total)
 
 
 def send_from_owners(
     buffer: Tensor, slices: Sequence[tuple[int, int, int]], group: dist.ProcessGroup, chosen: bool | None = None
 ) -> list[Any]:
-    """Each ``buffer[start:end]`` of group rank ``src`` to every other rank, received in place, for every ``(src,
-    start, end)``: ``p2p.send_from_owners`` or, where ``relayed`` (or ``chosen``: the caller applied ``relayed`` to
-    a set of calls launched together, such as one owner's piece each), through aggregators (owner to aggregator,
-    then, on the thread beside the waiter, aggregator to the others). The pending works are returned for ``wait``."""
+    """Each ``buffer[start:end]`` of group rank ``src`` to every other rank, for every ``(src, start, end)``: direct,
+    or where ``relayed`` (or ``chosen`` by the caller) through aggregators. Returns the pending works."""
     size, mine = group_size(group), dist.get_rank(group)
     by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     for src, start, end in slices:
@@ -285,8 +255,7 @@ def send_from_owners(
 
 
 class _Forwarding:
-    """An aggregator's part of a relayed sync: beside the waiter, each piece, once received from its owner, sent
-    to every other rank; ``wait()`` waits for those sends."""
+    """An aggregator's part of a relayed sync: each piece, once received from its owner, sent on to every rank."""
 
     def __init__(self, buffer: Tensor, forwards: list[tuple[Any, Piece, int]], group: dist.ProcessGroup) -> None:
         self.buffer, self.forwards, self.group = buffer, forwards, group

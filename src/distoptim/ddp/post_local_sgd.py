@@ -1,8 +1,5 @@
-"""DDP communication hooks that average gradients: the plain all-reduce, and post-local SGD (global gradient
-averaging for a warm-up, then local or none).
-
-Register with ``ddp_model.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook)`` and pair it with an
-averager whose ``warmup_steps`` equals ``start_localSGD_iter``, run after each optimizer step.
+"""DDP communication hooks that average gradients: the plain all-reduce, and post-local SGD (global averaging for a
+warm-up, then local or none; pair it with an averager whose ``warmup_steps`` equals ``start_localSGD_iter``).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's runtime annotations
@@ -25,15 +22,12 @@ class PostLocalSGDState:
 
     Args:
         process_group: group for the warm-up's global all-reduce; ``None`` is the default (world) group.
-        subgroup: group for the all-reduce after warm-up; ``None`` picks per-node subgroups from the launcher's
-            ``LOCAL_WORLD_SIZE`` (the whole group when unknown), created when local SGD starts (a collective of
-            every rank; it assumes the group's ranks are numbered node by node, as launchers do).
+        subgroup: group for the all-reduce after warm-up; ``None`` picks per-node subgroups (``LOCAL_WORLD_SIZE``),
+            created when local SGD starts (a collective of every rank).
         start_localSGD_iter: number of iterations that all-reduce globally.
-        post_local_gradient_allreduce: after warm-up, all-reduce within ``subgroup`` (``True``, the default) or not
-            at all.
+        post_local_gradient_allreduce: after warm-up, all-reduce within ``subgroup`` (default True) or not at all.
 
-    ``iter`` counts backward passes (advanced on DDP's last bucket, as PyTorch does). The state pickles; process
-    groups cannot, so an unpickled state uses the default group and per-node subgroups.
+    ``iter`` counts backward passes. An unpickled state uses the default group and per-node subgroups.
 
     Raises:
         ValueError: ``start_localSGD_iter`` is negative.
@@ -65,18 +59,15 @@ class PostLocalSGDState:
     ) -> None:
         if start_localSGD_iter < 0:
             raise ValueError(f"start_localSGD_iter must be >= 0, got {start_localSGD_iter}")
-        self.process_group = process_group
-        self.subgroup = subgroup
+        self.process_group, self.subgroup = process_group, subgroup
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
         self._counting = False  # the end of this backward is scheduled to count it
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
-        """Count one iteration per backward pass, at its end as the autograd engine sees it (every bucket of a
-        backward sees the same ``iter``); outside a backward (a joined rank's shadow buckets), at the bucket DDP
-        marks last. Not at DDP's last bucket inside a backward: in DDP's static-graph first iteration no bucket is
-        marked last, and the warm-up would end an iteration late.
+        """Count one iteration per backward pass, at its end (outside a backward, a joined rank's, at the bucket DDP
+        marks last: inside one, DDP's static-graph first iteration marks none).
 
         Args:
             bucket: the bucket the hook was called with.
@@ -132,8 +123,7 @@ class PostLocalSGDState:
                 UserWarning,
                 stacklevel=2,
             )
-        self.process_group = None
-        self.subgroup = None
+        self.process_group = self.subgroup = None
         self.start_localSGD_iter = state["start_localSGD_iter"]
         self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
         self.iter = state["iter"]
@@ -141,9 +131,8 @@ class PostLocalSGDState:
 
 
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default reduction as a comm hook: average the bucket over ``process_group`` (None: the world).
-
-    The inner hook for ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved`` when gradients are all-reduced.
+    """DDP's default reduction as a comm hook (and the overlap hooks' inner hook): average the bucket over
+    ``process_group`` (None: the world).
 
     Args:
         process_group: the hook's state, as ``register_comm_hook`` passes it: the group, or ``None`` for the world.

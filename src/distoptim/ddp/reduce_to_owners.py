@@ -1,17 +1,11 @@
-"""``reduce_to_owners_hook``, deprecated: it averages every bucket over the optimizer's ranks, as DDP's default.
-
-ZeRO-2 is ``distoptim.ShardedDataParallel(model, zero)``, which also keeps only the owned gradient in memory. The
-hook stays so that programs registering it keep training (``.grad`` is the full average: accumulation across
-backwards, ``torch.nn.utils.clip_grad_norm_`` and every reader of ``.grad`` are right). Like torch's
-``allreduce_hook`` with a process group as its state, it chooses its own group: the average is over ``zero``'s
-group times its ``replicate_group``, whatever DDP's group is (the overlap wrappers, which get the DDP model, check
-that the two agree).
+"""``reduce_to_owners_hook``, deprecated (ZeRO-2 is ``distoptim.ShardedDataParallel``): it averages every bucket
+over ``zero``'s group times its ``replicate_group``, as DDP's default, so programs registering it keep training.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against the real classes.
 import functools
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -56,7 +50,11 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
         model = distoptim.ShardedDataParallel(model, zero)  # instead of ddp.register_comm_hook(zero, this hook)
         ```
     """
-    _check_state(zero)
+    if not hasattr(zero, "fragments_of"):  # duck-typed: this module does not import the optimizer at run time
+        raise TypeError(
+            "reduce_to_owners_hook needs the ZeroRedundancyOptimizer as its state: "
+            f"ddp.register_comm_hook(zero, reduce_to_owners_hook), got {type(zero).__name__}"
+        )
     warn_deprecated()
     buffer = bucket.buffer()
     if buffer.layout != torch.strided:  # every rank's bucket alike: every rank raises here, before any collective
@@ -68,17 +66,8 @@ def reduce_to_owners_hook(zero: "ZeroRedundancyOptimizer", bucket: GradBucket) -
     )
 
 
-def _check_state(zero: Any) -> None:
-    if not hasattr(zero, "fragments_of"):  # duck-typed: this module does not import the optimizer at run time
-        raise TypeError(
-            "reduce_to_owners_hook needs the ZeroRedundancyOptimizer as its state: "
-            f"ddp.register_comm_hook(zero, reduce_to_owners_hook), got {type(zero).__name__}"
-        )
-
-
 def check_ddp_group(zero: "ZeroRedundancyOptimizer", ddp: DistributedDataParallel) -> None:
-    """Refuse (every rank of DDP's group sees the same groups) a DDP that averages over other ranks than ``zero``
-    spans with its replicas: the hook's average would not be DDP's, and shard groups could drift apart."""
+    """Refuse a DDP that averages over other ranks than ``zero`` spans with its replicas (the same on every rank)."""
     ddp_ranks = sorted(dist.get_process_group_ranks(ddp.process_group))
     known, spanned = zero.all_ranks()
     if not set(known) <= set(ddp_ranks) or len(ddp_ranks) != spanned:

@@ -1,10 +1,6 @@
-"""Overlap with DDP: the ZeRO step runs inside DDP's backward, through a DDP communication hook.
-
-``hook_with_zero_step`` steps every owned parameter at the end of the backward, then syncs;
-``hook_with_zero_step_interleaved`` steps and syncs each bucket's owned parameters while the next is reduced. Both
-keep torch's warm-up (``step_from_first_backward=True`` skips it), hand the optimizer exactly what DDP leaves in
-``.grad``, agree on the trained parameters and hyperparameters each backward, and issue no collective from a
-future's callback (which deadlocks gloo). The details: ``docs/guides/internals.md``.
+"""Overlap with DDP: the ZeRO step runs inside DDP's backward, through a DDP communication hook, at its end
+(``hook_with_zero_step``) or bucket by bucket (``..._interleaved``). No collective runs from a future's callback
+(which deadlocks gloo). The details: ``docs/guides/internals.md``.
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against the real classes.
@@ -36,14 +32,8 @@ CommHook = Callable[[Any, GradBucket], Future[Tensor]]
 
 
 class _UsedFlags:
-    """Which of ``params`` some rank has a gradient for: the MAX over DDP's ranks of ``.grad is not None``, started
-    at construction, read at hook time (DDP writes reduced gradients to ``.grad`` only after the last hook). Over
-    DDP's group, not ZeRO's: with ``replicate_group`` a parameter one shard group alone used still has a gradient
-    (DDP averaged it over every rank), which every replica must step alike.
-
-    Needed only when DDP looks for unused parameters (``find_unused_parameters`` or ``static_graph``): it leaves the
-    ``.grad`` of a parameter no rank used untouched (None after ``zero_grad``), so a plain optimizer skips it.
-    """
+    """Which of ``params`` some rank has a gradient for: the MAX of ``.grad is not None`` over DDP's group (not
+    ZeRO's: replicas step alike), started when built. Needed only where DDP looks for unused parameters."""
 
     def __init__(self, params: list[Tensor], ddp: DistributedDataParallel) -> None:
         device = comm.comm_device(ddp.process_group, [p.device for p in params])
@@ -61,18 +51,15 @@ def _finds_unused(ddp: DistributedDataParallel) -> bool:
 
 @dataclass
 class _BucketReduction:
-    """One DDP bucket of the current backward: its parameters, its reduction in flight and (interleaved hook,
-    unused parameters looked for) its used flags in flight."""
+    """One DDP bucket of the current backward: its parameters, its reduction and its used flags, in flight."""
 
     params: list[Tensor]
     reduced: Future[Tensor]
     used: _UsedFlags | None = None
 
     def grads(self, used: list[bool] | None = None) -> dict[Tensor, Tensor | None]:
-        """The trainable parameters' averaged gradients by parameter; None where ``used`` says no rank has one.
-
-        Offsets count every parameter of the bucket: one frozen after DDP was built keeps its slot in the buffer.
-        """
+        """The trainable parameters' averaged gradients; None where ``used`` says no rank has one (offsets count
+        frozen parameters too: they keep their slot)."""
         reduced = self.reduced.wait()
         used = [True] * len(self.params) if used is None else used
         grads: dict[Tensor, Tensor | None] = {}
@@ -150,8 +137,7 @@ def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "Ze
 
 
 class _Backward:
-    """What an overlap hook keeps during one backward: the buckets handed over so far, and whether the end of the
-    backward is already scheduled."""
+    """What an overlap hook keeps during one backward: its buckets so far, whether its end is scheduled."""
 
     def __init__(self, stepper: OverlapStepper, ddp: DistributedDataParallel) -> None:
         self.stepper = stepper
@@ -170,23 +156,18 @@ def hook_with_zero_step(
     *,
     step_from_first_backward: bool = False,
 ) -> CommHook:
-    """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once every bucket is reduced (the end of the backward),
-    each rank steps the parameters it owns with the averaged gradients and the updated parameters are broadcast from
-    their owners.
+    """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once every bucket is reduced, each rank steps the
+    parameters it owns and the updated parameters are broadcast from their owners.
 
     Args:
         hook: the DDP communication hook that averages a bucket (``distoptim.hooks.allreduce_hook``, or any hook
-            that returns a future of the bucket's averaged gradients; the deprecated ``reduce_to_owners_hook`` too).
+            returning a future of the bucket's averaged gradients).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
         zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
-            parameters (checked here; refused otherwise) and over DDP's process group.
-        shard_buckets: accepted for compatibility with torch (default False); parameters are always sharded by
-            ZeRO's own plan.
-        step_from_first_backward: step from the first backward (distoptim's addition). By default (False) the
-            hooked backwards take no step until DDP has rebuilt its buckets, nor in the one after, as torch's hooks
-            (the first two of a fresh model, three with ``static_graph``; under ``find_unused_parameters``, where
-            DDP never rebuilds and torch never steps, the first two hooked ones): code written for torch, dummy
-            inputs first as torch advises, trains as under torch.
+            parameters and over DDP's process group.
+        shard_buckets: accepted for compatibility with torch (default False); ZeRO's own plan shards.
+        step_from_first_backward: step from the first backward (default False: no step in torch's warm-up
+            backwards, the overlap guide says which).
 
     Raises:
         TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
@@ -203,11 +184,8 @@ def hook_with_zero_step(
             loss_fn(ddp(batch)).backward()  # steps the optimizer (after the warm-up); zero.step() is optional
         ```
 
-    Gradients are those DDP + a plain optimizer would use (the bucket's layout, none for a parameter no rank
-    used under ``find_unused_parameters``/``static_graph``), so the result is the same as stepping after backward.
-    In a warm-up backward the hook returns ``hook``'s future untouched (``.grad`` holds what ``hook`` averaged),
-    steps nothing and makes no optimizer state; ``zero.step()`` after it steps nothing either.
-    Clipping cannot take part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
+    Gradients are those DDP + a plain optimizer would use; a warm-up backward steps nothing. Clipping cannot take
+    part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
     """
     stepper, hook = _checked_stepper(ddp, zero, hook, step_from_first_backward)
     backward = _Backward(stepper, ddp)
@@ -244,11 +222,8 @@ def _start_of_bucket(
     zero: "ZeroRedundancyOptimizer",
     finish: Callable[[], None],
 ) -> bool:
-    """At each bucket: the first one of a backward schedules ``finish`` at its end (and returns True).
-
-    A joined rank (``Join``) has no backward: DDP's join hook hands it zero buckets one after another outside of
-    any, and there (only) the bucket marked last is the end, so ``_end_of_shadow`` runs ``finish`` after it.
-    """
+    """At each bucket: the first one of a backward schedules ``finish`` at its end (and returns True); a joined
+    rank has no backward (``_end_of_shadow`` finishes)."""
     if not backward.checked:
         _check_bucket_of(ddp, bucket, zero)
         backward.checked = True
@@ -262,9 +237,8 @@ def _start_of_bucket(
 
 
 def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: DistributedDataParallel, zero: Any) -> None:
-    """On a joined rank, after the last zero bucket of DDP's join hook: the end of the shadowed backward. Under
-    ``find_unused_parameters`` DDP's join hook then shadows the used-parameter all-reduce, which the active ranks
-    made before their backward ended: ``finish`` waits for ZeRO's join hook (``Join([ddp, zero])``), after DDP's."""
+    """On a joined rank, after the last bucket of DDP's join hook: the end of the shadowed backward (deferred to
+    ZeRO's join hook under ``find_unused_parameters``)."""
     if in_backward() or not bucket.is_last():
         return
     if ddp.find_unused_parameters:
@@ -281,13 +255,9 @@ def hook_with_zero_step_interleaved(
     *,
     step_from_first_backward: bool = False,
 ) -> CommHook:
-    """Wrap ``hook`` so that ZeRO steps bucket by bucket inside DDP's backward: once a bucket is reduced (checked
-    when the next one arrives), each rank steps the parameters of it that it owns and starts broadcasting them,
-    while the remaining buckets are still being reduced; the end of the backward steps the last bucket and waits for
-    every broadcast.
-
-    Requirements and result are those of :func:`hook_with_zero_step`; only the order of the work differs, which
-    lets the step and the parameter sync hide behind the rest of the backward.
+    """Wrap ``hook`` so that ZeRO steps bucket by bucket inside DDP's backward: once a bucket is reduced, each rank
+    steps its owned parameters of it and starts broadcasting them while later buckets are reduced. Requirements and
+    result are those of :func:`hook_with_zero_step`.
 
     Args:
         hook: the DDP communication hook that averages a bucket (``allreduce_hook``).
@@ -305,9 +275,8 @@ def hook_with_zero_step_interleaved(
         ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
         ```
 
-    The ranks agree on what they train at a backward's first bucket (before any step). A local step that raises on
-    one rank only (a bucket's step runs unprotected, in the middle of the backward) leaves the others waiting in the
-    next collective until the group's timeout.
+    A local step that raises on one rank only (mid-backward, unprotected) leaves the others waiting until the
+    group's timeout.
     """
     stepper, hook = _checked_stepper(ddp, zero, hook, step_from_first_backward)
     backward = _Backward(stepper, ddp)

@@ -1,9 +1,5 @@
 """Which gradients share a bucket, where each sits in it, and who owns which range: pure arithmetic over a partition
-plan, no tensors, no process group.
-
-A bucket holds whole parameters of one layout key, reduced in the order gradients arrive (from the last parameter);
-under the even partition each bucket is one region cut into equal shares (a reduce-scatter without padding), under
-the greedy one consecutive parameters up to the cap. ``store_plan``: a rank's owned ranges, one tensor a bucket.
+plan. Even partition: a bucket is one region; greedy: consecutive parameters up to the cap.
 ``docs/guides/internals.md`` has the details.
 """
 
@@ -24,9 +20,8 @@ Route = tuple[tuple[int, int, int], ...]  # (owner, start, end) in the bucket, n
 
 
 class BucketCaps(dict[Hashable, int]):
-    """The most elements a bucket of each layout key ``(device, dtype)`` holds: ``cap_bytes`` of the dtype gradients
-    are reduced in (``reduce_dtype``, else the key's). Filled in for any key when first asked (``get`` too), so a
-    dtype that ``add_param_group`` brings into the model gets its buckets like the others."""
+    """The most elements a bucket of each layout key ``(device, dtype)`` holds: ``cap_bytes`` of the reduce dtype,
+    filled in for any key when first asked (``get`` too)."""
 
     def __init__(self, cap_bytes: int, reduce_dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -55,8 +50,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """One bucket: its parameters, its length (padding included), who owns which range of it, and, when it is one
-    region of an even layout, ``(layout, region)``: the flat buffer range a bucket view syncs in place."""
+    """One bucket: its parameters, its length, who owns which range, and ``(layout, region)`` for an even one."""
 
     key: Hashable
     slots: tuple[Slot, ...]
@@ -72,9 +66,8 @@ class BucketPlan:
 def plan_buckets(
     plan: PartitionPlan, cap: Mapping[Hashable, int], previous: Sequence[BucketPlan] = ()
 ) -> list[BucketPlan]:
-    """Buckets for every placed parameter of ``plan``, in the order they are reduced: ``previous`` first (a plan that
-    grew keeps its buckets), then new ones, the bucket of the last parameters first. ``cap``: the most elements a
-    greedy bucket holds, per key (an even plan's regions are cut already)."""
+    """Buckets for every placed parameter of ``plan``, in reduction order: ``previous`` first, then new ones (the
+    last parameters' first). ``cap``: the most elements a greedy bucket holds, per key."""
     bucketed = {slot.index for bucket in previous for slot in bucket.slots}
     new = _region_buckets(plan, bucketed) if plan.mode == "even" else _greedy_buckets(plan, cap, bucketed)
     new.sort(key=lambda bucket: -max(slot.index for slot in bucket.slots))
@@ -137,8 +130,7 @@ def _merged(pieces: list[tuple[int, int, int]]) -> Route:
 
 @dataclass(frozen=True)
 class StorePlan:
-    """Where a rank's owned gradient lives: bucket ``b``'s owned ranges, one after another, in a tensor of
-    ``lengths[b]`` elements; ``fragments`` maps ``(index, offset)`` of each owned fragment to ``(bucket, start)``."""
+    """A rank's owned gradient: ``lengths[b]`` elements for bucket ``b``; ``(index, offset)`` -> ``(bucket, start)``."""
 
     lengths: tuple[int, ...]
     fragments: Mapping[tuple[int, int], tuple[int, int]]

@@ -1,5 +1,4 @@
-"""What ``ShardedDataParallel`` checks before it builds anything: the optimizer it is given, its settings, and that
-the module's trainable parameters are exactly the optimizer's; and what the ranks must agree on (``fingerprint``)."""
+"""What ``ShardedDataParallel`` checks before it builds anything, and what the ranks must agree on."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class _Newest:
 
 
 def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
-    """What must hold on this rank before anything is built (agreed across ranks by the caller: a refusal is
-    raised on every rank)."""
+    """What must hold on this rank before anything is built (the caller agrees on it across ranks)."""
     if zero.overlap_stepper is not None:
         raise ValueError(
             "ShardedDataParallel reduces the gradients itself and zero.step() steps after the backward: build the "
@@ -57,24 +55,17 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
         for i, p in enumerate(group["params"])
         if p.requires_grad and id(p) not in in_module
     ]
-    if extra or missing:
+    parts = [f"it does not hold the module's {few(extra)}"] if extra else []
+    parts += [f"the module has no {few(missing)}"] if missing else []
+    if parts:
         raise ValueError(
-            "the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: "
-            + "; ".join(
-                part
-                for part in (
-                    f"it does not hold the module's {few(extra)}" if extra else "",
-                    f"the module has no {few(missing)}" if missing else "",
-                )
-                if part
-            )
-            + ". Build ZeRO over module.parameters() (freeze what it should not train)"
+            f"the module's trainable parameters must be exactly the ZeroRedundancyOptimizer's: {'; '.join(parts)}. "
+            "Build ZeRO over module.parameters() (freeze what it should not train)"
         )
 
 
 def claim_groups(wrapper: Any) -> list[Any]:
-    """``wrapper`` is now its groups' wrapper: an older one on any of them refuses to run (``check_current``).
-    Returns the older ones still alive."""
+    """``wrapper`` is now its groups' wrapper; returns the older ones still alive (they refuse to run)."""
     older: list[Any] = []
     for group in wrapper.zero.agreement_groups:
         newest = attached(group, _NEWEST, _Newest)
@@ -86,9 +77,7 @@ def claim_groups(wrapper: Any) -> list[Any]:
 
 
 def check_current(wrapper: Any) -> None:
-    """Refuse a forward or backward through a wrapper that a newer one on one of its groups superseded: two
-    wrappers on one process group (or replicate group) could launch their reductions in a different order on
-    different ranks (a parameter some ranks do not use), mixing their sums. Local, the same on every rank."""
+    """Refuse a forward or backward through a superseded wrapper (two on one group could mix their sums). Local."""
     if any(attached(group, _NEWEST, _Newest).get() is not wrapper for group in wrapper.zero.agreement_groups):
         raise RuntimeError(
             "ShardedDataParallel: a newer ShardedDataParallel was built on this model's process group (or "
@@ -103,8 +92,7 @@ def others_live(wrapper: Any) -> bool:
 
 
 def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
-    """What every rank must agree on before wrapping: the settings, and each parameter's and buffer's shape, dtype
-    (and trainability, strides): ranks that built different models would otherwise reduce mismatched buckets."""
+    """What every rank must agree on before wrapping: the settings, each parameter's and buffer's layout."""
     entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
     for name, p in module.named_parameters():
         entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = (

@@ -1,11 +1,7 @@
-"""The gradient side of ``ShardedDataParallel``: each parameter's gradient, as soon as autograd has accumulated it,
-goes into its bucket and its ``.grad`` is released; full buckets are reduced to their owners in one fixed order,
-and each rank keeps only its owned part (``OwnedGradients``), which ZeRO then clips, scales and steps.
-
-A rank holds its owned gradient plus at most ``max_in_flight`` buckets; at the end of the backward the rest are
-launched alike on every rank; the step's agreement (or ``clip_grad_norm_``'s) says which parameters some rank used
-(an unused one has no gradient, as under DDP). The intake of ``.grad`` between backwards is
-``intake.MarkerIntake``'s. ``docs/guides/internals.md``.
+"""The gradient side of ``ShardedDataParallel``: each parameter's gradient, once accumulated, goes into its bucket and
+its ``.grad`` is released; full buckets are reduced to their owners in one fixed order, and each rank keeps only its
+owned part (``OwnedGradients``), which ZeRO clips, scales and steps. Between backwards ``.grad`` holds a marker
+(``GradientMarker``), so that what the program does to it is seen (``settle``). ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -23,9 +19,8 @@ from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim._host_memory import host_zeros
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
+from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
-from distoptim.sharded_data_parallel.intake import MarkerIntake
-from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
@@ -45,7 +40,7 @@ UNFINISHED = (
 )
 
 
-class OwnedGradients(MarkerIntake):
+class OwnedGradients:
     """This rank's owned gradient of ``zero``'s parameters, filled bucket by bucket during each backward."""
 
     def __init__(
@@ -86,18 +81,90 @@ class OwnedGradients(MarkerIntake):
         self._buffers: dict[int, Tensor] = {}
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
-        self._backward = False
+        self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
         if previous is not None:
             self._take_over(previous)
 
+    # ------------------------------------------------------------------------- what .grad says
+    def settle(self, index: int, before_backward: bool = False) -> None:
+        """Take in what the program did to ``.grad`` since the store marked it: None forgets the owned gradient, the
+        marker zeroed zeroes it, a hand-set tensor replaces it (``before_backward``: the marker leaves ``.grad``)."""
+        param, marker = self.params[index], self._markers.get(index)
+        grad = param.grad
+        if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
+            if marker is None or grad.origin is not marker[0].origin:
+                raise RuntimeError(
+                    "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is "
+                    "not the one this store put there last: copied from another parameter, or kept from before a "
+                    "zero_grad() or a later backward; the gradient it stood for is gone. Set .grad to a full "
+                    "tensor of your own, or to None"
+                )
+            marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
+        if grad is None:
+            if marker is not None and index not in self._swapped:
+                self._forget(index)
+        elif marker is not None and grad is marker[0]:
+            if grad._version != marker[1]:  # zero_grad(set_to_none=False), through whatever object
+                self._zero(index)
+                self._markers[index] = (grad, grad._version)
+            if before_backward:
+                param.grad = None
+                self._swapped.add(index)
+        elif (left := self._unreduced.get(index)) is not None and left() is grad:
+            if not before_backward:
+                raise RuntimeError(
+                    "ShardedDataParallel: zero.step() found gradients that backward passes under model.no_sync() "
+                    "accumulated and no backward outside no_sync() reduced (each rank's own, unaveraged). Run the "
+                    "last micro-batch's backward outside no_sync(), or call zero.zero_grad() to drop them"
+                )
+        elif marker is not None or self.holds[index]:  # set by hand: it replaces the owned gradient
+            self._forget(index)
+
+    def _forget(self, index: int) -> None:
+        self._zero(index)
+        self.holds[index] = self.used[index] = False
+        self._markers.pop(index, None)
+
+    def _zero(self, index: int) -> None:
+        for bucket, start, length in self.pieces.get(index, ()):
+            owned = self.owned[bucket]
+            if owned is not None:
+                owned[start : start + length].zero_()
+
+    def mark(self) -> None:
+        """A marker into each free ``.grad`` the store holds, may hold, or (until the ranks agree) owns a piece of."""
+        for index, param in enumerate(self.params):
+            maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
+            if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
+                marker = GradientMarker.like(param)
+                param.grad = marker
+                self._markers[index] = (marker, marker._version)
+
+    def before_gradient(self, param: Tensor) -> None:
+        """A gradient hook: at a backward's first, settle every parameter (markers out of ``.grad``, put back at
+        its end where nothing accumulated), before any bucket lands."""
+        if self._task != -1 or self.zero.index_of(param) is None:
+            return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)
+        self._task = torch._C._current_graph_task_id()
+        at_end_of_backward(self._unswap)
+        for index in range(len(self.params)):
+            self.settle(index, before_backward=True)
+
+    def _unswap(self) -> None:
+        for index in self._swapped:
+            param = self.params[index]
+            if param.grad is None and index in self._markers:
+                param.grad = self._markers[index][0]
+        self._swapped.clear()
+        self._task = -1
+
     # ------------------------------------------------------------------------------- what the step reads
     def grad_of(self, local: LocalTensor) -> Tensor | None:
-        """``local``'s piece of its parameter's gradient: of a ``.grad`` set by hand, used as it is; else of the
-        owned gradient (a view); None when the parameter has none (no rank used it since it was cleared)."""
+        """``local``'s piece of its gradient: of a ``.grad`` set by hand, else a view of the owned gradient; or None."""
         param = self.params[local.index]
         self.settle(local.index)
-        if param.grad is not None and not self._is_marker(local.index, param.grad):
+        if param.grad is not None and not isinstance(param.grad, GradientMarker):
             if not local.whole and param.grad.stride() != param.stride():  # its pieces as views, for clipping
                 param.grad = torch.empty_like(param).copy_(param.grad)
             return local.grad_from(param.grad)
@@ -109,9 +176,7 @@ class OwnedGradients(MarkerIntake):
         return view_like(owned, start, local.param) if local.whole else owned[start : start + local.length]
 
     def clear(self, set_to_none: bool = True) -> None:
-        """``zero_grad``: forget the owned gradient (the next landing overwrites it) and which parameters were used.
-        ``set_to_none=False`` zeroes it instead, as ``zero_grad`` zeroes ``.grad``: a parameter that had a gradient
-        then has zeros where no rank used it (a plain optimizer steps it with zeros)."""
+        """``zero_grad``: forget the owned gradient and which parameters were used (``set_to_none=False``: zero it)."""
         reached = self._recover()  # a backward that raised before launching anything: its gradient is dropped
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
@@ -134,36 +199,33 @@ class OwnedGradients(MarkerIntake):
             self.mark()
 
     def _recover(self) -> set[int]:
-        """After a backward that raised before it launched a reduction (nothing to pair up): drop its buckets, put
-        back the markers it took out, and return the parameters it reached. Refused after one that launched."""
-        if not self._backward:
+        """After a backward that raised before launching a reduction: drop its buckets, put the markers back, return
+        the parameters it reached. Refused after one that launched."""
+        if not self.in_backward:
             return set()
         if self._next:
             raise RuntimeError(POISONED)
         reached = set(self._filled)
         self._buffers.clear()
         self._next_backward_afresh()
-        self._backward = False
+        self.in_backward = False
         self._unswap()
         return reached
 
     def _next_backward_afresh(self) -> None:
-        """No parameter's gradient in a bucket yet, and no bucket launched: as the next backward must find it."""
         self._filled.clear()
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
         self._next = 0
 
     def check_finished(self) -> None:
-        """Refuse a gradient a backward that raised midway left (local, as DDP's reducer): after one that launched
-        a reduction, for good (restart from a checkpoint); after one that launched none, until ``zero_grad()``."""
-        if self._backward:
+        """Refuse the gradient of a backward that raised midway (local, as DDP's reducer)."""
+        if self.in_backward:
             raise RuntimeError(POISONED if self._next else UNFINISHED)
 
     # ------------------------------------------------------------------- which parameters some rank used
     def prepare_step(self) -> bool:
-        """Before a step reads the gradient (inside its agreement): refuse what cannot be read, take in what the
-        program did to ``.grad``; whether this rank already knows which of its owned parameters some rank used
-        (every one it owns was used here, or is held), so that it may step before the ranks agree."""
+        """Before a step reads (inside its agreement): settle every ``.grad``; whether this rank may step before
+        the ranks agree which parameters were used."""
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
@@ -172,8 +234,7 @@ class OwnedGradients(MarkerIntake):
         )
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
-        """The ranks agreed which parameters some rank used (``everywhere``, from the step's ``used`` flags): the
-        store holds those; markers of the others go."""
+        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go."""
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used = [False] * len(self.params)
         self.unagreed = False
@@ -184,8 +245,7 @@ class OwnedGradients(MarkerIntake):
         self.mark()
 
     def ready(self) -> None:
-        """Before ``clip_grad_norm_`` reads the gradient: ``prepare_step`` (its refusals local, as DDP's), then, where a
-        backward ran since the ranks last agreed, the used flags agreed (one all-reduce on the control plane)."""
+        """Before ``clip_grad_norm_`` reads: ``prepare_step``, then the used flags agreed if a backward ran since."""
         self.prepare_step()
         if self.unagreed:
             groups = self.zero.agreement_groups
@@ -196,13 +256,8 @@ class OwnedGradients(MarkerIntake):
         return host_zeros(self.layout.lengths[bucket], dtype, device)
 
     # ------------------------------------------------------------------------------------- the backward
-    @property
-    def in_backward(self) -> bool:
-        """Between a backward's first gradient and its flush (still so after a backward that raised)."""
-        return self._backward
-
     def on_grad(self, param: Tensor) -> None:
-        """A post-accumulate-grad hook: ``param.grad`` into its bucket, ``.grad`` released, full buckets launched."""
+        """A post-accumulate-grad hook: ``.grad`` into its bucket and released, full buckets launched."""
         index = self.zero.index_of(param)
         if index is not None:
             self.used[index] = True
@@ -211,8 +266,8 @@ class OwnedGradients(MarkerIntake):
             if index is not None and param.grad is not None:
                 self._unreduced[index] = weakref.ref(param.grad)
             return  # the local gradient accumulates in .grad until a backward outside no_sync
-        if not self._backward:
-            self._backward = True
+        if not self.in_backward:
+            self.in_backward = True
             self.zero.land_sync()  # buckets no module of the forward read (local: step() launched every one)
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
@@ -244,11 +299,8 @@ class OwnedGradients(MarkerIntake):
         self._remaining[bucket] -= 1
 
     def _is_whole_bucket(self, bucket: int, param: Tensor, grad: Tensor) -> bool:
-        """Whether ``grad`` can be bucket ``bucket`` itself: laid out flat it is exactly the bucket (its only
-        parameter, no padding, the bucket's dtype, the parameter's memory order), and its memory is its own. Autograd
-        may hand a parameter a gradient that shares memory with one another branch of the backward still needs (a
-        parameter read through a view and added to an activation): reduced in place, that branch would read it
-        scaled and summed."""
+        """Whether ``grad``, flat, is exactly the bucket and owns its memory (autograd may share a gradient's memory
+        with another branch of the backward, which would then read it scaled and summed)."""
         plan = self.buckets[bucket]
         return (
             len(plan.slots) == 1
@@ -260,8 +312,7 @@ class OwnedGradients(MarkerIntake):
         )
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
-        """Bucket ``bucket``'s buffer (``gradient``, or zeros, when it has none yet), once fewer than
-        ``max_in_flight`` buckets are filling or in flight."""
+        """Bucket ``bucket``'s buffer (``gradient``, or zeros), once fewer than ``max_in_flight`` are in use."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:
                 if self.shared:  # another wrapper's reductions may come first on other ranks: no wait before flushes
@@ -273,10 +324,8 @@ class OwnedGradients(MarkerIntake):
         return self._buffers[bucket]
 
     def _launch_ready(self) -> None:
-        """Launch, in order, every bucket whose parameters have all handed in their gradients. Not while another
-        wrapper shares the backward under hybrid sharding: a launch there waits for the shard group's sums before
-        summing across replicas, and with a rank-dependent graph one rank waited in one wrapper's reduction while its
-        peer waited in the other's (a hang); the flush launches them, wrapper after wrapper."""
+        """Launch, in order, every full bucket. Not while another wrapper shares the backward under hybrid sharding
+        (ranks could wait in different wrappers' reductions: a hang); the flush launches them then."""
         if self.shared and self.zero.replicate_group is not None:
             return
         while self._next < len(self.buckets) and not self._remaining[self._next]:
@@ -294,8 +343,7 @@ class OwnedGradients(MarkerIntake):
         self._next = bucket + 1
 
     def _land_oldest(self) -> None:
-        """Wait for the oldest reduction and add its owned sums into the owned gradient (copy: the first since
-        ``clear()``)."""
+        """Wait for the oldest reduction; add its owned sums into the owned gradient (copy the first since a clear)."""
         bucket, buffer, reduced = self._in_flight.popleft()
         reduced.wait()
         owned = self.owned[bucket]
@@ -309,12 +357,9 @@ class OwnedGradients(MarkerIntake):
         self.landed[bucket] = True
 
     def flush(self) -> None:
-        """The end of a backward: every bucket launched (in order, with the gradients accumulated under
-        ``no_sync`` that this backward did not touch) and landed; gradients of parameters trainable since the plan
-        was made are averaged in their ``.grad``; the ranks agree which parameters some rank used (one small
-        all-reduce), and markers go in: ``.grad`` is None exactly where no rank used the parameter, as under DDP
-        (a program's ``if p.grad is None: p.grad = zeros`` must see what DDP's sees)."""
-        self._backward = False
+        """The end of a backward: every bucket launched and landed, unplaced gradients averaged, the used flags
+        agreed (one small all-reduce) and markers put in: ``.grad`` is None where no rank used it, as under DDP."""
+        self.in_backward = False
         self._launch_the_rest()
         while self._in_flight:
             self._land_oldest()
@@ -324,8 +369,7 @@ class OwnedGradients(MarkerIntake):
         self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
 
     def _average_unplaced(self) -> None:
-        """The local gradients of the parameters no bucket holds yet (made trainable since the plan), averaged in
-        their ``.grad``, for the step that places them (every rank trains the same ones: the step agrees on it)."""
+        """The ``.grad`` of parameters no bucket holds yet (trainable since the plan), averaged for the step."""
         zero, params = self.zero, self.params
         for index, param in enumerate(params):
             if param.requires_grad and id(param) not in self.slot_of and param.numel():
@@ -336,20 +380,18 @@ class OwnedGradients(MarkerIntake):
                 param.grad = grad.div_(zero.world_size * zero.replica_count)
 
     def _launch_the_rest(self) -> None:
-        """Launch, in order, the buckets this backward has not: with the gradients it did not reach (``no_sync()``'s,
-        or set by hand; not markers) and zeros for the parameters this rank did not use."""
+        """Launch the buckets this backward has not, with the ``.grad`` it did not reach (``no_sync()``'s, by hand)."""
         for bucket in range(self._next, len(self.buckets)):
             for slot in self.buckets[bucket].slots:
                 param = self.params[slot.index]
                 grad = param.grad
-                if slot.index not in self._filled and grad is not None and not self._is_marker(slot.index, grad):
+                if slot.index not in self._filled and grad is not None and not isinstance(grad, GradientMarker):
                     self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
                     self._fill(bucket, slot, param)
             self._launch(bucket)
 
     def _take_over(self, previous: OwnedGradients) -> None:
-        """After the plan grew: keep what ``previous`` had landed (its buckets come first, laid out alike), and take
-        the averaged ``.grad`` of parameters placed since into their new buckets."""
+        """After the plan grew: keep ``previous``'s landed buckets; take placed ``.grad`` into the new buckets."""
         self.owned[: len(previous.owned)] = previous.owned
         self.landed[: len(previous.landed)] = previous.landed
         self.used[: len(previous.used)] = previous.used
@@ -364,13 +406,71 @@ class OwnedGradients(MarkerIntake):
                     view_like(buffer, slot.position, param).copy_(param.grad)
                     param.grad = None
                     self.holds[slot.index] = True
-            self._in_flight.append((bucket, buffer, _done(buffer)))
+            self._in_flight.append((bucket, buffer, completed_future(buffer)))
             self.landed[bucket] = False
             self._land_oldest()
         self.mark()
 
 
-def _done(value: Tensor) -> Any:
-    future: torch.futures.Future[Tensor] = torch.futures.Future()
-    future.set_result(value)
-    return future
+class GradientMarker(Tensor):
+    """What ``.grad`` holds while the store holds the gradient: one element of storage, no values. Reads and writes
+    raise; metadata, clearing, and ``module.to()``, ``.data``, ``.detach()``, ``copy.deepcopy`` (markers still) are
+    allowed. ``origin`` tells the store's marker (converted or not) from one copied or kept from before a clear."""
+
+    _CLEARS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_", "__set__"})
+    _METADATA = frozenset({"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "__len__"})
+    _METADATA |= {"is_floating_point", "is_complex", "is_contiguous", "get_device", "__hash__"}
+    _METADATA |= {"_has_compatible_shallow_copy_type", "_is_view", "storage_offset", "untyped_storage", "data_ptr"}
+    _STAY_MARKERS = frozenset({"__get__", "to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda"})
+    _STAY_MARKERS |= {"detach", "_to_copy", "as_subclass"}
+    _VALUE_VIEWS = frozenset({"T", "mT", "H", "mH", "real", "imag"})  # properties that would hand out values
+    origin: object
+
+    @staticmethod
+    def like(param: Tensor) -> GradientMarker:
+        base = torch.full((), float("nan"), dtype=param.dtype, device=param.device)
+        marker = base.expand(param.shape).as_subclass(GradientMarker)
+        marker.origin = object()
+        return marker
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":  # a property: .data is the marker itself (p.grad.data.zero_() clears, as in torch)
+            name = "." + getattr(getattr(func, "__self__", None), "__name__", "?")
+            if name == ".data":
+                return args[0]
+            if name[1:] not in cls._VALUE_VIEWS:
+                return cls._stays_a_marker(func, types, args, kwargs)
+        elif name in cls._STAY_MARKERS:
+            return cls._stays_a_marker(func, types, args, kwargs)
+        assigns_values = name == "__set__" and any(type(a) is Tensor for a in args[1:])  # marker.data = values
+        if assigns_values or (name not in cls._CLEARS and name not in cls._METADATA):
+            what = name if name.startswith(".") else f"{name}()"
+            raise RuntimeError(
+                f"ShardedDataParallel holds this parameter's gradient sharded in the ZeroRedundancyOptimizer: its "
+                f".grad is a marker without values, which {what} cannot use. Clip with zero.clip_grad_norm_() "
+                "(not torch.nn.utils.clip_grad_norm_), drive a GradScaler with scaler.step(zero) (without "
+                "scaler.unscale_(zero)), read norms through zero.clip_grad_norm_(float('inf')); to replace the "
+                "gradient, set .grad to a full tensor of your own, or to None (zero_grad) to clear it"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def _stays_a_marker(cls, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """``func``'s result, a tensor result a marker of the same origin (``module.to()`` converts ``.grad``)."""
+        result = super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        source = args[0] if args else None
+        if isinstance(result, GradientMarker) and result is not source and isinstance(source, GradientMarker):
+            result.origin = source.origin
+        return result
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
+        return (
+            f"<gradient held sharded by ShardedDataParallel: shape {tuple(self.shape)}, {self.dtype}; no values "
+            "in .grad (read norms with zero.clip_grad_norm_)>"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradientMarker:
+        return GradientMarker.like(self)

@@ -1,10 +1,8 @@
-"""The parameter side of ``ShardedDataParallel``: after the local step, each bucket's parameters are gathered from
-their owners on their own, in the order the forward reads them, so that with ``overlap_param_sync`` the next
-forward starts while later buckets travel (before each module, a module-global forward pre-hook, registered only
-while the sync is in flight, lands what it needs, as Megatron-Core's ``overlap_param_gather``). ``step()`` launches
-every bucket on every rank in one order; landing only waits and copies, locally. With ``overlap``, a write between
-launch and landing is caught by the owners' checksums of their elements and raised inside the next step's
-agreement; a read autograd saved raises torch's in-place error. The window's rules: ``docs/guides/internals.md``.
+"""The parameter side of ``ShardedDataParallel``: after the step, each bucket's parameters are gathered from their
+owners in forward order; with ``overlap_param_sync`` the next forward starts while later buckets travel (a
+module-global forward pre-hook lands what each module needs). Landing only waits and copies, locally. A write
+between launch and landing is caught by the owners' checksums and raised in the next agreement. The window's rules:
+``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ _Storage = tuple[tuple[Any, int], ...]  # each parameter's storage (held: its ad
 
 
 class _LandBefore:
-    """The module-global forward pre-hook while a sync is in flight: before a module (and before every forward
-    pre-hook of its own, whenever registered: torch runs module-global ones first), land the buckets it reads."""
+    """The module-global forward pre-hook while a sync is in flight: land the buckets a module reads."""
 
     def __init__(self, sync: BucketedSync) -> None:
         self.sync = weakref.ref(sync)  # a sync dropped in flight leaves no hook holding it
@@ -52,22 +49,8 @@ class _LandBefore:
             sync.land_through(last)
 
 
-class _Unit:
-    """One bucket's sync: ``launch`` starts it, ``land`` finishes it."""
-
-    def launch(self) -> Any:
-        raise NotImplementedError
-
-    def land(self, launched: Any) -> None:
-        raise NotImplementedError
-
-    def owned(self, landed: bool) -> list[Tensor]:
-        """This rank's elements of the bucket as it sends them, 1-D (right after ``launch``, or after ``land``)."""
-        raise NotImplementedError
-
-
-class _InPlace(_Unit):
-    """A region of a bucket-view buffer, gathered from its owners where it lies."""
+class _InPlace:
+    """One bucket's sync (``launch``, then ``land``): a region of a bucket-view buffer, gathered where it lies."""
 
     def __init__(self, buffer: Tensor, bounds: tuple[int, ...], group: comm.Group, collectives: comm.Collectives):
         self.buffer, self.bounds, self.group, self.collectives = buffer, bounds, group, collectives
@@ -79,12 +62,13 @@ class _InPlace(_Unit):
         comm.wait_all(launched)
 
     def owned(self, landed: bool) -> list[Tensor]:
+        """This rank's elements of the bucket as it sends them, 1-D."""
         rank = comm.group_rank(self.group)
         return [self.buffer[self.bounds[rank] : self.bounds[rank + 1]]]
 
 
-class _Staged(_Unit):
-    """A bucket's pieces through a ``StagedSync`` of their own."""
+class _Staged:
+    """One bucket's sync: its pieces through a ``StagedSync`` of their own."""
 
     def __init__(self, sync: StagedSync) -> None:
         self.sync = sync
@@ -99,8 +83,7 @@ class _Staged(_Unit):
         comm.wait_all(direct)
 
     def owned(self, landed: bool) -> list[Tensor]:
-        """The small pieces as packed into the stages (packed again once landed: the broadcasts from them are over),
-        the large ones where they lie."""
+        """The small pieces as packed into the stages (packed again once landed), the large ones where they lie."""
         sync, owned = self.sync, list[Tensor]()
         for round_ in sync.rounds:
             work = sync._work(round_)
@@ -108,6 +91,9 @@ class _Staged(_Unit):
                 copy_each_(work.pack_into, work.pack_from)
             owned.extend(work.stage[start:end] for src, start, end in work.slices if src == sync.rank)
         return owned + [piece_view(piece) for piece in sync.direct if piece.rank == sync.rank]
+
+
+_Unit = _InPlace | _Staged
 
 
 class BucketedSync(ParameterSync):
@@ -204,17 +190,14 @@ class BucketedSync(ParameterSync):
         self.land_through(len(self.units))
 
     def check_untouched(self) -> None:
-        """Raise if this rank's elements of a bucket changed between its launch and its landing (see the module's
-        docstring); called inside an agreement (the next step's, a consolidation's, a sharded save's), after
-        ``finish``, so every rank raises."""
+        """Raise if this rank's elements of a bucket changed between launch and landing (inside an agreement)."""
         written, self._changed = self._written(), []
         if written:
             raise RuntimeError(_WRITTEN)
 
     def check_untouched_here(self) -> None:
-        """Raise here if this rank saw such a write: the user's explicit ``sync_finished()``, local by contract,
-        which may follow the last step (the wrapper's own waits, inside training loops, do not raise). Only the
-        ranks owning written elements can see it; the flags stay for the next agreement, where every rank raises."""
+        """Raise here if this rank saw such a write (``sync_finished()``, local); the flags stay for the next
+        agreement."""
         if self._written():
             raise RuntimeError(
                 f"{_WRITTEN} (seen on rank {comm.group_rank(self.group)}, which owns some of the written elements; "
@@ -242,15 +225,14 @@ _WRITTEN = (
 
 
 def _where(params: Sequence[Tensor]) -> _Storage:
-    """Where ``params`` lie, read without dispatch (a torch-function mode sees no read): their storages, held until
-    the landing, and data pointers. A data pointer alone is not enough: a storage freed by ``module.to()`` may give
-    its address to the new one on some ranks only, which then would not raise while the others do (a hang)."""
+    """Where ``params`` lie, read without dispatch: their storages (held: a freed address may be reused on some ranks
+    only) and data pointers."""
     with torch._C.DisableTorchFunction():
         return tuple((p.untyped_storage(), p.data_ptr()) for p in params)
 
 
 def _same_storage(launched: _Storage, params: Sequence[Tensor]) -> bool:
-    """Whether ``params`` still lie where they lay at launch: the same storages (by identity), the same pointers."""
+    """Whether ``params`` still lie where they lay at launch."""
     now = _where(params)
     return len(now) == len(launched) and all(
         a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True)
@@ -261,10 +243,8 @@ _WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wi
 
 
 def _checksum(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The sums of ``tensors``' raw bits, one per tensor (None without elements), each 1-D tensor read as the widest
-    words its bytes allow and summed modulo 2^64 or 2^32 (as fast as a float sum; a 64-bit accumulator of 32-bit
-    words is ten times slower): a change of one value always changes them, several only cancel by summing to a
-    multiple of the modulus (a clamp lowers every changed element's bits: only by wrapping around)."""
+    """The sums of ``tensors``' raw bits, one per tensor (None without elements), as the widest words their bytes
+    allow, modulo 2^64 or 2^32: a change of one value always changes them."""
     sums = [_bit_sum(t) for t in tensors if t.numel()]
     return torch.stack(sums) if sums else None
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from distoptim._backward import in_backward
+from distoptim._flat import flat_view, is_dense, pack, unpack_
 from distoptim.comm import agreement as _agreement
+from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel import checks
-from distoptim.sharded_data_parallel.broadcast import broadcast_from_first
 from distoptim.sharded_data_parallel.buckets import BucketCaps, BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
@@ -62,18 +63,7 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: torch.dtype | None = None,
         overlap_param_sync: bool = False,
     ) -> None:
-        """Wrap ``module`` so that its gradients reach ``zero``'s owners bucket by bucket during the backward.
-
-        The arguments (each described, with what it raises, in the class docstring, which the API reference shows):
-
-        - ``module``: the model; its trainable parameters must be exactly ``zero``'s.
-        - ``zero``: its ``ZeroRedundancyOptimizer``, built without ``overlap_with_ddp``, with no state yet.
-        - ``bucket_cap_mb``: the most a gradient bucket holds, in MiB (default 25).
-        - ``broadcast_buffers``: broadcast rank 0's buffers before each forward, as DDP does (default True).
-        - ``reduce_dtype``: the dtype gradients are reduced and kept in (default: the parameters').
-        - ``overlap_param_sync``: leave the parameter sync in flight after ``step()`` for the next forward
-          (default False: ``step()`` returns with every parameter synced).
-        """
+        """Wrap ``module``: its arguments and errors are in the class docstring (the API reference shows it)."""
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
@@ -90,15 +80,12 @@ class ShardedDataParallel(nn.Module):
             then_agree_on=lambda _: checks.fingerprint(module, settings),
         )
         self.module, self.zero = module, zero
-        self.broadcast_buffers, self.reduce_dtype, self.overlap_param_sync = (
-            broadcast_buffers,
-            reduce_dtype,
-            overlap_param_sync,
-        )
+        self.broadcast_buffers, self.reduce_dtype = broadcast_buffers, reduce_dtype
+        self.overlap_param_sync = overlap_param_sync
         self._cap_bytes = cap_bytes = int(bucket_cap_mb * 2**20)
         self._caps = BucketCaps(cap_bytes, reduce_dtype)  # any (device, dtype), one added later too
         zero.land_sync()
-        broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
+        _broadcast_from_first([*module.parameters(), *module.buffers()], zero.agreement_groups, cap_bytes)
         zero.use_regions(self._caps)
         self._buckets: list[BucketPlan] = []
         self.gradients: OwnedGradients | None = None
@@ -113,8 +100,7 @@ class ShardedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------------------------------- building
     def _rebuild(self) -> None:
-        """(Re)build the buckets, the owned gradient and the bucketed sync over ``zero``'s current plan (after
-        construction, ``add_param_group``, unfreezing or parameters given new storage: buckets already planned stay)."""
+        """(Re)build the buckets, the owned gradient and the bucketed sync over ``zero``'s current plan."""
         zero = self.zero
         self._buckets = plan_buckets(zero.plan, self._caps, self._buckets)
         sync = BucketedSync(zero.placed_sync, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
@@ -133,8 +119,7 @@ class ShardedDataParallel(nn.Module):
             self._register_landing_hooks(sync)
 
     def _let_go_of(self, newer: ShardedDataParallel) -> None:
-        """Superseded by ``newer``: remove this wrapper's hooks from the parameters ``newer`` hooks too (the model
-        wrapped again after dropping this wrapper: they would refuse its backward); elsewhere they stay, and refuse."""
+        """Superseded by ``newer``: remove this wrapper's hooks from the parameters ``newer`` hooks too."""
         for key in self._handles.keys() & newer._handles.keys():
             for handle in self._handles.pop(key):
                 handle.remove()
@@ -151,23 +136,18 @@ class ShardedDataParallel(nn.Module):
         self.gradients.on_grad(param)
 
     def _register_landing_hooks(self, sync: BucketedSync) -> None:
-        """Before each submodule's forward (``sync.py``'s module-global pre-hook), land the buckets of every
-        parameter in its subtree (a module may read a child's parameter without running the child:
-        ``nn.MultiheadAttention`` reads ``out_proj.weight``) and of every bucket before them; before the root's,
-        those of its own parameters only (its subtree is everything: waiting for all of it would overlap nothing),
-        counting those of its parameter containers (GPT-2's learned positions in an ``nn.ParameterDict``). Before
-        the wrapper's, once the user registered a pre-hook on it, everything. A parameter read by a module outside
-        its subtree before any module holding it ran needs ``model.sync_finished()`` first."""
+        """Before each submodule's forward, land the buckets of its subtree's parameters (the root's: its own only);
+        before the wrapper's, once the user registered a pre-hook on it, everything."""
         for handle in self._landers:
             handle.remove()
-        self._landers = []
+        self._landers, zero = [], self.zero
         for submodule in self.module.modules():
             params = _held_directly(submodule) if submodule is self.module else submodule.parameters()
             last = sync.last_unit(params)
             if last >= 0:
                 sync.landing[submodule] = last
                 # model.module.state_dict(), DDP's saving idiom, reads every parameter: it waits for all of them
-                self._landers.append(submodule.register_state_dict_pre_hook(_Finisher(self.zero)))  # type: ignore[no-untyped-call]
+                self._landers.append(submodule.register_state_dict_pre_hook(lambda *_: zero.land_sync()))  # type: ignore[no-untyped-call]
         if self._pre_hooked:
             sync.landing[self] = len(sync.units)
 
@@ -187,8 +167,7 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward, after broadcasting rank 0's buffers when DDP would (the previous forward ran with
-        gradients enabled, outside ``no_sync``).
+        """The module's forward, after broadcasting rank 0's buffers when DDP would.
 
         Args:
             *args: the module's positional arguments.
@@ -204,15 +183,14 @@ class ShardedDataParallel(nn.Module):
         if self.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
-                broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
+                _broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
         self.zero.land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
         return output
 
     def join_hook(self, **kwargs: Any) -> Any:
-        """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs), where ``Join([model, ...])`` is built,
-        instead of torch's ``AttributeError``: a joined rank would have to shadow every bucket's reduction.
+        """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs) where it is built, not at a backward.
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).
@@ -224,8 +202,7 @@ class ShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate each rank's full local gradient in ``.grad``, unreduced; the next
-        backward outside reduces it with its own (DDP's and FSDP's meaning: less communication, more memory)."""
+        """Backward passes inside accumulate the local gradient in ``.grad``; the next one outside reduces it."""
         assert self.gradients is not None
         previous, self.gradients.no_sync = self.gradients.no_sync, True
         try:
@@ -234,15 +211,12 @@ class ShardedDataParallel(nn.Module):
             self.gradients.no_sync = previous
 
     def sync_finished(self) -> None:
-        """Wait for the parameter sync still in flight (``overlap_param_sync``): every parameter holds its value.
-        Local; raises here if this rank owns parameters written while their sync was in flight (the next step,
-        ``consolidate_state_dict`` or a sharded save raises it on every rank)."""
+        """Wait for the parameter sync still in flight (``overlap_param_sync``). Local; raises here if this rank owns
+        parameters written while their sync was in flight."""
         self.zero.sync_finished()
 
     def _land_sync(self) -> None:
-        """``sync_finished`` without its local check: the wrapper's own waits (``parameters()``, ``state_dict()``,
-        ``to()``), which run inside training loops, where one rank raising would leave the others waiting; the next
-        agreement raises a write on every rank."""
+        """``sync_finished`` without its local check (one rank raising would leave the others waiting)."""
         self.zero.land_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -313,20 +287,42 @@ class _BeforeGradient:
             gradients.before_gradient(param)
 
 
-class _Finisher:
-    """A state-dict pre-hook: land the whole parameter sync."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.zero.land_sync()
-
-
 def _held_directly(module: nn.Module) -> Iterator[Tensor]:
-    """``module``'s own parameters and those of the parameter containers under it (``nn.ParameterDict``,
-    ``nn.ParameterList``: never called, their parameters are read by the module holding them)."""
+    """``module``'s own parameters and those of the parameter containers under it (never called themselves)."""
     yield from module.parameters(recurse=False)
     for child in module.children():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             yield from _held_directly(child)
+
+
+def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group], cap_bytes: int) -> None:
+    """Every rank's ``tensors`` made the first rank's, group by group (the replicas first), packed per (device,
+    dtype) in batches of at most ``cap_bytes`` (a larger dense tensor in place): never a second copy of the model."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            for batch in _batches(same_kind, cap_bytes):
+                alone = len(batch) == 1 and is_dense(batch[0])
+                flat = flat_view(batch[0]) if alone else pack(batch)
+                for group in reversed(groups):
+                    comm.broadcast_slices(flat, [(0, 0, flat.numel())], group)
+                if not alone:
+                    unpack_(flat, batch)
+
+
+def _batches(tensors: Sequence[Tensor], cap_bytes: int) -> Iterator[list[Tensor]]:
+    """``tensors`` in order, in runs of at most ``cap_bytes`` (a larger tensor alone)."""
+    batch: list[Tensor] = []
+    filled = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if batch and filled + size > cap_bytes:
+            yield batch
+            batch, filled = [], 0
+        batch.append(tensor)
+        filled += size
+    if batch:
+        yield batch
