@@ -2,9 +2,9 @@
 
 It used to abort at exit in about 1 run in 6 ("terminate called without an active exception", SIGABRT: gloo's worker
 thread dropped the tensors of distoptim's last collective while the interpreter was finalizing; see
-``distoptim.comm.released``). Each run is 2 real rank processes (``tests/_checkpoint_exit_worker.py``): train a step,
-save, load, exit. ``DISTOPTIM_EXIT_RUNS`` sets how many runs (default 16: a 1-in-6 abort escapes all of them with
-probability 0.05; 3 s a run on 2 cores).
+``distoptim.comm.objects.release``). Each run is 2 real rank processes (``tests/_checkpoint_exit_worker.py``):
+train a step, save, load, exit. ``DISTOPTIM_EXIT_RUNS`` sets how many runs (default 16: a 1-in-6 abort escapes all
+of them with probability 0.05; 3 s a run on 2 cores).
 """
 
 from __future__ import annotations
