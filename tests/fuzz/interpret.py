@@ -554,10 +554,14 @@ class Run:
         self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
 
     def clamp(self, layer: str) -> None:
-        for module in self._layers(layer):
+        """Each parameter of ``layer`` clamped to 0.9 of the oracle's largest magnitude in it: it always writes (a
+        fixed bound below every weight wrote nothing, and a predicted refusal never came: seed 620246)."""
+        found = self._layers(layer)  # (the subject's layer, the oracle's) or none
+        bounds = [0.9 * float(p.detach().abs().max()) for p in found[1].parameters()] if found else []
+        for module in found:
             with torch.no_grad():
-                for p in module.parameters():
-                    p.data.clamp_(-0.1, 0.1)
+                for p, bound in zip(module.parameters(), bounds):
+                    p.data.clamp_(-bound, bound)
         self.oracle.refresh_masters()
 
     def unfreeze(self) -> None:
