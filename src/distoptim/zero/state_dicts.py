@@ -23,7 +23,9 @@ from torch.optim import Optimizer
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.zero import stepping
+from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.partition import UNOWNED
 from distoptim.zero.shard import LocalShard, stitch
 from distoptim.zero.state_formats import decoded
 
@@ -53,6 +55,7 @@ class ZeroParts(Protocol):
     def gradient_source(self) -> Any: ...
 
     _optimizer_class: type[Optimizer]
+    _defaults: dict[str, Any]
     _optimizer_state_dict_pre_hooks: Any
     _optimizer_state_dict_post_hooks: Any
     _optimizer_load_state_dict_pre_hooks: Any
@@ -66,6 +69,7 @@ class ZeroParts(Protocol):
     def local_optimizer(self) -> Optimizer: ...
     @property
     def agreement_groups(self) -> list[dist.ProcessGroup]: ...
+    def owner_of(self, param: Tensor) -> int: ...
     def sync_finished(self) -> None: ...
     def land_sync(self) -> None: ...
     def sync_parameters(self) -> None: ...
@@ -239,7 +243,28 @@ def _consolidate(zero: ZeroParts, to: int) -> None:
     zero._masters_follow_parameters()
     mine = zero.local_shard.global_state(decoded(zero.local_optimizer.state))  # torch.optim's format: decoded
     merged = checkpoint.gather_state(mine, to, zero.process_group, zero._comm_device)
-    zero._consolidated = None if merged is None else dict(sorted(stitch(merged, zero.global_params).items()))
+    if merged is not None:
+        merged = {**_made_at_construction(zero), **stitch(merged, zero.global_params)}
+    zero._consolidated = None if merged is None else dict(sorted(merged.items()))
+
+
+def _made_at_construction(zero: ZeroParts) -> dict[int, dict[str, Tensor]]:
+    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters no rank owns
+    (frozen when placed): torch's optimizer holds it for them too, so a consolidated dict holds it as torch's does."""
+    made: dict[int, dict[str, Tensor]] = {}
+    index = 0
+    for group in zero.param_groups:
+        settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
+        optimizer_class = group.get(CLASS_KEY, zero._optimizer_class)
+        defaults = zero._defaults if optimizer_class is zero._optimizer_class else {}
+        unowned = {index + i: p for i, p in enumerate(group["params"]) if zero.owner_of(p) == UNOWNED}
+        index += len(group["params"])
+        probe = torch.zeros(1, requires_grad=True)
+        if not unowned or not optimizer_class([{"params": [probe], **settings}], **defaults).state:
+            continue
+        fresh = optimizer_class([{"params": [p.detach() for p in unowned.values()], **settings}], **defaults)
+        made.update(zip(unowned, (fresh.state[p] for p in fresh.param_groups[0]["params"])))
+    return made
 
 
 def _state_dict(zero: ZeroParts) -> dict[str, Any]:
@@ -263,6 +288,7 @@ def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
     by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
         state_dict, zero.param_groups, zero._optimizer_class, zero.process_group
     )
+    _refuse_stranded_state(zero, by_param)
     for group, saved in zip(zero.param_groups, hyperparameters):
         group.update(saved)
     local_state = zero.local_shard.local_state(by_param)
@@ -272,6 +298,22 @@ def _load_consolidated(zero: ZeroParts, state_dict: Any) -> None:
     zero._consolidated = None
     for post_hook in zero._optimizer_load_state_dict_post_hooks.values():
         post_hook(zero)
+
+
+def _refuse_stranded_state(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None:
+    """A parameter frozen when placed has no owner, so state it trained with would be dropped, and it would train
+    from fresh state once unfrozen (the same dict on every rank: the same verdict). State a fresh optimizer makes
+    (``step`` 0) is made again when the parameter gets an owner."""
+    for index, param in enumerate(zero.global_params):
+        state = by_param.get(param)
+        if state is None or zero.owner_of(param) != UNOWNED or float(state.get("step", 1)) == 0:
+            continue
+        raise ValueError(
+            f"load_state_dict: parameter {index} has optimizer state from training, but it had requires_grad=False "
+            "when this ZeroRedundancyOptimizer placed it, so no rank owns it and its state would be dropped: set "
+            "requires_grad=True on it (on every rank) before load_state_dict and freeze it after (a parameter "
+            "frozen after it has an owner keeps its owner and its state)"
+        )
 
 
 def _land_and_agree_untouched(zero: ZeroParts) -> None:

@@ -1,0 +1,81 @@
+"""Optimizer state of a parameter that is frozen when the ZeroRedundancyOptimizer places it: no rank owns such a
+parameter, yet torch's optimizer keeps its state (loaded, or made at construction as Adagrad's ``sum``)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from distoptim import ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+from tests._reference import assert_same_tensors, averaged_gradients, make_params, set_gradients
+
+SPEC = [[((8, 4), torch.float32, True), ((8,), torch.float32, True), ((3, 8), torch.float32, True)]]
+
+
+def _train(optimizers: list[Any], copies: list[list[torch.Tensor]], rank: int, steps: range) -> None:
+    for step in steps:
+        set_gradients(averaged_gradients(copies[0], rank, step), *copies)
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def _trained_then_frozen_body(rank: int, world_size: int, optimizer_class: type, kwargs: dict[str, Any]) -> None:
+    (plain,) = make_params(SPEC)
+    reference = optimizer_class(plain, **kwargs)
+    _train([reference], [plain], rank, range(2))
+    plain[0].requires_grad_(False)
+    _train([reference], [plain], rank, range(2, 3))
+    saved = copy.deepcopy(reference.state_dict())
+    ours = [p.detach().clone().requires_grad_(p.requires_grad) for p in plain]
+    zero = ZeroRedundancyOptimizer(ours, optimizer_class, **kwargs)  # ours[0] frozen: no rank owns it
+    with pytest.raises(ValueError, match=r"parameter 0 has optimizer state .* requires_grad=False"):
+        zero.load_state_dict(saved)
+    ours[0].requires_grad_(True)  # the fix the message names: trainable while loading, frozen again after
+    zero.load_state_dict(saved)
+    ours[0].requires_grad_(False)
+    _train([zero], [ours], rank, range(3, 4))
+    _train([reference], [plain], rank, range(3, 4))
+    for params in (plain, ours):
+        params[0].requires_grad_(True)
+    _train([zero, reference], [ours, plain], rank, range(4, 6))
+    assert_same_tensors(ours, plain, "after unfreezing")
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "kwargs"),
+    [(torch.optim.Adam, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1})],
+)
+def test_state_of_a_parameter_frozen_at_placement_is_refused_at_load_not_dropped(
+    optimizer_class: type, kwargs: dict[str, Any]
+) -> None:
+    run_on_ranks(_trained_then_frozen_body, 2, optimizer_class, kwargs)
+
+
+def _construction_state_body(rank: int, world_size: int) -> None:
+    (ours,) = make_params(SPEC)
+    (plain,) = make_params(SPEC)
+    for params in (ours, plain):
+        params[1].requires_grad_(False)
+    kwargs = {"lr": 0.1, "initial_accumulator_value": 0.1, "lr_decay": 0.01}
+    zero = ZeroRedundancyOptimizer(ours, torch.optim.Adagrad, **kwargs)
+    reference = torch.optim.Adagrad(plain, **kwargs)
+    for unfreeze_at in (2, 4):
+        _train([zero, reference], [ours, plain], rank, range(unfreeze_at - 2, unfreeze_at))
+        zero.consolidate_state_dict(0)
+        if rank == 0:
+            got, want = zero.state_dict()["state"], reference.state_dict()["state"]
+            assert sorted(got) == sorted(want)
+            for index, entry in want.items():
+                assert sorted(got[index]) == sorted(entry), index
+                assert_same_tensors([got[index][k] for k in entry], list(entry.values()), f"state[{index}]")
+        assert_same_tensors(ours, plain, f"step {unfreeze_at}")
+        for params in (ours, plain):
+            params[1].requires_grad_(True)  # the second round: the same once it trains
+
+
+def test_consolidated_state_holds_what_adagrad_makes_at_construction_for_frozen_parameters() -> None:
+    run_on_ranks(_construction_state_body, 2)
