@@ -9,17 +9,27 @@ the agreement also carries a GradScaler's inf flag and a joined rank's flag (``J
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
+from torch import Tensor
 from torch.optim import Optimizer
 
 from distoptim._backward import in_backward
 from distoptim.comm import agreement
 from distoptim.zero import amp
-from distoptim.zero.shard import LocalShard
+from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = ["JOIN_WITH_SCALER", "Prepared", "agreed", "agreed_step", "shadowing", "step_local_optimizer"]
+__all__ = [
+    "JOIN_WITH_SCALER",
+    "GradientSource",
+    "Prepared",
+    "agreed",
+    "agreed_step",
+    "shadowing",
+    "step_local_optimizer",
+]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -31,6 +41,42 @@ JOIN_WITH_SCALER = (
     "ZeroRedundancyOptimizer steps it unchecked, and hangs where the others skip a step). Give every rank the same "
     "number of batches (DistributedSampler(drop_last=True)), or step without the GradScaler under Join"
 )
+
+
+class GradientSource(Protocol):
+    """The gradient's one owner: read by the step and clipping, cleared by ``zero_grad``; which parameters some
+    rank used rides on the step's agreement (``used``, then ``agreed``)."""
+
+    sync: ParameterSync
+    """The parameter sync the optimizer runs after each step (the source's buckets)."""
+    replanned: Callable[[], None]
+    """Called after each re-placement: attaches a source over the new placement."""
+    used: list[bool]
+    """Which parameters (global index) this rank gave a gradient since the ranks last agreed."""
+
+    def grad_of(self, local: LocalTensor) -> Tensor | None:
+        """``local``'s piece of its parameter's gradient, or None where the parameter has none."""
+        ...
+
+    def check_finished(self) -> None:
+        """Refuse a gradient a backward that raised midway left (local)."""
+        ...
+
+    def prepare_step(self) -> bool:
+        """Before the step reads (inside its agreement): whether this rank may step before the ranks agree."""
+        ...
+
+    def agreed(self, everywhere: Sequence[bool]) -> None:
+        """The step's agreement said which parameters some rank used."""
+        ...
+
+    def ready(self) -> None:
+        """Before ``clip_grad_norm_`` reads (collective): the same, agreed on its own where a backward ran since."""
+        ...
+
+    def clear(self, set_to_none: bool) -> None:
+        """``zero_grad``."""
+        ...
 
 
 def agreed_step(

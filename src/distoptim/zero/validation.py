@@ -8,8 +8,9 @@ rank failed or any two disagree.
 
 from __future__ import annotations
 
+import enum
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,12 +20,11 @@ from torch.optim import Optimizer
 from distoptim._flat import is_dense
 from distoptim.comm import collectives as comm
 from distoptim.comm import p2p
-from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
+from distoptim.comm.agreement import STEPPING_ONLY, Fingerprint, agree_across_ranks, run_agreed
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
-from distoptim.zero.fingerprints import fingerprint
+from distoptim.zero.elementwise import class_name, is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
 from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import MODES
@@ -43,8 +43,10 @@ __all__ = [
     "check_partition",
     "check_state_formats",
     "check_unowned_have_no_grad",
+    "fingerprint",
     "normalize_param_groups",
     "refuse_sparse_gradients",
+    "step_fingerprint",
     "try_optimizer_class",
 ]
 
@@ -373,3 +375,56 @@ def agreed_param_group(
         return fingerprint([checked], defaults, first_group=len(param_groups))
 
     return run_agreed(normalized, group, "add_param_group", then_agree_on=what_it_is)
+
+
+def fingerprint(
+    groups: ParamGroups, defaults: dict[str, Any], settings: dict[str, Any] | None = None, first_group: int = 0
+) -> Fingerprint:
+    """What every rank must agree on: ``settings``, the groups' sizes and hyperparameters (``defaults`` filled in),
+    and each parameter's shape, dtype, device type and trainability. Groups are numbered from ``first_group``."""
+    entries: Fingerprint = {f"settings: {key!r} {{}}": _canonical(value) for key, value in (settings or {}).items()}
+    if settings is not None:
+        entries["{} param groups"] = len(groups)
+    for index, group in enumerate(groups, start=first_group):
+        entries[f"param group {index} has {{}} parameters"] = len(group["params"])
+        hyperparameters = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
+        for key in sorted(hyperparameters):
+            entries[f"param group {index}: {key!r} {{}}"] = _canonical(hyperparameters[key])
+        for position, p in enumerate(group["params"]):
+            label = f"param group {index}, parameter {position}: (shape, dtype, device, requires_grad) {{}}"
+            entries[label] = (tuple(p.shape), str(p.dtype), p.device.type, bool(p.requires_grad))
+            entries[f"param group {index}, parameter {position}: strides {{}}"] = tuple(p.stride())
+    return entries
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as plain data that compares (and hashes) the same on every rank when it means the same."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_canonical(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(key), _canonical(item)) for key, item in value.items()))
+    if isinstance(value, Tensor):  # a device tensor's value is not read: that would stall the CPU on the device
+        shown = value.detach().tolist() if value.device.type == "cpu" else f"on {value.device.type}"
+        return ("tensor", str(value.dtype), tuple(value.shape), _canonical(shown))
+    if isinstance(value, type):  # an optimizer_class key: by name
+        return class_name(value)
+    if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
+        return repr(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
+
+
+def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) -> Fingerprint:
+    """What every rank must step with alike: which parameters are trainable (by global index), and each param group's
+    hyperparameters (tensor-valued ones on a device by dtype and shape only). The hyperparameters are compared
+    among the stepping ranks only (``STEPPING_ONLY``): a rank joined under Join steps with its own, as in torch."""
+    hyperparameters: Fingerprint = {}
+    for index, group in enumerate(param_groups):
+        for key, value in group.items():
+            if key != "params":
+                hyperparameters[f"param group {index}: {key!r} {{}}"] = _canonical(value)
+    trainable = tuple(index for index, trainable in enumerate(trainability) if trainable)
+    return {"the parameters that require grad, by index: {}": trainable, STEPPING_ONLY: hyperparameters}
