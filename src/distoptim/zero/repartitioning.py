@@ -1,12 +1,6 @@
-"""Where a ZeroRedundancyOptimizer's parameters live: the views of its partition plan, and the placement made
-again when it goes stale.
-
-``placement.place`` builds a plan, the local shard, the parameter sync and the local optimizer's binding from its
-arguments; ``Partitioning`` (a base class of the optimizer: ``self`` is the optimizer, typed as ``PlanParts``)
-holds what it built and says who owns what. It places again after ``add_param_group`` (agreed across ranks, new
-parameters only), a parameter made trainable or given new storage (before a step, a checkpoint or a load, so that
-master copies meet the parameters' present storage), and where ``ShardedDataParallel`` re-cuts an even partition
-into its buckets' regions.
+"""``Partitioning``, a base class of the optimizer (``self`` typed as ``PlanParts``): who owns what, and placing again
+(``placement.place``) after ``add_param_group``, when a parameter is made trainable or given new storage, and where
+``ShardedDataParallel`` re-cuts an even partition into its buckets' regions.
 """
 
 from __future__ import annotations
@@ -83,9 +77,7 @@ class PlanParts(Protocol):
 
 def _check_before_adding(zero: PlanParts) -> None:
     """What ``add_param_group`` checks first, in its agreement: the groups' classes unedited, and the sync in flight
-    landed without overwriting a write of the user's (``ShardedDataParallel(overlap_param_sync=True)``: a write
-    through ``model.module`` after the step, which the placing's landing lost on the ranks not owning it, silently:
-    the ranks then held different values; the next step no longer saw it)."""
+    landed without overwriting a write of the user's."""
     if zero._sync is not None:
         zero._sync.finish()
         zero._sync.check_untouched()
@@ -95,7 +87,7 @@ def _check_before_adding(zero: PlanParts) -> None:
 class Partitioning:
     """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
 
-    # what the last placement built (None until the constructor's first): set by _repartition only
+    # what the last placement built (None until the constructor's first)
     _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
     _placement: placement.Placement | None
@@ -143,8 +135,7 @@ class Partitioning:
             raise
 
     def _add_group(self: PlanParts, group: dict[str, Any]) -> None:
-        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
-        (its class's own fill it in, ``local_optimizer.py``)."""
+        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults."""
         if CLASS_KEY not in group:
             Optimizer.add_param_group(cast(Optimizer, self), group)
             return
@@ -184,7 +175,7 @@ class Partitioning:
         return None if index is None else self.plan.fragments[index]
 
     def index_of(self: PlanParts, param: Tensor) -> int | None:
-        """``param``'s global index (None when this optimizer does not hold it), from a table rebuilt with the plan.
+        """``param``'s global index (None when this optimizer does not hold it).
 
         Args:
             param: a tensor, one of this optimizer's parameters or not.
@@ -195,7 +186,7 @@ class Partitioning:
 
     def _repartition(self: PlanParts, fresh: bool = False, in_place: bool = False) -> None:
         """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
-        plan (``placement.py``). ``in_place``: bucket views move within their buffers."""
+        plan. ``in_place``: bucket views move within their buffers."""
         if self._sync is not None:
             self._sync.finish()
         params, previous_shard = self.global_params, self._shard
@@ -224,35 +215,21 @@ class Partitioning:
             listener()
 
     def _repartition_if_changed(self: PlanParts) -> None:
-        """Before a step: a new placement where the last one is stale (``_place_if_stale``); then master copies
-        take the values of parameters written outside the optimizer (``model.load_state_dict(...)``), which they
-        would otherwise overwrite with their own."""
+        """Before a step: a new placement where the last one is stale; then master copies take the values of
+        parameters written outside the optimizer."""
         self._place_if_stale()
         self.local_shard.reseed_masters()
 
     def _place_if_stale(self: PlanParts) -> None:
-        """A new placement where the last one is stale (``placement.is_stale``: a parameter made trainable or given
-        new storage since); a parameter whose dtype or device changed since is refused (``placement.py``)."""
+        """A new placement where the last one is stale; a parameter whose dtype or device changed is refused."""
         assert self._placement is not None
         if placement.is_stale(self._placement, self.global_params):
             placement.check_layout_keys(self._placement, self.global_params)
             self._repartition()
 
-    def _masters_follow_parameters(self: PlanParts) -> None:
-        """Before a checkpoint takes the master copies (collective: the step's agreement, so a refusal raises on
-        every rank): a new placement where the last one is stale, so that the master copies are compared with the
-        parameters' present storage (``p.data = new`` since the last step); then those whose parameters were
-        written since take their values (a write after the last step would otherwise be saved as the old master)."""
-        self._agreed(self._repartition_if_changed)
-
-    def _place_for_load(self: PlanParts) -> None:
-        """Before a load writes master copies and state (collective, agreed): the placement made again where it is
-        stale, so that the master weights loaded are written into the parameters' present storage."""
-        self._agreed(self._place_if_stale)
-
     def use_regions(self: PlanParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change.
+        (``ShardedDataParallel``'s buckets), before the optimizer has state.
 
         Args:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.
@@ -273,8 +250,7 @@ class Partitioning:
 
 
 class _Snapshot:
-    """What ``add_param_group`` changes once its group is agreed (the groups, the placement, the local optimizer's
-    groups and state keys), to put back if placing the group fails."""
+    """What ``add_param_group`` changes once its group is agreed, to put back if placing the group fails."""
 
     def __init__(self, zero: PlanParts) -> None:
         self.groups = len(zero.param_groups)
