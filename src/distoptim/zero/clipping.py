@@ -1,8 +1,5 @@
-"""Gradient-norm clipping over a sharded gradient: each rank measures what it owns, one scalar collective adds up.
-
-The owned fragments of all ranks tile the trainable parameters exactly once, so the sum of every rank's
-``sum |g|^p`` is the full gradient's, with or without gradient sharding; every rank gets the same total and scales
-its own fragments by the coefficient ``torch.nn.utils.clip_grad_norm_`` would use on the full gradient.
+"""Gradient-norm clipping over a sharded gradient: each rank measures what it owns (the owned fragments tile the
+trainable parameters once), one scalar collective adds up, and each rank scales its own fragments.
 """
 
 from __future__ import annotations
@@ -33,11 +30,9 @@ def clip_grad_norm_(
     grad_scale: float | Tensor | None = None,
     scaled: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``.
-
-    Returns the total norm (a float32 scalar on ``device``, the same on every rank). Norms accumulate in float32.
-    ``grad_scale``: a loss scale ``grads`` still carry; the norm returned and clipped to is that of ``grads / scale``.
-    ``scaled``: the tensors to scale, when more than ``grads`` (which must be among them or views of them).
+    """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``;
+    returns the total norm (float32, the same on every rank). ``grad_scale``: a loss scale ``grads`` still carry;
+    ``scaled``: the tensors to scale, when more than ``grads``.
     """
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
@@ -71,10 +66,8 @@ def clip_shard(
     device: torch.device,
     grad_scale: float | Tensor | None,
 ) -> Tensor:
-    """``clip_grad_norm_`` over ``shard``'s owned gradient pieces. Where each rank holds whole gradients (under DDP's
-    all-reduce: ``shard.source`` is None) all of them are scaled, so that a further backward before the step
-    (accumulating into them, which DDP then averages) does not mix this rank's clipped pieces with the others'
-    unclipped ones."""
+    """``clip_grad_norm_`` over ``shard``'s owned gradient pieces; where each rank holds whole gradients (DDP), all
+    of them are scaled, so that a further backward does not mix clipped and unclipped pieces."""
     whole = None
     if shard.source is None:
         whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))

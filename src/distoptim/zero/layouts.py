@@ -18,8 +18,7 @@ __all__ = ["FlatLayout", "Piece", "layouts_from_plan", "piece_view"]
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements ``[offset, offset + length)`` of ``param`` (memory order), owned by ``rank``, at ``position`` of the
-    layout's flat buffer."""
+    """Elements ``[offset, offset + length)`` of ``param``, owned by ``rank``, at ``position`` of the flat buffer."""
 
     param: Tensor
     offset: int

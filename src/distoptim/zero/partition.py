@@ -1,11 +1,8 @@
 """Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors.
 
-Parameters are laid out in one flat buffer per layout key ((device, dtype)); each rank owns ranges of it, and a
-parameter's share of a range is a ``Fragment``, which everything downstream reads. ``greedy`` (torch's) places
-whole parameters on the least-loaded rank; ``even`` cuts each layout (or each ``region_numel`` region, for
-``ShardedDataParallel``'s buckets) into equal ranges. Frozen parameters are owned by nobody; whole-tensor
-parameters (Muon, Adafactor) are never cut. A plan grows from the previous one (``add_param_group``, unfreezing).
-The details: ``docs/guides/internals.md``.
+One flat buffer per layout key ((device, dtype)); each rank owns ranges of it, a parameter's share of a range being a
+``Fragment``. ``greedy`` (torch's) places whole parameters on the least-loaded rank; ``even`` cuts each layout (or
+region) into equal ranges. A plan grows from the previous one. The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -46,11 +43,8 @@ class Fragment:
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """The flat buffer of one layout key: parameters in buffer order, where each starts, and who owns which range.
-
-    ``bounds`` holds one tuple of ``world_size + 1`` boundaries per region: rank ``r`` owns ``[b[r], b[r+1])`` of
-    each region. Greedy layouts have one region; even ones one per growth of the plan.
-    """
+    """The flat buffer of one layout key: parameters in buffer order, where each starts, and who owns which range
+    (``bounds``: per region, ``world_size + 1`` boundaries; rank ``r`` owns ``[b[r], b[r+1])``)."""
 
     key: Hashable
     params: tuple[int, ...]
@@ -109,13 +103,9 @@ def partition_parameters(
 ) -> PartitionPlan:
     """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
 
-    ``keys`` names each parameter's layout (parameters of different keys never share a buffer); one layout when
-    omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. ``region_numel``
-    (even mode): the most elements a region of each key holds (a larger parameter gets a region of its own); one
-    region per key and growth when omitted. ``whole`` marks parameters never to cut, placed by ``costs`` (element
-    counts when omitted). ``align`` (even mode): each parameter's block (1: none); a range boundary that cuts a
-    parameter is moved down to one of its block boundaries, counted from its first element. O(P log P) for P
-    parameters (and O(P log N) for N ranks in greedy mode).
+    ``keys``: each parameter's layout. ``previous``: the plan for a prefix of the parameters (what it placed stays).
+    ``region_numel`` (even): the most elements a region of each key holds. ``whole``: parameters never cut, placed
+    by ``costs``. ``align`` (even): each parameter's block, which no range boundary cuts.
     """
     keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
@@ -225,9 +215,8 @@ def _grown_even_layouts(
     whole: Sequence[bool],
     owners: Sequence[int],
 ) -> list[LayoutPlan]:
-    """Previous layouts as they were, the new parameters of each key appended to its layout in regions of their own
-    (one, or of at most ``region_numel[key]`` elements each): first the whole-tensor ones, each region rank by rank
-    (each parameter inside its owner's range), then the others, each region cut evenly."""
+    """Previous layouts as they were, the new parameters of each key appended in regions of their own: first the
+    whole-tensor ones (each inside its owner's range), then the others, each region cut evenly."""
     layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
     for key in dict.fromkeys(keys[index] for index in new):
         members = [index for index in new if keys[index] == key and numels[index] > 0 and not whole[index]]
@@ -291,9 +280,8 @@ def _whole_region(
 
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
-    """``members`` (in order) cut into runs of at most ``cap`` elements, walking from the last one (a parameter
-    larger than ``cap`` alone); one run without a cap; none of no members (an empty region would still take a
-    position in its layout, shifting every later parameter's)."""
+    """``members`` (in order) cut into runs of at most ``cap`` elements, walking from the last one; one run without
+    a cap; none of no members (an empty region would still shift every later parameter)."""
     if not members:
         return []
     if cap is None:
