@@ -268,16 +268,12 @@ class ZeroRedundancyOptimizer(
         self, action: Callable[[], stepping.Prepared]
     ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
         count = 0 if self._gradient_source is None else len(self.global_params) + 1
-        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=self._store_flags(count))
 
-    def _store_flags(self, count: int) -> Callable[[stepping.Prepared | None], tuple[bool, ...]]:
-        """The step agreement's flags for the gradient store: the parameters this rank used, and a held-back part."""
-
-        def flags(done: stepping.Prepared | None) -> tuple[bool, ...]:
+        def store_flags(done: stepping.Prepared | None) -> tuple[bool, ...]:  # the parameters used; a held-back part
             source = self._gradient_source
             return (False,) * count if done is None or source is None else (*source.used, self._held_back)
 
-        return flags
+        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=store_flags)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
         """Place again where the placement is stale (a parameter made trainable or given new storage since), then

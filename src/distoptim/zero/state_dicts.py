@@ -1,77 +1,31 @@
 """A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's
-(``checkpoint/dcp_state.py``), and its part under ``Join``. The base classes type ``self`` as ``ZeroParts``.
+(``checkpoint/dcp_state.py``), and its part under ``Join``. The base classes type ``self`` as
+``repartitioning.ZeroParts``.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
-from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.zero import stepping
-from distoptim.zero.overlap import OverlapStepper
-from distoptim.zero.shard import LocalShard, stitch
+from distoptim.zero.repartitioning import ZeroParts
+from distoptim.zero.shard import stitch
 from distoptim.zero.state_formats import decoded
 
-__all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook", "ZeroParts"]
+__all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook"]
 
 JOIN_WITH_SDP = (
     "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
     "bucket's reduction and the parameter sync; give every rank the same number of batches (drop the last, uneven "
     "one: DistributedSampler(drop_last=True)), or use DDP under Join([ddp, zero])"
 )
-
-
-class ZeroParts(Protocol):
-    """What checkpoints and Join read of a ZeroRedundancyOptimizer."""
-
-    param_groups: list[dict[str, Any]]
-    process_group: dist.ProcessGroup
-    rank: int
-    world_size: int
-    overlap_stepper: OverlapStepper | None
-    replicate_group: dist.ProcessGroup | None
-    _consolidated: Any
-    _sync: Any
-    _comm_device: torch.device
-
-    @property
-    def gradient_source(self) -> Any: ...
-
-    _optimizer_class: type[Optimizer]
-    _optimizer_state_dict_pre_hooks: Any
-    _optimizer_state_dict_post_hooks: Any
-    _optimizer_load_state_dict_pre_hooks: Any
-    _optimizer_load_state_dict_post_hooks: Any
-
-    @property
-    def global_params(self) -> list[Tensor]: ...
-    @property
-    def local_shard(self) -> LocalShard: ...
-    @property
-    def local_optimizer(self) -> Optimizer: ...
-    @property
-    def agreement_groups(self) -> list[dist.ProcessGroup]: ...
-    def sync_finished(self) -> None: ...
-    def land_sync(self) -> None: ...
-    def sync_parameters(self) -> None: ...
-    def _push_hyperparameters(self) -> None: ...
-    def _repartition_if_changed(self) -> None: ...
-    def _place_if_stale(self) -> None: ...
-    def _agreed(self, action: Callable[[], Any]) -> Any: ...
-    def _fingerprint(self) -> Any: ...
-    def _prepare(
-        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
-    ) -> stepping.Prepared: ...
-    def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None: ...
 
 
 class Checkpoints:
@@ -84,9 +38,8 @@ class Checkpoints:
             to: the group rank that receives the whole state (default 0).
 
         Raises:
-            ValueError: on every rank, when any rank names no valid rank or the ranks name different ones (a
-                TypeError on the rank whose ``to`` is not an int), or when the parameters' dtype or device changed
-                since the optimizer was built (``model.to(torch.float64)``).
+            ValueError: on every rank, when any rank names no valid rank or the ranks differ (a TypeError where ``to``
+                is not an int), or when the parameters' dtype or device changed since construction.
 
         Example:
             ```python
@@ -108,12 +61,6 @@ class Checkpoints:
 
         Raises:
             RuntimeError: this rank holds no consolidated state (``consolidate_state_dict(to=this rank)`` first).
-
-        Example:
-            ```python
-            zero.consolidate_state_dict(to=0)
-            state = zero.state_dict() if rank == 0 else None
-            ```
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -135,12 +82,7 @@ class Checkpoints:
 
         Raises:
             ValueError: on every rank, when the dict was saved by another optimizer class or for other parameters,
-                or when the parameters' dtype or device changed since the optimizer was built (``model.to(...)``).
-
-        Example:
-            ```python
-            zero.load_state_dict(torch.load("optim.pt"))  # on every rank
-            ```
+                or when the parameters' dtype or device changed since construction.
         """
         self.land_sync()  # the load may write master weights into the parameters
         self._agreed(self._place_if_stale)  # master weights go into the parameters' present storage
@@ -165,13 +107,7 @@ class Checkpoints:
         (collective: one small all-reduce).
 
         Raises:
-            ValueError: on every rank, when the parameters' dtype or device changed since the optimizer was built
-                (``model.to(torch.float64)``).
-
-        Example:
-            ```python
-            distoptim.checkpoint.save({"model": model.state_dict(), "optim": zero.sharded_state_dict()}, path)
-            ```
+            ValueError: on every rank, when the parameters' dtype or device changed since construction.
         """
         _land_and_agree_untouched(self)
         self._agreed(self._repartition_if_changed)  # the master copies follow the parameters
@@ -190,8 +126,7 @@ class Checkpoints:
 
         Raises:
             ValueError: the dict is not a loaded sharded state, or was saved for other parameters or another
-                optimizer class; on every rank, when the parameters' dtype or device changed since the optimizer
-                was built (``model.to(...)``).
+                optimizer class; on every rank, when the parameters' dtype or device changed since construction.
 
         Example:
             ```python
@@ -223,15 +158,8 @@ class Joining:
             **kwargs: ``Join``'s keyword arguments (none are used).
 
         Raises:
-            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding (``replicate_group``), on every
-                rank, when ``Join`` is built.
-
-        Example:
-            ```python
-            with Join([ddp, zero]):
-                for batch in uneven_loader:
-                    ...
-            ```
+            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank, when ``Join`` is
+                built.
         """
         if self.gradient_source is not None:
             raise NotImplementedError(JOIN_WITH_SDP)
@@ -256,10 +184,9 @@ class Joining:
 
 
 def _land_and_agree_untouched(zero: ZeroParts) -> None:
-    """Land the sync and raise on every rank if a parameter was written while it was in flight (no step's agreement
-    follows to see it)."""
+    """Land the sync and raise on every rank if a parameter was written while it was in flight."""
     zero.land_sync()
-    if zero._sync.watches_writes:  # the same on every rank
+    if zero._sync is not None and zero._sync.watches_writes:  # the same on every rank
         zero._agreed(zero._sync.check_untouched)
 
 
