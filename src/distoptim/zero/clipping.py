@@ -17,23 +17,27 @@ from distoptim.comm import collectives as comm
 if TYPE_CHECKING:
     from distoptim.zero.shard import LocalShard
 
-__all__ = ["clip_grad_norm_", "clip_shard"]
+__all__ = ["clip_shard"]
 
 
-def clip_grad_norm_(
-    grads: Sequence[Tensor],
+def clip_shard(
+    shard: LocalShard,
+    global_params: Sequence[Tensor],
     max_norm: float,
     norm_type: float,
     error_if_nonfinite: bool,
     group: comm.Group,
     device: torch.device,
-    grad_scale: float | Tensor | None = None,
-    scaled: Sequence[Tensor] | None = None,
+    grad_scale: float | Tensor | None,
 ) -> Tensor:
-    """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``;
-    returns the total norm (float32, the same on every rank). ``grad_scale``: a loss scale ``grads`` still carry;
-    ``scaled``: the tensors to scale, when more than ``grads``.
-    """
+    """Scale ``shard``'s owned gradient pieces so that the norm of the whole gradient is at most ``max_norm``; returns
+    the total norm (float32, the same on every rank). ``grad_scale``: a loss scale the gradients still carry. Where
+    each rank holds whole gradients (DDP), all of them are scaled, so that a further backward does not mix clipped
+    and unclipped pieces."""
+    whole = None
+    if shard.source is None:
+        whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
+    grads = shard.owned_grads()
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
     local = _local_term(grads, norm_type, device)
@@ -49,31 +53,11 @@ def clip_grad_norm_(
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads if scaled is None else scaled:
+    for grad in grads if whole is None else whole:
         by_device.setdefault(grad.device, []).append(grad)
     for device_grads in by_device.values():
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
     return total
-
-
-def clip_shard(
-    shard: LocalShard,
-    global_params: Sequence[Tensor],
-    max_norm: float,
-    norm_type: float,
-    error_if_nonfinite: bool,
-    group: comm.Group,
-    device: torch.device,
-    grad_scale: float | Tensor | None,
-) -> Tensor:
-    """``clip_grad_norm_`` over ``shard``'s owned gradient pieces; where each rank holds whole gradients (DDP), all
-    of them are scaled, so that a further backward does not mix clipped and unclipped pieces."""
-    whole = None
-    if shard.source is None:
-        whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
-    return clip_grad_norm_(
-        shard.owned_grads(), max_norm, norm_type, error_if_nonfinite, group, device, grad_scale, scaled=whole
-    )
 
 
 def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device) -> Tensor:

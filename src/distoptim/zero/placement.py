@@ -100,47 +100,35 @@ def bind_local_optimizer(
 ) -> Optimizer:
     """The local optimizer over ``shard``: a new one, or ``optim`` given the new shard's tensors (its state kept for
     every fragment that stays; a composite where groups differ in kind), stepping through the formats if any."""
-    optim = _bound(optim, optimizer_class, defaults, shard, previous_shard, param_groups)
+    local_groups = shard.param_groups(param_groups)
+    if optim is None:
+        optim = build_local_optimizer(local_groups, optimizer_class, defaults)
+    else:
+        shard.move_state(optim.state, previous_shard)
+        kinds = {kind_of(group, optimizer_class) for group in local_groups}
+        if (len(kinds) > 1 or needs_formats(local_groups)) and not isinstance(optim, CompositeOptimizer):
+            composite = build_local_optimizer(local_groups, optimizer_class, defaults)
+            for old, new in zip(optim.param_groups, composite.param_groups):  # settings the old groups hold
+                new.update((k, v) for k, v in old.items() if k != "params")
+            composite.state.update(optim.state)
+            optim = composite
+        else:
+            for local_group, group in zip(optim.param_groups, local_groups):
+                local_group["params"] = group["params"]
+            for new_group in local_groups[len(optim.param_groups) :]:
+                optim.add_param_group(new_group)
     if isinstance(optim, CompositeOptimizer) and needs_formats(param_groups):
         optim.formats = StateFormats.for_shard(shard, param_groups)  # construction's state: encoded at a first step
     return optim
 
 
-def _bound(
-    optim: Optimizer | None,
-    optimizer_class: type[Optimizer],
-    defaults: dict[str, Any],
-    shard: LocalShard,
-    previous_shard: LocalShard | None,
-    param_groups: Sequence[dict[str, Any]],
-) -> Optimizer:
-    local_groups = shard.param_groups(param_groups)
-    if optim is None:
-        return build_local_optimizer(local_groups, optimizer_class, defaults)
-    shard.move_state(optim.state, previous_shard)
-    kinds = {kind_of(group, optimizer_class) for group in local_groups}
-    if (len(kinds) > 1 or needs_formats(local_groups)) and not isinstance(optim, CompositeOptimizer):
-        composite = build_local_optimizer(local_groups, optimizer_class, defaults)
-        for old, new in zip(optim.param_groups, composite.param_groups):  # settings the old groups hold
-            new.update((k, v) for k, v in old.items() if k != "params")
-        composite.state.update(optim.state)
-        return composite
-    for local_group, group in zip(optim.param_groups, local_groups):
-        local_group["params"] = group["params"]
-    for new_group in local_groups[len(optim.param_groups) :]:
-        optim.add_param_group(new_group)
-    return optim
-
-
 def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
-    """Whether ``placement`` must be made again before a step: a parameter made trainable (the step's agreement checks
-    that every rank did alike) or given new storage since."""
+    """Whether ``placement`` must be made again: a parameter made trainable or given new storage since."""
     return tuple(p.requires_grad for p in params) != placement.trainability or _storages(params) != placement.bound
 
 
 def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
-    """Refuse parameters whose dtype or device changed since ``placement`` was made (their layouts, master copies and
-    state would all have to follow)."""
+    """Refuse parameters whose dtype or device changed since ``placement`` was made (the state cannot follow)."""
     changed = [
         (index, key, (p.device, p.dtype))
         for index, (key, p) in enumerate(zip(placement.keys, params))

@@ -17,15 +17,7 @@ from torch.optim import Optimizer
 from distoptim.zero import codecs
 from distoptim.zero.shard import LocalShard
 
-__all__ = [
-    "CHUNK_NUMEL",
-    "FORMAT_KEY",
-    "StateFormats",
-    "check_format",
-    "group_format",
-    "needs_formats",
-    "tensor_format",
-]
+__all__ = ["FORMAT_KEY", "StateFormats", "block_sizes", "check_format", "decoded", "needs_formats", "tensor_format"]
 
 FORMAT_KEY = "state_format"
 CHUNK_NUMEL = 1 << 22  # encoded elements decoded at once in a step (and the buffers kept for them)
@@ -123,12 +115,10 @@ class StateFormats:
             for chunk in chunks:
                 for tensor, grad in chunk:
                     tensor.grad = grad
-                try:
-                    self._step_chunk(parts, [tensor for tensor, _ in chunk], state, kwargs)
-                finally:
-                    for tensor, _ in chunk:
-                        tensor.grad = None
-        finally:
+                self._step_chunk(parts, [tensor for tensor, _ in chunk], state, kwargs)
+                for tensor, _ in chunk:
+                    tensor.grad = None
+        finally:  # every gradient back, also where a chunk's step raised
             for tensor, grad in zip(stepped, grads):
                 tensor.grad = grad
 
@@ -153,8 +143,7 @@ class StateFormats:
 
     @contextlib.contextmanager
     def decoded_for(self, tensors: Sequence[Tensor], state: dict[Tensor, Any]) -> Iterator[None]:
-        """``tensors``' state decoded (into the scratch) for a step of them, and encoded again after, with what that
-        step created."""
+        """``tensors``' state decoded (into the scratch) for a step of them, and encoded again after."""
         self.scratch.reset()
         for tensor in tensors:
             if tensor in state:

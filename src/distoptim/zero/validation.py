@@ -191,7 +191,7 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
                 )
 
 
-def check_state_formats(groups: ParamGroups, optimizer_class: type, state_format: Any) -> None:
+def check_state_formats(groups: ParamGroups, state_format: Any) -> None:
     """Each group's ``state_format`` (its own, or the constructor's) is a format."""
     check_format(state_format, "ZeroRedundancyOptimizer")
     for index, group in enumerate(groups):
@@ -242,7 +242,7 @@ def check_construction(
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
-        check_state_formats(groups, local_class, state_format)
+        check_state_formats(groups, state_format)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
             raise TypeError(
                 f"replicate_group must be a torch.distributed.ProcessGroup or None, got {replicate_group!r}"
@@ -324,7 +324,7 @@ def agreed_param_group(
         (checked,) = normalize_param_groups([param_group])
         check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
-        check_state_formats([checked], optimizer_class, state_format)
+        check_state_formats([checked], state_format)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
             raise ValueError(
@@ -344,8 +344,7 @@ def agreed_param_group(
 def fingerprint(
     groups: ParamGroups, defaults: dict[str, Any], settings: dict[str, Any] | None = None, first_group: int = 0
 ) -> Fingerprint:
-    """What every rank must agree on: ``settings``, the groups' hyperparameters and each parameter's shape, dtype,
-    device type and trainability. Groups are numbered from ``first_group``."""
+    """What every rank must agree on: ``settings``, the groups' hyperparameters and their parameters' metadata."""
     entries: Fingerprint = {f"settings: {key!r} {{}}": _canonical(value) for key, value in (settings or {}).items()}
     if settings is not None:
         entries["{} param groups"] = len(groups)
