@@ -17,8 +17,7 @@ __all__ = ["Verdict", "check_and_unscale", "refuse_in_overlap_mode"]
 
 
 class Verdict:
-    """This rank's half of a scaler's verdict: whether its owned gradients hold an inf or a nan, to be agreed across
-    ranks and recorded."""
+    """This rank's half of a scaler's verdict (an inf or nan in its owned gradients), to be agreed and recorded."""
 
     def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor) -> None:
         self.grad_scaler, self.optimizer, self.flag = grad_scaler, optimizer, flag

@@ -167,7 +167,7 @@ class StagedSync(ParameterSync):
         works = comm.broadcast_slices(
             work.stage, work.slices, self.group, wait=False, collectives=self.collectives, relay_path=self.relay
         )
-        return _InFlight(round_, work.stage, works)
+        return _InFlight(round_, works)
 
     def land(self, flight: _InFlight) -> None:
         """Wait for a launched round and copy the other ranks' chunks into their parameters."""
@@ -207,8 +207,7 @@ def owned_bytes(pieces: Iterable[Piece], world_size: int) -> list[int]:
 
 
 def _param_side(piece: Piece) -> Tensor:
-    """What a piece's elements are copied from and into: the parameter itself when whole (following ``.data``
-    replaced), a 1-D view of its elements otherwise."""
+    """What a piece's elements are copied from and into: the parameter itself when whole, else a 1-D view."""
     if piece.whole:
         return piece.param
     return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
@@ -254,7 +253,6 @@ class _Round:
 @dataclass
 class _InFlight:
     round: _Round
-    stage: Tensor
     works: list[Any]
 
 
@@ -281,8 +279,7 @@ def _rounds(pieces: Sequence[Piece], layout: FlatLayout, stage_numel: int) -> li
 
 
 def release_leavers(before: Sequence[FlatLayout], after: Sequence[FlatLayout], spare: dict[Any, Tensor]) -> None:
-    """Parameters of the ``before`` layouts that the ``after`` ones leave out get their own storage back: the buffer
-    they view is about to be rewritten."""
+    """Parameters the ``after`` layouts leave out get their own storage back: their buffer is about to be rewritten."""
     staying = {param for layout in after for param in layout.params}
     reused = {_storage(allocation) for allocation in spare.values()}
     for layout in before:
@@ -335,8 +332,7 @@ def place(layout: FlatLayout, allocation: Tensor) -> Tensor:
 
 
 def _move(flat: Tensor, source: int, target: int, numel: int, chunk: int = 2**20) -> None:
-    """``flat[target:target + numel] = flat[source:source + numel]``, the ranges possibly overlapping, a chunk at a
-    time."""
+    """``flat[target:target + numel] = flat[source:source + numel]``, ranges possibly overlapping, chunk by chunk."""
     starts = range(0, numel, chunk)
     for start in reversed(starts) if target > source else starts:
         end = min(numel, start + chunk)

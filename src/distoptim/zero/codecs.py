@@ -72,8 +72,7 @@ def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """For each run of 2**16 floats sharing their top 16 bits: how many midpoints lie below the run, and the one
-    midpoint inside it (+inf if none)."""
+    """For each run of floats sharing their top 16 bits: how many midpoints lie below it, the one inside (or +inf)."""
     _, midpoints = dynamic_map(signed)
     top = torch.arange(1 << 16, dtype=torch.int64) << 16
     low, high = top.to(torch.int32).view(torch.float32), (top | 0xFFFF).to(torch.int32).view(torch.float32)
@@ -122,8 +121,7 @@ def _fresh(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> T
 def nearest_codes(
     normalized: Tensor, signed: bool, scratch: Scratch | None = None, out: Tensor | None = None
 ) -> Tensor:
-    """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; a tie to the lower code),
-    by two lookups in tables of the floats' top bits."""
+    """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; ties to the lower code)."""
     below, after = _code_tables(signed, normalized.device)
     get, count, device = scratch.get if scratch else _fresh, normalized.numel(), normalized.device
     halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
@@ -163,8 +161,7 @@ def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scra
 
 
 def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) -> dict[str, Tensor]:
-    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names; temporaries from
-    ``scratch`` where given."""
+    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names."""
     if fmt == "bf16":
         return {f"{key}.bf16": value.to(torch.bfloat16, copy=True)}  # a copy: bf16 state decodes into the scratch
     flat = _flat(value).float()
@@ -177,8 +174,7 @@ def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) ->
 
 
 def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scratch: Scratch | None = None) -> Tensor:
-    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype``; where ``scratch`` is given, into
-    its next slice for ``key`` (valid until it is reset)."""
+    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype`` (into ``scratch`` where given)."""
     codes = entry[f"{key}.bf16" if fmt == "bf16" else f"{key}.int8"]
     count, device = codes.numel(), codes.device
     values = (scratch.take if scratch else _fresh)(f"decoded {key}", count, dtype, device)

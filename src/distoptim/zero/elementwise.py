@@ -33,8 +33,7 @@ def torch_class_of(optimizer_class: type) -> type:
 
 
 def class_name(optimizer_class: type) -> str:
-    """A stable dotted name for ``optimizer_class`` (``"torch.optim.Muon"`` for torch's public classes), by which
-    checkpoints store a group's class as plain data."""
+    """A stable dotted name for ``optimizer_class`` (``"torch.optim.Muon"``): how checkpoints store a group's class."""
     module, qualname = optimizer_class.__module__, optimizer_class.__qualname__
     if module.startswith("torch.optim.") and getattr(torch.optim, qualname, None) is optimizer_class:
         module = "torch.optim"

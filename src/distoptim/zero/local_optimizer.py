@@ -68,8 +68,7 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
 
 
 def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Optimizer, default: type) -> None:
-    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added: ``optim`` would
-    step it with the class it was built with."""
+    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added."""
     built = (
         optim.classes()
         if isinstance(optim, CompositeOptimizer)
@@ -185,8 +184,7 @@ class CompositeOptimizer(Optimizer):
             part.zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim``'s format over the composite's groups (positions numbered through them in order), split
-        into each part's own and loaded there; the parts then share the loaded state again."""
+        """``torch.optim``'s format over the composite's groups, split into each part's own and loaded there."""
         per_part: dict[Hashable, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in self.parts}
         for (kind, _), saved in zip(self._order, state_dict["param_groups"]):
             part = per_part[kind]

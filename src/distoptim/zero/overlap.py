@@ -68,8 +68,7 @@ class OverlapStepper:
         global_params: list[Tensor],
         param_groups: list[dict[str, Any]],
     ) -> None:
-        """Forget the functional optimizers over the local shard's tensors (after each placement); ``step`` makes
-        them again for each set of parameters it is given."""
+        """Forget the functional optimizers over the local shard's tensors (after each placement)."""
         self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
         self.formats: StateFormats | None = (  # set by placement.bind_local_optimizer where a group takes a format
             local_optimizer.formats if isinstance(local_optimizer, CompositeOptimizer) else None
@@ -149,8 +148,7 @@ class OverlapStepper:
             self.formats.check_unchanged(self.param_groups)
 
     def skip_step(self) -> None:
-        """The end of a warm-up backward: nothing stepped, but ``zero_grad`` and ``step()`` take the backward as the
-        hook's, as torch's do."""
+        """The end of a warm-up backward: nothing stepped, but ``zero_grad`` and ``step()`` see the hook's backward."""
         self.stepped = self._unconfirmed = True
 
     def _parts_for(self, grads: dict[Tensor, Tensor | None]) -> list[_Part]:
@@ -183,8 +181,7 @@ class OverlapStepper:
     def explicit_step(
         self, closure: Callable[[], float] | None, grad_scaler: Any, kwargs: dict[str, Any]
     ) -> float | None:
-        """``zero.step()`` in overlap mode: runs the ``closure`` (returning its loss), then only checks that a hook
-        stepped during the backward since the last ``step()``."""
+        """``zero.step()`` in overlap mode: runs the ``closure``, then only checks that a hook stepped since."""
         amp.refuse_in_overlap_mode(grad_scaler, self._stepped_flag_on)
         if kwargs:
             raise TypeError(
@@ -242,8 +239,7 @@ class OverlapStepper:
 
 
 def buckets_final(ddp: Any) -> Callable[[], bool]:
-    """Whether ``ddp``'s buckets are final (the end of torch's warm-up), asked at each warm-up backward's first
-    bucket."""
+    """Whether ``ddp``'s buckets are final (the end of torch's warm-up), asked at a warm-up backward's first bucket."""
     asked = []
 
     def final() -> bool:
@@ -262,8 +258,7 @@ def buckets_final(ddp: Any) -> Callable[[], bool]:
 
 @dataclass
 class _Part:
-    """The owned tensors of one local param group among a set of parameters, and the functional optimizer over them
-    (``as_given``: every tensor is its whole parameter)."""
+    """The owned tensors of one local param group among a set of parameters, and the functional optimizer over them."""
 
     group: int
     functional: FunctionalOptimizer

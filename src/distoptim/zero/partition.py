@@ -32,8 +32,7 @@ MODES = ("greedy", "even")
 
 @dataclass(frozen=True)
 class Fragment:
-    """``length`` elements of a parameter from ``offset`` (in its memory order), owned by ``rank``, found at
-    ``position`` in its layout's flat buffer."""
+    """``length`` elements of a parameter from ``offset``, owned by ``rank``, at ``position`` of its layout's buffer."""
 
     rank: int
     offset: int
@@ -156,8 +155,7 @@ def partition_parameters(
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """What orthogonalizing an ``m x n`` matrix costs, up to a constant: ``m * n * min(m, n)`` (Newton-Schulz's
-    matrix products); the element count for any other shape."""
+    """What orthogonalizing an ``m x n`` matrix costs, up to a constant (the element count for any other shape)."""
     if len(shape) == 2:
         return shape[0] * shape[1] * min(shape[0], shape[1])
     return math.prod(shape)
@@ -175,8 +173,7 @@ def _distinct(keys: Sequence[Hashable], placed: Sequence[bool]) -> list[Hashable
 def _greedy_owners(
     owners: list[int], weights: Sequence[int], new: Sequence[int], peers: Sequence[int], world_size: int
 ) -> None:
-    """Sorted greedy with a heap of loads: the heaviest new parameter to the least-loaded rank (by ``weights``,
-    counting the owned ``peers``, the parameters balanced with them), ties to the lowest; ``owners`` is filled in."""
+    """Fill in ``owners``: the heaviest new parameter to the least-loaded rank (counting the owned ``peers``) first."""
     loads = [0] * world_size
     for index in peers:
         if owners[index] >= 0:
@@ -241,8 +238,7 @@ def _grown_even_layouts(
 def _aligned(
     layout: LayoutPlan, numels: Sequence[int], align: Sequence[int], previous: PartitionPlan | None
 ) -> LayoutPlan:
-    """``layout`` with each new region's inner boundaries moved down to a block boundary of the parameter they cut
-    (never below the boundary before), so that a block never straddles two ranks; regions ``previous`` made stay."""
+    """``layout`` with each new region's inner boundaries moved down to a block boundary of the parameter they cut."""
     if all(block == 1 for block in align):
         return layout
     kept = {old.key: len(old.bounds) for old in previous.layouts} if previous is not None else {}
@@ -265,8 +261,7 @@ def _aligned(
 def _whole_region(
     layout: LayoutPlan, kept: Sequence[tuple[int, int]], numels: Sequence[int], world_size: int
 ) -> LayoutPlan:
-    """``layout`` with a region of whole parameters appended, ``kept`` as ``(owner, index)`` sorted: each owner's
-    parameters one after another, its range exactly theirs."""
+    """``layout`` with a region of whole parameters (``(owner, index)`` sorted) appended, each owner's range theirs."""
     start = layout.numel
     positions = list(itertools.accumulate((numels[i] for _, i in kept[:-1]), initial=start))
     ends = [start] * (world_size + 1)

@@ -31,8 +31,7 @@ GLOBAL_ONLY = frozenset({"params", "param_names"})  # not hyperparameters: the l
 
 @dataclass(frozen=True)
 class LocalTensor:
-    """Elements ``[offset, offset + length)`` of global parameter ``index`` (``param``), stepped as ``tensor``:
-    the parameter itself, a view of its elements, or (``master``) a higher-precision copy of them."""
+    """Elements ``[offset, offset + length)`` of global parameter ``index``, stepped as ``tensor`` (maybe a master)."""
 
     index: int
     param: Tensor
@@ -67,8 +66,7 @@ def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[di
 
 
 def complete_hyperparameters(targets: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> None:
-    """Give each global (``targets``) group the settings only the local optimizer's defaults filled in (never
-    overwriting one), so that ``param_groups`` shows them."""
+    """Give each global (``targets``) group the settings only the local optimizer's defaults filled in."""
     for source, target in zip(sources, targets):
         for key, value in source.items():
             if key != "params":
@@ -102,12 +100,12 @@ class LocalShard:
                         local.append(_local_tensor(index, param, fragment.offset, fragment.length, master_dtype))
                 index += 1
             self.groups.append(local)
-        self.by_tensor = {id(t.tensor): t for group in self.groups for t in group}
-        self.detached = [t for group in self.groups for t in group if t.tensor is not t.param]  # needs .grad given
+        self.locals = [t for group in self.groups for t in group]
+        self.detached = [t for t in self.locals if t.tensor is not t.param]  # needs .grad given
         self.masters = [t for t in self.detached if t.master]
         self.source: Callable[[LocalTensor], Tensor | None] | None = None  # a gradient store (ShardedDataParallel's)
         self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
-        self._stepped = [t.tensor for group in self.groups for t in group]
+        self._stepped = [t.tensor for t in self.locals]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
         self._cut = [p for group in param_groups for p in group["params"]] if plan.mode == "even" else []
@@ -125,11 +123,10 @@ class LocalShard:
         ]
 
     def attach_grads(self) -> None:
-        """Give every fragment view and master copy its piece of its parameter's gradient (before the step); with a
-        ``source``, every local tensor its piece from there."""
+        """Give every fragment view and master copy its piece of the gradient (every tensor, from a ``source``)."""
         if self.source is not None:
-            self._given_back = [(t.param, t.param.grad) for group in self.groups for t in group if t.tensor is t.param]
-            for local in (t for group in self.groups for t in group):
+            self._given_back = [(t.param, t.param.grad) for t in self.locals if t.tensor is t.param]
+            for local in self.locals:
                 piece = self.source(local)
                 local.tensor.grad = None if piece is None else piece.to(local.tensor.dtype)
             return
@@ -139,7 +136,7 @@ class LocalShard:
 
     def detach_grads(self) -> None:
         """Drop the pieces again, so that no stale gradient outlives ``zero_grad``."""
-        for local in self.detached if self.source is None else (t for group in self.groups for t in group):
+        for local in self.detached if self.source is None else self.locals:
             local.tensor.grad = None
         for param, grad in self._given_back:  # what .grad held before the step (a source's marker, or the user's)
             param.grad = grad
@@ -164,9 +161,9 @@ class LocalShard:
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
         if self.source is not None:
-            return [grad for grad in map(self.source, (t for group in self.groups for t in group)) if grad is not None]
+            return [grad for grad in map(self.source, self.locals) if grad is not None]
         self._align_grads()
-        pieces = (t.grad_from(t.param.grad) for group in self.groups for t in group)
+        pieces = (t.grad_from(t.param.grad) for t in self.locals)
         return [grad for grad in pieces if grad is not None]
 
     def _align_grads(self) -> None:
@@ -184,7 +181,7 @@ class LocalShard:
     def global_state(self, state: dict[Tensor, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
         """The local optimizer's ``state`` keyed as in the global format, master copies included."""
         exported = {}
-        for local in (t for group in self.groups for t in group):
+        for local in self.locals:
             entry = dict(state.get(local.tensor, {}))
             if local.master:
                 entry[MASTER_KEY] = local.tensor.detach()
@@ -195,10 +192,9 @@ class LocalShard:
     def local_state(self, by_param: dict[Tensor, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Saved whole-parameter entries cut to this shard (copies), keyed by position in the local optimizer; master
         weights are loaded into the master copies here (a missing one is taken from its parameter)."""
-        locals_ = [local for group in self.groups for local in group]
-        entries = {i: slice_entry(by_param[t.param], t) for i, t in enumerate(locals_) if t.param in by_param}
+        entries = {i: slice_entry(by_param[t.param], t) for i, t in enumerate(self.locals) if t.param in by_param}
         missing = []
-        for position, local in enumerate(locals_):
+        for position, local in enumerate(self.locals):
             saved = entries.get(position, {}).pop(MASTER_KEY, None)
             if not local.master:
                 continue
@@ -222,30 +218,27 @@ class LocalShard:
         return entries
 
     def move_state(self, state: dict[Tensor, Any], previous: LocalShard | None) -> None:
-        """Re-key ``state`` from ``previous``'s tensors to this shard's (same fragment: same state), master values
-        kept."""
+        """Re-key ``state`` from ``previous``'s tensors to this shard's (same fragment: same state), masters kept."""
         if previous is None:
             return
-        now = {(t.index, t.offset, t.length): t for group in self.groups for t in group}
-        for group in previous.groups:
-            for old in group:
-                entry = state.pop(old.tensor, None)
-                new = now.get((old.index, old.offset, old.length))
-                if new is None:
-                    continue
-                if entry is not None:
-                    state[new.tensor] = entry
-                if old.master and new.master:
-                    with torch.no_grad():
-                        new.tensor.copy_(old.tensor)
+        now = {(t.index, t.offset, t.length): t for t in self.locals}
+        for old in previous.locals:
+            entry = state.pop(old.tensor, None)
+            new = now.get((old.index, old.offset, old.length))
+            if new is None:
+                continue
+            if entry is not None:
+                state[new.tensor] = entry
+            if old.master and new.master:
+                with torch.no_grad():
+                    new.tensor.copy_(old.tensor)
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _refuse_sparse_gradients(params: Sequence[Tensor]) -> None:
-    """An even partition cuts parameters, which a sparse gradient cannot be: refused for every parameter, from what
-    every rank holds alike, inside the step's agreement."""
+    """An even partition cuts parameters, which a sparse gradient cannot be (refused inside the step's agreement)."""
     sparse = [index for index, param in enumerate(params) if param.grad is not None and param.grad.is_sparse]
     if sparse:
         raise ValueError(

@@ -18,15 +18,7 @@ from distoptim.zero import amp
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = [
-    "JOIN_WITH_SCALER",
-    "GradientSource",
-    "Prepared",
-    "agreed",
-    "agreed_step",
-    "shadowing",
-    "step_local_optimizer",
-]
+__all__ = ["GradientSource", "Prepared", "agreed", "agreed_step", "shadowing", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -50,27 +42,21 @@ class GradientSource(Protocol):
 
     def grad_of(self, local: LocalTensor) -> Tensor | None:
         """``local``'s piece of its parameter's gradient, or None where the parameter has none."""
-        ...
 
     def check_finished(self) -> None:
         """Refuse a gradient a backward that raised midway left (local)."""
-        ...
 
     def prepare_step(self) -> bool:
         """Before the step reads (inside its agreement): whether this rank may step before the ranks agree."""
-        ...
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
         """The step's agreement said which parameters some rank used."""
-        ...
 
     def ready(self) -> None:
         """Before ``clip_grad_norm_`` reads (collective): the same, agreed on its own where a backward ran since."""
-        ...
 
     def clear(self, set_to_none: bool) -> None:
         """``zero_grad``."""
-        ...
 
 
 def agreed_step(
