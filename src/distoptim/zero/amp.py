@@ -32,8 +32,7 @@ class Verdict:
 def check_and_unscale(
     grad_scaler: Any, optimizer: object, grads: Callable[[], Sequence[Tensor]], sharded_in_memory: bool
 ) -> Verdict | None:
-    """With a scaler (None without one): check ``grads()`` (this rank's owned fragments, as stepped) for inf/nan
-    and unscale them in place, unless ``scaler.unscale_(optimizer)`` did already. Local: the caller agrees on it."""
+    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local)."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None

@@ -214,7 +214,7 @@ def _param_side(piece: Piece) -> Tensor:
 
 
 def _staged_view(stage: Tensor, start: int, piece: Piece) -> Tensor:
-    """The piece's place in a stage, shaped like ``_param_side(piece)`` (as ``piece_view`` reads it)."""
+    """The piece's place in a stage, shaped like ``_param_side(piece)``."""
     if piece.whole:
         return view_like(stage, start, piece.param)
     return stage[start : start + piece.length]

@@ -89,8 +89,7 @@ _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
 class Scratch:
-    """Flat temporaries kept between calls, one per role, grown to the largest request (mapped pages, no faults).
-    ``take`` hands out consecutive slices of a role's buffer until ``reset``; past ``limit`` elements, fresh tensors."""
+    """Flat temporaries kept between calls, one per role (``take``: consecutive slices until ``reset``)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

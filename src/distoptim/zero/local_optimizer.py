@@ -45,8 +45,7 @@ def kind_of(group: dict[str, Any], default: type) -> Kind:
 
 
 def whole_tensor_weights(groups: Sequence[dict[str, Any]], default: type) -> tuple[list[bool], list[int]]:
-    """For each parameter (global order): whether its class needs it whole (not elementwise: Muon, Adafactor), and
-    what stepping it costs (Muon: Newton-Schulz's ``m * n * min(m, n)``; otherwise its element count)."""
+    """For each parameter (global order): whether its class needs it whole, and what stepping it costs."""
     whole, costs = [], []
     for group in groups:
         cls = group_class(group, default)

@@ -88,8 +88,7 @@ class OverlapStepper:
         self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
-        """Step the owned fragments of the parameters in ``grads`` with those gradients (None: skipped), through
-        functional optimizers made for each set of parameters (a DDP bucket) at its first step."""
+        """Step the owned fragments of the parameters in ``grads`` (a DDP bucket) with those gradients (None: skip)."""
         state = self.local_optimizer.state
         for part in self._parts_for(grads):
             functional, group = part.functional, self.param_groups[part.group]
@@ -208,8 +207,7 @@ class OverlapStepper:
         return loss
 
     def bucket_sync(self, params: list[Tensor]) -> StagedSync:
-        """The staged broadcast of one DDP bucket's parameters from their owners (cached), relayed or not as the
-        whole sync would be (decided over every owned byte, not per bucket)."""
+        """The staged broadcast of one DDP bucket's parameters from their owners, relayed as the whole sync would be."""
         key = tuple(params)
         if key not in self._bucket_syncs:
             chosen = [self._index_of[param] for param in params if param in self._index_of]

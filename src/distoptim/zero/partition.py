@@ -212,8 +212,7 @@ def _grown_even_layouts(
     whole: Sequence[bool],
     owners: Sequence[int],
 ) -> list[LayoutPlan]:
-    """Previous layouts as they were, the new parameters of each key appended in regions of their own: first the
-    whole-tensor ones (each inside its owner's range), then the others, each region cut evenly."""
+    """Previous layouts as they were, the new parameters of each key appended in regions of their own."""
     layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
     for key in dict.fromkeys(keys[index] for index in new):
         members = [index for index in new if keys[index] == key and numels[index] > 0 and not whole[index]]
@@ -275,8 +274,7 @@ def _whole_region(
 
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
-    """``members`` (in order) cut into runs of at most ``cap`` elements, walking from the last one; one run without
-    a cap; none of no members (an empty region would still shift every later parameter)."""
+    """``members`` (in order) cut into runs of at most ``cap`` elements, from the last one; none of no members."""
     if not members:
         return []
     if cap is None:

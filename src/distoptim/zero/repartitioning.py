@@ -226,8 +226,7 @@ class Partitioning:
             listener()
 
     def _repartition_if_changed(self: ZeroParts) -> None:
-        """Before a step: a new placement where the last one is stale; then master copies take the values of
-        parameters written outside the optimizer."""
+        """A new placement where the last one is stale; then master copies take parameters written outside."""
         self._place_if_stale()
         self.local_shard.reseed_masters()
 

@@ -78,8 +78,7 @@ class StateFormats:
             entry.update(codecs.encode(key, entry.pop(key), fmt, self.scratch))
 
     def as_kept(self, state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
-        """``state`` with each entry as a step leaves it (encoded copies), so that a checkpoint's keys do not depend
-        on whether a step ran."""
+        """``state`` as a step leaves it (encoded copies): a checkpoint's keys do not depend on whether a step ran."""
         kept = {tensor: dict(entry) for tensor, entry in state.items()}
         self.encode_all(kept)
         return kept

@@ -106,8 +106,7 @@ def step_local_optimizer(
     closure: Callable[[], float] | None,
     kwargs: dict[str, Any],
 ) -> float | None:
-    """The local optimizer's step and the master copies' write-back; a value the local step itself sets in its groups
-    is shown in the global groups (``shown_groups``) right after it."""
+    """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
     before = [dict(group) for group in optim.param_groups]
     # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
     loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=closure, **kwargs)

@@ -62,8 +62,7 @@ def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
 
 
 def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "keep DDP's default all-reduce") -> None:
-    """Refuse a module whose embeddings make sparse gradients (``sparse=True``), which cannot be copied into a dense
-    bucket; the same module property on every rank, so every rank raises alike."""
+    """Refuse a module whose embeddings make sparse gradients (``sparse=True``), which no dense bucket can hold."""
     sparse = [
         f"'{name}'"
         for name, child in module.named_modules()
@@ -315,8 +314,7 @@ def agreed_param_group(
     check_existing: Callable[[], None] | None = None,
     state_format: str = "fp32",
 ) -> dict[str, Any]:
-    """``param_group`` normalised once every rank has checked it and all agree on it (``add_param_group``).
-    ``sharded_gradients``: new parameters must have no ``.grad``; ``check_existing``: run first, in the agreement."""
+    """``param_group`` normalised once every rank has checked it and all agree on it (``add_param_group``)."""
 
     def normalized() -> dict[str, Any]:
         if check_existing is not None:  # the groups there are (their classes unedited), before anything changes
