@@ -1,9 +1,6 @@
 """Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling protocol
-(``_step_supports_amp_scaling``, the ``grad_scaler`` keyword of ``step``).
-
-The step checks and unscales only what it steps (its owned fragments, upcast into the master dtype first), and the
-step's agreement carries the inf/nan flag, so every rank skips the same steps and keeps the same scale, with or
-without ``.grad`` (``ShardedDataParallel``). One host read per step, only when a scaler is used.
+(the ``grad_scaler`` keyword of ``step``). The step checks and unscales only what it steps, and the step's agreement
+carries the inf/nan flag, so every rank skips the same steps and keeps the same scale.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ __all__ = ["Verdict", "check_and_unscale", "refuse_in_overlap_mode"]
 
 
 class Verdict:
-    """This rank's half of a scaler's verdict: whether its owned gradients hold an inf or a nan (checked, and
-    unscaled unless ``scaler.unscale_`` did it, by ``check_and_unscale``), to be agreed across ranks and recorded."""
+    """This rank's half of a scaler's verdict (an inf or nan in its owned gradients), to be agreed and recorded."""
 
     def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor) -> None:
         self.grad_scaler, self.optimizer, self.flag = grad_scaler, optimizer, flag
@@ -36,8 +32,7 @@ class Verdict:
 def check_and_unscale(
     grad_scaler: Any, optimizer: object, grads: Callable[[], Sequence[Tensor]], sharded_in_memory: bool
 ) -> Verdict | None:
-    """With a scaler (None without one): check ``grads()`` (this rank's owned fragments, as stepped) for inf/nan
-    and unscale them in place, unless ``scaler.unscale_(optimizer)`` did already. Local: the caller agrees on it."""
+    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local)."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None
@@ -75,8 +70,7 @@ def _scaler_state(grad_scaler: Any, optimizer: object) -> dict[str, Any]:
 
 
 def _refuse_unknown_scaling(optimizer: object) -> None:
-    """A scaler that set ``found_inf`` on the optimizer instead of passing itself checked each rank's own (partial)
-    gradients: its verdict may differ between ranks, so the scales would drift apart."""
+    """A scaler that set ``found_inf`` on the optimizer checked each rank's own (partial) gradients."""
     if getattr(optimizer, "found_inf", None) is not None:
         raise RuntimeError(
             "this GradScaler did not pass itself to ZeroRedundancyOptimizer.step (grad_scaler=...), so it checked "

@@ -1,9 +1,7 @@
-"""Flat per-(device, dtype) layouts of the owned parameter elements, and the two ways to sync them.
-
-``BucketViewSync`` (``parameters_as_bucket_view=True``): parameters become views into the flat buffers, synced in
-place. ``StagedSync`` (default): parameters keep their storage; small pieces are packed into staging buffers, large
-ones broadcast in place. Either way one collective per (rank, region) or one all-gather per region, worked out at
-construction: a step runs no Python per parameter. ``docs/guides/internals.md``.
+"""The two ways to sync the flat per-(device, dtype) layouts of the owned parameter elements, worked out at
+construction (a step runs no Python per parameter): ``BucketViewSync`` (parameters become views into the flat
+buffers, synced in place) and ``StagedSync`` (parameters keep their storage; small pieces travel through staging
+buffers, large ones are broadcast in place). ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -17,11 +15,10 @@ from torch import Tensor
 
 from distoptim._flat import copy_each_, flat_view, is_dense, view_like
 from distoptim.comm import collectives as comm
-from distoptim.zero.layout_moves import movable_within, place, release_leavers
 from distoptim.zero.layouts import FlatLayout, Piece, layouts_from_plan, piece_view
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["BucketViewSync", "ParameterSync", "StagedSync", "staged_sync_of"]
+__all__ = ["BucketViewSync", "ParameterSync", "StagedSync", "owned_bytes", "staged_sync_of"]
 
 DEFAULT_STAGE_BYTES = 64 * 2**20
 DEFAULT_DIRECT_BYTES = 2**20
@@ -41,32 +38,23 @@ class ParameterSync:
         raise NotImplementedError
 
     def finish(self) -> None:
-        """Land whatever ``sync_parameters`` left in flight (a strategy that overlaps the sync with the next forward
-        has some): called before anything reads or writes the parameters outside a forward."""
+        """Land whatever ``sync_parameters`` left in flight (before anything touches the parameters)."""
 
     def check_untouched(self) -> None:
-        """Raise if a write to the parameters while ``finish`` was pending was lost (a strategy that leaves the sync
-        in flight watches for them): called inside the step's agreement, so every rank raises."""
+        """Raise if a write to the parameters while ``finish`` was pending was lost (inside the step's agreement)."""
 
     def check_untouched_here(self) -> None:
-        """Raise, on this rank alone, if it saw such a write: the explicit waits outside a step, local by contract."""
+        """Raise, on this rank alone, if it saw such a write (the explicit waits outside a step)."""
 
     def allocations(self) -> dict[tuple[torch.device, torch.dtype], Tensor]:
-        """The flat allocations the parameters are views into, by (device, dtype): what a rebuilt sync may move
-        them within (none here)."""
+        """The flat allocations the parameters are views into, by (device, dtype) (none here)."""
         return {}
 
 
 class BucketViewSync(ParameterSync):
-    """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place.
-
-    Each buffer is allocated with room for the padding of a finer even cut (``ShardedDataParallel`` cuts a layout
-    into regions, each padded to a multiple of the group size; at most ``group size - 1`` elements per parameter),
-    so that re-cutting moves the parameters within the buffers of ``move_within`` (the sync being replaced) instead
-    of copying them into new ones: wrapping a model in ``ShardedDataParallel`` costs no second copy of it. Only
-    where no autograd graph can hold views of the parameters (a backward would read moved memory): any other rebuild
-    copies into new buffers, leaving the old ones to whatever still views them. A new buffer is written parameter by
-    parameter (padding zeroed, the rest never touched twice), each parameter's old storage freed once copied."""
+    """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place. Each buffer
+    has room for the padding of a finer even cut, so that ``ShardedDataParallel``'s re-cut moves the parameters
+    within the buffers of ``move_within`` (the sync being replaced) instead of copying them: no second copy."""
 
     def __init__(
         self,
@@ -111,8 +99,7 @@ def staged_sync_of(
     collectives: comm.Collectives,
     relay: bool | None = None,
 ) -> StagedSync:
-    """The staged sync of the parameters ``params[i]``, ``i`` in ``chosen``, alone (one bucket of a DDP or
-    ``ShardedDataParallel`` backward), staging at most their bytes at once."""
+    """The staged sync of the parameters ``params[i]``, ``i`` in ``chosen``, alone (one bucket of a backward)."""
     inside = set(chosen)
     fragments = [pieces if index in inside else () for index, pieces in enumerate(plan.fragments)]
     stage_bytes = sum(params[index].numel() * params[index].element_size() for index in inside)
@@ -121,14 +108,9 @@ def staged_sync_of(
 
 
 class StagedSync(ParameterSync):
-    """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers.
-
-    Small pieces are cut into chunks (per owner, at most ``stage_bytes`` each) and chunks are grouped into rounds of
-    at most ``stage_bytes``; a round's broadcasts run concurrently, and so do the in-place broadcasts. What a round
-    copies in and out of its stage is fixed by the layout, so it is worked out once (``_RoundWork``) and each step
-    packs and unpacks with one ``torch._foreach_copy_`` each, whatever the number of pieces. ``relay``: whether the
-    p2p style goes through aggregators (``comm.relayed``), decided by a caller that syncs part of a layout (a DDP
-    bucket) as the whole layout would travel; None: each round decides over its own slices.
+    """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers
+    in rounds of at most ``stage_bytes``, packed and unpacked with one ``torch._foreach_copy_`` each (``_RoundWork``).
+    ``relay``: whether the p2p style goes through aggregators, decided by the caller (None: by each round).
     """
 
     def __init__(
@@ -154,10 +136,8 @@ class StagedSync(ParameterSync):
                     staged.append(piece)
             element_size = torch.empty((), dtype=layout.dtype).element_size()
             self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // element_size)))
-        shares = [0] * comm.group_size(group)  # the large pieces, one owner's each, travel as one layout
-        for piece in self.direct:
-            shares[piece.rank] += piece.length * piece.param.element_size()
-        self.relay_direct = comm.relayed(shares) if relay is None else relay
+        # the large pieces, one owner's each, travel as one layout
+        self.relay_direct = comm.relayed(owned_bytes(self.direct, comm.group_size(group))) if relay is None else relay
 
     def sync_parameters(self) -> None:
         direct = self.launch_direct()
@@ -187,7 +167,7 @@ class StagedSync(ParameterSync):
         works = comm.broadcast_slices(
             work.stage, work.slices, self.group, wait=False, collectives=self.collectives, relay_path=self.relay
         )
-        return _InFlight(round_, work.stage, works)
+        return _InFlight(round_, works)
 
     def land(self, flight: _InFlight) -> None:
         """Wait for a launched round and copy the other ranks' chunks into their parameters."""
@@ -218,17 +198,23 @@ class StagedSync(ParameterSync):
         return work
 
 
+def owned_bytes(pieces: Iterable[Piece], world_size: int) -> list[int]:
+    """The bytes of ``pieces`` each rank owns."""
+    shares = [0] * world_size
+    for piece in pieces:
+        shares[piece.rank] += piece.length * piece.param.element_size()
+    return shares
+
+
 def _param_side(piece: Piece) -> Tensor:
-    """What a piece's elements are copied from and into: the parameter itself when whole (so that a parameter whose
-    ``.data`` is replaced is still followed), a 1-D view of its elements otherwise."""
+    """What a piece's elements are copied from and into: the parameter itself when whole, else a 1-D view."""
     if piece.whole:
         return piece.param
     return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
 
 
 def _staged_view(stage: Tensor, start: int, piece: Piece) -> Tensor:
-    """The piece's place in a stage, shaped like ``_param_side(piece)``: a whole parameter's elements lie there in
-    memory order (row-major when it is not dense), as ``piece_view`` reads them."""
+    """The piece's place in a stage, shaped like ``_param_side(piece)``."""
     if piece.whole:
         return view_like(stage, start, piece.param)
     return stage[start : start + piece.length]
@@ -243,9 +229,8 @@ class _Chunk:
 
 
 class _RoundWork:
-    """A round's work at every step: this rank's pieces copied into the stage, the stage's slices broadcast from their
-    owners, the other ranks' pieces copied out of it. The stage is kept: a fresh buffer each step costs page faults,
-    not just bytes."""
+    """A round's work at every step: this rank's pieces into the stage, its slices broadcast from their owners, the
+    other ranks' pieces out of it (the stage is kept: a fresh one each step costs page faults)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, numel: int = 0) -> None:
         self.stage = torch.empty(numel, dtype=dtype, device=device)
@@ -268,7 +253,6 @@ class _Round:
 @dataclass
 class _InFlight:
     round: _Round
-    stage: Tensor
     works: list[Any]
 
 
@@ -292,3 +276,68 @@ def _rounds(pieces: Sequence[Piece], layout: FlatLayout, stage_numel: int) -> li
         current.chunks.append(chunk)
         current.numel += size
     return rounds
+
+
+def release_leavers(before: Sequence[FlatLayout], after: Sequence[FlatLayout], spare: dict[Any, Tensor]) -> None:
+    """Parameters the ``after`` layouts leave out get their own storage back: their buffer is about to be rewritten."""
+    staying = {param for layout in after for param in layout.params}
+    reused = {_storage(allocation) for allocation in spare.values()}
+    for layout in before:
+        for param in layout.params:
+            if param not in staying and _storage(param) in reused:
+                param.data = param.detach().clone()
+                torch.autograd.graph.increment_version(param)  # its old memory is about to be overwritten
+
+
+def _starts(layout: FlatLayout) -> list[tuple[int, Tensor]]:
+    return [(piece.position, piece.param) for piece in layout.pieces if piece.offset == 0]
+
+
+def movable_within(layout: FlatLayout, allocation: Tensor) -> bool:
+    """Whether ``layout`` fits ``allocation``, the parameters already viewing it in order (moved in place)."""
+    storage = _storage(allocation)
+    inside = [p.storage_offset() for _, p in _starts(layout) if _storage(p) == storage]
+    return layout.numel <= allocation.numel() and inside == sorted(inside)
+
+
+def place(layout: FlatLayout, allocation: Tensor) -> Tensor:
+    """Make ``layout``'s parameters views into ``allocation`` at their positions, zero the padding, and return the
+    layout's buffer. Parameters already in it move there: backward moves first to last, then forward ones last to
+    first, so that no move overwrites a parameter that has not moved yet."""
+    buffer = allocation[: layout.numel]
+    storage = _storage(allocation)
+    starts = _starts(layout)
+    inside = [
+        (int(param.storage_offset()), position, param) for position, param in starts if _storage(param) == storage
+    ]
+    backward = [move for move in inside if move[1] < move[0]]
+    forward = [move for move in reversed(inside) if move[1] > move[0]]
+    for source, target, param in backward + forward:
+        _move(allocation, source, target, param.numel())
+        param.data = view_like(buffer, target, param)
+        # a graph recorded before the move (a forward whose backward is pending) saved views of the old memory: its
+        # backward now raises torch's "modified by an inplace operation" instead of reading other parameters' values
+        torch.autograd.graph.increment_version(param)
+    for position, param in starts:
+        if _storage(param) != storage:  # its elements are elsewhere (a new parameter, a first layout): copy them
+            view = view_like(buffer, position, param)
+            view.copy_(param.detach())
+            param.data = view  # its old storage is freed here, unless something else holds it
+    covered = 0
+    for position, param in starts:
+        buffer[covered:position].zero_()  # empty where the parameters touch
+        covered = max(covered, position + param.numel())
+    buffer[covered:].zero_()
+    return buffer
+
+
+def _move(flat: Tensor, source: int, target: int, numel: int, chunk: int = 2**20) -> None:
+    """``flat[target:target + numel] = flat[source:source + numel]``, ranges possibly overlapping, chunk by chunk."""
+    starts = range(0, numel, chunk)
+    for start in reversed(starts) if target > source else starts:
+        end = min(numel, start + chunk)
+        flat[target + start : target + end].copy_(flat[source + start : source + end].clone())
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()

@@ -1,8 +1,5 @@
-"""Gradient-norm clipping over a sharded gradient: each rank measures what it owns, one scalar collective adds up.
-
-The owned fragments of all ranks tile the trainable parameters exactly once, so the sum of every rank's
-``sum |g|^p`` is the full gradient's, with or without gradient sharding; every rank gets the same total and scales
-its own fragments by the coefficient ``torch.nn.utils.clip_grad_norm_`` would use on the full gradient.
+"""Gradient-norm clipping over a sharded gradient: each rank measures what it owns (the owned fragments tile the
+trainable parameters once), one scalar collective adds up, and each rank scales its own fragments.
 """
 
 from __future__ import annotations
@@ -20,25 +17,27 @@ from distoptim.comm import collectives as comm
 if TYPE_CHECKING:
     from distoptim.zero.shard import LocalShard
 
-__all__ = ["clip_grad_norm_", "clip_shard"]
+__all__ = ["clip_shard"]
 
 
-def clip_grad_norm_(
-    grads: Sequence[Tensor],
+def clip_shard(
+    shard: LocalShard,
+    global_params: Sequence[Tensor],
     max_norm: float,
     norm_type: float,
     error_if_nonfinite: bool,
     group: comm.Group,
     device: torch.device,
-    grad_scale: float | Tensor | None = None,
-    scaled: Sequence[Tensor] | None = None,
+    grad_scale: float | Tensor | None,
 ) -> Tensor:
-    """Scale ``grads`` (this rank's owned fragments) so that the norm of the whole gradient is at most ``max_norm``.
-
-    Returns the total norm (a float32 scalar on ``device``, the same on every rank). Norms accumulate in float32.
-    ``grad_scale``: a loss scale ``grads`` still carry; the norm returned and clipped to is that of ``grads / scale``.
-    ``scaled``: the tensors to scale, when more than ``grads`` (which must be among them or views of them).
-    """
+    """Scale ``shard``'s owned gradient pieces so that the norm of the whole gradient is at most ``max_norm``; returns
+    the total norm (float32, the same on every rank). ``grad_scale``: a loss scale the gradients still carry. Where
+    each rank holds whole gradients (DDP), all of them are scaled, so that a further backward does not mix clipped
+    and unclipped pieces."""
+    whole = None
+    if shard.source is None:
+        whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
+    grads = shard.owned_grads()
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
     local = _local_term(grads, norm_type, device)
@@ -54,33 +53,11 @@ def clip_grad_norm_(
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads if scaled is None else scaled:
+    for grad in grads if whole is None else whole:
         by_device.setdefault(grad.device, []).append(grad)
     for device_grads in by_device.values():
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
     return total
-
-
-def clip_shard(
-    shard: LocalShard,
-    global_params: Sequence[Tensor],
-    max_norm: float,
-    norm_type: float,
-    error_if_nonfinite: bool,
-    group: comm.Group,
-    device: torch.device,
-    grad_scale: float | Tensor | None,
-) -> Tensor:
-    """``clip_grad_norm_`` over ``shard``'s owned gradient pieces. Where each rank holds whole gradients (under DDP's
-    all-reduce: ``shard.source`` is None) all of them are scaled, so that a further backward before the step
-    (accumulating into them, which DDP then averages) does not mix this rank's clipped pieces with the others'
-    unclipped ones."""
-    whole = None
-    if shard.source is None:
-        whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
-    return clip_grad_norm_(
-        shard.owned_grads(), max_norm, norm_type, error_if_nonfinite, group, device, grad_scale, scaled=whole
-    )
 
 
 def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device) -> Tensor:

@@ -1,11 +1,8 @@
 """How one optimizer-state tensor is stored between steps: fp32 as it is, bf16, or blockwise int8 (pure tensor ops).
 
-int8 is Dettmers et al.'s scheme (2022, "8-bit Optimizers via Block-wise Quantization"): one fp32 absmax scale per
-block of ``BLOCK`` elements, each element the nearest code of a dynamic quantile map (signed for signed keys,
-unsigned for non-negative ones). Blocks are laid on the tensor's memory order from its first element, so a piece of
-a parameter that starts on a block boundary encodes exactly as the same elements of the whole parameter. bf16 rounds
-to nearest (``.to(torch.bfloat16)``). Which keys are encoded: ``SIGNED`` and ``NON_NEGATIVE``; every other key
-(``step``, ``mu_product``, Rprop's ``step_size``, anything unknown) stays as torch.optim keeps it.
+int8 is Dettmers et al.'s scheme (2022): one fp32 absmax scale per block of ``BLOCK`` elements (in memory order from
+the first element), each element the nearest code of a dynamic map. Only ``SIGNED`` and ``NON_NEGATIVE`` keys are
+encoded; every other key stays as torch.optim keeps it.
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ __all__ = [
 ]
 
 FORMATS = ("fp32", "bf16", "int8")
-BLOCK = 256
-"""Elements per int8 block (torchao's block size; bitsandbytes uses 2048 for large tensors)."""
-MIN_NUMEL = 4096
-"""A parameter with fewer elements keeps fp32 state in every format (decided on the whole parameter)."""
+BLOCK = 256  # elements per int8 block (torchao's block size)
+MIN_NUMEL = 4096  # a parameter with fewer elements keeps fp32 state in every format
 SIGNED = frozenset({"exp_avg", "momentum_buffer", "prev", "grad_avg"})
 NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
 SCALE = "absmax"
@@ -52,8 +47,7 @@ def encoded_names(key: str, fmt: str) -> tuple[str, ...]:
 
 
 def is_encodable(key: str, value: object) -> bool:
-    """Whether state ``key`` holding ``value`` is stored encoded in a low-bit format (never a sparse one: SGD's
-    momentum of a sparse gradient, which holds only the rows it touched)."""
+    """Whether state ``key`` holding ``value`` is stored encoded in a low-bit format (never a sparse one)."""
     return (
         (key in SIGNED or key in NON_NEGATIVE)
         and isinstance(value, Tensor)
@@ -64,12 +58,8 @@ def is_encodable(key: str, value: object) -> bool:
 
 @functools.cache
 def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
-    """The 256 sorted code values in [-1, 1] (signed) or [0, 1], and the 255 midpoints between neighbours.
-
-    Dynamic tree quantization with 7 exponent bits: for exponent ``i`` in 0..6, magnitudes ``10**(i - 6)`` times
-    the centres of ``2**i`` (signed) or ``2**(i + 1)`` (unsigned) equal bins of [0.1, 1]; plus 0 and 1. The signed
-    map also holds -1 (in place of its smallest negative value; bitsandbytes' has +1 only), so that the element
-    setting a block's absmax decodes to it exactly, either sign: encoding what was decoded gives the same codes."""
+    """The 256 sorted code values in [-1, 1] (signed) or [0, 1], and the 255 midpoints between neighbours: dynamic
+    tree quantization with 7 exponent bits, plus 0, 1 and (signed) -1, so that a block's absmax decodes exactly."""
     values: list[float] = [0.0, 1.0] + ([-1.0] if signed else [])
     for i in range(7):
         count = 2**i if signed else 2 ** (i + 1)
@@ -82,8 +72,7 @@ def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """For each run of 2**16 floats sharing their top 16 bits (sign, exponent, 7 mantissa bits): how many midpoints
-    lie below the run, and the one midpoint inside it (+inf if none; the map's bins are wider than a run)."""
+    """For each run of floats sharing their top 16 bits: how many midpoints lie below it, the one inside (or +inf)."""
     _, midpoints = dynamic_map(signed)
     top = torch.arange(1 << 16, dtype=torch.int64) << 16
     low, high = top.to(torch.int32).view(torch.float32), (top | 0xFFFF).to(torch.int32).view(torch.float32)
@@ -100,10 +89,7 @@ _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
 class Scratch:
-    """Flat temporaries kept between calls, one per role, grown to the largest request: a step's encode and decode
-    then write into pages already mapped instead of fresh ones (whose faults cost more than the arithmetic).
-    ``take`` hands out consecutive slices of a role's buffer until ``reset`` (a chunk's decoded state); past
-    ``limit`` elements of a role it hands out fresh tensors instead, so that what is kept stays bounded."""
+    """Flat temporaries kept between calls, one per role (``take``: consecutive slices until ``reset``)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -134,8 +120,7 @@ def _fresh(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> T
 def nearest_codes(
     normalized: Tensor, signed: bool, scratch: Scratch | None = None, out: Tensor | None = None
 ) -> Tensor:
-    """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; a tie to the lower code):
-    ``torch.bucketize`` on the map's midpoints, the same bits, by two lookups in tables of the floats' top bits."""
+    """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; ties to the lower code)."""
     below, after = _code_tables(signed, normalized.device)
     get, count, device = scratch.get if scratch else _fresh, normalized.numel(), normalized.device
     halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
@@ -157,13 +142,11 @@ def _laid_like(flat: Tensor, like: Tensor) -> Tensor:
     return flat.as_strided(like.shape, like.stride()) if is_dense(like) else flat.view(like.shape)
 
 
-SPAN = 1 << 18
-"""Elements encoded or decoded at once (a multiple of ``BLOCK``): bounds the temporaries and keeps them in cache."""
+SPAN = 1 << 18  # elements encoded or decoded at once (a multiple of ``BLOCK``): the temporaries stay in cache
 
 
 def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scratch: Scratch | None) -> None:
-    """Blocks from ``flat``'s start into ``absmax`` and ``codes`` (slices of the outputs; only the last span ends
-    in a partial block)."""
+    """Blocks from ``flat``'s start into ``absmax`` and ``codes`` (slices of the outputs)."""
     count, full = flat.numel(), flat.numel() // BLOCK * BLOCK
     normalized = (scratch.get if scratch else _fresh)("normalized", count, torch.float32, flat.device)
     torch.amax(torch.abs(flat[:full], out=normalized[:full]).view(-1, BLOCK), 1, out=absmax[: full // BLOCK])
@@ -177,8 +160,7 @@ def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scra
 
 
 def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) -> dict[str, Tensor]:
-    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names; temporaries from
-    ``scratch`` where given."""
+    """``value`` (state ``key``) encoded in ``fmt``, as the entries ``encoded_names`` names."""
     if fmt == "bf16":
         return {f"{key}.bf16": value.to(torch.bfloat16, copy=True)}  # a copy: bf16 state decodes into the scratch
     flat = _flat(value).float()
@@ -191,18 +173,15 @@ def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) ->
 
 
 def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scratch: Scratch | None = None) -> Tensor:
-    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype``; where ``scratch`` is given, into
-    its next slice for ``key`` (valid until it is reset)."""
+    """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype`` (into ``scratch`` where given)."""
     codes = entry[f"{key}.bf16" if fmt == "bf16" else f"{key}.int8"]
     count, device = codes.numel(), codes.device
     values = (scratch.take if scratch else _fresh)(f"decoded {key}", count, dtype, device)
     if fmt == "bf16":
         return _laid_like(values.copy_(_flat(codes)), codes)
     absmax, table = entry[f"{key}.int8_{SCALE}"], dynamic_map(key in SIGNED)[0].to(device)
-    decoded, flat = (
-        values if dtype == torch.float32 else torch.empty(count, device=device, dtype=torch.float32),
-        _flat(codes),
-    )
+    decoded = values if dtype == torch.float32 else torch.empty(count, device=device, dtype=torch.float32)
+    flat = _flat(codes)
     for start in range(0, count, SPAN):
         end = min(start + SPAN, count)
         indices = (scratch.get if scratch else _fresh)("int32", end - start, torch.int32, device)

@@ -1,6 +1,6 @@
 """What the flat per-(device, dtype) buffers hold: a layout's ``Piece``s (one per fragment, in buffer order) and the
-ranges each rank owns, built from a ``partition.LayoutPlan`` (pure: no communication). ``buckets`` syncs them;
-``layout_moves`` lays parameters into them."""
+ranges each rank owns, built from a ``partition.LayoutPlan`` (pure: no communication). ``buckets`` syncs them and
+lays parameters into them."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ __all__ = ["FlatLayout", "Piece", "layouts_from_plan", "piece_view"]
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements ``[offset, offset + length)`` of ``param`` (memory order), owned by ``rank``, at ``position`` of the
-    layout's flat buffer."""
+    """Elements ``[offset, offset + length)`` of ``param``, owned by ``rank``, at ``position`` of the flat buffer."""
 
     param: Tensor
     offset: int

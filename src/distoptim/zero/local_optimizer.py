@@ -1,14 +1,6 @@
-"""The local optimizer: plain ``torch.optim`` over this rank's shard, one optimizer per class when groups name their
-own (``{"params": matrices, "optimizer_class": torch.optim.Muon}``).
-
-A group's class is its ``"optimizer_class"`` key, or the constructor's class without one. A group that names its
-class takes that class's own defaults plus its keys (the constructor's ``**defaults`` are the constructor class's);
-plain ``torch.optim`` optimizers ignore the key, so it can stay in the group. Where every group is of one kind the
-local optimizer is that plain optimizer (``zero.optim``, as before); otherwise a ``CompositeOptimizer``: its
-``param_groups`` are its parts' group dicts in the global order, its ``state`` one dict the parts share (so
-consolidation, loading, ``state``, clipping and GradScaler see one optimizer), its ``step`` each part's step.
-Where a group keeps its state in fewer bits (``"state_format"``), the local optimizer is a composite too, stepping
-through ``state_formats.StateFormats`` (set by ``placement.bind_local_optimizer``).
+"""The local optimizer: plain ``torch.optim`` over this rank's shard, or where groups name their own class
+(``"optimizer_class"``, taking that class's defaults) or keep their state in fewer bits, a ``CompositeOptimizer``:
+one plain optimizer per kind of group, seen as one (its parts' groups in global order, one shared ``state``).
 """
 
 from __future__ import annotations
@@ -39,9 +31,8 @@ __all__ = [
 
 CLASS_KEY = "optimizer_class"
 
-Kind = tuple[
-    type, bool
-]  # (the torch.optim class, whether the group named it: then the constructor's defaults don't apply)
+# (the torch.optim class, whether the group named it: then the constructor's defaults don't apply)
+Kind = tuple[type, bool]
 
 
 def group_class(group: dict[str, Any], default: type) -> type:
@@ -54,8 +45,7 @@ def kind_of(group: dict[str, Any], default: type) -> Kind:
 
 
 def whole_tensor_weights(groups: Sequence[dict[str, Any]], default: type) -> tuple[list[bool], list[int]]:
-    """For each parameter (global order): whether its class needs it whole (not elementwise: Muon, Adafactor), and
-    what stepping it costs (Muon: Newton-Schulz's ``m * n * min(m, n)``; otherwise its element count)."""
+    """For each parameter (global order): whether its class needs it whole, and what stepping it costs."""
     whole, costs = [], []
     for group in groups:
         cls = group_class(group, default)
@@ -77,9 +67,7 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
 
 
 def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Optimizer, default: type) -> None:
-    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added: ``optim``'s part
-    for it is still of the class it was built with (state, defaults), so the step would go on with that one while
-    the groups and checkpoints named the new class."""
+    """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added."""
     built = (
         optim.classes()
         if isinstance(optim, CompositeOptimizer)
@@ -98,12 +86,8 @@ def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Opti
 def check_eps_from_first_dtype(
     groups: Sequence[dict[str, Any]], default: type, master_dtype: torch.dtype | None
 ) -> None:
-    """Refuse an Adafactor group that leaves ``eps1`` to torch (``eps=(None, ...)``, its default) over parameters
-    of more than one stepped dtype: torch's plain Adafactor then takes ``eps1`` from the dtype of the group's first
-    parameter with a gradient and applies it to the whole group, so a bf16 parameter first gives an fp32 one bf16's
-    epsilon. A shard holds other first parameters than the whole group, so its step would differ, silently.
-    ``groups``: the global groups, their defaults filled in (``eps`` there); ``default``: the constructor's class.
-    At construction, ``add_param_group`` and every step (a load or an edit may set ``eps1`` back to None)."""
+    """Refuse an Adafactor group with ``eps=(None, ...)`` over parameters of more than one stepped dtype: torch takes
+    ``eps1`` from the group's first parameter's dtype, which a shard (other first parameters) cannot reproduce."""
     for index, group in enumerate(groups):
         eps = group.get("eps")
         adafactor = issubclass(group_class(group, default), torch.optim.Adafactor)
@@ -199,8 +183,7 @@ class CompositeOptimizer(Optimizer):
             part.zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim``'s format over the composite's groups (positions numbered through them in order), split
-        into each part's own and loaded there; the parts then share the loaded state again."""
+        """``torch.optim``'s format over the composite's groups, split into each part's own and loaded there."""
         per_part: dict[Hashable, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in self.parts}
         for (kind, _), saved in zip(self._order, state_dict["param_groups"]):
             part = per_part[kind]

@@ -1,10 +1,7 @@
 """ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
 
-It composes a partition plan (``partition``: who owns which parameter), a local optimizer over the owned parameters
-(plain ``torch.optim``) and a sync strategy (``buckets``: how updated shards reach every rank); ``placement`` builds
-them from the plan, ``repartitioning`` holds the plan and places again, ``stepping`` agrees on a step and runs the
-local one, ``state_dicts`` saves and loads. Each takes what it needs as arguments (the base classes type the
-optimizer as a protocol); this module is the public surface and the only one holding the optimizer.
+The public surface, composing ``placement`` (plan, shard, sync), ``repartitioning``, ``stepping`` and
+``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol).
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ from torch.optim import Optimizer
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, clipping, fingerprints, placement, repartitioning, state_dicts, stepping, validation
+from distoptim.zero import amp, clipping, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.gradient_source import GradientSource
 from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import PartitionPlan
@@ -121,7 +117,7 @@ class ZeroRedundancyOptimizer(
         self._shard: LocalShard | None = None
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
-        self._gradient_source: GradientSource | None = None  # attach_gradient_source: ShardedDataParallel's store
+        self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
         self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
@@ -177,11 +173,7 @@ class ZeroRedundancyOptimizer(
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
         """Step this rank's shard with its local optimizer, then sync the parameters (collective); returns the
-        closure's loss, or None.
-
-        The ranks first agree (one small all-reduce) that the local part succeeded everywhere, with the same
-        parameters trainable and the same hyperparameters; a parameter made trainable or given new storage since
-        the last step is placed first.
+        closure's loss, or None. The ranks first agree (one small all-reduce) that the local part succeeded everywhere.
 
         Args:
             closure: re-evaluates the model and returns the loss, run first as ``torch.optim`` does (default None).
@@ -270,22 +262,18 @@ class ZeroRedundancyOptimizer(
 
     def _fingerprint(self) -> Any:
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return fingerprints.step_fingerprint(self._trainability, self.param_groups)
+        return validation.step_fingerprint(self._trainability, self.param_groups)
 
     def _agreed_step(
         self, action: Callable[[], stepping.Prepared]
     ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
         count = 0 if self._gradient_source is None else len(self.global_params) + 1
-        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=self._store_flags(count))
 
-    def _store_flags(self, count: int) -> Callable[[stepping.Prepared | None], tuple[bool, ...]]:
-        """The step agreement's flags for the gradient store: the parameters this rank used, and a held-back part."""
-
-        def flags(done: stepping.Prepared | None) -> tuple[bool, ...]:
+        def store_flags(done: stepping.Prepared | None) -> tuple[bool, ...]:  # the parameters used; a held-back part
             source = self._gradient_source
             return (False,) * count if done is None or source is None else (*source.used, self._held_back)
 
-        return flags
+        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=store_flags)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
         """Place again where the placement is stale (a parameter made trainable or given new storage since), then
@@ -327,7 +315,7 @@ class ZeroRedundancyOptimizer(
         self._sync.finish()
 
     @property
-    def gradient_source(self) -> GradientSource | None:
+    def gradient_source(self) -> stepping.GradientSource | None:
         """Where the step reads the gradient instead of ``.grad`` (``attach_gradient_source``), or None."""
         return self._gradient_source
 
@@ -337,12 +325,12 @@ class ZeroRedundancyOptimizer(
         assert self._placement is not None
         return self._placement.sync
 
-    def attach_gradient_source(self, source: GradientSource) -> None:
+    def attach_gradient_source(self, source: stepping.GradientSource) -> None:
         """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``;
         after a re-placement ``source.replanned()`` attaches one over the new placement.
 
         Args:
-            source: the gradient's one owner (``zero/gradient_source.py``).
+            source: the gradient's one owner (``stepping.GradientSource``).
         """
         self._gradient_source, self.local_shard.source, self._sync = source, source.grad_of, source.sync
         if source.replanned not in self._plan_listeners:

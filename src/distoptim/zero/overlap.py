@@ -1,8 +1,5 @@
 """The overlap-mode step of a ZeroRedundancyOptimizer: functional optimizers over its local shard, stepped by the
-DDP hooks of ``ddp_hooks`` with gradients straight from DDP's buckets, never from ``.grad``.
-
-It is given what it works on (the local optimizer, shard, plan, parameters) by the optimizer that owns it, so it
-imports neither the optimizer nor the hooks.
+DDP hooks (``ddp/zero_step.py``) with gradients straight from DDP's buckets, never from ``.grad``.
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ from distoptim._flat import copy_each_
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp
-from distoptim.zero.buckets import StagedSync, staged_sync_of
-from distoptim.zero.layouts import FlatLayout, layouts_from_plan
+from distoptim.zero.buckets import StagedSync, owned_bytes, staged_sync_of
+from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.local_optimizer import CompositeOptimizer
 from distoptim.zero.partition import PartitionPlan
 from distoptim.zero.shard import LocalShard, LocalTensor
@@ -37,12 +34,8 @@ _SCHEDULER_SAW_STEP = "_opt_called"
 
 
 class OverlapStepper:
-    """The overlap-mode step of one ZeroRedundancyOptimizer: functional optimizers over the local param groups.
-
-    They share the local ``torch.optim`` optimizer's ``state`` (so consolidation and loading work unchanged), kept
-    in its formats (``state_format``: decoded around each part's step), and read the global ``param_groups`` at every
-    step (so schedulers work).
-    """
+    """The overlap-mode step of one ZeroRedundancyOptimizer: functional optimizers over the local param groups,
+    sharing the local optimizer's ``state`` (in its formats) and reading the global ``param_groups`` at every step."""
 
     def __init__(
         self,
@@ -75,9 +68,7 @@ class OverlapStepper:
         global_params: list[Tensor],
         param_groups: list[dict[str, Any]],
     ) -> None:
-        """Forget the functional optimizers over the local shard's tensors (after construction, add_param_group or
-        a change of trainability); ``step`` makes them again for each set of parameters it is given. ``param_groups``
-        is the global view, read at every step."""
+        """Forget the functional optimizers over the local shard's tensors (after each placement)."""
         self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
         self.formats: StateFormats | None = (  # set by placement.bind_local_optimizer where a group takes a format
             local_optimizer.formats if isinstance(local_optimizer, CompositeOptimizer) else None
@@ -92,14 +83,12 @@ class OverlapStepper:
         self._index_of = {param: index for index, param in enumerate(global_params)}
         self._parts.clear()
         self._bucket_syncs.clear()
-        self._relay = comm.relayed(_shares(layouts_from_plan(plan.layouts, plan.fragments, global_params), self.group))
+        layouts = layouts_from_plan(plan.layouts, plan.fragments, global_params)
+        pieces = [piece for layout in layouts for piece in layout.pieces]
+        self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
-        """Step the owned parameters (or fragments) of the parameters in ``grads`` with those gradients
-        (None: skip it, as torch.optim skips a parameter whose ``.grad`` is None).
-
-        The work is in the parameters given, not in the shard: each set of parameters (a DDP bucket) gets its own
-        functional optimizers over just its owned tensors, made at its first step."""
+        """Step the owned fragments of the parameters in ``grads`` (a DDP bucket) with those gradients (None: skip)."""
         state = self.local_optimizer.state
         for part in self._parts_for(grads):
             functional, group = part.functional, self.param_groups[part.group]
@@ -142,11 +131,8 @@ class OverlapStepper:
             finish()
 
     def begin_backward(self, buckets_final: Callable[[], bool]) -> bool:
-        """At a hooked backward's first bucket: whether it is a warm-up backward, which takes no step.
-
-        torch's hooks take none until DDP has rebuilt its buckets (``buckets_final``, asked only while waiting for
-        it), and none in the backward after that (where they learn the buckets); every backward after steps.
-        """
+        """At a hooked backward's first bucket: whether it is a warm-up backward (as torch's: until DDP has rebuilt its
+        buckets, and the backward after), which takes no step."""
         if self._warmup == _WAITING:
             if buckets_final():
                 self._warmup = _LEARNING
@@ -161,8 +147,7 @@ class OverlapStepper:
             self.formats.check_unchanged(self.param_groups)
 
     def skip_step(self) -> None:
-        """The end of a warm-up backward: nothing stepped (no state, no sync, no scheduler mark), but ``zero_grad``
-        and ``step()`` take the backward as the hook's, as torch's do (its ``step()`` does nothing then)."""
+        """The end of a warm-up backward: nothing stepped, but ``zero_grad`` and ``step()`` see the hook's backward."""
         self.stepped = self._unconfirmed = True
 
     def _parts_for(self, grads: dict[Tensor, Tensor | None]) -> list[_Part]:
@@ -195,12 +180,7 @@ class OverlapStepper:
     def explicit_step(
         self, closure: Callable[[], float] | None, grad_scaler: Any, kwargs: dict[str, Any]
     ) -> float | None:
-        """``zero.step()`` in overlap mode: the hook stepped during backward, so this only checks that it did.
-
-        A ``closure`` is run first, as ``torch.optim`` runs it (it is expected to run the backward), and its loss is
-        returned. Raises when no hook stepped since the last ``step()``: no hook was built, or no backward ran. After
-        a warm-up backward (``skip_step``) it steps nothing, as torch's ``step()`` steps nothing.
-        """
+        """``zero.step()`` in overlap mode: runs the ``closure``, then only checks that a hook stepped since."""
         amp.refuse_in_overlap_mode(grad_scaler, self._stepped_flag_on)
         if kwargs:
             raise TypeError(
@@ -227,10 +207,7 @@ class OverlapStepper:
         return loss
 
     def bucket_sync(self, params: list[Tensor]) -> StagedSync:
-        """The staged broadcast of one DDP bucket's parameters (their fragments) from their owners (cached). Whether
-        it goes through aggregators (gloo's p2p style) is decided once over every owned byte, as the whole sync
-        decides it: decided per bucket (mostly one owner's), it relayed buckets the whole sync sends directly, and
-        a rank sent up to 1.02x what it sends there (issue 44)."""
+        """The staged broadcast of one DDP bucket's parameters from their owners, relayed as the whole sync would be."""
         key = tuple(params)
         if key not in self._bucket_syncs:
             chosen = [self._index_of[param] for param in params if param in self._index_of]
@@ -260,8 +237,7 @@ class OverlapStepper:
 
 
 def buckets_final(ddp: Any) -> Callable[[], bool]:
-    """Whether ``ddp``'s buckets are final (the end of torch's warm-up), asked at each warm-up backward's first
-    bucket (torch's hooks ask at every bucket: the answer does not change within a backward)."""
+    """Whether ``ddp``'s buckets are final (the end of torch's warm-up), asked at a warm-up backward's first bucket."""
     asked = []
 
     def final() -> bool:
@@ -278,19 +254,9 @@ def buckets_final(ddp: Any) -> Callable[[], bool]:
     return final
 
 
-def _shares(layouts: list[FlatLayout], group: comm.Group) -> list[int]:
-    """The bytes each rank owns over ``layouts``."""
-    shares = [0] * comm.group_size(group)
-    for layout in layouts:
-        for piece in layout.pieces:
-            shares[piece.rank] += piece.length * piece.param.element_size()
-    return shares
-
-
 @dataclass
 class _Part:
-    """The owned tensors of one local param group among a set of parameters, and the functional optimizer over them.
-    ``as_given``: every tensor is its whole parameter, so the parameters' gradients are stepped as they are."""
+    """The owned tensors of one local param group among a set of parameters, and the functional optimizer over them."""
 
     group: int
     functional: FunctionalOptimizer

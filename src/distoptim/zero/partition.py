@@ -1,11 +1,8 @@
 """Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors.
 
-Parameters are laid out in one flat buffer per layout key ((device, dtype)); each rank owns ranges of it, and a
-parameter's share of a range is a ``Fragment``, which everything downstream reads. ``greedy`` (torch's) places
-whole parameters on the least-loaded rank; ``even`` cuts each layout (or each ``region_numel`` region, for
-``ShardedDataParallel``'s buckets) into equal ranges. Frozen parameters are owned by nobody; whole-tensor
-parameters (Muon, Adafactor) are never cut. A plan grows from the previous one (``add_param_group``, unfreezing).
-The details: ``docs/guides/internals.md``.
+One flat buffer per layout key ((device, dtype)); each rank owns ranges of it, a parameter's share of a range being a
+``Fragment``. ``greedy`` (torch's) places whole parameters on the least-loaded rank; ``even`` cuts each layout (or
+region) into equal ranges. A plan grows from the previous one. The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ MODES = ("greedy", "even")
 
 @dataclass(frozen=True)
 class Fragment:
-    """``length`` elements of a parameter from ``offset`` (in its memory order), owned by ``rank``, found at
-    ``position`` in its layout's flat buffer."""
+    """``length`` elements of a parameter from ``offset``, owned by ``rank``, at ``position`` of its layout's buffer."""
 
     rank: int
     offset: int
@@ -46,11 +42,8 @@ class Fragment:
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """The flat buffer of one layout key: parameters in buffer order, where each starts, and who owns which range.
-
-    ``bounds`` holds one tuple of ``world_size + 1`` boundaries per region: rank ``r`` owns ``[b[r], b[r+1])`` of
-    each region. Greedy layouts have one region; even ones one per growth of the plan.
-    """
+    """The flat buffer of one layout key: parameters in buffer order, where each starts, and who owns which range
+    (``bounds``: per region, ``world_size + 1`` boundaries; rank ``r`` owns ``[b[r], b[r+1])``)."""
 
     key: Hashable
     params: tuple[int, ...]
@@ -109,13 +102,9 @@ def partition_parameters(
 ) -> PartitionPlan:
     """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
 
-    ``keys`` names each parameter's layout (parameters of different keys never share a buffer); one layout when
-    omitted. ``previous`` is the plan for a prefix of the parameters: what it placed stays put. ``region_numel``
-    (even mode): the most elements a region of each key holds (a larger parameter gets a region of its own); one
-    region per key and growth when omitted. ``whole`` marks parameters never to cut, placed by ``costs`` (element
-    counts when omitted). ``align`` (even mode): each parameter's block (1: none); a range boundary that cuts a
-    parameter is moved down to one of its block boundaries, counted from its first element. O(P log P) for P
-    parameters (and O(P log N) for N ranks in greedy mode).
+    ``keys``: each parameter's layout. ``previous``: the plan for a prefix of the parameters (what it placed stays).
+    ``region_numel`` (even): the most elements a region of each key holds. ``whole``: parameters never cut, placed
+    by ``costs``. ``align`` (even): each parameter's block, which no range boundary cuts.
     """
     keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
@@ -166,8 +155,7 @@ def partition_parameters(
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """What orthogonalizing an ``m x n`` matrix costs, up to a constant: ``m * n * min(m, n)`` (Newton-Schulz's
-    matrix products); the element count for any other shape."""
+    """What orthogonalizing an ``m x n`` matrix costs, up to a constant (the element count for any other shape)."""
     if len(shape) == 2:
         return shape[0] * shape[1] * min(shape[0], shape[1])
     return math.prod(shape)
@@ -185,8 +173,7 @@ def _distinct(keys: Sequence[Hashable], placed: Sequence[bool]) -> list[Hashable
 def _greedy_owners(
     owners: list[int], weights: Sequence[int], new: Sequence[int], peers: Sequence[int], world_size: int
 ) -> None:
-    """Sorted greedy with a heap of loads: the heaviest new parameter to the least-loaded rank (by ``weights``,
-    counting the owned ``peers``, the parameters balanced with them), ties to the lowest; ``owners`` is filled in."""
+    """Fill in ``owners``: the heaviest new parameter to the least-loaded rank (counting the owned ``peers``) first."""
     loads = [0] * world_size
     for index in peers:
         if owners[index] >= 0:
@@ -225,9 +212,7 @@ def _grown_even_layouts(
     whole: Sequence[bool],
     owners: Sequence[int],
 ) -> list[LayoutPlan]:
-    """Previous layouts as they were, the new parameters of each key appended to its layout in regions of their own
-    (one, or of at most ``region_numel[key]`` elements each): first the whole-tensor ones, each region rank by rank
-    (each parameter inside its owner's range), then the others, each region cut evenly."""
+    """Previous layouts as they were, the new parameters of each key appended in regions of their own."""
     layouts = {layout.key: layout for layout in (previous.layouts if previous is not None else ())}
     for key in dict.fromkeys(keys[index] for index in new):
         members = [index for index in new if keys[index] == key and numels[index] > 0 and not whole[index]]
@@ -252,8 +237,7 @@ def _grown_even_layouts(
 def _aligned(
     layout: LayoutPlan, numels: Sequence[int], align: Sequence[int], previous: PartitionPlan | None
 ) -> LayoutPlan:
-    """``layout`` with each new region's inner boundaries moved down to a block boundary of the parameter they cut
-    (never below the boundary before), so that a block never straddles two ranks; regions ``previous`` made stay."""
+    """``layout`` with each new region's inner boundaries moved down to a block boundary of the parameter they cut."""
     if all(block == 1 for block in align):
         return layout
     kept = {old.key: len(old.bounds) for old in previous.layouts} if previous is not None else {}
@@ -276,8 +260,7 @@ def _aligned(
 def _whole_region(
     layout: LayoutPlan, kept: Sequence[tuple[int, int]], numels: Sequence[int], world_size: int
 ) -> LayoutPlan:
-    """``layout`` with a region of whole parameters appended, ``kept`` as ``(owner, index)`` sorted: each owner's
-    parameters one after another, its range exactly theirs."""
+    """``layout`` with a region of whole parameters (``(owner, index)`` sorted) appended, each owner's range theirs."""
     start = layout.numel
     positions = list(itertools.accumulate((numels[i] for _, i in kept[:-1]), initial=start))
     ends = [start] * (world_size + 1)
@@ -291,9 +274,7 @@ def _whole_region(
 
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
-    """``members`` (in order) cut into runs of at most ``cap`` elements, walking from the last one (a parameter
-    larger than ``cap`` alone); one run without a cap; none of no members (an empty region would still take a
-    position in its layout, shifting every later parameter's)."""
+    """``members`` (in order) cut into runs of at most ``cap`` elements, from the last one; none of no members."""
     if not members:
         return []
     if cap is None:

@@ -1,12 +1,6 @@
-"""Where a ZeroRedundancyOptimizer's parameters live: the partition plan, and everything built from it (the local
-shard and its optimizer's param groups, the parameter sync, the overlap stepper), rebuilt when the plan changes.
-
-The plan changes at construction, in ``add_param_group``, when a parameter becomes trainable (gradual unfreezing),
-and when ``ShardedDataParallel`` re-cuts an even partition into buckets; the views are rebuilt, with the plan
-unchanged, when parameters got new storage (``param.data = ...``, ``model.to(...)`` copying; a dtype or device
-change is refused: the optimizer state would have to follow). Parameters that
-already have an owner keep it, and their state, even when frozen since (a frozen parameter has no gradient, so its
-owner skips it as a plain optimizer would).
+"""Where a ZeroRedundancyOptimizer's parameters live: the partition plan and everything built from it (the local
+shard, its optimizer, the parameter sync), rebuilt when the plan changes or parameters got new storage. Parameters
+that have an owner keep it, and their state, even when frozen since.
 """
 
 from __future__ import annotations
@@ -45,18 +39,15 @@ class PlacementSettings:
 
 @dataclass(frozen=True)
 class Placement:
-    """A plan and what is built from it: the local shard, the parameter sync, and what the plan was made for
-    (which parameters were trainable, where each parameter's storage was), to tell when it must be made again."""
+    """A plan, what is built from it, and what it was made for (trainability, storage), to tell when it is stale."""
 
     plan: PartitionPlan
     shard: LocalShard
     sync: ParameterSync
     trainability: tuple[bool, ...]
-    unowned: list[Tensor]
-    """Frozen parameters nobody owns: a gradient on one is refused (it would be silently ignored)."""
+    unowned: list[Tensor]  # frozen parameters nobody owns: a gradient on one is refused
     bound: tuple[int, ...]
-    keys: tuple[tuple[torch.device, torch.dtype], ...]
-    """Each parameter's (device, dtype) when placed: the layout it was planned in."""
+    keys: tuple[tuple[torch.device, torch.dtype], ...]  # each parameter's layout key when placed
 
 
 def place(
@@ -70,10 +61,8 @@ def place(
     whole: Sequence[bool] | None = None,
     costs: Sequence[int] | None = None,
 ) -> Placement:
-    """Place the parameters ``previous`` has no owner for (all of them without one) and build the shard and the
-    sync. ``moving_within``: bucket views move within that sync's buffers (only where no autograd graph can hold
-    views of them). ``whole``/``costs``: parameters never cut and what each costs to step (``partition_parameters``).
-    The caller finishes any sync in flight first."""
+    """Place the parameters ``previous`` has no owner for and build the shard and the sync (``moving_within``: bucket
+    views move within that sync's buffers). The caller finishes any sync in flight first."""
     trainability = tuple(p.requires_grad for p in params)
     keys = tuple((p.device, p.dtype) for p in params)
     plan = partition_parameters(
@@ -109,54 +98,37 @@ def bind_local_optimizer(
     previous_shard: LocalShard | None,
     param_groups: Sequence[dict[str, Any]],
 ) -> Optimizer:
-    """The local optimizer over ``shard``: a new one, or ``optim`` given the new shard's tensors, its state kept
-    for every fragment that stays on this rank (a plain one becomes a composite when a group of another kind
-    arrives: ``local_optimizer.py``); where a group keeps its state in fewer bits, it steps through the formats."""
-    optim = _bound(optim, optimizer_class, defaults, shard, previous_shard, param_groups)
-    if isinstance(optim, CompositeOptimizer) and needs_formats(param_groups):
-        optim.formats = StateFormats.for_shard(shard, param_groups)  # the state made at construction (Adagrad's)
-        # stays as torch made it until its parameter's first step encodes it, as one process's would
-    return optim
-
-
-def _bound(
-    optim: Optimizer | None,
-    optimizer_class: type[Optimizer],
-    defaults: dict[str, Any],
-    shard: LocalShard,
-    previous_shard: LocalShard | None,
-    param_groups: Sequence[dict[str, Any]],
-) -> Optimizer:
+    """The local optimizer over ``shard``: a new one, or ``optim`` given the new shard's tensors (its state kept for
+    every fragment that stays; a composite where groups differ in kind), stepping through the formats if any."""
     local_groups = shard.param_groups(param_groups)
     if optim is None:
-        return build_local_optimizer(local_groups, optimizer_class, defaults)
-    shard.move_state(optim.state, previous_shard)
-    kinds = {kind_of(group, optimizer_class) for group in local_groups}
-    if (len(kinds) > 1 or needs_formats(local_groups)) and not isinstance(optim, CompositeOptimizer):
-        composite = build_local_optimizer(local_groups, optimizer_class, defaults)
-        for old, new in zip(optim.param_groups, composite.param_groups):  # settings the old groups hold
-            new.update((k, v) for k, v in old.items() if k != "params")
-        composite.state.update(optim.state)
-        return composite
-    for local_group, group in zip(optim.param_groups, local_groups):
-        local_group["params"] = group["params"]
-    for new_group in local_groups[len(optim.param_groups) :]:
-        optim.add_param_group(new_group)
+        optim = build_local_optimizer(local_groups, optimizer_class, defaults)
+    else:
+        shard.move_state(optim.state, previous_shard)
+        kinds = {kind_of(group, optimizer_class) for group in local_groups}
+        if (len(kinds) > 1 or needs_formats(local_groups)) and not isinstance(optim, CompositeOptimizer):
+            composite = build_local_optimizer(local_groups, optimizer_class, defaults)
+            for old, new in zip(optim.param_groups, composite.param_groups):  # settings the old groups hold
+                new.update((k, v) for k, v in old.items() if k != "params")
+            composite.state.update(optim.state)
+            optim = composite
+        else:
+            for local_group, group in zip(optim.param_groups, local_groups):
+                local_group["params"] = group["params"]
+            for new_group in local_groups[len(optim.param_groups) :]:
+                optim.add_param_group(new_group)
+    if isinstance(optim, CompositeOptimizer) and needs_formats(param_groups):
+        optim.formats = StateFormats.for_shard(shard, param_groups)  # construction's state: encoded at a first step
     return optim
 
 
 def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
-    """Whether ``placement`` must be made again before a step: gradual unfreezing (a parameter made trainable since
-    gets an owner; detected locally, as torch does: every rank must change ``requires_grad`` alike, before the same
-    step, which the step's agreement checks), or parameters given new storage since it was made (fragment views and
-    bucket views would otherwise step and sync the old memory)."""
+    """Whether ``placement`` must be made again: a parameter made trainable or given new storage since."""
     return tuple(p.requires_grad for p in params) != placement.trainability or _storages(params) != placement.bound
 
 
 def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
-    """Refuse parameters whose dtype or device changed since ``placement`` was made (``model.to(torch.float64)``,
-    ``model.cuda()`` after the optimizer was built): their layouts, fragments, master copies and optimizer state
-    (kept in the old dtype and device) would all have to follow, which a placement does not do."""
+    """Refuse parameters whose dtype or device changed since ``placement`` was made (the state cannot follow)."""
     changed = [
         (index, key, (p.device, p.dtype))
         for index, (key, p) in enumerate(zip(placement.keys, params))

@@ -1,12 +1,6 @@
-"""Where a ZeroRedundancyOptimizer's parameters live: the views of its partition plan, and the placement made
-again when it goes stale.
-
-``placement.place`` builds a plan, the local shard, the parameter sync and the local optimizer's binding from its
-arguments; ``Partitioning`` (a base class of the optimizer: ``self`` is the optimizer, typed as ``PlanParts``)
-holds what it built and says who owns what. It places again after ``add_param_group`` (agreed across ranks, new
-parameters only), a parameter made trainable or given new storage (before a step, a checkpoint or a load, so that
-master copies meet the parameters' present storage), and where ``ShardedDataParallel`` re-cuts an even partition
-into its buckets' regions.
+"""``Partitioning``, a base class of the optimizer (``self`` typed as ``ZeroParts``): who owns what, and placing again
+(``placement.place``) after ``add_param_group``, when a parameter is made trainable or given new storage, and where
+``ShardedDataParallel`` re-cuts an even partition into its buckets' regions.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from distoptim.comm import collectives as comm
-from distoptim.zero import placement, validation
+from distoptim.zero import placement, stepping, validation
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import (
     CLASS_KEY,
@@ -33,18 +27,23 @@ from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters
 from distoptim.zero.state_formats import FORMAT_KEY
 
-__all__ = ["Partitioning", "PlanParts"]
+__all__ = ["Partitioning", "ZeroParts"]
 
 
-class PlanParts(Protocol):
-    """What placing reads and sets of a ZeroRedundancyOptimizer."""
+class ZeroParts(Protocol):
+    """What the base classes (``Partitioning``, ``state_dicts``') read and set of a ZeroRedundancyOptimizer."""
 
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     process_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
     partition: str
     master_dtype: torch.dtype | None
     _ready: bool
+    _comm_device: torch.device
+    _consolidated: Any
 
     @property
     def gradient_source(self) -> Any: ...
@@ -63,6 +62,10 @@ class PlanParts(Protocol):
     _trainability: tuple[bool, ...]
     _region_numel: dict[Any, int] | None
     _plan_listeners: list[Callable[[], None]]
+    _optimizer_state_dict_pre_hooks: Any
+    _optimizer_state_dict_post_hooks: Any
+    _optimizer_load_state_dict_pre_hooks: Any
+    _optimizer_load_state_dict_post_hooks: Any
 
     @property
     def global_params(self) -> list[Tensor]: ...
@@ -72,20 +75,27 @@ class PlanParts(Protocol):
     def local_shard(self) -> LocalShard: ...
     @property
     def local_optimizer(self) -> Optimizer: ...
+    @property
+    def agreement_groups(self) -> list[dist.ProcessGroup]: ...
     def index_of(self, param: Tensor) -> int | None: ...
+    def land_sync(self) -> None: ...
+    def sync_parameters(self) -> None: ...
     def _add_group(self, group: dict[str, Any]) -> None: ...
     def _push_hyperparameters(self) -> None: ...
     def _agreed(self, action: Callable[[], Any]) -> Any: ...
+    def _fingerprint(self) -> Any: ...
+    def _prepare(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
+    ) -> stepping.Prepared: ...
+    def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None: ...
     def _repartition(self, fresh: bool = False, in_place: bool = False) -> None: ...
     def _repartition_if_changed(self) -> None: ...
     def _place_if_stale(self) -> None: ...
 
 
-def _check_before_adding(zero: PlanParts) -> None:
+def _check_before_adding(zero: ZeroParts) -> None:
     """What ``add_param_group`` checks first, in its agreement: the groups' classes unedited, and the sync in flight
-    landed without overwriting a write of the user's (``ShardedDataParallel(overlap_param_sync=True)``: a write
-    through ``model.module`` after the step, which the placing's landing lost on the ranks not owning it, silently:
-    the ranks then held different values; the next step no longer saw it)."""
+    landed without overwriting a write of the user's."""
     if zero._sync is not None:
         zero._sync.finish()
         zero._sync.check_untouched()
@@ -95,7 +105,7 @@ def _check_before_adding(zero: PlanParts) -> None:
 class Partitioning:
     """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
 
-    # what the last placement built (None until the constructor's first): set by _repartition only
+    # what the last placement built (None until the constructor's first)
     _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
     _placement: placement.Placement | None
@@ -104,7 +114,7 @@ class Partitioning:
     _region_numel: dict[Any, int] | None
     optim: Optimizer | None
 
-    def add_param_group(self: PlanParts, param_group: dict[str, Any]) -> None:
+    def add_param_group(self: ZeroParts, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are.
 
         Args:
@@ -113,12 +123,6 @@ class Partitioning:
         Raises:
             ValueError: on every rank, when any rank's group is refused (a parameter already held, a bad
                 hyperparameter) or the ranks' groups differ.
-
-        Example:
-            ```python
-            layer.requires_grad_(True)
-            zero.add_param_group({"params": layer.parameters(), "lr": 1e-4})
-            ```
         """
         if not self._ready:
             self._add_group(param_group)
@@ -142,9 +146,8 @@ class Partitioning:
             before.restore(self)
             raise
 
-    def _add_group(self: PlanParts, group: dict[str, Any]) -> None:
-        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults
-        (its class's own fill it in, ``local_optimizer.py``)."""
+    def _add_group(self: ZeroParts, group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults."""
         if CLASS_KEY not in group:
             Optimizer.add_param_group(cast(Optimizer, self), group)
             return
@@ -156,12 +159,12 @@ class Partitioning:
             self.defaults = constructor_defaults
 
     @property
-    def plan(self: PlanParts) -> PartitionPlan:
+    def plan(self: ZeroParts) -> PartitionPlan:
         """Which rank owns each parameter (global index order)."""
         assert self._plan is not None
         return self._plan
 
-    def owner_of(self: PlanParts, param: Tensor) -> int:
+    def owner_of(self: ZeroParts, param: Tensor) -> int:
         """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
 
         Args:
@@ -174,7 +177,7 @@ class Partitioning:
             raise ValueError(f"this ZeroRedundancyOptimizer does not hold that parameter (shape {tuple(param.shape)})")
         return self.plan.owners[index]
 
-    def fragments_of(self: PlanParts, param: Tensor) -> tuple[Fragment, ...] | None:
+    def fragments_of(self: ZeroParts, param: Tensor) -> tuple[Fragment, ...] | None:
         """Which ranks own which elements of ``param`` (memory order); None when this optimizer does not hold it.
 
         Args:
@@ -183,8 +186,8 @@ class Partitioning:
         index = self.index_of(param)
         return None if index is None else self.plan.fragments[index]
 
-    def index_of(self: PlanParts, param: Tensor) -> int | None:
-        """``param``'s global index (None when this optimizer does not hold it), from a table rebuilt with the plan.
+    def index_of(self: ZeroParts, param: Tensor) -> int | None:
+        """``param``'s global index (None when this optimizer does not hold it).
 
         Args:
             param: a tensor, one of this optimizer's parameters or not.
@@ -193,9 +196,8 @@ class Partitioning:
             self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self.global_params)})
         return self._index_cache[1].get(id(param))
 
-    def _repartition(self: PlanParts, fresh: bool = False, in_place: bool = False) -> None:
-        """Place the parameters that have no owner yet (all of them, ``fresh``) and rebuild what depends on the
-        plan (``placement.py``). ``in_place``: bucket views move within their buffers."""
+    def _repartition(self: ZeroParts, fresh: bool = False, in_place: bool = False) -> None:
+        """Place the parameters that have no owner yet (all, ``fresh``; bucket views moved ``in_place``) and rebuild."""
         if self._sync is not None:
             self._sync.finish()
         params, previous_shard = self.global_params, self._shard
@@ -223,36 +225,21 @@ class Partitioning:
         for listener in self._plan_listeners:
             listener()
 
-    def _repartition_if_changed(self: PlanParts) -> None:
-        """Before a step: a new placement where the last one is stale (``_place_if_stale``); then master copies
-        take the values of parameters written outside the optimizer (``model.load_state_dict(...)``), which they
-        would otherwise overwrite with their own."""
+    def _repartition_if_changed(self: ZeroParts) -> None:
+        """A new placement where the last one is stale; then master copies take parameters written outside."""
         self._place_if_stale()
         self.local_shard.reseed_masters()
 
-    def _place_if_stale(self: PlanParts) -> None:
-        """A new placement where the last one is stale (``placement.is_stale``: a parameter made trainable or given
-        new storage since); a parameter whose dtype or device changed since is refused (``placement.py``)."""
+    def _place_if_stale(self: ZeroParts) -> None:
+        """A new placement where the last one is stale; a parameter whose dtype or device changed is refused."""
         assert self._placement is not None
         if placement.is_stale(self._placement, self.global_params):
             placement.check_layout_keys(self._placement, self.global_params)
             self._repartition()
 
-    def _masters_follow_parameters(self: PlanParts) -> None:
-        """Before a checkpoint takes the master copies (collective: the step's agreement, so a refusal raises on
-        every rank): a new placement where the last one is stale, so that the master copies are compared with the
-        parameters' present storage (``p.data = new`` since the last step); then those whose parameters were
-        written since take their values (a write after the last step would otherwise be saved as the old master)."""
-        self._agreed(self._repartition_if_changed)
-
-    def _place_for_load(self: PlanParts) -> None:
-        """Before a load writes master copies and state (collective, agreed): the placement made again where it is
-        stale, so that the master weights loaded are written into the parameters' present storage."""
-        self._agreed(self._place_if_stale)
-
-    def use_regions(self: PlanParts, region_numel: dict[Any, int]) -> None:
+    def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets). Only before the optimizer has state: the fragments change.
+        (``ShardedDataParallel``'s buckets), before the optimizer has state.
 
         Args:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.
@@ -273,10 +260,9 @@ class Partitioning:
 
 
 class _Snapshot:
-    """What ``add_param_group`` changes once its group is agreed (the groups, the placement, the local optimizer's
-    groups and state keys), to put back if placing the group fails."""
+    """What ``add_param_group`` changes once its group is agreed, to put back if placing the group fails."""
 
-    def __init__(self, zero: PlanParts) -> None:
+    def __init__(self, zero: ZeroParts) -> None:
         self.groups = len(zero.param_groups)
         self.placed = (zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability)
         self.optim = zero.optim
@@ -286,7 +272,7 @@ class _Snapshot:
         self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
         self.formats = None if composite is None else composite.formats
 
-    def restore(self, zero: PlanParts) -> None:
+    def restore(self, zero: ZeroParts) -> None:
         del zero.param_groups[self.groups :]
         zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability = self.placed
         zero.optim = optim = self.optim

@@ -1,9 +1,5 @@
-"""This rank's shard as its local optimizer sees it: one tensor per owned fragment, and its state's global format.
-
-A whole fragment is stepped as the parameter itself; a partial one as a 1-D view of its elements with ``.grad``
-attached for the step; with ``master_dtype`` a narrower parameter's fragment as a master copy, rounded back after
-the step. In ``torch.optim``'s format a partial fragment's state is keyed ``(index, offset)`` until ``stitch``;
-``slice_entry`` cuts it again. A master copy travels as ``"master_weight"``. ``docs/guides/internals.md``.
+"""This rank's shard as its local optimizer sees it: one tensor per owned fragment (the parameter, a 1-D view, or a
+master copy), and its state's global format (a partial fragment's keyed ``(index, offset)`` until ``stitch``).
 """
 
 from __future__ import annotations
@@ -20,28 +16,22 @@ from distoptim._flat import copy_each_, flat_view
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = [
-    "GLOBAL_ONLY",
     "MASTER_KEY",
     "LocalShard",
     "LocalTensor",
     "complete_hyperparameters",
     "copy_hyperparameters",
-    "fragment_of",
     "has_master",
-    "slice_entry",
     "stitch",
 ]
 
 MASTER_KEY = "master_weight"
-GLOBAL_ONLY = frozenset({"params", "param_names"})
-"""Keys of a global param group that are not hyperparameters: its parameters and their names (``torch.optim``'s
-``param_names``, from named parameters), which the local groups, over other tensors, do not carry."""
+GLOBAL_ONLY = frozenset({"params", "param_names"})  # not hyperparameters: the local groups do not carry them
 
 
 @dataclass(frozen=True)
 class LocalTensor:
-    """Elements ``[offset, offset + length)`` of global parameter ``index`` (``param``), stepped as ``tensor``:
-    the parameter itself, a view of its elements, or (``master``) a higher-precision copy of them."""
+    """Elements ``[offset, offset + length)`` of global parameter ``index``, stepped as ``tensor`` (maybe a master)."""
 
     index: int
     param: Tensor
@@ -76,8 +66,7 @@ def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[di
 
 
 def complete_hyperparameters(targets: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> None:
-    """Give each global (``targets``) group the settings only the local optimizer's defaults filled in (``betas``,
-    ``eps`` ...), so that ``param_groups`` shows them; a setting the global group has is never overwritten."""
+    """Give each global (``targets``) group the settings only the local optimizer's defaults filled in."""
     for source, target in zip(sources, targets):
         for key, value in source.items():
             if key != "params":
@@ -111,15 +100,12 @@ class LocalShard:
                         local.append(_local_tensor(index, param, fragment.offset, fragment.length, master_dtype))
                 index += 1
             self.groups.append(local)
-        self.by_tensor = {id(t.tensor): t for group in self.groups for t in group}
-        self.detached = [t for group in self.groups for t in group if t.tensor is not t.param]  # needs .grad given
+        self.locals = [t for group in self.groups for t in group]
+        self.detached = [t for t in self.locals if t.tensor is not t.param]  # needs .grad given
         self.masters = [t for t in self.detached if t.master]
-        self.source: Callable[[LocalTensor], Tensor | None] | None = None
-        """Where the owned gradient lives when not in ``.grad`` (``ShardedDataParallel``'s store): each local
-        tensor's piece, or None for a parameter no rank used."""
+        self.source: Callable[[LocalTensor], Tensor | None] | None = None  # a gradient store (ShardedDataParallel's)
         self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
-        # Fixed by the plan, so made once rather than per step: what step_grads reads and write_back copies.
-        self._stepped = [t.tensor for group in self.groups for t in group]
+        self._stepped = [t.tensor for t in self.locals]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
         self._cut = [p for group in param_groups for p in group["params"]] if plan.mode == "even" else []
@@ -137,15 +123,12 @@ class LocalShard:
         ]
 
     def attach_grads(self) -> None:
-        """Give every fragment view and master copy its piece of its parameter's gradient (before the step); with a
-        ``source``, every local tensor its piece from there."""
+        """Give every fragment view and master copy its piece of the gradient (every tensor, from a ``source``)."""
         if self.source is not None:
-            self._given_back = [(t.param, t.param.grad) for group in self.groups for t in group if t.tensor is t.param]
-            for local in (t for group in self.groups for t in group):
+            self._given_back = [(t.param, t.param.grad) for t in self.locals if t.tensor is t.param]
+            for local in self.locals:
                 piece = self.source(local)
-                local.tensor.grad = (
-                    piece if piece is None or piece.dtype == local.tensor.dtype else piece.to(local.tensor.dtype)
-                )
+                local.tensor.grad = None if piece is None else piece.to(local.tensor.dtype)
             return
         self._align_grads()
         for local in self.detached:
@@ -153,7 +136,7 @@ class LocalShard:
 
     def detach_grads(self) -> None:
         """Drop the pieces again, so that no stale gradient outlives ``zero_grad``."""
-        for local in self.detached if self.source is None else (t for group in self.groups for t in group):
+        for local in self.detached if self.source is None else self.locals:
             local.tensor.grad = None
         for param, grad in self._given_back:  # what .grad held before the step (a source's marker, or the user's)
             param.grad = grad
@@ -164,11 +147,8 @@ class LocalShard:
         copy_each_(self._masters_into, self._masters_from)
 
     def reseed_masters(self) -> None:
-        """Re-seed every master copy whose piece of its parameter was written outside the optimizer since the
-        optimizer last wrote it (``model.load_state_dict``, ``param.data.copy_``): the piece no longer equals the
-        master rounded to the parameter's dtype. Values, not ``_version``, decide: writes through ``.data`` leave the
-        version alone, and the parameter sync bumps it. Bits are compared (cheaper than a float compare on CPUs, and
-        a NaN the optimizer wrote equals itself). Decided on the device, fragment by fragment: no host read."""
+        """Re-seed every master copy whose parameter piece was written outside the optimizer (it no longer equals the
+        master rounded): bits, not ``_version``, decide (``.data`` writes), on the device (no host read)."""
         with torch.no_grad():
             for into, master in zip(self._masters_into, self._masters_from):
                 written = torch.ne(_bits(into), _bits(master.to(into.dtype))).any()
@@ -181,9 +161,9 @@ class LocalShard:
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
         if self.source is not None:
-            return [grad for grad in map(self.source, (t for group in self.groups for t in group)) if grad is not None]
+            return [grad for grad in map(self.source, self.locals) if grad is not None]
         self._align_grads()
-        pieces = (t.grad_from(t.param.grad) for group in self.groups for t in group)
+        pieces = (t.grad_from(t.param.grad) for t in self.locals)
         return [grad for grad in pieces if grad is not None]
 
     def _align_grads(self) -> None:
@@ -199,10 +179,9 @@ class LocalShard:
         return local.index if local.whole else (local.index, local.offset)
 
     def global_state(self, state: dict[Tensor, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-        """The local optimizer's ``state`` keyed as in the global format (partial fragments as ``(index, offset)``),
-        master copies included."""
+        """The local optimizer's ``state`` keyed as in the global format, master copies included."""
         exported = {}
-        for local in (t for group in self.groups for t in group):
+        for local in self.locals:
             entry = dict(state.get(local.tensor, {}))
             if local.master:
                 entry[MASTER_KEY] = local.tensor.detach()
@@ -211,13 +190,11 @@ class LocalShard:
         return exported
 
     def local_state(self, by_param: dict[Tensor, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Saved whole-parameter entries cut to this shard, keyed by position in the local optimizer (copies: a
-        ``torch.optim`` load would alias same-device tensors and step them in place). Master weights found in the
-        entries are loaded into the master copies here; a master copy without one is taken from its parameter."""
-        locals_ = [local for group in self.groups for local in group]
-        entries = {i: slice_entry(by_param[t.param], t) for i, t in enumerate(locals_) if t.param in by_param}
+        """Saved whole-parameter entries cut to this shard (copies), keyed by position in the local optimizer; master
+        weights are loaded into the master copies here (a missing one is taken from its parameter)."""
+        entries = {i: slice_entry(by_param[t.param], t) for i, t in enumerate(self.locals) if t.param in by_param}
         missing = []
-        for position, local in enumerate(locals_):
+        for position, local in enumerate(self.locals):
             saved = entries.get(position, {}).pop(MASTER_KEY, None)
             if not local.master:
                 continue
@@ -241,32 +218,27 @@ class LocalShard:
         return entries
 
     def move_state(self, state: dict[Tensor, Any], previous: LocalShard | None) -> None:
-        """Re-key ``state`` from ``previous``'s tensors to this shard's (same parameter and offset: same state), and
-        keep the master copies' values."""
+        """Re-key ``state`` from ``previous``'s tensors to this shard's (same fragment: same state), masters kept."""
         if previous is None:
             return
-        now = {(t.index, t.offset, t.length): t for group in self.groups for t in group}
-        for group in previous.groups:
-            for old in group:
-                entry = state.pop(old.tensor, None)
-                new = now.get((old.index, old.offset, old.length))
-                if new is None:
-                    continue
-                if entry is not None:
-                    state[new.tensor] = entry
-                if old.master and new.master:
-                    with torch.no_grad():
-                        new.tensor.copy_(old.tensor)
+        now = {(t.index, t.offset, t.length): t for t in self.locals}
+        for old in previous.locals:
+            entry = state.pop(old.tensor, None)
+            new = now.get((old.index, old.offset, old.length))
+            if new is None:
+                continue
+            if entry is not None:
+                state[new.tensor] = entry
+            if old.master and new.master:
+                with torch.no_grad():
+                    new.tensor.copy_(old.tensor)
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _refuse_sparse_gradients(params: Sequence[Tensor]) -> None:
-    """An even partition cuts parameters into pieces, which a sparse gradient (``nn.Embedding(sparse=True)``)
-    cannot be: refused at the first step or clip that finds one, for every parameter (a parameter's place in the
-    cut moves as groups are added), from what every rank holds alike (DDP all-reduces sparse gradients), so every
-    rank raises the same error inside the step's agreement (torch's ``copy_()`` crash before)."""
+    """An even partition cuts parameters, which a sparse gradient cannot be (refused inside the step's agreement)."""
     sparse = [index for index, param in enumerate(params) if param.grad is not None and param.grad.is_sparse]
     if sparse:
         raise ValueError(
@@ -278,13 +250,11 @@ def _refuse_sparse_gradients(params: Sequence[Tensor]) -> None:
 
 
 def _bits(tensor: Tensor) -> Tensor:
-    """``tensor``'s bit patterns, as integers of its element size (a view)."""
     return tensor.view(_BITS[tensor.element_size()])
 
 
 def has_master(dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
-    """Whether a parameter of ``dtype`` is stepped through a master copy: only a narrower floating-point one (a
-    float64 parameter under ``master_dtype=torch.float32`` is stepped as it is, never rounded to the master's)."""
+    """Whether a parameter of ``dtype`` is stepped through a master copy: only a narrower floating-point one."""
     return master_dtype is not None and dtype.is_floating_point and dtype.itemsize < master_dtype.itemsize
 
 
@@ -294,27 +264,18 @@ def _local_tensor(index: int, param: Tensor, offset: int, length: int, master_dt
         source = param.detach() if whole else flat_view(param)[offset : offset + length]
         copy = torch.empty_like(source, dtype=master_dtype).copy_(source)
         return LocalTensor(index, param, offset, length, copy, master=True)
-    if whole:
-        return LocalTensor(index, param, offset, length, param)
-    return LocalTensor(index, param, offset, length, flat_view(param)[offset : offset + length])
-
-
-def _is_piece(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.dim() == 1
+    return LocalTensor(index, param, offset, length, param if whole else flat_view(param)[offset : offset + length])
 
 
 def stitch(state: dict[Any, dict[str, Any]], params: Sequence[Tensor]) -> dict[int, dict[str, Any]]:
-    """Merge partial fragments' entries (keyed ``(index, offset)``) into whole-parameter entries keyed ``index``.
-
-    A 1-D tensor of a fragment is its piece of a parameter-shaped tensor (laid out like the parameter); anything
-    else (a step count) is the same on every fragment and is taken once.
-    """
+    """Merge partial fragments' entries (keyed ``(index, offset)``) into whole-parameter entries keyed ``index``: a
+    1-D tensor is the fragment's piece of a parameter-shaped one; anything else (a step count) is taken once."""
     merged: dict[int, dict[str, Any]] = {key: entry for key, entry in state.items() if isinstance(key, int)}
     for (index, offset), entry in sorted((k, v) for k, v in state.items() if isinstance(k, tuple)):
         whole = merged.setdefault(index, {})
         param = params[index]
         for name, value in entry.items():
-            if not _is_piece(value):
+            if not (isinstance(value, Tensor) and value.dim() == 1):
                 whole.setdefault(name, value)
                 continue
             if name not in whole:

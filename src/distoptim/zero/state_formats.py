@@ -1,13 +1,8 @@
 """Optimizer state kept in fewer bits between steps (``state_format``), around torch.optim's own step.
 
-Each local tensor's format is its group's ``"state_format"``, or ``"fp32"`` for a parameter of fewer than
-``codecs.MIN_NUMEL`` elements (decided on the whole parameter, never a shard). At a step the local tensors with a
-gradient are taken in chunks of at most ``CHUNK_NUMEL`` encoded elements: their state is decoded to the tensors'
-dtype, the plain optimizer steps that chunk only (the others' ``.grad`` is held back: torch.optim skips a tensor
-without one), and the state is encoded again; so the fp32 state alive at once is one chunk's. It is decoded into
-buffers kept between steps (``codecs.Scratch``: up to ``CHUNK_NUMEL`` elements per key). ``CompositeOptimizer``
-calls this (``local_optimizer.py``), the overlap hooks' step ``decoded_for`` around each bucket's part (``overlap.py``);
-consolidation decodes (``decoded``), a consolidated load encodes again.
+Each local tensor's format is its group's, or ``"fp32"`` for a small parameter. A step takes the tensors with a
+gradient in chunks of at most ``CHUNK_NUMEL`` encoded elements: their state decoded, the plain optimizer stepping
+that chunk only (the others' ``.grad`` held back), and the state encoded again.
 """
 
 from __future__ import annotations
@@ -22,20 +17,10 @@ from torch.optim import Optimizer
 from distoptim.zero import codecs
 from distoptim.zero.shard import LocalShard
 
-__all__ = [
-    "CHUNK_NUMEL",
-    "FORMAT_KEY",
-    "StateFormats",
-    "check_format",
-    "group_format",
-    "needs_formats",
-    "tensor_format",
-]
+__all__ = ["FORMAT_KEY", "StateFormats", "block_sizes", "check_format", "decoded", "needs_formats", "tensor_format"]
 
 FORMAT_KEY = "state_format"
-CHUNK_NUMEL = 1 << 22
-"""Encoded elements decoded at once in a step: bounds the fp32 state decoded, and the buffers kept for it between
-steps (16 MiB per fp32 state key; a larger tensor is decoded into fresh memory)."""
+CHUNK_NUMEL = 1 << 22  # encoded elements decoded at once in a step (and the buffers kept for them)
 
 
 def check_format(value: Any, where: str) -> str:
@@ -60,8 +45,7 @@ def tensor_format(param: Tensor, fmt: str) -> str:
 
 
 def block_sizes(groups: Sequence[dict[str, Any]]) -> list[int]:
-    """Each parameter's quantization block (global order; 1 where its state is not blockwise): what an even
-    partition must cut at."""
+    """Each parameter's quantization block (global order; 1 where its state is not blockwise)."""
     return [
         codecs.BLOCK if tensor_format(p, group_format(group)) == "int8" else 1
         for group in groups
@@ -94,8 +78,7 @@ class StateFormats:
             entry.update(codecs.encode(key, entry.pop(key), fmt, self.scratch))
 
     def as_kept(self, state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
-        """``state`` with each entry as a step leaves it: one that construction made and no step encoded yet
-        (Adagrad's ``sum``) as an encoded copy, so that a checkpoint's keys do not depend on whether a step ran."""
+        """``state`` as a step leaves it (encoded copies): a checkpoint's keys do not depend on whether a step ran."""
         kept = {tensor: dict(entry) for tensor, entry in state.items()}
         self.encode_all(kept)
         return kept
@@ -131,12 +114,10 @@ class StateFormats:
             for chunk in chunks:
                 for tensor, grad in chunk:
                     tensor.grad = grad
-                try:
-                    self._step_chunk(parts, [tensor for tensor, _ in chunk], state, kwargs)
-                finally:
-                    for tensor, _ in chunk:
-                        tensor.grad = None
-        finally:
+                self._step_chunk(parts, [tensor for tensor, _ in chunk], state, kwargs)
+                for tensor, _ in chunk:
+                    tensor.grad = None
+        finally:  # every gradient back, also where a chunk's step raised
             for tensor, grad in zip(stepped, grads):
                 tensor.grad = grad
 
@@ -161,8 +142,7 @@ class StateFormats:
 
     @contextlib.contextmanager
     def decoded_for(self, tensors: Sequence[Tensor], state: dict[Tensor, Any]) -> Iterator[None]:
-        """``tensors``' state decoded (into the scratch, reset first) for a step of them, and encoded again after,
-        with what that step created (a first step's state); the normal step's chunks and the overlap hooks' parts."""
+        """``tensors``' state decoded (into the scratch) for a step of them, and encoded again after."""
         self.scratch.reset()
         for tensor in tensors:
             if tensor in state:
@@ -176,8 +156,7 @@ class StateFormats:
 
 
 def decode_entry(tensor: Tensor, entry: dict[str, Any], scratch: codecs.Scratch | None = None) -> None:
-    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype, whatever format they were stored in (into
-    ``scratch``'s slices where given)."""
+    """Decode ``entry``'s encoded keys in place, to ``tensor``'s dtype (into ``scratch``'s slices where given)."""
     for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
         key, fmt = name.rsplit(".", 1)
         encoded = {n: entry.pop(n) for n in codecs.encoded_names(key, fmt)}

@@ -1,25 +1,24 @@
-"""The pieces of a ZeroRedundancyOptimizer's ``step()``: the agreement around its local part, and the local step.
-
-Before the sync the ranks agree (one small all-reduce) that the local part succeeded everywhere with the same
-trainable parameters and hyperparameters, so a failure or a one-rank change raises on every rank instead of a hang;
-the agreement also carries a GradScaler's inf flag and a joined rank's flag (``Join``). The details:
-``docs/guides/internals.md``.
+"""The pieces of a ZeroRedundancyOptimizer's ``step()``: the agreement around its local part (one small all-reduce,
+also carrying a GradScaler's inf flag and a joined rank's), the local step, and the interface of a gradient source
+the step reads instead of ``.grad``. The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
+from torch import Tensor
 from torch.optim import Optimizer
 
 from distoptim._backward import in_backward
 from distoptim.comm import agreement
 from distoptim.zero import amp
-from distoptim.zero.shard import LocalShard
+from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = ["JOIN_WITH_SCALER", "Prepared", "agreed", "agreed_step", "shadowing", "step_local_optimizer"]
+__all__ = ["GradientSource", "Prepared", "agreed", "agreed_step", "shadowing", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -33,6 +32,33 @@ JOIN_WITH_SCALER = (
 )
 
 
+class GradientSource(Protocol):
+    """The gradient's one owner (``ShardedDataParallel``'s store): read by the step and clipping, cleared by
+    ``zero_grad``; which parameters some rank used rides on the step's agreement."""
+
+    sync: ParameterSync  # the parameter sync the optimizer runs after each step
+    replanned: Callable[[], None]  # called after each re-placement
+    used: list[bool]  # which parameters this rank gave a gradient since the ranks last agreed
+
+    def grad_of(self, local: LocalTensor) -> Tensor | None:
+        """``local``'s piece of its parameter's gradient, or None where the parameter has none."""
+
+    def check_finished(self) -> None:
+        """Refuse a gradient a backward that raised midway left (local)."""
+
+    def prepare_step(self) -> bool:
+        """Before the step reads (inside its agreement): whether this rank may step before the ranks agree."""
+
+    def agreed(self, everywhere: Sequence[bool]) -> None:
+        """The step's agreement said which parameters some rank used."""
+
+    def ready(self) -> None:
+        """Before ``clip_grad_norm_`` reads (collective): the same, agreed on its own where a backward ran since."""
+
+    def clear(self, set_to_none: bool) -> None:
+        """``zero_grad``."""
+
+
 def agreed_step(
     action: Callable[[], Prepared],
     fingerprint: Fingerprint,
@@ -40,11 +66,9 @@ def agreed_step(
     joined_step: Callable[[], object] | None = None,
     extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
-    """``action()`` (the local part; on a joined rank all of it but the local step, ``joined_step``), agreed over
-    ``groups``; then whether any rank steps under a GradScaler, whether any of those found an inf or nan (every
-    rank then skips), and for each of ``extra(prepared)`` (flags carried along, as many on every rank: a gradient
-    source's) whether any rank raised it. Where a rank has joined, every rank agrees once more, around that rank's
-    ``joined_step``; under a GradScaler every rank raises instead, before any rank stepped."""
+    """``action()`` (the local part), agreed over ``groups``; then whether any rank steps under a GradScaler, whether
+    any of those found an inf or nan, and for each of ``extra(prepared)`` whether any rank raised it. Where a rank
+    has joined, every rank agrees once more, around that rank's ``joined_step``."""
     joined = joined_step is not None
     prepared, (scaled, found_inf, any_joined, *extras) = agreement.run_step_agreed(
         action,
@@ -66,15 +90,12 @@ def agreed_step(
 def agreed(
     action: Callable[[], _T], fingerprint: Fingerprint, groups: Sequence[dist.ProcessGroup], joined: bool = False
 ) -> _T:
-    """``action()`` on this rank, then the step's agreement (collective; a joined rank agrees on doing nothing, or on
-    its own step, with its own hyperparameters: those of the ranks still training are compared among them only)."""
+    """``action()`` on this rank, then the step's agreement (collective)."""
     return agreement.run_step_agreed(action, fingerprint, list(groups), joined=joined)[0]
 
 
 def shadowing(zero: Any) -> bool:
-    """In overlap mode, whether this rank is joined (Join): DDP's join hook runs the comm hook, which steps, outside
-    of any backward. (An agreement all ranks make outside of one, such as a state_dict's, then compares no
-    hyperparameters: no step follows it.)"""
+    """In overlap mode, whether this rank is joined (Join): DDP's join hook runs the comm hook outside any backward."""
     return zero.overlap_stepper is not None and not in_backward()
 
 
@@ -85,9 +106,7 @@ def step_local_optimizer(
     closure: Callable[[], float] | None,
     kwargs: dict[str, Any],
 ) -> float | None:
-    """The local optimizer's step and the master copies' write-back. Hyperparameters flow from the global groups
-    (``shown_groups``) to the local ones only; a value the local step itself sets in its groups (no torch.optim
-    optimizer does) is shown in the global groups right after it, so no later copy can bring an old value back."""
+    """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
     before = [dict(group) for group in optim.param_groups]
     # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
     loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=closure, **kwargs)

@@ -1,15 +1,14 @@
-"""Checks on what the user passed, made so that every rank raises the same clear error instead of hanging.
-
-A check that fails on one rank only (one rank built a different model, passed a bare tensor or a learning rate the
-optimizer rejects) would leave the others waiting in the next collective. So each rank checks locally and builds a
-fingerprint of its parameters and settings, and ``agreement.agree_across_ranks`` makes every rank raise when any
-rank failed or any two disagree.
+"""Checks on what the user passed, so that every rank raises the same clear error instead of hanging: each rank
+checks locally and fingerprints its parameters and settings (plain data, ``_canonical``), and the agreement makes
+every rank raise when any rank failed or any two disagree. ``params`` is taken as ``torch.optim`` takes it (tensors,
+groups, ``(name, tensor)`` pairs), and what torch refuses is refused with torch's text, then how to fix it.
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,43 +18,29 @@ from torch.optim import Optimizer
 from distoptim._flat import is_dense
 from distoptim.comm import collectives as comm
 from distoptim.comm import p2p
-from distoptim.comm.agreement import Fingerprint, agree_across_ranks, run_agreed
+from distoptim.comm.agreement import STEPPING_ONLY, Fingerprint, agree_across_ranks, run_agreed
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
-from distoptim.zero.elementwise import is_coupled, is_elementwise, torch_class_of
-from distoptim.zero.fingerprints import fingerprint
+from distoptim.zero.elementwise import class_name, is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
-from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import MODES
 from distoptim.zero.state_formats import FORMAT_KEY, check_format
 
 __all__ = [
-    "ParamGroups",
     "agreed_param_group",
     "check_construction",
-    "check_coupled",
-    "check_group_classes",
-    "check_master_dtype",
-    "check_optimizer_class",
     "check_overlap_class",
-    "check_overlap_classes",
-    "check_partition",
-    "check_state_formats",
     "check_unowned_have_no_grad",
-    "normalize_param_groups",
     "refuse_sparse_gradients",
-    "try_optimizer_class",
+    "step_fingerprint",
 ]
 
 ParamGroups = list[dict[str, Any]]
 
 
 def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
-    """The ``torch.optim`` class to build local optimizers with, or a TypeError saying what is expected.
-
-    A ``distoptim.functional`` class stands for its ``torch.optim`` class (the same math, bit for bit).
-    """
+    """The ``torch.optim`` class to build local optimizers with (a functional class's own), or a TypeError."""
     expected = (
         "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
         "or a distoptim.functional class such as distoptim.functional.FunctionalAdamW"
@@ -77,9 +62,7 @@ def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
 
 
 def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "keep DDP's default all-reduce") -> None:
-    """Refuse a module whose embeddings make sparse gradients (``sparse=True``): reduced to owners or stepped inside
-    DDP's hook, a sparse gradient cannot be copied into a dense bucket. Every rank sees the same module property, so
-    every rank raises alike."""
+    """Refuse a module whose embeddings make sparse gradients (``sparse=True``), which no dense bucket can hold."""
     sparse = [
         f"'{name}'"
         for name, child in module.named_modules()
@@ -101,13 +84,8 @@ def try_optimizer_class(
     defaults: dict[str, Any],
     master_dtype: torch.dtype | None = None,
 ) -> None:
-    """Build a throwaway local optimizer (``local_optimizer.build_local_optimizer``: ``optimizer_class(groups,
-    **defaults)``, or one per class where groups name their own) so that what it rejects raises here, locally.
-
-    It is built over stand-ins on the meta device (same shapes, dtypes, requires_grad, leaf-ness and identity, no
-    memory), so it can neither touch the parameters nor allocate eager state (Adagrad's) for all of them. A class
-    that fails on meta tensors for another reason than its arguments is tried once more on the real parameters.
-    """
+    """Build a throwaway local optimizer over meta-device stand-ins, so that what it rejects raises here, locally;
+    a class failing on meta tensors for another reason is tried once more on the real parameters."""
     check_group_classes(groups, optimizer_class)
     with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
         warnings.simplefilter("ignore")
@@ -121,8 +99,7 @@ def try_optimizer_class(
 
 
 def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
-    """Each group's own ``optimizer_class`` is a class we can shard, and a Muon group holds matrices only (torch's
-    Muon orthogonalizes 2-D gradients; it would refuse others at the first step, on the ranks that own them)."""
+    """Each group's own ``optimizer_class`` is a class we can shard, and a Muon group holds matrices only."""
     for index, group in enumerate(groups):
         cls = optimizer_class
         if CLASS_KEY in group:
@@ -151,9 +128,8 @@ def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
 
 
 def check_coupled(optimizer_class: type) -> None:
-    """Refuse a class whose step couples every parameter (``elementwise.is_coupled``): each rank would run it on
-    its shard alone, a different optimization, without an error. Refused at every world size (at 1 it would be
-    right), so that a script does not change meaning when it scales out."""
+    """Refuse a class whose step couples every parameter (LBFGS): each rank would silently run another optimization
+    (refused at every world size, so that a script does not change meaning when it scales out)."""
     if is_coupled(optimizer_class):
         module = optimizer_class.__module__
         name = f"{'torch.optim' if module.startswith('torch.optim.') else module}.{optimizer_class.__qualname__}"
@@ -181,8 +157,7 @@ def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
 
 
 def check_overlap_classes(optimizer_class: type, groups: ParamGroups) -> type[FunctionalOptimizer]:
-    """``check_overlap_class``, and every group stepped by that one class: the overlap hooks step one functional
-    optimizer, so a group naming another class (Muon has no functional form) is refused."""
+    """``check_overlap_class``, and every group stepped by that one class (the hooks step one functional optimizer)."""
     functional_cls = check_overlap_class(optimizer_class)
     for index, group in enumerate(groups):
         cls = group.get(CLASS_KEY)
@@ -198,8 +173,7 @@ def check_overlap_classes(optimizer_class: type, groups: ParamGroups) -> type[Fu
 
 
 def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) -> None:
-    """``partition`` is a mode the plan knows, and an even one only splits what can be stepped in pieces (dense
-    parameters of elementwise classes; the others are placed whole)."""
+    """``partition`` is a mode the plan knows, and an even one cuts dense parameters only."""
     if partition not in MODES:
         raise ValueError(f"partition must be one of {', '.join(map(repr, MODES))}, got {partition!r}")
     if partition != "even":
@@ -216,20 +190,16 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
                 )
 
 
-def check_state_formats(groups: ParamGroups, optimizer_class: type, state_format: Any) -> None:
-    """Each group's ``state_format`` (its own, or the constructor's) is a format. Any class may take one, in every
-    mode: a whole-tensor class (Muon) owns its parameters whole, and state keys not in ``codecs``' table (Adafactor's
-    factors) stay as they are."""
+def check_state_formats(groups: ParamGroups, state_format: Any) -> None:
+    """Each group's ``state_format`` (its own, or the constructor's) is a format."""
     check_format(state_format, "ZeroRedundancyOptimizer")
     for index, group in enumerate(groups):
         check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
 
 
 def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
-    twins: dict[Tensor, Tensor] = {}  # one twin per parameter, so that a parameter given twice is still seen twice
-    for param in (p for group in groups for p in group["params"]):
-        if param not in twins:
-            twins[param] = _stand_in(param)
+    # one twin per parameter, so that a parameter given twice is still seen twice
+    twins = {param: _stand_in(param) for param in dict.fromkeys(p for group in groups for p in group["params"])}
     return [{**group, "params": [twins[p] for p in group["params"]]} for group in groups]
 
 
@@ -256,10 +226,9 @@ def check_construction(
     replicate_group: comm.Group | None,
     state_format: str = "fp32",
 ) -> tuple[type[Optimizer], ParamGroups, torch.device, type[FunctionalOptimizer] | None, comm.Collectives]:
-    """ZeroRedundancyOptimizer's arguments checked on this rank, the optimizer's own checks included, then one
-    agreement, so that all ranks raise or none does. Returns the ``torch.optim`` class, the normalized param groups,
-    the communication device, the functional class the overlap mode steps with (None without it), and the style
-    of collectives (``comm.choose_collectives``: the backend's, or ``$DISTOPTIM_COLLECTIVES``)."""
+    """ZeroRedundancyOptimizer's arguments checked on this rank, then agreed (all ranks raise or none does). Returns
+    the ``torch.optim`` class, the param groups, the communication device, the overlap mode's functional class or
+    None, and the style of collectives."""
     local: Fingerprint | BaseException
     device = None  # the communication device, once the parameters are known
     try:
@@ -272,7 +241,7 @@ def check_construction(
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
-        check_state_formats(groups, local_class, state_format)
+        check_state_formats(groups, state_format)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
             raise TypeError(
                 f"replicate_group must be a torch.distributed.ProcessGroup or None, got {replicate_group!r}"
@@ -300,8 +269,7 @@ def check_construction(
 
 
 def check_replicas(group: comm.Group, replicate_group: comm.Group, settings: Fingerprint) -> None:
-    """Hybrid sharding: ``replicate_group`` holds, from each shard group (all alike: ``settings``, agreed within each
-    shard group already), the rank at this rank's position; agreed over the union of the groups (collective)."""
+    """Hybrid sharding: ``replicate_group`` holds the rank at this rank's position of each shard group (collective)."""
     mine = (comm.group_rank(group), comm.group_size(group))
     positions = all_gather_objects(mine, control_group(replicate_group), torch.device("cpu"))
     ours = set(torch.distributed.get_process_group_ranks(group))
@@ -346,11 +314,7 @@ def agreed_param_group(
     check_existing: Callable[[], None] | None = None,
     state_format: str = "fp32",
 ) -> dict[str, Any]:
-    """``param_group`` normalised, once every rank has checked it (the optimizer class's own checks included) and
-    all agree on it: a bad group on one rank raises on every rank (``add_param_group``). ``sharded_gradients``
-    (under ``ShardedDataParallel``): new parameters must have no ``.grad`` yet, since a backward run before they
-    were added left each rank its own gradient, not the average the step needs. ``check_existing``: run first, in
-    the same agreement."""
+    """``param_group`` normalised once every rank has checked it and all agree on it (``add_param_group``)."""
 
     def normalized() -> dict[str, Any]:
         if check_existing is not None:  # the groups there are (their classes unedited), before anything changes
@@ -358,7 +322,7 @@ def agreed_param_group(
         (checked,) = normalize_param_groups([param_group])
         check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
-        check_state_formats([checked], optimizer_class, state_format)
+        check_state_formats([checked], state_format)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
             raise ValueError(
@@ -373,3 +337,136 @@ def agreed_param_group(
         return fingerprint([checked], defaults, first_group=len(param_groups))
 
     return run_agreed(normalized, group, "add_param_group", then_agree_on=what_it_is)
+
+
+def fingerprint(
+    groups: ParamGroups, defaults: dict[str, Any], settings: dict[str, Any] | None = None, first_group: int = 0
+) -> Fingerprint:
+    """What every rank must agree on: ``settings``, the groups' hyperparameters and their parameters' metadata."""
+    entries: Fingerprint = {f"settings: {key!r} {{}}": _canonical(value) for key, value in (settings or {}).items()}
+    if settings is not None:
+        entries["{} param groups"] = len(groups)
+    for index, group in enumerate(groups, start=first_group):
+        entries[f"param group {index} has {{}} parameters"] = len(group["params"])
+        hyperparameters = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
+        for key in sorted(hyperparameters):
+            entries[f"param group {index}: {key!r} {{}}"] = _canonical(hyperparameters[key])
+        for position, p in enumerate(group["params"]):
+            label = f"param group {index}, parameter {position}: (shape, dtype, device, requires_grad) {{}}"
+            entries[label] = (tuple(p.shape), str(p.dtype), p.device.type, bool(p.requires_grad))
+            entries[f"param group {index}, parameter {position}: strides {{}}"] = tuple(p.stride())
+    return entries
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as plain data that compares (and hashes) the same on every rank when it means the same."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_canonical(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(key), _canonical(item)) for key, item in value.items()))
+    if isinstance(value, Tensor):  # a device tensor's value is not read: that would stall the CPU on the device
+        shown = value.detach().tolist() if value.device.type == "cpu" else f"on {value.device.type}"
+        return ("tensor", str(value.dtype), tuple(value.shape), _canonical(shown))
+    if isinstance(value, type):  # an optimizer_class key: by name
+        return class_name(value)
+    if isinstance(value, (torch.dtype, torch.device, complex, enum.Enum)):
+        return repr(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
+
+
+def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) -> Fingerprint:
+    """What every rank must step with alike: which parameters are trainable, and the hyperparameters (compared among
+    the stepping ranks only: a rank joined under Join steps with its own, as in torch)."""
+    hyperparameters: Fingerprint = {}
+    for index, group in enumerate(param_groups):
+        for key, value in group.items():
+            if key != "params":
+                hyperparameters[f"param group {index}: {key!r} {{}}"] = _canonical(value)
+    trainable = tuple(index for index, trainable in enumerate(trainability) if trainable)
+    return {"the parameters that require grad, by index: {}": trainable, STEPPING_ONLY: hyperparameters}
+
+
+def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
+    """Turn ``params`` (tensors or param-group dicts, any iterable) into a list of groups, or raise a clear error."""
+    if isinstance(params, Tensor):
+        raise TypeError(
+            f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}. "
+            "ZeroRedundancyOptimizer got a single tensor; wrap it in a list: ZeroRedundancyOptimizer([tensor], ...)"
+        )
+    if isinstance(params, dict) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"`params` argument should be an iterable of Tensors or dicts, but got {torch.typename(params)}; "
+            "pass model.parameters() or a list of {'params': [...], ...} dicts"
+        )
+    entries = list(params)
+    if not entries:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list; pass at least one parameter")
+    kinds = {isinstance(entry, dict) for entry in entries}
+    if len(kinds) > 1:
+        raise TypeError(
+            "`params` argument should be an iterable of Tensors or dicts. "
+            "params mixes tensors and param-group dicts; pass either only tensors or only dicts"
+        )
+    groups = [dict(entry) for entry in entries] if kinds == {True} else [{"params": entries}]
+    for index, group in enumerate(groups):
+        if "params" not in group:
+            raise ValueError(
+                "Each parameter group passed-in via `params` must have a 'params' key mapping to the parameters in "
+                f"the group: param group {index} has no 'params' key; each group dict needs 'params': [tensors]"
+            )
+        members = group["params"]
+        group["params"] = [members] if isinstance(members, Tensor) else list(members)
+        _take_names(group, index)
+        for param in group["params"]:
+            _check_parameter(param, index)
+    check_names_alike(groups[1:], groups[0])
+    return groups
+
+
+def _check_parameter(param: Any, group_index: int) -> None:
+    if not isinstance(param, Tensor):
+        raise TypeError(
+            f"optimizer can only optimize Tensors, but one of the params is {torch.typename(param)}: "
+            f"param group {group_index} holds a {type(param).__name__}, not a tensor; pass the parameters "
+            "themselves (model.parameters()) or (name, tensor) pairs (model.named_parameters())"
+        )
+    if param.is_sparse or param.layout != torch.strided:
+        raise ValueError(
+            f"param group {group_index} holds a sparse parameter (layout {param.layout}); ZeroRedundancyOptimizer "
+            "shards dense parameters only: keep sparse parameters in a separate, unsharded optimizer"
+        )
+
+
+def _take_names(group: dict[str, Any], index: int) -> None:
+    """Named parameters (``(name, tensor)`` pairs, torch >= 2.5): the tensors in ``params``, the names in
+    ``param_names`` (which the local optimizers, over other tensors, do not carry)."""
+    named = [isinstance(entry, tuple) for entry in group["params"]]
+    if not any(named):
+        return
+    if not all(named):
+        raise ValueError(
+            "all optimizer params should be with/without names. Some param names are missing "
+            f"(param group {index}: {named.count(False)} of its {len(named)} parameters are bare tensors): pass "
+            "(name, tensor) pairs for all of them (model.named_parameters()) or tensors for all of them"
+        )
+    pairs = group["params"]
+    if any(len(pair) != 2 for pair in pairs):
+        raise TypeError(f"param group {index} holds a tuple that is not a (name, tensor) pair")
+    group["params"] = [tensor for _, tensor in pairs]
+    group["param_names"] = [name for name, _ in pairs]
+
+
+def check_names_alike(groups: list[dict[str, Any]], first: dict[str, Any]) -> None:
+    """Every group named (``param_names``) or none, as ``torch.optim`` requires; refused with torch's text."""
+    for group in groups:
+        if ("param_names" in group) != ("param_names" in first):
+            which = "with names" if "param_names" in group else "without names"
+            raise ValueError(
+                "all optimizer param groups should be with/without names. "
+                f"cannot add param group {which} to the optimizer: pass (name, tensor) pairs "
+                "(model.named_parameters()) in every group, or tensors in every group"
+            )
