@@ -199,7 +199,8 @@ def _made_at_construction(zero: ZeroParts) -> dict[int, dict[str, Tensor]]:
         settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
         optimizer_class = group.get(CLASS_KEY, zero._optimizer_class)
         defaults = zero._defaults if optimizer_class is zero._optimizer_class else {}
-        unowned = {index + i: p for i, p in enumerate(group["params"]) if zero.owner_of(p) == UNOWNED}
+        owners = zero.plan.owners[index : index + len(group["params"])]
+        unowned = {index + i: p for i, (p, owner) in enumerate(zip(group["params"], owners)) if owner == UNOWNED}
         index += len(group["params"])
         probe = torch.zeros(1, requires_grad=True)
         if not unowned or not optimizer_class([{"params": [probe], **settings}], **defaults).state:
@@ -215,7 +216,7 @@ def _refuse_stranded_state(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any
     (``step`` 0) is made again when the parameter gets an owner."""
     for index, param in enumerate(zero.global_params):
         state = by_param.get(param)
-        if state is None or zero.owner_of(param) != UNOWNED or float(state.get("step", 1)) == 0:
+        if state is None or zero.plan.owners[index] != UNOWNED or float(state.get("step", 1)) == 0:
             continue
         raise ValueError(
             f"load_state_dict: parameter {index} has optimizer state from training, but it had requires_grad=False "
