@@ -55,6 +55,16 @@ def test_state_of_a_parameter_frozen_at_placement_is_refused_at_load_not_dropped
     run_on_ranks(_trained_then_frozen_body, 2, optimizer_class, kwargs)
 
 
+def _same_consolidated_state(zero: ZeroRedundancyOptimizer, reference: torch.optim.Optimizer, rank: int) -> None:
+    zero.consolidate_state_dict(0)
+    if rank == 0:
+        got, want = zero.state_dict()["state"], reference.state_dict()["state"]
+        assert sorted(got) == sorted(want)
+        for index, entry in want.items():
+            assert sorted(got[index]) == sorted(entry), index
+            assert_same_tensors([got[index][k] for k in entry], list(entry.values()), f"state[{index}]")
+
+
 def _construction_state_body(rank: int, world_size: int) -> None:
     (ours,) = make_params(SPEC)
     (plain,) = make_params(SPEC)
@@ -63,18 +73,14 @@ def _construction_state_body(rank: int, world_size: int) -> None:
     kwargs = {"lr": 0.1, "initial_accumulator_value": 0.1, "lr_decay": 0.01}
     zero = ZeroRedundancyOptimizer(ours, torch.optim.Adagrad, **kwargs)
     reference = torch.optim.Adagrad(plain, **kwargs)
-    for unfreeze_at in (2, 4):
-        _train([zero, reference], [ours, plain], rank, range(unfreeze_at - 2, unfreeze_at))
-        zero.consolidate_state_dict(0)
-        if rank == 0:
-            got, want = zero.state_dict()["state"], reference.state_dict()["state"]
-            assert sorted(got) == sorted(want)
-            for index, entry in want.items():
-                assert sorted(got[index]) == sorted(entry), index
-                assert_same_tensors([got[index][k] for k in entry], list(entry.values()), f"state[{index}]")
-        assert_same_tensors(ours, plain, f"step {unfreeze_at}")
-        for params in (ours, plain):
-            params[1].requires_grad_(True)  # the second round: the same once it trains
+    _train([zero, reference], [ours, plain], rank, range(2))
+    _same_consolidated_state(zero, reference, rank)  # no rank owns parameter 1
+    for params in (ours, plain):
+        params[1].requires_grad_(True)
+    _same_consolidated_state(zero, reference, rank)  # owned now, not stepped yet
+    _train([zero, reference], [ours, plain], rank, range(2, 4))
+    _same_consolidated_state(zero, reference, rank)
+    assert_same_tensors(ours, plain, "after unfreezing")
 
 
 def test_consolidated_state_holds_what_adagrad_makes_at_construction_for_frozen_parameters() -> None:

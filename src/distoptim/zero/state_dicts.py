@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -57,7 +58,8 @@ class Checkpoints:
         mine = self.local_shard.global_state(decoded(self.local_optimizer.state))  # torch.optim's format: decoded
         merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
         if merged is not None:
-            merged = {**_made_at_construction(self), **stitch(merged, self.global_params)}
+            merged = stitch(merged, self.global_params)
+            merged.update(_made_at_construction(self, merged.keys()))
         self._consolidated = None if merged is None else dict(sorted(merged.items()))
 
     def state_dict(self: ZeroParts) -> dict[str, Any]:
@@ -190,23 +192,23 @@ class Joining:
         return self.process_group
 
 
-def _made_at_construction(zero: ZeroParts) -> dict[int, dict[str, Tensor]]:
-    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters no rank owns
-    (frozen when placed): torch's optimizer holds it for them too, so a consolidated dict holds it as torch's does."""
+def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
+    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters whose state no
+    rank holds (frozen when placed, or made trainable since and not stepped yet): torch's optimizer holds it for
+    them too, so a consolidated dict holds it as torch's does."""
     made: dict[int, dict[str, Tensor]] = {}
     index = 0
     for group in zero.param_groups:
         settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
         optimizer_class = group.get(CLASS_KEY, zero._optimizer_class)
         defaults = zero._defaults if optimizer_class is zero._optimizer_class else {}
-        owners = zero.plan.owners[index : index + len(group["params"])]
-        unowned = {index + i: p for i, (p, owner) in enumerate(zip(group["params"], owners)) if owner == UNOWNED}
+        missing = {index + i: p for i, p in enumerate(group["params"]) if index + i not in present}
         index += len(group["params"])
         probe = torch.zeros(1, requires_grad=True)
-        if not unowned or not optimizer_class([{"params": [probe], **settings}], **defaults).state:
+        if not missing or not optimizer_class([{"params": [probe], **settings}], **defaults).state:
             continue
-        fresh = optimizer_class([{"params": [p.detach() for p in unowned.values()], **settings}], **defaults)
-        made.update(zip(unowned, (fresh.state[p] for p in fresh.param_groups[0]["params"])))
+        fresh = optimizer_class([{"params": [p.detach() for p in missing.values()], **settings}], **defaults)
+        made.update(zip(missing, (fresh.state[p] for p in fresh.param_groups[0]["params"])))
     return made
 
 
