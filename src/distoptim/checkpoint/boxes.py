@@ -1,14 +1,9 @@
 """A range of a dense tensor's elements in memory order, as boxes of its logical (row-major) index space.
 
-A fragment is a range of its parameter's elements in memory order (``_flat.flat_view``). For a contiguous parameter
-that is a range of row-major indices too, but not for a ``channels_last`` or transposed one, whose memory order
-visits the dimensions in another order. Memory order is row-major order over the dimensions sorted by stride, so
-a range of it is a union of at most ``2 * ndim - 1`` boxes of that permuted index space, and each is a box of the
-logical one (its axes permuted back). Sharded checkpoints describe a fragment by these boxes: a checkpoint then
-means the same elements whatever the memory layout of the run that saved it or of the one that loads it. Boxes
-can be cut further to at most ``limit`` elements each (along their outermost axes): DCP reads a saved box whole,
-so the largest box bounds the memory a load takes besides the state. Every box, cut or not, fills one stretch of
-memory (from ``start``). Pure arithmetic: no tensors.
+Memory order is row-major over the dimensions sorted by stride, so a range of it is at most ``2 * ndim - 1`` boxes
+of that permuted space, each a box of the logical one: sharded checkpoints name a fragment by these, whatever the
+memory layout (``channels_last``, transposed). Boxes may be cut to ``limit`` elements (DCP reads a box whole); each
+fills one stretch of memory (from ``start``). Pure arithmetic: no tensors.
 """
 
 from __future__ import annotations
