@@ -1,8 +1,6 @@
-"""The table that maps each supported ``torch.optim`` optimizer onto its functional kernel (``functional.py`` runs it).
-
-One ``KernelSpec`` per optimizer: which ``torch.optim`` functional kernel, which constructor hyperparameters (in
-``torch.optim``'s order, with its defaults), which per-parameter state and how ``torch.optim`` initialises it. A torch
-upgrade that renames a kernel argument fails at import, not at the first step.
+"""The table that maps each supported ``torch.optim`` optimizer onto its functional kernel (``optimizers`` runs it):
+its hyperparameters (``torch.optim``'s order and defaults) and per-parameter state. A torch upgrade that renames a
+kernel argument fails at import, not at the first step.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ class KernelSpec:
     eager_state: bool = False  # state created at construction for every parameter (Adagrad), not at first step
 
     def __post_init__(self) -> None:
-        # Fail at import, not at the first step, if a torch upgrade renames a kernel argument.
         for name in [*self.defaults, *self.fixed, "foreach", "maximize"]:
             if name not in self.kernel_params and name not in self.pairs and name not in self.init_only:
                 raise TypeError(f"{self.kernel.__name__}() takes no argument {name!r}")

@@ -1,12 +1,8 @@
 """Functional optimizers: ``torch.optim`` update rules that take gradients as arguments instead of reading ``.grad``.
 
-The ZeRO/DDP overlap hooks step parameters one bucket at a time while gradients are still arriving, and the RPC
-``DistributedOptimizer`` steps parameters whose gradients live in a distributed autograd context; both need an
-optimizer that is handed its gradients. ``FunctionalOptimizer`` is one generic class that runs ``torch.optim``'s own
-functional kernels (so the math is torch's, bit for bit); one row of ``kernels`` per optimizer says which
-kernel, which hyperparameters (with ``torch.optim``'s defaults) and which per-parameter state it uses. State is
-created exactly as ``torch.optim`` creates it, so ``FunctionalAdam(...).state[p]`` and
-``torch.optim.Adam(...).state[p]`` are interchangeable.
+The overlap hooks and the RPC ``DistributedOptimizer`` hand their optimizer its gradients. ``FunctionalOptimizer``
+is one generic class that runs ``torch.optim``'s own functional kernels (bit for bit), one row of ``kernels`` per
+optimizer; its state is created exactly as ``torch.optim`` creates it, so the two are interchangeable.
 """
 
 from __future__ import annotations
@@ -23,10 +19,8 @@ from distoptim.functional import kernels as specs
 class FunctionalOptimizer:
     """A ``torch.optim`` optimizer that is handed its gradients: ``step(gradients)`` or ``step_param(param, grad)``.
 
-    Use a subclass (``FunctionalAdam`` ...): each is built like its ``torch.optim`` class, ``Cls(params, <the same
-    hyperparameters and defaults>, foreach=None, maximize=False)``. ``param_group`` holds ``params`` and the
-    hyperparameters and is read at every step, so ``opt.param_group["lr"] = 0.1`` applies from the next step.
-    ``state`` maps each parameter that has been stepped to the same dict of tensors ``torch.optim`` keeps.
+    Use a subclass (``FunctionalAdam`` ...), built like its ``torch.optim`` class. ``param_group`` is read at every
+    step; ``state`` holds the same tensors ``torch.optim`` keeps.
 
     Args:
         params: the parameters ``step`` updates (a list of tensors); empty only through ``as_functional_optim``.
@@ -36,14 +30,12 @@ class FunctionalOptimizer:
 
     Raises:
         TypeError: ``FunctionalOptimizer`` itself is built, or an argument is unknown or given twice.
-        ValueError: ``params`` is empty, or a hyperparameter the ``torch.optim`` class refuses (``lr=-1`` ...),
-            with torch's own message.
+        ValueError: ``params`` is empty, or a hyperparameter the ``torch.optim`` class refuses (torch's message).
 
     Example:
         ```python
         opt = FunctionalAdam([weight], lr=1e-3)
         opt.step([weight_grad])                 # one gradient per parameter, None to skip one
-        opt.param_group["lr"] = 1e-4            # applies from the next step
         ```
     """
 
@@ -149,83 +141,61 @@ class FunctionalOptimizer:
 
 
 def _refuse_what_torch_refuses(torch_cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
-    """Raise the error ``torch_cls`` raises for these hyperparameters (a negative learning rate ...), if any: build it
-    once over a stand-in parameter on the meta device, which holds no memory."""
+    """Raise the error ``torch_cls`` raises for these hyperparameters, if any (built over a meta-device stand-in)."""
     torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)
 
 
 class FunctionalSGD(FunctionalOptimizer):
-    """``torch.optim.SGD``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.SGD`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.SGD
 
 
 class FunctionalAdam(FunctionalOptimizer):
-    """``torch.optim.Adam``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adam`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.ADAM
 
 
 class FunctionalAdamW(FunctionalOptimizer):
-    """``torch.optim.AdamW``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.AdamW`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.ADAMW
 
 
 class FunctionalAdagrad(FunctionalOptimizer):
-    """``torch.optim.Adagrad``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adagrad`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.ADAGRAD
 
 
 class FunctionalAdadelta(FunctionalOptimizer):
-    """``torch.optim.Adadelta``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adadelta`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.ADADELTA
 
 
 class FunctionalAdamax(FunctionalOptimizer):
-    """``torch.optim.Adamax``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adamax`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.ADAMAX
 
 
 class FunctionalRMSprop(FunctionalOptimizer):
-    """``torch.optim.RMSprop``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.RMSprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.RMSPROP
 
 
 class FunctionalRprop(FunctionalOptimizer):
-    """``torch.optim.Rprop``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Rprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
     spec = specs.RPROP
 
 
-functional_optim_map: dict[Any, type] = {
-    cls.spec.torch_cls: cls
-    for cls in (
-        FunctionalSGD,
-        FunctionalAdam,
-        FunctionalAdamW,
-        FunctionalAdagrad,
-        FunctionalAdadelta,
-        FunctionalAdamax,
-        FunctionalRMSprop,
-        FunctionalRprop,
-    )
-}
-"""Optimizer class (or any key) -> its functional class: ``torch.distributed.optim.utils.functional_optim_map``'s
-counterpart, read by ``as_functional_optim``, ``DistributedOptimizer`` and ZeRO's overlap mode. Add entries with
-``register_functional_optim`` (``distoptim.utils``)."""
+functional_optim_map: dict[Any, type] = {cls.spec.torch_cls: cls for cls in FunctionalOptimizer.__subclasses__()}
+"""Optimizer class (or any key) -> its functional class, as ``torch.distributed.optim.utils`` has it; add entries
+with ``register_functional_optim``."""
 
 _BUILT_IN = tuple(functional_optim_map)
 
@@ -233,10 +203,8 @@ _BUILT_IN = tuple(functional_optim_map)
 def register_functional_optim(key: Any, optim: type) -> None:
     """Map ``key`` to the functional optimizer class ``optim``, unless ``key`` already has one (torch's rule).
 
-    ``optim`` is built as ``optim([], *args, _allow_empty_param_list=True, **kwargs)`` by ``as_functional_optim``
-    and ``optim(params, *args, **kwargs)`` on a ``DistributedOptimizer``'s owners; it steps with
-    ``step(gradients)`` and ``step_param(param, grad)`` and keeps ``param_group`` and ``state`` (torch's protocol).
-    ZeRO's overlap mode steps a ``FunctionalOptimizer`` subclass only (it reads its ``spec``).
+    ``optim`` follows torch's protocol (``step(gradients)``, ``step_param``, ``param_group``, ``state``); ZeRO's
+    overlap mode steps ``FunctionalOptimizer`` subclasses only.
 
     Args:
         key: what users will pass, usually an optimizer class (need not be a ``torch.optim.Optimizer``).
@@ -258,8 +226,7 @@ def register_functional_optim(key: Any, optim: type) -> None:
 
 
 def registered_functional_optim(optim_cls: Any) -> type | None:
-    """The class registered for ``optim_cls`` (any functional class, a user's own included), ``optim_cls`` itself
-    when it is a ``distoptim.functional`` class, else None; never raises."""
+    """The class registered for ``optim_cls``, ``optim_cls`` itself when a ``distoptim.functional`` class, else None."""
     if isinstance(optim_cls, type) and issubclass(optim_cls, FunctionalOptimizer):
         return optim_cls if hasattr(optim_cls, "spec") else None
     try:
@@ -269,12 +236,8 @@ def registered_functional_optim(optim_cls: Any) -> type | None:
 
 
 def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
-    """The ``FunctionalOptimizer`` class for a ``torch.optim`` class (exact class, not subclasses), a key registered
-    with one, or a functional class itself; else None.
-
-    Subclasses of ``torch.optim`` classes are not matched: they may change the math this module would run instead.
-    A key registered with a class of another kind (``register_functional_optim``) gives None here too: only
-    ``FunctionalOptimizer`` classes say which ``torch.optim`` math they run.
+    """The ``FunctionalOptimizer`` class for a ``torch.optim`` class (exact class: a subclass may change the math),
+    a key registered with one, or a functional class itself; else None.
 
     Args:
         optim_cls: any class (``torch.optim.Adam``, ``FunctionalAdam``, ...); anything else returns None.
@@ -284,7 +247,6 @@ def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
     Example:
         ```python
         assert functional_class_for(torch.optim.AdamW) is FunctionalAdamW
-        assert functional_class_for(torch.optim.LBFGS) is None
         ```
     """
     found = registered_functional_optim(optim_cls)
@@ -297,15 +259,13 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
     """The functional counterpart of ``optim_cls`` with an empty parameter list, to be driven by ``step_param``.
 
     Args:
-        optim_cls: a ``torch.optim`` class with a functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta,
-            Adamax, RMSprop, Rprop), a ``distoptim.functional`` class, or a key given to
-            ``register_functional_optim``.
+        optim_cls: a ``torch.optim`` class with a functional counterpart, a ``distoptim.functional`` class, or a
+            key given to ``register_functional_optim``.
         *args: ``optim_cls``'s hyperparameters by position, without ``params``; omitted ones take its defaults.
         **kwargs: the same by name (``lr=1e-3`` ...), plus ``foreach`` and ``maximize``.
 
     Raises:
-        ValueError: ``optim_cls`` has no functional counterpart (torch's message, then the supported classes), or
-            it refuses a hyperparameter.
+        ValueError: ``optim_cls`` has no functional counterpart, or it refuses a hyperparameter.
         TypeError: an unknown hyperparameter.
 
     Example:

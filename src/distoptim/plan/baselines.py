@@ -48,8 +48,7 @@ def ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
 
 
 def plain_state(params: Sequence[ParamSpec], config: PlanConfig) -> int:
-    """A plain optimizer over every parameter: state for the trainable ones, and for frozen ones too when the
-    optimizer makes its state at construction (Adagrad)."""
+    """A plain optimizer's state over every parameter (frozen ones too where made at construction)."""
     total = 0
     for param in params:
         cost = step_cost(param, config, step_dtype(param, config.master_dtype if param.trainable else None))
@@ -59,9 +58,8 @@ def plain_state(params: Sequence[ParamSpec], config: PlanConfig) -> int:
 
 
 def fsdp2_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
-    """``fully_shard`` on every unit, ``reshard_after_forward=True``; with master weights, fp32 sharded parameters
-    under ``MixedPrecisionPolicy(param_dtype=...)``. Each parameter is cut along dim 0 into ``ceil(rows / N)``-row
-    chunks; parameters and gradients are stored padded to a full chunk, optimizer state unpadded (rank r's rows)."""
+    """``fully_shard`` on every unit, ``reshard_after_forward=True``: each parameter cut along dim 0 into
+    ``ceil(rows / N)``-row chunks, parameters and gradients padded to a full chunk, optimizer state unpadded."""
     size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
     sharded = grads = empty = 0  # the same on every rank (padded); state every rank has, even for an empty shard
     steps = [0] * (size + 1)  # state bytes beyond ``empty``, as differences between neighbouring ranks

@@ -1,8 +1,6 @@
-"""What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit, from a real model built
-on the meta device (no memory) or from a parameter count modelled as a GPT-style transformer.
-
-FSDP units are what ``fully_shard`` would typically be applied to: every child of an ``nn.ModuleList`` (a transformer
-block) is a unit of its own, and whatever is left belongs to the root unit (0).
+"""What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit, from a model built on
+the meta device or from a parameter count modelled as a GPT-style transformer. FSDP units: every child of an
+``nn.ModuleList`` (a transformer block) is one, the rest is the root unit (0).
 """
 
 from __future__ import annotations
@@ -131,9 +129,8 @@ def _block(layer: int, width: int, dtype: torch.dtype) -> list[ParamSpec]:
 
 
 def transformer(total: int, dtype: torch.dtype = torch.float32) -> Inventory:
-    """``total`` parameters as a GPT-style transformer: the most layers ``L`` of width ``128 L`` (GPT-3's shape) that
-    leave room for a tied embedding of at least ``VOCAB`` rows; the embedding takes the rest (its last partial row as
-    a bias of its own, so the total is exact). Below one such layer: one flat tensor of ``total`` elements."""
+    """``total`` parameters as a GPT-style transformer: the most layers ``L`` of width ``128 L`` that leave room for
+    a tied embedding of ``VOCAB`` rows or more, which takes the rest (exact); below one layer, one flat tensor."""
     if total < 1:
         raise ValueError(f"--params must be at least 1, got {total}")
     layers = 0

@@ -1,10 +1,8 @@
 """Bytes per rank for each way of training data-parallel, from the same arithmetic the library runs.
 
-ZeRO's shards come from ``partition_parameters`` called as the optimizer calls it, the state from
-``state.state_cost`` (measured from ``torch.optim``), the staging buffers from ``zero.buckets``' rule; DDP,
-``ShardedDataParallel`` and FSDP2 are modelled from what they allocate (each mode's ``notes`` say what is assumed).
-Bytes sent per step are what one rank receives in the chunked (NCCL) style. Activations, the CUDA context and
-allocator fragmentation are not counted. The details: ``docs/guides/internals.md``.
+ZeRO's shards come from ``partition_parameters`` as the optimizer calls it, state from ``state.state_cost``;
+DDP, ``ShardedDataParallel`` and FSDP2 are modelled from what they allocate (each mode's ``notes``). Bytes sent are
+what one rank receives in the chunked (NCCL) style. The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -74,8 +72,7 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
 
 
 def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashable, int] | None) -> PartitionPlan:
-    """The partition plan ZeroRedundancyOptimizer makes (``region_numel``: ShardedDataParallel's buckets); Muon's
-    matrices whole, placed by Newton-Schulz cost (``zero.local_optimizer.whole_tensor_weights``)."""
+    """The partition plan ZeroRedundancyOptimizer makes (``region_numel``: ShardedDataParallel's buckets)."""
     return partition_parameters(
         [p.numel for p in inventory.params],
         [p.trainable for p in inventory.params],
@@ -107,11 +104,8 @@ class _ZeroShards:
                     self.staging += piece_bytes
 
     def _moved(self, in_chunks: bool, itemsize: int | None = None) -> int:
-        """Bytes one rank receives when every owned range travels to its owner or from it, as the library moves them
-        (``comm``) and ``benchmarks/comm_bytes.py`` counts them: a region whose ranks' shares are equal in one
-        equal-chunk collective where ``in_chunks`` (the whole region, padding included: ``(N-1)`` chunks), anything
-        else in rooted calls over the owned elements (``(N-1)/N`` of them). Summed over every region of every
-        layout, in ``itemsize`` bytes an element (default: the layout's dtype)."""
+        """Bytes one rank receives when every owned range travels to or from its owner, as ``comm`` moves them:
+        equal shares in one equal-chunk collective where ``in_chunks``, else rooted calls over the owned elements."""
         size = self.config.world_size
         scaled = 0  # size times the bytes, so that the one division is the last step
         for layout in self.plan.layouts:
@@ -175,9 +169,8 @@ class _ZeroShards:
         return ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note), gloo)
 
     def _not_owned(self) -> list[int]:
-        """Per rank, the bytes of the trainable elements it does not own: what a sync brings it on gloo, by either
-        path (each such element arrives once, from its owner or an aggregator). With bucket views the regions are
-        synced whole, the padding of an even region with its last rank's range."""
+        """Per rank, the bytes of the trainable elements it does not own: what a sync brings it on gloo (with bucket
+        views, whole regions, padding included)."""
         size = self.config.world_size
         owned, total = [0] * size, 0
         if self.config.parameters_as_bucket_view:
@@ -195,9 +188,8 @@ class _ZeroShards:
         return [total - mine for mine in owned]
 
     def params_bytes(self) -> int:
-        """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the flat buffers of this
-        plan's layouts (padding included, and room for ``N - 1`` more elements a parameter, which a re-cut into
-        ``ShardedDataParallel``'s regions moves them within) beside the frozen parameters' own storage."""
+        """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the layouts' flat buffers
+        (padding and ``N - 1`` elements of room a parameter included) beside the frozen parameters'."""
         if not self.config.parameters_as_bucket_view:
             return sum(p.nbytes for p in self.params)
         room = self.config.world_size - 1
@@ -208,8 +200,7 @@ class _ZeroShards:
         return flat + sum(p.nbytes for p in self.params if not p.trainable)
 
     def sharded_data_parallel(self, caps: Mapping[Hashable, int], params: int) -> ModePlan:
-        """ShardedDataParallel, from the plan and the buckets it makes (``sharded.buckets.plan_buckets``: an even
-        partition's regions, one bucket each; greedy runs of at most ``caps`` elements). ``params``: the parameters'
+        """ShardedDataParallel, from the plan and the buckets ``plan_buckets`` makes; ``params``: the parameters'
         storage as the ZeroRedundancyOptimizer it wraps laid them out."""
         config, reduce_dtype, size = self.config, self.config.reduce_dtype, self.config.world_size
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
@@ -257,8 +248,8 @@ class _ZeroShards:
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
     def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
-        """Per rank, the bytes of owned gradient pieces made for the step in another dtype than they arrive in
-        (``grad_dtype``, default the parameter's): the master's, or the parameter's for a plain parameter."""
+        """Per rank, the bytes of owned gradient pieces cast for the step from ``grad_dtype`` (default: the
+        parameter's)."""
         casts = [0] * self.config.world_size
         for param, fragments in zip(self.params, self.plan.fragments):
             step = step_dtype(param, self.config.master_dtype)

@@ -1,10 +1,6 @@
 """Muon in a plan (``--muon``): which parameters take it, the order ``ZeroRedundancyOptimizer`` sees them in, and
-the Newton-Schulz work of each rank per step.
-
-Muon takes every 2-D parameter of the blocks (the children of an ``nn.ModuleList``: attention and MLP matrices);
-the embeddings, the head and every vector stay with the elementwise optimizer, as Muon's authors advise and
-``docs/guides/muon.md`` builds it: ``ZeroRedundancyOptimizer([{"params": matrices, "optimizer_class":
-torch.optim.Muon}, {"params": rest}], torch.optim.AdamW)``, so the matrices come first in its global order.
+the Newton-Schulz work of each rank per step. Muon takes every 2-D parameter of the blocks (children of an
+``nn.ModuleList``), listed first, as ``docs/guides/muon.md`` builds it; the rest stays elementwise.
 """
 
 from __future__ import annotations
@@ -40,16 +36,15 @@ def with_muon(inventory: Inventory) -> Inventory:
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
-    """Floating-point operations of one orthogonalization of an ``m x n`` matrix (``m`` the short side), as torch's
-    Muon runs it: per iteration ``A = X X^T`` (``2 m^2 n``), ``B = b A + c A A`` (``2 m^3``), ``X = a X + B X``
-    (``2 m^2 n``)."""
+    """FLOPs of one orthogonalization of an ``m x n`` matrix (``m`` the short side), as torch's Muon runs it:
+    per iteration ``X X^T`` and ``B X`` (``2 m^2 n`` each) and ``b A + c A A`` (``2 m^3``)."""
     short, long = sorted(shape)
     return steps * (4 * short * short * long + 2 * short**3)
 
 
 def newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | None, world_size: int) -> list[int]:
     """Each rank's Newton-Schulz FLOPs per step: each trainable Muon matrix on its owner under ``plan``, or on
-    every rank without one (DDP + plain Muon, FSDP2 gathering each matrix to every rank)."""
+    every rank without one."""
     per_rank = [0] * world_size
     for index, param in enumerate(params):
         if not (param.muon and param.trainable):
