@@ -1,7 +1,5 @@
 """Averaging parameters directly, over a chosen group: the counterparts of
 ``torch.distributed.algorithms.model_averaging.utils`` (same names, arguments and results).
-
-The averagers run these on a schedule; code that averages by hand, or over a subgroup of its own, calls them.
 """
 
 from __future__ import annotations
@@ -19,12 +17,8 @@ __all__ = ["average_parameters", "average_parameters_or_parameter_groups", "get_
 
 
 def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGroup | None) -> None:
-    """Replace each of ``params`` by its mean over ``process_group``, in place (their storage is kept).
-
-    As in torch, every given parameter is averaged (gradient or not), mixed dtypes are averaged in their promoted
-    dtype and rounded back once, and a rank outside ``process_group`` leaves its parameters untouched. Unlike
-    torch's, which rebinds ``p.data`` to a slice of its flat buffer, the parameters keep their storage, so views
-    into them (ZeRO's buckets, DDP's ``gradient_as_bucket_view``) stay views.
+    """Replace each of ``params`` by its mean over ``process_group``, in place; unlike torch's, the parameters keep
+    their storage, so views into them stay views.
 
     Args:
         params: the parameters (any iterable of tensors, a generator included), the same on every rank.
@@ -36,8 +30,7 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGro
 
     Example:
         ```python
-        average_parameters(model.parameters(), None)            # over every rank
-        average_parameters(model.parameters(), node_group)      # within a subgroup of your own
+        average_parameters(model.parameters(), node_group)      # None: over every rank
         ```
     """
     group = comm.default_group(process_group)
@@ -51,9 +44,8 @@ def get_params_to_average(params: Iterable[torch.nn.Parameter] | Iterable[Mappin
         params: ``model.parameters()`` or ``optimizer.param_groups``.
 
     Raises:
-        NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group, with torch's message
-            ("Parameter input of type ... is not supported") followed by what to pass; the error is also a
-            ``TypeError``.
+        NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group (torch's message; also a
+            ``TypeError``).
         TypeError: ``params`` is a single tensor or param group, or a group holds something other than tensors.
 
     Example:
@@ -81,7 +73,6 @@ def average_parameters_or_parameter_groups(
 
     Example:
         ```python
-        optimizer.step()
         average_parameters_or_parameter_groups(optimizer.param_groups, None)
         ```
     """
