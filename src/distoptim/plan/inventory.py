@@ -30,7 +30,7 @@ class ParamSpec:
     dtype: torch.dtype
     trainable: bool
     unit: int = ROOT_UNIT  # the FSDP unit holding it
-    muon: bool = False  # stepped by Muon (``plan.muon.with_muon``), not by the plan's elementwise optimizer
+    muon: bool = False  # stepped by Muon (``plan.memory.with_muon``), not by the plan's elementwise optimizer
 
     @property
     def numel(self) -> int:
