@@ -1,8 +1,10 @@
 """Model averagers on a schedule (post-local SGD) and the averaging itself (``average_parameters`` ...): the
 counterparts of ``torch.distributed.algorithms.model_averaging``."""
 
-from distoptim.averaging.averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from distoptim.averaging.utils import (
+from distoptim.averaging.averagers import (
+    HierarchicalModelAverager,
+    ModelAverager,
+    PeriodicModelAverager,
     average_parameters,
     average_parameters_or_parameter_groups,
     get_params_to_average,

@@ -1,7 +1,8 @@
 """Model averagers: average parameters across a process group on a schedule (the "model" half of post-local SGD).
 
 Each averager is a schedule (``group_at(step)``) over one averaging collective (``comm.average_tensors_``), which
-writes the average into the parameters in place; ``step`` is plain visible state, advanced once per call.
+writes the average into the parameters in place; ``step`` is plain visible state, advanced once per call. The
+functions at the end average directly, as ``torch.distributed.algorithms.model_averaging.utils`` does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ __all__ = [
     "ParamsLike",
     "PeriodicModelAverager",
     "UnsupportedParamsError",
+    "average_parameters",
+    "average_parameters_or_parameter_groups",
+    "get_params_to_average",
     "params_to_average",
 ]
 
@@ -283,3 +287,66 @@ def _check_levels(levels: list[tuple[int, int]], overall: int) -> None:
             raise ValueError(
                 f"group size {size} for period {period} must be positive and divide the group's {overall} ranks"
             )
+
+
+def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGroup | None) -> None:
+    """Replace each of ``params`` by its mean over ``process_group``, in place; unlike torch's, the parameters keep
+    their storage, so views into them stay views.
+
+    Args:
+        params: the parameters (any iterable of tensors, a generator included), the same on every rank.
+        process_group: the group to average over; ``None`` is the default (world) group.
+
+    Raises:
+        TypeError: ``process_group`` is neither a ``ProcessGroup`` nor ``None``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        average_parameters(model.parameters(), node_group)      # None: over every rank
+        ```
+    """
+    group = comm.default_group(process_group)
+    comm.average_tensors_(list(params), group)
+
+
+def get_params_to_average(params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
+    """The parameters of ``params`` that have a gradient (those a step changed), in order.
+
+    Args:
+        params: ``model.parameters()`` or ``optimizer.param_groups``.
+
+    Raises:
+        NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group (torch's message; also a
+            ``TypeError``).
+        TypeError: ``params`` is a single tensor or param group, or a group holds something other than tensors.
+
+    Example:
+        ```python
+        average_parameters(get_params_to_average(optimizer.param_groups), None)
+        ```
+    """
+    return params_to_average(params)
+
+
+def average_parameters_or_parameter_groups(
+    params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]], process_group: ProcessGroup | None
+) -> None:
+    """Average, in place over ``process_group``, the parameters of a model or of an optimizer's param groups that
+    have a gradient (``average_parameters(get_params_to_average(params), process_group)``).
+
+    Args:
+        params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
+        process_group: the group to average over; ``None`` is the default (world) group.
+
+    Raises:
+        NotImplementedError: an entry of ``params`` is neither a parameter nor a param group (as in torch).
+        TypeError: ``params`` is a single tensor or param group, or ``process_group`` is not a ``ProcessGroup``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        average_parameters_or_parameter_groups(optimizer.param_groups, None)
+        ```
+    """
+    average_parameters(get_params_to_average(params), process_group)
