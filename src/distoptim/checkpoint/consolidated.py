@@ -85,13 +85,9 @@ def send_state(
     """Send this rank's shard to rank ``to``: a skeleton as an object, then the tensors' bytes in messages packed
     into one reused staging buffer of at most ``staging_bytes`` on ``comm_device`` (never a whole copy)."""
     tensors = [value for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
-    skeleton = {
-        index: {
-            key: _TensorSpec(str(value.dtype), tuple(value.shape)) if isinstance(value, Tensor) else value
-            for key, value in entry.items()
-        }
-        for index, entry in state.items()
-    }
+    skeleton = _map_values(
+        state, lambda value: _TensorSpec(str(value.dtype), tuple(value.shape)) if isinstance(value, Tensor) else value
+    )
     sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
     chunk = max(1, staging_bytes)
     comm.send_object((skeleton, chunk), to, group)
@@ -109,10 +105,7 @@ def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> 
     """Receive the shard that rank ``source`` sends with ``send_state`` into new CPU tensors, through one staging
     buffer of one message on ``comm_device``."""
     skeleton, chunk = comm.receive_object(source, group, comm_device)
-    state: GlobalState = {
-        index: {key: value.empty() if isinstance(value, _TensorSpec) else value for key, value in entry.items()}
-        for index, entry in skeleton.items()
-    }
+    state = _map_values(skeleton, lambda value: value.empty() if isinstance(value, _TensorSpec) else value)
     targets = [_as_bytes(value) for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
     staging = torch.empty(min(chunk, sum(target.numel() for target in targets)), dtype=torch.uint8, device=comm_device)
     for pieces in _chunks([target.numel() for target in targets], chunk):
@@ -124,10 +117,12 @@ def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> 
 
 def on_cpu(state: GlobalState) -> GlobalState:
     """``state`` with its tensors on the CPU (those already there are kept, not copied), as consolidated state is."""
-    return {
-        index: {key: value.cpu() if isinstance(value, Tensor) else value for key, value in entry.items()}
-        for index, entry in state.items()
-    }
+    return _map_values(state, lambda value: value.cpu() if isinstance(value, Tensor) else value)
+
+
+def _map_values(state: GlobalState, function: Callable[[Any], Any]) -> GlobalState:
+    """``state`` with ``function`` applied to every value of every entry."""
+    return {index: {key: function(value) for key, value in entry.items()} for index, entry in state.items()}
 
 
 def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -258,13 +253,9 @@ def gather_state(
     if comm.group_rank(group) != to:
         send_state(mine, to, group, comm_device, STAGING_BYTES)
         return None
-    merged = {  # a copy, as the other ranks' shards are: the consolidated state is this moment's, not live
-        index: {
-            key: value.detach().clone() if isinstance(value, Tensor) and value.device.type == "cpu" else value
-            for key, value in entry.items()
-        }
-        for index, entry in on_cpu(mine).items()
-    }
+    # a copy, as the other ranks' shards are: the consolidated state is this moment's, not live
+    copied = lambda value: value.detach().clone() if isinstance(value, Tensor) and value.device.type == "cpu" else value
+    merged = _map_values(on_cpu(mine), copied)
     for source in range(comm.group_size(group)):
         if source != to:
             merged.update(receive_state(source, group, comm_device))

@@ -134,10 +134,7 @@ def transformer(total: int, dtype: torch.dtype = torch.float32) -> Inventory:
     if total < 1:
         raise ValueError(f"--params must be at least 1, got {total}")
     layers = 0
-    while True:
-        width = WIDTH_PER_LAYER * (layers + 1)
-        if (layers + 1) * _block_numel(width) + 2 * width + VOCAB * width > total:
-            break
+    while (layers + 1) * _block_numel(width := WIDTH_PER_LAYER * (layers + 1)) + (2 + VOCAB) * width <= total:
         layers += 1
     if layers == 0:
         flat = ParamSpec("flat", (total,), dtype, True)

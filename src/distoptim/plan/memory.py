@@ -1,9 +1,7 @@
-"""Bytes per rank for each way of training data-parallel, from the same arithmetic the library runs.
-
-ZeRO's shards come from ``partition_parameters`` as the optimizer calls it, state from ``state.state_cost``;
-DDP, ``ShardedDataParallel`` and FSDP2 are modelled from what they allocate (each mode's ``notes``). Bytes sent are
-what one rank receives in the chunked (NCCL) style. Muon (``--muon``) takes every 2-D parameter of the blocks,
-listed first, as ``docs/guides/muon.md`` builds it. The details: ``docs/guides/internals.md``.
+"""Bytes per rank and sent per step for each way of training data-parallel, from the arithmetic the library runs:
+ZeRO's shards from ``partition_parameters``, state from ``state.state_cost``; DDP, ``ShardedDataParallel`` and FSDP2
+modelled from what they allocate (each mode's ``notes``). Muon (``--muon``) takes every 2-D parameter of the blocks,
+listed first (``docs/guides/muon.md``). The details: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

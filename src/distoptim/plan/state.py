@@ -1,9 +1,6 @@
-"""Optimizer-state bytes, measured from ``torch.optim`` itself rather than from a hand-written table.
-
-One step on a few tiny CPU tensors gives ``per_element`` bytes (Adam's two moments) plus ``per_tensor`` bytes (its
-``step`` scalar); sizes 3, 7 and (3, 5) must agree on that line, so non-proportional state (Adafactor) is refused.
-Only elementwise optimizers are accepted by name; Muon is measured on matrices, a state format (``bf16``, ``int8``)
-on 4,096 and 8,192 elements encoded by ZeRO's own codec.
+"""Optimizer-state bytes, measured from ``torch.optim`` itself: one step on tiny CPU tensors gives ``per_element``
+and ``per_tensor`` bytes, which sizes 3, 7 and (3, 5) must agree on (Adafactor's factored state is refused). Muon is
+measured on matrices, a state format (``bf16``, ``int8``) on 4,096 and 8,192 elements with ZeRO's own codec.
 """
 
 from __future__ import annotations
