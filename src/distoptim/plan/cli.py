@@ -267,14 +267,13 @@ def _table(report: dict[str, Any]) -> str:
             for name, c in report["format_state_bytes"].items()
         )
     muon = report["muon"]
-    muon_line = (
-        [
+    muon_line = []
+    if muon:
+        states = "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
+        muon_line.append(
             f"Muon on {muon['takes']}: {muon['matrices']} matrices, {report['optimizer']} on the rest; Muon's state: "
-            + "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
-        ]
-        if muon
-        else []
-    )
+            + states
+        )
     lines = [
         f"model: {report['model']}",
         f"{report['world_size']} ranks, {report['optimizer']}{master}, "
