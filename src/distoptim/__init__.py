@@ -1,10 +1,5 @@
-"""distoptim: distributed optimizers for PyTorch.
-
-``ZeroRedundancyOptimizer`` shards optimizer state across data-parallel ranks (ZeRO stage 1),
-``PostLocalSGDOptimizer`` averages models periodically instead of gradients every step,
-``DistributedOptimizer`` steps parameters owned by other RPC workers, and ``as_functional_optim``
-gives optimizers that take gradients explicitly.
-"""
+"""distoptim: distributed optimizers for PyTorch (ZeRO sharding, ShardedDataParallel, post-local SGD, RPC and
+functional optimizers)."""
 
 import re
 

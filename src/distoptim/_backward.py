@@ -1,9 +1,5 @@
-"""The end of a backward pass, as the autograd engine knows it.
-
-DDP's comm hooks are told which bucket DDP thinks comes last (``bucket.is_last()``), but in DDP's static-graph first
-iteration every bucket arrives as bucket 0 and none as the last: anything keyed to it is lost or lands a backward
-late. A callback queued on the engine runs once the current backward has finished, whatever DDP did (after DDP's own
-finalisation when queued from inside it, as in that static-graph iteration).
+"""The end of a backward pass, as the autograd engine knows it: in DDP's static-graph first iteration no bucket
+arrives as the last (``bucket.is_last()``), but a callback queued on the engine runs once the backward has finished.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Packing tensors into one flat buffer and back: how every collective here avoids one call per tensor.
-
-``flat_view`` is a dense tensor's elements in memory order, as a 1-D view: the order DDP's buckets and distoptim's
-flat buffers use, so that a range of elements ("a fragment") means the same memory everywhere.
+"""Packing tensors into one flat buffer and back; ``flat_view``: a dense tensor's elements in memory order as a 1-D
+view, the order DDP's buckets and distoptim's flat buffers use.
 """
 
 from __future__ import annotations
@@ -28,10 +26,7 @@ def unpack_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
 
 
 def copy_each_(targets: list[Tensor], sources: list[Tensor]) -> None:
-    """``targets[i].copy_(sources[i])`` for every ``i``, in one call and outside autograd (parameters included).
-
-    One ``torch._foreach_copy_`` instead of a Python loop: for many small tensors the loop, not the bytes, is the
-    cost."""
+    """``targets[i].copy_(sources[i])`` for every ``i``, in one ``_foreach_copy_`` call and outside autograd."""
     if targets:
         with torch.no_grad():
             torch._foreach_copy_(targets, sources)
@@ -39,8 +34,7 @@ def copy_each_(targets: list[Tensor], sources: list[Tensor]) -> None:
 
 def is_dense(tensor: Tensor) -> bool:
     """Whether ``tensor`` fills one stretch of memory without gaps or overlaps (contiguous, channels_last, a
-    transposed matrix...): c10's non-overlapping-and-dense rule, by which DDP lays parameters into its buckets
-    with their own strides. The dimensions of size 2 or more, sorted by stride, must tile memory exactly."""
+    transposed matrix...): c10's non-overlapping-and-dense rule, by which DDP lays parameters into its buckets."""
     if tensor.is_contiguous():  # the common case, decided in C (read per parameter in every overlapped backward)
         return True
     expected = 1

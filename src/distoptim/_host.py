@@ -1,10 +1,7 @@
 """Host reads of tensor values: the one door through which distoptim's hot path reads a tensor on the CPU.
 
-On a GPU, ``.item()``, ``.tolist()`` or ``bool(tensor)`` blocks the CPU until every kernel queued before it has run,
-so the CPU can no longer run ahead of the GPU. The hot path (backward, step, parameter sync) reads a tensor value
-only where a feature needs one (a ``GradScaler``'s skip decision, the used-parameter flags of the overlap hooks under
-``find_unused_parameters``), and only through ``read``, which counts the reads by reason: a test pins how many a
-steady-state iteration makes in each mode, so that a change cannot add a stall unnoticed.
+On a GPU such a read stalls the CPU until queued kernels have run. The hot path reads only through ``read``, which
+counts the reads by reason: a test pins how many a steady-state iteration makes, so none is added unnoticed.
 """
 
 from __future__ import annotations

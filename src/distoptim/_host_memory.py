@@ -1,12 +1,6 @@
-"""Large host buffers of distoptim's own (gradient buckets, the owned gradient, receive staging) in mappings of
-their own, returned to the OS when freed.
-
-Why: these buffers are allocated and freed every backward. From glibc's heap they fragment it and stay resident:
-glibc raises its mmap threshold to the size of the largest mapped block freed so far (up to 32 MiB), after which
-blocks below it come from the heap, whose freed memory the next, differently ordered allocations cannot reuse
-(``benchmarks/README.md``, peak RSS). A mapping of their own keeps them off the heap and out of that threshold,
-without touching the allocator's settings for the rest of the program. Accelerator tensors and small buffers go
-through torch's allocator as usual.
+"""Large host buffers of distoptim's own (gradient buckets, the owned gradient, receive staging) in anonymous
+mappings of their own, returned to the OS when freed: allocated and freed every backward, from glibc's heap they
+would fragment it and raise its mmap threshold (``benchmarks/README.md``, peak RSS).
 """
 
 from __future__ import annotations

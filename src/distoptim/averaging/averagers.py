@@ -1,9 +1,8 @@
 """Model averagers: average parameters across a process group on a schedule (the "model" half of post-local SGD).
 
-Each averager is a schedule (``group_at(step)``: which group averages at a step, if any) plus one shared
-averaging collective (``comm.average_tensors_``: mixed dtypes averaged in their promoted dtype and rounded back
-once, as torch's averagers do), which writes the average into the parameters in place.
-The step counter ``step`` is plain visible state, advanced once per ``average_parameters`` call.
+Each averager is a schedule (``group_at(step)``) over one averaging collective (``comm.average_tensors_``), which
+writes the average into the parameters in place; ``step`` is plain visible state, advanced once per call. The
+functions at the end average directly, as ``torch.distributed.algorithms.model_averaging.utils`` does.
 """
 
 from __future__ import annotations
@@ -25,6 +24,9 @@ __all__ = [
     "ParamsLike",
     "PeriodicModelAverager",
     "UnsupportedParamsError",
+    "average_parameters",
+    "average_parameters_or_parameter_groups",
+    "get_params_to_average",
     "params_to_average",
 ]
 
@@ -41,8 +43,8 @@ _HOW_TO_PASS = "pass model.parameters() or optimizer.param_groups"
 
 
 class UnsupportedParamsError(NotImplementedError, TypeError):
-    """An entry of ``params`` that is neither a parameter nor a param group: torch raises ``NotImplementedError``
-    ("Parameter input of type ... is not supported"); it is also a ``TypeError``, what distoptim raised before."""
+    """An entry of ``params`` that is neither a parameter nor a param group: torch's ``NotImplementedError``, and a
+    ``TypeError`` as distoptim raised before."""
 
 
 def _unsupported(item: object, how: str) -> UnsupportedParamsError:
@@ -50,12 +52,8 @@ def _unsupported(item: object, how: str) -> UnsupportedParamsError:
 
 
 def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
-    """The parameters (or param-group entries) in ``params`` that have a gradient, in order.
-
-    Parameters without ``.grad`` did not take part in the step and are skipped (as PyTorch does). Plain tensors are
-    rejected at the top level: iterating a tensor yields its rows, which is never what the caller meant. Entries
-    of another type raise torch's ``NotImplementedError`` text, then what to pass.
-    """
+    """The parameters (or param-group entries) in ``params`` that have a gradient, in order (as PyTorch does); a
+    single tensor is refused (iterating it would yield its rows)."""
     if isinstance(params, torch.Tensor):
         raise _unsupported(params, "average_parameters() takes an iterable of parameters, not a single tensor")
     if isinstance(params, Mapping):
@@ -86,10 +84,7 @@ def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
 
 
 class ModelAverager(ABC):
-    """Base of the averagers: holds the process group and the visible step counter.
-
-    Subclasses say when to average (``average_parameters``); ``step`` counts the calls and is saved by
-    ``PostLocalSGDOptimizer.state_dict()``.
+    """Base of the averagers: the process group and the visible ``step`` counter (saved by ``PostLocalSGDOptimizer``).
 
     Args:
         process_group: the group to average over; ``None`` (default) is the world group, resolved at construction.
@@ -137,9 +132,7 @@ def _check_warmup(warmup_steps: int) -> None:
 
 
 class PeriodicModelAverager(ModelAverager):
-    """Average over the whole group every ``period`` steps once ``warmup_steps`` steps have passed.
-
-    Averages when ``step >= warmup_steps and (step - warmup_steps) % period == 0`` (PyTorch's schedule).
+    """Average over the whole group every ``period`` steps once ``warmup_steps`` steps have passed (PyTorch's schedule).
 
     Args:
         period: steps between averagings, at least 1 (1 warns: plain DDP is cheaper).
@@ -147,18 +140,14 @@ class PeriodicModelAverager(ModelAverager):
         process_group: the group to average over; ``None`` (default) is the world group.
 
     Raises:
-        ValueError: ``period < 1`` or ``warmup_steps < 0``, or the ranks disagree on them: raised on every rank
-            (the others name the rank that failed).
+        ValueError: ``period < 1`` or ``warmup_steps < 0``, or the ranks disagree on them: raised on every rank.
         TypeError: ``period`` or ``warmup_steps`` is not a number, or ``process_group`` not a ``ProcessGroup``.
         RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
 
     Example:
         ```python
         averager = PeriodicModelAverager(period=4, warmup_steps=100)
-        for batch in loader:
-            ...
-            optimizer.step()
-            averager.average_parameters(model.parameters())   # or PostLocalSGDOptimizer(optimizer, averager)
+        averager.average_parameters(model.parameters())   # after each optimizer.step()
         ```
     """
 
@@ -202,29 +191,24 @@ class PeriodicModelAverager(ModelAverager):
 
 
 class HierarchicalModelAverager(ModelAverager):
-    """Average within subgroups of several sizes, each level on its own period (hierarchical SGD).
-
-    ``period_group_size_dict`` maps period -> subgroup size, smallest period first; the last level must span the
-    whole ``process_group``. At a step past warm-up, the level with the largest period dividing ``step`` averages
-    (PyTorch's schedule: ``step % period``). Subgroups are consecutive ranks, created here (a collective).
+    """Average within subgroups of consecutive ranks (created here, a collective), each level on its own period; past
+    warm-up, the level with the largest period dividing ``step`` averages (PyTorch's schedule).
 
     Args:
         period_group_size_dict: ``{period: subgroup size}`` in increasing period order, each size dividing the
-            group's size and the last one the whole group, e.g. ``{2: 4, 8: 16}`` on 16 ranks. Required: the
-            default ``None`` is refused.
+            group's and the last the whole group, e.g. ``{2: 4, 8: 16}``. Required: the default ``None`` is refused.
         warmup_steps: steps before the first averaging (default 0).
         process_group: the group to average over; ``None`` (default) is the world group.
 
     Raises:
-        ValueError: no levels, a period below 1, periods not increasing, a size that does not divide the group,
-            a last level smaller than the group, ``warmup_steps < 0``, or ranks that disagree: raised on every
-            rank (the others name the rank that failed).
+        ValueError: bad levels (none, a period below 1, not increasing, a size not dividing the group, a last one
+            not the group), ``warmup_steps < 0``, or ranks that disagree: raised on every rank.
         TypeError: ``process_group`` is not a ``ProcessGroup``.
         RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
 
-    Example (8 ranks, 4 per node: within each node every 2 steps, across all ranks every 8 steps):
+    Example:
         ```python
-        averager = HierarchicalModelAverager({2: 4, 8: 8}, warmup_steps=100)
+        averager = HierarchicalModelAverager({2: 4, 8: 8}, warmup_steps=100)  # 8 ranks, 4 per node
         ```
     """
 
@@ -303,3 +287,66 @@ def _check_levels(levels: list[tuple[int, int]], overall: int) -> None:
             raise ValueError(
                 f"group size {size} for period {period} must be positive and divide the group's {overall} ranks"
             )
+
+
+def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGroup | None) -> None:
+    """Replace each of ``params`` by its mean over ``process_group``, in place; unlike torch's, the parameters keep
+    their storage, so views into them stay views.
+
+    Args:
+        params: the parameters (any iterable of tensors, a generator included), the same on every rank.
+        process_group: the group to average over; ``None`` is the default (world) group.
+
+    Raises:
+        TypeError: ``process_group`` is neither a ``ProcessGroup`` nor ``None``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        average_parameters(model.parameters(), node_group)      # None: over every rank
+        ```
+    """
+    group = comm.default_group(process_group)
+    comm.average_tensors_(list(params), group)
+
+
+def get_params_to_average(params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
+    """The parameters of ``params`` that have a gradient (those a step changed), in order.
+
+    Args:
+        params: ``model.parameters()`` or ``optimizer.param_groups``.
+
+    Raises:
+        NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group (torch's message; also a
+            ``TypeError``).
+        TypeError: ``params`` is a single tensor or param group, or a group holds something other than tensors.
+
+    Example:
+        ```python
+        average_parameters(get_params_to_average(optimizer.param_groups), None)
+        ```
+    """
+    return params_to_average(params)
+
+
+def average_parameters_or_parameter_groups(
+    params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]], process_group: ProcessGroup | None
+) -> None:
+    """Average, in place over ``process_group``, the parameters of a model or of an optimizer's param groups that
+    have a gradient (``average_parameters(get_params_to_average(params), process_group)``).
+
+    Args:
+        params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
+        process_group: the group to average over; ``None`` is the default (world) group.
+
+    Raises:
+        NotImplementedError: an entry of ``params`` is neither a parameter nor a param group (as in torch).
+        TypeError: ``params`` is a single tensor or param group, or ``process_group`` is not a ``ProcessGroup``.
+        RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
+
+    Example:
+        ```python
+        average_parameters_or_parameter_groups(optimizer.param_groups, None)
+        ```
+    """
+    average_parameters(get_params_to_average(params), process_group)

@@ -18,9 +18,7 @@ __all__ = ["PostLocalSGDOptimizer"]
 class PostLocalSGDOptimizer(torch.optim.Optimizer):
     """Run ``optim`` every step, then let ``averager`` average the parameters (post-local SGD).
 
-    Param groups, state and defaults are the wrapped optimizer's own objects, so schedulers drive it. ``optim`` may
-    be any optimizer; a ``ZeroRedundancyOptimizer`` must shard over a strict subgroup of the averaging group
-    (hierarchical local SGD: ``docs/guides/post-local-sgd.md``).
+    Param groups, state and defaults are the wrapped optimizer's own objects, so schedulers drive it.
 
     Args:
         optim: the local optimizer, already built over the model's parameters (an instance, not a class).
@@ -33,16 +31,13 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     Example:
         ```python
-        ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=100), post_localSGD_hook)
         local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         optimizer = PostLocalSGDOptimizer(local, PeriodicModelAverager(period=4, warmup_steps=100))
-        loss_fn(ddp(batch)).backward()
-        optimizer.step()        # local step, then the model average when one is due
         ```
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
-        # Optimizer.__init__ is deliberately not called: it would build param groups of our own.
+        # Optimizer.__init__ is not called: it would build param groups of our own
         for name in ("step", "param_groups", "state_dict", "load_state_dict"):
             if not hasattr(optim, name):
                 got = f"the class {optim.__name__}" if isinstance(optim, type) else type(optim).__name__
@@ -125,9 +120,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the wrapped optimizer's state and restore the averager's step, so the schedule resumes exactly.
-
-        A dict without ``"step"`` (e.g. saved from the bare optimizer) warns and restarts the schedule at 0.
+        """Load the wrapped optimizer's state and restore the averager's step (a dict without ``"step"`` warns and
+        restarts the schedule at 0).
 
         Args:
             state_dict: what ``state_dict()`` returned (this rank's: the ranks differ between averagings).
@@ -153,8 +147,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
 
 def _check_sharding_within_averaging(optim: Any, averager: Any) -> None:
-    """Refuse ZeRO over the ranks that train locally between averagings: each parameter would follow its owner's
-    local gradient alone (every rank copies the owner's update) and the averaging would change nothing."""
+    """Refuse ZeRO over the ranks that train locally between averagings (the averaging would change nothing)."""
     sharded_over = getattr(optim, "process_group", None)
     if not hasattr(optim, "local_shard") or sharded_over is None:  # duck-typed: not a ZeroRedundancyOptimizer
         return

@@ -1,13 +1,8 @@
-"""A sharded checkpoint's manifest: every file's size and checksum, written last, checked before a load.
+"""A sharded checkpoint's manifest: every file's size and CRC-32, written last, checked before a load.
 
-DCP's files carry no checksum: a data file whose bytes changed in place (a bad disk, a partial copy over an old
-checkpoint) loads without an error, with changed values. A save therefore records, in ``MANIFEST`` (JSON, written
-by the coordinator after DCP's ``.metadata``), the size and CRC-32 of each file it wrote (each rank checksums its own
-files, right after writing them); a load checks the metadata and every file it will read against it before
-anything is read into the state. CRC-32 (``zlib.crc32``) finds any burst of changed bytes up to 32 bits long and
-any other change but with probability 2**-32, which is what guards against damage (not against tampering), at the
-speed of reading the file back from the page cache. A checkpoint without a manifest (written by ``dcp.save``, or by an
-older distoptim) cannot be checked: ``read_manifest`` returns None for it, and the caller warns.
+DCP's files carry no checksum, so bytes changed in place would load silently. Each rank checksums the files it
+wrote; the coordinator writes ``MANIFEST`` after DCP's ``.metadata``. CRC-32 guards against damage, not tampering.
+A checkpoint without a manifest (``dcp.save``, an older distoptim) cannot be checked: ``read_manifest`` gives None.
 """
 
 from __future__ import annotations

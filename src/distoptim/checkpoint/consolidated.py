@@ -1,8 +1,7 @@
 """Optimizer-state formats and their movement: shards to one rank (consolidation), a global dict to shards (loading).
 
-The global format is exactly ``torch.optim``'s: ``{"state": {index: {...}}, "param_groups": [{..., "params":
-[indices]}]}`` with indices numbering all parameters group by group, so a consolidated dict loads into a plain
-``torch.optim`` optimizer, and dicts from plain optimizers (or torch's own ZeroRedundancyOptimizer) load here.
+The global format is exactly ``torch.optim``'s (indices numbering all parameters group by group), so a consolidated
+dict loads into a plain optimizer, and dicts from plain optimizers (or torch's ZeroRedundancyOptimizer) load here.
 """
 
 from __future__ import annotations
@@ -57,11 +56,8 @@ def _as_bytes(tensor: Tensor) -> Tensor:
 
 
 def _chunks(sizes: Sequence[int], chunk: int) -> Iterator[list[tuple[int, int, int, int]]]:
-    """Cut the tensors' bytes, one after another, into messages of ``chunk`` bytes (the last may be shorter).
-
-    Per message, its pieces ``(tensor, begin, end, at)``: bytes ``begin:end`` of that tensor go to ``at`` in the
-    message. A large tensor spans several messages; small ones share one.
-    """
+    """Cut the tensors' bytes, one after another, into messages of ``chunk`` bytes (the last may be shorter): per
+    message, pieces ``(tensor, begin, end, at)``, bytes ``begin:end`` of that tensor going to ``at`` in it."""
     pieces: list[tuple[int, int, int, int]] = []
     at = 0
     for index, size in enumerate(sizes):
@@ -86,19 +82,12 @@ def _message_bytes(pieces: list[tuple[int, int, int, int]]) -> int:
 def send_state(
     state: GlobalState, to: int, group: comm.Group, comm_device: torch.device, staging_bytes: int = STAGING_BYTES
 ) -> None:
-    """Send this rank's shard to rank ``to``: a skeleton as an object, then the tensors' bytes in bounded messages.
-
-    Each message is packed into one staging buffer of at most ``staging_bytes`` on ``comm_device``, reused for all
-    of them: the shard is never copied whole (on a GPU, nor anywhere else).
-    """
+    """Send this rank's shard to rank ``to``: a skeleton as an object, then the tensors' bytes in messages packed
+    into one reused staging buffer of at most ``staging_bytes`` on ``comm_device`` (never a whole copy)."""
     tensors = [value for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
-    skeleton = {
-        index: {
-            key: _TensorSpec(str(value.dtype), tuple(value.shape)) if isinstance(value, Tensor) else value
-            for key, value in entry.items()
-        }
-        for index, entry in state.items()
-    }
+    skeleton = _map_values(
+        state, lambda value: _TensorSpec(str(value.dtype), tuple(value.shape)) if isinstance(value, Tensor) else value
+    )
     sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
     chunk = max(1, staging_bytes)
     comm.send_object((skeleton, chunk), to, group)
@@ -113,16 +102,10 @@ def send_state(
 
 
 def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> GlobalState:
-    """Receive the shard that rank ``source`` sends with ``send_state``, into new tensors on the CPU.
-
-    Messages arrive in one staging buffer on ``comm_device`` (the sender's message size) and are copied out piece
-    by piece, so the comm device (a GPU under NCCL) never holds more than one message.
-    """
+    """Receive the shard that rank ``source`` sends with ``send_state`` into new CPU tensors, through one staging
+    buffer of one message on ``comm_device``."""
     skeleton, chunk = comm.receive_object(source, group, comm_device)
-    state: GlobalState = {
-        index: {key: value.empty() if isinstance(value, _TensorSpec) else value for key, value in entry.items()}
-        for index, entry in skeleton.items()
-    }
+    state = _map_values(skeleton, lambda value: value.empty() if isinstance(value, _TensorSpec) else value)
     targets = [_as_bytes(value) for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
     staging = torch.empty(min(chunk, sum(target.numel() for target in targets)), dtype=torch.uint8, device=comm_device)
     for pieces in _chunks([target.numel() for target in targets], chunk):
@@ -134,10 +117,12 @@ def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> 
 
 def on_cpu(state: GlobalState) -> GlobalState:
     """``state`` with its tensors on the CPU (those already there are kept, not copied), as consolidated state is."""
-    return {
-        index: {key: value.cpu() if isinstance(value, Tensor) else value for key, value in entry.items()}
-        for index, entry in state.items()
-    }
+    return _map_values(state, lambda value: value.cpu() if isinstance(value, Tensor) else value)
+
+
+def _map_values(state: GlobalState, function: Callable[[Any], Any]) -> GlobalState:
+    """``state`` with ``function`` applied to every value of every entry."""
+    return {index: {key: function(value) for key, value in entry.items()} for index, entry in state.items()}
 
 
 def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,9 +138,8 @@ def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str
 
 
 def saved_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``global_param_groups`` as a checkpoint stores them: a group's ``optimizer_class`` by its name
-    (``"torch.optim.Muon"``), not the class object, so that the dict is plain data that ``torch.load(...,
-    weights_only=True)`` reads; loading compares the names (``check_hyperparameters``)."""
+    """``global_param_groups`` with a group's ``optimizer_class`` by its name (``"torch.optim.Muon"``), so that
+    ``torch.load(..., weights_only=True)`` reads the dict; loading compares the names."""
     return [
         {**group, CLASS_KEY: _stored_name(group[CLASS_KEY])} if CLASS_KEY in group else group
         for group in global_param_groups(param_groups)
@@ -170,12 +154,8 @@ def _stored_name(value: Any) -> Any:
 def select_shard(
     state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any]], optimizer_class: type
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
-    """Match a saved global dict to ``param_groups``: per-parameter state (by tensor) and per-group hyperparameters.
-
-    Raises a ``ValueError`` saying what does not match when the dict was saved for a different set of parameters or
-    by a different optimizer class. The whole dict is checked, not one shard, so that every rank (each loading the
-    same dict) reaches the same verdict without communicating.
-    """
+    """Match a saved global dict to ``param_groups``: per-parameter state (by tensor) and per-group hyperparameters;
+    a ``ValueError`` for other parameters or another optimizer class (the whole dict checked: every rank agrees)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError(
             "expected an optimizer state dict with 'state' and 'param_groups' keys, as state_dict() returns; "
@@ -203,9 +183,8 @@ def select_shard(
 
 
 def loaded_hyperparameters(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved group's settings to load into a group: all but ``params``, the class (the group's own class,
-    checked to have the saved name, stays: ``param_groups`` keeps showing the class, not its name) and the state
-    format (the group's own stays: a load converts the state into it)."""
+    """A saved group's settings to load into a group: all but ``params``, the class and the state format (the
+    group's own stay)."""
     return {k: v for k, v in saved.items() if k not in ("params", CLASS_KEY, FORMAT_KEY)}
 
 
@@ -224,8 +203,7 @@ def _hyperparameter_names(optimizer_class: type) -> set[str]:
 
 
 def check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: int, optimizer_class: type) -> None:
-    """A saved group must carry the hyperparameters this optimizer's groups have (an SGD dict has no 'betas'), and
-    name the class the group names (``optimizer_class``, a per-group key), if any."""
+    """A saved group must carry this group's hyperparameters (an SGD dict has no 'betas') and name its class."""
     own, theirs = group.get(CLASS_KEY), saved.get(CLASS_KEY)
     if _stored_name(own) != _stored_name(theirs):  # by name: a checkpoint stores the class's (saved_param_groups)
         shown = ["none" if cls is None else _stored_name(cls) for cls in (theirs, own)]
@@ -271,18 +249,13 @@ def apply_hooks(hooks: Iterable[Callable[..., Any]], optimizer: Any, state_dict:
 def gather_state(
     mine: dict[Any, dict[str, Any]], to: int, group: comm.Group, comm_device: torch.device
 ) -> dict[Any, dict[str, Any]] | None:
-    """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks, which only send theirs); this rank's
-    own copied, so that a later step does not change a consolidated state kept for saving."""
+    """Every rank's shard on rank ``to``'s CPU, merged (None on the other ranks); this rank's own copied."""
     if comm.group_rank(group) != to:
         send_state(mine, to, group, comm_device, STAGING_BYTES)
         return None
-    merged = {  # a copy, as the other ranks' shards are: the consolidated state is this moment's, not live
-        index: {
-            key: value.detach().clone() if isinstance(value, Tensor) and value.device.type == "cpu" else value
-            for key, value in entry.items()
-        }
-        for index, entry in on_cpu(mine).items()
-    }
+    # a copy, as the other ranks' shards are: the consolidated state is this moment's, not live
+    copied = lambda value: value.detach().clone() if isinstance(value, Tensor) and value.device.type == "cpu" else value
+    merged = _map_values(on_cpu(mine), copied)
     for source in range(comm.group_size(group)):
         if source != to:
             merged.update(receive_state(source, group, comm_device))
@@ -290,8 +263,7 @@ def gather_state(
 
 
 def agree_on_target(to: Any, world_size: int, group: comm.Group) -> None:
-    """Every rank must name the same valid ``to``: a rank that refused a bad one alone, or ranks naming different
-    targets, would leave the others waiting for a message until the group's timeout. One agreement tells all."""
+    """Every rank must name the same valid ``to`` (else the others would wait until the timeout): one agreement."""
     outcome: agreement.Fingerprint | BaseException = {"{} consolidation target": to}
     if isinstance(to, bool) or not isinstance(to, int):
         outcome = TypeError(f"consolidate_state_dict(to={to!r}): 'to' must be a rank (an int), 0..{world_size - 1}")
@@ -304,8 +276,7 @@ def agree_on_target(to: Any, world_size: int, group: comm.Group) -> None:
 def select_shard_on_every_rank(
     state_dict: Any, param_groups: Sequence[dict[str, Any]], optimizer_class: type, group: comm.Group
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
-    """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all,
-    before any of them could step with it and wait for the others in the next sync."""
+    """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all."""
     return agreement.run_agreed(
         lambda: select_shard(state_dict, param_groups, optimizer_class),
         group,

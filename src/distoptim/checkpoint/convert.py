@@ -1,13 +1,9 @@
 """Between the two checkpoint formats, offline, on one process: a sharded DCP checkpoint's optimizer part and
-``torch.optim``'s state dict (which plain optimizers, ``load_state_dict`` and torch's ZeroRedundancyOptimizer use).
+``torch.optim``'s state dict (``python -m distoptim checkpoint DIR --to-torch optim.pt`` or ``--from-torch optim.pt``).
 
-``python -m distoptim checkpoint DIR --to-torch optim.pt`` writes the ``torch.optim`` dict of the optimizer saved
-under ``--key`` (default ``optim``) in DIR, low-bit state (``state_format``) decoded to fp32 as a consolidated dict
-is; ``--from-torch optim.pt`` writes a sharded checkpoint DIR from one, encoded in each group's ``"state_format"`` (or
-``--state-format``'s). Conversion holds the whole state in memory: it is for leaving and joining the format, not for
-training. Each says what it wrote, in one line. A sharded checkpoint records each parameter's shape (a load checks
-it); ``--from-torch`` reads it from the state (parameter-shaped entries, Adafactor's factors); where the state cannot
-tell, ``--params FILE`` gives the shapes (the parameters themselves give int8 blocks their memory order).
+``--to-torch`` decodes low-bit state to fp32; ``--from-torch`` encodes it in each group's ``"state_format"`` (or
+``--state-format``'s) and reads each parameter's shape from its state, or from ``--params FILE`` where the state
+cannot tell. Conversion holds the whole state in memory: it is for leaving and joining the format, not for training.
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
+import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,7 +59,8 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
     check_files(Path(directory), storage)
     if manifest is not None:
         checksums.verify(Path(directory), [info.relative_path for info in storage], manifest)
-    with _scratch() as scratch:
+    with tempfile.TemporaryDirectory() as temporary:
+        scratch = str(Path(temporary) / "flat.pt")
         try:
             dcp_to_torch_save(str(directory), scratch)
         except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
@@ -86,7 +84,7 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
 
 def _decode(entry: dict[str, Any], index: int, layout: tuple[Any, ...] | None) -> None:
     """Decode ``entry``'s encoded keys (``exp_avg.int8`` + ``exp_avg.int8_absmax``, ``exp_avg.bf16``) in place to
-    fp32 ``exp_avg``, as ``state_formats.decoded`` does; int8 blocks in the saved memory order (``layout``)."""
+    fp32 ``exp_avg``; int8 blocks in the saved memory order (``layout``)."""
     for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
         key, fmt = name.rsplit(".", 1)
         names = codecs.encoded_names(key, fmt)
@@ -111,12 +109,9 @@ def torch_optim_to_dcp(
     """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes;
     return how many data files were written.
 
-    State tensors are saved as they are (parameter-shaped ones by their logical indices, as ZeRO saves them: the
-    memory layout does not matter). ``shapes``: the parameters' shapes (or the parameters), in the optimizer's order,
-    or a model state dict when the param groups name their parameters (``param_names``); needed only where the
-    state cannot tell (see ``parameter_shapes``). ``state_format``: the format to encode the state in for an
-    optimizer of that ``state_format`` to load (default: each group's ``"state_format"``, fp32 where it has none);
-    int8 blocks follow the memory order of ``shapes``' tensors where given, else row-major.
+    ``shapes``: the parameters' shapes (or the parameters, whose memory order int8 blocks follow), in the
+    optimizer's order, or a model state dict when the groups carry ``param_names``; needed only where the state
+    cannot tell. ``state_format``: the format to encode in (default: each group's ``"state_format"``, else fp32).
     """
     found = parameter_shapes(state_dict, shapes)
     groups = [dict(group) for group in state_dict["param_groups"]]
@@ -158,8 +153,7 @@ def _orders(shapes: Shapes | None, groups: list[dict[str, Any]], count: int) -> 
 def _encoded(
     entry: dict[str, Any], shape: tuple[int, ...] | None, order: tuple[int, ...] | None, fmt: str
 ) -> dict[str, Any]:
-    """``entry`` with its encodable parameter-shaped keys encoded in ``fmt`` (a parameter's own format: fp32 under
-    ``codecs.MIN_NUMEL`` elements), as ``StateFormats.encode_entry`` does."""
+    """``entry`` with its encodable parameter-shaped keys encoded in ``fmt``, as ``StateFormats.encode_entry`` does."""
     out: dict[str, Any] = {}
     for name, value in entry.items():
         if shape is None or not codecs.is_encodable(name, value) or tuple(value.shape) != shape:
@@ -175,9 +169,8 @@ def _encoded(
 
 
 def parameter_shapes(state_dict: dict[str, Any], shapes: Shapes | None = None) -> list[tuple[int, ...] | None]:
-    """Each parameter's shape (None: it has no state, so nothing to check it against), from ``shapes`` where given,
-    else from its state: a parameter-shaped entry's (``PARAMETER_SHAPED``), or Adafactor's factors'. A state whose
-    entries say nothing of the shape (an optimizer's own entries of other shapes) is refused: never a guess."""
+    """Each parameter's shape (None: no state), from ``shapes`` where given, else from its state's parameter-shaped
+    entries or Adafactor's factors; a state that does not show it is refused: never a guess."""
     groups = state_dict["param_groups"]
     count = sum(len(group["params"]) for group in groups)
     given = None if shapes is None else _given_shapes(shapes, groups, count)
@@ -234,26 +227,12 @@ def _given_shapes(shapes: Shapes, groups: list[dict[str, Any]], count: int) -> l
 
 
 def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...] | None] | None) -> Any:
-    """A saved state tensor as ``torch.optim`` keeps it: as saved, or, from a checkpoint of distoptim 0.2 (whose
-    layouts carry strides: it saved parameter-shaped state flat, in memory order), reshaped by them."""
+    """A saved state tensor as ``torch.optim`` keeps it; distoptim 0.2's flat state reshaped by its layout's strides."""
     if not isinstance(value, Tensor) or value.dim() == 0 or layout is None or layout[1] is None:
         return value
     whole = torch.empty_strided(layout[0], layout[1], dtype=value.dtype)
     flat_view(whole).copy_(value)
     return whole
-
-
-class _scratch:
-    """A temporary file path, removed afterwards."""
-
-    def __enter__(self) -> str:
-        import tempfile
-
-        self.directory = tempfile.TemporaryDirectory()
-        return str(Path(self.directory.name) / "flat.pt")
-
-    def __exit__(self, *exc: object) -> None:
-        self.directory.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

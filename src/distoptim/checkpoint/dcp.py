@@ -1,9 +1,6 @@
-"""``torch.distributed.checkpoint``'s save and load, coordinated over distoptim's own collectives.
-
-The same planner and storage steps as ``dcp.save``/``dcp.load`` (the files are DCP's), with plans moved as pickled
-bytes and each step agreed across ranks: no numpy, and a failure raises an ordinary exception on every rank. A
-save ends with a manifest of every file's size and checksum; a load checks it before reading anything.
-``docs/guides/internals.md``.
+"""``torch.distributed.checkpoint``'s save and load, coordinated over distoptim's own collectives: DCP's planner and
+storage steps (the files are DCP's), plans moved as pickled bytes and each step agreed across ranks, so a failure
+raises an ordinary exception on every rank. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations

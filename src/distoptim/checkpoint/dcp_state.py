@@ -1,25 +1,23 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves and loads its fragments only.
 
-Each parameter-shaped state tensor is presented to DCP as a tensor of the parameter's shape of which this rank
-holds the boxes its fragment covers (``boxes.memory_range_boxes``), so a checkpoint is independent of world size,
-partition and memory layout. Usage: ``dcp.save({"optim": zero.sharded_state_dict()}, checkpoint_id=path)``, then
-``zero.load_sharded_state_dict(state["optim"])`` after ``dcp.load``; ``distoptim.checkpoint`` adds crash safety and
-loads states a parameter never had (``prune_unsaved``, ``install_loaded``). ``docs/guides/internals.md``. A state
-kept in fewer bits is saved encoded, its keys tagged with the format (``codecs.encoded_names``).
+Each parameter-shaped state tensor is presented to DCP as a tensor of the parameter's shape of which this rank holds
+the boxes its fragment covers (``memory_range_boxes``): a checkpoint is independent of world size, partition
+and memory layout. State kept in fewer bits is saved encoded (``codecs.encoded_names``). ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from distoptim._flat import is_dense
-from distoptim.checkpoint.boxes import memory_range_boxes
 from distoptim.checkpoint.consolidated import check_hyperparameters, loaded_hyperparameters
 from distoptim.zero.codecs import BLOCK, SCALES_SUFFIX
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
@@ -30,32 +28,29 @@ if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a thir
     from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = [
+    "Box",
     "FragmentTensor",
     "install_loaded",
     "is_sharded_state",
     "load_param_groups",
+    "memory_range_boxes",
     "prune_unsaved",
     "sharded_state",
     "template_state",
 ]
 
 CHUNK_BYTES = 4 << 20
-"""The largest piece a save writes as one DCP chunk: a load reads a saved chunk whole before copying what it needs,
-so this bounds the memory a load takes besides the state (a save writes each chunk from the state's own memory)."""
+"""The largest DCP chunk a save writes: a load reads a chunk whole, so this bounds its extra memory."""
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"
-"""Each parameter's ``(shape, None)``: its state is saved by logical index; ``(shape, None, strides)`` for a dense
-parameter not laid out row-major (int8 blocks follow its memory order: ``memory_order``). distoptim 0.2 saved
-``(shape, strides)``, the memory order in which it saved parameter-shaped state flat (``convert`` still reads those)."""
+"""Each parameter's ``(shape, None)``, or ``(shape, None, strides)`` where int8 blocks follow a non-row-major memory
+order (``memory_order``); distoptim 0.2 saved ``(shape, strides)`` with its state flat (``convert`` reads those)."""
 
 
 class FragmentTensor(Tensor):
-    """A tensor of ``shape`` of which this rank holds ``pieces``, each a box ``(offsets, local)`` of its logical
-    index space: what DCP needs to save and load one rank's piece of a tensor (DCP's checkpointable protocol, as
-    DTensor implements it). ``source`` is the state value it stands for (the pieces are views of it); ``saved=False``
-    marks a placeholder that a load may fill but a save leaves out (the state a fresh optimizer would have). It holds
-    no data of its own and supports one operation: ``new_empty``, with which DCP's staging (``async_save``) makes
-    the shell it copies the pieces into."""
+    """A tensor of ``shape`` of which this rank holds ``pieces`` (``(offsets, local)`` boxes, views of ``source``),
+    through DCP's checkpointable protocol as DTensor implements it; ``saved=False``: a placeholder only a load fills.
+    Holds no data; supports only ``new_empty`` (DCP's staging for ``async_save``)."""
 
     _pieces: list[tuple[tuple[int, ...], Tensor]]
     source: Tensor
@@ -115,15 +110,13 @@ class FragmentTensor(Tensor):
 
 
 def _on_own_storage(box: Tensor) -> Tensor:
-    """``box`` (a view of a larger tensor that fills one stretch of its memory, as every box does) over a storage of
-    exactly its bytes, sharing them: DCP copies a tensor whose storage is larger before writing it (and keeps the
-    copy until the file is done), so a save then writes every box from the state's own memory."""
+    """``box`` over a storage of exactly its bytes, shared: DCP copies a tensor whose storage is larger before
+    writing it, so a save writes every box from the state's own memory."""
     size = box.numel() * box.element_size()
     if box.untyped_storage().nbytes() == size or not is_dense(box):
         return box
     begin = box.storage_offset() * box.element_size()
-    own = box.new_empty(0).set_(box.untyped_storage()[begin : begin + size], 0, box.shape, box.stride())
-    return own
+    return box.new_empty(0).set_(box.untyped_storage()[begin : begin + size], 0, box.shape, box.stride())
 
 
 class Placeholder:
@@ -159,8 +152,7 @@ def sharded_state(
 
 
 def memory_order(tensor: Tensor) -> tuple[int, ...] | None:
-    """The strides of ``tensor``'s memory order, by which int8 blocks are laid; None where it is the logical order
-    (a row-major tensor, or one that is not dense, whose blocks follow the logical order)."""
+    """The strides of ``tensor``'s memory order, by which int8 blocks are laid; None where that is row-major."""
     return None if tensor.is_contiguous() or not is_dense(tensor) else tuple(tensor.stride())
 
 
@@ -171,9 +163,8 @@ def layout_of(param: Tensor) -> tuple[Any, ...]:
 
 
 def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
-    """A state tensor as a fragment: the boxes of the parameter that its piece covers (the whole tensor when
-    ``local`` covers its parameter), each of at most ``CHUNK_BYTES``; anything else as it is. Wrapped as a
-    placeholder unless ``saved``."""
+    """A state tensor as a fragment of the boxes its piece covers; anything else as it is (a placeholder unless
+    ``saved``)."""
     if isinstance(value, Tensor) and (value.dim() > 0 or not saved):  # a saved scalar (a step) is saved as it is
         piece = value.detach()
         if local.whole or piece.dim() == 0:
@@ -186,8 +177,8 @@ def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
 
 
 def _scales_saved(value: Tensor, local: LocalTensor, saved: bool) -> FragmentTensor:
-    """An int8 state's per-block scales as a fragment of the parameter's blocks (``codecs.BLOCK`` elements each,
-    counted from its first element; an even partition cuts at block boundaries, so ranks never share a block)."""
+    """An int8 state's per-block scales as a fragment of the parameter's blocks (an even partition cuts at block
+    boundaries, so ranks never share a block)."""
     blocks = -(-local.param.numel() // BLOCK)
     return FragmentTensor([((local.offset // BLOCK,), value.detach())], (blocks,), value, saved)
 
@@ -202,8 +193,8 @@ def _check_piece(piece: Tensor, local: LocalTensor) -> None:
 
 
 def _boxes(piece: Tensor, like: Tensor, offset: int, length: int) -> list[tuple[tuple[int, ...], Tensor]]:
-    """``piece`` (elements ``[offset, offset + length)`` of a tensor laid out as ``like``, in memory order) as
-    (logical offsets, view) boxes of at most ``CHUNK_BYTES``; a tensor that is not dense as one box, itself."""
+    """``piece`` (elements ``[offset, offset + length)`` of ``like`` in memory order) as (offsets, view) boxes of at
+    most ``CHUNK_BYTES``; a tensor that is not dense as one box."""
     if not is_dense(like) or not is_dense(piece):
         return [((0,) * piece.dim(), piece)] if piece.numel() > 0 else []
     limit = CHUNK_BYTES // piece.element_size()
@@ -217,9 +208,8 @@ def _boxes(piece: Tensor, like: Tensor, offset: int, length: int) -> list[tuple[
 def template_state(
     shard: LocalShard, step: Callable[[], Any], state: dict[Tensor, dict[str, Any]]
 ) -> dict[Tensor, dict[str, Any]]:
-    """The state a fresh optimizer would make for each local tensor that has none (one step of the local optimizer
-    on zero gradients), for a load to fill in. It is returned, not kept: the optimizer's state, every tensor's value
-    and ``.grad`` are as before afterwards, so exporting for a save changes nothing."""
+    """The state a fresh optimizer would make for each local tensor without any (one step on zero gradients), for
+    a load to fill in; returned, not kept: state, values and ``.grad`` are as before afterwards."""
     locals_ = [t for group in shard.groups for t in group]
     missing = [t for t in locals_ if not state.get(t.tensor)]
     if not missing:
@@ -242,8 +232,7 @@ def template_state(
 def load_param_groups(
     saved: dict[str, Any], param_groups: list[dict[str, Any]], optimizer_class: type
 ) -> list[dict[str, Any]]:
-    """The hyperparameters of each param group that a loaded sharded checkpoint carries, once the checkpoint is known
-    to be this optimizer's: the same number of groups and parameters, shapes, and the optimizer class's settings."""
+    """Each param group's hyperparameters from a loaded sharded checkpoint, once checked to be this optimizer's."""
     payload, layouts = (saved.get(PARAM_GROUPS), saved.get(LAYOUTS)) if isinstance(saved, dict) else (None, None)
     if not isinstance(payload, bytes) or not payload or not isinstance(layouts, bytes):
         raise ValueError(
@@ -267,9 +256,8 @@ def load_param_groups(
 
 
 def _check_block_orders(param_groups: list[dict[str, Any]], layouts: list[Any]) -> None:
-    """Refuse int8 state saved in blocks of another memory order than the parameter's here (a transposed or
-    channels_last parameter on one side only): its codes would be scaled by other elements' block scales. Decided
-    on the global parameters, so on every rank alike."""
+    """Refuse int8 state saved in blocks of another memory order than the parameter's here (its codes would take
+    other elements' scales); decided on the global parameters, so on every rank alike."""
     params = [p for group in param_groups for p in group["params"]]
     for index, block in enumerate(block_sizes(param_groups)):
         if block == 1:
@@ -295,9 +283,8 @@ def is_sharded_state(value: Any) -> bool:
 
 
 def prune_unsaved(exported: dict[str, Any], prefix: str, saved: Collection[str]) -> None:
-    """Drop from ``exported`` (about to be loaded) the entries its checkpoint cannot have: the state of a parameter
-    that had none when saved, and master weights the saving run did not keep. ``prefix``: where ``exported`` sits
-    in the checkpoint (``"optim."``); ``saved``: the checkpoint's keys."""
+    """Drop from ``exported`` the entries the checkpoint (keys ``saved``, ``exported`` under ``prefix``) cannot have:
+    state of a parameter that had none, master weights the saving run did not keep."""
     saved_entries = [_index_and_name(key[len(prefix) :]) for key in saved if key.startswith(f"{prefix}state.")]
     stateful = {index for index, name in saved_entries if name != MASTER_KEY}
     for key in [key for key in exported if key.startswith("state.") and f"{prefix}{key}" not in saved]:
@@ -312,9 +299,8 @@ def _index_and_name(key: str) -> tuple[str, str]:
 
 
 def install_loaded(shard: LocalShard, state: dict[Tensor, dict[str, Any]], loaded: dict[str, Any]) -> None:
-    """Make the local optimizer's state what a load filled into ``sharded_state``'s dict: the entries found there
-    (tensors loaded in place, other values as loaded); a fragment with none starts without state (the checkpoint
-    had none for it); a master copy that was not loaded starts from its parameter (with a warning)."""
+    """Make the local optimizer's state what a load filled into ``sharded_state``'s dict; a fragment without entries
+    starts without state, a master copy not loaded from its parameter (with a warning)."""
     unmastered = []
     for local in (t for group in shard.groups for t in group if t.param.numel() > 0):
         head = f"state.{local.index}."
@@ -339,3 +325,77 @@ def _unwrapped(value: Any) -> Any:
     if isinstance(value, FragmentTensor):
         return value.source
     return value.value if isinstance(value, Placeholder) else value
+
+
+# Boxes (pure arithmetic): memory order is row-major over the dimensions sorted by stride, so a range of it is at
+# most ``2 * ndim - 1`` boxes of that permuted index space, each a box of the logical one, whatever the layout.
+
+
+@dataclass(frozen=True)
+class Box:
+    """Logical ``offsets`` and ``sizes`` of a box of a tensor's elements; ``start``: where its first element lies in
+    memory, counted from the start of the range it was cut from."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+
+def memory_range_boxes(
+    shape: Sequence[int], strides: Sequence[int], offset: int, length: int, limit: int | None = None
+) -> list[Box]:
+    """The boxes that elements ``[offset, offset + length)`` in memory order of a dense tensor of ``shape`` and
+    ``strides`` make up, in memory order (empty for an empty range), each of at most ``limit`` elements if given."""
+    order = sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -strides[d], d))  # outermost first
+    permuted = [shape[d] for d in order]
+    boxes = []
+    whole = _row_major_boxes(offset, offset + length, permuted)
+    for offsets, sizes in whole if limit is None else [cut for box in whole for cut in _cut(*box, max(1, limit))]:
+        logical_offsets, logical_sizes = [0] * len(shape), [1] * len(shape)
+        for axis, dim in enumerate(order):
+            logical_offsets[dim], logical_sizes[dim] = offsets[axis], sizes[axis]
+        start = sum(o * math.prod(permuted[axis + 1 :]) for axis, o in enumerate(offsets)) - offset
+        boxes.append(Box(tuple(logical_offsets), tuple(logical_sizes), start))
+    return boxes
+
+
+def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Row-major indices ``[start, stop)`` of an array of ``shape`` as ``(offsets, sizes)`` boxes: a partial first
+    row, the whole rows between, a partial last row (each partial row cut the same way one dimension down)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = -(-start // inner), stop // inner  # the whole rows are [first, last)
+    if first > last:  # start and stop inside one row
+        row = start // inner
+        return _in_row(row, start - row * inner, stop - row * inner, shape)
+    boxes = []
+    if start < first * inner:
+        boxes += _in_row(first - 1, start - (first - 1) * inner, inner, shape)
+    if first < last:
+        boxes.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
+    if last * inner < stop:
+        boxes += _in_row(last, 0, stop - last * inner, shape)
+    return boxes
+
+
+def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A row-major box cut into boxes of at most ``limit`` elements: along its outermost axis longer than 1, each
+    cut holding as many slabs as fit (a slab larger than ``limit`` cut the same way one axis down)."""
+    if math.prod(sizes) <= limit:
+        return [(offsets, sizes)]
+    axis = next(a for a, size in enumerate(sizes) if size > 1)
+    slab = math.prod(sizes[axis + 1 :])
+    per_cut = max(1, limit // slab)
+    cuts = []
+    for begin in range(0, sizes[axis], per_cut):
+        at = (*offsets[:axis], offsets[axis] + begin, *offsets[axis + 1 :])
+        cut = (*sizes[:axis], min(per_cut, sizes[axis] - begin), *sizes[axis + 1 :])
+        cuts += _cut(at, cut, limit) if slab > limit else [(at, cut)]
+    return cuts
+
+
+def _in_row(row: int, start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [((row, *offsets), (1, *sizes)) for offsets, sizes in _row_major_boxes(start, stop, shape[1:])]

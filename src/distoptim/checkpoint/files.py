@@ -1,5 +1,4 @@
-"""``save`` and ``load``: crash-safe DCP checkpoints into a directory that appears only when complete (the
-package's docstring says how)."""
+"""``save`` and ``load``: crash-safe DCP checkpoints into a directory that appears only when complete."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ METADATA = ".metadata"  # DCP's index, written by its coordinator after every ra
 
 
 def _pending() -> list[Future[None]]:
-    """The latest asynchronous save, kept with the default group (``comm.groups.attached``), as their gloo group is."""
+    """The latest asynchronous save, kept with the default group (as its gloo group is)."""
     return attached(comm.default_group(None), "pending asynchronous save", list)
 
 
@@ -63,24 +62,18 @@ def save(
     """Save ``state_dict`` (every rank its own shard) to the directory ``path``, replacing any checkpoint there only
     once the new one is complete (collective).
 
-    With ``async_save=True`` the state is copied to the CPU first and written by a background thread: the call
-    returns a ``Future`` as soon as the copy is made (the state may change from then on), which completes once
-    the checkpoint is at ``path`` and raises what the save raised. Its collectives need a group that nothing else
-    uses meanwhile: by default one made for them (``dist.new_group(backend="gloo")``, once); a ``process_group``
-    given must be such a group, with a CPU backend.
-
     Args:
-        state_dict: what to save, any dict DCP takes: ``{"model": model.state_dict(), "optim":
-            zero.sharded_state_dict()}``; modules and optimizers (``Stateful``) are saved by their state dicts.
+        state_dict: any dict DCP takes (``{"model": ..., "optim": zero.sharded_state_dict()}``); ``Stateful``
+            values are saved by their state dicts.
         path: the checkpoint's directory, on a file system every rank sees.
-        process_group: the ranks saving together; default None: the default group (or, with ``async_save``, a
-            gloo group made once for background saves).
-        async_save: copy the state to the CPU and write it in the background, returning a ``Future``; default
-            False: write now and return None.
+        process_group: the ranks saving together; default None: the default group (with ``async_save``, a gloo
+            group made once; one given must have a CPU backend and be used by nothing else meanwhile).
+        async_save: copy the state to the CPU and write it in a background thread, returning a ``Future`` that
+            raises what the save raised; default False: write now and return None.
 
     Raises:
-        ValueError: on every rank, when the save failed on any rank (naming it: a full disk, a rank's error);
-            the previous checkpoint at ``path`` stays whole. With ``async_save`` the future raises it.
+        ValueError: on every rank, when the save failed on any rank; the previous checkpoint at ``path`` stays
+            whole. With ``async_save`` the future raises it.
 
     Example:
         ```python
@@ -105,7 +98,7 @@ def save(
 
 
 def _wait_for_pending_save() -> None:
-    """Block until the latest asynchronous save has finished; warn (once) if it failed (its future has the error)."""
+    """Block until the latest asynchronous save has finished; warn (once) if it failed."""
     pending = _pending()
     if not pending:
         return
@@ -123,8 +116,7 @@ def _write(state: dict[str, Any], final: Path, group: comm.Group) -> None:
 
 
 def _async_group(process_group: comm.Group | None) -> comm.Group:
-    """The group an asynchronous save coordinates over: a gloo group of the default group's ranks kept for it (made
-    on the first such save, by every rank), or the ``process_group`` given."""
+    """The group an asynchronous save coordinates over: ``process_group``, or a gloo twin of the default group."""
     if process_group is not None:
         group = comm.default_group(process_group)
         if str(dist.get_backend(group)) == "nccl":
@@ -138,8 +130,7 @@ def _async_group(process_group: comm.Group | None) -> comm.Group:
 
 
 def _staged(state: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``state`` on the CPU (its tensors copied, sharded optimizer fragments included), made by DCP's
-    stager as ``dcp.async_save`` makes it."""
+    """A copy of ``state`` on the CPU, made by DCP's stager as ``dcp.async_save`` makes it."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(False, False, False, False))  # plain copies, in this thread
@@ -152,14 +143,11 @@ def _staged(state: dict[str, Any]) -> dict[str, Any]:
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: comm.Group | None = None) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), as ``dcp.load`` does; then call
-    ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it. A directory that is not a complete
-    checkpoint, lacks something ``state_dict`` asks for or holds it in another shape, or misses a file or
-    holds one that changed since the save (truncated, bytes altered) raises a ``ValueError`` on every rank before
-    anything is loaded.
+    ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it.
 
     Args:
-        state_dict: what to load, laid out as it was saved (``{"model": model.state_dict(), "optim":
-            zero.sharded_state_dict()}``, built on the new run, at any world size and partition); filled in place.
+        state_dict: what to load, laid out as it was saved (built on the new run, at any world size and
+            partition); filled in place.
         path: the checkpoint's directory (a save interrupted while replacing it is found beside it).
         process_group: the ranks loading together; default None: the default group.
 
@@ -190,15 +178,13 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A shallow copy of ``state_dict`` with each ``Stateful`` (a module, an optimizer) replaced by its state dict,
-    as DCP takes them."""
+    """``state_dict`` with each ``Stateful`` (a module, an optimizer) replaced by its state dict."""
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
 
 
 def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict[str, checksums.Entry] | None]:
-    """Where the checkpoint for ``final`` is (``final``, or the previous one a save died replacing), once it is known
-    to be complete, its metadata unchanged since the save, and to hold every entry ``state_dict`` asks for, in its
-    shape (entries it cannot have pruned); and its manifest (None, with a warning, for one saved without)."""
+    """Where the checkpoint for ``final`` is (or the previous one a save died replacing), once checked complete,
+    undamaged, and holding every entry ``state_dict`` asks for in its shape; and its manifest (None: warned)."""
     source = final
     if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
         source = _sibling(final, "previous")

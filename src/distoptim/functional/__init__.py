@@ -1,5 +1,4 @@
-"""Functional optimizers: ``torch.optim`` update rules that take gradients as arguments (``optimizers``: one generic
-class; ``kernels``: the table of ``torch.optim`` functional kernels it runs). Imports torch only."""
+"""Functional optimizers: ``torch.optim`` update rules that take gradients as arguments. Imports torch only."""
 
 from distoptim.functional.optimizers import (
     FunctionalAdadelta,

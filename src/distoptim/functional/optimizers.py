@@ -1,32 +1,177 @@
 """Functional optimizers: ``torch.optim`` update rules that take gradients as arguments instead of reading ``.grad``.
 
-The ZeRO/DDP overlap hooks step parameters one bucket at a time while gradients are still arriving, and the RPC
-``DistributedOptimizer`` steps parameters whose gradients live in a distributed autograd context; both need an
-optimizer that is handed its gradients. ``FunctionalOptimizer`` is one generic class that runs ``torch.optim``'s own
-functional kernels (so the math is torch's, bit for bit); one row of ``kernels`` per optimizer says which
-kernel, which hyperparameters (with ``torch.optim``'s defaults) and which per-parameter state it uses. State is
-created exactly as ``torch.optim`` creates it, so ``FunctionalAdam(...).state[p]`` and
-``torch.optim.Adam(...).state[p]`` are interchangeable.
+The overlap hooks and the RPC ``DistributedOptimizer`` hand their optimizer its gradients. ``FunctionalOptimizer``
+is one generic class that runs ``torch.optim``'s own functional kernels (bit for bit), one ``KernelSpec`` row per
+optimizer; its state is created exactly as ``torch.optim`` creates it, so the two are interchangeable. A torch
+upgrade that renames a kernel argument fails at import, not at the first step.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.optim.adadelta import adadelta
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.adamax import adamax
+from torch.optim.rmsprop import rmsprop
+from torch.optim.rprop import rprop
+from torch.optim.sgd import sgd
 
-from distoptim.functional import kernels as specs
+ParamGroup = dict[str, Any]
+StateInit = Callable[[Tensor, ParamGroup], Tensor]
+
+
+def _step_counter(param: Tensor, group: ParamGroup) -> Tensor:
+    # torch.optim keeps `step` on the CPU (capturable and fused off) in `optimizer._get_scalar_dtype()`.
+    return torch.zeros((), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
+
+
+def _zeros(param: Tensor, group: ParamGroup) -> Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _filled_with(hyperparameter: str) -> StateInit:
+    """State initialised to a hyperparameter's value (complex parameters: value + value*j, as torch.optim does)."""
+
+    def init(param: Tensor, group: ParamGroup) -> Tensor:
+        value = group[hyperparameter]
+        fill = complex(value, value) if param.is_complex() else value
+        return torch.full_like(param, fill, memory_format=torch.preserve_format)
+
+    return init
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How one ``torch.optim`` optimizer maps onto its functional kernel: one row of this table."""
+
+    torch_cls: type[torch.optim.Optimizer]
+    kernel: Callable[..., None]
+    defaults: dict[str, Any]  # constructor hyperparameters, in torch.optim's positional order, with its defaults
+    state: dict[str, StateInit]  # per-parameter state torch.optim creates lazily, in its order
+    kernel_state: tuple[str, ...]  # state lists the kernel takes after (params, grads), in the kernel's order
+    optional: dict[str, str] = field(default_factory=dict)  # state kept only while param_group[flag] is truthy
+    pairs: dict[str, tuple[str, str]] = field(default_factory=dict)  # tuple hyperparameters the kernel takes split
+    init_only: frozenset[str] = frozenset()  # hyperparameters used to create state, not passed to the kernel
+    fixed: dict[str, Any] = field(default_factory=dict)  # param_group entries that are not constructor arguments
+    eager_state: bool = False  # state created at construction for every parameter (Adagrad), not at first step
+
+    def __post_init__(self) -> None:
+        for name in [*self.defaults, *self.fixed, "foreach", "maximize"]:
+            if name not in self.kernel_params and name not in self.pairs and name not in self.init_only:
+                raise TypeError(f"{self.kernel.__name__}() takes no argument {name!r}")
+
+    @cached_property
+    def kernel_params(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self.kernel).parameters) - {"params"}
+
+
+_BETAS = {"betas": ("beta1", "beta2")}
+_ADAM_STATE: dict[str, StateInit] = {
+    "step": _step_counter,
+    "exp_avg": _zeros,
+    "exp_avg_sq": _zeros,
+    "max_exp_avg_sq": _zeros,
+}
+_ADAM_LISTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
+
+SGD = KernelSpec(
+    torch.optim.SGD,
+    sgd,
+    {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+    state={},  # the kernel creates `momentum_buffer` from the first gradient; it is written back after the step
+    kernel_state=("momentum_buffer",),
+    optional={"momentum_buffer": "momentum"},
+)
+ADAM = KernelSpec(
+    torch.optim.Adam,
+    adam,
+    {**_ADAM_DEFAULTS, "decoupled_weight_decay": False},
+    _ADAM_STATE,
+    _ADAM_LISTS,
+    optional={"max_exp_avg_sq": "amsgrad"},
+    pairs=_BETAS,
+)
+ADAMW = KernelSpec(  # torch.optim.AdamW is Adam with decoupled weight decay, run by the same kernel
+    torch.optim.AdamW,
+    adam,
+    {**_ADAM_DEFAULTS, "weight_decay": 1e-2},
+    _ADAM_STATE,
+    _ADAM_LISTS,
+    optional={"max_exp_avg_sq": "amsgrad"},
+    pairs=_BETAS,
+    fixed={"decoupled_weight_decay": True},
+)
+ADAGRAD = KernelSpec(
+    torch.optim.Adagrad,
+    adagrad,
+    {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
+    {"step": _step_counter, "sum": _filled_with("initial_accumulator_value")},
+    ("sum", "step"),
+    init_only=frozenset({"initial_accumulator_value"}),
+    eager_state=True,
+)
+ADADELTA = KernelSpec(
+    torch.optim.Adadelta,
+    adadelta,
+    {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0},
+    {"step": _step_counter, "square_avg": _zeros, "acc_delta": _zeros},
+    ("square_avg", "acc_delta", "step"),
+)
+ADAMAX = KernelSpec(
+    torch.optim.Adamax,
+    adamax,
+    {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    {"step": _step_counter, "exp_avg": _zeros, "exp_inf": _zeros},
+    ("exp_avg", "exp_inf", "step"),
+    pairs=_BETAS,
+)
+RMSPROP = KernelSpec(
+    torch.optim.RMSprop,
+    rmsprop,
+    {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False},
+    {"step": _step_counter, "square_avg": _zeros, "momentum_buffer": _zeros, "grad_avg": _zeros},
+    ("square_avg", "grad_avg", "momentum_buffer", "step"),
+    optional={"momentum_buffer": "momentum", "grad_avg": "centered"},
+)
+RPROP = KernelSpec(
+    torch.optim.Rprop,
+    rprop,
+    {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0)},
+    {"step": _step_counter, "prev": _zeros, "step_size": _filled_with("lr")},
+    ("prev", "step_size", "step"),
+    pairs={"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")},
+    init_only=frozenset({"lr"}),  # Rprop's lr is only the initial step size
+)
+
+
+def constructor_signature(spec: KernelSpec) -> inspect.Signature:
+    """The constructor signature: ``(params, <torch.optim hyperparameters>, *, foreach, maximize)``."""
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [
+            inspect.Parameter("params", positional, annotation="list[Tensor]"),
+            *(inspect.Parameter(name, positional, default=value) for name, value in spec.defaults.items()),
+            inspect.Parameter("foreach", keyword, default=None, annotation="bool | None"),
+            inspect.Parameter("maximize", keyword, default=False, annotation="bool"),
+            inspect.Parameter("_allow_empty_param_list", keyword, default=False, annotation="bool"),
+        ]
+    )
 
 
 class FunctionalOptimizer:
     """A ``torch.optim`` optimizer that is handed its gradients: ``step(gradients)`` or ``step_param(param, grad)``.
 
-    Use a subclass (``FunctionalAdam`` ...): each is built like its ``torch.optim`` class, ``Cls(params, <the same
-    hyperparameters and defaults>, foreach=None, maximize=False)``. ``param_group`` holds ``params`` and the
-    hyperparameters and is read at every step, so ``opt.param_group["lr"] = 0.1`` applies from the next step.
-    ``state`` maps each parameter that has been stepped to the same dict of tensors ``torch.optim`` keeps.
+    Use a subclass (``FunctionalAdam`` ...), built like its ``torch.optim`` class. ``param_group`` is read at every
+    step; ``state`` holds the same tensors ``torch.optim`` keeps.
 
     Args:
         params: the parameters ``step`` updates (a list of tensors); empty only through ``as_functional_optim``.
@@ -36,23 +181,21 @@ class FunctionalOptimizer:
 
     Raises:
         TypeError: ``FunctionalOptimizer`` itself is built, or an argument is unknown or given twice.
-        ValueError: ``params`` is empty, or a hyperparameter the ``torch.optim`` class refuses (``lr=-1`` ...),
-            with torch's own message.
+        ValueError: ``params`` is empty, or a hyperparameter the ``torch.optim`` class refuses (torch's message).
 
     Example:
         ```python
         opt = FunctionalAdam([weight], lr=1e-3)
         opt.step([weight_grad])                 # one gradient per parameter, None to skip one
-        opt.param_group["lr"] = 1e-4            # applies from the next step
         ```
     """
 
-    spec: ClassVar[specs.KernelSpec]
+    spec: ClassVar[KernelSpec]
     __signature__: ClassVar[inspect.Signature]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = specs.constructor_signature(cls.spec)
+        cls.__signature__ = constructor_signature(cls.spec)
 
     def __init__(self, params: list[Tensor], *args: Any, **kwargs: Any) -> None:
         if not hasattr(type(self), "spec"):
@@ -71,7 +214,7 @@ class FunctionalOptimizer:
                 "use as_functional_optim() for an optimizer driven by step_param() alone"
             )
         _refuse_what_torch_refuses(self.spec.torch_cls, options)
-        self.param_group: specs.ParamGroup = {"params": params, **options, **self.spec.fixed}
+        self.param_group: ParamGroup = {"params": params, **options, **self.spec.fixed}
         self.defaults: dict[str, Any] = dict(options, **self.spec.fixed)
         self.state: dict[Tensor, dict[str, Tensor]] = {}
         if self.spec.eager_state:
@@ -149,83 +292,61 @@ class FunctionalOptimizer:
 
 
 def _refuse_what_torch_refuses(torch_cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
-    """Raise the error ``torch_cls`` raises for these hyperparameters (a negative learning rate ...), if any: build it
-    once over a stand-in parameter on the meta device, which holds no memory."""
+    """Raise the error ``torch_cls`` raises for these hyperparameters, if any (built over a meta-device stand-in)."""
     torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)
 
 
 class FunctionalSGD(FunctionalOptimizer):
-    """``torch.optim.SGD``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.SGD`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.SGD
+    spec = SGD
 
 
 class FunctionalAdam(FunctionalOptimizer):
-    """``torch.optim.Adam``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adam`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.ADAM
+    spec = ADAM
 
 
 class FunctionalAdamW(FunctionalOptimizer):
-    """``torch.optim.AdamW``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.AdamW`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.ADAMW
+    spec = ADAMW
 
 
 class FunctionalAdagrad(FunctionalOptimizer):
-    """``torch.optim.Adagrad``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adagrad`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.ADAGRAD
+    spec = ADAGRAD
 
 
 class FunctionalAdadelta(FunctionalOptimizer):
-    """``torch.optim.Adadelta``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adadelta`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.ADADELTA
+    spec = ADADELTA
 
 
 class FunctionalAdamax(FunctionalOptimizer):
-    """``torch.optim.Adamax``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Adamax`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.ADAMAX
+    spec = ADAMAX
 
 
 class FunctionalRMSprop(FunctionalOptimizer):
-    """``torch.optim.RMSprop``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.RMSprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.RMSPROP
+    spec = RMSPROP
 
 
 class FunctionalRprop(FunctionalOptimizer):
-    """``torch.optim.Rprop``, taking gradients explicitly: its hyperparameters, in its order and with its defaults
-    (the signature), then ``foreach`` and ``maximize``; errors and example as for ``FunctionalOptimizer``."""
+    """``torch.optim.Rprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = specs.RPROP
+    spec = RPROP
 
 
-functional_optim_map: dict[Any, type] = {
-    cls.spec.torch_cls: cls
-    for cls in (
-        FunctionalSGD,
-        FunctionalAdam,
-        FunctionalAdamW,
-        FunctionalAdagrad,
-        FunctionalAdadelta,
-        FunctionalAdamax,
-        FunctionalRMSprop,
-        FunctionalRprop,
-    )
-}
-"""Optimizer class (or any key) -> its functional class: ``torch.distributed.optim.utils.functional_optim_map``'s
-counterpart, read by ``as_functional_optim``, ``DistributedOptimizer`` and ZeRO's overlap mode. Add entries with
-``register_functional_optim`` (``distoptim.utils``)."""
+functional_optim_map: dict[Any, type] = {cls.spec.torch_cls: cls for cls in FunctionalOptimizer.__subclasses__()}
+"""Optimizer class (or any key) -> its functional class, as ``torch.distributed.optim.utils`` has it; add entries
+with ``register_functional_optim``."""
 
 _BUILT_IN = tuple(functional_optim_map)
 
@@ -233,10 +354,8 @@ _BUILT_IN = tuple(functional_optim_map)
 def register_functional_optim(key: Any, optim: type) -> None:
     """Map ``key`` to the functional optimizer class ``optim``, unless ``key`` already has one (torch's rule).
 
-    ``optim`` is built as ``optim([], *args, _allow_empty_param_list=True, **kwargs)`` by ``as_functional_optim``
-    and ``optim(params, *args, **kwargs)`` on a ``DistributedOptimizer``'s owners; it steps with
-    ``step(gradients)`` and ``step_param(param, grad)`` and keeps ``param_group`` and ``state`` (torch's protocol).
-    ZeRO's overlap mode steps a ``FunctionalOptimizer`` subclass only (it reads its ``spec``).
+    ``optim`` follows torch's protocol (``step(gradients)``, ``step_param``, ``param_group``, ``state``); ZeRO's
+    overlap mode steps ``FunctionalOptimizer`` subclasses only.
 
     Args:
         key: what users will pass, usually an optimizer class (need not be a ``torch.optim.Optimizer``).
@@ -258,8 +377,7 @@ def register_functional_optim(key: Any, optim: type) -> None:
 
 
 def registered_functional_optim(optim_cls: Any) -> type | None:
-    """The class registered for ``optim_cls`` (any functional class, a user's own included), ``optim_cls`` itself
-    when it is a ``distoptim.functional`` class, else None; never raises."""
+    """The class registered for ``optim_cls``, ``optim_cls`` itself when a ``distoptim.functional`` class, else None."""
     if isinstance(optim_cls, type) and issubclass(optim_cls, FunctionalOptimizer):
         return optim_cls if hasattr(optim_cls, "spec") else None
     try:
@@ -269,12 +387,8 @@ def registered_functional_optim(optim_cls: Any) -> type | None:
 
 
 def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
-    """The ``FunctionalOptimizer`` class for a ``torch.optim`` class (exact class, not subclasses), a key registered
-    with one, or a functional class itself; else None.
-
-    Subclasses of ``torch.optim`` classes are not matched: they may change the math this module would run instead.
-    A key registered with a class of another kind (``register_functional_optim``) gives None here too: only
-    ``FunctionalOptimizer`` classes say which ``torch.optim`` math they run.
+    """The ``FunctionalOptimizer`` class for a ``torch.optim`` class (exact class: a subclass may change the math),
+    a key registered with one, or a functional class itself; else None.
 
     Args:
         optim_cls: any class (``torch.optim.Adam``, ``FunctionalAdam``, ...); anything else returns None.
@@ -284,7 +398,6 @@ def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
     Example:
         ```python
         assert functional_class_for(torch.optim.AdamW) is FunctionalAdamW
-        assert functional_class_for(torch.optim.LBFGS) is None
         ```
     """
     found = registered_functional_optim(optim_cls)
@@ -297,15 +410,13 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
     """The functional counterpart of ``optim_cls`` with an empty parameter list, to be driven by ``step_param``.
 
     Args:
-        optim_cls: a ``torch.optim`` class with a functional counterpart (SGD, Adam, AdamW, Adagrad, Adadelta,
-            Adamax, RMSprop, Rprop), a ``distoptim.functional`` class, or a key given to
-            ``register_functional_optim``.
+        optim_cls: a ``torch.optim`` class with a functional counterpart, a ``distoptim.functional`` class, or a
+            key given to ``register_functional_optim``.
         *args: ``optim_cls``'s hyperparameters by position, without ``params``; omitted ones take its defaults.
         **kwargs: the same by name (``lr=1e-3`` ...), plus ``foreach`` and ``maximize``.
 
     Raises:
-        ValueError: ``optim_cls`` has no functional counterpart (torch's message, then the supported classes), or
-            it refuses a hyperparameter.
+        ValueError: ``optim_cls`` has no functional counterpart, or it refuses a hyperparameter.
         TypeError: an unknown hyperparameter.
 
     Example:

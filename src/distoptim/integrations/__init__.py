@@ -1,3 +1,1 @@
-"""Adapters for training frameworks. Each lives in a module of its own that imports its framework when it is itself
-imported (``import distoptim.integrations.transformers`` needs ``transformers``); ``import distoptim`` imports none.
-"""
+"""Adapters for training frameworks, each in a module that imports its framework; ``import distoptim`` imports none."""

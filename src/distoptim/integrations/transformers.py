@@ -1,10 +1,8 @@
 """``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` driving a ``ZeroRedundancyOptimizer`` (under ``torchrun``).
 
-The plain Trainer asks every rank for the optimizer's ``state_dict()`` (Accelerate's ``prepare``) and saves the
-main process's; a ZeRO optimizer has its whole state only after ``consolidate_state_dict()``, a collective.
-``ZeroTrainer`` prepares it without that, saves and loads it on every rank, clips through ``zero.clip_grad_norm_``
-and, with ``sharded_data_parallel``, wraps the model in ``ShardedDataParallel``. ``docs/guides/transformers.md``
-says what is not supported. This module imports ``transformers``; ``import distoptim`` does not import it.
+The plain Trainer saves the main process's ``state_dict()``; a ZeRO optimizer has its whole state only after a
+collective. ``ZeroTrainer`` saves and loads it on every rank, clips through ``zero.clip_grad_norm_`` and can wrap the
+model in ``ShardedDataParallel``. ``docs/guides/transformers.md``. This module imports ``transformers``.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 __all__ = ["SHARDS_DIR", "ZeroTrainer"]
 
 SHARDS_DIR = "optimizer_shards"
-"""The sharded optimizer state's directory in a Trainer checkpoint (``torch.distributed.checkpoint``, one file per
-rank). Its name contains "optimizer", so a plain Trainer resuming from it fails loudly (no ``optimizer.pt``) instead
-of silently starting the optimizer afresh."""
+"""The sharded optimizer state's directory in a Trainer checkpoint (its name contains "optimizer", so a plain
+Trainer resuming from it fails loudly)."""
 
 CHECKPOINT_FORMATS = ("sharded", "consolidated")
 REDUCE_TO_OWNERS_DEPRECATED = (
@@ -47,21 +44,14 @@ REDUCE_TO_OWNERS_DEPRECATED = (
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` that can step, checkpoint and resume a ``ZeroRedundancyOptimizer``.
 
-    Pass the optimizer as for any Trainer: ``optimizers=(zero, scheduler)`` (a scheduler or ``None``), or
-    ``optimizer_cls_and_kwargs=(ZeroRedundancyOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": ...})``, which
-    builds it over the Trainer's weight-decay groups. Launch every rank (``torchrun``).
+    Pass the optimizer as for any Trainer (``optimizers=`` or ``optimizer_cls_and_kwargs=``); launch every rank.
 
     Args:
-        reduce_to_owners: deprecated (a ``FutureWarning``), and DDP's default all-reduce is kept: the hook it
-            registered now all-reduces too. Use ``sharded_data_parallel`` for ZeRO-2.
-        sharded_data_parallel: wrap the model in ``distoptim.ShardedDataParallel`` instead of Accelerate's DDP
-            (every rank keeps 1/N of the gradient); ``True``, or a dict of its keyword arguments. Accelerate then
-            prepares the optimizer only: no bf16/fp16 autocast and no ``torch_compile`` from it (refused).
-        optimizer_checkpoint: ``"sharded"`` (default): every rank writes its shard into the checkpoint's
-            ``optimizer_shards/`` with ``distoptim.checkpoint.save`` (loadable at any world size and partition);
-            ``"consolidated"``: the shards are gathered onto rank 0, which writes ``optimizer.pt`` in
-            ``torch.optim``'s format, as the Trainer does for a plain optimizer. A resume loads whichever of the two
-            the checkpoint holds.
+        reduce_to_owners: deprecated (a ``FutureWarning``; DDP's default all-reduce is kept). Default False.
+        sharded_data_parallel: wrap the model in ``distoptim.ShardedDataParallel`` (``True``, or a dict of its
+            keyword arguments) instead of Accelerate's DDP; default False. bf16/fp16 and torch_compile are refused.
+        optimizer_checkpoint: ``"sharded"`` (default): every rank writes its shard into ``optimizer_shards/``;
+            ``"consolidated"``: rank 0 writes ``optimizer.pt`` in ``torch.optim``'s format. A resume loads either.
         *args, **kwargs: ``transformers.Trainer``'s.
 
     Example, in the script every rank runs (``torchrun --nproc-per-node 2 train.py``)::
@@ -113,8 +103,8 @@ class ZeroTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------- training
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer; a ZeRO one comes back prepared by Accelerate without device placement, which
-        would call ``state_dict()`` on every rank (``prepare`` keeps an optimizer it has prepared already)."""
+        """The Trainer's optimizer; a ZeRO one prepared by Accelerate here, without device placement (which would call
+        ``state_dict()`` on every rank)."""
         optimizer = super().create_optimizer(model)
         zero = self._zero()
         if zero is None:
@@ -146,8 +136,7 @@ class ZeroTrainer(Trainer):
         return zero.clip_grad_norm_(math.inf)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        """With ``sharded_data_parallel``, training wraps the model in ``ShardedDataParallel`` (once), and the
-        Trainer then lets Accelerate prepare the optimizer only."""
+        """With ``sharded_data_parallel``, training wraps the model in ``ShardedDataParallel`` (once)."""
         if self.sharded_data_parallel is None or not training:
             wrapped: nn.Module = super()._wrap_model(model, training, dataloader)
             return wrapped
@@ -163,23 +152,20 @@ class ZeroTrainer(Trainer):
         return self._sharded
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; with ``sharded_data_parallel``, it returns with the last step's parameter sync
-        landed (``ShardedDataParallel`` leaves it in flight for a next forward)."""
+        """The Trainer's ``train``, returning with the last step's parameter sync landed."""
         result = super().train(*args, **kwargs)
         if self._sharded is not None:
             self._sharded.sync_finished()
         return result
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward has
-        landed (Accelerate moves the model to its device first, copying the parameters)."""
+        """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward landed."""
         if self._sharded is not None:
             self._sharded._land_sync()
         return super().evaluation_loop(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward has
-        landed."""
+        """The Trainer's, once the parameter sync that ``ShardedDataParallel`` overlaps with the next forward landed."""
         if self._sharded is not None:
             self._sharded._land_sync()
         super().save_model(output_dir, _internal_call)

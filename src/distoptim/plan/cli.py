@@ -14,10 +14,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from distoptim.plan.figures import step_dtype
 from distoptim.plan.inventory import Inventory, from_factory, load_factory, transformer
-from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, dtype_name, plan_modes
-from distoptim.plan.muon import takes_muon
+from distoptim.plan.memory import ModePlan, PlanConfig, RankMemory, dtype_name, plan_modes, step_dtype, takes_muon
 from distoptim.plan.state import OptimizerSpec, StateCost, resolve_optimizer, state_cost
 from distoptim.zero.codecs import FORMATS
 from distoptim.zero.partition import MODES as PARTITIONS
@@ -206,15 +204,8 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
 
 
 def _state_bytes(costs: dict[str, StateCost]) -> dict[str, dict[str, Any]]:
-    return {
-        name: {
-            "per_element": c.per_element,
-            "per_block": c.per_block,
-            "per_tensor": c.per_tensor,
-            "at_construction": c.at_construction,
-        }
-        for name, c in costs.items()
-    }
+    keys = ("per_element", "per_block", "per_tensor", "at_construction")
+    return {name: {key: getattr(cost, key) for key in keys} for name, cost in costs.items()}
 
 
 def _memory(memory: RankMemory) -> dict[str, Any]:
@@ -255,11 +246,11 @@ def _balance(per_rank: tuple[int, ...]) -> float | None:
 
 
 def _human(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(count) < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
         count /= 1024
-    raise AssertionError("unreachable")
+    return f"{count:.2f} GiB"
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -276,14 +267,13 @@ def _table(report: dict[str, Any]) -> str:
             for name, c in report["format_state_bytes"].items()
         )
     muon = report["muon"]
-    muon_line = (
-        [
+    muon_line = []
+    if muon:
+        states = "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
+        muon_line.append(
             f"Muon on {muon['takes']}: {muon['matrices']} matrices, {report['optimizer']} on the rest; Muon's state: "
-            + "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
-        ]
-        if muon
-        else []
-    )
+            + states
+        )
     lines = [
         f"model: {report['model']}",
         f"{report['world_size']} ranks, {report['optimizer']}{master}, "

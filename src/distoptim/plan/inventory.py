@@ -1,8 +1,6 @@
-"""What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit, from a real model built
-on the meta device (no memory) or from a parameter count modelled as a GPT-style transformer.
-
-FSDP units are what ``fully_shard`` would typically be applied to: every child of an ``nn.ModuleList`` (a transformer
-block) is a unit of its own, and whatever is left belongs to the root unit (0).
+"""What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit, from a model built on
+the meta device or from a parameter count modelled as a GPT-style transformer. FSDP units: every child of an
+``nn.ModuleList`` (a transformer block) is one, the rest is the root unit (0).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ class ParamSpec:
     dtype: torch.dtype
     trainable: bool
     unit: int = ROOT_UNIT  # the FSDP unit holding it
-    muon: bool = False  # stepped by Muon (``plan.muon.with_muon``), not by the plan's elementwise optimizer
+    muon: bool = False  # stepped by Muon (``plan.memory.with_muon``), not by the plan's elementwise optimizer
 
     @property
     def numel(self) -> int:
@@ -131,16 +129,12 @@ def _block(layer: int, width: int, dtype: torch.dtype) -> list[ParamSpec]:
 
 
 def transformer(total: int, dtype: torch.dtype = torch.float32) -> Inventory:
-    """``total`` parameters as a GPT-style transformer: the most layers ``L`` of width ``128 L`` (GPT-3's shape) that
-    leave room for a tied embedding of at least ``VOCAB`` rows; the embedding takes the rest (its last partial row as
-    a bias of its own, so the total is exact). Below one such layer: one flat tensor of ``total`` elements."""
+    """``total`` parameters as a GPT-style transformer: the most layers ``L`` of width ``128 L`` that leave room for
+    a tied embedding of ``VOCAB`` rows or more, which takes the rest (exact); below one layer, one flat tensor."""
     if total < 1:
         raise ValueError(f"--params must be at least 1, got {total}")
     layers = 0
-    while True:
-        width = WIDTH_PER_LAYER * (layers + 1)
-        if (layers + 1) * _block_numel(width) + 2 * width + VOCAB * width > total:
-            break
+    while (layers + 1) * _block_numel(width := WIDTH_PER_LAYER * (layers + 1)) + (2 + VOCAB) * width <= total:
         layers += 1
     if layers == 0:
         flat = ParamSpec("flat", (total,), dtype, True)

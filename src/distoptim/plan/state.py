@@ -1,13 +1,6 @@
-"""Optimizer-state bytes, measured from ``torch.optim`` itself rather than from a hand-written table.
-
-The planner steps the optimizer once on a few tiny CPU tensors in the dtype it will step in and counts the bytes of
-the state it made: ``per_element`` bytes for every element of the stepped tensor (Adam's two moments) plus
-``per_tensor`` bytes for every stepped tensor (Adam's ``step`` count, a 4-byte float32 scalar that torch keeps on
-the CPU unless ``capturable`` or ``fused``). Sizes 3, 7 and a (3, 5) matrix must agree on that line: an optimizer
-whose state is not proportional to its parameter's size (Adafactor's factored moments) is refused. Only the
-elementwise optimizers that ZeRO's even partition may split (``distoptim.zero.elementwise``) are accepted by name;
-Muon (``--muon``, matrices only) is measured on matrices of 1 x 3, 1 x 7 and 3 x 5. A state format (``bf16``,
-``int8``) is measured on tensors of 4,096 and 8,192 elements, its state encoded by ZeRO's own codec.
+"""Optimizer-state bytes, measured from ``torch.optim`` itself: one step on tiny CPU tensors gives ``per_element``
+and ``per_tensor`` bytes, which sizes 3, 7 and (3, 5) must agree on (Adafactor's factored state is refused). Muon is
+measured on matrices, a state format (``bf16``, ``int8``) on 4,096 and 8,192 elements with ZeRO's own codec.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ class OptimizerSpec:
 @dataclass(frozen=True)
 class StateCost:
     """Bytes of state for a stepped tensor of ``n`` elements: ``per_element * n + per_tensor``. ``at_construction``:
-    the optimizer makes that state when it is built, for every parameter it is given, frozen ones too (Adagrad)."""
+    made when the optimizer is built, for frozen parameters too (Adagrad)."""
 
     per_element: float  # int8: a byte per element per moment
     per_tensor: int
@@ -81,8 +74,8 @@ def resolve_optimizer(name: str, kwargs: Mapping[str, Any] | None = None) -> Opt
 
 
 def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str = "fp32") -> StateCost:
-    """What one step of ``optimizer`` leaves in its state for a tensor stepped in ``dtype`` (measured, cached), kept
-    in ``state_format`` (ZeroRedundancyOptimizer's ``state_format``; for a parameter large enough to take it)."""
+    """What one step of ``optimizer`` leaves in its state for a tensor stepped in ``dtype``, kept in ``state_format``
+    (measured, cached)."""
     return _measured(optimizer, dtype) if state_format == "fp32" else _encoded(optimizer, dtype, state_format)
 
 
@@ -121,8 +114,7 @@ def _measured(optimizer: OptimizerSpec, dtype: torch.dtype) -> StateCost:
 def _state_bytes(
     optimizer: OptimizerSpec, dtype: torch.dtype, shape: tuple[int, ...], step: bool = True, fmt: str = "fp32"
 ) -> int:
-    """State bytes after one step on a tensor of ``shape`` (``step=False``: of a frozen one, after construction),
-    its state encoded in ``fmt``."""
+    """State bytes after one step on a tensor of ``shape`` (``step=False``: frozen, after construction) in ``fmt``."""
     param = torch.zeros(shape, dtype=dtype, requires_grad=step)
     try:
         stepper = optimizer.cls([param], **dict(optimizer.kwargs))

@@ -1,6 +1,4 @@
-"""``DistributedOptimizer`` over RPC: ``optimizer`` (the caller's half: one optimizer over parameters other workers
-own) and ``owner`` (the owners' half: a local optimizer per owner and the RPC entry points it runs). The RPC framework
-is its communication; it imports ``functional`` only."""
+"""``DistributedOptimizer`` over RPC: ``optimizer`` (the caller's half) and ``owner`` (the owners' half)."""
 
 from distoptim.rpc.optimizer import DistributedOptimizer
 

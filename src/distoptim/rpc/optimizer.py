@@ -1,9 +1,7 @@
 """DistributedOptimizer: step parameters that live on other RPC workers with a distributed-autograd context's gradients.
 
-Each owner holds a ``LocalOptimizer`` (``rpc/owner.py``); ``step(context_id)`` asks every owner at once to hand that
-context's gradients explicitly to its optimizer (nothing parked in ``.grad``, nothing stale re-applied). Beyond
-PyTorch's class: owners' errors keep their type, ``state_dict()`` gathers every owner's state in ``torch.optim``'s
-format, and ``param_groups`` drives schedulers. The guide: ``docs/guides/rpc.md``.
+Each owner holds a ``LocalOptimizer`` (``rpc/owner.py``) to which ``step(context_id)`` hands that context's gradients
+explicitly (nothing parked in ``.grad``). The guide: ``docs/guides/rpc.md``.
 """
 
 from __future__ import annotations
@@ -62,21 +60,19 @@ class DistributedOptimizer(Optimizer):
     """Optimize parameters spread over RPC workers, one local optimizer on each owner.
 
     Args:
-        optimizer_class: a ``torch.optim`` class, a ``distoptim.functional`` one, or a class registered with
-            ``distoptim.utils.register_functional_optim``, to run on every owner.
+        optimizer_class: a ``torch.optim`` class, a ``distoptim.functional`` one, or one registered with
+            ``register_functional_optim``, to run on every owner.
         params_rref: RRefs to the parameters to optimize, wherever they live.
-        *args: the optimizer's hyperparameters by position, as for ``optimizer_class(params, *args)``; none by
-            default (``optimizer_class``'s own defaults apply).
+        *args: the optimizer's hyperparameters by position; none by default (``optimizer_class``'s defaults apply).
         **kwargs: the optimizer's hyperparameters by name (``lr=1e-3`` ...); they reach every owner.
 
     Raises:
         TypeError: ``optimizer_class`` is not a class, neither a ``torch.optim.Optimizer`` nor a functional
             optimizer, or needs a closure in ``step``; an entry of ``params_rref`` is not an RRef.
         ValueError: ``params_rref`` is empty.
-        Exception: an error raised on an owner while building its optimizer (a hyperparameter its class refuses)
-            reaches the caller with its own type and message; the remote traceback is its ``__cause__``.
+        Exception: an owner's error building its optimizer, with its own type (remote traceback as ``__cause__``).
 
-    Example, on a trainer after ``rpc.init_rpc`` (``step(context_id)`` steps every owner; ``docs/guides/rpc.md``)::
+    Example, on a trainer after ``rpc.init_rpc``::
 
         optimizer = DistributedOptimizer(torch.optim.Adam, param_rrefs, lr=1e-3)
         with dist_autograd.context() as context_id:
@@ -122,7 +118,7 @@ class DistributedOptimizer(Optimizer):
 
         Args:
             context_id: the id from ``with dist_autograd.context() as context_id:`` whose backward recorded the
-                gradients. Parameters without a gradient in that context are left untouched.
+                gradients (parameters without one are left untouched).
 
         Raises:
             TypeError: ``context_id`` is not an int.
@@ -159,8 +155,7 @@ class DistributedOptimizer(Optimizer):
             state_dict: ``{"state": ..., "param_groups": [one group]}``, parameters numbered as in ``params_rref``.
 
         Raises:
-            ValueError: other keys, more than one param group, another number of parameters, or state for a
-                parameter id the group does not list.
+            ValueError: other keys, more than one param group, another number of parameters, or unknown ids.
         """
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("state_dict must be a dict with exactly the keys 'state' and 'param_groups'")

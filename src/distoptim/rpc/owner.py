@@ -1,8 +1,7 @@
 """The owners' half of ``DistributedOptimizer``: what runs, through RPC, on the workers that hold the parameters.
 
-One ``LocalOptimizer`` per trainer and owner: its parameters and one optimizer over them (functional, or a
-``torch.optim`` class behind an adapter that sets ``.grad`` only for the step). The module-level functions are the RPC
-entry points; ``invoke`` returns an owner's exception as a value (``RemoteFailure``) so that its type survives the trip.
+One ``LocalOptimizer`` per trainer and owner. The module-level functions are the RPC entry points; ``invoke`` returns
+an owner's exception as a value (``RemoteFailure``) so that its type survives the trip.
 """
 
 from __future__ import annotations
@@ -31,11 +30,8 @@ _OWNER_LOCK = threading.Lock()
 
 
 class _GradientsAsArgument:
-    """A ``torch.optim`` optimizer behind the functional interface: ``step(gradients)``, ``state``, ``param_group``.
-
-    For optimizers without a functional counterpart. ``.grad`` holds this context's gradient (None: skipped) only
-    while the step runs and is restored afterwards, so no gradient outlives its context.
-    """
+    """A ``torch.optim`` optimizer behind the functional interface; ``.grad`` holds the context's gradient only while
+    the step runs."""
 
     def __init__(self, optimizer_class: type[Optimizer], params: list[Tensor], *args: Any, **kwargs: Any) -> None:
         self.params = params
@@ -132,8 +128,8 @@ def _cpu_copy(value: Any) -> Any:
 
 
 def _cast_like(param: Tensor, group: dict[str, Any], key: str, value: Any) -> Any:
-    """As ``torch.optim`` loads state: tensors go to the parameter's device, floating ones take its dtype, and
-    ``step`` stays a CPU scalar unless the optimizer is capturable or fused."""
+    """As ``torch.optim`` loads state: to the parameter's device (and dtype, if floating); ``step`` on the CPU unless
+    capturable or fused."""
     if not isinstance(value, Tensor):
         return copy.deepcopy(value)
     if key == "step":
