@@ -452,7 +452,8 @@ class Run:
             for p, g in zip(params, grads):  # a clone: autograd may give two leaves one tensor (``base + delta``),
                 g = torch.zeros_like(p) if g is None else g.clone()  # reduced twice in place (seed 140: delta's 2x)
                 dist.all_reduce(g)
-                p.grad = g / self.world_size
+                p.grad = (g / self.world_size).contiguous()  # row-major, as a gradient a program computes often is,
+                # whatever its parameter's layout (autograd's follows a column-major weight's; clipping missed a copy)
 
     def clip(self, max_norm: float, norm_type: Any) -> None:
         norm_type = math.inf if norm_type == "inf" else float(norm_type)

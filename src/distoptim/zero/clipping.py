@@ -34,10 +34,10 @@ def clip_shard(
     the total norm (float32, the same on every rank). ``grad_scale``: a loss scale the gradients still carry. Where
     each rank holds whole gradients (DDP), all of them are scaled, so that a further backward does not mix clipped
     and unclipped pieces."""
+    grads = shard.owned_grads()  # first: it may lay a gradient out anew, and the new one is what gets scaled
     whole = None
     if shard.source is None:
         whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
-    grads = shard.owned_grads()
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
     local = _local_term(grads, norm_type, device)
