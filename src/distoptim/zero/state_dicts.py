@@ -204,11 +204,10 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
         defaults = zero._defaults if optimizer_class is zero._optimizer_class else {}
         missing = {index + i: p for i, p in enumerate(group["params"]) if index + i not in present}
         index += len(group["params"])
-        probe = torch.zeros(1, requires_grad=True)
-        if not missing or not optimizer_class([{"params": [probe], **settings}], **defaults).state:
+        if not missing:
             continue
         fresh = optimizer_class([{"params": [p.detach() for p in missing.values()], **settings}], **defaults)
-        made.update(zip(missing, (fresh.state[p] for p in fresh.param_groups[0]["params"])))
+        made.update((i, fresh.state[p]) for i, p in zip(missing, fresh.param_groups[0]["params"]) if p in fresh.state)
     return made
 
 
@@ -218,7 +217,7 @@ def _refuse_stranded_state(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any
     (``step`` 0) is made again when the parameter gets an owner."""
     for index, param in enumerate(zero.global_params):
         state = by_param.get(param)
-        if state is None or zero.plan.owners[index] != UNOWNED or float(state.get("step", 1)) == 0:
+        if not state or zero.plan.owners[index] != UNOWNED or float(state.get("step", 1)) == 0:
             continue
         raise ValueError(
             f"load_state_dict: parameter {index} has optimizer state from training, but it had requires_grad=False "
