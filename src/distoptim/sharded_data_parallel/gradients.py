@@ -6,6 +6,7 @@ owned part (``OwnedGradients``), which ZeRO clips, scales and steps. Between bac
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -20,6 +21,7 @@ from distoptim._host_memory import host_zeros
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
+from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
@@ -50,11 +52,17 @@ class OwnedGradients:
         reduce_dtype: torch.dtype | None,
         sync: ParameterSync,
         replanned: Callable[[], None],
+        wrapper: Any,
         max_in_flight: int = 2,
-        previous: OwnedGradients | None = None,
     ) -> None:
-        self.zero, self.buckets, self.max_in_flight = zero, list(buckets), max_in_flight
-        self.sync, self.replanned = sync, replanned  # what the optimizer syncs through, and calls after placing
+        self.zero, self.reduce_dtype, self.max_in_flight = zero, reduce_dtype, max_in_flight
+        self.replanned, self.wrapper = replanned, wrapper  # called after placing; the wrapper whose hooks these are
+        self._build(buckets, sync)
+
+    def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
+        """Everything over ``buckets``, as new (``replan`` then keeps what the last plan held)."""
+        zero, reduce_dtype = self.zero, self.reduce_dtype
+        self.buckets, self.sync = list(buckets), sync  # sync: what the optimizer syncs through
         self.params = zero.global_params
         first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
         self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
@@ -83,8 +91,30 @@ class OwnedGradients:
         self._next = 0
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
-        if previous is not None:
-            self._take_over(previous)
+
+    def replan(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
+        """After the plan grew: the same store (the hooks call it) over the new buckets, keeping the landed ones;
+        placed ``.grad`` is taken into the new buckets."""
+        previous = copy.copy(self)
+        self._build(buckets, sync)
+        self.owned[: len(previous.owned)] = previous.owned
+        self.landed[: len(previous.landed)] = previous.landed
+        self.used[: len(previous.used)] = previous.used
+        self.holds[: len(previous.holds)] = previous.holds
+        self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
+        for bucket in range(len(previous.buckets), len(self.buckets)):
+            plan = self.buckets[bucket]
+            buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
+            for slot in plan.slots:
+                param = self.params[slot.index]
+                if param.grad is not None:
+                    view_like(buffer, slot.position, param).copy_(param.grad)
+                    param.grad = None
+                    self.holds[slot.index] = True
+            self._in_flight.append((bucket, buffer, completed_future(buffer)))
+            self.landed[bucket] = False
+            self._land_oldest()
+        self.mark()
 
     # ------------------------------------------------------------------------- what .grad says
     def settle(self, index: int, before_backward: bool = False) -> None:
@@ -141,10 +171,11 @@ class OwnedGradients:
                 param.grad = marker
                 self._markers[index] = (marker, marker._version)
 
-    def before_gradient(self, param: Tensor) -> None:
-        """A gradient hook: at a backward's first, settle every parameter (markers out of ``.grad``, put back at
-        its end where nothing accumulated), before any bucket lands."""
-        if self._task != -1 or self.zero.index_of(param) is None:
+    def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
+        """A parameter's gradient hook (``param`` bound, held weakly): at a backward's first, settle every parameter
+        (markers out of ``.grad``, put back at its end where nothing accumulated), before any bucket lands."""
+        held = param()
+        if held is None or self._task != -1 or self.zero.index_of(held) is None:
             return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)
         self._task = torch._C._current_graph_task_id()
         at_end_of_backward(self._unswap)
@@ -181,10 +212,9 @@ class OwnedGradients:
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
         self.unagreed = False
-        if set_to_none:
-            self.holds = [False] * len(self.params)
         self._unreduced.clear()
         if set_to_none:
+            self.holds = [False] * len(self.params)
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
             if set_to_none:
@@ -258,6 +288,9 @@ class OwnedGradients:
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
         """A post-accumulate-grad hook: ``.grad`` into its bucket and released, full buckets launched."""
+        if not self.in_backward:
+            checks.check_current(self.wrapper)
+            self.shared = checks.others_live(self.wrapper)
         index = self.zero.index_of(param)
         if index is not None:
             self.used[index] = True
@@ -323,24 +356,30 @@ class OwnedGradients:
             self._buffers[bucket] = gradient if gradient is not None else host_zeros(plan.numel, dtype, device)
         return self._buffers[bucket]
 
-    def _launch_ready(self) -> None:
-        """Launch, in order, every full bucket. Not while another wrapper shares the backward under hybrid sharding
-        (ranks could wait in different wrappers' reductions: a hang); the flush launches them then."""
-        if self.shared and self.zero.replicate_group is not None:
+    def _launch_ready(self, flushing: bool = False) -> None:
+        """Launch, in order, every full bucket: divided, its reduction to the owners started (``flushing``: every
+        bucket left, with the ``.grad`` the backward did not reach: ``no_sync()``'s, set by hand). Not while another
+        wrapper shares the backward under hybrid sharding (ranks could wait in different wrappers' reductions: a
+        hang); the flush launches them then."""
+        zero = self.zero
+        if self.shared and zero.replicate_group is not None and not flushing:
             return
-        while self._next < len(self.buckets) and not self._remaining[self._next]:
-            self._launch(self._next)
-
-    def _launch(self, bucket: int) -> None:
-        zero, plan = self.zero, self.buckets[bucket]
-        buffer = self._buffer(bucket)
-        del self._buffers[bucket]
-        buffer.div_(zero.world_size * zero.replica_count)
-        reduced = comm.reduce_to_owners_async(
-            buffer, plan.route, zero.process_group, zero.collectives, replicas=zero.replicate_group
-        )
-        self._in_flight.append((bucket, buffer, reduced))
-        self._next = bucket + 1
+        while self._next < len(self.buckets) and (flushing or not self._remaining[self._next]):
+            bucket, plan = self._next, self.buckets[self._next]
+            for slot in plan.slots if flushing else ():
+                param = self.params[slot.index]
+                grad = param.grad
+                if slot.index not in self._filled and grad is not None and not isinstance(grad, GradientMarker):
+                    self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
+                    self._fill(bucket, slot, param)
+            buffer = self._buffer(bucket)
+            del self._buffers[bucket]
+            buffer.div_(zero.world_size * zero.replica_count)
+            reduced = comm.reduce_to_owners_async(
+                buffer, plan.route, zero.process_group, zero.collectives, replicas=zero.replicate_group
+            )
+            self._in_flight.append((bucket, buffer, reduced))
+            self._next = bucket + 1
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction; add its owned sums into the owned gradient (copy the first since a clear)."""
@@ -360,7 +399,7 @@ class OwnedGradients:
         """The end of a backward: every bucket launched and landed, unplaced gradients averaged, the used flags
         agreed (one small all-reduce) and markers put in: ``.grad`` is None where no rank used it, as under DDP."""
         self.in_backward = False
-        self._launch_the_rest()
+        self._launch_ready(flushing=True)
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
@@ -378,38 +417,6 @@ class OwnedGradients:
                 for group in zero.agreement_groups:
                     comm.all_reduce_(grad, group)
                 param.grad = grad.div_(zero.world_size * zero.replica_count)
-
-    def _launch_the_rest(self) -> None:
-        """Launch the buckets this backward has not, with the ``.grad`` it did not reach (``no_sync()``'s, by hand)."""
-        for bucket in range(self._next, len(self.buckets)):
-            for slot in self.buckets[bucket].slots:
-                param = self.params[slot.index]
-                grad = param.grad
-                if slot.index not in self._filled and grad is not None and not isinstance(grad, GradientMarker):
-                    self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
-                    self._fill(bucket, slot, param)
-            self._launch(bucket)
-
-    def _take_over(self, previous: OwnedGradients) -> None:
-        """After the plan grew: keep ``previous``'s landed buckets; take placed ``.grad`` into the new buckets."""
-        self.owned[: len(previous.owned)] = previous.owned
-        self.landed[: len(previous.landed)] = previous.landed
-        self.used[: len(previous.used)] = previous.used
-        self.holds[: len(previous.holds)] = previous.holds
-        self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
-        for bucket in range(len(previous.buckets), len(self.buckets)):
-            plan = self.buckets[bucket]
-            buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
-            for slot in plan.slots:
-                param = self.params[slot.index]
-                if param.grad is not None:
-                    view_like(buffer, slot.position, param).copy_(param.grad)
-                    param.grad = None
-                    self.holds[slot.index] = True
-            self._in_flight.append((bucket, buffer, completed_future(buffer)))
-            self.landed[bucket] = False
-            self._land_oldest()
-        self.mark()
 
 
 class GradientMarker(Tensor):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -105,15 +106,17 @@ class ShardedDataParallel(nn.Module):
         self._buckets = plan_buckets(zero.plan, self._caps, self._buckets)
         sync = BucketedSync(zero.placed_sync, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
         self._bucketed = sync
-        self.gradients = OwnedGradients(
-            zero, self._buckets, self.reduce_dtype, sync, self._rebuild, previous=self.gradients
-        )
-        zero.attach_gradient_source(self.gradients)
-        for param in zero.global_params:
+        if self.gradients is None:
+            self.gradients = OwnedGradients(zero, self._buckets, self.reduce_dtype, sync, self._rebuild, self)
+        else:
+            self.gradients.replan(self._buckets, sync)
+        gradients = self.gradients
+        zero.attach_gradient_source(gradients)
+        for param in zero.global_params:  # each hook one call into the store (the same store after a replan)
             if param.requires_grad and id(param) not in self._handles:
                 self._handles[id(param)] = [
-                    param.register_post_accumulate_grad_hook(self._on_grad),  # type: ignore[no-untyped-call]
-                    param.register_hook(_BeforeGradient(self, param)),  # type: ignore[no-untyped-call]
+                    param.register_post_accumulate_grad_hook(gradients.on_grad),  # type: ignore[no-untyped-call]
+                    param.register_hook(partial(gradients.before_gradient, weakref.ref(param))),  # type: ignore[no-untyped-call]
                 ]
         if self.overlap_param_sync:
             self._register_landing_hooks(sync)
@@ -127,13 +130,6 @@ class ShardedDataParallel(nn.Module):
             for handle in self._landers:
                 handle.remove()
             self._landers = []
-
-    def _on_grad(self, param: Tensor) -> None:
-        assert self.gradients is not None
-        if not self.gradients.in_backward:
-            checks.check_current(self)
-            self.gradients.shared = checks.others_live(self)
-        self.gradients.on_grad(param)
 
     def _register_landing_hooks(self, sync: BucketedSync) -> None:
         """Before each submodule's forward, land the buckets of its subtree's parameters (the root's: its own only);
@@ -273,18 +269,6 @@ class ShardedDataParallel(nn.Module):
         """
         self._land_sync()
         return super().named_parameters(*args, **kwargs)
-
-
-class _BeforeGradient:
-    """A parameter's gradient hook: ``OwnedGradients.before_gradient`` (the parameter held weakly)."""
-
-    def __init__(self, wrapper: ShardedDataParallel, param: Tensor) -> None:
-        self.wrapper, self.param = wrapper, weakref.ref(param)
-
-    def __call__(self, _: Tensor) -> None:
-        param, gradients = self.param(), self.wrapper.gradients
-        if param is not None and gradients is not None:
-            gradients.before_gradient(param)
 
 
 def _held_directly(module: nn.Module) -> Iterator[Tensor]:
