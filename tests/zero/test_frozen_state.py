@@ -4,11 +4,13 @@ parameter, yet torch's optimizer keeps its state (loaded, or made at constructio
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import distoptim.checkpoint
 from distoptim import ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, make_params, set_gradients
@@ -85,3 +87,28 @@ def _construction_state_body(rank: int, world_size: int) -> None:
 
 def test_consolidated_state_holds_what_adagrad_makes_at_construction_for_frozen_parameters() -> None:
     run_on_ranks(_construction_state_body, 2)
+
+
+def _sharded_body(rank: int, world_size: int, path: str) -> None:
+    (trained,) = make_params(SPEC)
+    kwargs = {"lr": 0.1}
+    saving = ZeroRedundancyOptimizer(trained, torch.optim.Adam, **kwargs)
+    _train([saving], [trained], rank, range(2))
+    distoptim.checkpoint.save({"optim": saving.sharded_state_dict()}, path)
+    ours = [p.detach().clone().requires_grad_(True) for p in trained]
+    ours[0].requires_grad_(False)  # frozen when placed: no rank owns it
+    loading = ZeroRedundancyOptimizer(ours, torch.optim.Adam, **kwargs)
+    state = {"optim": loading.sharded_state_dict()}
+    distoptim.checkpoint.load(state, path)
+    with pytest.raises(ValueError, match=r"load_sharded_state_dict: parameter 0 has optimizer state from training"):
+        loading.load_sharded_state_dict(state["optim"])
+    ours[0].requires_grad_(True)  # the fix the message names: trainable while loading (it gets an owner)
+    state = {"optim": loading.sharded_state_dict()}
+    distoptim.checkpoint.load(state, path)
+    loading.load_sharded_state_dict(state["optim"])
+    _train([saving, loading], [trained, ours], rank, range(2, 4))
+    assert_same_tensors(ours, trained, "after loading")
+
+
+def test_a_sharded_load_refuses_to_drop_the_state_of_a_parameter_frozen_when_placed(tmp_path: Path) -> None:
+    run_on_ranks(_sharded_body, 2, str(tmp_path / "ckpt"))

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from distoptim._flat import flat_view
 from distoptim.checkpoint import checksums
 from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
-from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS, memory_order
+from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS, TRAINED, memory_order
 from distoptim.zero import codecs
 from distoptim.zero.state_formats import FORMAT_KEY, check_format, tensor_format
 
@@ -79,7 +79,8 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
             state.setdefault(int(index), {})[entry] = _reshaped(value, layouts[int(index)])
     for index, entry in state.items():
         _decode(entry, index, layouts[index])
-    return {"state": dict(sorted(state.items())), "param_groups": pickle.loads(saved[PARAM_GROUPS])}
+    groups = [{k: v for k, v in group.items() if k != TRAINED} for group in pickle.loads(saved[PARAM_GROUPS])]
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
 def _decode(entry: dict[str, Any], index: int, layout: tuple[Any, ...] | None) -> None:

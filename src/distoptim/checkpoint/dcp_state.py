@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a thir
     from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = [
+    "TRAINED",
     "Box",
     "FragmentTensor",
     "install_loaded",
@@ -43,6 +44,8 @@ CHUNK_BYTES = 4 << 20
 """The largest DCP chunk a save writes: a load reads a chunk whole, so this bounds its extra memory."""
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"
+TRAINED = "trained_params"
+"""In each group of ``PARAM_GROUPS``: its parameters with trained state (a load must not drop them); not a setting."""
 """Each parameter's ``(shape, None)``, or ``(shape, None, strides)`` where int8 blocks follow a non-row-major memory
 order (``memory_order``); distoptim 0.2 saved ``(shape, strides)`` with its state flat (``convert`` reads those)."""
 

@@ -16,6 +16,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
+from distoptim.comm import collectives as comm
 from distoptim.zero import stepping
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
@@ -99,7 +100,9 @@ class Checkpoints:
         by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
             state_dict, self.param_groups, self._optimizer_class, self.process_group
         )
-        _refuse_stranded_state(self, by_param)
+        params = self.global_params
+        trained = {index for index, param in enumerate(params) if _trained(by_param.get(param))}
+        _refuse_stranded_state(self, trained, "load_state_dict")
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
@@ -113,7 +116,7 @@ class Checkpoints:
     def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
         """This rank's fragments of the state (master weights included) and the hyperparameters, for
         ``torch.distributed.checkpoint`` or ``distoptim.checkpoint``, loadable at any world size and partition
-        (collective: one small all-reduce).
+        (collective: two small all-reduces).
 
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
@@ -124,7 +127,7 @@ class Checkpoints:
         placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         formats = getattr(self.local_optimizer, "formats", None)
         state = state if formats is None else formats.as_kept(state)  # the keys a step gives, before one ran too
-        groups = pickle.dumps(checkpoint.saved_param_groups(self.param_groups))
+        groups = pickle.dumps(_naming_trained(self, checkpoint.saved_param_groups(self.param_groups)))
         return sharded.sharded_state(shard, state, placeholders, groups, self.global_params)
 
     def load_sharded_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
@@ -148,6 +151,8 @@ class Checkpoints:
         self.land_sync()
         self._agreed(self._place_if_stale)  # write_back below writes into the pieces the placement holds
         saved_groups = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
+        trained = {index for saved in saved_groups for index in saved.pop(sharded.TRAINED, ())}  # none in older saves
+        _refuse_stranded_state(self, trained, "load_sharded_state_dict")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
         self._push_hyperparameters()
@@ -211,19 +216,32 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
     return made
 
 
-def _refuse_stranded_state(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None:
+def _trained(state: dict[str, Any] | None) -> bool:
+    """Whether ``state`` is more than a fresh optimizer makes at construction (Adagrad's ``sum`` at ``step`` 0)."""
+    return state is not None and bool(state) and float(state.get("step", 1)) != 0
+
+
+def _naming_trained(zero: ZeroParts, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each saved group lists its parameters with trained state on some rank (one all-reduce): a sharded load has
+    no key for a parameter no rank owns, so only this list shows what such a load would drop."""
+    held = torch.zeros(len(zero.global_params), dtype=torch.uint8, device=zero._comm_device)
+    for local in zero.local_shard.locals:
+        held[local.index] |= _trained(zero.local_optimizer.state.get(local.tensor))
+    trained = set(comm.all_reduce_(held, zero.process_group, "max").nonzero().flatten().tolist())
+    return [{**group, sharded.TRAINED: [i for i in group["params"] if i in trained]} for group in groups]
+
+
+def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: str) -> None:
     """A parameter frozen when placed has no owner, so state it trained with would be dropped, and it would train
-    from fresh state once unfrozen (the same dict on every rank: the same verdict). State a fresh optimizer makes
-    (``step`` 0) is made again when the parameter gets an owner."""
-    for index, param in enumerate(zero.global_params):
-        state = by_param.get(param)
-        if not state or zero.plan.owners[index] != UNOWNED or float(state.get("step", 1)) == 0:
-            continue
+    from fresh state once unfrozen (the same dict on every rank: the same verdict)."""
+    params, owners = zero.global_params, zero.plan.owners
+    stranded = sorted(i for i in trained if owners[i] == UNOWNED and params[i].numel())  # zero-sized: no state kept
+    if stranded:
         raise ValueError(
-            f"load_state_dict: parameter {index} has optimizer state from training, but it had requires_grad=False "
+            f"{method}: parameter {stranded[0]} has optimizer state from training, but it had requires_grad=False "
             "when this ZeroRedundancyOptimizer placed it, so no rank owns it and its state would be dropped: set "
-            "requires_grad=True on it (on every rank) before load_state_dict and freeze it after (a parameter "
-            "frozen after it has an owner keeps its owner and its state)"
+            "requires_grad=True on it (on every rank) before loading and freeze it after (a parameter frozen "
+            "after it has an owner keeps its owner and its state)"
         )
 
 
