@@ -83,6 +83,9 @@ def _construction_state_body(rank: int, world_size: int) -> None:
     _train([zero, reference], [ours, plain], rank, range(2, 4))
     _same_consolidated_state(zero, reference, rank)
     assert_same_tensors(ours, plain, "after unfreezing")
+    for optimizer in (zero, reference):  # torch's add_param_group makes no state: none until its first step
+        optimizer.add_param_group({"params": [torch.ones(5, requires_grad=True)]})
+    _same_consolidated_state(zero, reference, rank)
 
 
 def test_consolidated_state_holds_what_adagrad_makes_at_construction_for_frozen_parameters() -> None:

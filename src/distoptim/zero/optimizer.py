@@ -111,6 +111,7 @@ class ZeroRedundancyOptimizer(
             None if functional_cls is None else OverlapStepper(functional_cls, group, collectives, self)
         )
         self._defaults = defaults
+        self._first_added = len(self.global_params)  # the parameters after it came in add_param_group
         self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
         self._sync: ParameterSync | None = None

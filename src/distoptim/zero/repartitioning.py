@@ -52,6 +52,7 @@ class ZeroParts(Protocol):
     optim: Optimizer | None
     _optimizer_class: type[Optimizer]
     _defaults: dict[str, Any]
+    _first_added: int
     _settings: placement.PlacementSettings
     _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]

@@ -198,16 +198,20 @@ class Joining:
 
 
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
-    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters whose state no
-    rank holds (frozen when placed, or made trainable since and not stepped yet): torch's optimizer holds it for
-    them too, so a consolidated dict holds it as torch's does."""
+    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters given to the
+    constructor whose state no rank holds (frozen when placed, or made trainable since and not stepped yet): torch's
+    optimizer holds it for them too (not for those ``add_param_group`` gave), so a consolidated dict holds it."""
     made: dict[int, dict[str, Tensor]] = {}
     index = 0
     for group in zero.param_groups:
         settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
         optimizer_class = group.get(CLASS_KEY, zero._optimizer_class)
         defaults = zero._defaults if optimizer_class is zero._optimizer_class else {}
-        missing = {index + i: p for i, p in enumerate(group["params"]) if index + i not in present}
+        missing = {
+            index + i: p
+            for i, p in enumerate(group["params"])
+            if index + i not in present and index + i < zero._first_added
+        }
         index += len(group["params"])
         if not missing:
             continue
