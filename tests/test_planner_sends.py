@@ -21,8 +21,9 @@ from benchmarks.comm_bytes import CommCounter
 from distoptim import ZeroRedundancyOptimizer
 from distoptim.comm import collectives as comm
 from distoptim.hooks import allreduce_hook
+from distoptim.plan.figures import PlanConfig
 from distoptim.plan.inventory import from_factory, load_factory
-from distoptim.plan.memory import PlanConfig, plan_modes
+from distoptim.plan.memory import plan_modes
 from distoptim.plan.state import resolve_optimizer
 from tests._dist import run_on_ranks
 from tests.test_planner import FACTORY, planner_net

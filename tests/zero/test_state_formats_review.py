@@ -168,8 +168,8 @@ def _muon_state_bytes_body(rank: int, world_size: int, fmt: str) -> int:
 def test_planner_counts_muons_momentum_in_the_format(fmt: str) -> None:
     """The constructor's ``state_format`` reaches a Muon group (its momentum is encoded); the planner counted
     Muon's state in fp32 whatever the format."""
+    from distoptim.plan.figures import PlanConfig, step_cost
     from distoptim.plan.inventory import ParamSpec
-    from distoptim.plan.memory import PlanConfig, step_cost
     from distoptim.plan.state import OptimizerSpec, resolve_optimizer
 
     measured = run_on_ranks(_muon_state_bytes_body, 1, fmt)[0]

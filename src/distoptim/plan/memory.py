@@ -8,167 +8,31 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from distoptim.comm import relay
-from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
-from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
+from distoptim.plan.baselines import ddp_plan, fsdp2_plan
+from distoptim.plan.figures import (
+    DEVICE,
+    MB,
+    ModePlan,
+    PlanConfig,
+    RankMemory,
+    all_reduce_bytes,
+    dtype_name,
+    mastered,
+    step_cost,
+    step_dtype,
+)
+from distoptim.plan.inventory import Inventory, ParamSpec
+from distoptim.plan.muon import newton_schulz_per_rank, with_muon
 from distoptim.sharded_data_parallel.buckets import plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
-from distoptim.zero.codecs import MIN_NUMEL
 from distoptim.zero.partition import PartitionPlan, newton_schulz_cost, partition_parameters
 
-__all__ = [
-    "MODES",
-    "ModePlan",
-    "PlanConfig",
-    "RankMemory",
-    "ddp_plan",
-    "dtype_name",
-    "fsdp2_plan",
-    "newton_schulz_flops",
-    "plan_modes",
-    "step_cost",
-    "takes_muon",
-    "with_muon",
-]
-
-MODES = ("ddp", "zero1", "sharded_data_parallel", "fsdp2")
-DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
-MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    """How the model is trained: the settings that change the bytes."""
-
-    world_size: int
-    optimizer: OptimizerSpec
-    master_dtype: torch.dtype | None = None
-    partition: str = "even"  # ZeRO's; the planner's default (ZeroRedundancyOptimizer's own default is greedy)
-    gradient_as_bucket_view: bool = False  # DDP's (its default: False)
-    bucket_cap_mb: float = 25.0  # ShardedDataParallel's
-    parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
-    reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
-    muon: OptimizerSpec | None = None  # Muon on the blocks' matrices (``with_muon``), ``optimizer`` on the rest
-    state_format: str = "fp32"  # ZeroRedundancyOptimizer's (its modes only): fp32, bf16, int8
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """Bytes one rank holds: parameters, gradient storage, optimizer state, master weights, and ``other`` named
-    buffers (communication staging, unsharded FSDP units, gradients upcast for the step)."""
-
-    params: int
-    grads: int
-    state: int
-    master: int
-    other: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def other_total(self) -> int:
-        return sum(size for _, size in self.other)
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.state + self.master + self.other_total
-
-
-@dataclass(frozen=True)
-class ModePlan:
-    """One mode's figures: per rank, bytes sent per step by collective, and what the model assumes."""
-
-    key: str
-    title: str
-    ranks: tuple[RankMemory, ...]
-    sends: tuple[tuple[str, int], ...]
-    notes: tuple[str, ...]
-    gloo_received: tuple[int, ...] = ()
-    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled)."""
-    newton_schulz: tuple[int, ...] = ()
-    """With Muon: each rank's Newton-Schulz FLOPs per step (``newton_schulz_flops``)."""
-
-    @property
-    def sends_total(self) -> int:
-        return sum(size for _, size in self.sends)
-
-    def peak(self) -> tuple[int, RankMemory]:
-        """The rank that holds the most (the lowest such rank) and its figures."""
-        rank = max(range(len(self.ranks)), key=lambda r: (self.ranks[r].total, -r))
-        return rank, self.ranks[rank]
-
-
-def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype, zero: bool = False) -> StateCost:
-    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one); ``zero``:
-    by ZeroRedundancyOptimizer, in ``config.state_format`` where the parameter takes it (``zero.state_formats``)."""
-    muon = param.muon and config.muon is not None
-    formatted = zero and param.numel >= MIN_NUMEL and dtype.is_floating_point  # Muon's momentum too
-    optimizer = config.muon if muon and config.muon is not None else config.optimizer
-    return state_cost(optimizer, dtype, config.state_format if formatted else "fp32")
-
-
-def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
-    """The dtype the optimizer steps ``param`` in: a master copy's where it has one, else its own."""
-    return master if master is not None and mastered(param, master) else param.dtype
-
-
-def mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
-    """Whether ``param`` has a master copy: only one narrower than ``master`` (as ``zero.shard.has_master``)."""
-    return master is not None and param.dtype.is_floating_point and param.dtype.itemsize < master.itemsize
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``bfloat16`` for ``torch.bfloat16``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def all_reduce_bytes(nbytes: int, world_size: int) -> int:
-    return 2 * (world_size - 1) * nbytes // world_size
-
-
-NS_STEPS = 5  # torch.optim.Muon's default ns_steps
-
-
-def takes_muon(param: ParamSpec) -> bool:
-    """Whether the planner gives ``param`` to Muon: a matrix inside a block."""
-    return len(param.shape) == 2 and param.unit != ROOT_UNIT
-
-
-def with_muon(inventory: Inventory) -> Inventory:
-    """``inventory`` in the optimizer's order, the blocks' matrices (flagged ``muon``) first, then the rest, each
-    in ``model.parameters()`` order."""
-    matrices = [replace(p, muon=True) for p in inventory.params if takes_muon(p)]
-    if not matrices:
-        raise ValueError(
-            f"--muon: {inventory.description} has no 2-D parameter inside a block (a child of an nn.ModuleList), "
-            "which is what the planner gives Muon"
-        )
-    rest = [p for p in inventory.params if not takes_muon(p)]
-    description = f"{inventory.description}; Muon on {len(matrices)} matrices of its blocks, the rest elementwise"
-    return Inventory((*matrices, *rest), description)
-
-
-def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
-    """FLOPs of one orthogonalization of an ``m x n`` matrix (``m`` the short side), as torch's Muon runs it:
-    per iteration ``X X^T`` and ``B X`` (``2 m^2 n`` each) and ``b A + c A A`` (``2 m^3``)."""
-    short, long = sorted(shape)
-    return steps * (4 * short * short * long + 2 * short**3)
-
-
-def newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | None, world_size: int) -> list[int]:
-    """Each rank's Newton-Schulz FLOPs per step: each trainable Muon matrix on its owner under ``plan``, or on
-    every rank without one."""
-    per_rank = [0] * world_size
-    for index, param in enumerate(params):
-        if not (param.muon and param.trainable):
-            continue
-        flops = newton_schulz_flops(param.shape)
-        owners = range(world_size) if plan is None else {f.rank for f in plan.fragments[index]}
-        for rank in owners:
-            per_rank[rank] += flops
-    return per_rank
+__all__ = ["plan_modes"]
 
 
 def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
@@ -391,95 +255,3 @@ class _ZeroShards:
                 for fragment in fragments:
                     casts[fragment.rank] += fragment.length * step.itemsize
         return casts
-
-
-def ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
-    params, master = inventory.params, config.master_dtype
-    trainable = [p for p in params if p.trainable]
-    grad_bytes = sum(p.nbytes for p in trainable)
-    masters = sum(p.numel * master.itemsize for p in trainable if mastered(p, master)) if master else 0
-    memory = RankMemory(
-        params=sum(p.nbytes for p in params),
-        grads=grad_bytes * (1 if config.gradient_as_bucket_view else 2),
-        state=plain_state(params, config),
-        master=masters,
-        other=(("master gradients during step", masters),) if masters else (),
-    )
-    notes = [
-        "gradients: DDP's buckets, which .grad views (gradient_as_bucket_view=True)"
-        if config.gradient_as_bucket_view
-        else "gradients: DDP's buckets and a separate .grad, each the full gradient (gradient_as_bucket_view=False, "
-        "DDP's default)"
-    ]
-    if master:
-        notes.append(
-            f"master weights: a {dtype_name(master)} copy of every trainable parameter, which the optimizer steps"
-        )
-    sends = (("all-reduce of gradients", all_reduce_bytes(grad_bytes, config.world_size)),)
-    return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
-
-
-def plain_state(params: Sequence[ParamSpec], config: PlanConfig) -> int:
-    """A plain optimizer's state over every parameter (frozen ones too where made at construction)."""
-    total = 0
-    for param in params:
-        cost = step_cost(param, config, step_dtype(param, config.master_dtype if param.trainable else None))
-        if param.trainable or cost.at_construction:
-            total += cost.bytes_for(param.numel)
-    return total
-
-
-def fsdp2_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
-    """``fully_shard`` on every unit, ``reshard_after_forward=True``: each parameter cut along dim 0 into
-    ``ceil(rows / N)``-row chunks, parameters and gradients padded to a full chunk, optimizer state unpadded."""
-    size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
-    sharded = grads = empty = 0  # the same on every rank (padded); state every rank has, even for an empty shard
-    steps = [0] * (size + 1)  # state bytes beyond ``empty``, as differences between neighbouring ranks
-    gathered: dict[int, int] = {}  # unit -> bytes of its gathered parameters (padded, in the compute dtype)
-    gathered_grads: dict[int, int] = {}  # unit -> bytes of its unsharded gradient (in the reduce dtype)
-    for param in inventory.params:
-        rows = param.shape[0] if param.shape else 1
-        per_row = param.numel // rows if rows else 0
-        chunk = -(-rows // size)
-        dtype = step_dtype(param, master)
-        sharded += chunk * per_row * dtype.itemsize
-        gathered[param.unit] = gathered.get(param.unit, 0) + size * chunk * per_row * param.dtype.itemsize
-        cost = step_cost(param, config, dtype)
-        if param.trainable or cost.at_construction:  # ranks [0, full) hold a full chunk, rank full the rest
-            full, rest = divmod(rows, chunk) if chunk else (0, 0)
-            steps[0] += cost.bytes_for(chunk * per_row) - cost.bytes_for(0)
-            steps[full] += cost.bytes_for(rest * per_row) - cost.bytes_for(chunk * per_row)
-            steps[min(full + 1, size)] -= cost.bytes_for(rest * per_row) - cost.bytes_for(0)
-            empty += cost.bytes_for(0)
-        if param.trainable:
-            grads += chunk * per_row * dtype.itemsize
-            grad_bytes = size * chunk * per_row * (reduce_dtype or param.dtype).itemsize
-            gathered_grads[param.unit] = gathered_grads.get(param.unit, 0) + grad_bytes
-    root = gathered.get(ROOT_UNIT, 0)
-    blocks = sorted((b for unit, b in gathered.items() if unit != ROOT_UNIT), reverse=True)
-    other = tuple(
-        (name, size_)
-        for name, size_ in (
-            ("root unit gathered (not resharded after forward)", root),
-            ("two largest units gathered (computing + prefetched)", sum(blocks[:2])),
-            ("largest unit's unsharded gradient", max(gathered_grads.values(), default=0)),
-        )
-        if size_
-    )
-    state = list(itertools.accumulate(steps[:size], initial=empty))[1:]
-    ranks = tuple(RankMemory(sharded, grads, state[rank], 0, other) for rank in range(size))
-    all_gathered = sum(gathered.values())
-    sends = (
-        ("all-gather of parameters, forward", (size - 1) * all_gathered // size),
-        ("all-gather of parameters, backward", (size - 1) * (all_gathered - root) // size),
-        ("reduce-scatter of gradients", (size - 1) * sum(gathered_grads.values()) // size),
-    )
-    notes = [
-        "fully_shard on each unit and the root, reshard_after_forward=True; parameters sharded along dim 0, "
-        "padded per parameter; unsharded units modelled (FSDP2's own prefetching decides the real peak)"
-    ]
-    if master:
-        notes.append(
-            f"sharded parameters are the {dtype_name(master)} master weights (MixedPrecisionPolicy(param_dtype))"
-        )
-    return ModePlan("fsdp2", "FSDP2 (ZeRO-3)", ranks, sends, tuple(notes))

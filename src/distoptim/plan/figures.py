@@ -1,0 +1,118 @@
+"""The planner's figures (``PlanConfig``, ``RankMemory``, ``ModePlan``) and the per-parameter arithmetic every
+mode's plan shares: the state a parameter's step keeps, the dtype it steps in, an all-reduce's bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distoptim.plan.inventory import ParamSpec
+from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
+from distoptim.zero.codecs import MIN_NUMEL
+
+__all__ = [
+    "DEVICE",
+    "MB",
+    "MODES",
+    "ModePlan",
+    "PlanConfig",
+    "RankMemory",
+    "all_reduce_bytes",
+    "dtype_name",
+    "mastered",
+    "step_cost",
+    "step_dtype",
+]
+
+MODES = ("ddp", "zero1", "sharded_data_parallel", "fsdp2")
+DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
+MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How the model is trained: the settings that change the bytes."""
+
+    world_size: int
+    optimizer: OptimizerSpec
+    master_dtype: torch.dtype | None = None
+    partition: str = "even"  # ZeRO's; the planner's default (ZeroRedundancyOptimizer's own default is greedy)
+    gradient_as_bucket_view: bool = False  # DDP's (its default: False)
+    bucket_cap_mb: float = 25.0  # ShardedDataParallel's
+    parameters_as_bucket_view: bool = False  # ZeroRedundancyOptimizer's (its default: False)
+    reduce_dtype: torch.dtype | None = None  # ShardedDataParallel's and FSDP2's gradient reduction dtype
+    muon: OptimizerSpec | None = None  # Muon on the blocks' matrices (``with_muon``), ``optimizer`` on the rest
+    state_format: str = "fp32"  # ZeroRedundancyOptimizer's (its modes only): fp32, bf16, int8
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds: parameters, gradient storage, optimizer state, master weights, and ``other`` named
+    buffers (communication staging, unsharded FSDP units, gradients upcast for the step)."""
+
+    params: int
+    grads: int
+    state: int
+    master: int
+    other: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def other_total(self) -> int:
+        return sum(size for _, size in self.other)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.state + self.master + self.other_total
+
+
+@dataclass(frozen=True)
+class ModePlan:
+    """One mode's figures: per rank, bytes sent per step by collective, and what the model assumes."""
+
+    key: str
+    title: str
+    ranks: tuple[RankMemory, ...]
+    sends: tuple[tuple[str, int], ...]
+    notes: tuple[str, ...]
+    gloo_received: tuple[int, ...] = ()
+    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled)."""
+    newton_schulz: tuple[int, ...] = ()
+    """With Muon: each rank's Newton-Schulz FLOPs per step (``newton_schulz_flops``)."""
+
+    @property
+    def sends_total(self) -> int:
+        return sum(size for _, size in self.sends)
+
+    def peak(self) -> tuple[int, RankMemory]:
+        """The rank that holds the most (the lowest such rank) and its figures."""
+        rank = max(range(len(self.ranks)), key=lambda r: (self.ranks[r].total, -r))
+        return rank, self.ranks[rank]
+
+
+def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype, zero: bool = False) -> StateCost:
+    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one); ``zero``:
+    by ZeroRedundancyOptimizer, in ``config.state_format`` where the parameter takes it (``zero.state_formats``)."""
+    muon = param.muon and config.muon is not None
+    formatted = zero and param.numel >= MIN_NUMEL and dtype.is_floating_point  # Muon's momentum too
+    optimizer = config.muon if muon and config.muon is not None else config.optimizer
+    return state_cost(optimizer, dtype, config.state_format if formatted else "fp32")
+
+
+def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
+    """The dtype the optimizer steps ``param`` in: a master copy's where it has one, else its own."""
+    return master if master is not None and mastered(param, master) else param.dtype
+
+
+def mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
+    """Whether ``param`` has a master copy: only one narrower than ``master`` (as ``zero.shard.has_master``)."""
+    return master is not None and param.dtype.is_floating_point and param.dtype.itemsize < master.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    return 2 * (world_size - 1) * nbytes // world_size
