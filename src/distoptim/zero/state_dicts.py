@@ -215,16 +215,37 @@ def _refuse_stranded_state(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any
     """A parameter frozen when placed has no owner, so state it trained with would be dropped, and it would train
     from fresh state once unfrozen (the same dict on every rank: the same verdict). State a fresh optimizer makes
     (``step`` 0) is made again when the parameter gets an owner."""
-    for index, param in enumerate(zero.global_params):
-        state = by_param.get(param)
-        if not state or zero.plan.owners[index] != UNOWNED or float(state.get("step", 1)) == 0:
-            continue
+    params = zero.global_params
+    stranded = {
+        index
+        for index, param in enumerate(params)
+        if (state := by_param.get(param)) and zero.plan.owners[index] == UNOWNED and float(state.get("step", 1)) != 0
+    }
+    made = _made_at_construction(zero, set(range(len(params))) - stranded) if stranded else {}
+    for index in sorted(stranded):
+        if _same_state(by_param[params[index]], made.get(index, {})):
+            continue  # what the class makes at construction, with no step count (a custom optimizer's)
         raise ValueError(
             f"load_state_dict: parameter {index} has optimizer state from training, but it had requires_grad=False "
             "when this ZeroRedundancyOptimizer placed it, so no rank owns it and its state would be dropped: set "
             "requires_grad=True on it (on every rank) before load_state_dict and freeze it after (a parameter "
             "frozen after it has an owner keeps its owner and its state)"
         )
+
+
+def _same_state(loaded: dict[str, Any], made: dict[str, Any]) -> bool:
+    if loaded.keys() != made.keys():
+        return False
+    for key, value in loaded.items():
+        fresh = made[key]
+        if isinstance(fresh, Tensor) != isinstance(value, Tensor):
+            return False
+        if isinstance(fresh, Tensor):
+            if value.shape != fresh.shape or not torch.equal(value.to(fresh.device, fresh.dtype), fresh):
+                return False
+        elif value != fresh:
+            return False
+    return True
 
 
 def _land_and_agree_untouched(zero: ZeroParts) -> None:
