@@ -115,3 +115,48 @@ def _sharded_body(rank: int, world_size: int, path: str) -> None:
 
 def test_a_sharded_load_refuses_to_drop_the_state_of_a_parameter_frozen_when_placed(tmp_path: Path) -> None:
     run_on_ranks(_sharded_body, 2, str(tmp_path / "ckpt"))
+
+
+class _EmaSGD(torch.optim.SGD):
+    """A torch optimizer that makes state at construction with no ``step`` count: an average of the weights."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["average"] = p.detach().clone()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["average"].lerp_(p, 0.5)
+        return loss
+
+
+def _construction_state_without_step_body(rank: int, world_size: int) -> None:
+    (plain,) = make_params(SPEC)
+    (ours,) = make_params(SPEC)
+    for params in (ours, plain):
+        params[1].requires_grad_(False)
+    reference, zero = _EmaSGD(plain, lr=0.1), ZeroRedundancyOptimizer(ours, _EmaSGD, lr=0.1)
+    _train([zero, reference], [ours, plain], rank, range(2))
+    zero.consolidate_state_dict(0)
+    objects = [zero.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(objects, 0)
+    for saved in (reference.state_dict(), objects[0]):  # torch's dict, and its own: the frozen one's untrained
+        (again,) = make_params(SPEC)
+        again[1].requires_grad_(False)
+        ZeroRedundancyOptimizer(again, _EmaSGD, lr=0.1).load_state_dict(copy.deepcopy(saved))
+    trained = copy.deepcopy(reference.state_dict())
+    trained["state"][1]["average"] += 1.0  # state it trained with: refused still
+    (again,) = make_params(SPEC)
+    again[1].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter 1 has optimizer state .* requires_grad=False"):
+        ZeroRedundancyOptimizer(again, _EmaSGD, lr=0.1).load_state_dict(trained)
+
+
+def test_state_a_class_makes_at_construction_without_a_step_count_loads() -> None:
+    run_on_ranks(_construction_state_without_step_body, 2)

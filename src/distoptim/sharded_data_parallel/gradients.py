@@ -81,6 +81,7 @@ class OwnedGradients:
             self.pieces.setdefault(index, []).append((bucket, start, length))
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
+        self._averaged: dict[int, tuple[weakref.ref[Tensor], int]] = {}  # unplaced: the .grad a flush averaged
         self._swapped: set[int] = set()  # markers taken out of .grad for this backward to accumulate into
         self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
         self.no_sync = False
@@ -102,13 +103,15 @@ class OwnedGradients:
         self.used[: len(previous.used)] = previous.used
         self.holds[: len(previous.holds)] = previous.holds
         self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
+        averaged = previous._averaged
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
             for slot in plan.slots:
-                param = self.params[slot.index]
-                if param.grad is not None:
-                    view_like(buffer, slot.position, param).copy_(param.grad)
+                param, (ref, version) = self.params[slot.index], averaged.get(slot.index, (None, -1))
+                grad = param.grad  # only the flush's average: a no_sync() sum stays, the next backward reduces it
+                if grad is not None and ref is not None and ref() is grad and version == grad._version:
+                    view_like(buffer, slot.position, param).copy_(grad)
                     param.grad = None
                     self.holds[slot.index] = True
             self._in_flight.append((bucket, buffer, completed_future(buffer)))
@@ -417,6 +420,7 @@ class OwnedGradients:
                 for group in zero.agreement_groups:
                     comm.all_reduce_(grad, group)
                 param.grad = grad.div_(zero.world_size * zero.replica_count)
+                self._averaged[index] = (weakref.ref(grad), grad._version)
 
 
 class GradientMarker(Tensor):

@@ -100,9 +100,7 @@ class Checkpoints:
         by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
             state_dict, self.param_groups, self._optimizer_class, self.process_group
         )
-        params = self.global_params
-        trained = {index for index, param in enumerate(params) if _trained(by_param.get(param))}
-        _refuse_stranded_state(self, trained, "load_state_dict")
+        _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
@@ -225,6 +223,15 @@ def _trained(state: dict[str, Any] | None) -> bool:
     return state is not None and bool(state) and float(state.get("step", 1)) != 0
 
 
+def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[int]:
+    """The parameters whose loaded state is trained: more than the class makes at construction, a ``step`` count or
+    (a custom class's, with no step count) other values than its constructor's."""
+    params = zero.global_params
+    trained = {index for index, param in enumerate(params) if _trained(by_param.get(param))}
+    made = _made_at_construction(zero, set(range(len(params))) - trained) if trained else {}
+    return {index for index in trained if not _same_state(by_param[params[index]], made.get(index, {}))}
+
+
 def _naming_trained(zero: ZeroParts, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each saved group lists its parameters with trained state on some rank (one all-reduce): a sharded load has
     no key for a parameter no rank owns, so only this list shows what such a load would drop."""
@@ -247,6 +254,21 @@ def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: st
             "requires_grad=True on it (on every rank) before loading and freeze it after (a parameter frozen "
             "after it has an owner keeps its owner and its state)"
         )
+
+
+def _same_state(loaded: dict[str, Any], made: dict[str, Any]) -> bool:
+    if loaded.keys() != made.keys():
+        return False
+    for key, value in loaded.items():
+        fresh = made[key]
+        if isinstance(fresh, Tensor) != isinstance(value, Tensor):
+            return False
+        if isinstance(fresh, Tensor):
+            if value.shape != fresh.shape or not torch.equal(value.to(fresh.device, fresh.dtype), fresh):
+                return False
+        elif value != fresh:
+            return False
+    return True
 
 
 def _land_and_agree_untouched(zero: ZeroParts) -> None:

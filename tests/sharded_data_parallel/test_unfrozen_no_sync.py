@@ -1,0 +1,76 @@
+"""A layer unfrozen since the last placement, whose gradient ``no_sync()`` accumulated (each rank's own), placed
+before the backward that reduces it (a checkpoint between micro-batches): the sum must still be averaged."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
+from tests._dist import run_on_ranks
+
+
+def _x(rank: int, micro: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * micro + rank))
+
+
+class _Plain:
+    """DDP + torch.optim for a model whose trainable set changes: every gradient averaged by hand, after the last
+    micro-batch (DDP built with the layer frozen would never reduce it)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def reduce(self) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+
+def _body(rank: int, world_size: int, between: str) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    base[2].requires_grad_(False)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    zero = ZeroRedundancyOptimizer(list(ours.parameters()), torch.optim.SGD, lr=0.05)
+    sdp = ShardedDataParallel(ours, zero)
+    plain, reference = _Plain(theirs), torch.optim.SGD(theirs.parameters(), lr=0.05)
+    for step in range(3):
+        if step == 1:
+            ours[2].requires_grad_(True)
+            theirs[2].requires_grad_(True)
+        for model in (sdp, plain):
+            with model.no_sync():
+                model(_x(rank, 2 * step)).square().sum().backward()
+        if step == 1 and between == "consolidate":
+            zero.consolidate_state_dict(0)  # places the unfrozen layer, its .grad this rank's own still
+        elif step == 1 and between == "sharded_state_dict":
+            zero.sharded_state_dict()
+        for model in (sdp, plain):
+            model(_x(rank, 2 * step + 1)).square().sum().backward()
+        plain.reduce()
+        zero.step()
+        reference.step()
+        zero.zero_grad()
+        reference.zero_grad()
+    for name, got, want in zip([n for n, _ in ours.named_parameters()], ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("between", ["nothing", "consolidate", "sharded_state_dict"])
+def test_no_sync_gradient_of_a_layer_placed_between_micro_batches_is_averaged(between: str) -> None:
+    run_on_ranks(_body, 2, between)
