@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "overlap_adamw_coupled",
         "the overlap hooks with AdamW (functional kernel)",
         "AdamW's kernel spec without decoupled_weight_decay=True: L2 weight decay added to the gradient, as Adam's",
-        "distoptim/functional/kernels.py",
+        "distoptim/functional/optimizers.py",
         '    pairs=_BETAS,\n    fixed={"decoupled_weight_decay": True},\n',
         "    pairs=_BETAS,\n",
     ),
@@ -226,8 +226,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a clear that zeroes also forgets which parameters hold a gradient: a zeroed, unused parameter is skipped "
         "at the step, where torch.optim steps it on zeros (momentum, weight decay still move it)",
         "distoptim/sharded_data_parallel/gradients.py",
-        "        if set_to_none:\n            self.holds = [False] * len(self.params)\n        self._unreduced.clear()",
-        "        self.holds = [False] * len(self.params)\n        self._unreduced.clear()",
+        "        if set_to_none:\n            self.holds = [False] * len(self.params)\n",
+        "        self.holds = [False] * len(self.params)\n        if set_to_none:\n",
     ),
 )
 
