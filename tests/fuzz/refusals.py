@@ -201,19 +201,6 @@ TABLE: tuple[Refusal, ...] = (
         lambda p, w: _poisoned(p) != "",
     ),
     Refusal(
-        "int8_centered_rmsprop",
-        "`RMSprop(centered=True)` with `state_format='int8'` (compared on the grid: 2 or 4 ranks, `exact`): "
-        "int8's rounding of `square_avg` and `grad_avg` turns their difference negative (seed 642480: NaN)",
-        r"^ValueError: param group \d+: RMSprop\(centered=True\) with state_format='int8'",
-        lambda p, w: (
-            p.optimizer == "RMSprop"
-            and bool(p.kwargs.get("centered"))
-            and p.options.get("state_format") == "int8"
-            and bool(p.options.get("exact"))
-            and w in (2, 4)
-        ),
-    ),
-    Refusal(
         "adafactor_eps1",
         "Adafactor over a bf16 head and fp32 layers without master weights, `eps` left to torch",
         r"^ValueError: param group \d+ \(torch\.optim\.Adafactor\) steps parameters of dtypes",

@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import JoinHook
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import collectives as comm
+from distoptim.comm.objects import release
 from distoptim.zero import stepping
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
@@ -239,6 +240,7 @@ def _naming_trained(zero: ZeroParts, groups: list[dict[str, Any]]) -> list[dict[
     for local in zero.local_shard.locals:
         held[local.index] |= _trained(zero.local_optimizer.state.get(local.tensor))
     trained = set(comm.all_reduce_(held, zero.process_group, "max").nonzero().flatten().tolist())
+    release(held)  # gloo's thread lets go of it now, not while the interpreter exits (an abort)
     return [{**group, sharded.TRAINED: [i for i in group["params"] if i in trained]} for group in groups]
 
 

@@ -190,21 +190,11 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
                 )
 
 
-def check_state_formats(
-    groups: ParamGroups, state_format: Any, optimizer_class: type[Optimizer], defaults: dict[str, Any]
-) -> None:
-    """Each group's ``state_format`` (its own, or the constructor's) is a format, and one its class can keep."""
+def check_state_formats(groups: ParamGroups, state_format: Any) -> None:
+    """Each group's ``state_format`` (its own, or the constructor's) is a format."""
     check_format(state_format, "ZeroRedundancyOptimizer")
     for index, group in enumerate(groups):
-        kept = group.get(FORMAT_KEY, state_format)
-        check_format(kept, f"param group {index}")
-        rmsprop = issubclass(torch_class_of(group.get(CLASS_KEY, optimizer_class)), torch.optim.RMSprop)
-        if kept == "int8" and rmsprop and group.get("centered", defaults.get("centered", False)):
-            raise ValueError(
-                f"param group {index}: RMSprop(centered=True) with state_format='int8' steps with the square root of "
-                "square_avg - grad_avg**2, which int8's rounding of the two turns negative (NaN weights); keep this "
-                "group's state in 'bf16' or 'fp32', or use centered=False (bitsandbytes' 8-bit RMSprop refuses it too)"
-            )
+        check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
 
 
 def _stand_in_groups(groups: ParamGroups) -> ParamGroups:
@@ -251,7 +241,7 @@ def check_construction(
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
         check_master_dtype(master_dtype)
-        check_state_formats(groups, state_format, local_class, defaults)
+        check_state_formats(groups, state_format)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
             raise TypeError(
                 f"replicate_group must be a torch.distributed.ProcessGroup or None, got {replicate_group!r}"
@@ -332,7 +322,7 @@ def agreed_param_group(
         (checked,) = normalize_param_groups([param_group])
         check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
-        check_state_formats([checked], state_format, optimizer_class, defaults)
+        check_state_formats([checked], state_format)
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if sharded_gradients and with_grad:
             raise ValueError(
