@@ -225,10 +225,11 @@ def _trained(state: dict[str, Any] | None) -> bool:
 
 
 def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[int]:
-    """The parameters whose loaded state is trained: more than the class makes at construction, a ``step`` count or
-    (a custom class's, with no step count) other values than its constructor's."""
-    params = zero.global_params
-    trained = {index for index, param in enumerate(params) if _trained(by_param.get(param))}
+    """The parameters no rank owns whose loaded state is trained: more than the class makes at construction, a
+    ``step`` count or (a custom class's, with no step count) other values than its constructor's. Only those: the
+    comparison builds their construction state (Adagrad's sums) on every rank."""
+    params, owners = zero.global_params, zero.plan.owners
+    trained = {i for i, param in enumerate(params) if owners[i] == UNOWNED and _trained(by_param.get(param))}
     made = _made_at_construction(zero, set(range(len(params))) - trained) if trained else {}
     return {index for index in trained if not _same_state(by_param[params[index]], made.get(index, {}))}
 
