@@ -25,7 +25,7 @@ from distoptim import ZeroRedundancyOptimizer, checkpoint
 from distoptim._flat import flat_view
 from distoptim.checkpoint import convert
 from distoptim.checkpoint import dcp_state as sharded
-from distoptim.checkpoint.dcp_state import memory_range_boxes
+from distoptim.checkpoint.boxes import memory_range_boxes
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params, set_gradients
 

@@ -7,17 +7,16 @@ and memory layout. State kept in fewer bits is saved encoded (``codecs.encoded_n
 
 from __future__ import annotations
 
-import math
 import pickle
 import warnings
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from distoptim._flat import is_dense
+from distoptim.checkpoint.boxes import memory_range_boxes
 from distoptim.checkpoint.consolidated import check_hyperparameters, loaded_hyperparameters
 from distoptim.zero.codecs import BLOCK, SCALES_SUFFIX
 from distoptim.zero.shard import MASTER_KEY, LocalShard, LocalTensor
@@ -29,12 +28,10 @@ if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a thir
 
 __all__ = [
     "TRAINED",
-    "Box",
     "FragmentTensor",
     "install_loaded",
     "is_sharded_state",
     "load_param_groups",
-    "memory_range_boxes",
     "prune_unsaved",
     "sharded_state",
     "template_state",
@@ -332,73 +329,3 @@ def _unwrapped(value: Any) -> Any:
 
 # Boxes (pure arithmetic): memory order is row-major over the dimensions sorted by stride, so a range of it is at
 # most ``2 * ndim - 1`` boxes of that permuted index space, each a box of the logical one, whatever the layout.
-
-
-@dataclass(frozen=True)
-class Box:
-    """Logical ``offsets`` and ``sizes`` of a box of a tensor's elements; ``start``: where its first element lies in
-    memory, counted from the start of the range it was cut from."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    start: int
-
-
-def memory_range_boxes(
-    shape: Sequence[int], strides: Sequence[int], offset: int, length: int, limit: int | None = None
-) -> list[Box]:
-    """The boxes that elements ``[offset, offset + length)`` in memory order of a dense tensor of ``shape`` and
-    ``strides`` make up, in memory order (empty for an empty range), each of at most ``limit`` elements if given."""
-    order = sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -strides[d], d))  # outermost first
-    permuted = [shape[d] for d in order]
-    boxes = []
-    whole = _row_major_boxes(offset, offset + length, permuted)
-    for offsets, sizes in whole if limit is None else [cut for box in whole for cut in _cut(*box, max(1, limit))]:
-        logical_offsets, logical_sizes = [0] * len(shape), [1] * len(shape)
-        for axis, dim in enumerate(order):
-            logical_offsets[dim], logical_sizes[dim] = offsets[axis], sizes[axis]
-        start = sum(o * math.prod(permuted[axis + 1 :]) for axis, o in enumerate(offsets)) - offset
-        boxes.append(Box(tuple(logical_offsets), tuple(logical_sizes), start))
-    return boxes
-
-
-def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Row-major indices ``[start, stop)`` of an array of ``shape`` as ``(offsets, sizes)`` boxes: a partial first
-    row, the whole rows between, a partial last row (each partial row cut the same way one dimension down)."""
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    first, last = -(-start // inner), stop // inner  # the whole rows are [first, last)
-    if first > last:  # start and stop inside one row
-        row = start // inner
-        return _in_row(row, start - row * inner, stop - row * inner, shape)
-    boxes = []
-    if start < first * inner:
-        boxes += _in_row(first - 1, start - (first - 1) * inner, inner, shape)
-    if first < last:
-        boxes.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
-    if last * inner < stop:
-        boxes += _in_row(last, 0, stop - last * inner, shape)
-    return boxes
-
-
-def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """A row-major box cut into boxes of at most ``limit`` elements: along its outermost axis longer than 1, each
-    cut holding as many slabs as fit (a slab larger than ``limit`` cut the same way one axis down)."""
-    if math.prod(sizes) <= limit:
-        return [(offsets, sizes)]
-    axis = next(a for a, size in enumerate(sizes) if size > 1)
-    slab = math.prod(sizes[axis + 1 :])
-    per_cut = max(1, limit // slab)
-    cuts = []
-    for begin in range(0, sizes[axis], per_cut):
-        at = (*offsets[:axis], offsets[axis] + begin, *offsets[axis + 1 :])
-        cut = (*sizes[:axis], min(per_cut, sizes[axis] - begin), *sizes[axis + 1 :])
-        cuts += _cut(at, cut, limit) if slab > limit else [(at, cut)]
-    return cuts
-
-
-def _in_row(row: int, start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    return [((row, *offsets), (1, *sizes)) for offsets, sizes in _row_major_boxes(start, stop, shape[1:])]

@@ -16,7 +16,17 @@ from distoptim.zero import validation
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["check_current", "check_wrapping", "claim_groups", "fingerprint", "others_live"]
+__all__ = ["POISONED", "UNFINISHED", "check_current", "check_wrapping", "claim_groups", "fingerprint", "others_live"]
+
+POISONED = (
+    "ShardedDataParallel: a backward raised after some of its gradient reductions were launched; the ranks' "
+    "reductions no longer pair up (DDP's reducer is left the same way). Restart from a checkpoint: build the model, "
+    "the optimizer and the wrapper again"
+)
+UNFINISHED = (
+    "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced and cannot "
+    "be stepped or added to. Call zero_grad() (it drops that gradient) before the next forward and step"
+)
 
 _NEWEST = "newest ShardedDataParallel"  # under comm.groups.attached: a group's newest wrapper, weakly
 

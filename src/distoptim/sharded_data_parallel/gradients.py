@@ -1,7 +1,6 @@
-"""The gradient side of ``ShardedDataParallel``: each parameter's gradient, once accumulated, goes into its bucket and
-its ``.grad`` is released; full buckets are reduced to their owners in one fixed order, and each rank keeps only its
-owned part (``OwnedGradients``), which ZeRO clips, scales and steps. Between backwards ``.grad`` holds a marker
-(``GradientMarker``), so that what the program does to it is seen (``settle``). ``docs/guides/internals.md``.
+"""The gradient side of ``ShardedDataParallel``: each accumulated gradient goes into its bucket, full buckets are
+reduced to their owners in one fixed order, and each rank keeps its owned part (``OwnedGradients``) for ZeRO to clip,
+scale and step. Between backwards ``.grad`` holds a ``marker.GradientMarker``. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
+from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
@@ -30,16 +30,6 @@ if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["OwnedGradients"]
-
-POISONED = (
-    "ShardedDataParallel: a backward raised after some of its gradient reductions were launched; the ranks' "
-    "reductions no longer pair up (DDP's reducer is left the same way). Restart from a checkpoint: build the model, "
-    "the optimizer and the wrapper again"
-)
-UNFINISHED = (
-    "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced and cannot "
-    "be stepped or added to. Call zero_grad() (it drops that gradient) before the next forward and step"
-)
 
 
 class OwnedGradients:
@@ -94,8 +84,7 @@ class OwnedGradients:
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
 
     def replan(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
-        """After the plan grew: the same store (the hooks call it) over the new buckets, keeping the landed ones;
-        placed ``.grad`` is taken into the new buckets."""
+        """After the plan grew: the same store over the new buckets, keeping the landed ones and placed ``.grad``."""
         previous = copy.copy(self)
         self._build(buckets, sync)
         self.owned[: len(previous.owned)] = previous.owned
@@ -232,12 +221,11 @@ class OwnedGradients:
             self.mark()
 
     def _recover(self) -> set[int]:
-        """After a backward that raised before launching a reduction: drop its buckets, put the markers back, return
-        the parameters it reached. Refused after one that launched."""
+        """After a backward that raised before launching: drop its buckets, unswap, return the parameters reached."""
         if not self.in_backward:
             return set()
         if self._next:
-            raise RuntimeError(POISONED)
+            raise RuntimeError(checks.POISONED)
         reached = set(self._filled)
         self._buffers.clear()
         self._next_backward_afresh()
@@ -253,12 +241,11 @@ class OwnedGradients:
     def check_finished(self) -> None:
         """Refuse the gradient of a backward that raised midway (local, as DDP's reducer)."""
         if self.in_backward:
-            raise RuntimeError(POISONED if self._next else UNFINISHED)
+            raise RuntimeError(checks.POISONED if self._next else checks.UNFINISHED)
 
     # ------------------------------------------------------------------- which parameters some rank used
     def prepare_step(self) -> bool:
-        """Before a step reads (inside its agreement): settle every ``.grad``; whether this rank may step before
-        the ranks agree which parameters were used."""
+        """Settle every ``.grad`` (inside the step's agreement); whether this rank may step before the ranks agree."""
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
@@ -335,17 +322,10 @@ class OwnedGradients:
         self._remaining[bucket] -= 1
 
     def _is_whole_bucket(self, bucket: int, param: Tensor, grad: Tensor) -> bool:
-        """Whether ``grad``, flat, is exactly the bucket and owns its memory (autograd may share a gradient's memory
-        with another branch of the backward, which would then read it scaled and summed)."""
-        plan = self.buckets[bucket]
-        return (
-            len(plan.slots) == 1
-            and plan.numel == grad.numel()
-            and (grad.device, grad.dtype) == self.store_keys[plan.key]
-            and grad.stride() == param.stride()
-            and is_dense(grad)
-            and owns_its_memory(grad)
-        )
+        """Whether ``grad``, flat, is the bucket and owns its memory (autograd may share it with another branch)."""
+        plan, key = self.buckets[bucket], (grad.device, grad.dtype)
+        fits = len(plan.slots) == 1 and plan.numel == grad.numel() and key == self.store_keys[plan.key]
+        return fits and grad.stride() == param.stride() and is_dense(grad) and owns_its_memory(grad)
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
         """Bucket ``bucket``'s buffer (``gradient``, or zeros), once fewer than ``max_in_flight`` are in use."""
@@ -360,10 +340,8 @@ class OwnedGradients:
         return self._buffers[bucket]
 
     def _launch_ready(self, flushing: bool = False) -> None:
-        """Launch, in order, every full bucket: divided, its reduction to the owners started (``flushing``: every
-        bucket left, with the ``.grad`` the backward did not reach: ``no_sync()``'s, set by hand). Not while another
-        wrapper shares the backward under hybrid sharding (ranks could wait in different wrappers' reductions: a
-        hang); the flush launches them then."""
+        """Launch, in order, every full bucket, divided (``flushing``: every bucket left, with the ``.grad`` the
+        backward did not reach). Under hybrid sharding with another wrapper in the backward only the flush does."""
         zero = self.zero
         if self.shared and zero.replicate_group is not None and not flushing:
             return
@@ -399,8 +377,7 @@ class OwnedGradients:
         self.landed[bucket] = True
 
     def flush(self) -> None:
-        """The end of a backward: every bucket launched and landed, unplaced gradients averaged, the used flags
-        agreed (one small all-reduce) and markers put in: ``.grad`` is None where no rank used it, as under DDP."""
+        """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
         self.in_backward = False
         self._launch_ready(flushing=True)
         while self._in_flight:
@@ -421,67 +398,3 @@ class OwnedGradients:
                     comm.all_reduce_(grad, group)
                 param.grad = grad.div_(zero.world_size * zero.replica_count)
                 self._averaged[index] = (weakref.ref(grad), grad._version)
-
-
-class GradientMarker(Tensor):
-    """What ``.grad`` holds while the store holds the gradient: one element of storage, no values. Reads and writes
-    raise; metadata, clearing, and ``module.to()``, ``.data``, ``.detach()``, ``copy.deepcopy`` (markers still) are
-    allowed. ``origin`` tells the store's marker (converted or not) from one copied or kept from before a clear."""
-
-    _CLEARS = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_", "__set__"})
-    _METADATA = frozenset({"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "__len__"})
-    _METADATA |= {"is_floating_point", "is_complex", "is_contiguous", "get_device", "__hash__"}
-    _METADATA |= {"_has_compatible_shallow_copy_type", "_is_view", "storage_offset", "untyped_storage", "data_ptr"}
-    _STAY_MARKERS = frozenset({"__get__", "to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda"})
-    _STAY_MARKERS |= {"detach", "_to_copy", "as_subclass"}
-    _VALUE_VIEWS = frozenset({"T", "mT", "H", "mH", "real", "imag"})  # properties that would hand out values
-    origin: object
-
-    @staticmethod
-    def like(param: Tensor) -> GradientMarker:
-        base = torch.full((), float("nan"), dtype=param.dtype, device=param.device)
-        marker = base.expand(param.shape).as_subclass(GradientMarker)
-        marker.origin = object()
-        return marker
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", str(func))
-        if name == "__get__":  # a property: .data is the marker itself (p.grad.data.zero_() clears, as in torch)
-            name = "." + getattr(getattr(func, "__self__", None), "__name__", "?")
-            if name == ".data":
-                return args[0]
-            if name[1:] not in cls._VALUE_VIEWS:
-                return cls._stays_a_marker(func, types, args, kwargs)
-        elif name in cls._STAY_MARKERS:
-            return cls._stays_a_marker(func, types, args, kwargs)
-        assigns_values = name == "__set__" and any(type(a) is Tensor for a in args[1:])  # marker.data = values
-        if assigns_values or (name not in cls._CLEARS and name not in cls._METADATA):
-            what = name if name.startswith(".") else f"{name}()"
-            raise RuntimeError(
-                f"ShardedDataParallel holds this parameter's gradient sharded in the ZeroRedundancyOptimizer: its "
-                f".grad is a marker without values, which {what} cannot use. Clip with zero.clip_grad_norm_() "
-                "(not torch.nn.utils.clip_grad_norm_), drive a GradScaler with scaler.step(zero) (without "
-                "scaler.unscale_(zero)), read norms through zero.clip_grad_norm_(float('inf')); to replace the "
-                "gradient, set .grad to a full tensor of your own, or to None (zero_grad) to clear it"
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    @classmethod
-    def _stays_a_marker(cls, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        """``func``'s result, a tensor result a marker of the same origin (``module.to()`` converts ``.grad``)."""
-        result = super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        source = args[0] if args else None
-        if isinstance(result, GradientMarker) and result is not source and isinstance(source, GradientMarker):
-            result.origin = source.origin
-        return result
-
-    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        return (
-            f"<gradient held sharded by ShardedDataParallel: shape {tuple(self.shape)}, {self.dtype}; no values "
-            "in .grad (read norms with zero.clip_grad_norm_)>"
-        )
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> GradientMarker:
-        return GradientMarker.like(self)

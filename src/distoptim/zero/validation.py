@@ -1,7 +1,6 @@
 """Checks on what the user passed, so that every rank raises the same clear error instead of hanging: each rank
 checks locally and fingerprints its parameters and settings (plain data, ``_canonical``), and the agreement makes
-every rank raise when any rank failed or any two disagree. ``params`` is taken as ``torch.optim`` takes it (tensors,
-groups, ``(name, tensor)`` pairs), and what torch refuses is refused with torch's text, then how to fix it.
+every rank raise when any rank failed or any two disagree. ``params`` is read by ``param_input``.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero.elementwise import class_name, is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
+from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import MODES
 from distoptim.zero.state_formats import FORMAT_KEY, check_format
 
@@ -388,85 +388,3 @@ def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) ->
                 hyperparameters[f"param group {index}: {key!r} {{}}"] = _canonical(value)
     trainable = tuple(index for index, trainable in enumerate(trainability) if trainable)
     return {"the parameters that require grad, by index: {}": trainable, STEPPING_ONLY: hyperparameters}
-
-
-def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
-    """Turn ``params`` (tensors or param-group dicts, any iterable) into a list of groups, or raise a clear error."""
-    if isinstance(params, Tensor):
-        raise TypeError(
-            f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}. "
-            "ZeroRedundancyOptimizer got a single tensor; wrap it in a list: ZeroRedundancyOptimizer([tensor], ...)"
-        )
-    if isinstance(params, dict) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"`params` argument should be an iterable of Tensors or dicts, but got {torch.typename(params)}; "
-            "pass model.parameters() or a list of {'params': [...], ...} dicts"
-        )
-    entries = list(params)
-    if not entries:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list; pass at least one parameter")
-    kinds = {isinstance(entry, dict) for entry in entries}
-    if len(kinds) > 1:
-        raise TypeError(
-            "`params` argument should be an iterable of Tensors or dicts. "
-            "params mixes tensors and param-group dicts; pass either only tensors or only dicts"
-        )
-    groups = [dict(entry) for entry in entries] if kinds == {True} else [{"params": entries}]
-    for index, group in enumerate(groups):
-        if "params" not in group:
-            raise ValueError(
-                "Each parameter group passed-in via `params` must have a 'params' key mapping to the parameters in "
-                f"the group: param group {index} has no 'params' key; each group dict needs 'params': [tensors]"
-            )
-        members = group["params"]
-        group["params"] = [members] if isinstance(members, Tensor) else list(members)
-        _take_names(group, index)
-        for param in group["params"]:
-            _check_parameter(param, index)
-    check_names_alike(groups[1:], groups[0])
-    return groups
-
-
-def _check_parameter(param: Any, group_index: int) -> None:
-    if not isinstance(param, Tensor):
-        raise TypeError(
-            f"optimizer can only optimize Tensors, but one of the params is {torch.typename(param)}: "
-            f"param group {group_index} holds a {type(param).__name__}, not a tensor; pass the parameters "
-            "themselves (model.parameters()) or (name, tensor) pairs (model.named_parameters())"
-        )
-    if param.is_sparse or param.layout != torch.strided:
-        raise ValueError(
-            f"param group {group_index} holds a sparse parameter (layout {param.layout}); ZeroRedundancyOptimizer "
-            "shards dense parameters only: keep sparse parameters in a separate, unsharded optimizer"
-        )
-
-
-def _take_names(group: dict[str, Any], index: int) -> None:
-    """Named parameters (``(name, tensor)`` pairs, torch >= 2.5): the tensors in ``params``, the names in
-    ``param_names`` (which the local optimizers, over other tensors, do not carry)."""
-    named = [isinstance(entry, tuple) for entry in group["params"]]
-    if not any(named):
-        return
-    if not all(named):
-        raise ValueError(
-            "all optimizer params should be with/without names. Some param names are missing "
-            f"(param group {index}: {named.count(False)} of its {len(named)} parameters are bare tensors): pass "
-            "(name, tensor) pairs for all of them (model.named_parameters()) or tensors for all of them"
-        )
-    pairs = group["params"]
-    if any(len(pair) != 2 for pair in pairs):
-        raise TypeError(f"param group {index} holds a tuple that is not a (name, tensor) pair")
-    group["params"] = [tensor for _, tensor in pairs]
-    group["param_names"] = [name for name, _ in pairs]
-
-
-def check_names_alike(groups: list[dict[str, Any]], first: dict[str, Any]) -> None:
-    """Every group named (``param_names``) or none, as ``torch.optim`` requires; refused with torch's text."""
-    for group in groups:
-        if ("param_names" in group) != ("param_names" in first):
-            which = "with names" if "param_names" in group else "without names"
-            raise ValueError(
-                "all optimizer param groups should be with/without names. "
-                f"cannot add param group {which} to the optimizer: pass (name, tensor) pairs "
-                "(model.named_parameters()) in every group, or tensors in every group"
-            )

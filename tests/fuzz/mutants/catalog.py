@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "overlap_adamw_coupled",
         "the overlap hooks with AdamW (functional kernel)",
         "AdamW's kernel spec without decoupled_weight_decay=True: L2 weight decay added to the gradient, as Adam's",
-        "distoptim/functional/optimizers.py",
+        "distoptim/functional/kernels.py",
         '    pairs=_BETAS,\n    fixed={"decoupled_weight_decay": True},\n',
         "    pairs=_BETAS,\n",
     ),

@@ -1,0 +1,85 @@
+"""A range of a dense tensor's elements in memory order, as boxes of its logical (row-major) index space.
+
+Memory order is row-major over the dimensions sorted by stride, so a range of it is at most ``2 * ndim - 1`` boxes
+of that permuted space, each a box of the logical one: sharded checkpoints name a fragment by these, whatever the
+memory layout (``channels_last``, transposed). Boxes may be cut to ``limit`` elements (DCP reads a box whole); each
+fills one stretch of memory (from ``start``). Pure arithmetic: no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Box", "memory_range_boxes"]
+
+
+@dataclass(frozen=True)
+class Box:
+    """Logical ``offsets`` and ``sizes`` of a box of a tensor's elements; ``start``: where its first element lies in
+    memory, counted from the start of the range it was cut from."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+
+def memory_range_boxes(
+    shape: Sequence[int], strides: Sequence[int], offset: int, length: int, limit: int | None = None
+) -> list[Box]:
+    """The boxes that elements ``[offset, offset + length)`` in memory order of a dense tensor of ``shape`` and
+    ``strides`` make up, in memory order (empty for an empty range), each of at most ``limit`` elements if given."""
+    order = sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -strides[d], d))  # outermost first
+    permuted = [shape[d] for d in order]
+    boxes = []
+    whole = _row_major_boxes(offset, offset + length, permuted)
+    for offsets, sizes in whole if limit is None else [cut for box in whole for cut in _cut(*box, max(1, limit))]:
+        logical_offsets, logical_sizes = [0] * len(shape), [1] * len(shape)
+        for axis, dim in enumerate(order):
+            logical_offsets[dim], logical_sizes[dim] = offsets[axis], sizes[axis]
+        start = sum(o * math.prod(permuted[axis + 1 :]) for axis, o in enumerate(offsets)) - offset
+        boxes.append(Box(tuple(logical_offsets), tuple(logical_sizes), start))
+    return boxes
+
+
+def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Row-major indices ``[start, stop)`` of an array of ``shape`` as ``(offsets, sizes)`` boxes: a partial first
+    row, the whole rows between, a partial last row (each partial row cut the same way one dimension down)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = -(-start // inner), stop // inner  # the whole rows are [first, last)
+    if first > last:  # start and stop inside one row
+        row = start // inner
+        return _in_row(row, start - row * inner, stop - row * inner, shape)
+    boxes = []
+    if start < first * inner:
+        boxes += _in_row(first - 1, start - (first - 1) * inner, inner, shape)
+    if first < last:
+        boxes.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
+    if last * inner < stop:
+        boxes += _in_row(last, 0, stop - last * inner, shape)
+    return boxes
+
+
+def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A row-major box cut into boxes of at most ``limit`` elements: along its outermost axis longer than 1, each
+    cut holding as many slabs as fit (a slab larger than ``limit`` cut the same way one axis down)."""
+    if math.prod(sizes) <= limit:
+        return [(offsets, sizes)]
+    axis = next(a for a, size in enumerate(sizes) if size > 1)
+    slab = math.prod(sizes[axis + 1 :])
+    per_cut = max(1, limit // slab)
+    cuts = []
+    for begin in range(0, sizes[axis], per_cut):
+        at = (*offsets[:axis], offsets[axis] + begin, *offsets[axis + 1 :])
+        cut = (*sizes[:axis], min(per_cut, sizes[axis] - begin), *sizes[axis + 1 :])
+        cuts += _cut(at, cut, limit) if slab > limit else [(at, cut)]
+    return cuts
+
+
+def _in_row(row: int, start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [((row, *offsets), (1, *sizes)) for offsets, sizes in _row_major_boxes(start, stop, shape[1:])]
