@@ -60,6 +60,7 @@ class OwnedGradients:
         }
         self.layout = store_plan(self.buckets, zero.rank, zero.plan)
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
+        self._kept: list[Tensor | None] = [None] * len(self.buckets)  # its memory after a clear, for the next landing
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
@@ -78,6 +79,8 @@ class OwnedGradients:
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
         self._buffers: dict[int, Tensor] = {}
+        self._bases: dict[int, Tensor] = {}  # bucket -> the scratch buffer its buffer is a view of, until it lands
+        self._spare: list[Tensor] = []  # scratch buffers landed buckets left, for the next ones (at most in flight)
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
@@ -210,6 +213,7 @@ class OwnedGradients:
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
             if set_to_none:
+                self._kept[bucket] = owned if owned is not None else self._kept[bucket]
                 self.owned[bucket] = None
             elif owned is None:
                 self.owned[bucket] = self._new_owned(bucket).zero_()
@@ -228,6 +232,7 @@ class OwnedGradients:
             raise RuntimeError(checks.POISONED)
         reached = set(self._filled)
         self._buffers.clear()
+        self._bases.clear()
         self._next_backward_afresh()
         self.in_backward = False
         self._unswap()
@@ -272,8 +277,10 @@ class OwnedGradients:
             self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
 
     def _new_owned(self, bucket: int) -> Tensor:
+        """Memory for a bucket's owned part, to be written whole: a cleared one's (its pages in), else new zeros."""
+        kept, self._kept[bucket] = self._kept[bucket], None
         device, dtype = self.store_keys[self.buckets[bucket].key]
-        return host_zeros(self.layout.lengths[bucket], dtype, device)
+        return kept if kept is not None else host_zeros(self.layout.lengths[bucket], dtype, device)
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -336,8 +343,22 @@ class OwnedGradients:
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
-            self._buffers[bucket] = gradient if gradient is not None else host_zeros(plan.numel, dtype, device)
+            self._buffers[bucket] = (
+                gradient if gradient is not None else self._scratch(bucket, plan.numel, dtype, device)
+            )
         return self._buffers[bucket]
+
+    def _scratch(self, bucket: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Zeros for ``bucket``: in the smallest spare buffer that fits (its pages already in), else a new buffer
+        (the spares freed first: no more buffers alive than may be in flight)."""
+        fits = [k for k, spare in enumerate(self._spare) if spare.numel() >= numel and spare.dtype == dtype]
+        fits = [k for k in fits if self._spare[k].device == device]
+        if not fits:
+            self._spare.clear()
+            self._bases[bucket] = host_zeros(numel, dtype, device)
+            return self._bases[bucket]
+        self._bases[bucket] = base = self._spare.pop(min(fits, key=lambda k: self._spare[k].numel()))
+        return base[:numel].zero_()
 
     def _launch_ready(self, flushing: bool = False) -> None:
         """Launch, in order, every full bucket, divided (``flushing``: every bucket left, with the ``.grad`` the
@@ -375,6 +396,9 @@ class OwnedGradients:
             target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])
             at += end - start
         self.landed[bucket] = True
+        base = self._bases.pop(bucket, None)
+        if base is not None and len(self._spare) + len(self._buffers) + len(self._in_flight) < self.max_in_flight:
+            self._spare.append(base)  # for the next bucket: no more buffers alive than may be in flight
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
