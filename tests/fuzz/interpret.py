@@ -303,6 +303,8 @@ class Run:
     def compare_end(self) -> None:
         """Parameters, buffers, the consolidated optimizer state and master weights."""
         self.compare("end", align=False)
+        if refusals.sparse_at_even_step(self.program) and self._cut("sparse.weight"):
+            self.mismatches.append("end: a step held the sparse embedding's gradient, cut by the partition, unrefused")
         want = self.oracle.optimizer.state_dict()
         masters = {key: self.oracle.masters.get(id(p)) for key, p in enumerate(self.oracle.params)}
         if self.recorder is not None:

@@ -237,6 +237,19 @@ def test_a_deferred_refusal_excuses_only_what_follows_its_trigger() -> None:
     assert classify(before, program, 2)["category"] == "mismatch"
 
 
+def test_the_sparse_even_refusal_comes_where_the_partition_cuts_the_embedding() -> None:
+    """Seed 661324 (3 ranks): one rank owns the sparse embedding whole, which steps as the oracle does; at 2 ranks the
+    partition cuts it, and the step is refused. The table allows the refusal; the interpreter checks the cut."""
+    actions = [Action("zero_grad", {"via": "wrapper", "set_to_none": False}), Action("closure_step")]
+    options = {"partition": "even", "bucket_view": False, "master": False}
+    features = ["batchnorm", "extra", "odd_branch", "sparse"]
+    program = Program(661324, features, "zero1", options, "Adagrad", {"lr": 0.05}, actions)
+    [whole] = run_programs([program], 3)
+    [cut] = run_programs([program], 2)
+    assert whole["category"] == "pass", whole
+    assert cut["category"] == "refused" and cut["kind"] == "sparse_even", cut
+
+
 def test_ci_draws_every_set_of_hyperparameters() -> None:
     """A library that drops or fails to save ``amsgrad``, ``nesterov``, ``maximize``... trains wrong without an error
     (issue 42's third review): CI's programs must draw each set, and as many keep torch's defaults."""
