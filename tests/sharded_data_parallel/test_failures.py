@@ -42,12 +42,12 @@ def _x(rank: int, step: int) -> torch.Tensor:
 
 
 def _sdp(
-    model: nn.Module, partition: str = "even", group: Any = None, replicas: Any = None
+    model: nn.Module, partition: str = "even", group: Any = None, replicas: Any = None, static_graph: bool = False
 ) -> tuple[Any, ShardedDataParallel]:
     zero = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.AdamW, partition=partition, process_group=group, replicate_group=replicas, **KW
     )
-    return zero, ShardedDataParallel(model, zero, bucket_cap_mb=0.0001)
+    return zero, ShardedDataParallel(model, zero, bucket_cap_mb=0.0001, static_graph=static_graph)
 
 
 def _compare(ours: nn.Module, ref: nn.Module, label: str) -> None:
@@ -278,7 +278,7 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **KW)
         wrapper: nn.Module = ddp
     else:
-        zero, wrapper = _sdp(model)
+        zero, wrapper = _sdp(model, static_graph="static" in how)
     scaler = torch.amp.GradScaler("cpu", init_scale=64.0) if how == "sdp_scaler" else None
     counts: Counter[str] = Counter()
     phase = ["setup"]
@@ -293,7 +293,7 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
             zero.zero_grad()
             phase[0] = "backward"
             for micro in range(2):
-                loss = wrapper(_x(rank, 10 * step + micro), use_branch=how != "sdp_unused" or rank == 0)
+                loss = wrapper(_x(rank, 10 * step + micro), use_branch="unused" not in how or rank == 0)
                 (loss.square().mean() if scaler is None else scaler.scale(loss.square().mean())).backward()
             if how == "sdp_clip":  # the flags were agreed in the backwards: none here
                 phase[0] = "clip"
@@ -310,15 +310,52 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("how", "per_backward", "per_step"),
-    [("ddp", 0, 1), ("sdp", 1, 1), ("sdp_scaler", 1, 2), ("sdp_unused", 1, 1), ("sdp_clip", 1, 1)],
+    [
+        ("ddp", 0, 1),
+        ("sdp", 1, 1),
+        ("sdp_scaler", 1, 2),
+        ("sdp_unused", 1, 1),
+        ("sdp_clip", 1, 1),
+        ("sdp_static", 0, 1),
+        ("sdp_static_unused", 0, 1),
+    ],
 )
 def test_agreements_one_per_backward_one_per_plain_step(how: str, per_backward: int, per_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP: one a backward too (which parameters some rank used, so that
-    ``.grad`` is None exactly where DDP's is), and the step's; a GradScaler adds the one around the local step."""
+    ``.grad`` is None exactly where DDP's is), and the step's; a GradScaler adds the one around the local step.
+    With ``static_graph=True`` only the first backward agrees: the later ones take its parameters."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
-        assert counts.get("backward", 0) == per_backward * 2 * 3, counts
+        first = 1 if "static" in how else 0
+        assert counts.get("backward", 0) == per_backward * 2 * 3 + first, counts
         assert counts["step"] == per_step * 3, counts
         assert counts.get("clip", 0) == 0, counts
+
+
+def _static_body(rank: int, world_size: int, change: bool) -> None:
+    """``static_graph=True`` trains as DDP + AdamW; a backward whose parameters differ from the first's (the branch
+    unused by every rank at the third step) is refused at the step on every rank, naming the parameters."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, static_graph=True)
+    ddp = DDP(reference, find_unused_parameters=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(4):
+        use_branch = not (change and step == 2)
+        zero.zero_grad()
+        sdp(_x(rank, step), use_branch=use_branch).square().mean().backward()
+        if not use_branch:
+            with pytest.raises(ValueError, match=r"static_graph=True\): parameters \[\d"):
+                zero.step()
+            return
+        zero.step()
+        plain.zero_grad()
+        ddp(_x(rank, step), use_branch=use_branch).square().mean().backward()
+        plain.step()
+        _compare(model, reference, f"step {step}")
+
+
+@pytest.mark.parametrize("change", [False, True])
+def test_static_graph_trains_as_ddp_and_refuses_a_changed_graph(change: bool) -> None:
+    run_on_ranks(_static_body, 2, change, timeout=60)
 
 
 # ------------------------------------------- a clear between backwards, before the ranks agreed on what was used

@@ -44,8 +44,10 @@ class OwnedGradients:
         replanned: Callable[[], None],
         wrapper: Any,
         max_in_flight: int = 2,
+        static_graph: bool = False,
     ) -> None:
         self.zero, self.reduce_dtype, self.max_in_flight = zero, reduce_dtype, max_in_flight
+        self.static_graph = static_graph  # the parameters some rank uses are the same every backward (DDP's promise)
         self.replanned, self.wrapper = replanned, wrapper  # called after placing; the wrapper whose hooks these are
         self._build(buckets, sync)
 
@@ -66,6 +68,8 @@ class OwnedGradients:
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
         self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
+        self.pattern: list[bool] | None = None  # static_graph: which parameters some rank used, as first agreed
+        self.predicted = False  # static_graph: a backward since the last agreement took the pattern as agreed
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
         for (index, offset), (bucket, start) in self.layout.fragments.items():
             length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
@@ -160,7 +164,10 @@ class OwnedGradients:
     def mark(self) -> None:
         """A marker into each free ``.grad`` the store holds, may hold, or (until the ranks agree) owns a piece of."""
         for index, param in enumerate(self.params):
-            maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
+            if self.predicted and self.pattern is not None:
+                maybe = self.used[index] or self.pattern[index]
+            else:
+                maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
             if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
                 marker = GradientMarker.like(param)
                 param.grad = marker
@@ -206,7 +213,7 @@ class OwnedGradients:
         reached = self._recover()  # a backward that raised before launching anything: its gradient is dropped
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
-        self.unagreed = False
+        self.unagreed = self.predicted = False
         self._unreduced.clear()
         if set_to_none:
             self.holds = [False] * len(self.params)
@@ -254,12 +261,28 @@ class OwnedGradients:
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
+        pattern = self.pattern if self.predicted and self.pattern is not None else [False] * len(self.params)
         return not self.unagreed or all(
-            self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad
+            self.holds[i] or self.used[i] or pattern[i] for i in self.pieces if self.params[i].requires_grad
         )
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
-        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go."""
+        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go.
+
+        Raises:
+            ValueError: on every rank, under ``static_graph=True``, when they are not those of the first backward.
+        """
+        placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
+        if self.predicted and self.pattern is not None and any(everywhere[i] != self.pattern[i] for i in placed):
+            changed = [i for i in placed if everywhere[i] != self.pattern[i]]
+            raise ValueError(
+                f"ShardedDataParallel(static_graph=True): parameters {changed[:8]} of the optimizer were used by "
+                "some rank in the first backward and by none since, or the other way round. Build the wrapper "
+                "without static_graph=True, which agrees on the parameters used at the end of each backward"
+            )
+        if self.static_graph and self.pattern is None:
+            self.pattern = [bool(everywhere[i]) if i in placed else False for i in range(len(self.params))]
+        self.predicted = False
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used = [False] * len(self.params)
         self.unagreed = False
@@ -409,7 +432,11 @@ class OwnedGradients:
         self._next_backward_afresh()
         self._average_unplaced()
         self.unagreed = True
-        self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
+        if self.pattern is not None:  # static_graph: the first backward's parameters; the step's agreement checks
+            self.predicted = True
+            self.mark()
+        else:
+            self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
 
     def _average_unplaced(self) -> None:
         """The ``.grad`` of parameters no bucket holds yet (trainable since the plan), averaged for the step."""

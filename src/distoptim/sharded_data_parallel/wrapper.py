@@ -38,6 +38,8 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: broadcast rank 0's buffers before each forward, as DDP does (default True).
         reduce_dtype: the dtype gradients are reduced and kept in (default: the parameters').
         overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward (default False).
+        static_graph: every backward uses the same parameters, as DDP's ``static_graph``: the ranks agree on them
+            after the first backward only, and the step's agreement checks the promise (default False).
 
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
@@ -63,6 +65,7 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         reduce_dtype: torch.dtype | None = None,
         overlap_param_sync: bool = False,
+        static_graph: bool = False,
     ) -> None:
         """Wrap ``module``: its arguments and errors are in the class docstring (the API reference shows it)."""
         super().__init__()
@@ -74,6 +77,7 @@ class ShardedDataParallel(nn.Module):
             )
         settings: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": broadcast_buffers}
         settings |= {"reduce_dtype": str(reduce_dtype), "overlap_param_sync": overlap_param_sync}
+        settings |= {"static_graph": static_graph}
         _agreement.run_agreed(
             lambda: checks.check_wrapping(module, zero, bucket_cap_mb, reduce_dtype),
             zero.agreement_groups,
@@ -82,7 +86,7 @@ class ShardedDataParallel(nn.Module):
         )
         self.module, self.zero = module, zero
         self.broadcast_buffers, self.reduce_dtype = broadcast_buffers, reduce_dtype
-        self.overlap_param_sync = overlap_param_sync
+        self.overlap_param_sync, self.static_graph = overlap_param_sync, static_graph
         self._cap_bytes = cap_bytes = int(bucket_cap_mb * 2**20)
         self._caps = BucketCaps(cap_bytes, reduce_dtype)  # any (device, dtype), one added later too
         zero.land_sync()
@@ -107,7 +111,9 @@ class ShardedDataParallel(nn.Module):
         sync = BucketedSync(zero.placed_sync, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
         self._bucketed = sync
         if self.gradients is None:
-            self.gradients = OwnedGradients(zero, self._buckets, self.reduce_dtype, sync, self._rebuild, self)
+            self.gradients = OwnedGradients(
+                zero, self._buckets, self.reduce_dtype, sync, self._rebuild, self, static_graph=self.static_graph
+            )
         else:
             self.gradients.replan(self._buckets, sync)
         gradients = self.gradients
