@@ -11,7 +11,7 @@ import mmap
 import torch
 from torch import Tensor
 
-__all__ = ["MAPPED_BYTES", "host_zeros"]
+__all__ = ["MAPPED_BYTES", "Spares", "host_zeros"]
 
 MAPPED_BYTES = 1 << 20
 """Host buffers of at least this size get a mapping of their own (smaller ones: torch's allocator)."""
@@ -25,3 +25,27 @@ def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
     private = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared with forked children
     return torch.frombuffer(private, dtype=dtype, count=numel)
+
+
+class Spares:
+    """Host buffers one owner keeps for reuse between its allocations of similar sizes."""
+
+    def __init__(self) -> None:
+        self.kept: list[Tensor] = []
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``numel`` zeros and the buffer they are a view of (for ``keep``): the smallest kept buffer that fits, else
+        a new one (the kept ones freed first)."""
+        fits = [b for b in self.kept if b.numel() >= numel and b.dtype == dtype and b.device == device]
+        if not fits:
+            self.kept.clear()
+            base = host_zeros(numel, dtype, device)
+            return base, base
+        base = min(fits, key=Tensor.numel)
+        self.kept = [b for b in self.kept if b is not base]
+        return base[:numel].zero_(), base
+
+    def keep(self, base: Tensor, room: int) -> None:
+        """Keep ``base`` for a later ``zeros`` while fewer than ``room`` are kept."""
+        if len(self.kept) < room:
+            self.kept.append(base)

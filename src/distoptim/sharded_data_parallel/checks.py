@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +17,16 @@ from distoptim.zero import validation
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["POISONED", "UNFINISHED", "check_current", "check_wrapping", "claim_groups", "fingerprint", "others_live"]
+__all__ = [
+    "POISONED",
+    "UNFINISHED",
+    "StaticGraph",
+    "check_current",
+    "check_wrapping",
+    "claim_groups",
+    "fingerprint",
+    "others_live",
+]
 
 POISONED = (
     "ShardedDataParallel: a backward raised after some of its gradient reductions were launched; the ranks' "
@@ -114,3 +124,30 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
     for name, buffer in module.named_buffers():
         entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
     return entries
+
+
+class StaticGraph:
+    """``static_graph=True``: the parameters some rank used at the first agreement, which later backwards take as
+    agreed (``predicted``) until the next agreement checks them against the ranks' flags."""
+
+    def __init__(self) -> None:
+        self.pattern: list[bool] | None = None
+        self.predicted = False
+
+    def used(self, index: int) -> bool:
+        return self.pattern is not None and self.pattern[index]
+
+    def agreed(self, everywhere: Sequence[bool], placed: Sequence[int]) -> None:
+        """The ranks' agreed flags: the first become the pattern; a predicted backward must have matched it."""
+        if self.pattern is None:
+            self.pattern = [False] * len(everywhere)
+            for index in placed:
+                self.pattern[index] = bool(everywhere[index])
+        changed = [index for index in placed if everywhere[index] != self.pattern[index]]
+        if self.predicted and changed:
+            raise ValueError(
+                f"ShardedDataParallel(static_graph=True): parameters {changed[:8]} of the optimizer were used by "
+                "some rank in the first backward and by none since, or the other way round. Build the wrapper "
+                "without static_graph=True, which agrees on the parameters used at the end of each backward"
+            )
+        self.predicted = False

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
-from distoptim._host_memory import host_zeros
+from distoptim._host_memory import Spares, host_zeros
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
@@ -68,8 +68,7 @@ class OwnedGradients:
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
         self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
-        self.pattern: list[bool] | None = None  # static_graph: which parameters some rank used, as first agreed
-        self.predicted = False  # static_graph: a backward since the last agreement took the pattern as agreed
+        self.static = checks.StaticGraph() if self.static_graph else None
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
         for (index, offset), (bucket, start) in self.layout.fragments.items():
             length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
@@ -84,7 +83,7 @@ class OwnedGradients:
         self._remaining = [len(bucket.slots) for bucket in self.buckets]
         self._buffers: dict[int, Tensor] = {}
         self._bases: dict[int, Tensor] = {}  # bucket -> the scratch buffer its buffer is a view of, until it lands
-        self._spare: list[Tensor] = []  # scratch buffers landed buckets left, for the next ones (at most in flight)
+        self._spares = Spares()  # buffers landed buckets left, for the next ones (no more alive than in flight)
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self._next = 0
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
@@ -164,10 +163,9 @@ class OwnedGradients:
     def mark(self) -> None:
         """A marker into each free ``.grad`` the store holds, may hold, or (until the ranks agree) owns a piece of."""
         for index, param in enumerate(self.params):
-            if self.predicted and self.pattern is not None:
-                maybe = self.used[index] or self.pattern[index]
-            else:
-                maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
+            maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
+            if self.static is not None and self.static.predicted:
+                maybe = self.used[index] or self.static.used(index)
             if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
                 marker = GradientMarker.like(param)
                 param.grad = marker
@@ -213,7 +211,9 @@ class OwnedGradients:
         reached = self._recover()  # a backward that raised before launching anything: its gradient is dropped
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
-        self.unagreed = self.predicted = False
+        self.unagreed = False
+        if self.static is not None:
+            self.static.predicted = False
         self._unreduced.clear()
         if set_to_none:
             self.holds = [False] * len(self.params)
@@ -261,28 +261,18 @@ class OwnedGradients:
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
-        pattern = self.pattern if self.predicted and self.pattern is not None else [False] * len(self.params)
+        predicted = self.static.used if self.static is not None and self.static.predicted else lambda i: False
         return not self.unagreed or all(
-            self.holds[i] or self.used[i] or pattern[i] for i in self.pieces if self.params[i].requires_grad
+            self.holds[i] or self.used[i] or predicted(i) for i in self.pieces if self.params[i].requires_grad
         )
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
-        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go.
-
-        Raises:
-            ValueError: on every rank, under ``static_graph=True``, when they are not those of the first backward.
-        """
-        placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
-        if self.predicted and self.pattern is not None and any(everywhere[i] != self.pattern[i] for i in placed):
-            changed = [i for i in placed if everywhere[i] != self.pattern[i]]
-            raise ValueError(
-                f"ShardedDataParallel(static_graph=True): parameters {changed[:8]} of the optimizer were used by "
-                "some rank in the first backward and by none since, or the other way round. Build the wrapper "
-                "without static_graph=True, which agrees on the parameters used at the end of each backward"
+        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go (under
+        ``static_graph=True``: a ValueError on every rank if they are not the first backward's)."""
+        if self.static is not None:
+            self.static.agreed(
+                everywhere, [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
             )
-        if self.static_graph and self.pattern is None:
-            self.pattern = [bool(everywhere[i]) if i in placed else False for i in range(len(self.params))]
-        self.predicted = False
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used = [False] * len(self.params)
         self.unagreed = False
@@ -366,22 +356,10 @@ class OwnedGradients:
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
-            self._buffers[bucket] = (
-                gradient if gradient is not None else self._scratch(bucket, plan.numel, dtype, device)
-            )
+            if gradient is None:
+                gradient, self._bases[bucket] = self._spares.zeros(plan.numel, dtype, device)
+            self._buffers[bucket] = gradient
         return self._buffers[bucket]
-
-    def _scratch(self, bucket: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Zeros for ``bucket``: in the smallest spare buffer that fits (its pages already in), else a new buffer
-        (the spares freed first: no more buffers alive than may be in flight)."""
-        fits = [k for k, spare in enumerate(self._spare) if spare.numel() >= numel and spare.dtype == dtype]
-        fits = [k for k in fits if self._spare[k].device == device]
-        if not fits:
-            self._spare.clear()
-            self._bases[bucket] = host_zeros(numel, dtype, device)
-            return self._bases[bucket]
-        self._bases[bucket] = base = self._spare.pop(min(fits, key=lambda k: self._spare[k].numel()))
-        return base[:numel].zero_()
 
     def _launch_ready(self, flushing: bool = False) -> None:
         """Launch, in order, every full bucket, divided (``flushing``: every bucket left, with the ``.grad`` the
@@ -420,8 +398,8 @@ class OwnedGradients:
             at += end - start
         self.landed[bucket] = True
         base = self._bases.pop(bucket, None)
-        if base is not None and len(self._spare) + len(self._buffers) + len(self._in_flight) < self.max_in_flight:
-            self._spare.append(base)  # for the next bucket: no more buffers alive than may be in flight
+        if base is not None:
+            self._spares.keep(base, self.max_in_flight - len(self._buffers) - len(self._in_flight))
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
@@ -432,8 +410,8 @@ class OwnedGradients:
         self._next_backward_afresh()
         self._average_unplaced()
         self.unagreed = True
-        if self.pattern is not None:  # static_graph: the first backward's parameters; the step's agreement checks
-            self.predicted = True
+        if self.static is not None and self.static.pattern is not None:  # the step's agreement checks the promise
+            self.static.predicted = True
             self.mark()
         else:
             self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
