@@ -4,7 +4,7 @@
 Failures are mismatch, divergent (ranks disagree: a hang risk), unexpected_error (an error on every rank that the
 refusal table, ``refusals.py``, does not predict and match), missing_refusal (a predicted refusal that never came)
 and hang; refused (a predicted refusal, its message matched) and oracle_error (plain DDP could not run the program)
-are counted, not failures.
+are counted, not failures. The exit status is 1 when any failure was reported.
 """
 
 from __future__ import annotations
@@ -145,6 +145,8 @@ def main() -> None:
     for program, verdict in zip(programs, verdicts):  # the fuzzer's own gaps: programs plain DDP cannot run
         if verdict["category"] == "oracle_error":
             print(f"  oracle_error seed {program.seed}: {verdict['detail'][0][:160]}")
+    if failed:  # a run that reported a failure fails (scripts, CI, ``timeout`` wrappers read the exit status)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

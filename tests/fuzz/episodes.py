@@ -25,6 +25,7 @@ from distoptim.hooks import reduce_to_owners_hook
 from tests.fuzz import models as hooks
 from tests.fuzz.models import BATCH, VOCAB, batch
 from tests.fuzz.modes import BUCKET_CAP_MB, Oracle, Subject, build_subject, group_of, hybrid_groups
+from tests.fuzz.program import constructor_defaults, constructor_to_load
 
 GAN_MICRO = 7  # the generator's inputs in a GAN round: a micro-batch number no backward() uses
 
@@ -88,12 +89,13 @@ def gan(run: Any, d_lr: float) -> None:
     generators = {"subject": run.subject.wrapper, "oracle": run.oracle.ddp}
     for side in ("subject", "oracle"):  # the discriminator's round, its last gradient cleared in place
         _, optimizer, wrapper = sides[side]
-        optimizer.zero_grad(set_to_none=False)
-        with torch.no_grad():
-            fake = generators[side](*inputs, step, rank)
-        scores = wrapper(torch.cat([fake, real]))
-        (scores[:BATCH].mean() - scores[BATCH:].mean()).backward()
-        optimizer.step()
+        with run.on(side):
+            optimizer.zero_grad(set_to_none=False)
+            with torch.no_grad():
+                fake = generators[side](*inputs, step, rank)
+            scores = wrapper(torch.cat([fake, real]))
+            (scores[:BATCH].mean() - scores[BATCH:].mean()).backward()
+            optimizer.step()
     if isinstance(sides["subject"][1], ZeroRedundancyOptimizer):
         sides["subject"][1].sync_finished()
     theirs = dict(sides["oracle"][0].named_parameters())
@@ -104,7 +106,8 @@ def gan(run: Any, d_lr: float) -> None:
     run.zero_grad("optimizer", True)  # the generator's round, through the discriminator (which keeps a gradient)
     for side in ("subject", "oracle"):
         wrapper = sides[side][2]
-        (-wrapper(generators[side](*inputs, step, rank)).mean()).backward()
+        with run.on(side):
+            (-wrapper(generators[side](*inputs, step, rank)).mean()).backward()
     run.step()
 
 
@@ -126,14 +129,15 @@ def _save(run: Any, subject: Subject, kind: str, path: str, group: Any) -> Any:
 
 
 def _load(run: Any, kind: str, path: str, saved: dict[str, Any], group: Any) -> Subject:
+    program = constructor_to_load(run.program, kind)  # the load must restore every hyperparameter (review r-42d)
     if kind == "sharded":
-        new = build_subject(run.program, run.structure, seed=1, group=group)
+        new = build_subject(program, run.structure, seed=1, group=group)
         state = {"model": new.model.state_dict(), "optim": new.zero.sharded_state_dict()}
         distoptim.checkpoint.load(state, path, process_group=group)
         new.model.load_state_dict(state["model"])
         new.zero.load_sharded_state_dict(state["optim"])
     else:
-        new = build_subject(run.program, run.structure, seed=1, model_state=saved["model"], group=group)
+        new = build_subject(program, run.structure, seed=1, model_state=saved["model"], group=group)
         new.zero.load_state_dict(saved["optim"])
     if new.scheduler is not None:
         new.scheduler.load_state_dict(saved["scheduler"])
@@ -153,7 +157,7 @@ def _oracle_state(oracle: Oracle) -> dict[str, Any]:
 
 
 def _oracle_from(run: Any, state: dict[str, Any], group: Any) -> Oracle:
-    oracle = Oracle(run.program, run.structure, group)
+    oracle = Oracle(constructor_defaults(run.program), run.structure, group)  # torch's load restores the rest
     oracle.model.load_state_dict(state["model"])
     oracle.optimizer.load_state_dict(state["optim"])
     with torch.no_grad():
@@ -186,7 +190,8 @@ def reshard(run: Any, kind: str) -> None:
     if run.rank == 0:  # W ranks -> 1
         try:
             run.subject = _load(run, kind, f"{path}-W", saved, solo)
-            run.oracle = _oracle_from(run, oracle_state, solo)
+            with run.on("oracle"):
+                run.oracle = _oracle_from(run, oracle_state, solo)
             _one_step(run)
             run.compare_local(f"action {run.counter}: a step at 1 rank after loading at 1 what {run.world_size} saved")
             payload = (_save(run, run.subject, kind, f"{path}-1", solo), _oracle_state(run.oracle))
@@ -200,5 +205,6 @@ def reshard(run: Any, kind: str) -> None:
         raise ValueError(f"reshard's step at 1 rank failed on rank 0: {box[0]}")
     saved, oracle_state = box[0]
     run.subject = _load(run, kind, f"{path}-1", saved, None)
-    run.oracle = _oracle_from(run, oracle_state, None)
+    with run.on("oracle"):
+        run.oracle = _oracle_from(run, oracle_state, None)
     _one_step(run)

@@ -26,7 +26,7 @@ from distoptim.zero.shard import MASTER_KEY
 from tests.fuzz import episodes, noise, refusals
 from tests.fuzz.models import batch, layer
 from tests.fuzz.modes import Oracle, Structure, build_subject
-from tests.fuzz.program import Action, Program, inexact_parts
+from tests.fuzz.program import Action, Program, constructor_to_load, edited_hyperparameters, inexact_parts
 
 EVAL_STEP = 999  # the eval batches' step number (data no step trains on)
 # actions after which the step may have run; ``gan`` ends with the generator's step, which a bf16 program must
@@ -41,6 +41,15 @@ class _FailedBackward(Exception):
 
 def _fail(*_: Any) -> None:
     raise _FailedBackward("the fuzzer's backward fails here")
+
+
+def _crash(*_: Any) -> None:
+    """The fuzzer's own tests (``sabotage``): a forward raising in a fuzzer frame, as a library bug can make the
+    zoo's forward raise (review r-42d's G4: a bucket view of the wrong shape)."""
+    raise RuntimeError("a forward crashes here (on purpose)")
+
+
+SIDE = "fuzz_side"  # the attribute ``Run.on`` tags an exception with: the side that raised it
 
 
 class OracleFailed(Exception):
@@ -67,11 +76,17 @@ def _comparing(method: Any) -> Any:
     return wrapped
 
 
-def same_bits(a: Tensor, b: Tensor) -> bool:
-    """An exact program's comparison: equal, a NaN where the other side has one too (the same arithmetic made it:
-    int8 state under centered RMSprop, 642480, both sides)."""
+def same_bits(a: Tensor, b: Tensor, nan_equal: bool = False) -> bool:
+    """An exact program's comparison: equal, same dtype. ``nan_equal`` (the optimizer's state only): a NaN where the
+    other side has one too counts as equal. Parameters, losses and outputs are compared strictly (review r-42d: a
+    NaN on both sides made every later comparison pass, so an oracle gone NaN left the rest of a program vacuous;
+    an oracle that goes NaN now reads as a mismatch, visibly not a pass)."""
+    if a.dtype != b.dtype:
+        return False
     if torch.equal(a, b):
         return True
+    if not nan_equal:
+        return False
     both_nan = a.isnan() & b.isnan() if a.is_floating_point() and a.shape == b.shape else None
     return both_nan is not None and bool(((a == b) | both_nan).all())
 
@@ -112,6 +127,7 @@ class Run:
         self.oracle_steps = 0  # the oracle's steps so far: the key of each step's gradient in the twin's record
         self.signless: dict[str, Tensor] = {}  # per parameter: elements whose gradient had no sign (oracle_stepping)
         self.sign_slack: dict[str, Tensor] = {}  # ... and what they may be off by since
+        self.side = "subject"
         self.subject = build_subject(program, self.structure)
         self.oracle = self._oracle(lambda: Oracle(program))
         sabotage = program.options.get("sabotage")  # the fuzzer's own tests: a subject wrong on purpose
@@ -121,8 +137,27 @@ class Run:
         elif sabotage == "grad_tiny":  # every gradient 2.4e-4 relative too large: inside the old fp32 tolerance
             for param in self.subject.model.parameters():
                 param.register_hook(lambda grad: grad * (1 + 2**-12))
+        elif sabotage in ("crash_subject_forward", "crash_oracle_forward"):
+            crashing = self.subject.model if sabotage == "crash_subject_forward" else self.oracle.model
+            crashing.register_forward_pre_hook(_crash)
         elif sabotage == "hang" and self.rank == 0:
             dist.barrier()  # a collective the other ranks never join
+
+    @contextlib.contextmanager
+    def on(self, side: str) -> Iterator[None]:
+        """The interpreter runs ``side``'s code (``oracle``: DDP + the plain optimizer; anything else the subject's,
+        the default): an exception raised inside is tagged with it, the innermost ``on`` first (``run_program``
+        reads the tag). Review r-42d: the side was guessed from the traceback's innermost fuzzer frame, so a library
+        bug that crashed inside the subject's forward (``models.py``) read as the oracle's error, a pass."""
+        before, self.side = self.side, side
+        try:
+            yield
+        except BaseException as error:
+            if not hasattr(error, SIDE):
+                setattr(error, SIDE, side)
+            raise
+        finally:
+            self.side = before
 
     def _oracle(self, action: Any) -> Any:
         try:
@@ -203,7 +238,8 @@ class Run:
         the element may be off by ``SIGNLESS_UPDATES`` times the oracle's own update of it at each step; every other
         element keeps the twin's allowance. The twin pass records each step's gradients instead."""
         before = {name: p.detach().clone() for name, p in self.oracle.model.named_parameters()}
-        yield
+        with self.on("oracle"):
+            yield
         self.oracle_steps += 1
         self._measure_signless(before)
 
@@ -335,7 +371,7 @@ class Run:
         for key, state in want["state"].items():
             theirs_all = got["state"].get(key)
             if theirs_all is None:
-                if any(torch.as_tensor(v).abs().sum() > 0 for v in state.values()):  # not just torch's eager zeros
+                if any(_holds_something(v) for v in state.values()):  # not just torch's eager zeros
                     self.mismatches.append(f"end: optimizer state of parameter {key} missing")
                 continue
             for name, value in state.items():
@@ -344,7 +380,8 @@ class Run:
                     self.mismatches.append(f"end: state[{key}][{name!r}] missing")
                     continue
                 slack = self._signless_state(key, value)
-                self._compare_state(f"end: state[{key}][{name!r}]", theirs, value, f"end|state|{key}|{name}", slack)
+                where = f"end: state[{key}][{name!r}]"
+                self._compare_state(where, theirs, value, f"end|state|{key}|{name}", slack, nan_equal=True)
         for key, state in got["state"].items():
             if MASTER_KEY in state:
                 if masters.get(key) is None:
@@ -358,7 +395,7 @@ class Run:
                         f"end: master weight {key}", state[MASTER_KEY], masters[key], f"end|master|{key}", below
                     )
             others = {k: v for k, v in state.items() if k != MASTER_KEY}
-            if key not in want["state"] and any(torch.as_tensor(v).abs().sum() > 0 for v in others.values()):
+            if key not in want["state"] and any(_holds_something(v) for v in others.values()):
                 self.mismatches.append(f"end: state of parameter {key} present, the plain optimizer has none")
 
     def _compare_schedules(self) -> None:
@@ -398,12 +435,17 @@ class Run:
             self._compare_state(where, got, want, where)
 
     @_comparing
-    def _compare_state(self, where: str, got: Any, want: Any, key: str, slack: Tensor | None = None) -> None:
-        """An end value the alignments never touch (state, masters, buffers): bitwise in exact programs, else
-        within the twin's noise over all the program's steps (and ``slack``)."""
+    def _compare_state(
+        self, where: str, got: Any, want: Any, key: str, slack: Tensor | None = None, nan_equal: bool = False
+    ) -> None:
+        """An end value the alignments never touch (state, masters, buffers): bitwise in exact programs, dtype too
+        (``nan_equal``: the optimizer's state, a NaN on both sides equal), else within the twin's noise over all
+        the program's steps (and ``slack``)."""
         a, b = torch.as_tensor(got), torch.as_tensor(want).detach()
         if self.exact:
-            if a.shape != b.shape or not same_bits(a.to(b.dtype), b):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                self.mismatches.append(f"{where}: {a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}")
+            elif not same_bits(a, b, nan_equal):
                 self.mismatches.append(f"{where} differs (exact program: bitwise)")
             return
         steps = max(1, self.step_number)
@@ -434,7 +476,8 @@ class Run:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-        self.oracle.model.zero_grad(set_to_none)
+        with self.on("oracle"):
+            self.oracle.model.zero_grad(set_to_none)
 
     def backward(self, micro: int, no_sync: bool) -> None:
         """``micro`` backward passes, all but the last under ``no_sync()`` when asked. Under the overlap hooks the
@@ -447,7 +490,7 @@ class Run:
         for m in range(micro):
             quiet = no_sync and m < micro - 1
             for side, wrapper in sides:
-                with wrapper.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+                with self.on(side), wrapper.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
                     self.forward_loss(wrapper, m).backward()
                 if side == "oracle" and overlap and not quiet:
                     with self.oracle_stepping():
@@ -456,10 +499,11 @@ class Run:
                 self.compare(f"action {self.counter} micro-batch {m}")
 
     def hand_grad(self) -> None:
-        for model in (self.subject.model, self.oracle.model):
+        for side, model in (("subject", self.subject.model), ("oracle", self.oracle.model)):
             params = [p for p in model.parameters() if p.requires_grad]
-            loss = self.forward_loss(model)
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            with self.on(side):
+                loss = self.forward_loss(model)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
             for p, g in zip(params, grads):  # a clone: autograd may give two leaves one tensor (``base + delta``),
                 g = torch.zeros_like(p) if g is None else g.clone()  # reduced twice in place (seed 140: delta's 2x)
                 dist.all_reduce(g)
@@ -469,7 +513,8 @@ class Run:
     def clip(self, max_norm: float, norm_type: Any) -> None:
         norm_type = math.inf if norm_type == "inf" else float(norm_type)
         got = self.subject.zero.clip_grad_norm_(max_norm, norm_type)
-        want = self.oracle.clip(max_norm, norm_type)
+        with self.on("oracle"):
+            want = self.oracle.clip(max_norm, norm_type)
         self.compare_values(f"action {self.counter} clip norm", got, want, self._norm_inputs())
 
     def _norm_inputs(self) -> torch.dtype | None:
@@ -528,20 +573,30 @@ class Run:
 
     def sched_step(self) -> None:
         self.subject.scheduler.step()
-        self.oracle.scheduler.step()
+        with self.on("oracle"):
+            self.oracle.scheduler.step()
 
     def edit_lr(self, group: int, factor: float) -> None:
         for optimizer in (self.subject.zero, self.oracle.optimizer):
             optimizer.param_groups[group % len(optimizer.param_groups)]["lr"] *= factor
 
+    def edit_hyper(self, group: int, factor: float) -> None:
+        """Every hyperparameter but ``lr`` that ``program.edited_hyperparameters`` may change in the group, edited
+        alike on both sides between steps (review r-42d: only ``lr`` was ever edited, so a library that pushed only
+        ``lr`` into its local optimizer after construction passed)."""
+        for optimizer in (self.subject.zero, self.oracle.optimizer):
+            chosen = optimizer.param_groups[group % len(optimizer.param_groups)]
+            chosen.update(edited_hyperparameters(chosen, factor))
+
     def eval(self, mode_switch: bool) -> None:
         outputs = []
-        for wrapper in (self.subject.wrapper, self.oracle.ddp):
-            if mode_switch:
-                wrapper.eval()
-            with torch.no_grad():
-                outputs.append(wrapper(*batch(self.rank, EVAL_STEP, 0), self.step_number, self.rank))
-            wrapper.train()
+        for side, wrapper in (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp)):
+            with self.on(side):
+                if mode_switch:
+                    wrapper.eval()
+                with torch.no_grad():
+                    outputs.append(wrapper(*batch(self.rank, EVAL_STEP, 0), self.step_number, self.rank))
+                wrapper.train()
         self.compare_values(f"action {self.counter} eval output", outputs[0], outputs[1])
 
     def _layers(self, name: str) -> list[Any]:
@@ -549,41 +604,46 @@ class Run:
         return [] if None in found else found
 
     def retype(self, layer: str) -> None:
-        for module in self._layers(layer):
-            dtype = next(module.parameters()).dtype
-            module.to(torch.float64).to(dtype)
+        for side, module in zip(("subject", "oracle"), self._layers(layer)):
+            with self.on(side):
+                dtype = next(module.parameters()).dtype
+                module.to(torch.float64).to(dtype)
         self._rewrap()
 
     def data_clone(self, layer: str) -> None:
-        for module in self._layers(layer):
-            for p in module.parameters():
-                p.data = p.data.clone()
+        for side, module in zip(("subject", "oracle"), self._layers(layer)):
+            with self.on(side):
+                for p in module.parameters():
+                    p.data = p.data.clone()
         self._rewrap()
 
     def _rewrap(self) -> None:
         """DDP does not follow parameters given new storage (its ranks then disagree): wrap again, as a user must."""
         self.subject.rewrap_after_structure_change()
-        self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
+        with self.on("oracle"):
+            self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
 
     def clamp(self, layer: str) -> None:
         """Each parameter of ``layer`` clamped to 0.9 of the oracle's largest magnitude in it: it always writes (a
         fixed bound below every weight wrote nothing, and a predicted refusal never came: seed 620246)."""
         found = self._layers(layer)  # (the subject's layer, the oracle's) or none
         bounds = [0.9 * float(p.detach().abs().max()) for p in found[1].parameters()] if found else []
-        for module in found:
-            with torch.no_grad():
+        for side, module in zip(("subject", "oracle"), found):
+            with self.on(side), torch.no_grad():
                 for p, bound in zip(module.parameters(), bounds):
                     p.data.clamp_(-bound, bound)
-        self.oracle.refresh_masters()
+        with self.on("oracle"):
+            self.oracle.refresh_masters()
 
     def unfreeze(self) -> None:
         if self.subject.model.frozen is None:
             return
         self.structure.unfrozen = True
         self.subject.model.frozen.requires_grad_(True)
-        self.oracle.model.frozen.requires_grad_(True)  # type: ignore[union-attr]
         self.subject.rewrap_after_structure_change()
-        self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
+        with self.on("oracle"):
+            self.oracle.model.frozen.requires_grad_(True)  # type: ignore[union-attr]
+            self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
 
     def add_group(self) -> None:
         if self.subject.model.extra is None or self.structure.added:
@@ -592,18 +652,26 @@ class Run:
         from tests.fuzz.modes import extra_group
 
         self.subject.model.extra.requires_grad_(True)
-        self.subject.zero.add_param_group(extra_group(self.subject.model, self.program.kwargs["lr"]))
-        self.oracle.model.extra.requires_grad_(True)  # type: ignore[union-attr]
-        self.oracle.add_group()
+        group = extra_group(self.subject.model, self.program.kwargs["lr"])
+        if self.structure.resumed:  # built with other defaults than the oracle's (``resume``): the program's named
+            group = {**{k: v for k, v in self.program.kwargs.items() if k != "lr"}, **group}
+        self.subject.zero.add_param_group(group)
+        with self.on("oracle"):
+            self.oracle.model.extra.requires_grad_(True)  # type: ignore[union-attr]
+            self.oracle.add_group()
         self.subject.rewrap_after_structure_change()
-        self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
+        with self.on("oracle"):
+            self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
 
     def load_model(self, via: str, scale: float) -> None:
-        for model, wrapper in ((self.subject.model, self.subject.wrapper), (self.oracle.model, self.oracle.ddp)):
-            target = wrapper if via == "wrapper" else model
-            state = {k: v * scale if v.is_floating_point() else v for k, v in target.state_dict().items()}
-            target.load_state_dict(state)
-        self.oracle.refresh_masters()
+        sides = (("subject", self.subject.model, self.subject.wrapper), ("oracle", self.oracle.model, self.oracle.ddp))
+        for side, model, wrapper in sides:
+            with self.on(side):
+                target = wrapper if via == "wrapper" else model
+                state = {k: v * scale if v.is_floating_point() else v for k, v in target.state_dict().items()}
+                target.load_state_dict(state)
+        with self.on("oracle"):
+            self.oracle.refresh_masters()
 
     def load_optim(self) -> None:
         zero = self.subject.zero
@@ -611,7 +679,8 @@ class Run:
         box = [zero.state_dict() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         zero.load_state_dict(box[0])
-        self.oracle.reload_optimizer()
+        with self.on("oracle"):
+            self.oracle.reload_optimizer()
 
     def resume(self, kind: str) -> None:
         old = self.subject
@@ -624,7 +693,7 @@ class Run:
         if kind == "sharded":
             path = os.path.join(self.workdir, f"ckpt-{self.program.seed}-{self.counter}")
             distoptim.checkpoint.save({"model": old.model.state_dict(), "optim": old.zero.sharded_state_dict()}, path)
-            new = build_subject(self.program, self.structure, seed=1)
+            new = build_subject(constructor_to_load(self.program, kind), self.structure, seed=1)
             state = {"model": new.model.state_dict(), "optim": new.zero.sharded_state_dict()}
             distoptim.checkpoint.load(state, path)
             new.model.load_state_dict(state["model"])
@@ -634,16 +703,21 @@ class Run:
             box = [old.zero.state_dict() if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             model_state = {k: v.clone() for k, v in old.model.state_dict().items()}
-            new = build_subject(self.program, self.structure, seed=1, model_state=model_state)
+            new = build_subject(
+                constructor_to_load(self.program, kind), self.structure, seed=1, model_state=model_state
+            )
             new.zero.load_state_dict(box[0])
-            self.oracle.reload_optimizer()
+            with self.on("oracle"):
+                self.oracle.reload_optimizer()
         if old.scheduler is not None:
             new.scheduler.load_state_dict(old.scheduler.state_dict())
         if old.scaler is not None:
             new.scaler.load_state_dict(old.scaler.state_dict())
         self.subject = new
-        self.oracle.rewrap()  # a resumed job wraps its model anew: its first forward broadcasts buffers, as SDP's
-        self.oracle.model.zero_grad(set_to_none=True)  # a resumed job starts without gradients
+        self.structure.resumed = True
+        with self.on("oracle"):
+            self.oracle.rewrap()  # a resumed job wraps its model anew: its first forward broadcasts buffers, as SDP's
+            self.oracle.model.zero_grad(set_to_none=True)  # a resumed job starts without gradients
 
     def failed_backward(self, layer: str, via: str, set_to_none: bool) -> None:
         """The subject's backward raises in ``layer``'s backward (the layers after it reduced, the others never
@@ -654,16 +728,17 @@ class Run:
         and the same failing backward with fresh leaves for the parameters (out of DDP's sight: its hooks would
         count them as used), buffers kept: the parameters it reached get a ``.grad`` for the clear to zero or drop."""
         oracle = self.oracle.model
-        with self.oracle.ddp.no_sync():
+        with self.on("oracle"), self.oracle.ddp.no_sync():
             self.forward_loss(self.oracle.ddp)
         self.oracle.ddp.require_forward_param_sync = True
         leaves = {name: p.detach().requires_grad_(p.requires_grad) for name, p in oracle.named_parameters()}
         buffers = [b.detach().clone() for b in oracle.buffers()]
         twin = functools.partial(torch.func.functional_call, oracle, leaves)
-        for model, wrapper in ((self.subject.model, self.subject.wrapper), (oracle, lambda *a: twin(a))):
+        sides = (("subject", self.subject.model, self.subject.wrapper), ("oracle", oracle, lambda *a: twin(a)))
+        for side, model, wrapper in sides:
             handle = getattr(model, layer).register_full_backward_pre_hook(_fail)
             try:
-                with contextlib.suppress(_FailedBackward):
+                with self.on(side), contextlib.suppress(_FailedBackward):
                     self.forward_loss(wrapper).backward()
             finally:
                 handle.remove()
@@ -713,6 +788,12 @@ class Run:
 
 
 _ABSENT = "<absent>"
+
+
+def _holds_something(value: Any) -> bool:
+    """A state entry other than torch's eager zeros: a NaN is something (``abs().sum() > 0`` read it as nothing)."""
+    tensor = torch.as_tensor(value)
+    return bool((tensor != 0).any())  # NaN != 0
 
 
 def _same_setting(got: Any, want: Any) -> bool:
@@ -785,18 +866,10 @@ def run_program(program: Program, workdir: str, samples: int = 1) -> dict[str, A
             "mismatches": [] if run is None else run.mismatches,
         }
     except OracleFailed as error:
-        seen = [] if run is None else run.mismatches  # a mismatch recorded before the oracle failed stands
-        if run is not None and run.must_refuse:  # the subject ran what it should have refused
-            return {"status": "ok", "mismatches": [*seen, f"{run.must_refuse}: not refused (the oracle then: {error})"]}
-        return {
-            "status": "raised",
-            "side": "oracle",
-            "type": "OracleFailed",
-            "message": str(error),
-            "at": _at(run),
-            "mismatches": seen,
-        }
+        return _oracle_failed(run, error)
     except Exception as error:
+        if getattr(error, SIDE, None) == "oracle":  # raised while the interpreter ran the oracle (``Run.on``)
+            return _oracle_failed(run, OracleFailed(f"{type(error).__name__}: {error}"))
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return {
             "status": "raised",
@@ -807,6 +880,21 @@ def run_program(program: Program, workdir: str, samples: int = 1) -> dict[str, A
             "traceback": traceback.format_exc()[-3000:],
             "mismatches": [] if run is None else run.mismatches,
         }
+
+
+def _oracle_failed(run: Run | None, error: OracleFailed) -> dict[str, Any]:
+    seen = [] if run is None else run.mismatches  # a mismatch recorded before the oracle failed stands
+    if run is not None and run.must_refuse:  # the subject ran what it should have refused
+        return {"status": "ok", "mismatches": [*seen, f"{run.must_refuse}: not refused (the oracle then: {error})"]}
+    return {
+        "status": "raised",
+        "side": "oracle",
+        "type": "OracleFailed",
+        "message": str(error),
+        "at": _at(run),
+        "traceback": traceback.format_exc()[-3000:],
+        "mismatches": seen,
+    }
 
 
 def _at(run: Run | None) -> str:

@@ -53,6 +53,9 @@ class Structure:
 
     unfrozen: bool = False
     added: bool = False
+    # the subject was rebuilt with other settings than the program's (``program.constructor_to_load``) and loaded:
+    # a group added later takes the new constructor's defaults, as torch's would, so it names the program's
+    resumed: bool = False
 
 
 def on_grid(program: Program) -> bool:

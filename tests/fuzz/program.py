@@ -72,6 +72,8 @@ ACTIONS: dict[str, tuple[str, ...] | None] = {
     "scaler_step": ("zero1", "zero2_hook", "sdp"),
     "sched_step": None,
     "edit_lr": None,
+    # from a ninth stream (``_hyper_edits``): every other hyperparameter the group holds, edited between steps
+    "edit_hyper": None,
     "eval": None,
     # DDP must be wrapped again after these; the overlap hooks refuse a second DDP for their ZeRO (documented)
     "retype": ("zero1", "zero2_hook", "sdp"),
@@ -203,10 +205,69 @@ def _between(rng: random.Random, name: str, features: list[str]) -> Action:
 
 def _hyperparameters(seed: int, optimizer: str) -> dict[str, Any]:
     """Half the programs keep torch's defaults; the others take one of ``HYPERPARAMETERS``'s sets, from a stream of
-    their own so that a seed's model, mode and actions stay what they were before these were drawn."""
+    their own so that a seed's model, mode and actions stay what they were before these were drawn (under the
+    overlap hooks ``_overlap_turn`` decides instead)."""
     sets = HYPERPARAMETERS.get(optimizer, [])
     stream = random.Random(seed * 7919 + 17)
     return dict(stream.choice(sets)) if sets and stream.random() < 0.5 else {}
+
+
+# under the overlap hooks, every optimizer they take with each of its sets in turn (``_overlap_turn``)
+OVERLAP_TURNS = [(o, dict(chosen)) for o, sets in HYPERPARAMETERS.items() if o != "NAdam" for chosen in sets]
+OVERLAP_DEFAULTS = 3  # turns of a cycle that keep the drawn optimizer with torch's defaults
+
+
+def _overlap_turn(seed: int, optimizer: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An ``overlap_hook`` program's optimizer and settings: the overlap hooks step through a functional optimizer
+    of their own (``zero/overlap.py``), so each of ``HYPERPARAMETERS``'s sets (but NAdam's, refused there) comes in
+    turn over the seeds, with ``OVERLAP_DEFAULTS`` turns in a cycle keeping what was drawn with torch's defaults
+    (review r-42d: no CI ``overlap_hook`` program drew nesterov, and an overlap step that dropped it passed)."""
+    turn = (seed // len(MODES)) % (len(OVERLAP_TURNS) + OVERLAP_DEFAULTS)
+    if turn >= len(OVERLAP_TURNS):
+        return optimizer, {k: v for k, v in kwargs.items() if k in OPTIMIZERS[optimizer][-1]}
+    chosen, settings = OVERLAP_TURNS[turn]
+    return chosen, {**OPTIMIZERS[chosen][-1], **settings}
+
+
+# what ``edit_hyper`` may change (``edited_hyperparameters``): each only where the group holds it nonzero, scaled,
+# so that the group stays valid for its class (nesterov keeps momentum > 0, Adam's L2 decay is never switched on)
+EDITED = ("momentum", "betas", "weight_decay", "alpha", "momentum_decay", "eps", "lr_decay", "beta2_decay")
+
+
+def edited_hyperparameters(group: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The settings ``edit_hyper`` writes into a param group (both sides alike): each of ``EDITED`` it holds
+    nonzero, times ``factor`` (betas: the first, the second as ``1 - (1 - beta2) / factor``)."""
+    edited: dict[str, Any] = {}
+    for key in EDITED:
+        value = group.get(key)
+        if key == "betas" and isinstance(value, (tuple, list)):
+            edited[key] = (value[0] * factor, 1 - (1 - value[1]) / factor)
+        elif isinstance(value, float) and not isinstance(value, bool) and value != 0:
+            edited[key] = value * factor
+    return edited
+
+
+def constructor_defaults(program: Program) -> Program:
+    """``program`` with torch's defaults but ``lr`` (and Adafactor's ``eps``, whose default the library refuses over
+    mixed dtypes): what a resumed or reloaded optimizer is built with, so that the load itself must restore betas,
+    momentum, nesterov... (review r-42d: built with the program's own settings, a load that kept only ``lr`` from
+    the checkpoint passed)."""
+    kept = {k: v for k, v in program.kwargs.items() if k == "lr" or (program.optimizer == "Adafactor" and k == "eps")}
+    return program.replace(kwargs=kept)
+
+
+def constructor_to_load(program: Program, kind: str) -> Program:
+    """What the subject loading a checkpoint of ``kind`` is built with: torch's defaults but ``lr`` for a
+    consolidated ``state_dict`` (``constructor_defaults``); for a sharded one (DCP fills only the entries its
+    template names, and the template's state entries follow the constructor's settings: momentum 0 names no
+    momentum buffer), the program's settings with every nonzero number of ``EDITED`` halved and nesterov off, so
+    that a load keeping the constructor's values still differs."""
+    if kind != "sharded":
+        return constructor_defaults(program)
+    kwargs = {**program.kwargs, **edited_hyperparameters(program.kwargs, 0.5)}
+    if kwargs.get("nesterov"):
+        kwargs["nesterov"] = False
+    return program.replace(kwargs=kwargs)
 
 
 def generate(
@@ -223,6 +284,8 @@ def generate(
     if mode == "overlap_hook" and optimizer == "NAdam":  # no functional counterpart: refused at construction
         optimizer = "AdamW"
     kwargs = {**rng.choice(OPTIMIZERS[optimizer]), **_hyperparameters(seed, optimizer)}
+    if mode == "overlap_hook":
+        optimizer, kwargs = _overlap_turn(seed, optimizer, kwargs)
     between = [a for a in BETWEEN if a in allowed and mode in (ACTIONS[a] or MODES)]
     if "frozen" not in features:
         between = [a for a in between if a != "unfreeze"]
@@ -285,9 +348,24 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
     if hybrid:  # ShardedDataParallel too: its buckets divide by world_size * replica_count
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
-    return _piece_invariant(
-        _faults(_formats(_exact(Program(program.seed, features, mode, options, optimizer, kwargs, actions))))
-    )
+    widened = Program(program.seed, features, mode, options, optimizer, kwargs, actions)
+    return _hyper_edits(_piece_invariant(_faults(_formats(_exact(widened)))), allowed)
+
+
+def _hyper_edits(program: Program, allowed: set[str]) -> Program:
+    """From a ninth stream, about two in five programs: an ``edit_hyper`` (momentum, betas, weight decay... of one
+    group scaled, ``edited_hyperparameters``) before one of their steps (review r-42d: only ``lr`` was ever edited,
+    so a library pushing only ``lr`` into its local optimizer after construction passed every CI seed)."""
+    rng = random.Random(f"hyper-edits-{program.seed}")
+    steps = [i for i, a in enumerate(program.actions) if a.name in ("step", "closure_step", "scaler_step")]
+    if "edit_hyper" not in allowed or program.optimizer == "LBFGS" or not steps or rng.random() >= 0.4:
+        return program
+    # before the block of a step other than the first: the edit lands on state the first step made
+    at = rng.choice(steps[1:] or steps)
+    while at > 0 and program.actions[at - 1].name not in ("step", "closure_step", "scaler_step"):
+        at -= 1
+    edit = Action("edit_hyper", {"group": rng.randrange(2), "factor": rng.choice([0.5, 0.8])})
+    return program.replace(actions=[*program.actions[:at], edit, *program.actions[at:]])
 
 
 def _piece_invariant(program: Program) -> Program:
@@ -353,6 +431,9 @@ def _formats(program: Program) -> Program:
     if drawn >= 0.35:
         return program
     options = {**program.options, "state_format": rng.choice(STATE_FORMATS), "format_on": rng.choice(["all", "last"])}
+    if options["state_format"] == "int8" and program.kwargs.get("centered"):
+        # centered RMSprop's int8 state goes NaN on both sides (642480, review r-42d): what follows is vacuous
+        options["state_format"] = "bf16"
     return program.replace(features=sorted([*program.features, "wide"]), options=options)
 
 

@@ -15,8 +15,9 @@ from tests.fuzz.mutants.demos import DEMOS
 from tests.fuzz.mutants.score import CleanVerdicts, score
 from tests.fuzz.test_fuzz import CI_SEEDS
 
-# mutants that CI's seeds catch early (seeds 2 and 1 in the last full score, README): CI's first 5 seeds suffice
-QUICK = ("sdp_land_copy", "clip_local_norm")
+# mutants that CI's seeds catch early (seeds 2 and 1 in the last full score, README; review r-42d's E and K: 2
+# and 3): CI's first 5 seeds suffice
+QUICK = ("sdp_land_copy", "clip_local_norm", "edited_hyperparameter_not_pushed", "overlap_drops_nesterov")
 FIRST_SEEDS = 5
 
 
@@ -59,3 +60,18 @@ def test_a_bug_on_near_zero_gradients_stays_caught_when_resampled(tmp_path: Path
     verdicts = CleanVerdicts(clean, 2, hybrid=False)
     result = score(mutant, mutated(mutant, clean, tmp_path), [148], verdicts, 2, False, batch=1)
     assert result.caught and result.verdict == "mismatch", result
+
+
+@pytest.mark.parametrize(
+    ("name", "seed", "verdict"),
+    [("load_keeps_constructor_hyperparameters", 6, "mismatch"), ("bf16_bucket_view_flat", 17, "unexpected_error")],
+)
+def test_review_r42d_mutants_fail_their_first_ci_seed(tmp_path: Path, name: str, seed: int, verdict: str) -> None:
+    """Review r-42d: a load that keeps the constructor's settings passed every CI seed (the resumed subject was
+    built with the program's own), and a crash in the subject's forward read as the oracle's error (a pass). Their
+    first catching CI seeds, with the verdict each must reach."""
+    clean = snapshot(tmp_path)
+    mutant = BY_NAME[name]
+    verdicts = CleanVerdicts(clean, 2, hybrid=False)
+    result = score(mutant, mutated(mutant, clean, tmp_path), [seed], verdicts, 2, False, batch=1)
+    assert result.caught and result.verdict == verdict, result

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.fuzz.mutants.catalog import BY_NAME, MUTANTS, Mutant
 from tests.fuzz.mutants.copies import mutated, snapshot
-from tests.fuzz.mutants.demos import DEMOS
+from tests.fuzz.mutants.demos import DEMO_VERDICTS, DEMOS
 from tests.fuzz.mutants.score import CleanVerdicts, demonstrate, score
 
 
@@ -31,7 +31,8 @@ def _demonstrate(mutants: list[Mutant], root: Path, clean: Path) -> int:
     failed = 0
     for mutant in mutants:
         program, world_size = DEMOS[mutant.name]
-        shown, report = demonstrate(program, world_size, clean, mutated(mutant, clean, root))
+        expect = DEMO_VERDICTS.get(mutant.name, "mismatch")
+        shown, report = demonstrate(program, world_size, clean, mutated(mutant, clean, root), expect)
         failed += not shown
         print(f"{mutant.name}: {'silent wrong result shown' if shown else 'NOT SHOWN'} ({mutant.slip})", flush=True)
         print(report, flush=True)

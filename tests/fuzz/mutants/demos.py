@@ -167,3 +167,20 @@ DEMOS["overlap_format_new_state_plain"] = (
     2,
 )
 DEMOS["bf16_grad_flush"] = (generate(148), 2)  # zero1, RMSprop, a bf16 head, a clip: CI's seed 148
+
+# review r-42d: a load that keeps the constructor's settings (the resumed subject is built with torch's defaults
+# but lr, so the load must restore momentum and nesterov), an edit of momentum the step never sees, the overlap
+# step without nesterov, and a crash in the subject's forward (not a silent result: ``DEMO_VERDICTS``)
+NESTEROV = {"lr": 0.05, "momentum": 0.9, "nesterov": True}
+DEMOS["load_keeps_constructor_hyperparameters"] = (
+    _program("zero1", [*_block(), Action("resume", {"kind": "consolidated"}), *_block()], kwargs=NESTEROV, exact=True),
+    2,
+)
+DEMOS["edited_hyperparameter_not_pushed"] = (
+    _program("zero1", [*_block(), Action("edit_hyper", {"group": 0, "factor": 0.5}), *_block()], exact=True),
+    2,
+)
+DEMOS["overlap_drops_nesterov"] = (_program("overlap_hook", TWO, kwargs=NESTEROV, exact=True), 2)
+DEMOS["bf16_bucket_view_flat"] = (_program("zero1", TWO, features=("bf16",), bucket_view=True), 2)
+# the verdict a demonstration must reach where it is not ``mismatch``
+DEMO_VERDICTS = {"bf16_bucket_view_flat": "unexpected_error"}

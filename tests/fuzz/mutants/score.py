@@ -86,13 +86,15 @@ def score(
     return Score(mutant.name, False, programs=ran, seconds=time.monotonic() - began, excused=excused)
 
 
-def demonstrate(program: Program, world_size: int, clean: Path, copy: Path) -> tuple[bool, str]:
-    """Whether ``program`` passes (or is refused) on the clean copy and trains wrong, raising nothing, on the mutant;
-    and a report."""
+def demonstrate(
+    program: Program, world_size: int, clean: Path, copy: Path, expect: str = "mismatch"
+) -> tuple[bool, str]:
+    """Whether ``program`` passes (or is refused) on the clean copy and trains wrong, raising nothing, on the mutant
+    (or reaches ``expect``: a crash the verdict must not read as the oracle's); and a report."""
     args = ["--program", program.to_json(), "--world-size", str(world_size)]
     [before] = run_copy(clean, args)
     [after] = run_copy(copy, args)
-    shown = before["category"] in ("pass", "refused") and after["category"] == "mismatch"
+    shown = before["category"] in ("pass", "refused") and after["category"] == expect
     lines = [
         f"  clean copy: {before['category']} {' | '.join(before['detail'][:1])[:300]}",
         f"  mutant:     {after['category']} {' | '.join(after['detail'][:2])[:600]}",
