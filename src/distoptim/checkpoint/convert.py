@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from distoptim._flat import flat_view
 from distoptim.checkpoint import checksums
 from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
-from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS, TRAINED, memory_order
+from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS, STATE_KEYS, TRAINED, keys_by_name, memory_order
 from distoptim.zero import codecs
 from distoptim.zero.state_formats import FORMAT_KEY, check_format, tensor_format
 
@@ -79,7 +79,8 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
             state.setdefault(int(index), {})[entry] = _reshaped(value, layouts[int(index)])
     for index, entry in state.items():
         _decode(entry, index, layouts[index])
-    groups = [{k: v for k, v in group.items() if k != TRAINED} for group in pickle.loads(saved[PARAM_GROUPS])]
+    own = (TRAINED, STATE_KEYS)  # what a sharded save adds to the groups
+    groups = [{k: v for k, v in group.items() if k not in own} for group in pickle.loads(saved[PARAM_GROUPS])]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
@@ -127,10 +128,12 @@ def torch_optim_to_dcp(
         None if shape is None else (shape, None) if order is None else (shape, None, order)
         for shape, order in zip(found, orders)
     ]
+    state = {i: _encoded(entry, found[i], orders[i], formats[i]) for i, entry in sorted(state_dict["state"].items())}
+    for group in groups:  # as a sharded save names them: a load whose template lacks one refuses it
+        group[STATE_KEYS] = keys_by_name(group["params"], state)
     payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(groups), LAYOUTS: pickle.dumps(layouts)}
-    for index, entry in sorted(state_dict["state"].items()):
-        for name, value in _encoded(entry, found[index], orders[index], formats[index]).items():
-            payload[f"state.{index}.{name}"] = value
+    for index, entry in state.items():
+        payload.update((f"state.{index}.{name}", value) for name, value in entry.items())
     with warnings.catch_warnings():  # dcp warns that it "assumes" one process even where no_dist=True says so
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)

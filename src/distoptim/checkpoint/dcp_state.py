@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,10 +27,14 @@ if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a thir
     from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = [
+    "STATE_KEYS",
     "TRAINED",
     "FragmentTensor",
+    "check_state_keys",
+    "held_keys",
     "install_loaded",
     "is_sharded_state",
+    "keys_by_name",
     "load_param_groups",
     "prune_unsaved",
     "sharded_state",
@@ -41,10 +45,13 @@ CHUNK_BYTES = 4 << 20
 """The largest DCP chunk a save writes: a load reads a chunk whole, so this bounds its extra memory."""
 PARAM_GROUPS = "param_groups"
 LAYOUTS = "param_layouts"
-TRAINED = "trained_params"
-"""In each group of ``PARAM_GROUPS``: its parameters with trained state (a load must not drop them); not a setting."""
 """Each parameter's ``(shape, None)``, or ``(shape, None, strides)`` where int8 blocks follow a non-row-major memory
 order (``memory_order``); distoptim 0.2 saved ``(shape, strides)`` with its state flat (``convert`` reads those)."""
+TRAINED = "trained_params"
+"""In each group of ``PARAM_GROUPS``: its parameters with trained state (a load must not drop them); not a setting."""
+STATE_KEYS = "state_keys"
+"""In each group of ``PARAM_GROUPS``: ``{key: [parameters]}``, the state keys saved for its parameters (a load whose
+template lacks one would drop it); not a setting."""
 
 
 class FragmentTensor(Tensor):
@@ -296,6 +303,53 @@ def prune_unsaved(exported: dict[str, Any], prefix: str, saved: Collection[str])
 def _index_and_name(key: str) -> tuple[str, str]:
     _, index, name = key.split(".", 2)
     return index, name
+
+
+def held_keys(shard: LocalShard, state: dict[Tensor, dict[str, Any]]) -> dict[int, list[str]]:
+    """The state keys ``sharded_state`` saves for each local parameter (its master weights aside), by index."""
+    pieces = (t for group in shard.groups for t in group if t.param.numel() > 0 and state.get(t.tensor))
+    return {local.index: sorted(state[local.tensor]) for local in pieces}
+
+
+def keys_by_name(params: list[int], held: Mapping[int, Collection[str]]) -> dict[str, list[int]]:
+    """A group's ``STATE_KEYS`` entry: each key of ``held`` (keys by parameter index) with the ``params`` holding it."""
+    named: dict[str, list[int]] = {}
+    for index in params:
+        for name in sorted(held.get(index, ())):
+            named.setdefault(name, []).append(index)
+    return named
+
+
+def check_state_keys(
+    shard: LocalShard, saved_groups: list[dict[str, Any]], own_groups: list[dict[str, Any]], loaded: dict[str, Any]
+) -> None:
+    """Refuse a load whose template (``loaded``) has no entry for a key the checkpoint saved for one of this rank's
+    parameters (``STATE_KEYS``; none in older saves): DCP loads only the entries asked for, so it would be dropped."""
+    saved: dict[int, set[str]] = {}
+    for group in saved_groups:
+        for name, indices in (group.get(STATE_KEYS) or {}).items():
+            for index in indices:
+                saved.setdefault(index, set()).add(name)
+    asked: dict[int, set[str]] = {}
+    for index, name in (_index_and_name(key) for key in loaded if key.startswith("state.")):
+        asked.setdefault(int(index), set()).add(name)
+    for number, pieces in enumerate(shard.groups):
+        for local in (t for t in pieces if t.param.numel() > 0):
+            missing = sorted(saved.get(local.index, set()) - asked.get(local.index, set()))
+            if missing:
+                own, theirs = own_groups[number], saved_groups[number]
+                changed = [
+                    f"{k}={theirs[k]!r} (here {own[k]!r})"
+                    for k in own
+                    if k in theirs and repr(own[k]) != repr(theirs[k])
+                ]
+                raise ValueError(
+                    f"load_sharded_state_dict: the checkpoint holds optimizer state {missing} for parameter "
+                    f"{local.index}, which this optimizer does not make with its hyperparameters (param group "
+                    f"{number} was saved with {', '.join(changed[:4]) or 'other settings'}), so the load would drop "
+                    "it: build the optimizer with the checkpoint's hyperparameters (e.g. momentum=0.9, amsgrad=True) "
+                    "before calling sharded_state_dict(), or load a consolidated checkpoint (load_state_dict)"
+                )
 
 
 def install_loaded(shard: LocalShard, state: dict[Tensor, dict[str, Any]], loaded: dict[str, Any]) -> None:

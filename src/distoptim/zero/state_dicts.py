@@ -16,8 +16,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
-from distoptim.comm import collectives as comm
-from distoptim.comm.objects import release
+from distoptim.comm.objects import all_gather_objects
 from distoptim.zero import stepping
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
@@ -115,7 +114,7 @@ class Checkpoints:
     def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
         """This rank's fragments of the state (master weights included) and the hyperparameters, for
         ``torch.distributed.checkpoint`` or ``distoptim.checkpoint``, loadable at any world size and partition
-        (collective: two small all-reduces).
+        (collective: a small all-reduce and a small all-gather).
 
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
@@ -126,7 +125,7 @@ class Checkpoints:
         placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         formats = getattr(self.local_optimizer, "formats", None)
         state = state if formats is None else formats.as_kept(state)  # the keys a step gives, before one ran too
-        groups = pickle.dumps(_naming_trained(self, checkpoint.saved_param_groups(self.param_groups)))
+        groups = pickle.dumps(_naming_saved(self, checkpoint.saved_param_groups(self.param_groups), state))
         return sharded.sharded_state(shard, state, placeholders, groups, self.global_params)
 
     def load_sharded_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
@@ -136,8 +135,9 @@ class Checkpoints:
             state_dict: the dict ``sharded_state_dict()`` returned, after ``dcp.load`` / ``checkpoint.load``.
 
         Raises:
-            ValueError: the dict is not a loaded sharded state, or was saved for other parameters or another
-                optimizer class; on every rank, when the parameters' dtype or device changed since construction.
+            ValueError: on every rank, when the dict is not a loaded sharded state, or was saved for other parameters
+                or another optimizer class, or holds state keys this optimizer's hyperparameters do not make (SGD's
+                ``momentum_buffer`` saved with momentum), or when the parameters' dtype or device changed.
 
         Example:
             ```python
@@ -148,9 +148,17 @@ class Checkpoints:
             ```
         """
         self.land_sync()
-        self._agreed(self._place_if_stale)  # write_back below writes into the pieces the placement holds
-        saved_groups = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
+
+        def place_and_check() -> list[dict[str, Any]]:  # write_back below writes into the pieces the placement holds
+            self._place_if_stale()
+            saved = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
+            sharded.check_state_keys(self.local_shard, saved, self.param_groups, state_dict)
+            return saved
+
+        saved_groups = self._agreed(place_and_check)  # a key the template lacks refused on every rank alike
         trained = {index for saved in saved_groups for index in saved.pop(sharded.TRAINED, ())}  # none in older saves
+        for saved in saved_groups:
+            saved.pop(sharded.STATE_KEYS, None)
         _refuse_stranded_state(self, trained, "load_sharded_state_dict")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
@@ -234,15 +242,28 @@ def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[
     return {index for index in trained if not _same_state(by_param[params[index]], made.get(index, {}))}
 
 
-def _naming_trained(zero: ZeroParts, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each saved group lists its parameters with trained state on some rank (one all-reduce): a sharded load has
-    no key for a parameter no rank owns, so only this list shows what such a load would drop."""
-    held = torch.zeros(len(zero.global_params), dtype=torch.uint8, device=zero._comm_device)
-    for local in zero.local_shard.locals:
-        held[local.index] |= _trained(zero.local_optimizer.state.get(local.tensor))
-    trained = set(comm.all_reduce_(held, zero.process_group, "max").nonzero().flatten().tolist())
-    release(held)  # gloo's thread lets go of it now, not while the interpreter exits (an abort)
-    return [{**group, sharded.TRAINED: [i for i in group["params"] if i in trained]} for group in groups]
+def _naming_saved(
+    zero: ZeroParts, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each saved group names its parameters with trained state on some rank, and the state keys saved for its
+    parameters (``state``, as saved) on any rank (one gather): a sharded load has no entry for a parameter no rank
+    owns, nor for a key its template lacks, so only these show what such a load would drop."""
+    trained = [t.index for t in zero.local_shard.locals if _trained(zero.local_optimizer.state.get(t.tensor))]
+    mine = (trained, sharded.held_keys(zero.local_shard, state))
+    everyone = all_gather_objects(mine, zero.process_group, zero._comm_device)
+    anywhere = {index for indices, _ in everyone for index in indices}
+    held: dict[int, set[str]] = {}
+    for _, keys in everyone:
+        for index, names in keys.items():
+            held.setdefault(index, set()).update(names)
+    return [
+        {
+            **group,
+            sharded.TRAINED: [i for i in group["params"] if i in anywhere],
+            sharded.STATE_KEYS: sharded.keys_by_name(group["params"], held),
+        }
+        for group in groups
+    ]
 
 
 def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: str) -> None:
