@@ -29,7 +29,7 @@ class ShardedDataParallel(nn.Module):
     """Data parallelism for a model stepped by a ``ZeroRedundancyOptimizer``, holding 1/N of the gradient per rank.
 
     Use it instead of ``DistributedDataParallel``: gradients are reduced to their owners inside the backward and
-    kept there (``.grad`` holds a marker, so that a clear through any object is seen). The contract: the SDP guide.
+    kept there (``.grad`` holds a marker). The contract: the SDP guide.
 
     Args:
         module: the model; its trainable parameters must be exactly ``zero``'s.
@@ -38,14 +38,12 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: broadcast rank 0's buffers before each forward, as DDP does (default True).
         reduce_dtype: the dtype gradients are reduced and kept in (default: the parameters').
         overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward (default False).
-        static_graph: every backward uses the same parameters, as DDP's ``static_graph``: the ranks agree on them
-            after the first backward only, and the step's agreement checks the promise (default False).
+        static_graph: every backward uses the same parameters (DDP's promise), agreed once (default False).
 
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.
-        ValueError: on every rank: parameters of ``module`` and ``zero`` differ, sparse gradients, the ranks' models
-            or settings differ, ``overlap_with_ddp=True``, a second wrapper, a bad setting.
-        RuntimeError: ``zero`` has state and must be re-cut; later, after a raised backward, or an older wrapper.
+        ValueError: on every rank: ``module``'s and ``zero``'s parameters, or the ranks' models differ; a bad setting.
+        RuntimeError: ``zero`` has state to re-cut; later, after a raised backward, or an older wrapper.
 
     Example:
         ```python
