@@ -45,7 +45,7 @@ class Spares:
         self.kept = [b for b in self.kept if b is not base]
         return base[:numel].zero_(), base
 
-    def keep(self, base: Tensor, room: int) -> None:
-        """Keep ``base`` for a later ``zeros`` while fewer than ``room`` are kept."""
-        if len(self.kept) < room:
+    def keep(self, base: Tensor | None, room: int) -> None:
+        """Keep ``base`` (if any) for a later ``zeros`` while fewer than ``room`` are kept."""
+        if base is not None and len(self.kept) < room:
             self.kept.append(base)

@@ -23,6 +23,7 @@ from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
+from distoptim.sharded_data_parallel.unplaced import Unplaced
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
@@ -75,17 +76,15 @@ class OwnedGradients:
             self.pieces.setdefault(index, []).append((bucket, start, length))
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
-        self._averaged: dict[int, tuple[weakref.ref[Tensor], int]] = {}  # unplaced: the .grad a flush averaged
+        self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
         self._swapped: set[int] = set()  # markers taken out of .grad for this backward to accumulate into
         self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
         self.no_sync = False
-        self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
-        self._remaining = [len(bucket.slots) for bucket in self.buckets]
+        self._next_backward_afresh()
         self._buffers: dict[int, Tensor] = {}
         self._bases: dict[int, Tensor] = {}  # bucket -> the scratch buffer its buffer is a view of, until it lands
         self._spares = Spares()  # buffers landed buckets left, for the next ones (no more alive than in flight)
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
-        self._next = 0
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
 
@@ -93,22 +92,14 @@ class OwnedGradients:
         """After the plan grew: the same store over the new buckets, keeping the landed ones and placed ``.grad``."""
         previous = copy.copy(self)
         self._build(buckets, sync)
-        self.owned[: len(previous.owned)] = previous.owned
-        self.landed[: len(previous.landed)] = previous.landed
-        self.used[: len(previous.used)] = previous.used
-        self.holds[: len(previous.holds)] = previous.holds
+        for kept in ("owned", "landed", "used", "holds"):
+            getattr(self, kept)[: len(getattr(previous, kept))] = getattr(previous, kept)
         self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
-        averaged = previous._averaged
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
-            for slot in plan.slots:
-                param, (ref, version) = self.params[slot.index], averaged.get(slot.index, (None, -1))
-                grad = param.grad  # only the flush's average: a no_sync() sum stays, the next backward reduces it
-                if grad is not None and ref is not None and ref() is grad and version == grad._version:
-                    view_like(buffer, slot.position, param).copy_(grad)
-                    param.grad = None
-                    self.holds[slot.index] = True
+            for index in previous._unplaced.take_into(buffer, plan, self.params):
+                self.holds[index] = True
             self._in_flight.append((bucket, buffer, completed_future(buffer)))
             self.landed[bucket] = False
             self._land_oldest()
@@ -156,8 +147,7 @@ class OwnedGradients:
 
     def _zero(self, index: int) -> None:
         for bucket, start, length in self.pieces.get(index, ()):
-            owned = self.owned[bucket]
-            if owned is not None:
+            if (owned := self.owned[bucket]) is not None:
                 owned[start : start + length].zero_()
 
     def mark(self) -> None:
@@ -238,17 +228,15 @@ class OwnedGradients:
         if self._next:
             raise RuntimeError(checks.POISONED)
         reached = set(self._filled)
-        self._buffers.clear()
-        self._bases.clear()
+        self._buffers, self._bases = {}, {}
         self._next_backward_afresh()
         self.in_backward = False
         self._unswap()
         return reached
 
     def _next_backward_afresh(self) -> None:
-        self._filled.clear()
-        self._remaining = [len(bucket.slots) for bucket in self.buckets]
-        self._next = 0
+        self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
+        self._remaining, self._next = [len(bucket.slots) for bucket in self.buckets], 0
 
     def check_finished(self) -> None:
         """Refuse the gradient of a backward that raised midway (local, as DDP's reducer)."""
@@ -267,12 +255,10 @@ class OwnedGradients:
         )
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
-        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go (under
-        ``static_graph=True``: a ValueError on every rank if they are not the first backward's)."""
-        if self.static is not None:
-            self.static.agreed(
-                everywhere, [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
-            )
+        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go."""
+        placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
+        if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
+            self.static.agreed(everywhere, placed)
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used = [False] * len(self.params)
         self.unagreed = False
@@ -388,8 +374,7 @@ class OwnedGradients:
         """Wait for the oldest reduction; add its owned sums into the owned gradient (copy the first since a clear)."""
         bucket, buffer, reduced = self._in_flight.popleft()
         reduced.wait()
-        owned = self.owned[bucket]
-        if owned is None:  # its first landing since zero_grad(): allocated here, and copied into, not added to
+        if (owned := self.owned[bucket]) is None:  # its first landing since zero_grad(): copied into, not added to
             owned = self.owned[bucket] = self._new_owned(bucket)
         at = 0
         for start, end in self.buckets[bucket].owned(self.zero.rank):
@@ -397,9 +382,7 @@ class OwnedGradients:
             target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])
             at += end - start
         self.landed[bucket] = True
-        base = self._bases.pop(bucket, None)
-        if base is not None:
-            self._spares.keep(base, self.max_in_flight - len(self._buffers) - len(self._in_flight))
+        self._spares.keep(self._bases.pop(bucket, None), self.max_in_flight - len(self._buffers) - len(self._in_flight))
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
@@ -408,22 +391,10 @@ class OwnedGradients:
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
-        self._average_unplaced()
+        self._unplaced.average(self.zero, self.params, self.slot_of, self.used)
         self.unagreed = True
         if self.static is not None and self.static.pattern is not None:  # the step's agreement checks the promise
             self.static.predicted = True
             self.mark()
         else:
             self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
-
-    def _average_unplaced(self) -> None:
-        """The ``.grad`` of parameters no bucket holds yet (trainable since the plan), averaged for the step."""
-        zero, params = self.zero, self.params
-        for index, param in enumerate(params):
-            if param.requires_grad and id(param) not in self.slot_of and param.numel():
-                self.used[index] = self.used[index] or param.grad is not None
-                grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                for group in zero.agreement_groups:
-                    comm.all_reduce_(grad, group)
-                param.grad = grad.div_(zero.world_size * zero.replica_count)
-                self._averaged[index] = (weakref.ref(grad), grad._version)

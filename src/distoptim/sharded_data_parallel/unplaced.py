@@ -1,0 +1,55 @@
+"""The gradients of parameters made trainable after ``ShardedDataParallel`` planned its buckets: no bucket holds
+them until the wrapper plans again, so each backward's end averages their ``.grad`` (one all-reduce each), and the
+next plan takes that average into its new buckets.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from distoptim._flat import view_like
+from distoptim.comm import collectives as comm
+from distoptim.sharded_data_parallel.buckets import BucketPlan
+
+if TYPE_CHECKING:
+    from distoptim.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["Unplaced"]
+
+
+class Unplaced:
+    """Which ``.grad`` tensors a backward's end averaged (held weakly, with their version then)."""
+
+    def __init__(self) -> None:
+        self.averaged: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+
+    def average(
+        self, zero: ZeroRedundancyOptimizer, params: Sequence[Tensor], placed: Mapping[int, Any], used: list[bool]
+    ) -> None:
+        """Average the ``.grad`` of each trainable parameter not in ``placed`` (zeros where this rank has none)."""
+        for index, param in enumerate(params):
+            if param.requires_grad and id(param) not in placed and param.numel():
+                used[index] = used[index] or param.grad is not None
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                for group in zero.agreement_groups:
+                    comm.all_reduce_(grad, group)
+                param.grad = grad.div_(zero.world_size * zero.replica_count)
+                self.averaged[index] = (weakref.ref(grad), grad._version)
+
+    def take_into(self, buffer: Tensor, plan: BucketPlan, params: Sequence[Tensor]) -> list[int]:
+        """Move each averaged ``.grad`` of ``plan``'s parameters into ``buffer`` (``.grad`` set to None); return
+        their indices. Only the average as it was: a ``no_sync()`` sum stays, the next backward reduces it."""
+        taken = []
+        for slot in plan.slots:
+            param, (ref, version) = params[slot.index], self.averaged.get(slot.index, (None, -1))
+            grad = param.grad
+            if grad is not None and ref is not None and ref() is grad and version == grad._version:
+                view_like(buffer, slot.position, param).copy_(grad)
+                param.grad = None
+                taken.append(slot.index)
+        return taken
