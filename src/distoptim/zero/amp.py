@@ -1,6 +1,7 @@
 """Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling protocol
-(the ``grad_scaler`` keyword of ``step``). The step checks and unscales only what it steps, and the step's agreement
-carries the inf/nan flag, so every rank skips the same steps and keeps the same scale.
+(the ``grad_scaler`` keyword of ``step``). The step checks what it steps, unscales every ``.grad`` as torch's step
+leaves them, and the step's agreement carries the inf/nan flag, so every rank skips the same steps and keeps the
+same scale.
 """
 
 from __future__ import annotations
@@ -30,9 +31,19 @@ class Verdict:
 
 
 def check_and_unscale(
-    grad_scaler: Any, optimizer: object, grads: Callable[[], Sequence[Tensor]], sharded_in_memory: bool
+    grad_scaler: Any,
+    optimizer: object,
+    grads: Callable[[], Sequence[Tensor]],
+    sharded_in_memory: bool,
+    model_grads: Callable[[], Sequence[Tensor]] = tuple,
 ) -> Verdict | None:
-    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local)."""
+    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local).
+
+    ``model_grads()``, every parameter's ``.grad``, is unscaled in place too, as torch's ``scaler.step(optimizer)``
+    leaves it, so that a backward accumulating onto it without ``zero_grad`` adds to unscaled values (fuzzer seed
+    681176: each rank unscaled only what it stepped, the next step averaged 65536 g1 + g2 where it did not). The
+    verdict is still what this rank steps; pieces of ``grads()`` that are views of a ``.grad`` are unscaled once.
+    """
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None
@@ -45,16 +56,38 @@ def check_and_unscale(
             "scaler.step(zero), which unscales the sharded gradient itself"
         )
     scale: Tensor = grad_scaler._scale
-    inverse = torch.ones((), dtype=torch.float32) if unscaled else scale.double().reciprocal().float()
+    one = torch.ones((), dtype=torch.float32)
+    inverse = one if unscaled else scale.double().reciprocal().float()
+    stepped = [_dense(grad) for grad in grads()]
+    held = [] if unscaled else [_dense(grad) for grad in model_grads()]
+    in_held = {_address(grad) for grad in held}
+    copies = [grad for grad in stepped if _address(grad) not in in_held]  # fp32 master copies, re-laid pieces
+    flags = [torch.zeros((), dtype=torch.float32, device=scale.device), _check_and_unscale(copies, inverse, scale)]
+    _check_and_unscale(held, inverse, scale)  # the verdict reads only what this rank steps
+    flags.append(_check_and_unscale([grad for grad in stepped if _address(grad) in in_held], one, scale))
+    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax())
+
+
+def _dense(grad: Tensor) -> Tensor:
+    return grad._values() if grad.is_sparse else grad
+
+
+def _address(grad: Tensor) -> int:
+    """The storage a gradient lives in: a piece that views a ``.grad`` shares it."""
+    return grad.untyped_storage().data_ptr()
+
+
+def _check_and_unscale(grads: Sequence[Tensor], inverse: Tensor, scale: Tensor) -> Tensor:
+    """Multiply ``grads`` by ``inverse`` in place (by kind); 1 where one held an inf or nan, else 0 (on ``scale``'s)."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for grad in grads():
+    for grad in grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     flags = [torch.zeros((), dtype=torch.float32, device=scale.device)]
     for (device, _), same_kind in by_kind.items():
         flag = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(same_kind, flag, inverse.to(device))
         flags.append(flag.to(scale.device))
-    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax())
+    return torch.stack(flags).amax()
 
 
 def _scaler_state(grad_scaler: Any, optimizer: object) -> dict[str, Any]:

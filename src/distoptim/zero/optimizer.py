@@ -242,7 +242,9 @@ class ZeroRedundancyOptimizer(
             return loss, None
         self.local_shard.attach_grads()
         sharded_in_memory = self._gradient_source is not None
-        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded_in_memory)
+        verdict = amp.check_and_unscale(
+            grad_scaler, self, self.local_shard.step_grads, sharded_in_memory, self._model_grads
+        )
         if verdict is None and not hold:
             local_loss = self._step_local(closure, kwargs)
             loss = loss if closure is None else local_loss
@@ -253,7 +255,7 @@ class ZeroRedundancyOptimizer(
         if not self._held_back:
             return None, verdict
         self.local_shard.attach_grads()
-        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, True)
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, True, self._model_grads)
         if verdict is None:
             self._step_local(None, kwargs)
         return None, verdict
@@ -336,6 +338,13 @@ class ZeroRedundancyOptimizer(
         self._gradient_source, self.local_shard.source, self._sync = source, source.grad_of, source.sync
         if source.replanned not in self._plan_listeners:
             self._plan_listeners.append(source.replanned)
+
+    def _model_grads(self) -> list[Tensor]:
+        """Every gradient this rank holds, each element once, for a GradScaler's step to unscale in place as torch's
+        leaves ``.grad``: every parameter's ``.grad``, or under ShardedDataParallel this rank's owned pieces."""
+        if self._gradient_source is not None:
+            return self.local_shard.source_grads()  # as attached: reading the store again would settle
+        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def _push_hyperparameters(self) -> None:
         """``param_groups`` (what schedulers and users edit) into the local optimizer's: the one direction."""

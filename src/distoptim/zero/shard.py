@@ -105,6 +105,7 @@ class LocalShard:
         self.masters = [t for t in self.detached if t.master]
         self.source: Callable[[LocalTensor], Tensor | None] | None = None  # a gradient store (ShardedDataParallel's)
         self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
+        self._attached: list[Tensor] = []  # the source's pieces during a step, as it holds them
         self._stepped = [t.tensor for t in self.locals]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
@@ -126,8 +127,10 @@ class LocalShard:
         """Give every fragment view and master copy its piece of the gradient (every tensor, from a ``source``)."""
         if self.source is not None:
             self._given_back = [(t.param, t.param.grad) for t in self.locals if t.tensor is t.param]
+            self._attached = []
             for local in self.locals:
                 piece = self.source(local)
+                self._attached += [] if piece is None else [piece]
                 local.tensor.grad = None if piece is None else piece.to(local.tensor.dtype)
             return
         self._align_grads()
@@ -140,7 +143,7 @@ class LocalShard:
             local.tensor.grad = None
         for param, grad in self._given_back:  # what .grad held before the step (a source's marker, or the user's)
             param.grad = grad
-        self._given_back = []
+        self._given_back, self._attached = [], []
 
     def write_back(self) -> None:
         """Round every master copy into its parameter (after a step)."""
@@ -153,6 +156,10 @@ class LocalShard:
             for into, master in zip(self._masters_into, self._masters_from):
                 written = torch.ne(_bits(into), _bits(master.to(into.dtype))).any()
                 torch.where(written, into, master, out=master)
+
+    def source_grads(self) -> list[Tensor]:
+        """The source's pieces of the gradient as it holds them (before any upcast), after ``attach_grads``."""
+        return list(self._attached)
 
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
