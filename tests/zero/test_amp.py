@@ -201,7 +201,9 @@ def _accumulate_body(rank: int, world_size: int, wrapper: str) -> None:
         optimizer = kind(stepped, lr=0.01)
         scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
 
-        def reference_step(scaler: Any = None) -> None:
+        def reference_step(
+            scaler: Any = None, params: Any = params, stepped: Any = stepped, optimizer: Any = optimizer
+        ) -> None:
             for param, copy in zip(params, stepped):
                 if copy is not param:
                     copy.grad = param.grad.float()
