@@ -160,3 +160,33 @@ def _construction_state_without_step_body(rank: int, world_size: int) -> None:
 
 def test_state_a_class_makes_at_construction_without_a_step_count_loads() -> None:
     run_on_ranks(_construction_state_without_step_body, 2)
+
+
+def _loaded_construction_state_body(rank: int, world_size: int, partition: str) -> None:
+    (saving_params,) = make_params(SPEC)
+    saving_params[0].requires_grad_(False)  # frozen when placed: its sum is the constructor's 0.1, untrained
+    saving = ZeroRedundancyOptimizer(saving_params, torch.optim.Adagrad, lr=0.05, initial_accumulator_value=0.1)
+    _train([saving], [saving_params], rank, range(2))
+    saving.consolidate_state_dict(0)
+    objects = [saving.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(objects, 0)
+    (ours,) = make_params(SPEC)
+    (plain,) = make_params(SPEC)
+    for params in (ours, plain):
+        params[0].requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(ours, torch.optim.Adagrad, partition=partition, lr=0.05)  # its sum would be 0
+    reference = torch.optim.Adagrad(plain, lr=0.05)
+    zero.load_state_dict(copy.deepcopy(objects[0]))
+    reference.load_state_dict(copy.deepcopy(objects[0]))
+    _same_consolidated_state(zero, reference, rank)  # the loaded sum 0.1, as torch holds
+    for params in (ours, plain):
+        params[0].requires_grad_(True)
+    _same_consolidated_state(zero, reference, rank)  # owned now, not stepped yet
+    _train([zero, reference], [ours, plain], rank, range(2, 3))
+    assert_same_tensors(ours, plain, "after unfreezing")
+    _same_consolidated_state(zero, reference, rank)
+
+
+@pytest.mark.parametrize("partition", ["greedy", "even"])
+def test_a_frozen_parameter_keeps_the_construction_state_it_loaded(partition: str) -> None:
+    run_on_ranks(_loaded_construction_state_body, 2, partition)

@@ -125,6 +125,7 @@ class ZeroRedundancyOptimizer(
         self._placement: placement.Placement | None = None
         self._trainability: tuple[bool, ...] = ()
         self._unowned: list[Tensor] = []
+        self._kept_unowned: dict[int, dict[str, Any]] = {}  # loaded state of parameters no rank owns (unowned_state)
         self._ready = True
         self._repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready

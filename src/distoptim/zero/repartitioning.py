@@ -26,6 +26,7 @@ from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters
 from distoptim.zero.state_formats import FORMAT_KEY
+from distoptim.zero.unowned_state import install_kept
 
 __all__ = ["Partitioning", "ZeroParts"]
 
@@ -60,6 +61,7 @@ class ZeroParts(Protocol):
     _shard: LocalShard | None
     _sync: ParameterSync | None
     _unowned: list[Tensor]
+    _kept_unowned: dict[int, dict[str, Any]]
     _trainability: tuple[bool, ...]
     _region_numel: dict[Any, int] | None
     _plan_listeners: list[Callable[[], None]]
@@ -221,6 +223,7 @@ class Partitioning:
         )
         complete_hyperparameters(self.param_groups, optim.param_groups)
         self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
+        install_kept(self)  # loaded state of a parameter that has an owner now
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild(optim, placed.shard, placed.plan, params, self.param_groups)
         for listener in self._plan_listeners:

@@ -23,6 +23,7 @@ from distoptim.zero.partition import UNOWNED
 from distoptim.zero.repartitioning import ZeroParts
 from distoptim.zero.shard import stitch
 from distoptim.zero.state_formats import decoded
+from distoptim.zero.unowned_state import keep_loaded
 
 __all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook"]
 
@@ -60,7 +61,8 @@ class Checkpoints:
         merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
         if merged is not None:
             merged = stitch(merged, self.global_params)
-            merged.update(_made_at_construction(self, merged.keys()))
+            merged.update(_made_at_construction(self, merged.keys() | self._kept_unowned.keys()))
+            merged.update((i, _on_cpu(entry)) for i, entry in self._kept_unowned.items() if i not in merged)
         self._consolidated = None if merged is None else dict(sorted(merged.items()))
 
     def state_dict(self: ZeroParts) -> dict[str, Any]:
@@ -101,6 +103,7 @@ class Checkpoints:
             state_dict, self.param_groups, self._optimizer_class, self.process_group
         )
         _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
+        keep_loaded(self, by_param)  # torch's optimizer holds what it loaded for them: so does a consolidated dict
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
@@ -164,6 +167,7 @@ class Checkpoints:
             group.update(saved)
         self._push_hyperparameters()
         sharded.install_loaded(self.local_shard, self.local_optimizer.state, state_dict)
+        self._kept_unowned.clear()  # a sharded save holds no state for them: they have what this optimizer made
         self.local_shard.write_back()
         self._consolidated = None
 
@@ -225,6 +229,10 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
         fresh = optimizer_class([{"params": [p.detach() for p in missing.values()], **settings}], **defaults)
         made.update((i, fresh.state[p]) for i, p in zip(missing, fresh.param_groups[0]["params"]) if p in fresh.state)
     return made
+
+
+def _on_cpu(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in entry.items()}
 
 
 def _trained(state: dict[str, Any] | None) -> bool:
