@@ -653,12 +653,12 @@ class Run:
 
         self.subject.model.extra.requires_grad_(True)
         group = extra_group(self.subject.model, self.program.kwargs["lr"])
-        if self.structure.resumed:  # built with other defaults than the oracle's (``resume``): the program's named
-            group = {**{k: v for k, v in self.program.kwargs.items() if k != "lr"}, **group}
-        self.subject.zero.add_param_group(group)
+        # resumed, both sides are built with other defaults than the program's (``resume``): the program's named
+        settings = {k: v for k, v in self.program.kwargs.items() if k != "lr"} if self.structure.resumed else {}
+        self.subject.zero.add_param_group({**settings, **group})
         with self.on("oracle"):
             self.oracle.model.extra.requires_grad_(True)  # type: ignore[union-attr]
-            self.oracle.add_group()
+            self.oracle.add_group(settings)
         self.subject.rewrap_after_structure_change()
         with self.on("oracle"):
             self.oracle.rewrap(keep_buffers=self.program.mode == "sdp")
@@ -709,6 +709,8 @@ class Run:
             new.zero.load_state_dict(box[0])
             with self.on("oracle"):
                 self.oracle.reload_optimizer()
+        with self.on("oracle"):
+            self.oracle.rebuilt_with(constructor_to_load(self.program, kind).kwargs)
         if old.scheduler is not None:
             new.scheduler.load_state_dict(old.scheduler.state_dict())
         if old.scaler is not None:

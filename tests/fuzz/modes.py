@@ -275,8 +275,16 @@ class Oracle:
         casts each floating state to its parameter's dtype (NAdam's ``mu_product`` to bf16, seed 104686)."""
         self.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))  # PlainPerGroup: into each part
 
-    def add_group(self) -> None:
-        group = extra_group(self.model, self.lr)
+    def rebuilt_with(self, kwargs: dict[str, Any]) -> None:
+        """The resumed job's optimizer is built with ``kwargs`` (``constructor_to_load``), then loads: a load keeps the
+        constructor's ``defaults``, which ``add_param_group`` fills in and Adagrad's lazy ``sum`` of an added
+        parameter starts from (torch reads ``self.defaults["initial_accumulator_value"]``, never the group's own).
+        ``PlainPerGroup`` (Muon) builds a part per added group from the group's settings and keeps its own."""
+        if not isinstance(self.optimizer, PlainPerGroup):
+            self.optimizer.defaults = type(self.optimizer)([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+
+    def add_group(self, settings: dict[str, Any] | None = None) -> None:
+        group = {**(settings or {}), **extra_group(self.model, self.lr)}
         self.params += group["params"]
         self.optimizer.add_param_group(group)
 
