@@ -63,7 +63,6 @@ class OwnedGradients:
         }
         self.layout = store_plan(self.buckets, zero.rank, zero.plan)
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
-        self._kept: list[Tensor | None] = [None] * len(self.buckets)  # its memory after a clear, for the next landing
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
@@ -210,7 +209,6 @@ class OwnedGradients:
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
             if set_to_none:
-                self._kept[bucket] = owned if owned is not None else self._kept[bucket]
                 self.owned[bucket] = None
             elif owned is None:
                 self.owned[bucket] = self._new_owned(bucket).zero_()
@@ -276,10 +274,8 @@ class OwnedGradients:
             self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
 
     def _new_owned(self, bucket: int) -> Tensor:
-        """Memory for a bucket's owned part, to be written whole: a cleared one's (its pages in), else new zeros."""
-        kept, self._kept[bucket] = self._kept[bucket], None
         device, dtype = self.store_keys[self.buckets[bucket].key]
-        return kept if kept is not None else host_zeros(self.layout.lengths[bucket], dtype, device)
+        return host_zeros(self.layout.lengths[bucket], dtype, device)
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -391,6 +387,7 @@ class OwnedGradients:
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
+        self._spares.kept.clear()  # the forward and the next backward's start, where activations peak, hold none
         self._unplaced.average(self.zero, self.params, self.slot_of, self.used)
         self.unagreed = True
         if self.static is not None and self.static.pattern is not None:  # the step's agreement checks the promise

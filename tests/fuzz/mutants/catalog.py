@@ -90,7 +90,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "sdp_unfreeze_no_div",
         "ShardedDataParallel: a parameter unfrozen since the plan (all-reduced at the end of the backward)",
         "the all-reduced gradient of an unplaced parameter not divided by the world size",
-        "distoptim/sharded_data_parallel/gradients.py",
+        "distoptim/sharded_data_parallel/unplaced.py",
         "                param.grad = grad.div_(zero.world_size * zero.replica_count)\n",
         "                param.grad = grad\n",
     ),
