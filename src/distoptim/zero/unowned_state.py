@@ -4,7 +4,7 @@ placement gives them an owner, who then starts from it, and a consolidated dict 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,13 +12,10 @@ from torch import Tensor
 from distoptim.zero.partition import UNOWNED
 from distoptim.zero.shard import MASTER_KEY, slice_entry
 
-if TYPE_CHECKING:
-    from distoptim.zero.repartitioning import ZeroParts
-
 __all__ = ["install_kept", "keep_loaded"]
 
 
-def keep_loaded(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None:
+def keep_loaded(zero: Any, by_param: dict[Tensor, dict[str, Any]]) -> None:
     """Keep (copies of) the loaded entries of the parameters no rank owns; a load replaces what an earlier kept."""
     owners = zero.plan.owners
     zero._kept_unowned = {
@@ -28,7 +25,7 @@ def keep_loaded(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None
     }
 
 
-def install_kept(zero: ZeroParts) -> None:
+def install_kept(zero: Any) -> None:
     """After a placement: the kept entries of parameters that have an owner now go into the owners' local state (cut
     to their fragments, cast as ``torch.optim``'s load casts), as a load would have put them; then are dropped."""
     kept, owners = zero._kept_unowned, zero.plan.owners
