@@ -15,6 +15,7 @@ PRIVATE_NAMES = {
     "_amp_foreach_non_finite_check_and_unscale_": "GradScaler's own unscale-and-check kernel, on the owned shard",
     "_per_optimizer_states": "GradScaler's custom-scaling protocol (_step_supports_amp_scaling) hands over this",
     "_scale": "... and the scale itself, as torch's own optimizers with that protocol read it",
+    "_values": "a sparse .grad's values, unscaled in place as torch's GradScaler does (no public in-place view)",
     "_base": "whether a tensor is a view (no public test)",
     "_cdata": "a storage's identity, to tell new storage from reused memory",
     "_use_count": "whether gloo's worker thread still holds a finished collective's tensor",
