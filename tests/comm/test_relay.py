@@ -233,16 +233,16 @@ def _small_relay_body(rank: int, world_size: int) -> dict[str, Any]:
     group, total = dist.group.WORLD, 1000
     layout = [[(0, 900)], [(900, 950)], [(950, total)]]
     allocated: list[int] = []
-    zeros = relay.host_zeros
+    made = relay.receive_buffer
 
-    def recorded(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        allocated.append(numel * torch.empty((), dtype=dtype).element_size())
-        return zeros(numel, dtype, device)
+    def recorded(numel: int, like: torch.Tensor) -> torch.Tensor:
+        allocated.append(numel * like.element_size())
+        return made(numel, like)
 
     buffer = torch.arange(total, dtype=torch.float32) * (rank + 1)
     held = threading.Event()
     queued = p2p.run_beside(held.wait, group)  # the relay's job runs after this one
-    with mock.patch.object(relay, "host_zeros", recorded):
+    with mock.patch.object(relay, "receive_buffer", recorded):
         reduction = relay.reduction(buffer, layout, group)
         counted = p2p._state(group).staged
         held.set()

@@ -14,11 +14,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from distoptim._host_memory import host_zeros
 from distoptim.comm.groups import attached, attached_everywhere, group_size
 
 __all__ = [
@@ -118,19 +118,13 @@ class ReductionExchange:
 
     def _start_receiving(self) -> None:
         staged = min(self.chunk, self.bounds[-1][1]) if self.bounds else 0
-        self.staging = {peer: [self._take(staged) for _ in self.bounds[:2]] for peer in self.peers}
+        self.staging = {
+            peer: [torch.empty(staged, dtype=self.dtype, device=self.device) for _ in self.bounds[:2]]
+            for peer in self.peers
+        }
         for number in range(min(2, len(self.bounds))):
             for peer in self.peers:
                 self._receive(number, peer)
-
-    def _take(self, numel: int) -> Tensor:
-        """A staging buffer: a finished reduction's of this size (its pages already in), else a new one."""
-        with _staged_lock:
-            spare = self.state.spare
-            for k, chunk in enumerate(spare):
-                if chunk.numel() == numel and (chunk.dtype, chunk.device) == (self.dtype, self.device):
-                    return spare.pop(k)
-        return host_zeros(numel, self.dtype, self.device)
 
     def _receive(self, number: int, peer: int) -> None:
         start, end = self.bounds[number]
@@ -162,8 +156,6 @@ class ReductionExchange:
                         self._receive(number + 2, peer)
             for work in self.sends:
                 work.wait()
-            with _staged_lock:  # every receive landed: the next reductions may receive into these
-                self.state.keep([chunk for chunks in self.staging.values() for chunk in chunks])
         finally:
             with _staged_lock:
                 self.state.staged -= self.staging_bytes
@@ -281,18 +273,7 @@ class _Group:
 
     def __init__(self) -> None:
         self.reductions = self.syncs = self.staged = self.deferred = 0
-        self.spare: list[Tensor] = []  # staging buffers of finished reductions, for the next ones
         self.waiter, self.beside = _Waiter(), _Waiter()
-
-    def keep(self, chunks: list[Tensor]) -> None:
-        """Keep ``chunks`` for later reductions: the newest, at most as many bytes as may be staged at once."""
-        kept, total = [], 0
-        for chunk in reversed([*self.spare, *chunks]):
-            total += chunk.numel() * chunk.element_size()
-            if total > 2 * STAGING_BYTES:
-                break
-            kept.append(chunk)
-        self.spare = kept[::-1]
 
 
 def _state(group: dist.ProcessGroup) -> _Group:

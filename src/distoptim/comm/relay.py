@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from distoptim._host_memory import host_zeros
 from distoptim.comm import p2p
 from distoptim.comm.groups import group_size
 
@@ -19,6 +18,11 @@ __all__ = ["Piece", "RelayedReduction", "aggregators", "received", "reduction", 
 
 SLACK = 0.05
 """How much more than the relay (as a fraction of an all-reduce's bytes) the direct path may move and be chosen."""
+
+
+def receive_buffer(numel: int, like: Tensor) -> Tensor:
+    """A receive buffer of ``numel`` elements shaped like ``like``'s dtype and device (one place to count them)."""
+    return like.new_empty(numel)
 
 
 class Piece(NamedTuple):
@@ -158,8 +162,7 @@ class RelayedReduction:
         """As an aggregator: every chunk summed and sent on to its owner."""
         mine = self.gathered
         staging = {
-            peer: [host_zeros(n, self.buffer.dtype, self.buffer.device) for n in _slots(mine)]
-            for peer in self.contributors
+            peer: [receive_buffer(n, self.buffer) for n in _slots(mine)] for peer in self.contributors
         }  # two chunks a peer: the next one lands where the one before last did
         receives: dict[int, list[tuple[Any, Tensor]]] = {}
 
@@ -191,7 +194,7 @@ class RelayedReduction:
     def _collect(self) -> None:
         """As an owner: every partial sum received (two at a time) and added into this rank's own contribution."""
         incoming = self.incoming
-        slots = [host_zeros(n, self.buffer.dtype, self.buffer.device) for n in _slots(incoming)]
+        slots = [receive_buffer(n, self.buffer) for n in _slots(incoming)]
 
         def post(k: int) -> Any:
             i, m = incoming[k]

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
-from distoptim._host_memory import Spares, host_zeros
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
@@ -81,8 +80,6 @@ class OwnedGradients:
         self.no_sync = False
         self._next_backward_afresh()
         self._buffers: dict[int, Tensor] = {}
-        self._bases: dict[int, Tensor] = {}  # bucket -> the scratch buffer its buffer is a view of, until it lands
-        self._spares = Spares()  # buffers landed buckets left, for the next ones (no more alive than in flight)
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
@@ -226,7 +223,7 @@ class OwnedGradients:
         if self._next:
             raise RuntimeError(checks.POISONED)
         reached = set(self._filled)
-        self._buffers, self._bases = {}, {}
+        self._buffers = {}
         self._next_backward_afresh()
         self.in_backward = False
         self._unswap()
@@ -275,7 +272,7 @@ class OwnedGradients:
 
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
-        return host_zeros(self.layout.lengths[bucket], dtype, device)
+        return torch.empty(self.layout.lengths[bucket], dtype=dtype, device=device)
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -338,9 +335,9 @@ class OwnedGradients:
                 self._land_oldest()
             plan = self.buckets[bucket]
             device, dtype = self.store_keys[plan.key]
-            if gradient is None:
-                gradient, self._bases[bucket] = self._spares.zeros(plan.numel, dtype, device)
-            self._buffers[bucket] = gradient
+            self._buffers[bucket] = (
+                gradient if gradient is not None else torch.zeros(plan.numel, dtype=dtype, device=device)
+            )
         return self._buffers[bucket]
 
     def _launch_ready(self, flushing: bool = False) -> None:
@@ -378,7 +375,6 @@ class OwnedGradients:
             target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])
             at += end - start
         self.landed[bucket] = True
-        self._spares.keep(self._bases.pop(bucket, None), self.max_in_flight - len(self._buffers) - len(self._in_flight))
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
@@ -387,7 +383,6 @@ class OwnedGradients:
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
-        self._spares.kept.clear()  # the forward and the next backward's start, where activations peak, hold none
         self._unplaced.average(self.zero, self.params, self.slot_of, self.used)
         self.unagreed = True
         if self.static is not None and self.static.pattern is not None:  # the step's agreement checks the promise

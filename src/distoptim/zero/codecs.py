@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from distoptim._flat import flat_view, is_dense
-from distoptim._host_memory import host_zeros
 
 __all__ = [
     "BLOCK",
@@ -99,7 +98,7 @@ class Scratch:
     def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         buffer = self.buffers.get(role)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
-            buffer = self.buffers[role] = host_zeros(numel, dtype, device)
+            buffer = self.buffers[role] = torch.zeros(numel, dtype=dtype, device=device)
         return buffer[:numel]
 
     def take(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
