@@ -21,7 +21,7 @@ from distoptim._text import few
 from distoptim.comm import collectives as comm
 from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
-from distoptim.zero.overlap import OverlapStepper, buckets_final
+from distoptim.zero.overlap import buckets_final
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -71,32 +71,6 @@ class _BucketReduction:
         return grads
 
 
-def _checked_stepper(
-    ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer", hook: CommHook, step_from_first_backward: bool
-) -> tuple[OverlapStepper, CommHook]:
-    """The stepper, checked against ``ddp`` (``reduce_to_owners_hook``'s group against DDP's), and the hook."""
-    if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
-        raise TypeError(
-            f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; the arguments are (hook, ddp, zero)"
-        )
-    stepper = zero.overlap_stepper
-    if stepper is None:
-        raise ValueError(
-            "this hook steps a ZeroRedundancyOptimizer built with overlap_with_ddp=True; rebuild it with "
-            "ZeroRedundancyOptimizer(..., overlap_with_ddp=True) or drop the hook and call zero.step()"
-        )
-    if not isinstance(ddp, DistributedDataParallel):
-        raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}")
-    _check_same_parameters(ddp, zero)
-    validation.refuse_sparse_gradients(
-        ddp.module, "the overlap hook", "build the optimizer without overlap_with_ddp and call zero.step()"
-    )
-    if hook is reduce_to_owners_hook:
-        check_ddp_group(zero, ddp)
-    stepper.attach_hook(step_from_first_backward)
-    return stepper, hook
-
-
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
     held = set(zero.global_params)
@@ -125,27 +99,79 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
         )
 
 
-def _check_bucket_of(ddp: DistributedDataParallel, bucket: GradBucket, zero: "ZeroRedundancyOptimizer") -> None:
-    """The hook was built for ``ddp``: registered on another model, it would step ZeRO with foreign gradients."""
-    known = set(ddp.module.parameters())
-    if not all(p in known for p in bucket.parameters()):
-        raise ValueError(
-            "this ZeRO overlap hook was built for another DistributedDataParallel model than the one running it: "
-            "build it with the model you register it on, hook_with_zero_step(hook, ddp, zero) then "
-            "ddp.register_comm_hook(state, the_hook) with the same ddp"
-        )
-
-
 class _Backward:
-    """What an overlap hook keeps during one backward: its buckets so far, whether its end is scheduled."""
+    """An overlap hook's stepper, checked against ``ddp``, and what it keeps during one backward: its buckets so far,
+    whether its end is scheduled, whether it is a warm-up backward (which takes no step)."""
 
-    def __init__(self, stepper: OverlapStepper, ddp: DistributedDataParallel) -> None:
-        self.stepper = stepper
+    def __init__(
+        self,
+        hook: CommHook,
+        ddp: DistributedDataParallel,
+        zero: "ZeroRedundancyOptimizer",
+        step_from_first_backward: bool,
+    ) -> None:
+        if not hasattr(zero, "overlap_stepper"):  # duck-typed: this module does not import the optimizer at run time
+            raise TypeError(
+                f"zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}; "
+                "the arguments are (hook, ddp, zero)"
+            )
+        stepper = zero.overlap_stepper
+        if stepper is None:
+            raise ValueError(
+                "this hook steps a ZeroRedundancyOptimizer built with overlap_with_ddp=True; rebuild it with "
+                "ZeroRedundancyOptimizer(..., overlap_with_ddp=True) or drop the hook and call zero.step()"
+            )
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}")
+        _check_same_parameters(ddp, zero)
+        validation.refuse_sparse_gradients(
+            ddp.module, "the overlap hook", "build the optimizer without overlap_with_ddp and call zero.step()"
+        )
+        if hook is reduce_to_owners_hook:
+            check_ddp_group(zero, ddp)
+        stepper.attach_hook(step_from_first_backward)
+        self.stepper, self.ddp = stepper, ddp
         self.buckets_final = buckets_final(ddp)
         self.pending: list[_BucketReduction] = []
-        self.scheduled = False
-        self.checked = False
-        self.warmup = False  # this backward is one of the warm-up ones: it takes no step
+        self.scheduled = self.checked = self.warmup = False
+
+    def start(self, bucket: GradBucket, finish: Callable[[], None]) -> bool:
+        """At each bucket: the first one of a backward schedules ``finish`` at its end (and returns True); a joined
+        rank has no backward (``end_of_shadow`` finishes)."""
+        if not self.checked:  # registered on another model, the hook would step ZeRO with foreign gradients
+            known = set(self.ddp.module.parameters())
+            if not all(p in known for p in bucket.parameters()):
+                raise ValueError(
+                    "this ZeRO overlap hook was built for another DistributedDataParallel model than the one running "
+                    "it: build it with the model you register it on, hook_with_zero_step(hook, ddp, zero) then "
+                    "ddp.register_comm_hook(state, the_hook) with the same ddp"
+                )
+            self.checked = True
+        if self.scheduled:
+            return False
+        self.scheduled = True
+        self.warmup = self.stepper.begin_backward(self.buckets_final)
+        if in_backward():
+            at_end_of_backward(finish)
+        return True
+
+    def end_of_shadow(self, bucket: GradBucket, finish: Callable[[], None]) -> None:
+        """On a joined rank, after the last bucket of DDP's join hook: the end of the shadowed backward (deferred to
+        ZeRO's join hook under ``find_unused_parameters``)."""
+        if in_backward() or not bucket.is_last():
+            return
+        if self.ddp.find_unused_parameters:
+            self.stepper.defer_finish(finish)
+        else:
+            finish()
+
+    def end(self) -> list[_BucketReduction] | None:
+        """The backward's buckets, at its end (the next backward starts afresh); None for a warm-up one."""
+        pending, self.pending, self.scheduled = self.pending, [], False
+        if self.warmup:
+            self.stepper.skip_step()
+            return None
+        return pending
 
 
 def hook_with_zero_step(
@@ -157,7 +183,7 @@ def hook_with_zero_step(
     step_from_first_backward: bool = False,
 ) -> CommHook:
     """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once every bucket is reduced, each rank steps the
-    parameters it owns and the updated parameters are broadcast from their owners.
+    parameters it owns and the updated parameters are broadcast from their owners (``docs/guides/overlap.md``).
 
     Args:
         hook: the DDP communication hook that averages a bucket (``distoptim.hooks.allreduce_hook``, or any hook
@@ -183,17 +209,13 @@ def hook_with_zero_step(
             zero.zero_grad()
             loss_fn(ddp(batch)).backward()  # steps the optimizer (after the warm-up); zero.step() is optional
         ```
-
-    Gradients are those DDP + a plain optimizer would use; a warm-up backward steps nothing. Clipping cannot take
-    part (the step runs before the backward returns): ``zero.clip_grad_norm_`` raises.
     """
-    stepper, hook = _checked_stepper(ddp, zero, hook, step_from_first_backward)
-    backward = _Backward(stepper, ddp)
+    backward = _Backward(hook, ddp, zero, step_from_first_backward)
+    stepper = backward.stepper
 
     def finish() -> None:
-        pending, backward.pending, backward.scheduled = backward.pending, [], False
-        if backward.warmup:
-            stepper.skip_step()
+        pending = backward.end()
+        if pending is None:
             return
         params = [p for earlier in pending for p in earlier.params]
         used = _UsedFlags(params, ddp).wait() if _finds_unused(ddp) else [True] * len(params)  # one collective
@@ -205,46 +227,14 @@ def hook_with_zero_step(
         zero.sync_parameters()
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        _start_of_bucket(backward, ddp, bucket, zero, finish)
+        backward.start(bucket, finish)
         reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
         if not backward.warmup:
             backward.pending.append(reduction)
-        _end_of_shadow(bucket, finish, ddp, zero)
+        backward.end_of_shadow(bucket, finish)
         return reduction.reduced
 
     return hook_with_zero_step
-
-
-def _start_of_bucket(
-    backward: _Backward,
-    ddp: DistributedDataParallel,
-    bucket: GradBucket,
-    zero: "ZeroRedundancyOptimizer",
-    finish: Callable[[], None],
-) -> bool:
-    """At each bucket: the first one of a backward schedules ``finish`` at its end (and returns True); a joined
-    rank has no backward (``_end_of_shadow`` finishes)."""
-    if not backward.checked:
-        _check_bucket_of(ddp, bucket, zero)
-        backward.checked = True
-    if backward.scheduled:
-        return False
-    backward.scheduled = True
-    backward.warmup = backward.stepper.begin_backward(backward.buckets_final)
-    if in_backward():
-        at_end_of_backward(finish)
-    return True
-
-
-def _end_of_shadow(bucket: GradBucket, finish: Callable[[], None], ddp: DistributedDataParallel, zero: Any) -> None:
-    """On a joined rank, after the last bucket of DDP's join hook: the end of the shadowed backward (deferred to
-    ZeRO's join hook under ``find_unused_parameters``)."""
-    if in_backward() or not bucket.is_last():
-        return
-    if ddp.find_unused_parameters:
-        zero.overlap_stepper.defer_finish(finish)
-    else:
-        finish()
 
 
 def hook_with_zero_step_interleaved(
@@ -274,12 +264,9 @@ def hook_with_zero_step_interleaved(
         ```python
         ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
         ```
-
-    A local step that raises on one rank only (mid-backward, unprotected) leaves the others waiting until the
-    group's timeout.
     """
-    stepper, hook = _checked_stepper(ddp, zero, hook, step_from_first_backward)
-    backward = _Backward(stepper, ddp)
+    backward = _Backward(hook, ddp, zero, step_from_first_backward)
+    stepper = backward.stepper
     syncs: list[Any] = []
     direct: list[Any] = []
 
@@ -290,9 +277,8 @@ def hook_with_zero_step_interleaved(
         syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
     def finish() -> None:
-        pending, backward.pending, backward.scheduled = backward.pending, [], False
-        if backward.warmup:
-            stepper.skip_step()
+        pending = backward.end()
+        if pending is None:
             return
         for earlier in pending:
             step_and_launch(earlier)
@@ -303,11 +289,11 @@ def hook_with_zero_step_interleaved(
         direct.clear()
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        if _start_of_bucket(backward, ddp, bucket, zero, finish) and not backward.warmup:  # before any step
+        if backward.start(bucket, finish) and not backward.warmup:  # before any step
             zero.agreed_after_placing()
         if backward.warmup:
             reduced = hook(state, bucket)
-            _end_of_shadow(bucket, finish, ddp, zero)
+            backward.end_of_shadow(bucket, finish)
             return reduced
         params = bucket.parameters()
         used = _UsedFlags(params, ddp) if _finds_unused(ddp) else None  # read when this bucket is stepped
@@ -315,7 +301,7 @@ def hook_with_zero_step_interleaved(
         for earlier in backward.pending:
             step_and_launch(earlier)
         backward.pending[:] = [reduction]
-        _end_of_shadow(bucket, finish, ddp, zero)
+        backward.end_of_shadow(bucket, finish)
         return reduction.reduced
 
     return hook_with_zero_step_interleaved
