@@ -136,12 +136,12 @@ class DistributedOptimizer(Optimizer):
             )
         current = self._hyperparameters()
         changed = None if self._unchanged(current) else current
-        _on_owners([(owner.name, on_owner.step, (owner.local, context_id, changed)) for owner in self._owners])
+        _on_owners([(owner.name, on_owner.call, (owner.local, "step", context_id, changed)) for owner in self._owners])
         self._shipped = copy.deepcopy(current)
 
     def state_dict(self) -> dict[str, Any]:
         """Every owner's state, gathered through RPC, as ``torch.optim`` would save it for ``params_rref``."""
-        gathered = _on_owners([(owner.name, on_owner.state, (owner.local,)) for owner in self._owners])
+        gathered = _on_owners([(owner.name, on_owner.call, (owner.local, "state")) for owner in self._owners])
         state: dict[int, Any] = {}
         for owner, states in zip(self._owners, gathered, strict=True):
             state.update((i, s) for i, s in zip(owner.indices, states, strict=True) if s is not None)
@@ -173,8 +173,8 @@ class DistributedOptimizer(Optimizer):
             [
                 (
                     owner.name,
-                    on_owner.load,
-                    (owner.local, [state_dict["state"].get(ids[i]) for i in owner.indices], hyperparameters),
+                    on_owner.call,
+                    (owner.local, "load", [state_dict["state"].get(ids[i]) for i in owner.indices], hyperparameters),
                 )
                 for owner in self._owners
             ]

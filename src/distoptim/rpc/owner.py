@@ -79,7 +79,8 @@ class LocalOptimizer:
         return {key: value for key, value in self.optimizer.param_group.items() if key != "params"}
 
     def step(self, context_id: int, hyperparameters: Hyperparameters | None) -> None:
-        gradients = _context_gradients(context_id, self.params)
+        recorded = recorded_gradients(context_id) or {}  # None: this owner took no part (the caller checked the id)
+        gradients = [recorded.get(param) for param in self.params]
         with _OWNER_LOCK:
             if hyperparameters is not None:
                 self.optimizer.param_group.update(hyperparameters)
@@ -101,14 +102,6 @@ class LocalOptimizer:
                     self.optimizer.state.pop(param, None)
                 else:
                     self.optimizer.state[param] = {k: _cast_like(param, group, k, v) for k, v in param_state.items()}
-
-
-def _context_gradients(context_id: int, params: list[Tensor]) -> list[Tensor | None]:
-    """This context's gradient for each parameter, None where it recorded none (or never reached this worker)."""
-    recorded = recorded_gradients(context_id)
-    if recorded is None:
-        return [None] * len(params)  # the caller checked the id: this owner just took no part in the context
-    return [recorded.get(param) for param in params]
 
 
 def recorded_gradients(context_id: int) -> dict[Tensor, Tensor] | None:
@@ -186,13 +179,6 @@ def create(
     return rpc.RRef(local), local.hyperparameters()
 
 
-def step(local: PyRRef[LocalOptimizer], context_id: int, hyperparameters: Hyperparameters | None) -> None:
-    local.local_value().step(context_id, hyperparameters)
-
-
-def state(local: PyRRef[LocalOptimizer]) -> list[dict[str, Any] | None]:
-    return local.local_value().state()  # type: ignore[no-any-return]
-
-
-def load(local: PyRRef[LocalOptimizer], states: list[dict[str, Any] | None], hyperparameters: Hyperparameters) -> None:
-    local.local_value().load(states, hyperparameters)
+def call(local: PyRRef[LocalOptimizer], method: str, *args: Any) -> Any:
+    """Runs ``local``'s ``method`` (``step``, ``state``, ``load``) on the owner that holds it."""
+    return getattr(local.local_value(), method)(*args)
