@@ -148,17 +148,3 @@ RPROP = KernelSpec(
     pairs={"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")},
     init_only=frozenset({"lr"}),  # Rprop's lr is only the initial step size
 )
-
-
-def constructor_signature(spec: KernelSpec) -> inspect.Signature:
-    """The constructor signature: ``(params, <torch.optim hyperparameters>, *, foreach, maximize)``."""
-    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
-    return inspect.Signature(
-        [
-            inspect.Parameter("params", positional, annotation="list[Tensor]"),
-            *(inspect.Parameter(name, positional, default=value) for name, value in spec.defaults.items()),
-            inspect.Parameter("foreach", keyword, default=None, annotation="bool | None"),
-            inspect.Parameter("maximize", keyword, default=False, annotation="bool"),
-            inspect.Parameter("_allow_empty_param_list", keyword, default=False, annotation="bool"),
-        ]
-    )

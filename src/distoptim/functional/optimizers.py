@@ -24,7 +24,6 @@ from distoptim.functional.kernels import (
     SGD,
     KernelSpec,
     ParamGroup,
-    constructor_signature,
 )
 
 
@@ -56,7 +55,16 @@ class FunctionalOptimizer:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = constructor_signature(cls.spec)
+        positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+        cls.__signature__ = inspect.Signature(  # (params, <torch.optim's hyperparameters>, *, foreach, maximize)
+            [
+                inspect.Parameter("params", positional, annotation="list[Tensor]"),
+                *(inspect.Parameter(name, positional, default=value) for name, value in cls.spec.defaults.items()),
+                inspect.Parameter("foreach", keyword, default=None, annotation="bool | None"),
+                inspect.Parameter("maximize", keyword, default=False, annotation="bool"),
+                inspect.Parameter("_allow_empty_param_list", keyword, default=False, annotation="bool"),
+            ]
+        )
 
     def __init__(self, params: list[Tensor], *args: Any, **kwargs: Any) -> None:
         if not hasattr(type(self), "spec"):
@@ -74,7 +82,7 @@ class FunctionalOptimizer:
                 f"optimizer got an empty parameter list ({type(self).__name__}); "
                 "use as_functional_optim() for an optimizer driven by step_param() alone"
             )
-        _refuse_what_torch_refuses(self.spec.torch_cls, options)
+        self.spec.torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)  # raises as torch does
         self.param_group: ParamGroup = {"params": params, **options, **self.spec.fixed}
         self.defaults: dict[str, Any] = dict(options, **self.spec.fixed)
         self.state: dict[Tensor, dict[str, Tensor]] = {}
@@ -150,11 +158,6 @@ class FunctionalOptimizer:
             for state, tensor in zip(states, tensors, strict=False):  # a disabled optional list is empty
                 if tensor is not None:
                     state[key] = tensor
-
-
-def _refuse_what_torch_refuses(torch_cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
-    """Raise the error ``torch_cls`` raises for these hyperparameters, if any (built over a meta-device stand-in)."""
-    torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)
 
 
 class FunctionalSGD(FunctionalOptimizer):
