@@ -3,9 +3,10 @@ checkpoint conversion, or the memory planner."""
 
 from __future__ import annotations
 
+import importlib
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["main"]
@@ -21,6 +22,7 @@ USAGE = """usage: python -m distoptim {demo,bench,checkpoint,plan} [options]
 
 'python -m distoptim demo --help' (bench, plan likewise) explains the options."""
 
+SUBCOMMANDS = {"demo": "distoptim.demo", "checkpoint": "distoptim.checkpoint.convert", "plan": "distoptim.plan.cli"}
 BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_zero.py"
 
 
@@ -28,20 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to a subcommand; return the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     command, rest = (args[0], args[1:]) if args else ("", [])
-    if command == "demo":
-        from distoptim.demo import main as demo_main
-
-        return demo_main(rest)
+    if command in SUBCOMMANDS:  # imported on use: each pulls in more of the library
+        run: Callable[[list[str]], int] = importlib.import_module(SUBCOMMANDS[command]).main
+        return run(rest)
     if command == "bench":
         return _bench(rest)
-    if command == "checkpoint":
-        from distoptim.checkpoint.convert import main as convert_main
-
-        return convert_main(rest)
-    if command == "plan":
-        from distoptim.plan.cli import main as plan_main
-
-        return plan_main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
