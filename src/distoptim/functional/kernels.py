@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -71,13 +71,6 @@ class KernelSpec:
 
 
 _BETAS = {"betas": ("beta1", "beta2")}
-_ADAM_STATE: dict[str, StateInit] = {
-    "step": _step_counter,
-    "exp_avg": _zeros,
-    "exp_avg_sq": _zeros,
-    "max_exp_avg_sq": _zeros,
-}
-_ADAM_LISTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
 
 SGD = KernelSpec(
@@ -92,19 +85,15 @@ ADAM = KernelSpec(
     torch.optim.Adam,
     adam,
     {**_ADAM_DEFAULTS, "decoupled_weight_decay": False},
-    _ADAM_STATE,
-    _ADAM_LISTS,
+    {"step": _step_counter, "exp_avg": _zeros, "exp_avg_sq": _zeros, "max_exp_avg_sq": _zeros},
+    ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"),
     optional={"max_exp_avg_sq": "amsgrad"},
     pairs=_BETAS,
 )
-ADAMW = KernelSpec(  # torch.optim.AdamW is Adam with decoupled weight decay, run by the same kernel
-    torch.optim.AdamW,
-    adam,
-    {**_ADAM_DEFAULTS, "weight_decay": 1e-2},
-    _ADAM_STATE,
-    _ADAM_LISTS,
-    optional={"max_exp_avg_sq": "amsgrad"},
-    pairs=_BETAS,
+ADAMW = replace(  # torch.optim.AdamW is Adam with decoupled weight decay, run by the same kernel
+    ADAM,
+    torch_cls=torch.optim.AdamW,
+    defaults={**_ADAM_DEFAULTS, "weight_decay": 1e-2},
     fixed={"decoupled_weight_decay": True},
 )
 ADAGRAD = KernelSpec(

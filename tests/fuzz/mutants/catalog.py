@@ -183,8 +183,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the overlap hooks with AdamW (functional kernel)",
         "AdamW's kernel spec without decoupled_weight_decay=True: L2 weight decay added to the gradient, as Adam's",
         "distoptim/functional/kernels.py",
-        '    pairs=_BETAS,\n    fixed={"decoupled_weight_decay": True},\n',
-        "    pairs=_BETAS,\n",
+        '    defaults={**_ADAM_DEFAULTS, "weight_decay": 1e-2},\n    fixed={"decoupled_weight_decay": True},\n',
+        '    defaults={**_ADAM_DEFAULTS, "weight_decay": 1e-2},\n',
     ),
     _one(
         "scaler_local_verdict",
