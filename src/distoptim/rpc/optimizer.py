@@ -85,14 +85,13 @@ class DistributedOptimizer(Optimizer):
         params_rref = list(params_rref)
         if not params_rref:
             raise ValueError("DistributedOptimizer got an empty params_rref")
-        for rref in params_rref:
+        indices_by_owner: dict[str, list[int]] = {}
+        for index, rref in enumerate(params_rref):
             if not isinstance(rref, PyRRef):
                 raise TypeError(
                     f"params_rref must hold RRefs to parameters, got {type(rref).__name__}; wrap each in "
                     "torch.distributed.rpc.RRef(param) on the worker that owns it"
                 )
-        indices_by_owner: dict[str, list[int]] = {}
-        for index, rref in enumerate(params_rref):
             indices_by_owner.setdefault(rref.owner_name(), []).append(index)
         created = _on_owners(
             [
