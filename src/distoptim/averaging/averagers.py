@@ -179,13 +179,10 @@ class PeriodicModelAverager(ModelAverager):
         return None
 
     def average_parameters(self, params: ParamsLike) -> None:
-        """Average ``params`` (parameters or param groups) in place if due at ``step``; advance ``step``.
+        """Average ``params`` in place if due at ``step``; advance ``step`` (errors: ``ModelAverager``'s).
 
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
-
-        Raises:
-            TypeError: ``params`` is a single tensor or param group, or holds something other than parameters.
         """
         self._average_and_advance(params, self.group_at(self.step))
 
@@ -253,13 +250,10 @@ class HierarchicalModelAverager(ModelAverager):
         return None
 
     def average_parameters(self, params: ParamsLike) -> None:
-        """Average ``params`` (parameters or param groups) in place within the level due at ``step``; advance.
+        """Average ``params`` in place within the level due at ``step``; advance (errors: ``ModelAverager``'s).
 
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
-
-        Raises:
-            TypeError: ``params`` is a single tensor or param group, or holds something other than parameters.
         """
         self._average_and_advance(params, self.group_at(self.step))
 
