@@ -101,7 +101,6 @@ class ZeroTrainer(Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
 
-    # ------------------------------------------------------------------------------------------- training
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer; a ZeRO one prepared by Accelerate here, without device placement (which would call
         ``state_dict()`` on every rank)."""
@@ -170,7 +169,6 @@ class ZeroTrainer(Trainer):
             self._sharded._land_sync()
         super().save_model(output_dir, _internal_call)
 
-    # ---------------------------------------------------------------------------------------- checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank saves its shard (or sends it to rank 0, which writes ``optimizer.pt``); rank 0 the scheduler."""
         zero = self._zero()
