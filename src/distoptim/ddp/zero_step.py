@@ -32,8 +32,7 @@ CommHook = Callable[[Any, GradBucket], Future[Tensor]]
 
 
 class _UsedFlags:
-    """Which of ``params`` some rank has a gradient for: the MAX of ``.grad is not None`` over DDP's group (not
-    ZeRO's: replicas step alike), started when built. Needed only where DDP looks for unused parameters."""
+    """Which of ``params`` some rank has a gradient for: a MAX over DDP's group (not ZeRO's: replicas step alike)."""
 
     def __init__(self, params: list[Tensor], ddp: DistributedDataParallel) -> None:
         device = comm.comm_device(ddp.process_group, [p.device for p in params])
@@ -58,8 +57,7 @@ class _BucketReduction:
     used: _UsedFlags | None = None
 
     def grads(self, used: list[bool] | None = None) -> dict[Tensor, Tensor | None]:
-        """The trainable parameters' averaged gradients; None where ``used`` says no rank has one (offsets count
-        frozen parameters too: they keep their slot)."""
+        """The trainable parameters' averaged gradients, None where no rank ``used`` one (frozen ones keep a slot)."""
         reduced = self.reduced.wait()
         used = [True] * len(self.params) if used is None else used
         grads: dict[Tensor, Tensor | None] = {}
@@ -100,8 +98,7 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
 
 
 class _Backward:
-    """An overlap hook's stepper, checked against ``ddp``, and what it keeps during one backward: its buckets so far,
-    whether its end is scheduled, whether it is a warm-up backward (which takes no step)."""
+    """An overlap hook's checked stepper and its backward: buckets so far, end scheduled, warm-up (no step) or not."""
 
     def __init__(
         self,
@@ -136,8 +133,7 @@ class _Backward:
         self.scheduled = self.checked = self.warmup = False
 
     def start(self, bucket: GradBucket, finish: Callable[[], None]) -> bool:
-        """At each bucket: the first one of a backward schedules ``finish`` at its end (and returns True); a joined
-        rank has no backward (``end_of_shadow`` finishes)."""
+        """At each bucket; True at a backward's first, which schedules ``finish`` at its end (a joined rank: none)."""
         if not self.checked:  # registered on another model, the hook would step ZeRO with foreign gradients
             known = set(self.ddp.module.parameters())
             if not all(p in known for p in bucket.parameters()):
@@ -156,8 +152,7 @@ class _Backward:
         return True
 
     def end_of_shadow(self, bucket: GradBucket, finish: Callable[[], None]) -> None:
-        """On a joined rank, after the last bucket of DDP's join hook: the end of the shadowed backward (deferred to
-        ZeRO's join hook under ``find_unused_parameters``)."""
+        """A joined rank's end of backward, at DDP's join hook's last bucket (under find_unused: ZeRO's join hook)."""
         if in_backward() or not bucket.is_last():
             return
         if self.ddp.find_unused_parameters:

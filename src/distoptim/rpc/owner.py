@@ -30,8 +30,7 @@ _OWNER_LOCK = threading.Lock()
 
 
 class _GradientsAsArgument:
-    """A ``torch.optim`` optimizer behind the functional interface; ``.grad`` holds the context's gradient only while
-    the step runs."""
+    """A ``torch.optim`` optimizer behind the functional interface; ``.grad`` holds the gradient only during a step."""
 
     def __init__(self, optimizer_class: type[Optimizer], params: list[Tensor], *args: Any, **kwargs: Any) -> None:
         self.params = params
@@ -121,8 +120,7 @@ def _cpu_copy(value: Any) -> Any:
 
 
 def _cast_like(param: Tensor, group: dict[str, Any], key: str, value: Any) -> Any:
-    """As ``torch.optim`` loads state: to the parameter's device (and dtype, if floating); ``step`` on the CPU unless
-    capturable or fused."""
+    """As torch.optim loads state: to the param's device (and float dtype); ``step`` on CPU unless capturable/fused."""
     if not isinstance(value, Tensor):
         return copy.deepcopy(value)
     if key == "step":
