@@ -198,11 +198,8 @@ def hook_with_zero_step(
     Example:
         ```python
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)
-        ddp = DistributedDataParallel(model)
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
-        for batch in data:
-            zero.zero_grad()
-            loss_fn(ddp(batch)).backward()  # steps the optimizer (after the warm-up); zero.step() is optional
+        loss_fn(ddp(batch)).backward()  # steps the optimizer (after the warm-up); zero.step() is optional
         ```
     """
     backward = _Backward(hook, ddp, zero, step_from_first_backward)
