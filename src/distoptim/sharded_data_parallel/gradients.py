@@ -195,7 +195,15 @@ class OwnedGradients:
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: forget the owned gradient and which parameters were used (``set_to_none=False``: zero it)."""
-        reached = self._recover()  # a backward that raised before launching anything: its gradient is dropped
+        reached: set[int] = set()
+        if self.in_backward:  # a backward that raised before launching anything: its buckets dropped, unswapped
+            if self._next:
+                raise RuntimeError(checks.POISONED)
+            reached = set(self._filled)
+            self._buffers = {}
+            self._next_backward_afresh()
+            self.in_backward = False
+            self._unswap()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
         self.unagreed = False
@@ -216,19 +224,6 @@ class OwnedGradients:
             for index in reached:
                 self.used[index] = self.unagreed = True
             self.mark()
-
-    def _recover(self) -> set[int]:
-        """After a backward that raised before launching: drop its buckets, unswap, return the parameters reached."""
-        if not self.in_backward:
-            return set()
-        if self._next:
-            raise RuntimeError(checks.POISONED)
-        reached = set(self._filled)
-        self._buffers = {}
-        self._next_backward_afresh()
-        self.in_backward = False
-        self._unswap()
-        return reached
 
     def _next_backward_afresh(self) -> None:
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
