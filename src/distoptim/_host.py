@@ -1,7 +1,5 @@
-"""Host reads of tensor values: the one door through which distoptim's hot path reads a tensor on the CPU.
-
-On a GPU such a read stalls the CPU until queued kernels have run. The hot path reads only through ``read``, which
-counts the reads by reason: a test pins how many a steady-state iteration makes, so none is added unnoticed.
+"""The one door through which distoptim's hot path reads a tensor on the host (on a GPU, a stall until queued kernels
+have run): ``read`` counts the reads by reason, and a test pins how many a steady-state iteration makes.
 """
 
 from __future__ import annotations

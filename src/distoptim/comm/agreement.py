@@ -90,11 +90,12 @@ def _first_of_everyone(value: Any, controls: list[dist.ProcessGroup], global_ran
 
 def _words(local: Fingerprint | None) -> tuple[list[int], list[int]]:
     """This rank's digest words and their negations, for its fingerprint and its ``STEPPING_ONLY`` part."""
+    absent = [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
     if local is None:  # a failed rank: its words are never compared
-        return [0] * 2 * _DIGEST_WORDS, [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
+        return [0] * 2 * _DIGEST_WORDS, absent
     words = _digest(_always(local))
     if STEPPING_ONLY not in local:
-        return [*words, *(-w for w in words)], [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
+        return [*words, *(-w for w in words)], absent
     optional = _digest(local[STEPPING_ONLY])
     return [*words, *(-w for w in words)], [*optional, *(-w for w in optional)]
 

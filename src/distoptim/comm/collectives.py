@@ -175,36 +175,30 @@ def reduce_to_owners_async(
     everywhere = [buffer[start:end] for owner, start, end in slices if owner == EVERY and end > start]
     works = [dist.all_reduce(piece, group=group, async_op=True) for piece in everywhere]
     owned = [piece for piece in slices if piece[0] != EVERY]
-    reduced, land = _start_reduction(buffer, owned, group, collectives, max_rooted_calls_per_rank)
+    reduced, sums, moves = _start_reduction(buffer, owned, group, collectives, max_rooted_calls_per_rank)
     works += reduced
     if replicas is not None:  # the owned sums exist once the shard group's reduction is done (ordered, not blocking
         wait_all(works)  # the CPU, under NCCL); then they (and EVERY slices) are summed across the shard groups
-        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in [*land.pieces, *everywhere]]
+        works = [dist.all_reduce(piece, group=replicas, async_op=True) for piece in [*sums, *everywhere]]
 
     def landed(done: Future[Any]) -> Tensor:
         done.wait()  # a work's error (a peer gone, a timeout) reaches the caller, never a partial sum
-        return land()
+        for target, source in moves:
+            target.copy_(source)
+        return buffer
 
     on_host = buffer.device.type == "cpu"
     result: Future[Tensor] = _when_done(works, group, on_host).then(landed)
     return result
 
 
-class _Landing:
-    """What a reduction leaves where: the owned sums (``pieces``), and how they reach the buffer once done."""
-
-    def __init__(self, buffer: Tensor, pieces: list[Tensor], moves: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
-        self.buffer, self.pieces, self.moves = buffer, pieces, moves
-
-    def __call__(self) -> Tensor:
-        for target, source in self.moves:
-            target.copy_(source)
-        return self.buffer
+_Moves = list[tuple[Tensor, Tensor]]  # (target, source): where the owned sums are copied into the buffer once done
 
 
 def _start_reduction(
     buffer: Tensor, owned: Sequence[tuple[int, int, int]], group: Group, collectives: Collectives, max_calls: int
-) -> tuple[list[Any], _Landing]:
+) -> tuple[list[Any], list[Tensor], _Moves]:
+    """The reduction's works, where the owned sums will be, and their moves into ``buffer``."""
     size, mine = group_size(group), group_rank(group)
     by_owner: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     for owner, start, end in owned:
@@ -213,20 +207,20 @@ def _start_reduction(
     shares = [sum(end - start for start, end in ranges) for ranges in by_owner]
     if _point_to_point(collectives, buffer):
         exchange = relay.reduction(buffer, by_owner, group)  # summed in place as the chunks arrive
-        return [exchange], _Landing(buffer, [buffer[start:end] for start, end in by_owner[mine]])
+        return [exchange], [buffer[start:end] for start, end in by_owner[mine]], []
     chunk = _equal_chunk(shares) if collectives is Collectives.CHUNKED else None
     if chunk is not None:
         stage = _rank_by_rank(buffer, by_owner, chunk)
         own = stage.new_empty(chunk)
         work = dist.reduce_scatter_tensor(own, stage, group=group, async_op=True)
-        return [work], _Landing(buffer, [own], _scatter_moves(buffer, by_owner[mine], own))
+        return [work], [own], _scatter_moves(buffer, by_owner[mine], own)
     if sum(map(len, by_owner)) <= max_calls * size:  # in place, one reduce per slice
         works = [
             dist.reduce(buffer[start:end], dst=global_rank(group, owner), group=group, async_op=True)
             for owner, ranges in enumerate(by_owner)
             for start, end in ranges
         ]
-        return works, _Landing(buffer, [buffer[start:end] for start, end in by_owner[mine]])
+        return works, [buffer[start:end] for start, end in by_owner[mine]], []
     starts = [sum(shares[:rank]) for rank in range(size)]
     stage = buffer.new_empty(sum(shares))
     for ranges, at in zip(by_owner, starts):
@@ -237,7 +231,7 @@ def _start_reduction(
         if n
     ]
     own = stage[starts[mine] : starts[mine] + shares[mine]]
-    return works, _Landing(buffer, [own], _scatter_moves(buffer, by_owner[mine], own))
+    return works, [own], _scatter_moves(buffer, by_owner[mine], own)
 
 
 def _rank_by_rank(buffer: Tensor, by_owner: list[list[tuple[int, int]]], chunk: int) -> Tensor:
@@ -251,7 +245,7 @@ def _rank_by_rank(buffer: Tensor, by_owner: list[list[tuple[int, int]]], chunk: 
     return stage
 
 
-def _scatter_moves(buffer: Tensor, ranges: Sequence[tuple[int, int]], own: Tensor) -> list[tuple[Tensor, Tensor]]:
+def _scatter_moves(buffer: Tensor, ranges: Sequence[tuple[int, int]], own: Tensor) -> _Moves:
     starts = [0, *accumulate(end - start for start, end in ranges)]
     return [(buffer[start:end], own[at : at + end - start]) for (start, end), at in zip(ranges, starts)]
 

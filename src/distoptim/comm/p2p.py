@@ -1,8 +1,5 @@
-"""gloo's fastest way to move a step's bytes: point to point, each rank sending each owner its share directly.
-
-``ReductionExchange`` sums every rank's contributions on the owner, chunk by chunk within a staging budget;
-``send_from_owners`` sends each owner's ranges to every rank (the parameter sync). Tags are derived alike on every
-rank, and a daemon thread per group gives gloo's works a future. Why and how: ``docs/guides/internals.md``.
+"""gloo's fastest way to move a step's bytes: point to point, each rank sending each owner its share directly
+(``ReductionExchange``, ``send_from_owners``). Why and how: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -268,8 +265,7 @@ def _run(jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[None]] | Non
 
 
 class _Group:
-    """What this module keeps for one group: reductions and syncs started (tags), staging held, deferred receives,
-    and its two threads."""
+    """What this module keeps for a group: reductions and syncs started, staging held, deferred receives, threads."""
 
     def __init__(self) -> None:
         self.reductions = self.syncs = self.staged = self.deferred = 0
@@ -285,8 +281,7 @@ EXIT_TIMEOUT_S = 60.0
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """Let each thread finish what it was handed before shutdown (a peer may wait for it; a daemon thread inside a
-    wait would be killed in torch's C++)."""
+    """Let each thread finish its jobs before shutdown (a peer may wait; a daemon killed in a wait aborts in C++)."""
     for state in attached_everywhere("p2p"):
         state.beside.finish(EXIT_TIMEOUT_S)
         state.waiter.finish(EXIT_TIMEOUT_S)

@@ -145,10 +145,8 @@ def store_plan(buckets: Sequence[BucketPlan], rank: int, plan: PartitionPlan) ->
         for slot in bucket.slots:
             for fragment in plan.fragments[slot.index]:
                 if fragment.rank == rank and fragment.length:
-                    fragments[(slot.index, fragment.offset)] = (
-                        number,
-                        _owned_offset(owned, slot.position + fragment.offset),
-                    )
+                    at = _owned_offset(owned, slot.position + fragment.offset)
+                    fragments[(slot.index, fragment.offset)] = (number, at)
         lengths.append(sum(end - start for start, end in owned))
     return StorePlan(tuple(lengths), fragments)
 

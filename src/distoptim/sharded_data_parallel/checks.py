@@ -115,12 +115,8 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
     """What every rank must agree on before wrapping: the settings, each parameter's and buffer's layout."""
     entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
     for name, p in module.named_parameters():
-        entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = (
-            tuple(p.shape),
-            str(p.dtype),
-            p.requires_grad,
-            p.stride(),
-        )
+        layout = (tuple(p.shape), str(p.dtype), p.requires_grad, p.stride())
+        entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = layout
     for name, buffer in module.named_buffers():
         entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
     return entries

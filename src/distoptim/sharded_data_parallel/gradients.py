@@ -35,6 +35,8 @@ __all__ = ["OwnedGradients"]
 class OwnedGradients:
     """This rank's owned gradient of ``zero``'s parameters, filled bucket by bucket during each backward."""
 
+    max_in_flight = 2  # the most buckets being filled or reduced at once
+
     def __init__(
         self,
         zero: ZeroRedundancyOptimizer,
@@ -43,10 +45,9 @@ class OwnedGradients:
         sync: ParameterSync,
         replanned: Callable[[], None],
         wrapper: Any,
-        max_in_flight: int = 2,
         static_graph: bool = False,
     ) -> None:
-        self.zero, self.reduce_dtype, self.max_in_flight = zero, reduce_dtype, max_in_flight
+        self.zero, self.reduce_dtype = zero, reduce_dtype
         self.static_graph = static_graph  # the parameters some rank uses are the same every backward (DDP's promise)
         self.replanned, self.wrapper = replanned, wrapper  # called after placing; the wrapper whose hooks these are
         self._build(buckets, sync)
@@ -194,7 +195,15 @@ class OwnedGradients:
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: forget the owned gradient and which parameters were used (``set_to_none=False``: zero it)."""
-        reached = self._recover()  # a backward that raised before launching anything: its gradient is dropped
+        reached: set[int] = set()
+        if self.in_backward:  # a backward that raised before launching anything: its buckets dropped, unswapped
+            if self._next:
+                raise RuntimeError(checks.POISONED)
+            reached = set(self._filled)
+            self._buffers = {}
+            self._next_backward_afresh()
+            self.in_backward = False
+            self._unswap()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used = [False] * len(self.params)
         self.unagreed = False
@@ -215,19 +224,6 @@ class OwnedGradients:
             for index in reached:
                 self.used[index] = self.unagreed = True
             self.mark()
-
-    def _recover(self) -> set[int]:
-        """After a backward that raised before launching: drop its buckets, unswap, return the parameters reached."""
-        if not self.in_backward:
-            return set()
-        if self._next:
-            raise RuntimeError(checks.POISONED)
-        reached = set(self._filled)
-        self._buffers = {}
-        self._next_backward_afresh()
-        self.in_backward = False
-        self._unswap()
-        return reached
 
     def _next_backward_afresh(self) -> None:
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
@@ -311,7 +307,10 @@ class OwnedGradients:
                 "checkpoint(..., use_reentrant=True), with the parameter also used outside the checkpoint does "
                 "this). Use checkpoint(..., use_reentrant=False), or use the parameter on one side only"
             )
-        if bucket not in self._buffers and self._is_whole_bucket(bucket, param, grad):
+        plan = self.buckets[bucket]
+        whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
+        whole = whole and self.store_keys[plan.key] == (grad.device, grad.dtype) and grad.stride() == param.stride()
+        if whole and is_dense(grad) and owns_its_memory(grad):  # no other tensor shares it (autograd may)
             self._buffer(bucket, flat_view(grad))  # the gradient is the bucket (a parameter over the cap): no copy
         else:
             view_like(self._buffer(bucket), slot.position, param).copy_(grad)
@@ -320,12 +319,6 @@ class OwnedGradients:
         self._filled.add(slot.index)
         self._remaining[bucket] -= 1
 
-    def _is_whole_bucket(self, bucket: int, param: Tensor, grad: Tensor) -> bool:
-        """Whether ``grad``, flat, is the bucket and owns its memory (autograd may share it with another branch)."""
-        plan, key = self.buckets[bucket], (grad.device, grad.dtype)
-        fits = len(plan.slots) == 1 and plan.numel == grad.numel() and key == self.store_keys[plan.key]
-        return fits and grad.stride() == param.stride() and is_dense(grad) and owns_its_memory(grad)
-
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
         """Bucket ``bucket``'s buffer (``gradient``, or zeros), once fewer than ``max_in_flight`` are in use."""
         if bucket not in self._buffers:
@@ -333,18 +326,16 @@ class OwnedGradients:
                 if self.shared:  # another wrapper's reductions may come first on other ranks: no wait before flushes
                     break
                 self._land_oldest()
-            plan = self.buckets[bucket]
-            device, dtype = self.store_keys[plan.key]
-            self._buffers[bucket] = (
-                gradient if gradient is not None else torch.zeros(plan.numel, dtype=dtype, device=device)
-            )
+            if gradient is None:
+                device, dtype = self.store_keys[self.buckets[bucket].key]
+                gradient = torch.zeros(self.buckets[bucket].numel, dtype=dtype, device=device)
+            self._buffers[bucket] = gradient
         return self._buffers[bucket]
 
     def _launch_ready(self, flushing: bool = False) -> None:
-        """Launch, in order, every full bucket, divided (``flushing``: every bucket left, with the ``.grad`` the
-        backward did not reach). Under hybrid sharding with another wrapper in the backward only the flush does."""
+        """Launch, in order, every full bucket, divided (``flushing``: every one left, with ``.grad`` not reached)."""
         zero = self.zero
-        if self.shared and zero.replicate_group is not None and not flushing:
+        if self.shared and zero.replicate_group is not None and not flushing:  # hybrid, another wrapper: flush only
             return
         while self._next < len(self.buckets) and (flushing or not self._remaining[self._next]):
             bucket, plan = self._next, self.buckets[self._next]

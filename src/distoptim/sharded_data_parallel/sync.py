@@ -1,8 +1,6 @@
-"""The parameter side of ``ShardedDataParallel``: after the step, each bucket's parameters are gathered from their
-owners in forward order; with ``overlap_param_sync`` the next forward starts while later buckets travel (a
-module-global forward pre-hook lands what each module needs). Landing only waits and copies, locally. A write
-between launch and landing is caught by the owners' checksums and raised in the next agreement. The window's rules:
-``docs/guides/internals.md``.
+"""The parameter side of ``ShardedDataParallel``: after the step, each bucket gathered from its owners in forward
+order; with ``overlap_param_sync`` a module-global forward pre-hook lands what each module reads, the owners'
+checksums catching writes in flight. The window's rules: ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -196,8 +194,7 @@ class BucketedSync(ParameterSync):
             raise RuntimeError(_WRITTEN)
 
     def check_untouched_here(self) -> None:
-        """Raise here if this rank saw such a write (``sync_finished()``, local); the flags stay for the next
-        agreement."""
+        """Raise here if this rank saw such a write (``sync_finished()``, local; the next agreement raises it too)."""
         if self._written():
             raise RuntimeError(
                 f"{_WRITTEN} (seen on rank {comm.group_rank(self.group)}, which owns some of the written elements; "
@@ -225,8 +222,7 @@ _WRITTEN = (
 
 
 def _where(params: Sequence[Tensor]) -> _Storage:
-    """Where ``params`` lie, read without dispatch: their storages (held: a freed address may be reused on some ranks
-    only) and data pointers."""
+    """``params``' storages (held: a freed address may be reused on some ranks only) and data pointers, undispatched."""
     with torch._C.DisableTorchFunction():
         return tuple((p.untyped_storage(), p.data_ptr()) for p in params)
 
@@ -243,8 +239,7 @@ _WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wi
 
 
 def _checksum(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The sums of ``tensors``' raw bits, one per tensor (None without elements), as the widest words their bytes
-    allow, modulo 2^64 or 2^32: a change of one value always changes them."""
+    """The sums of ``tensors``' raw bits in the widest words they allow, one per tensor (None without elements)."""
     sums = [_bit_sum(t) for t in tensors if t.numel()]
     return torch.stack(sums) if sums else None
 

@@ -172,9 +172,6 @@ class ShardedDataParallel(nn.Module):
         Args:
             *args: the module's positional arguments.
             **kwargs: the module's keyword arguments.
-
-        Raises:
-            Exception: whatever the module raises.
         """
         assert self.gradients is not None
         if not in_backward():  # a recomputing checkpoint runs forwards inside the backward
@@ -190,13 +187,11 @@ class ShardedDataParallel(nn.Module):
         return output
 
     def join_hook(self, **kwargs: Any) -> Any:
-        """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs) where it is built, not at a backward.
+        """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs) where it is built, not at a backward:
+        a ``NotImplementedError`` on every rank (each builds its ``Join``).
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).
-
-        Raises:
-            NotImplementedError: always (on every rank: each builds its ``Join``).
         """
         raise NotImplementedError(JOIN_WITH_SDP)
 
