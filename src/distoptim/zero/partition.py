@@ -119,29 +119,26 @@ def partition_parameters(
             f"got {len(numels)} element counts, {len(trainable)} trainable flags, {len(keys)} keys, {len(whole)} "
             f"whole flags and {len(costs)} costs"
         )
-    placed = (
-        [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
-        if previous is not None
-        else []
-    )
-    if previous is not None and (
-        previous.world_size != world_size
-        or previous.mode != mode
-        or (tuple(numels[: len(placed)]), keys[: len(placed)]) != (previous.numels, previous.keys)
-    ):
-        raise ValueError("previous plan does not describe a prefix of these parameters at this world size and mode")
+    placed: list[bool] = []
+    owners: list[int] = []
+    if previous is not None:
+        placed = [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
+        owners = list(previous.owners)
+        prefix = (world_size, mode, tuple(numels[: len(placed)]), keys[: len(placed)])
+        if prefix != (previous.world_size, previous.mode, previous.numels, previous.keys):
+            raise ValueError("previous plan does not describe a prefix of these parameters at this world size and mode")
     placed += [False] * (len(numels) - len(placed))
+    owners += [UNOWNED] * (len(numels) - len(owners))
     new = [index for index, done in enumerate(placed) if trainable[index] and not done]
     for index in new:
         placed[index] = True
-    owners = list(previous.owners) if previous is not None else []
-    owners += [UNOWNED] * (len(numels) - len(owners))
     for weights, members in ((costs, [i for i in new if whole[i]]), (numels, [i for i in new if not whole[i]])):
         if mode == "greedy" or weights is costs:
             peers = [i for i in range(len(placed)) if whole[i] == (weights is costs)]
             _greedy_owners(owners, weights, members, peers, world_size)
     if mode == "greedy":
-        layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in _distinct(keys, placed)]
+        distinct = dict.fromkeys(key for key, done in zip(keys, placed) if done)
+        layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in distinct]
     else:
         grown = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {}, whole, owners)
         layouts = [_aligned(layout, numels, align, previous) for layout in grown]
@@ -164,10 +161,6 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
 def _single_owner(pieces: Sequence[Fragment]) -> int:
     ranks = {fragment.rank for fragment in pieces}
     return UNOWNED if not ranks else ranks.pop() if len(ranks) == 1 else SPLIT
-
-
-def _distinct(keys: Sequence[Hashable], placed: Sequence[bool]) -> list[Hashable]:
-    return list(dict.fromkeys(key for key, done in zip(keys, placed) if done))
 
 
 def _greedy_owners(
@@ -220,7 +213,7 @@ def _grown_even_layouts(
         if not members and not kept:
             continue
         layout = layouts.get(key, LayoutPlan(key, (), (), ()))
-        for run in _regions(kept, numels, region_numel.get(key)) if kept else ():
+        for run in _regions(kept, numels, region_numel.get(key)):
             layout = _whole_region(layout, sorted((owners[i], i) for i in run), numels, world_size)
         for region in _regions(members, numels, region_numel.get(key)):
             start = layout.numel
@@ -275,10 +268,8 @@ def _whole_region(
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
     """``members`` (in order) cut into runs of at most ``cap`` elements, from the last one; none of no members."""
-    if not members:
-        return []
     if cap is None:
-        return [tuple(members)]
+        return [tuple(members)] if members else []
     runs: list[list[int]] = []
     filled = 0
     for index in reversed(members):
