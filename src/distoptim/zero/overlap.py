@@ -53,12 +53,6 @@ class OverlapStepper:
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self._deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
         self._grad_seen: tuple[int, int] | None = None
-        self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
-        self._relay: bool | None = None  # whether the bucket syncs go through aggregators (p2p style)
-        self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
-        self._options: list[dict[str, Any]] = []  # each local group's settings for its functional optimizers
-        self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
-        self._index_of: dict[Tensor, int] = {}  # parameter -> its index in global_params
 
     def rebuild(
         self,
@@ -68,23 +62,25 @@ class OverlapStepper:
         global_params: list[Tensor],
         param_groups: list[dict[str, Any]],
     ) -> None:
-        """Forget the functional optimizers over the local shard's tensors (after each placement)."""
+        """Forget the functional optimizers over the local shard's tensors (after every placement, the first too)."""
         self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
         self.formats: StateFormats | None = (  # set by placement.bind_local_optimizer where a group takes a format
             local_optimizer.formats if isinstance(local_optimizer, CompositeOptimizer) else None
         )
         self.global_params, self.param_groups = global_params, param_groups
         defaults = self.functional_cls.spec.defaults
+        # each local group's settings for its functional optimizers
         self._options = [{k: v for k, v in group.items() if k in defaults} for group in local_optimizer.param_groups]
-        self._locals_of = {}
+        self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
         for index, locals_ in enumerate(shard.groups):
             for local in locals_:
                 self._locals_of.setdefault(local.param, []).append((index, local))
         self._index_of = {param: index for index, param in enumerate(global_params)}
-        self._parts.clear()
-        self._bucket_syncs.clear()
+        self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
+        self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
         layouts = layouts_from_plan(plan.layouts, plan.fragments, global_params)
         pieces = [piece for layout in layouts for piece in layout.pieces]
+        # whether the bucket syncs go through aggregators (p2p style)
         self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
