@@ -91,9 +91,9 @@ class OverlapStepper:
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
             if part.as_given:
-                step_grads = [grads.get(key) for key in part.keys]
+                step_grads = [grads.get(local.param) for local in part.locals]
             else:
-                step_grads = [local.grad_for_step(grads.get(key)) for local, key in zip(part.locals, part.keys)]
+                step_grads = [local.grad_for_step(grads.get(local.param)) for local in part.locals]
             if self.formats is None:
                 functional.step(step_grads)
             else:
@@ -149,15 +149,13 @@ class OverlapStepper:
     def _parts_for(self, grads: dict[Tensor, Tensor | None]) -> list[_Part]:
         """This rank's tensors of the parameters in ``grads``, one part per local param group (cached)."""
         key = tuple(grads)
-        parts = self._parts.get(key)
-        if parts is None:
+        if key not in self._parts:
             by_group: dict[int, list[LocalTensor]] = {}
             for param in key:
                 for index, local in self._locals_of.get(param, ()):
                     by_group.setdefault(index, []).append(local)
-            parts = [self._part(index, locals_) for index, locals_ in sorted(by_group.items())]
-            self._parts[key] = parts
-        return parts
+            self._parts[key] = [self._part(index, locals_) for index, locals_ in sorted(by_group.items())]
+        return self._parts[key]
 
     def _part(self, index: int, locals_: list[LocalTensor]) -> _Part:
         tensors = [local.tensor for local in locals_]
@@ -167,7 +165,6 @@ class OverlapStepper:
             group=index,
             functional=functional,
             locals=locals_,
-            keys=[local.param for local in locals_],
             as_given=all(local.whole and not local.master for local in locals_),
             write_into=[local.param if local.whole else local.param_piece() for local in masters],
             write_from=[local.tensor for local in masters],
@@ -257,7 +254,6 @@ class _Part:
     group: int
     functional: FunctionalOptimizer
     locals: list[LocalTensor]
-    keys: list[Tensor]
     as_given: bool
     write_into: list[Tensor]
     write_from: list[Tensor]

@@ -213,15 +213,23 @@ def _grown_even_layouts(
         if not members and not kept:
             continue
         layout = layouts.get(key, LayoutPlan(key, (), (), ()))
-        for run in _regions(kept, numels, region_numel.get(key)):
-            layout = _whole_region(layout, sorted((owners[i], i) for i in run), numels, world_size)
-        for region in _regions(members, numels, region_numel.get(key)):
+        cap = region_numel.get(key)
+        regions = [(run, True) for run in _regions(kept, numels, cap)]
+        regions += [(run, False) for run in _regions(members, numels, cap)]
+        for region, of_whole in regions:
             start = layout.numel
-            positions = list(itertools.accumulate((numels[i] for i in region[:-1]), initial=start))
-            chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil: the last rank's range is padded
-            bounds = tuple(start + rank * chunk for rank in range(world_size + 1))
+            if of_whole:  # whole parameters by owner, each owner's range theirs
+                region = tuple(sorted(region, key=lambda i: (owners[i], i)))
+                bounds = [start] * (world_size + 1)
+                for index in region:
+                    for rank in range(owners[index] + 1, world_size + 1):
+                        bounds[rank] += numels[index]
+            else:
+                chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil: the last rank's range is padded
+                bounds = [start + rank * chunk for rank in range(world_size + 1)]
+            positions = itertools.accumulate((numels[i] for i in region[:-1]), initial=start)
             layout = LayoutPlan(
-                key, layout.params + region, layout.positions + tuple(positions), (*layout.bounds, bounds)
+                key, layout.params + region, layout.positions + tuple(positions), (*layout.bounds, tuple(bounds))
             )
         layouts[key] = layout
     return list(layouts.values())
@@ -248,22 +256,6 @@ def _aligned(
             moved.append(max(bound, moved[-1]))
         bounds.append((*moved, region[-1]))
     return LayoutPlan(layout.key, layout.params, layout.positions, tuple(bounds))
-
-
-def _whole_region(
-    layout: LayoutPlan, kept: Sequence[tuple[int, int]], numels: Sequence[int], world_size: int
-) -> LayoutPlan:
-    """``layout`` with a region of whole parameters (``(owner, index)`` sorted) appended, each owner's range theirs."""
-    start = layout.numel
-    positions = list(itertools.accumulate((numels[i] for _, i in kept[:-1]), initial=start))
-    ends = [start] * (world_size + 1)
-    for owner, index in kept:
-        for rank in range(owner + 1, world_size + 1):
-            ends[rank] += numels[index]
-    params = tuple(index for _, index in kept)
-    return LayoutPlan(
-        layout.key, layout.params + params, layout.positions + tuple(positions), (*layout.bounds, tuple(ends))
-    )
 
 
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:

@@ -106,21 +106,15 @@ class LocalShard:
         self.source: Callable[[LocalTensor], Tensor | None] | None = None  # a gradient store (ShardedDataParallel's)
         self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
         self._attached: list[Tensor] = []  # the source's pieces during a step, as it holds them
-        self._stepped = [t.tensor for t in self.locals]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
         self._cut = [p for group in param_groups for p in group["params"]] if plan.mode == "even" else []
 
-    @property
-    def tensors(self) -> list[list[Tensor]]:
-        """What the local optimizer holds, group by group."""
-        return [[t.tensor for t in group] for group in self.groups]
-
     def param_groups(self, global_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """The local optimizer's param groups: each global group's settings over this rank's tensors of it."""
         return [
-            {**{k: v for k, v in group.items() if k not in GLOBAL_ONLY}, "params": tensors}
-            for group, tensors in zip(global_groups, self.tensors)
+            {**{k: v for k, v in group.items() if k not in GLOBAL_ONLY}, "params": [t.tensor for t in local]}
+            for group, local in zip(global_groups, self.groups)
         ]
 
     def attach_grads(self) -> None:
@@ -163,7 +157,7 @@ class LocalShard:
 
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
-        return [grad for grad in (tensor.grad for tensor in self._stepped) if grad is not None]
+        return [grad for grad in (t.tensor.grad for t in self.locals) if grad is not None]
 
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
