@@ -108,9 +108,8 @@ def staged_sync_of(
 
 class StagedSync(ParameterSync):
     """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers
-    in rounds of at most ``stage_bytes``, packed and unpacked with one ``torch._foreach_copy_`` each (``_RoundWork``).
-    ``relay``: whether the p2p style goes through aggregators, decided by the caller (None: by each round).
-    """
+    in rounds of at most ``stage_bytes`` (one ``torch._foreach_copy_`` packs, one unpacks). ``relay``: whether the
+    p2p style goes through aggregators (None: each round decides)."""
 
     def __init__(
         self,
@@ -133,8 +132,7 @@ class StagedSync(ParameterSync):
                     self.direct.append(piece)
                 else:
                     staged.append(piece)
-            element_size = torch.empty((), dtype=layout.dtype).element_size()
-            self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // element_size)))
+            self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // layout.dtype.itemsize)))
         # the large pieces, one owner's each, travel as one layout
         self.relay_direct = comm.relayed(owned_bytes(self.direct, comm.group_size(group))) if relay is None else relay
 
