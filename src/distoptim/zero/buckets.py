@@ -254,7 +254,7 @@ def _rounds(pieces: Sequence[Piece], layout: FlatLayout, stage_numel: int) -> li
     rounds: list[_Round] = []
     for chunk in chunks:
         size = chunk.end - chunk.start
-        if not rounds or (rounds[-1].numel + size > stage_numel and rounds[-1].chunks):
+        if not rounds or rounds[-1].numel + size > stage_numel:
             rounds.append(_Round(device=layout.device, dtype=layout.dtype))
         current = rounds[-1]
         chunk.start, chunk.end = current.numel, current.numel + size

@@ -132,10 +132,9 @@ def partition_parameters(
     new = [index for index, done in enumerate(placed) if trainable[index] and not done]
     for index in new:
         placed[index] = True
-    for weights, members in ((costs, [i for i in new if whole[i]]), (numels, [i for i in new if not whole[i]])):
-        if mode == "greedy" or weights is costs:
-            peers = [i for i in range(len(placed)) if whole[i] == (weights is costs)]
-            _greedy_owners(owners, weights, members, peers, world_size)
+    _greedy_owners(owners, costs, new, whole, world_size)
+    if mode == "greedy":
+        _greedy_owners(owners, numels, new, [not kept for kept in whole], world_size)
     if mode == "greedy":
         distinct = dict.fromkeys(key for key, done in zip(keys, placed) if done)
         layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in distinct]
@@ -164,16 +163,16 @@ def _single_owner(pieces: Sequence[Fragment]) -> int:
 
 
 def _greedy_owners(
-    owners: list[int], weights: Sequence[int], new: Sequence[int], peers: Sequence[int], world_size: int
+    owners: list[int], weights: Sequence[int], new: Sequence[int], among: Sequence[bool], world_size: int
 ) -> None:
-    """Fill in ``owners``: the heaviest new parameter to the least-loaded rank (counting the owned ``peers``) first."""
+    """Fill in ``owners`` of the ``new`` parameters ``among`` selects: the heaviest to the least-loaded rank first."""
     loads = [0] * world_size
-    for index in peers:
-        if owners[index] >= 0:
-            loads[owners[index]] += weights[index]
+    for index, owner in enumerate(owners):
+        if among[index] and owner >= 0:
+            loads[owner] += weights[index]
     heap = [(load, rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
-    for index in sorted(new, key=lambda i: (-weights[i], i)):
+    for index in sorted((i for i in new if among[i]), key=lambda i: (-weights[i], i)):
         load, rank = heap[0]
         owners[index] = rank
         heapq.heapreplace(heap, (load + weights[index], rank))
