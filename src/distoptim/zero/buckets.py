@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,9 +52,8 @@ class ParameterSync:
 
 
 class BucketViewSync(ParameterSync):
-    """Parameters are views into one flat buffer per layout; sync gathers each rank's ranges in place. Each buffer
-    has room for the padding of a finer even cut, so that ``ShardedDataParallel``'s re-cut moves the parameters
-    within the buffers of ``move_within`` (the sync being replaced) instead of copying them: no second copy."""
+    """Parameters are views into one flat buffer per layout, gathered in place. Each buffer has room for a finer even
+    cut's padding: ``ShardedDataParallel``'s re-cut moves the parameters within ``move_within``'s buffers."""
 
     def __init__(
         self,
@@ -109,9 +108,8 @@ def staged_sync_of(
 
 class StagedSync(ParameterSync):
     """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers
-    in rounds of at most ``stage_bytes``, packed and unpacked with one ``torch._foreach_copy_`` each (``_RoundWork``).
-    ``relay``: whether the p2p style goes through aggregators, decided by the caller (None: by each round).
-    """
+    in rounds of at most ``stage_bytes`` (one ``torch._foreach_copy_`` packs, one unpacks). ``relay``: whether the
+    p2p style goes through aggregators (None: each round decides)."""
 
     def __init__(
         self,
@@ -134,8 +132,7 @@ class StagedSync(ParameterSync):
                     self.direct.append(piece)
                 else:
                     staged.append(piece)
-            element_size = torch.empty((), dtype=layout.dtype).element_size()
-            self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // element_size)))
+            self.rounds.extend(_rounds(staged, layout, max(1, stage_bytes // layout.dtype.itemsize)))
         # the large pieces, one owner's each, travel as one layout
         self.relay_direct = comm.relayed(owned_bytes(self.direct, comm.group_size(group))) if relay is None else relay
 
@@ -177,17 +174,21 @@ class StagedSync(ParameterSync):
 
     def _work(self, round_: _Round) -> _RoundWork:
         """What ``round_`` does at every step, worked out at its first launch (nothing when alone)."""
-        if round_.work is None:
-            round_.work = _RoundWork(round_.dtype, round_.device) if self.alone else self._round_work(round_)
-        return round_.work
-
-    def _round_work(self, round_: _Round) -> _RoundWork:
-        work = _RoundWork(round_.dtype, round_.device, round_.numel)
+        if round_.work is not None:
+            return round_.work
+        if self.alone:
+            round_.work = _RoundWork(round_.dtype, round_.device)
+            return round_.work
+        work = round_.work = _RoundWork(round_.dtype, round_.device, round_.numel)
         work.slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
         for chunk in round_.chunks:
             start = chunk.start
-            for piece in chunk.pieces:
-                staged, own = _staged_view(work.stage, start, piece), _param_side(piece)
+            for piece in chunk.pieces:  # a whole parameter as it is, a partial one as a 1-D view, staged alike
+                if piece.whole:
+                    staged, own = view_like(work.stage, start, piece.param), piece.param
+                else:
+                    staged = work.stage[start : start + piece.length]
+                    own = flat_view(piece.param)[piece.offset : piece.offset + piece.length]
                 if chunk.src == self.rank:
                     work.pack_into.append(staged)
                     work.pack_from.append(own)
@@ -206,20 +207,6 @@ def owned_bytes(pieces: Iterable[Piece], world_size: int) -> list[int]:
     return shares
 
 
-def _param_side(piece: Piece) -> Tensor:
-    """What a piece's elements are copied from and into: the parameter itself when whole, else a 1-D view."""
-    if piece.whole:
-        return piece.param
-    return flat_view(piece.param)[piece.offset : piece.offset + piece.length]
-
-
-def _staged_view(stage: Tensor, start: int, piece: Piece) -> Tensor:
-    """The piece's place in a stage, shaped like ``_param_side(piece)``."""
-    if piece.whole:
-        return view_like(stage, start, piece.param)
-    return stage[start : start + piece.length]
-
-
 @dataclass
 class _Chunk:
     src: int
@@ -229,8 +216,7 @@ class _Chunk:
 
 
 class _RoundWork:
-    """A round's work at every step: this rank's pieces into the stage, its slices broadcast from their owners, the
-    other ranks' pieces out of it (the stage is kept: a fresh one each step costs page faults)."""
+    """A round's packing, broadcasts and unpacking (its stage kept: a fresh one each step costs page faults)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, numel: int = 0) -> None:
         self.stage = torch.empty(numel, dtype=dtype, device=device)
@@ -250,8 +236,7 @@ class _Round:
     work: _RoundWork | None = None
 
 
-@dataclass
-class _InFlight:
+class _InFlight(NamedTuple):
     round: _Round
     works: list[Any]
 
@@ -269,7 +254,7 @@ def _rounds(pieces: Sequence[Piece], layout: FlatLayout, stage_numel: int) -> li
     rounds: list[_Round] = []
     for chunk in chunks:
         size = chunk.end - chunk.start
-        if not rounds or (rounds[-1].numel + size > stage_numel and rounds[-1].chunks):
+        if not rounds or rounds[-1].numel + size > stage_numel:
             rounds.append(_Round(device=layout.device, dtype=layout.dtype))
         current = rounds[-1]
         chunk.start, chunk.end = current.numel, current.numel + size
@@ -301,9 +286,8 @@ def movable_within(layout: FlatLayout, allocation: Tensor) -> bool:
 
 
 def place(layout: FlatLayout, allocation: Tensor) -> Tensor:
-    """Make ``layout``'s parameters views into ``allocation`` at their positions, zero the padding, and return the
-    layout's buffer. Parameters already in it move there: backward moves first to last, then forward ones last to
-    first, so that no move overwrites a parameter that has not moved yet."""
+    """Make ``layout``'s parameters views into ``allocation``, zero the padding, and return the layout's buffer.
+    Parameters already in it move: backward moves first to last, forward ones last to first (none overwritten)."""
     buffer = allocation[: layout.numel]
     storage = _storage(allocation)
     starts = _starts(layout)

@@ -53,12 +53,6 @@ class OverlapStepper:
         self._unconfirmed = False  # stepped by a hook since the last zero.step()
         self._deferred_finish: Callable[[], None] | None = None  # a joined rank's step, for ZeRO's join hook
         self._grad_seen: tuple[int, int] | None = None
-        self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
-        self._relay: bool | None = None  # whether the bucket syncs go through aggregators (p2p style)
-        self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
-        self._options: list[dict[str, Any]] = []  # each local group's settings for its functional optimizers
-        self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
-        self._index_of: dict[Tensor, int] = {}  # parameter -> its index in global_params
 
     def rebuild(
         self,
@@ -68,23 +62,25 @@ class OverlapStepper:
         global_params: list[Tensor],
         param_groups: list[dict[str, Any]],
     ) -> None:
-        """Forget the functional optimizers over the local shard's tensors (after each placement)."""
+        """Forget the functional optimizers over the local shard's tensors (after every placement, the first too)."""
         self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
         self.formats: StateFormats | None = (  # set by placement.bind_local_optimizer where a group takes a format
             local_optimizer.formats if isinstance(local_optimizer, CompositeOptimizer) else None
         )
         self.global_params, self.param_groups = global_params, param_groups
         defaults = self.functional_cls.spec.defaults
+        # each local group's settings for its functional optimizers
         self._options = [{k: v for k, v in group.items() if k in defaults} for group in local_optimizer.param_groups]
-        self._locals_of = {}
+        self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
         for index, locals_ in enumerate(shard.groups):
             for local in locals_:
                 self._locals_of.setdefault(local.param, []).append((index, local))
         self._index_of = {param: index for index, param in enumerate(global_params)}
-        self._parts.clear()
-        self._bucket_syncs.clear()
+        self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
+        self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
         layouts = layouts_from_plan(plan.layouts, plan.fragments, global_params)
         pieces = [piece for layout in layouts for piece in layout.pieces]
+        # whether the bucket syncs go through aggregators (p2p style)
         self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
@@ -95,9 +91,9 @@ class OverlapStepper:
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
             if part.as_given:
-                step_grads = [grads.get(key) for key in part.keys]
+                step_grads = [grads.get(local.param) for local in part.locals]
             else:
-                step_grads = [local.grad_for_step(grads.get(key)) for local, key in zip(part.locals, part.keys)]
+                step_grads = [local.grad_for_step(grads.get(local.param)) for local in part.locals]
             if self.formats is None:
                 functional.step(step_grads)
             else:
@@ -153,15 +149,13 @@ class OverlapStepper:
     def _parts_for(self, grads: dict[Tensor, Tensor | None]) -> list[_Part]:
         """This rank's tensors of the parameters in ``grads``, one part per local param group (cached)."""
         key = tuple(grads)
-        parts = self._parts.get(key)
-        if parts is None:
+        if key not in self._parts:
             by_group: dict[int, list[LocalTensor]] = {}
             for param in key:
                 for index, local in self._locals_of.get(param, ()):
                     by_group.setdefault(index, []).append(local)
-            parts = [self._part(index, locals_) for index, locals_ in sorted(by_group.items())]
-            self._parts[key] = parts
-        return parts
+            self._parts[key] = [self._part(index, locals_) for index, locals_ in sorted(by_group.items())]
+        return self._parts[key]
 
     def _part(self, index: int, locals_: list[LocalTensor]) -> _Part:
         tensors = [local.tensor for local in locals_]
@@ -171,7 +165,6 @@ class OverlapStepper:
             group=index,
             functional=functional,
             locals=locals_,
-            keys=[local.param for local in locals_],
             as_given=all(local.whole and not local.master for local in locals_),
             write_into=[local.param if local.whole else local.param_piece() for local in masters],
             write_from=[local.tensor for local in masters],
@@ -261,7 +254,6 @@ class _Part:
     group: int
     functional: FunctionalOptimizer
     locals: list[LocalTensor]
-    keys: list[Tensor]
     as_given: bool
     write_into: list[Tensor]
     write_from: list[Tensor]

@@ -119,29 +119,25 @@ def partition_parameters(
             f"got {len(numels)} element counts, {len(trainable)} trainable flags, {len(keys)} keys, {len(whole)} "
             f"whole flags and {len(costs)} costs"
         )
-    placed = (
-        [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
-        if previous is not None
-        else []
-    )
-    if previous is not None and (
-        previous.world_size != world_size
-        or previous.mode != mode
-        or (tuple(numels[: len(placed)]), keys[: len(placed)]) != (previous.numels, previous.keys)
-    ):
-        raise ValueError("previous plan does not describe a prefix of these parameters at this world size and mode")
+    placed: list[bool] = []
+    owners: list[int] = []
+    if previous is not None:
+        placed = [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
+        owners = list(previous.owners)
+        prefix = (world_size, mode, tuple(numels[: len(placed)]), keys[: len(placed)])
+        if prefix != (previous.world_size, previous.mode, previous.numels, previous.keys):
+            raise ValueError("previous plan does not describe a prefix of these parameters at this world size and mode")
     placed += [False] * (len(numels) - len(placed))
+    owners += [UNOWNED] * (len(numels) - len(owners))
     new = [index for index, done in enumerate(placed) if trainable[index] and not done]
     for index in new:
         placed[index] = True
-    owners = list(previous.owners) if previous is not None else []
-    owners += [UNOWNED] * (len(numels) - len(owners))
-    for weights, members in ((costs, [i for i in new if whole[i]]), (numels, [i for i in new if not whole[i]])):
-        if mode == "greedy" or weights is costs:
-            peers = [i for i in range(len(placed)) if whole[i] == (weights is costs)]
-            _greedy_owners(owners, weights, members, peers, world_size)
+    _greedy_owners(owners, costs, new, whole, world_size)
     if mode == "greedy":
-        layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in _distinct(keys, placed)]
+        _greedy_owners(owners, numels, new, [not kept for kept in whole], world_size)
+    if mode == "greedy":
+        distinct = dict.fromkeys(key for key, done in zip(keys, placed) if done)
+        layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in distinct]
     else:
         grown = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {}, whole, owners)
         layouts = [_aligned(layout, numels, align, previous) for layout in grown]
@@ -166,21 +162,17 @@ def _single_owner(pieces: Sequence[Fragment]) -> int:
     return UNOWNED if not ranks else ranks.pop() if len(ranks) == 1 else SPLIT
 
 
-def _distinct(keys: Sequence[Hashable], placed: Sequence[bool]) -> list[Hashable]:
-    return list(dict.fromkeys(key for key, done in zip(keys, placed) if done))
-
-
 def _greedy_owners(
-    owners: list[int], weights: Sequence[int], new: Sequence[int], peers: Sequence[int], world_size: int
+    owners: list[int], weights: Sequence[int], new: Sequence[int], among: Sequence[bool], world_size: int
 ) -> None:
-    """Fill in ``owners``: the heaviest new parameter to the least-loaded rank (counting the owned ``peers``) first."""
+    """Fill in ``owners`` of the ``new`` parameters ``among`` selects: the heaviest to the least-loaded rank first."""
     loads = [0] * world_size
-    for index in peers:
-        if owners[index] >= 0:
-            loads[owners[index]] += weights[index]
+    for index, owner in enumerate(owners):
+        if among[index] and owner >= 0:
+            loads[owner] += weights[index]
     heap = [(load, rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
-    for index in sorted(new, key=lambda i: (-weights[i], i)):
+    for index in sorted((i for i in new if among[i]), key=lambda i: (-weights[i], i)):
         load, rank = heap[0]
         owners[index] = rank
         heapq.heapreplace(heap, (load + weights[index], rank))
@@ -220,15 +212,23 @@ def _grown_even_layouts(
         if not members and not kept:
             continue
         layout = layouts.get(key, LayoutPlan(key, (), (), ()))
-        for run in _regions(kept, numels, region_numel.get(key)) if kept else ():
-            layout = _whole_region(layout, sorted((owners[i], i) for i in run), numels, world_size)
-        for region in _regions(members, numels, region_numel.get(key)):
+        cap = region_numel.get(key)
+        regions = [(run, True) for run in _regions(kept, numels, cap)]
+        regions += [(run, False) for run in _regions(members, numels, cap)]
+        for region, of_whole in regions:
             start = layout.numel
-            positions = list(itertools.accumulate((numels[i] for i in region[:-1]), initial=start))
-            chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil: the last rank's range is padded
-            bounds = tuple(start + rank * chunk for rank in range(world_size + 1))
+            if of_whole:  # whole parameters by owner, each owner's range theirs
+                region = tuple(sorted(region, key=lambda i: (owners[i], i)))
+                bounds = [start] * (world_size + 1)
+                for index in region:
+                    for rank in range(owners[index] + 1, world_size + 1):
+                        bounds[rank] += numels[index]
+            else:
+                chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil: the last rank's range is padded
+                bounds = [start + rank * chunk for rank in range(world_size + 1)]
+            positions = itertools.accumulate((numels[i] for i in region[:-1]), initial=start)
             layout = LayoutPlan(
-                key, layout.params + region, layout.positions + tuple(positions), (*layout.bounds, bounds)
+                key, layout.params + region, layout.positions + tuple(positions), (*layout.bounds, tuple(bounds))
             )
         layouts[key] = layout
     return list(layouts.values())
@@ -257,28 +257,10 @@ def _aligned(
     return LayoutPlan(layout.key, layout.params, layout.positions, tuple(bounds))
 
 
-def _whole_region(
-    layout: LayoutPlan, kept: Sequence[tuple[int, int]], numels: Sequence[int], world_size: int
-) -> LayoutPlan:
-    """``layout`` with a region of whole parameters (``(owner, index)`` sorted) appended, each owner's range theirs."""
-    start = layout.numel
-    positions = list(itertools.accumulate((numels[i] for _, i in kept[:-1]), initial=start))
-    ends = [start] * (world_size + 1)
-    for owner, index in kept:
-        for rank in range(owner + 1, world_size + 1):
-            ends[rank] += numels[index]
-    params = tuple(index for _, index in kept)
-    return LayoutPlan(
-        layout.key, layout.params + params, layout.positions + tuple(positions), (*layout.bounds, tuple(ends))
-    )
-
-
 def _regions(members: Sequence[int], numels: Sequence[int], cap: int | None) -> list[tuple[int, ...]]:
     """``members`` (in order) cut into runs of at most ``cap`` elements, from the last one; none of no members."""
-    if not members:
-        return []
     if cap is None:
-        return [tuple(members)]
+        return [tuple(members)] if members else []
     runs: list[list[int]] = []
     filled = 0
     for index in reversed(members):

@@ -129,13 +129,11 @@ def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
 
 def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
     """Refuse parameters whose dtype or device changed since ``placement`` was made (the state cannot follow)."""
-    changed = [
-        (index, key, (p.device, p.dtype))
-        for index, (key, p) in enumerate(zip(placement.keys, params))
-        if key != (p.device, p.dtype)
-    ]
+    now = [(p.device, p.dtype) for p in params]
+    changed = [index for index, (key, new) in enumerate(zip(placement.keys, now)) if key != new]
     if changed:
-        index, (device, dtype), (new_device, new_dtype) = changed[0]
+        index = changed[0]
+        (device, dtype), (new_device, new_dtype) = placement.keys[index], now[index]
         raise ValueError(
             f"{len(changed)} parameter(s) changed dtype or device after the ZeroRedundancyOptimizer was built "
             f"(parameter {index}: {dtype} on {device}, now {new_dtype} on {new_device}; model.to(...) or .double() "

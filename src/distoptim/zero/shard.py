@@ -106,21 +106,15 @@ class LocalShard:
         self.source: Callable[[LocalTensor], Tensor | None] | None = None  # a gradient store (ShardedDataParallel's)
         self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
         self._attached: list[Tensor] = []  # the source's pieces during a step, as it holds them
-        self._stepped = [t.tensor for t in self.locals]
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
         self._cut = [p for group in param_groups for p in group["params"]] if plan.mode == "even" else []
 
-    @property
-    def tensors(self) -> list[list[Tensor]]:
-        """What the local optimizer holds, group by group."""
-        return [[t.tensor for t in group] for group in self.groups]
-
     def param_groups(self, global_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """The local optimizer's param groups: each global group's settings over this rank's tensors of it."""
         return [
-            {**{k: v for k, v in group.items() if k not in GLOBAL_ONLY}, "params": tensors}
-            for group, tensors in zip(global_groups, self.tensors)
+            {**{k: v for k, v in group.items() if k not in GLOBAL_ONLY}, "params": [t.tensor for t in local]}
+            for group, local in zip(global_groups, self.groups)
         ]
 
     def attach_grads(self) -> None:
@@ -150,8 +144,8 @@ class LocalShard:
         copy_each_(self._masters_into, self._masters_from)
 
     def reseed_masters(self) -> None:
-        """Re-seed every master copy whose parameter piece was written outside the optimizer (it no longer equals the
-        master rounded): bits, not ``_version``, decide (``.data`` writes), on the device (no host read)."""
+        """Re-seed every master copy whose parameter piece was written outside the optimizer: bits, not ``_version``,
+        decide (``.data`` writes), on the device (no host read)."""
         with torch.no_grad():
             for into, master in zip(self._masters_into, self._masters_from):
                 written = torch.ne(_bits(into), _bits(master.to(into.dtype))).any()
@@ -163,7 +157,7 @@ class LocalShard:
 
     def step_grads(self) -> list[Tensor]:
         """The gradients the local optimizer is about to step with (after ``attach_grads``)."""
-        return [grad for grad in (tensor.grad for tensor in self._stepped) if grad is not None]
+        return [grad for grad in (t.tensor.grad for t in self.locals) if grad is not None]
 
     def owned_grads(self) -> list[Tensor]:
         """This rank's pieces of the gradient (views where the layouts agree), for clipping."""
@@ -181,19 +175,15 @@ class LocalShard:
             if not local.whole and grad is not None and grad.stride() != local.param.stride():
                 local.param.grad = torch.empty_like(local.param).copy_(grad)
 
-    def key(self, local: LocalTensor) -> int | tuple[int, int]:
-        """The global-format key of a local tensor's state: the parameter index, with the offset when partial."""
-        return local.index if local.whole else (local.index, local.offset)
-
     def global_state(self, state: dict[Tensor, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-        """The local optimizer's ``state`` keyed as in the global format, master copies included."""
+        """The local optimizer's ``state`` keyed by index (``(index, offset)`` when partial), masters included."""
         exported = {}
         for local in self.locals:
             entry = dict(state.get(local.tensor, {}))
             if local.master:
                 entry[MASTER_KEY] = local.tensor.detach()
             if entry:
-                exported[self.key(local)] = entry
+                exported[local.index if local.whole else (local.index, local.offset)] = entry
         return exported
 
     def local_state(self, by_param: dict[Tensor, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -267,11 +257,11 @@ def has_master(dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
 
 def _local_tensor(index: int, param: Tensor, offset: int, length: int, master_dtype: torch.dtype | None) -> LocalTensor:
     whole = offset == 0 and length == param.numel()
+    piece = param.detach() if whole else flat_view(param)[offset : offset + length]
     if has_master(param.dtype, master_dtype):
-        source = param.detach() if whole else flat_view(param)[offset : offset + length]
-        copy = torch.empty_like(source, dtype=master_dtype).copy_(source)
+        copy = torch.empty_like(piece, dtype=master_dtype).copy_(piece)
         return LocalTensor(index, param, offset, length, copy, master=True)
-    return LocalTensor(index, param, offset, length, param if whole else flat_view(param)[offset : offset + length])
+    return LocalTensor(index, param, offset, length, param if whole else piece)
 
 
 def stitch(state: dict[Any, dict[str, Any]], params: Sequence[Tensor]) -> dict[int, dict[str, Any]]:

@@ -103,42 +103,27 @@ class StateFormats:
         """Each part's step, chunk by chunk, with the chunk's state decoded for it (see the module's docstring)."""
         self.check_unchanged(groups)
         stepped = [p for group in groups for p in group["params"] if p.grad is not None]
-        chunks = self._chunks(stepped)
-        if len(chunks) <= 1:
-            self._step_chunk(parts, stepped, state, kwargs)
-            return
         grads = [p.grad for p in stepped]
-        for tensor in stepped:
-            tensor.grad = None
-        try:
-            for chunk in chunks:
-                for tensor, grad in chunk:
-                    tensor.grad = grad
-                self._step_chunk(parts, [tensor for tensor, _ in chunk], state, kwargs)
-                for tensor, _ in chunk:
-                    tensor.grad = None
-        finally:  # every gradient back, also where a chunk's step raised
-            for tensor, grad in zip(stepped, grads):
-                tensor.grad = grad
-
-    def _chunks(self, stepped: list[Tensor]) -> list[list[tuple[Tensor, Tensor | None]]]:
-        chunks: list[list[tuple[Tensor, Tensor | None]]] = [[]]
-        filled = 0
-        for tensor in stepped:
+        starts, filled = [0], 0  # each chunk's first position in ``stepped``
+        for position, tensor in enumerate(stepped):
             size = tensor.numel() if self.formats.get(tensor, "fp32") != "fp32" else 0
             if filled and filled + size > CHUNK_NUMEL:
-                chunks.append([])
+                starts.append(position)
                 filled = 0
-            chunks[-1].append((tensor, tensor.grad))
             filled += size
-        return chunks
-
-    def _step_chunk(
-        self, parts: Sequence[Optimizer], chunk: list[Tensor], state: dict[Tensor, Any], kwargs: Any
-    ) -> None:
-        with self.decoded_for(chunk, state):
-            for part in parts:
-                part.step(**kwargs)
+        chunks = list(zip(starts, [*starts[1:], len(stepped)]))
+        try:
+            for start, end in chunks:
+                if len(chunks) > 1:  # only the chunk's tensors hold their gradient
+                    for position, tensor in enumerate(stepped):
+                        tensor.grad = grads[position] if start <= position < end else None
+                with self.decoded_for(stepped[start:end], state):
+                    for part in parts:
+                        part.step(**kwargs)
+        finally:  # every gradient back, also where a chunk's step raised
+            if len(chunks) > 1:
+                for tensor, grad in zip(stepped, grads):
+                    tensor.grad = grad
 
     @contextlib.contextmanager
     def decoded_for(self, tensors: Sequence[Tensor], state: dict[Tensor, Any]) -> Iterator[None]:
