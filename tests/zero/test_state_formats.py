@@ -91,6 +91,19 @@ def _parity_body(rank: int, world_size: int, name: str, fmt: str, partition: str
     return encoded
 
 
+def _small_chunks_body(rank: int, world_size: int, name: str, fmt: str) -> int:
+    from distoptim.zero import state_formats
+
+    state_formats.CHUNK_NUMEL = 5000  # each shard's step in several chunks, one tensor larger than a chunk
+    return _parity_body(rank, world_size, name, fmt, "even", 3)
+
+
+@pytest.mark.parametrize("name", ["adamw", "rmsprop"])
+def test_a_step_in_several_chunks_is_bitwise_the_same(name: str) -> None:
+    """A shard stepped chunk by chunk (only the chunk's tensors hold their gradient) equals one plain step."""
+    assert sum(run_on_ranks(_small_chunks_body, 2, name, "int8")) > 0
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
 def test_adamw_bitwise_at_any_world_size(world_size: int, fmt: str) -> None:
