@@ -78,7 +78,7 @@ class FragmentTensor(Tensor):
             return FragmentTensor([], tuple(fragment.shape), shell, fragment.saved)
         raise NotImplementedError(f"{func} is not supported on a checkpoint fragment (save or load it with DCP)")
 
-    def _chunks(self) -> list[ChunkStorageMetadata]:
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(offsets=torch.Size(at), sizes=local.shape) for at, local in self._pieces]
@@ -97,11 +97,8 @@ class FragmentTensor(Tensor):
                     chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=self.size()
                 ),
             )
-            for position, (chunk, (_, local)) in enumerate(zip(self._chunks(), self._pieces))
+            for position, (chunk, (_, local)) in enumerate(zip(self.__create_chunk_list__(), self._pieces))
         ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return self._chunks()
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
         offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
