@@ -1,9 +1,6 @@
-"""A range of a dense tensor's elements in memory order, as boxes of its logical (row-major) index space.
-
-Memory order is row-major over the dimensions sorted by stride, so a range of it is at most ``2 * ndim - 1`` boxes
-of that permuted space, each a box of the logical one: sharded checkpoints name a fragment by these, whatever the
-memory layout (``channels_last``, transposed). Boxes may be cut to ``limit`` elements (DCP reads a box whole); each
-fills one stretch of memory (from ``start``). Pure arithmetic: no tensors.
+"""A range of a dense tensor's elements in memory order as boxes of its logical (row-major) index space: memory
+order is row-major over the dimensions sorted by stride, so the range is at most ``2 * ndim - 1`` boxes of that
+permuted space, each a box of the logical one. Pure arithmetic; ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ __all__ = ["Box", "memory_range_boxes"]
 
 @dataclass(frozen=True)
 class Box:
-    """Logical ``offsets`` and ``sizes`` of a box of a tensor's elements; ``start``: where its first element lies in
-    memory, counted from the start of the range it was cut from."""
+    """Logical ``offsets`` and ``sizes`` of a box; ``start``: its first element's place in the range it was cut from."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -44,8 +40,7 @@ def memory_range_boxes(
 
 
 def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Row-major indices ``[start, stop)`` of an array of ``shape`` as ``(offsets, sizes)`` boxes: a partial first
-    row, the whole rows between, a partial last row (each partial row cut the same way one dimension down)."""
+    """Row-major ``[start, stop)`` of ``shape`` as ``(offsets, sizes)``: partial first row, whole rows, partial last."""
     if start >= stop:
         return []
     if not shape:
@@ -66,8 +61,7 @@ def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[
 
 
 def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """A row-major box cut into boxes of at most ``limit`` elements: along its outermost axis longer than 1, each
-    cut holding as many slabs as fit (a slab larger than ``limit`` cut the same way one axis down)."""
+    """A box cut along its outermost axis longer than 1 into boxes of at most ``limit`` elements (recursively)."""
     if math.prod(sizes) <= limit:
         return [(offsets, sizes)]
     axis = next(a for a, size in enumerate(sizes) if size > 1)

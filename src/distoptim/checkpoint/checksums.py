@@ -1,8 +1,5 @@
-"""A sharded checkpoint's manifest: every file's size and CRC-32, written last, checked before a load.
-
-DCP's files carry no checksum, so bytes changed in place would load silently. Each rank checksums the files it
-wrote; the coordinator writes ``MANIFEST`` after DCP's ``.metadata``. CRC-32 guards against damage, not tampering.
-A checkpoint without a manifest (``dcp.save``, an older distoptim) cannot be checked: ``read_manifest`` gives None.
+"""A sharded checkpoint's manifest: every file's size and CRC-32 (DCP's files carry none), written after DCP's
+``.metadata``, checked before a load; CRC-32 guards against damage, not tampering. ``docs/guides/checkpoints.md``.
 """
 
 from __future__ import annotations
@@ -50,7 +47,8 @@ def write_manifest(directory: Path, entries: Mapping[str, Entry]) -> None:
 
 
 def read_manifest(directory: Path) -> dict[str, Entry] | None:
-    """The entries of ``directory``'s manifest; None when it has none; a ``ValueError`` when it cannot be read."""
+    """The entries of ``directory``'s manifest, ``.metadata`` checked against them; None when it has none; a
+    ``ValueError`` when it cannot be read or ``.metadata`` does not match."""
     path = directory / MANIFEST
     if not path.is_file():
         return None
@@ -58,17 +56,18 @@ def read_manifest(directory: Path) -> dict[str, Entry] | None:
         saved = json.loads(path.read_text())
         if saved["format"] != _FORMAT or saved["algorithm"] != _ALGORITHM:
             raise ValueError(f"unknown format {saved['format']!r} / {saved['algorithm']!r}")
-        return {str(name): (int(size), str(crc)) for name, (size, crc) in saved["files"].items()}
+        entries = {str(name): (int(size), str(crc)) for name, (size, crc) in saved["files"].items()}
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise ValueError(
             f"the checkpoint at {directory} is damaged: its manifest {MANIFEST} cannot be read ({error}); load "
             "another checkpoint"
         ) from error
+    verify(directory, [".metadata"], entries)
+    return entries
 
 
 def verify(directory: Path, names: Iterable[str], manifest: Mapping[str, Entry]) -> None:
-    """Each file ``names`` in ``directory`` has the size and checksum ``manifest`` recorded; a ``ValueError`` naming
-    the first that does not."""
+    """A ``ValueError`` naming the first file ``names`` whose size or checksum is not what ``manifest`` recorded."""
     for name in sorted(set(names)):
         path = directory / name
         if name not in manifest:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,25 +38,13 @@ STAGING_BYTES = 4 << 20
 """Bytes per message when a shard travels: the most extra memory consolidation takes on any rank (sender or not)."""
 
 
-@dataclass(frozen=True)
-class _TensorSpec:
-    """What the receiver allocates for one state tensor: its dtype (by name) and shape, on the CPU."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    def empty(self) -> Tensor:
-        return torch.empty(self.shape, dtype=getattr(torch, self.dtype.removeprefix("torch.")))
-
-
 def _as_bytes(tensor: Tensor) -> Tensor:
     """A flat uint8 view of ``tensor``'s elements (a copy of this one tensor only if it is not contiguous)."""
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def _chunks(sizes: Sequence[int], chunk: int) -> Iterator[list[tuple[int, int, int, int]]]:
-    """Cut the tensors' bytes, one after another, into messages of ``chunk`` bytes (the last may be shorter): per
-    message, pieces ``(tensor, begin, end, at)``, bytes ``begin:end`` of that tensor going to ``at`` in it."""
+def _chunks(sizes: Sequence[int], chunk: int) -> Iterator[tuple[list[tuple[int, int, int, int]], int]]:
+    """The tensors' bytes in messages of ``chunk``: each its pieces ``(tensor, begin, end, at)`` and its length."""
     pieces: list[tuple[int, int, int, int]] = []
     at = 0
     for index, size in enumerate(sizes):
@@ -68,48 +55,42 @@ def _chunks(sizes: Sequence[int], chunk: int) -> Iterator[list[tuple[int, int, i
             at += end - begin
             begin = end
             if at == chunk:
-                yield pieces
+                yield pieces, at
                 pieces, at = [], 0
     if pieces:
-        yield pieces
-
-
-def _message_bytes(pieces: list[tuple[int, int, int, int]]) -> int:
-    _, begin, end, at = pieces[-1]
-    return at + end - begin
+        yield pieces, at
 
 
 def send_state(
     state: GlobalState, to: int, group: comm.Group, comm_device: torch.device, staging_bytes: int = STAGING_BYTES
 ) -> None:
-    """Send this rank's shard to rank ``to``: a skeleton as an object, then the tensors' bytes in messages packed
-    into one reused staging buffer of at most ``staging_bytes`` on ``comm_device`` (never a whole copy)."""
+    """Send this rank's shard to rank ``to``: its skeleton, then its bytes through one ``staging_bytes`` buffer."""
     tensors = [value for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
-    skeleton = _map_values(
-        state, lambda value: _TensorSpec(str(value.dtype), tuple(value.shape)) if isinstance(value, Tensor) else value
+    skeleton = _map_values(  # the tensors as meta tensors: the receiver allocates them on the CPU
+        state, lambda value: value.new_empty(value.shape, device="meta") if isinstance(value, Tensor) else value
     )
     sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
     chunk = max(1, staging_bytes)
     comm.send_object((skeleton, chunk), to, group)
     staging = torch.empty(min(chunk, sum(sizes)), dtype=torch.uint8, device=comm_device)
     source: dict[int, Tensor] = {}  # the bytes of the tensor being sent (at most one copy, if not contiguous)
-    for pieces in _chunks(sizes, chunk):
+    for pieces, length in _chunks(sizes, chunk):
         for index, begin, end, at in pieces:
             if index not in source:
                 source = {index: _as_bytes(tensors[index])}
             staging[at : at + end - begin].copy_(source[index][begin:end])
-        comm.send_tensor(staging[: _message_bytes(pieces)], to, group)
+        comm.send_tensor(staging[:length], to, group)
 
 
 def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> GlobalState:
-    """Receive the shard that rank ``source`` sends with ``send_state`` into new CPU tensors, through one staging
-    buffer of one message on ``comm_device``."""
+    """The shard that rank ``source`` sends with ``send_state``, in new CPU tensors."""
     skeleton, chunk = comm.receive_object(source, group, comm_device)
-    state = _map_values(skeleton, lambda value: value.empty() if isinstance(value, _TensorSpec) else value)
+    empty = lambda value: torch.empty(value.shape, dtype=value.dtype) if isinstance(value, Tensor) else value
+    state = _map_values(skeleton, empty)
     targets = [_as_bytes(value) for entry in state.values() for value in entry.values() if isinstance(value, Tensor)]
     staging = torch.empty(min(chunk, sum(target.numel() for target in targets)), dtype=torch.uint8, device=comm_device)
-    for pieces in _chunks([target.numel() for target in targets], chunk):
-        comm.receive_tensor(staging[: _message_bytes(pieces)], source, group)
+    for pieces, length in _chunks([target.numel() for target in targets], chunk):
+        comm.receive_tensor(staging[:length], source, group)
         for index, begin, end, at in pieces:
             targets[index][begin:end].copy_(staging[at : at + end - begin])
     return state
@@ -183,8 +164,7 @@ def select_shard(
 
 
 def loaded_hyperparameters(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved group's settings to load into a group: all but ``params``, the class and the state format (the
-    group's own stay)."""
+    """A saved group's settings to load: all but ``params``, the class and the state format (the group's own stay)."""
     return {k: v for k, v in saved.items() if k not in ("params", CLASS_KEY, FORMAT_KEY)}
 
 

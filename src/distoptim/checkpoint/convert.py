@@ -52,13 +52,7 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
         print(
             f"warning: {directory} has no {checksums.MANIFEST}: its files cannot be checked for damage", file=sys.stderr
         )
-    else:
-        checksums.verify(Path(directory), [".metadata"], manifest)
-    metadata = read_metadata(Path(directory))
-    storage = (metadata.storage_data or {}).values()
-    check_files(Path(directory), storage)
-    if manifest is not None:
-        checksums.verify(Path(directory), [info.relative_path for info in storage], manifest)
+    check_files(Path(directory), (read_metadata(Path(directory)).storage_data or {}).values(), manifest)
     with tempfile.TemporaryDirectory() as temporary:
         scratch = str(Path(temporary) / "flat.pt")
         try:
@@ -85,8 +79,7 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
 
 
 def _decode(entry: dict[str, Any], index: int, layout: tuple[Any, ...] | None) -> None:
-    """Decode ``entry``'s encoded keys (``exp_avg.int8`` + ``exp_avg.int8_absmax``, ``exp_avg.bf16``) in place to
-    fp32 ``exp_avg``; int8 blocks in the saved memory order (``layout``)."""
+    """Decode ``entry``'s encoded keys (``exp_avg.int8`` and its scales, ``exp_avg.bf16``) in place to fp32."""
     for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
         key, fmt = name.rsplit(".", 1)
         names = codecs.encoded_names(key, fmt)
@@ -117,7 +110,8 @@ def torch_optim_to_dcp(
     """
     found = parameter_shapes(state_dict, shapes)
     groups = [dict(group) for group in state_dict["param_groups"]]
-    orders = _orders(shapes, groups, len(found))
+    given = [None] * len(found) if shapes is None else _given(shapes, groups, len(found))
+    orders = [memory_order(item) if isinstance(item, Tensor) else None for item in given]
     formats: list[str] = []
     for number, group in enumerate(groups):
         fmt = check_format(group.get(FORMAT_KEY, "fp32") if state_format is None else state_format, f"group {number}")
@@ -143,17 +137,6 @@ def torch_optim_to_dcp(
     return len(set(files))
 
 
-def _orders(shapes: Shapes | None, groups: list[dict[str, Any]], count: int) -> list[tuple[int, ...] | None]:
-    """Each parameter's memory order (``dcp_state.memory_order``) where ``shapes`` gives it as a tensor, else None."""
-    if shapes is None:
-        return [None] * count
-    if isinstance(shapes, Mapping):  # names checked by parameter_shapes
-        items: list[Any] = [shapes[name] for group in groups for name in group.get("param_names", ())]
-    else:
-        items = list(shapes)
-    return [memory_order(item) if isinstance(item, Tensor) else None for item in items]
-
-
 def _encoded(
     entry: dict[str, Any], shape: tuple[int, ...] | None, order: tuple[int, ...] | None, fmt: str
 ) -> dict[str, Any]:
@@ -177,7 +160,7 @@ def parameter_shapes(state_dict: dict[str, Any], shapes: Shapes | None = None) -
     entries or Adafactor's factors; a state that does not show it is refused: never a guess."""
     groups = state_dict["param_groups"]
     count = sum(len(group["params"]) for group in groups)
-    given = None if shapes is None else _given_shapes(shapes, groups, count)
+    given = None if shapes is None else [_shape_of(item) for item in _given(shapes, groups, count)]
     found: list[tuple[int, ...] | None] = [None] * count
     for index, entry in sorted(state_dict["state"].items()):
         if not 0 <= index < count:
@@ -212,7 +195,8 @@ def _shape_in(entry: dict[str, Any], index: int, needed: bool) -> tuple[int, ...
     return None
 
 
-def _given_shapes(shapes: Shapes, groups: list[dict[str, Any]], count: int) -> list[tuple[int, ...]]:
+def _given(shapes: Shapes, groups: list[dict[str, Any]], count: int) -> list[Any]:
+    """``shapes``' items (shapes or tensors) in the optimizer's order, one a parameter."""
     if isinstance(shapes, Mapping):
         names = [name for group in groups for name in group.get("param_names", ())]
         if len(names) != count:
@@ -223,11 +207,15 @@ def _given_shapes(shapes: Shapes, groups: list[dict[str, Any]], count: int) -> l
         unknown = [name for name in names if name not in shapes]
         if unknown:
             raise ValueError(f"the model's state dict has no {unknown[:4]} (parameters the optimizer names)")
-        return [tuple(shapes[name].shape) for name in names]
-    listed = [tuple(item.shape) if isinstance(item, Tensor) else tuple(int(n) for n in item) for item in shapes]
+        return [shapes[name] for name in names]
+    listed = list(shapes)
     if len(listed) != count:
         raise ValueError(f"{len(listed)} shapes given for the {count} parameters of the param groups")
     return listed
+
+
+def _shape_of(item: Sequence[int] | Tensor) -> tuple[int, ...]:
+    return tuple(item.shape) if isinstance(item, Tensor) else tuple(int(n) for n in item)
 
 
 def _reshaped(value: Any, layout: tuple[tuple[int, ...], tuple[int, ...] | None] | None) -> Any:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -82,10 +83,7 @@ def load(
     def checked_plan() -> Any:
         final = planner.finish_plan(plan)
         assert metadata is not None and metadata.storage_data is not None
-        storage = [metadata.storage_data[item.storage_index] for item in final.items]
-        check_files(directory, storage)
-        if manifest is not None:
-            checksums.verify(directory, [info.relative_path for info in storage], manifest)
+        check_files(directory, [metadata.storage_data[item.storage_index] for item in final.items], manifest)
         return final
 
     final = _agreed(_as_value_error(checked_plan, what), group, what)  # nothing is written into the state before
@@ -106,8 +104,7 @@ def _planned(
     group: comm.Group,
     what: str,
 ) -> tuple[Any, _T | None]:
-    """Every rank's plan to the coordinator, which makes the global plan and sends each rank its part; what else
-    the global plan returned stays on the coordinator (None elsewhere)."""
+    """Each rank's part of the global plan the coordinator makes from every rank's; its extra there (else None)."""
     plans = _gathered(_agreed(local_plan, group, what), group)
     coordinated = _agreed(lambda: None if plans is None else global_plan(plans), group, what)
     if coordinated is None:
@@ -155,9 +152,9 @@ def read_metadata(directory: Path) -> Metadata:
         ) from error
 
 
-def check_files(directory: Path, storage: Iterable[Any]) -> None:
-    """Every data file that ``storage`` (DCP's ``_StorageInfo`` entries: file, offset, length) names exists and
-    holds the bytes the entries say it does."""
+def check_files(directory: Path, storage: Iterable[Any], manifest: dict[str, checksums.Entry] | None) -> None:
+    """Every data file that ``storage`` (DCP's ``_StorageInfo`` entries: file, offset, length) names exists, holds
+    the bytes the entries say it does and, with a ``manifest``, the bytes saved."""
     needed: dict[str, int] = {}
     for info in storage:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -170,12 +167,12 @@ def check_files(directory: Path, storage: Iterable[Any]) -> None:
                 f"the checkpoint at {directory} is damaged: its data file {name} holds {os.path.getsize(path)} bytes "
                 f"where its metadata says at least {size} (the file was truncated)"
             )
+    if manifest is not None:
+        checksums.verify(directory, needed, manifest)
 
 
 def underlying_error(error: BaseException) -> BaseException:
     """What a rank raised inside DCP, for DCP's ``CheckpointException`` (which wraps it); ``error`` itself else."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     if isinstance(error, CheckpointException) and error.failures:
         cause, _ = next(iter(error.failures.values()))
         return cause

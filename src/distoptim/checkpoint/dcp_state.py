@@ -1,8 +1,6 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves and loads its fragments only.
-
-Each parameter-shaped state tensor is presented to DCP as a tensor of the parameter's shape of which this rank holds
-the boxes its fragment covers (``memory_range_boxes``): a checkpoint is independent of world size, partition
-and memory layout. State kept in fewer bits is saved encoded (``codecs.encoded_names``). ``docs/guides/internals.md``.
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves and loads its fragments only,
+each state tensor as the boxes of the parameter's shape its fragment covers (``memory_range_boxes``), so that a
+checkpoint is independent of world size, partition and memory layout. ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ class FragmentTensor(Tensor):
             return FragmentTensor([], tuple(fragment.shape), shell, fragment.saved)
         raise NotImplementedError(f"{func} is not supported on a checkpoint fragment (save or load it with DCP)")
 
-    def _chunks(self) -> list[ChunkStorageMetadata]:
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(offsets=torch.Size(at), sizes=local.shape) for at, local in self._pieces]
@@ -99,11 +97,8 @@ class FragmentTensor(Tensor):
                     chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=self.size()
                 ),
             )
-            for position, (chunk, (_, local)) in enumerate(zip(self._chunks(), self._pieces))
+            for position, (chunk, (_, local)) in enumerate(zip(self.__create_chunk_list__(), self._pieces))
         ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return self._chunks()
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
         offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
@@ -117,8 +112,7 @@ class FragmentTensor(Tensor):
 
 
 def _on_own_storage(box: Tensor) -> Tensor:
-    """``box`` over a storage of exactly its bytes, shared: DCP copies a tensor whose storage is larger before
-    writing it, so a save writes every box from the state's own memory."""
+    """``box`` over a shared storage of exactly its bytes (DCP copies a tensor whose storage is larger to write it)."""
     size = box.numel() * box.element_size()
     if box.untyped_storage().nbytes() == size or not is_dense(box):
         return box
@@ -170,8 +164,7 @@ def layout_of(param: Tensor) -> tuple[Any, ...]:
 
 
 def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
-    """A state tensor as a fragment of the boxes its piece covers; anything else as it is (a placeholder unless
-    ``saved``)."""
+    """A state tensor as a fragment of the boxes its piece covers; else as it is (a placeholder unless ``saved``)."""
     if isinstance(value, Tensor) and (value.dim() > 0 or not saved):  # a saved scalar (a step) is saved as it is
         piece = value.detach()
         if local.whole or piece.dim() == 0:
@@ -184,8 +177,7 @@ def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
 
 
 def _scales_saved(value: Tensor, local: LocalTensor, saved: bool) -> FragmentTensor:
-    """An int8 state's per-block scales as a fragment of the parameter's blocks (an even partition cuts at block
-    boundaries, so ranks never share a block)."""
+    """An int8 state's scales as a fragment of the parameter's blocks (an even partition cuts between blocks)."""
     blocks = -(-local.param.numel() // BLOCK)
     return FragmentTensor([((local.offset // BLOCK,), value.detach())], (blocks,), value, saved)
 
@@ -200,8 +192,7 @@ def _check_piece(piece: Tensor, local: LocalTensor) -> None:
 
 
 def _boxes(piece: Tensor, like: Tensor, offset: int, length: int) -> list[tuple[tuple[int, ...], Tensor]]:
-    """``piece`` (elements ``[offset, offset + length)`` of ``like`` in memory order) as (offsets, view) boxes of at
-    most ``CHUNK_BYTES``; a tensor that is not dense as one box."""
+    """``piece`` (``like``'s ``[offset, offset + length)``) as (offsets, view) boxes of at most ``CHUNK_BYTES``."""
     if not is_dense(like) or not is_dense(piece):
         return [((0,) * piece.dim(), piece)] if piece.numel() > 0 else []
     limit = CHUNK_BYTES // piece.element_size()
@@ -250,21 +241,22 @@ def load_param_groups(
     if len(groups) != len(param_groups):
         raise ValueError(f"the checkpoint has {len(groups)} param groups but this optimizer has {len(param_groups)}")
     shapes = [tuple(p.shape) for group in param_groups for p in group["params"]]
-    saved_shapes = [shape if layout is None else layout[0] for layout, shape in zip(pickle.loads(layouts), shapes)]
-    if len(pickle.loads(layouts)) != len(shapes) or saved_shapes != shapes:  # None: unknown (converted, no state)
+    saved_layouts = pickle.loads(layouts)
+    saved_shapes = [shape if layout is None else layout[0] for layout, shape in zip(saved_layouts, shapes)]
+    if len(saved_layouts) != len(shapes) or saved_shapes != shapes:  # None: unknown (converted, no state)
         raise ValueError(
             f"the checkpoint was saved for other parameters (shapes {_shown(saved_shapes)}) than this optimizer's "
             f"({_shown(shapes)}); load a checkpoint of this model, with its parameters in this order"
         )
-    _check_block_orders(param_groups, pickle.loads(layouts))
+    _check_block_orders(param_groups, saved_layouts)
     for number, (group, own) in enumerate(zip(groups, param_groups)):
         check_hyperparameters(group, own, number, optimizer_class)
     return [loaded_hyperparameters(group) for group in groups]
 
 
 def _check_block_orders(param_groups: list[dict[str, Any]], layouts: list[Any]) -> None:
-    """Refuse int8 state saved in blocks of another memory order than the parameter's here (its codes would take
-    other elements' scales); decided on the global parameters, so on every rank alike."""
+    """Refuse int8 state saved in blocks of another memory order (its codes would take other elements' scales).
+    Decided on the global parameters, so on every rank alike."""
     params = [p for group in param_groups for p in group["params"]]
     for index, block in enumerate(block_sizes(param_groups)):
         if block == 1:
@@ -379,7 +371,3 @@ def _unwrapped(value: Any) -> Any:
     if isinstance(value, FragmentTensor):
         return value.source
     return value.value if isinstance(value, Placeholder) else value
-
-
-# Boxes (pure arithmetic): memory order is row-major over the dimensions sorted by stride, so a range of it is at
-# most ``2 * ndim - 1`` boxes of that permuted index space, each a box of the logical one, whatever the layout.

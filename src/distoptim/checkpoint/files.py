@@ -198,8 +198,6 @@ def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict
             "distoptim): its files cannot be checked for damage; save it again with distoptim.checkpoint.save",
             stacklevel=5,
         )
-    else:
-        checksums.verify(source, [METADATA], manifest)
     metadata = _dcp.read_metadata(source)
     saved = set(metadata.state_dict_metadata)
     _prune_unsaved_optimizer_state(state_dict, "", saved)

@@ -18,7 +18,7 @@ from distoptim.plan.figures import ModePlan, PlanConfig, RankMemory, dtype_name,
 from distoptim.plan.inventory import Inventory, from_factory, load_factory, transformer
 from distoptim.plan.memory import plan_modes
 from distoptim.plan.muon import takes_muon
-from distoptim.plan.state import OptimizerSpec, StateCost, resolve_optimizer, state_cost
+from distoptim.plan.state import OptimizerSpec, resolve_optimizer, state_cost
 from distoptim.zero.codecs import FORMATS
 from distoptim.zero.partition import MODES as PARTITIONS
 
@@ -171,16 +171,15 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
 def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | None) -> dict[str, Any]:
     """Everything the table shows, as plain data (what ``--json`` prints)."""
     master = config.master_dtype
-    step_dtypes = {step_dtype(p, master) for p in inventory.params if p.trainable}
-    costs = {dtype_name(dtype): state_cost(config.optimizer, dtype) for dtype in sorted(step_dtypes, key=str)}
+    dtypes = sorted({step_dtype(p, master) for p in inventory.params if p.trainable}, key=str)
+    state_bytes = _state_bytes(config.optimizer, dtypes)
     muon = None
     if config.muon is not None:
-        muon_costs = {dtype_name(dtype): state_cost(config.muon, dtype) for dtype in sorted(step_dtypes, key=str)}
         muon = {
             "optimizer": config.muon.name,
             "matrices": sum(1 for p in inventory.params if takes_muon(p)),
             "takes": "every 2-D parameter of the blocks (children of an nn.ModuleList)",
-            "state_bytes": _state_bytes(muon_costs),
+            "state_bytes": _state_bytes(config.muon, dtypes),
         }
     return {
         "model": inventory.description,
@@ -189,11 +188,9 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
         "parameter_dtypes": sorted({dtype_name(p.dtype) for p in inventory.params}),
         "world_size": config.world_size,
         "optimizer": config.optimizer.name,
-        "state_bytes": _state_bytes(costs),
+        "state_bytes": state_bytes,
         "state_format": config.state_format,
-        "format_state_bytes": _state_bytes(
-            {name: state_cost(config.optimizer, parse_dtype(name), config.state_format) for name in costs}
-        ),
+        "format_state_bytes": _state_bytes(config.optimizer, dtypes, config.state_format),
         "muon": muon,
         "master_dtype": None if master is None else dtype_name(master),
         "partition": config.partition,
@@ -205,8 +202,11 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
     }
 
 
-def _state_bytes(costs: dict[str, StateCost]) -> dict[str, dict[str, Any]]:
+def _state_bytes(
+    optimizer: OptimizerSpec, dtypes: list[torch.dtype], state_format: str = "fp32"
+) -> dict[str, dict[str, Any]]:
     keys = ("per_element", "per_block", "per_tensor", "at_construction")
+    costs = {dtype_name(dtype): state_cost(optimizer, dtype, state_format) for dtype in dtypes}
     return {name: {key: getattr(cost, key) for key in keys} for name, cost in costs.items()}
 
 

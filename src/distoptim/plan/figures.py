@@ -14,7 +14,6 @@ from distoptim.zero.codecs import MIN_NUMEL
 __all__ = [
     "DEVICE",
     "MB",
-    "MODES",
     "ModePlan",
     "PlanConfig",
     "RankMemory",
@@ -25,7 +24,6 @@ __all__ = [
     "step_dtype",
 ]
 
-MODES = ("ddp", "zero1", "sharded_data_parallel", "fsdp2")
 DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
 MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
 
@@ -58,12 +56,8 @@ class RankMemory:
     other: tuple[tuple[str, int], ...] = ()
 
     @property
-    def other_total(self) -> int:
-        return sum(size for _, size in self.other)
-
-    @property
     def total(self) -> int:
-        return self.params + self.grads + self.state + self.master + self.other_total
+        return self.params + self.grads + self.state + self.master + sum(size for _, size in self.other)
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,8 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
         (DEVICE, p.dtype): max(1, cap_bytes // (config.reduce_dtype or p.dtype).itemsize) for p in inventory.params
     }
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
-    zero1 = zero.zero1()
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
-    modes = [ddp_plan(inventory, config), zero1, sdp, fsdp2_plan(inventory, config)]
+    modes = [ddp_plan(inventory, config), zero.zero1(), sdp, fsdp2_plan(inventory, config)]
     if config.muon is None:
         return modes
     plans = {"zero1": zero.plan, "sharded_data_parallel": sharded.plan}  # else every rank
@@ -123,19 +122,10 @@ class _ZeroShards:
         return scaled // size
 
     def _memory(
-        self,
-        rank: int,
-        params: int,
-        grads: int,
-        extra: tuple[tuple[str, int], ...],
-        casts: int | None = None,
-        cast_name: str = "master gradients during step",
+        self, rank: int, params: int, grads: int, extra: tuple[tuple[str, int], ...], cast: tuple[str, int]
     ) -> RankMemory:
-        other = list(extra)
-        casts = self.master[rank] if casts is None else casts
-        if casts:
-            other.append((cast_name, casts))
-        return RankMemory(params, grads, self.state[rank], self.master[rank], tuple(other))
+        other = (*extra, cast) if cast[1] else extra
+        return RankMemory(params, grads, self.state[rank], self.master[rank], other)
 
     def _shard_note(self) -> str:
         config, size = self.config, self.config.world_size
@@ -154,21 +144,19 @@ class _ZeroShards:
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
         staged = self.staging and not config.parameters_as_bucket_view
         staging = (("parameter sync staging", self.staging),) if staged else ()
-        under_ddp = tuple(self._memory(rank, params, ddp_grads, staging) for rank in range(size))
+        casts = [("master gradients during step", master) for master in self.master]
+        under_ddp = tuple(self._memory(rank, params, ddp_grads, staging, casts[rank]) for rank in range(size))
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
-        shard_note = self._shard_note()
         ddp_note = (
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
             "StagedSync (pieces under 1 MiB go through staging buffers kept between steps)"
         )
         all_reduce = ("all-reduce of gradients", all_reduce_bytes(grad_bytes, size))
-        synced = self._not_owned()
-        gloo = tuple(all_reduce[1] + synced[rank] for rank in range(size))
-        return ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (shard_note, ddp_note), gloo)
+        gloo = tuple(all_reduce[1] + synced for synced in self._not_owned())
+        return ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (self._shard_note(), ddp_note), gloo)
 
     def _not_owned(self) -> list[int]:
-        """Per rank, the bytes of the trainable elements it does not own: what a sync brings it on gloo (with bucket
-        views, whole regions, padding included)."""
+        """Per rank, the bytes of trainable elements (bucket views: regions, padding included) a sync brings it."""
         size = self.config.world_size
         owned, total = [0] * size, 0
         if self.config.parameters_as_bucket_view:
@@ -223,7 +211,7 @@ class _ZeroShards:
         extra += (("parameter sync staging", self.staging),) if self.staging and staged else ()
         casts = self._step_casts(reduce_dtype)
         ranks = tuple(
-            self._memory(rank, params, owned[rank], extra, casts[rank], "gradients cast to the step's dtype")
+            self._memory(rank, params, owned[rank], extra, ("gradients cast to the step's dtype", casts[rank]))
             for rank in range(size)
         )
         reduce_itemsize = reduce_dtype.itemsize if reduce_dtype else None
@@ -241,13 +229,11 @@ class _ZeroShards:
         for bucket, width in zip(buckets, store):
             for rank, count in enumerate(relay.received([bucket.owned(r) for r in range(size)])):
                 reduced[rank] += count * width
-        synced = self._not_owned()
-        gloo = tuple(reduced[rank] + synced[rank] for rank in range(size))
+        gloo = tuple(mine + synced for mine, synced in zip(reduced, self._not_owned()))
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
     def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
-        """Per rank, the bytes of owned gradient pieces cast for the step from ``grad_dtype`` (default: the
-        parameter's)."""
+        """Per rank, the bytes of owned gradient pieces cast for the step from ``grad_dtype`` (or the parameter's)."""
         casts = [0] * self.config.world_size
         for param, fragments in zip(self.params, self.plan.fragments):
             step = step_dtype(param, self.config.master_dtype)
