@@ -320,7 +320,8 @@ class OwnedGradients:
         self._remaining[bucket] -= 1
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
-        """Bucket ``bucket``'s buffer (``gradient``, or zeros), once fewer than ``max_in_flight`` are in use."""
+        """Bucket ``bucket``'s buffer (``gradient``, or a new one: ``_zero_gaps`` zeros what no gradient filled), once
+        fewer than ``max_in_flight`` are in use."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:
                 if self.shared:  # another wrapper's reductions may come first on other ranks: no wait before flushes
@@ -328,7 +329,7 @@ class OwnedGradients:
                 self._land_oldest()
             if gradient is None:
                 device, dtype = self.store_keys[self.buckets[bucket].key]
-                gradient = torch.zeros(self.buckets[bucket].numel, dtype=dtype, device=device)
+                gradient = torch.empty(self.buckets[bucket].numel, dtype=dtype, device=device)
             self._buffers[bucket] = gradient
         return self._buffers[bucket]
 
@@ -347,12 +348,24 @@ class OwnedGradients:
                     self._fill(bucket, slot, param)
             buffer = self._buffer(bucket)
             del self._buffers[bucket]
+            self._zero_gaps(buffer, plan)
             buffer.div_(zero.world_size * zero.replica_count)
             reduced = comm.reduce_to_owners_async(
                 buffer, plan.route, zero.process_group, zero.collectives, replicas=zero.replicate_group
             )
             self._in_flight.append((bucket, buffer, reduced))
             self._next = bucket + 1
+
+    def _zero_gaps(self, buffer: Tensor, plan: BucketPlan) -> None:
+        """Zeros where this backward copied no gradient: padding, parameters it did not reach (a memset less)."""
+        at = 0
+        for slot in sorted(plan.slots, key=lambda slot: slot.position):
+            if slot.index in self._filled:
+                if slot.position > at:
+                    buffer[at : slot.position].zero_()
+                at = slot.position + slot.numel
+        if at < buffer.numel():
+            buffer[at:].zero_()
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction; add its owned sums into the owned gradient (copy the first since a clear)."""
