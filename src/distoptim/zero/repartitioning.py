@@ -115,6 +115,7 @@ class Partitioning:
     _shard: LocalShard | None
     _sync: ParameterSync | None
     _region_numel: dict[Any, int] | None
+    _consolidated: Any
     optim: Optimizer | None
 
     def add_param_group(self: ZeroParts, param_group: dict[str, Any]) -> None:
@@ -223,7 +224,8 @@ class Partitioning:
         )
         complete_hyperparameters(self.param_groups, optim.param_groups)
         self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-        install_kept(self)  # loaded state of a parameter that has an owner now
+        if install_kept(self._kept_unowned, placed.plan.owners, optim, placed.shard):  # loaded state, owned now
+            self._consolidated = None
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild(optim, placed.shard, placed.plan, params, self.param_groups)
         for listener in self._plan_listeners:

@@ -103,7 +103,8 @@ class Checkpoints:
             state_dict, self.param_groups, self._optimizer_class, self.process_group
         )
         _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
-        keep_loaded(self, by_param)  # torch's optimizer holds what it loaded for them: so does a consolidated dict
+        # torch's optimizer holds what it loaded for them: so does a consolidated dict
+        keep_loaded(self._kept_unowned, self.plan.owners, self.global_params, by_param)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
