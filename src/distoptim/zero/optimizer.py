@@ -1,8 +1,7 @@
 """ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
 
 The public surface, composing ``placement`` (plan, shard, sync), ``repartitioning``, ``stepping`` and
-``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol).
-"""
+``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol)."""
 
 from __future__ import annotations
 
@@ -174,8 +173,8 @@ class ZeroRedundancyOptimizer(
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
-        """Step this rank's shard with its local optimizer, then sync the parameters (collective); returns the
-        closure's loss, or None. The ranks first agree (one small all-reduce) that the local part succeeded everywhere.
+        """Step this rank's shard, agreed across ranks (one small all-reduce), then sync the parameters (collective);
+        returns the closure's loss, or None.
 
         Args:
             closure: re-evaluates the model and returns the loss, run first as ``torch.optim`` does (default None).
@@ -241,25 +240,23 @@ class ZeroRedundancyOptimizer(
         if self._gradient_source is not None and not self._gradient_source.prepare_step():
             self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
             return loss, None
-        self.local_shard.attach_grads()
-        sharded_in_memory = self._gradient_source is not None
-        verdict = amp.check_and_unscale(
-            grad_scaler, self, self.local_shard.step_grads, sharded_in_memory, self._model_grads
-        )
-        if verdict is None and not hold:
-            local_loss = self._step_local(closure, kwargs)
-            loss = loss if closure is None else local_loss
-        return loss, verdict
+        local_loss, verdict = self._attach_and_step(closure, kwargs, grad_scaler, hold)
+        return loss if closure is None else local_loss, verdict
 
     def _gradient_source_step(self, kwargs: dict[str, Any], grad_scaler: Any, verdict: Any) -> stepping.Prepared:
         """Step 1b: on a rank that held its local part back, that part, now that the store knows what it holds."""
         if not self._held_back:
             return None, verdict
+        return None, self._attach_and_step(None, kwargs, grad_scaler)[1]
+
+    def _attach_and_step(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
+    ) -> stepping.Prepared:
+        """Attach the gradients, check and unscale them under a scaler, and step unless it skips or ``hold``."""
         self.local_shard.attach_grads()
-        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, True, self._model_grads)
-        if verdict is None:
-            self._step_local(None, kwargs)
-        return None, verdict
+        sharded = self._gradient_source is not None
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded, self._model_grads)
+        return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
@@ -280,8 +277,8 @@ class ZeroRedundancyOptimizer(
         return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=store_flags)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
-        """Place again where the placement is stale (a parameter made trainable or given new storage since), then
-        run ``action`` on this rank and return its result, agreed across ranks (collective; the DDP hooks' step).
+        """Place again where stale, then run ``action`` and return its result, agreed across ranks (collective; the
+        DDP hooks' step).
 
         Args:
             action: what to run after placing (default: nothing).
@@ -307,8 +304,7 @@ class ZeroRedundancyOptimizer(
         self._sync.sync_parameters()
 
     def sync_finished(self) -> None:
-        """Wait for any parameter sync still in flight (``overlap_param_sync=True`` lands later buckets in the next
-        forward); local; raises here if this rank saw a parameter written while its sync was in flight."""
+        """Wait for any parameter sync still in flight (local); raises if a parameter was written meanwhile."""
         self.land_sync()
         assert self._sync is not None
         self._sync.check_untouched_here()
@@ -330,8 +326,7 @@ class ZeroRedundancyOptimizer(
         return self._placement.sync
 
     def attach_gradient_source(self, source: stepping.GradientSource) -> None:
-        """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``;
-        after a re-placement ``source.replanned()`` attaches one over the new placement.
+        """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``.
 
         Args:
             source: the gradient's one owner (``stepping.GradientSource``).
@@ -341,8 +336,7 @@ class ZeroRedundancyOptimizer(
             self._plan_listeners.append(source.replanned)
 
     def _model_grads(self) -> list[Tensor]:
-        """Every gradient this rank holds, each element once, for a GradScaler's step to unscale in place as torch's
-        leaves ``.grad``: every parameter's ``.grad``, or under ShardedDataParallel this rank's owned pieces."""
+        """Every gradient this rank holds, each element once, for a GradScaler's step to unscale as torch's does."""
         if self._gradient_source is not None:
             return self.local_shard.source_grads()  # as attached: reading the store again would settle
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -355,7 +349,7 @@ class ZeroRedundancyOptimizer(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
         """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` would, each rank what it
-        owns (so under ``ShardedDataParallel`` too); returns the total norm on every rank (one scalar all-reduce).
+        owns; returns the total norm on every rank (one scalar all-reduce).
 
         Args:
             max_norm: the largest total norm the gradient may have.
