@@ -1,7 +1,6 @@
 """``Partitioning``, a base class of the optimizer (``self`` typed as ``ZeroParts``): who owns what, and placing again
 (``placement.place``) after ``add_param_group``, when a parameter is made trainable or given new storage, and where
-``ShardedDataParallel`` re-cuts an even partition into its buckets' regions.
-"""
+``ShardedDataParallel`` re-cuts an even partition into its buckets' regions."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ class ZeroParts(Protocol):
 
 
 def _check_before_adding(zero: ZeroParts) -> None:
-    """What ``add_param_group`` checks first, in its agreement: the groups' classes unedited, and the sync in flight
-    landed without overwriting a write of the user's."""
+    """``add_param_group``'s first check: the sync landed over no write of the user's, the groups' classes unedited."""
     if zero._sync is not None:
         zero._sync.finish()
         zero._sync.check_untouched()
@@ -245,7 +243,7 @@ class Partitioning:
 
     def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets), before the optimizer has state.
+        (``ShardedDataParallel``'s buckets); before the optimizer has state.
 
         Args:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.

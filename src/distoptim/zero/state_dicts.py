@@ -1,7 +1,5 @@
 """A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's
-(``checkpoint/dcp_state.py``), and its part under ``Join``. The base classes type ``self`` as
-``repartitioning.ZeroParts``.
-"""
+(``checkpoint/dcp_state.py``), and its part under ``Join``; ``self`` is typed as ``repartitioning.ZeroParts``."""
 
 from __future__ import annotations
 
@@ -66,8 +64,7 @@ class Checkpoints:
         self._consolidated = None if merged is None else dict(sorted(merged.items()))
 
     def state_dict(self: ZeroParts) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it (hooks run as
-        ``torch.optim`` runs them).
+        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it (with its hooks).
 
         Raises:
             RuntimeError: this rank holds no consolidated state (``consolidate_state_dict(to=this rank)`` first).
@@ -84,8 +81,8 @@ class Checkpoints:
         return checkpoint.apply_hooks(self._optimizer_state_dict_post_hooks.values(), self, result)
 
     def load_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
-        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state (the dict
-        is checked first, with the same verdict on every rank; hooks run as ``torch.optim`` runs them).
+        """Load a global (``torch.optim``-format) dict on every rank, each keeping its own shard's state (the dict is
+        checked first, with the same verdict on every rank; hooks run as ``torch.optim`` runs them).
 
         Args:
             state_dict: what ``state_dict()`` returned (or a plain ``torch.optim`` optimizer's), at any world size.
@@ -116,9 +113,8 @@ class Checkpoints:
             post_hook(self)
 
     def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
-        """This rank's fragments of the state (master weights included) and the hyperparameters, for
-        ``torch.distributed.checkpoint`` or ``distoptim.checkpoint``, loadable at any world size and partition
-        (collective: a small all-reduce and a small all-gather).
+        """This rank's fragments of the state (master weights included) and the hyperparameters, for DCP or
+        ``distoptim.checkpoint``, loadable at any world size and partition (collective: a small all-reduce, a gather).
 
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
@@ -210,9 +206,7 @@ class Joining:
 
 
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
-    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters given to the
-    constructor whose state no rank holds (frozen when placed, or made trainable since and not stepped yet): torch's
-    optimizer holds it for them too (not for those ``add_param_group`` gave), so a consolidated dict holds it."""
+    """The construction state (Adagrad's ``sum``) torch's holds for the constructor's parameters not in ``present``."""
     made: dict[int, dict[str, Tensor]] = {}
     index = 0
     for group in zero.param_groups:
@@ -242,9 +236,7 @@ def _trained(state: dict[str, Any] | None) -> bool:
 
 
 def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[int]:
-    """The parameters no rank owns whose loaded state is trained: more than the class makes at construction, a
-    ``step`` count or (a custom class's, with no step count) other values than its constructor's. Only those: the
-    comparison builds their construction state (Adagrad's sums) on every rank."""
+    """The parameters no rank owns whose loaded state differs from what the class makes at construction."""
     params, owners = zero.global_params, zero.plan.owners
     trained = {i for i, param in enumerate(params) if owners[i] == UNOWNED and _trained(by_param.get(param))}
     made = _made_at_construction(zero, set(range(len(params))) - trained) if trained else {}
@@ -254,9 +246,7 @@ def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[
 def _naming_saved(
     zero: ZeroParts, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Each saved group names its parameters with trained state on some rank, and the state keys saved for its
-    parameters (``state``, as saved) on any rank (one gather): a sharded load has no entry for a parameter no rank
-    owns, nor for a key its template lacks, so only these show what such a load would drop."""
+    """The groups naming their parameters trained on some rank, and the keys saved for them (what a load may drop)."""
     trained = [t.index for t in zero.local_shard.locals if _trained(zero.local_optimizer.state.get(t.tensor))]
     mine = (trained, sharded.held_keys(zero.local_shard, state))
     everyone = all_gather_objects(mine, zero.process_group, zero._comm_device)
@@ -276,8 +266,7 @@ def _naming_saved(
 
 
 def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: str) -> None:
-    """A parameter frozen when placed has no owner, so state it trained with would be dropped, and it would train
-    from fresh state once unfrozen (the same dict on every rank: the same verdict)."""
+    """Refuse trained state of a parameter frozen when placed: no rank owns it, so the state would be dropped."""
     params, owners = zero.global_params, zero.plan.owners
     stranded = sorted(i for i in trained if owners[i] == UNOWNED and params[i].numel())  # zero-sized: no state kept
     if stranded:
@@ -312,8 +301,7 @@ def _land_and_agree_untouched(zero: ZeroParts) -> None:
 
 
 class ZeroJoinHook(JoinHook):
-    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` as it stands, inside the others'
-    agreements, then their parameter sync (in overlap mode DDP's join hook runs the comm hook, which steps)."""
+    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` inside the others' agreements, synced."""
 
     def __init__(self, zero: ZeroParts) -> None:
         self.zero = zero

@@ -34,8 +34,7 @@ def keep_loaded(
 
 
 def install_kept(kept: dict[int, dict[str, Any]], owners: Sequence[int], optim: Optimizer, shard: LocalShard) -> bool:
-    """After a placement: the entries of ``kept`` whose parameters have an owner now go into the owners' local state
-    (cut to their fragments, cast as ``torch.optim``'s load casts) and leave ``kept``; returns whether any did."""
+    """Move the entries whose parameters have an owner now into the owners' local state, as a load; whether any."""
     placed = {index for index in kept if owners[index] != UNOWNED}
     if not placed:
         return False
