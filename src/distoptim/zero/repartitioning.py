@@ -269,10 +269,10 @@ class _Snapshot:
     def __init__(self, zero: ZeroParts) -> None:
         self.groups = len(zero.param_groups)
         self.placed = (zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability)
-        self.optim = zero.optim
-        self.local = [] if zero.optim is None else [list(group["params"]) for group in zero.optim.param_groups]
-        self.state = {} if zero.optim is None else dict(zero.optim.state)
-        composite = zero.optim if isinstance(zero.optim, CompositeOptimizer) else None
+        self.optim = optim = zero.local_optimizer  # add_param_group runs after the constructor's placement
+        self.local = [list(group["params"]) for group in optim.param_groups]
+        self.state = dict(optim.state)
+        composite = optim if isinstance(optim, CompositeOptimizer) else None
         self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
         self.formats = None if composite is None else composite.formats
 
@@ -280,8 +280,6 @@ class _Snapshot:
         del zero.param_groups[self.groups :]
         zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability = self.placed
         zero.optim = optim = self.optim
-        if optim is None:
-            return
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
             optim._order[:], optim.parts = self.parts[0], self.parts[1]
             optim.formats = self.formats
@@ -293,5 +291,5 @@ class _Snapshot:
             group["params"] = params
         optim.state.clear()
         optim.state.update(self.state)
-        if zero.overlap_stepper is not None and zero._shard is not None and zero._plan is not None:
-            zero.overlap_stepper.rebuild(optim, zero._shard, zero._plan, zero.global_params, zero.param_groups)
+        if zero.overlap_stepper is not None:
+            zero.overlap_stepper.rebuild(optim, zero.local_shard, zero.plan, zero.global_params, zero.param_groups)
