@@ -240,18 +240,13 @@ def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: st
 
 
 def _same_state(loaded: dict[str, Any], made: dict[str, Any]) -> bool:
-    if loaded.keys() != made.keys():
-        return False
-    for key, value in loaded.items():
-        fresh = made[key]
-        if isinstance(fresh, Tensor) != isinstance(value, Tensor):
-            return False
-        if isinstance(fresh, Tensor):
-            if value.shape != fresh.shape or not torch.equal(value.to(fresh.device, fresh.dtype), fresh):
-                return False
-        elif value != fresh:
-            return False
-    return True
+    return loaded.keys() == made.keys() and all(_same_value(value, made[key]) for key, value in loaded.items())
+
+
+def _same_value(value: Any, fresh: Any) -> bool:
+    if not isinstance(fresh, Tensor) or not isinstance(value, Tensor):
+        return isinstance(fresh, Tensor) == isinstance(value, Tensor) and bool(value == fresh)
+    return value.shape == fresh.shape and torch.equal(value.to(fresh.device, fresh.dtype), fresh)
 
 
 def _land_and_agree_untouched(zero: ZeroParts) -> None:
