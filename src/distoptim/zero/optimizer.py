@@ -109,10 +109,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         )
         self._defaults = defaults
         self._first_added = len(self.global_params)  # the parameters after it came in add_param_group
-        self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
         self._sync: ParameterSync | None = None
-        self._shard: LocalShard | None = None
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
@@ -120,8 +118,6 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._placement: placement.Placement | None = None
-        self._trainability: tuple[bool, ...] = ()
-        self._unowned: list[Tensor] = []
         self._kept_unowned: dict[int, dict[str, Any]] = {}  # loaded state of parameters no rank owns (unowned_state)
         self._ready = True
         self._repartition()
@@ -134,10 +130,15 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         return [param for group in self.param_groups for param in group["params"]]
 
     @property
+    def _placed(self) -> placement.Placement:
+        """What the last placement built (the constructor's first on): plan, shard, sync, the unowned parameters."""
+        assert self._placement is not None
+        return self._placement
+
+    @property
     def local_shard(self) -> LocalShard:
         """The tensors this rank's local optimizer steps (parameters it owns whole, views of its fragments)."""
-        assert self._shard is not None
-        return self._shard
+        return self._placed.shard
 
     @property
     def local_optimizer(self) -> Optimizer:
@@ -233,7 +234,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         if closure is not None and (shard.detached or shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
-        validation.check_unowned_have_no_grad(self._unowned)
+        validation.check_unowned_have_no_grad(self._placed.unowned)
         self._push_hyperparameters()
         if self._gradient_source is not None and not self._gradient_source.prepare_step():
             self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
@@ -261,7 +262,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
 
     def _fingerprint(self) -> Any:
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return validation.step_fingerprint(self._trainability, self.param_groups)
+        return validation.step_fingerprint(self._placed.trainability, self.param_groups)
 
     def _agreed_step(
         self, action: Callable[[], stepping.Prepared]
@@ -320,8 +321,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     @property
     def placed_sync(self) -> ParameterSync:
         """The parameter sync the current placement built (a gradient source's ``sync`` wraps it)."""
-        assert self._placement is not None
-        return self._placement.sync
+        return self._placed.sync
 
     def attach_gradient_source(self, source: stepping.GradientSource) -> None:
         """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``.

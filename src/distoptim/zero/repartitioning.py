@@ -53,14 +53,10 @@ class ZeroParts(Protocol):
     _defaults: dict[str, Any]
     _first_added: int
     _settings: placement.PlacementSettings
-    _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
     _placement: placement.Placement | None
-    _shard: LocalShard | None
     _sync: ParameterSync | None
-    _unowned: list[Tensor]
     _kept_unowned: dict[int, dict[str, Any]]
-    _trainability: tuple[bool, ...]
     _region_numel: dict[Any, int] | None
     _plan_listeners: list[Callable[[], None]]
     _optimizer_state_dict_pre_hooks: Any
@@ -98,10 +94,8 @@ class Partitioning:
     """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
 
     # what the last placement built (None until the constructor's first)
-    _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
     _placement: placement.Placement | None
-    _shard: LocalShard | None
     _sync: ParameterSync | None
     _region_numel: dict[Any, int] | None
     _consolidated: Any
@@ -154,8 +148,8 @@ class Partitioning:
     @property
     def plan(self: ZeroParts) -> PartitionPlan:
         """Which rank owns each parameter (global index order)."""
-        assert self._plan is not None
-        return self._plan
+        assert self._placement is not None
+        return self._placement.plan
 
     def owner_of(self: ZeroParts, param: Tensor) -> int:
         """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
@@ -193,21 +187,20 @@ class Partitioning:
         """Place the parameters that have no owner yet (all, ``fresh``; bucket views moved ``in_place``) and rebuild."""
         if self._sync is not None:
             self._sync.finish()
-        params, previous_shard = self.global_params, self._shard
+        before = self._placement  # None at construction
+        params, previous_shard = self.global_params, None if before is None else before.shard
         whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
         placed = placement.place(
             params,
             self.param_groups,
             self._settings,
-            previous=None if fresh else self._plan,
+            previous=None if fresh or before is None else before.plan,
             region_numel=self._region_numel,
             moving_within=self._sync if in_place else None,
             whole=whole,
             costs=costs,
         )
-        self._placement = placed
-        self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
-        self._trainability = placed.trainability
+        self._placement, self._sync = placed, placed.sync
         self.optim = optim = placement.bind_local_optimizer(
             self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
         )
@@ -259,7 +252,7 @@ class _Snapshot:
 
     def __init__(self, zero: ZeroParts) -> None:
         self.groups = len(zero.param_groups)
-        self.placed = (zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability)
+        self.placed = (zero._placement, zero._sync)
         self.optim = optim = zero.local_optimizer  # add_param_group runs after the constructor's placement
         self.local = [list(group["params"]) for group in optim.param_groups]
         self.state = dict(optim.state)
@@ -269,7 +262,7 @@ class _Snapshot:
 
     def restore(self, zero: ZeroParts) -> None:
         del zero.param_groups[self.groups :]
-        zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability = self.placed
+        zero._placement, zero._sync = self.placed
         zero.optim = optim = self.optim
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
             optim._order[:], optim.parts = self.parts[0], self.parts[1]
