@@ -1,8 +1,7 @@
 """Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling protocol
 (the ``grad_scaler`` keyword of ``step``). The step checks what it steps, unscales every ``.grad`` as torch's step
 leaves them, and the step's agreement carries the inf/nan flag, so every rank skips the same steps and keeps the
-same scale.
-"""
+same scale."""
 
 from __future__ import annotations
 
@@ -38,12 +37,8 @@ def check_and_unscale(
     model_grads: Callable[[], Sequence[Tensor]] = tuple,
 ) -> Verdict | None:
     """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local).
-
-    ``model_grads()``, every parameter's ``.grad``, is unscaled in place too, as torch's ``scaler.step(optimizer)``
-    leaves it, so that a backward accumulating onto it without ``zero_grad`` adds to unscaled values (fuzzer seed
-    681176: each rank unscaled only what it stepped, the next step averaged 65536 g1 + g2 where it did not). The
-    verdict is still what this rank steps; pieces of ``grads()`` that are views of a ``.grad`` are unscaled once.
-    """
+    ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, so that a backward accumulating onto
+    it adds to unscaled values (fuzzer seed 681176); a piece viewing a ``.grad`` is unscaled once."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None

@@ -1,6 +1,5 @@
 """Gradient-norm clipping over a sharded gradient: each rank measures what it owns (the owned fragments tile the
-trainable parameters once), one scalar collective adds up, and each rank scales its own fragments.
-"""
+trainable parameters once), one scalar collective adds up, and each rank scales its own fragments."""
 
 from __future__ import annotations
 
@@ -30,10 +29,8 @@ def clip_shard(
     device: torch.device,
     grad_scale: float | Tensor | None,
 ) -> Tensor:
-    """Scale ``shard``'s owned gradient pieces so that the norm of the whole gradient is at most ``max_norm``; returns
-    the total norm (float32, the same on every rank). ``grad_scale``: a loss scale the gradients still carry. Where
-    each rank holds whole gradients (DDP), all of them are scaled, so that a further backward does not mix clipped
-    and unclipped pieces."""
+    """Scale ``shard``'s owned gradient pieces so that the whole gradient's norm is at most ``max_norm``; returns the
+    total norm (float32, on every rank). Under DDP every whole ``.grad`` is scaled: a later backward mixes no pieces."""
     grads = shard.owned_grads()  # first: it may lay a gradient out anew, and the new one is what gets scaled
     whole = None
     if shard.source is None:

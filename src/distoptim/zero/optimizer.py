@@ -1,8 +1,7 @@
 """ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
 
 The public surface, composing ``placement`` (plan, shard, sync), ``repartitioning``, ``stepping`` and
-``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol).
-"""
+``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
@@ -29,9 +28,7 @@ from distoptim.zero.state_formats import FORMAT_KEY
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(
-    state_dicts.Checkpoints, state_dicts.Joining, repartitioning.Partitioning, Optimizer, Joinable
-):
+class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioning, Optimizer, Joinable):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     A drop-in for torch's: ``step()`` takes averaged gradients (DDP's, or ``ShardedDataParallel``'s owned ones),
@@ -112,10 +109,8 @@ class ZeroRedundancyOptimizer(
         )
         self._defaults = defaults
         self._first_added = len(self.global_params)  # the parameters after it came in add_param_group
-        self._plan: PartitionPlan | None = None
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
         self._sync: ParameterSync | None = None
-        self._shard: LocalShard | None = None
         self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
@@ -123,8 +118,6 @@ class ZeroRedundancyOptimizer(
         self._consolidated: checkpoint.GlobalState | None = None
         self.optim: Optimizer | None = None
         self._placement: placement.Placement | None = None
-        self._trainability: tuple[bool, ...] = ()
-        self._unowned: list[Tensor] = []
         self._kept_unowned: dict[int, dict[str, Any]] = {}  # loaded state of parameters no rank owns (unowned_state)
         self._ready = True
         self._repartition()
@@ -137,10 +130,15 @@ class ZeroRedundancyOptimizer(
         return [param for group in self.param_groups for param in group["params"]]
 
     @property
+    def _placed(self) -> placement.Placement:
+        """What the last placement built (the constructor's first on): plan, shard, sync, the unowned parameters."""
+        assert self._placement is not None
+        return self._placement
+
+    @property
     def local_shard(self) -> LocalShard:
         """The tensors this rank's local optimizer steps (parameters it owns whole, views of its fragments)."""
-        assert self._shard is not None
-        return self._shard
+        return self._placed.shard
 
     @property
     def local_optimizer(self) -> Optimizer:
@@ -174,8 +172,8 @@ class ZeroRedundancyOptimizer(
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
-        """Step this rank's shard with its local optimizer, then sync the parameters (collective); returns the
-        closure's loss, or None. The ranks first agree (one small all-reduce) that the local part succeeded everywhere.
+        """Step this rank's shard, agreed across ranks (one small all-reduce), then sync the parameters (collective);
+        returns the closure's loss, or None.
 
         Args:
             closure: re-evaluates the model and returns the loss, run first as ``torch.optim`` does (default None).
@@ -236,37 +234,35 @@ class ZeroRedundancyOptimizer(
         if closure is not None and (shard.detached or shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
-        validation.check_unowned_have_no_grad(self._unowned)
+        validation.check_unowned_have_no_grad(self._placed.unowned)
         self._push_hyperparameters()
         if self._gradient_source is not None and not self._gradient_source.prepare_step():
             self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
             return loss, None
-        self.local_shard.attach_grads()
-        sharded_in_memory = self._gradient_source is not None
-        verdict = amp.check_and_unscale(
-            grad_scaler, self, self.local_shard.step_grads, sharded_in_memory, self._model_grads
-        )
-        if verdict is None and not hold:
-            local_loss = self._step_local(closure, kwargs)
-            loss = loss if closure is None else local_loss
-        return loss, verdict
+        local_loss, verdict = self._attach_and_step(closure, kwargs, grad_scaler, hold)
+        return loss if closure is None else local_loss, verdict
 
     def _gradient_source_step(self, kwargs: dict[str, Any], grad_scaler: Any, verdict: Any) -> stepping.Prepared:
         """Step 1b: on a rank that held its local part back, that part, now that the store knows what it holds."""
         if not self._held_back:
             return None, verdict
+        return None, self._attach_and_step(None, kwargs, grad_scaler)[1]
+
+    def _attach_and_step(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
+    ) -> stepping.Prepared:
+        """Attach the gradients, check and unscale them under a scaler, and step unless it skips or ``hold``."""
         self.local_shard.attach_grads()
-        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, True, self._model_grads)
-        if verdict is None:
-            self._step_local(None, kwargs)
-        return None, verdict
+        sharded = self._gradient_source is not None
+        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded, self._model_grads)
+        return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
 
     def _fingerprint(self) -> Any:
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return validation.step_fingerprint(self._trainability, self.param_groups)
+        return validation.step_fingerprint(self._placed.trainability, self.param_groups)
 
     def _agreed_step(
         self, action: Callable[[], stepping.Prepared]
@@ -280,8 +276,8 @@ class ZeroRedundancyOptimizer(
         return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=store_flags)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
-        """Place again where the placement is stale (a parameter made trainable or given new storage since), then
-        run ``action`` on this rank and return its result, agreed across ranks (collective; the DDP hooks' step).
+        """Place again where stale, then run ``action`` and return its result, agreed across ranks (collective; the
+        DDP hooks' step).
 
         Args:
             action: what to run after placing (default: nothing).
@@ -307,8 +303,7 @@ class ZeroRedundancyOptimizer(
         self._sync.sync_parameters()
 
     def sync_finished(self) -> None:
-        """Wait for any parameter sync still in flight (``overlap_param_sync=True`` lands later buckets in the next
-        forward); local; raises here if this rank saw a parameter written while its sync was in flight."""
+        """Wait for any parameter sync still in flight (local); raises if a parameter was written meanwhile."""
         self.land_sync()
         assert self._sync is not None
         self._sync.check_untouched_here()
@@ -326,12 +321,10 @@ class ZeroRedundancyOptimizer(
     @property
     def placed_sync(self) -> ParameterSync:
         """The parameter sync the current placement built (a gradient source's ``sync`` wraps it)."""
-        assert self._placement is not None
-        return self._placement.sync
+        return self._placed.sync
 
     def attach_gradient_source(self, source: stepping.GradientSource) -> None:
-        """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``;
-        after a re-placement ``source.replanned()`` attaches one over the new placement.
+        """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``.
 
         Args:
             source: the gradient's one owner (``stepping.GradientSource``).
@@ -341,8 +334,7 @@ class ZeroRedundancyOptimizer(
             self._plan_listeners.append(source.replanned)
 
     def _model_grads(self) -> list[Tensor]:
-        """Every gradient this rank holds, each element once, for a GradScaler's step to unscale in place as torch's
-        leaves ``.grad``: every parameter's ``.grad``, or under ShardedDataParallel this rank's owned pieces."""
+        """Every gradient this rank holds, each element once, for a GradScaler's step to unscale as torch's does."""
         if self._gradient_source is not None:
             return self.local_shard.source_grads()  # as attached: reading the store again would settle
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -355,7 +347,7 @@ class ZeroRedundancyOptimizer(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
         """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` would, each rank what it
-        owns (so under ``ShardedDataParallel`` too); returns the total norm on every rank (one scalar all-reduce).
+        owns; returns the total norm on every rank (one scalar all-reduce).
 
         Args:
             max_norm: the largest total norm the gradient may have.
@@ -397,3 +389,64 @@ class ZeroRedundancyOptimizer(
         super().zero_grad(set_to_none)
         if self.overlap_stepper is not None:
             self.overlap_stepper.record_grads()
+
+    # ---------------------------------------------------------------------------------------------- Join
+    def join_hook(self, **kwargs: Any) -> ZeroJoinHook:
+        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
+        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
+
+        Args:
+            **kwargs: ``Join``'s keyword arguments (none are used).
+
+        Raises:
+            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank, when ``Join`` is
+                built.
+        """
+        if self.gradient_source is not None:
+            raise NotImplementedError(state_dicts.JOIN_WITH_SDP)
+        if self.replicate_group is not None:
+            raise NotImplementedError(
+                "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
+                "step its shard with its stale .grad while its replica in another shard group, still training, "
+                "steps the same elements with the true average, and the replicas would part. Give every rank the "
+                "same number of batches (DistributedSampler(drop_last=True))"
+            )
+        return ZeroJoinHook(self)
+
+    def _shadow_step(self) -> None:
+        """A joined rank's step (``ZeroJoinHook``): its shard with its ``.grad`` inside the others' agreements."""
+        if self.overlap_stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
+            self.overlap_stepper.run_deferred()
+            return
+        self.land_sync()
+        try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse
+            stepping.agreed_step(
+                lambda: self._prepare(None, {}, None, hold=True),
+                self._fingerprint,
+                self.agreement_groups,
+                joined_step=lambda: self._step_local(None, {}),
+            )
+        finally:
+            self.local_shard.detach_grads()
+        self.sync_parameters()
+        self._consolidated = None
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of Join's own collectives: the parameters'."""
+        return self.global_params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group of Join's own collectives: the one ZeRO shards over."""
+        return self.process_group
+
+
+class ZeroJoinHook(JoinHook):
+    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` inside the others' agreements, synced."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero._shadow_step()

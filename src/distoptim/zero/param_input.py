@@ -1,6 +1,5 @@
 """``params`` taken as ``torch.optim`` takes it (tensors, param-group dicts, ``(name, tensor)`` pairs): what torch
-refuses is refused with torch's text, then how to fix it.
-"""
+refuses is refused with torch's text, then how to fix it."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def _check_parameter(param: Any, group_index: int) -> None:
 
 
 def _take_names(group: dict[str, Any], index: int) -> None:
-    """Named parameters (``(name, tensor)`` pairs, torch >= 2.5): the tensors in ``params``, the names in
-    ``param_names`` (which the local optimizers, over other tensors, do not carry)."""
+    """``(name, tensor)`` pairs (torch >= 2.5): the tensors in ``params``, the names in ``param_names``."""
     named = [isinstance(entry, tuple) for entry in group["params"]]
     if not any(named):
         return

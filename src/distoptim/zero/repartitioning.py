@@ -1,7 +1,6 @@
 """``Partitioning``, a base class of the optimizer (``self`` typed as ``ZeroParts``): who owns what, and placing again
 (``placement.place``) after ``add_param_group``, when a parameter is made trainable or given new storage, and where
-``ShardedDataParallel`` re-cuts an even partition into its buckets' regions.
-"""
+``ShardedDataParallel`` re-cuts an even partition into its buckets' regions."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from distoptim.comm import collectives as comm
-from distoptim.zero import placement, stepping, validation
+from distoptim.zero import placement, validation
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import (
     CLASS_KEY,
@@ -37,7 +36,6 @@ class ZeroParts(Protocol):
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     process_group: dist.ProcessGroup
-    replicate_group: dist.ProcessGroup | None
     rank: int
     world_size: int
     partition: str
@@ -55,14 +53,10 @@ class ZeroParts(Protocol):
     _defaults: dict[str, Any]
     _first_added: int
     _settings: placement.PlacementSettings
-    _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
     _placement: placement.Placement | None
-    _shard: LocalShard | None
     _sync: ParameterSync | None
-    _unowned: list[Tensor]
     _kept_unowned: dict[int, dict[str, Any]]
-    _trainability: tuple[bool, ...]
     _region_numel: dict[Any, int] | None
     _plan_listeners: list[Callable[[], None]]
     _optimizer_state_dict_pre_hooks: Any
@@ -78,27 +72,18 @@ class ZeroParts(Protocol):
     def local_shard(self) -> LocalShard: ...
     @property
     def local_optimizer(self) -> Optimizer: ...
-    @property
-    def agreement_groups(self) -> list[dist.ProcessGroup]: ...
     def index_of(self, param: Tensor) -> int | None: ...
     def land_sync(self) -> None: ...
-    def sync_parameters(self) -> None: ...
     def _add_group(self, group: dict[str, Any]) -> None: ...
     def _push_hyperparameters(self) -> None: ...
     def _agreed(self, action: Callable[[], Any]) -> Any: ...
-    def _fingerprint(self) -> Any: ...
-    def _prepare(
-        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
-    ) -> stepping.Prepared: ...
-    def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None: ...
     def _repartition(self, fresh: bool = False, in_place: bool = False) -> None: ...
     def _repartition_if_changed(self) -> None: ...
     def _place_if_stale(self) -> None: ...
 
 
 def _check_before_adding(zero: ZeroParts) -> None:
-    """What ``add_param_group`` checks first, in its agreement: the groups' classes unedited, and the sync in flight
-    landed without overwriting a write of the user's."""
+    """``add_param_group``'s first check: the sync landed over no write of the user's, the groups' classes unedited."""
     if zero._sync is not None:
         zero._sync.finish()
         zero._sync.check_untouched()
@@ -109,12 +94,11 @@ class Partitioning:
     """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
 
     # what the last placement built (None until the constructor's first)
-    _plan: PartitionPlan | None
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
     _placement: placement.Placement | None
-    _shard: LocalShard | None
     _sync: ParameterSync | None
     _region_numel: dict[Any, int] | None
+    _consolidated: Any
     optim: Optimizer | None
 
     def add_param_group(self: ZeroParts, param_group: dict[str, Any]) -> None:
@@ -164,8 +148,8 @@ class Partitioning:
     @property
     def plan(self: ZeroParts) -> PartitionPlan:
         """Which rank owns each parameter (global index order)."""
-        assert self._plan is not None
-        return self._plan
+        assert self._placement is not None
+        return self._placement.plan
 
     def owner_of(self: ZeroParts, param: Tensor) -> int:
         """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
@@ -203,27 +187,27 @@ class Partitioning:
         """Place the parameters that have no owner yet (all, ``fresh``; bucket views moved ``in_place``) and rebuild."""
         if self._sync is not None:
             self._sync.finish()
-        params, previous_shard = self.global_params, self._shard
+        before = self._placement  # None at construction
+        params, previous_shard = self.global_params, None if before is None else before.shard
         whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
         placed = placement.place(
             params,
             self.param_groups,
             self._settings,
-            previous=None if fresh else self._plan,
+            previous=None if fresh or before is None else before.plan,
             region_numel=self._region_numel,
             moving_within=self._sync if in_place else None,
             whole=whole,
             costs=costs,
         )
-        self._placement = placed
-        self._plan, self._shard, self._sync, self._unowned = placed.plan, placed.shard, placed.sync, placed.unowned
-        self._trainability = placed.trainability
+        self._placement, self._sync = placed, placed.sync
         self.optim = optim = placement.bind_local_optimizer(
             self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
         )
         complete_hyperparameters(self.param_groups, optim.param_groups)
         self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-        install_kept(self)  # loaded state of a parameter that has an owner now
+        if install_kept(self._kept_unowned, placed.plan.owners, optim, placed.shard):  # loaded state, owned now
+            self._consolidated = None
         if self.overlap_stepper is not None:
             self.overlap_stepper.rebuild(optim, placed.shard, placed.plan, params, self.param_groups)
         for listener in self._plan_listeners:
@@ -243,7 +227,7 @@ class Partitioning:
 
     def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets), before the optimizer has state.
+        (``ShardedDataParallel``'s buckets); before the optimizer has state.
 
         Args:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.
@@ -268,20 +252,18 @@ class _Snapshot:
 
     def __init__(self, zero: ZeroParts) -> None:
         self.groups = len(zero.param_groups)
-        self.placed = (zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability)
-        self.optim = zero.optim
-        self.local = [] if zero.optim is None else [list(group["params"]) for group in zero.optim.param_groups]
-        self.state = {} if zero.optim is None else dict(zero.optim.state)
-        composite = zero.optim if isinstance(zero.optim, CompositeOptimizer) else None
+        self.placed = (zero._placement, zero._sync)
+        self.optim = optim = zero.local_optimizer  # add_param_group runs after the constructor's placement
+        self.local = [list(group["params"]) for group in optim.param_groups]
+        self.state = dict(optim.state)
+        composite = optim if isinstance(optim, CompositeOptimizer) else None
         self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
         self.formats = None if composite is None else composite.formats
 
     def restore(self, zero: ZeroParts) -> None:
         del zero.param_groups[self.groups :]
-        zero._plan, zero._placement, zero._shard, zero._sync, zero._unowned, zero._trainability = self.placed
+        zero._placement, zero._sync = self.placed
         zero.optim = optim = self.optim
-        if optim is None:
-            return
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
             optim._order[:], optim.parts = self.parts[0], self.parts[1]
             optim.formats = self.formats
@@ -293,5 +275,5 @@ class _Snapshot:
             group["params"] = params
         optim.state.clear()
         optim.state.update(self.state)
-        if zero.overlap_stepper is not None and zero._shard is not None and zero._plan is not None:
-            zero.overlap_stepper.rebuild(optim, zero._shard, zero._plan, zero.global_params, zero.param_groups)
+        if zero.overlap_stepper is not None:
+            zero.overlap_stepper.rebuild(optim, zero.local_shard, zero.plan, zero.global_params, zero.param_groups)

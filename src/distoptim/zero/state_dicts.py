@@ -1,7 +1,5 @@
 """A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's
-(``checkpoint/dcp_state.py``), and its part under ``Join``. The base classes type ``self`` as
-``repartitioning.ZeroParts``.
-"""
+(``checkpoint/dcp_state.py``); ``self`` is typed as ``repartitioning.ZeroParts``."""
 
 from __future__ import annotations
 
@@ -10,14 +8,11 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import JoinHook
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm.objects import all_gather_objects
-from distoptim.zero import stepping
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
 from distoptim.zero.repartitioning import ZeroParts
@@ -25,7 +20,7 @@ from distoptim.zero.shard import stitch
 from distoptim.zero.state_formats import decoded
 from distoptim.zero.unowned_state import keep_loaded
 
-__all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook"]
+__all__ = ["JOIN_WITH_SDP", "Checkpoints"]
 
 JOIN_WITH_SDP = (
     "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
@@ -66,8 +61,7 @@ class Checkpoints:
         self._consolidated = None if merged is None else dict(sorted(merged.items()))
 
     def state_dict(self: ZeroParts) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it (hooks run as
-        ``torch.optim`` runs them).
+        """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it (with its hooks).
 
         Raises:
             RuntimeError: this rank holds no consolidated state (``consolidate_state_dict(to=this rank)`` first).
@@ -84,8 +78,8 @@ class Checkpoints:
         return checkpoint.apply_hooks(self._optimizer_state_dict_post_hooks.values(), self, result)
 
     def load_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
-        """Load a global (``torch.optim``-format) dict on every rank; each keeps only its own shard's state (the dict
-        is checked first, with the same verdict on every rank; hooks run as ``torch.optim`` runs them).
+        """Load a global (``torch.optim``-format) dict on every rank, each keeping its own shard's state (the dict is
+        checked first, with the same verdict on every rank; hooks run as ``torch.optim`` runs them).
 
         Args:
             state_dict: what ``state_dict()`` returned (or a plain ``torch.optim`` optimizer's), at any world size.
@@ -103,7 +97,8 @@ class Checkpoints:
             state_dict, self.param_groups, self._optimizer_class, self.process_group
         )
         _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
-        keep_loaded(self, by_param)  # torch's optimizer holds what it loaded for them: so does a consolidated dict
+        # torch's optimizer holds what it loaded for them: so does a consolidated dict
+        keep_loaded(self._kept_unowned, self.plan.owners, self.global_params, by_param)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
@@ -115,9 +110,8 @@ class Checkpoints:
             post_hook(self)
 
     def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
-        """This rank's fragments of the state (master weights included) and the hyperparameters, for
-        ``torch.distributed.checkpoint`` or ``distoptim.checkpoint``, loadable at any world size and partition
-        (collective: a small all-reduce and a small all-gather).
+        """This rank's fragments of the state (master weights included) and the hyperparameters, for DCP or
+        ``distoptim.checkpoint``, loadable at any world size and partition (collective: a small all-reduce, a gather).
 
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
@@ -172,46 +166,8 @@ class Checkpoints:
         self._consolidated = None
 
 
-class Joining:
-    """ZeroRedundancyOptimizer's part under ``torch.distributed.algorithms.join.Join`` (a base class of it)."""
-
-    def join_hook(self: ZeroParts, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
-        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
-
-        Args:
-            **kwargs: ``Join``'s keyword arguments (none are used).
-
-        Raises:
-            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank, when ``Join`` is
-                built.
-        """
-        if self.gradient_source is not None:
-            raise NotImplementedError(JOIN_WITH_SDP)
-        if self.replicate_group is not None:
-            raise NotImplementedError(
-                "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
-                "step its shard with its stale .grad while its replica in another shard group, still training, "
-                "steps the same elements with the true average, and the replicas would part. Give every rank the "
-                "same number of batches (DistributedSampler(drop_last=True))"
-            )
-        return ZeroJoinHook(self)
-
-    @property
-    def join_device(self: ZeroParts) -> torch.device:
-        """The device of Join's own collectives: the parameters'."""
-        return self.global_params[0].device
-
-    @property
-    def join_process_group(self: ZeroParts) -> dist.ProcessGroup:
-        """The group of Join's own collectives: the one ZeRO shards over."""
-        return self.process_group
-
-
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
-    """The state the optimizer class makes at construction (Adagrad's ``sum``) for the parameters given to the
-    constructor whose state no rank holds (frozen when placed, or made trainable since and not stepped yet): torch's
-    optimizer holds it for them too (not for those ``add_param_group`` gave), so a consolidated dict holds it."""
+    """The construction state (Adagrad's ``sum``) torch's holds for the constructor's parameters not in ``present``."""
     made: dict[int, dict[str, Tensor]] = {}
     index = 0
     for group in zero.param_groups:
@@ -241,9 +197,7 @@ def _trained(state: dict[str, Any] | None) -> bool:
 
 
 def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[int]:
-    """The parameters no rank owns whose loaded state is trained: more than the class makes at construction, a
-    ``step`` count or (a custom class's, with no step count) other values than its constructor's. Only those: the
-    comparison builds their construction state (Adagrad's sums) on every rank."""
+    """The parameters no rank owns whose loaded state differs from what the class makes at construction."""
     params, owners = zero.global_params, zero.plan.owners
     trained = {i for i, param in enumerate(params) if owners[i] == UNOWNED and _trained(by_param.get(param))}
     made = _made_at_construction(zero, set(range(len(params))) - trained) if trained else {}
@@ -253,9 +207,7 @@ def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[
 def _naming_saved(
     zero: ZeroParts, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Each saved group names its parameters with trained state on some rank, and the state keys saved for its
-    parameters (``state``, as saved) on any rank (one gather): a sharded load has no entry for a parameter no rank
-    owns, nor for a key its template lacks, so only these show what such a load would drop."""
+    """The groups naming their parameters trained on some rank, and the keys saved for them (what a load may drop)."""
     trained = [t.index for t in zero.local_shard.locals if _trained(zero.local_optimizer.state.get(t.tensor))]
     mine = (trained, sharded.held_keys(zero.local_shard, state))
     everyone = all_gather_objects(mine, zero.process_group, zero._comm_device)
@@ -275,8 +227,7 @@ def _naming_saved(
 
 
 def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: str) -> None:
-    """A parameter frozen when placed has no owner, so state it trained with would be dropped, and it would train
-    from fresh state once unfrozen (the same dict on every rank: the same verdict)."""
+    """Refuse trained state of a parameter frozen when placed: no rank owns it, so the state would be dropped."""
     params, owners = zero.global_params, zero.plan.owners
     stranded = sorted(i for i in trained if owners[i] == UNOWNED and params[i].numel())  # zero-sized: no state kept
     if stranded:
@@ -289,18 +240,13 @@ def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: st
 
 
 def _same_state(loaded: dict[str, Any], made: dict[str, Any]) -> bool:
-    if loaded.keys() != made.keys():
-        return False
-    for key, value in loaded.items():
-        fresh = made[key]
-        if isinstance(fresh, Tensor) != isinstance(value, Tensor):
-            return False
-        if isinstance(fresh, Tensor):
-            if value.shape != fresh.shape or not torch.equal(value.to(fresh.device, fresh.dtype), fresh):
-                return False
-        elif value != fresh:
-            return False
-    return True
+    return loaded.keys() == made.keys() and all(_same_value(value, made[key]) for key, value in loaded.items())
+
+
+def _same_value(value: Any, fresh: Any) -> bool:
+    if not isinstance(fresh, Tensor) or not isinstance(value, Tensor):
+        return isinstance(fresh, Tensor) == isinstance(value, Tensor) and bool(value == fresh)
+    return value.shape == fresh.shape and torch.equal(value.to(fresh.device, fresh.dtype), fresh)
 
 
 def _land_and_agree_untouched(zero: ZeroParts) -> None:
@@ -308,29 +254,3 @@ def _land_and_agree_untouched(zero: ZeroParts) -> None:
     zero.land_sync()
     if zero._sync is not None and zero._sync.watches_writes:  # the same on every rank
         zero._agreed(zero._sync.check_untouched)
-
-
-class ZeroJoinHook(JoinHook):
-    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` as it stands, inside the others'
-    agreements, then their parameter sync (in overlap mode DDP's join hook runs the comm hook, which steps)."""
-
-    def __init__(self, zero: ZeroParts) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        zero, stepper = self.zero, self.zero.overlap_stepper
-        if stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
-            stepper.run_deferred()
-            return
-        zero.land_sync()
-        try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse
-            stepping.agreed_step(
-                lambda: zero._prepare(None, {}, None, hold=True),
-                zero._fingerprint,
-                zero.agreement_groups,
-                joined_step=lambda: zero._step_local(None, {}),
-            )
-        finally:
-            zero.local_shard.detach_grads()
-        zero.sync_parameters()
-        zero._consolidated = None

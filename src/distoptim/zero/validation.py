@@ -1,7 +1,6 @@
 """Checks on what the user passed, so that every rank raises the same clear error instead of hanging: each rank
 checks locally and fingerprints its parameters and settings (plain data, ``_canonical``), and the agreement makes
-every rank raise when any rank failed or any two disagree. ``params`` is read by ``param_input``.
-"""
+every rank raise when any rank failed or any two disagree. ``params`` is read by ``param_input``."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ def try_optimizer_class(
     defaults: dict[str, Any],
     master_dtype: torch.dtype | None = None,
 ) -> None:
-    """Build a throwaway local optimizer over meta-device stand-ins, so that what it rejects raises here, locally;
-    a class failing on meta tensors for another reason is tried once more on the real parameters."""
+    """Build a throwaway local optimizer over meta-device stand-ins (else the parameters): its refusals raise here."""
     check_group_classes(groups, optimizer_class)
     with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
         warnings.simplefilter("ignore")
@@ -226,9 +224,7 @@ def check_construction(
     replicate_group: comm.Group | None,
     state_format: str = "fp32",
 ) -> tuple[type[Optimizer], ParamGroups, torch.device, type[FunctionalOptimizer] | None, comm.Collectives]:
-    """ZeroRedundancyOptimizer's arguments checked on this rank, then agreed (all ranks raise or none does). Returns
-    the ``torch.optim`` class, the param groups, the communication device, the overlap mode's functional class or
-    None, and the style of collectives."""
+    """ZeroRedundancyOptimizer's arguments checked on this rank, then agreed (all ranks raise or none does)."""
     local: Fingerprint | BaseException
     device = None  # the communication device, once the parameters are known
     try:
@@ -309,16 +305,15 @@ def agreed_param_group(
     param_groups: ParamGroups,
     defaults: dict[str, Any],
     group: comm.Group,
-    sharded_gradients: bool = False,
-    master_dtype: torch.dtype | None = None,
-    check_existing: Callable[[], None] | None = None,
-    state_format: str = "fp32",
+    sharded_gradients: bool,
+    master_dtype: torch.dtype | None,
+    check_existing: Callable[[], None],
+    state_format: str,
 ) -> dict[str, Any]:
     """``param_group`` normalised once every rank has checked it and all agree on it (``add_param_group``)."""
 
     def normalized() -> dict[str, Any]:
-        if check_existing is not None:  # the groups there are (their classes unedited), before anything changes
-            check_existing()
+        check_existing()  # the groups there are (their classes unedited), before anything changes
         (checked,) = normalize_param_groups([param_group])
         check_names_alike([checked], param_groups[0])
         try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
@@ -379,8 +374,7 @@ def _canonical(value: Any) -> Any:
 
 
 def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) -> Fingerprint:
-    """What every rank must step with alike: which parameters are trainable, and the hyperparameters (compared among
-    the stepping ranks only: a rank joined under Join steps with its own, as in torch)."""
+    """What every rank steps with alike: the trainable parameters; the hyperparameters among stepping ranks (Join)."""
     hyperparameters: Fingerprint = {}
     for index, group in enumerate(param_groups):
         for key, value in group.items():
