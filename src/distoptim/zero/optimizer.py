@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
@@ -28,7 +28,9 @@ from distoptim.zero.state_formats import FORMAT_KEY
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioning, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(
+    state_dicts.Checkpoints, state_dicts.Joining, repartitioning.Partitioning, Optimizer, Joinable
+):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     A drop-in for torch's: ``step()`` takes averaged gradients (DDP's, or ``ShardedDataParallel``'s owned ones),
@@ -389,64 +391,3 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         super().zero_grad(set_to_none)
         if self.overlap_stepper is not None:
             self.overlap_stepper.record_grads()
-
-    # ---------------------------------------------------------------------------------------------- Join
-    def join_hook(self, **kwargs: Any) -> ZeroJoinHook:
-        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
-        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
-
-        Args:
-            **kwargs: ``Join``'s keyword arguments (none are used).
-
-        Raises:
-            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank, when ``Join`` is
-                built.
-        """
-        if self.gradient_source is not None:
-            raise NotImplementedError(state_dicts.JOIN_WITH_SDP)
-        if self.replicate_group is not None:
-            raise NotImplementedError(
-                "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
-                "step its shard with its stale .grad while its replica in another shard group, still training, "
-                "steps the same elements with the true average, and the replicas would part. Give every rank the "
-                "same number of batches (DistributedSampler(drop_last=True))"
-            )
-        return ZeroJoinHook(self)
-
-    def _shadow_step(self) -> None:
-        """A joined rank's step (``ZeroJoinHook``): its shard with its ``.grad`` inside the others' agreements."""
-        if self.overlap_stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
-            self.overlap_stepper.run_deferred()
-            return
-        self.land_sync()
-        try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse
-            stepping.agreed_step(
-                lambda: self._prepare(None, {}, None, hold=True),
-                self._fingerprint,
-                self.agreement_groups,
-                joined_step=lambda: self._step_local(None, {}),
-            )
-        finally:
-            self.local_shard.detach_grads()
-        self.sync_parameters()
-        self._consolidated = None
-
-    @property
-    def join_device(self) -> torch.device:
-        """The device of Join's own collectives: the parameters'."""
-        return self.global_params[0].device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """The group of Join's own collectives: the one ZeRO shards over."""
-        return self.process_group
-
-
-class ZeroJoinHook(JoinHook):
-    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` inside the others' agreements, synced."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        self.zero._shadow_step()
