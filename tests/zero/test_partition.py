@@ -202,3 +202,8 @@ def test_even_regions_of_a_bucket_size_each_split_evenly() -> None:
         assert sum(f.length for f in pieces) == numel and pieces[0].offset == 0
     grown = partition_parameters([*numels, 4, 9], [True] * 9, 3, previous=plan, mode="even", region_numel={0: 10})
     assert grown.fragments[:7] == plan.fragments and [b[0] for b in grown.layouts[0].bounds][-2:] == [51, 57]
+
+
+def test_lists_of_different_lengths_are_refused_naming_each_count() -> None:
+    with pytest.raises(ValueError, match="2 element counts, 2 trainable flags.* and 1 alignments"):
+        partition_parameters([4, 4], [True, True], world_size=2, mode="even", align=[1])

@@ -117,7 +117,7 @@ def partition_parameters(
     if not len(numels) == len(trainable) == len(keys) == len(whole) == len(costs) == len(align):
         raise ValueError(
             f"got {len(numels)} element counts, {len(trainable)} trainable flags, {len(keys)} keys, {len(whole)} "
-            f"whole flags and {len(costs)} costs"
+            f"whole flags, {len(costs)} costs and {len(align)} alignments"
         )
     placed: list[bool] = []
     owners: list[int] = []
