@@ -19,8 +19,8 @@ from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketCaps, BucketPlan, plan_buckets
 from distoptim.sharded_data_parallel.gradients import OwnedGradients
 from distoptim.sharded_data_parallel.sync import BucketedSync
+from distoptim.zero.join import JOIN_WITH_SDP
 from distoptim.zero.optimizer import ZeroRedundancyOptimizer
-from distoptim.zero.state_dicts import JOIN_WITH_SDP
 
 __all__ = ["ShardedDataParallel"]
 

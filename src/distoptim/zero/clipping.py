@@ -16,7 +16,13 @@ from distoptim.comm import collectives as comm
 if TYPE_CHECKING:
     from distoptim.zero.shard import LocalShard
 
-__all__ = ["clip_shard"]
+__all__ = ["IN_OVERLAP_MODE", "clip_shard"]
+
+IN_OVERLAP_MODE = (
+    "ZeroRedundancyOptimizer(overlap_with_ddp=True) cannot clip: its step already ran inside DDP's backward, so "
+    "clip_grad_norm_ would clip gradients the step has used and report a norm as if it had worked. Build it with "
+    "overlap_with_ddp=False (with ShardedDataParallel for ZeRO-2) to clip"
+)
 
 
 def clip_shard(

@@ -1,6 +1,6 @@
 """ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
 
-The public surface, composing ``placement`` (plan, shard, sync), ``repartitioning``, ``stepping`` and
+The public surface, composing ``placement`` (plan, shard, sync), ``repartitioning``, ``stepping``, ``join`` and
 ``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
-from distoptim.zero import amp, clipping, placement, repartitioning, state_dicts, stepping, validation
+from distoptim.zero import amp, clipping, join, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
@@ -28,9 +28,7 @@ from distoptim.zero.state_formats import FORMAT_KEY
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(
-    state_dicts.Checkpoints, state_dicts.Joining, repartitioning.Partitioning, Optimizer, Joinable
-):
+class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioning, Optimizer, Joinable):
     """Wrap ``optimizer_class`` so that each rank of ``process_group`` keeps and updates ~1/N of its state (ZeRO-1).
 
     A drop-in for torch's: ``step()`` takes averaged gradients (DDP's, or ``ShardedDataParallel``'s owned ones),
@@ -112,20 +110,15 @@ class ZeroRedundancyOptimizer(
         self._defaults = defaults
         self._first_added = len(self.global_params)  # the parameters after it came in add_param_group
         self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
-        self._sync: ParameterSync | None = None
-        self._region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
         self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
         self._consolidated: checkpoint.GlobalState | None = None
-        self.optim: Optimizer | None = None
-        self._placement: placement.Placement | None = None
         self._kept_unowned: dict[int, dict[str, Any]] = {}  # loaded state of parameters no rank owns (unowned_state)
         self._ready = True
         self._repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
 
-    # ----------------------------------------------------------------------------------------------- views
     @property
     def global_params(self) -> list[Tensor]:
         """Every parameter this optimizer holds (owned here or not), in global order: group by group."""
@@ -160,9 +153,7 @@ class ZeroRedundancyOptimizer(
 
     def all_ranks(self) -> tuple[list[int], int]:
         """The global ranks of this shard group and its replicas, and how many ranks DDP must average over."""
-        ranks = set(dist.get_process_group_ranks(self.process_group))
-        if self.replicate_group is not None:
-            ranks |= set(dist.get_process_group_ranks(self.replicate_group))
+        ranks = {rank for group in self.agreement_groups for rank in dist.get_process_group_ranks(group)}
         return sorted(ranks), self.world_size * self.replica_count
 
     @property
@@ -170,7 +161,6 @@ class ZeroRedundancyOptimizer(
         """The groups whose union must agree on every step: this shard group, and its replicas if any."""
         return [self.process_group] if self.replicate_group is None else [self.process_group, self.replicate_group]
 
-    # ------------------------------------------------------------------------------------------ the step
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
@@ -190,16 +180,26 @@ class ZeroRedundancyOptimizer(
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
         Join.notify_join_context(self)
+        return self._step(closure, kwargs, grad_scaler)
+
+    def _step(
+        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, joined: bool = False
+    ) -> float | None:
+        """``step()`` past the overlap mode and Join's notice; ``joined``: a joined rank's, run by Join's hook."""
         self.land_sync()
         try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
             (loss, verdict), scaled, found_inf, flags = self._agreed_step(
-                lambda: self._prepare(closure, kwargs, grad_scaler)
+                lambda: self._prepare(closure, kwargs, grad_scaler, hold=joined),
+                (lambda: self._step_local(None, kwargs)) if joined else None,
             )
             if self._gradient_source is not None:  # 1b. which parameters some rank used; then the ranks that held
                 self._gradient_source.agreed(flags[:-1])  # back their local part (it needed those) run it, agreed
                 if flags[-1]:
                     (_, verdict), scaled, found_inf, _ = self._agreed_step(
-                        lambda: self._gradient_source_step(kwargs, grad_scaler, verdict)
+                        lambda: (
+                            None,
+                            self._attach_and_step(None, kwargs, grad_scaler)[1] if self._held_back else verdict,
+                        )
                     )
             if verdict is not None:
                 verdict.record(found_inf)
@@ -244,19 +244,15 @@ class ZeroRedundancyOptimizer(
         local_loss, verdict = self._attach_and_step(closure, kwargs, grad_scaler, hold)
         return loss if closure is None else local_loss, verdict
 
-    def _gradient_source_step(self, kwargs: dict[str, Any], grad_scaler: Any, verdict: Any) -> stepping.Prepared:
-        """Step 1b: on a rank that held its local part back, that part, now that the store knows what it holds."""
-        if not self._held_back:
-            return None, verdict
-        return None, self._attach_and_step(None, kwargs, grad_scaler)[1]
-
     def _attach_and_step(
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
     ) -> stepping.Prepared:
-        """Attach the gradients, check and unscale them under a scaler, and step unless it skips or ``hold``."""
-        self.local_shard.attach_grads()
-        sharded = self._gradient_source is not None
-        verdict = amp.check_and_unscale(grad_scaler, self, self.local_shard.step_grads, sharded, self._model_grads)
+        """Attach the gradients, check and unscale them (and every gradient held here, once each, as torch's step does:
+        the store's as attached, as reading it again settles) under a scaler; step unless it skips or ``hold``."""
+        shard, sharded = self.local_shard, self._gradient_source is not None
+        shard.attach_grads()
+        held = shard.source_grads if sharded else lambda: [p.grad for p in self.global_params if p.grad is not None]
+        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, sharded, held)
         return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
@@ -267,7 +263,7 @@ class ZeroRedundancyOptimizer(
         return validation.step_fingerprint(self._placed.trainability, self.param_groups)
 
     def _agreed_step(
-        self, action: Callable[[], stepping.Prepared]
+        self, action: Callable[[], stepping.Prepared], joined_step: Callable[[], object] | None = None
     ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
         count = 0 if self._gradient_source is None else len(self.global_params) + 1
 
@@ -275,11 +271,10 @@ class ZeroRedundancyOptimizer(
             source = self._gradient_source
             return (False,) * count if done is None or source is None else (*source.used, self._held_back)
 
-        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, extra=store_flags)
+        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, joined_step, store_flags)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
-        """Place again where stale, then run ``action`` and return its result, agreed across ranks (collective; the
-        DDP hooks' step).
+        """Place again where stale, then run ``action``, agreed across ranks (the DDP hooks' step); returns its result.
 
         Args:
             action: what to run after placing (default: nothing).
@@ -335,15 +330,31 @@ class ZeroRedundancyOptimizer(
         if source.replanned not in self._plan_listeners:
             self._plan_listeners.append(source.replanned)
 
-    def _model_grads(self) -> list[Tensor]:
-        """Every gradient this rank holds, each element once, for a GradScaler's step to unscale as torch's does."""
-        if self._gradient_source is not None:
-            return self.local_shard.source_grads()  # as attached: reading the store again would settle
-        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-
     def _push_hyperparameters(self) -> None:
         """``param_groups`` (what schedulers and users edit) into the local optimizer's: the one direction."""
         copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
+        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
+
+        Args:
+            **kwargs: ``Join``'s keyword arguments (none are used).
+
+        Raises:
+            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank as ``Join`` is built.
+        """
+        return join.hook(self, lambda: self._step(None, {}, None, joined=True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of Join's own collectives: the parameters'."""
+        return self.global_params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group of Join's own collectives: the one ZeRO shards over."""
+        return self.process_group
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
@@ -363,11 +374,7 @@ class ZeroRedundancyOptimizer(
                 ``overlap_with_ddp=True`` (the step already ran inside the backward).
         """
         if self.overlap_stepper is not None:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) cannot clip: its step already ran inside DDP's "
-                "backward, so clip_grad_norm_ would clip gradients the step has used and report a norm as if it had "
-                "worked. Build it with overlap_with_ddp=False (with ShardedDataParallel for ZeRO-2) to clip"
-            )
+            raise RuntimeError(clipping.IN_OVERLAP_MODE)
         if self._gradient_source is not None:  # every rank alike: which parameters some rank used
             self._gradient_source.ready()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it

@@ -36,7 +36,6 @@ class ZeroParts(Protocol):
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     process_group: dist.ProcessGroup
-    replicate_group: dist.ProcessGroup | None
     rank: int
     world_size: int
     partition: str
@@ -104,11 +103,11 @@ class Partitioning:
 
     # what the last placement built (None until the constructor's first)
     _index_cache: tuple[PartitionPlan | None, dict[int, int]]
-    _placement: placement.Placement | None
-    _sync: ParameterSync | None
-    _region_numel: dict[Any, int] | None
+    _placement: placement.Placement | None = None
+    _sync: ParameterSync | None = None
+    optim: Optimizer | None = None
+    _region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per layout key
     _consolidated: Any
-    optim: Optimizer | None
 
     def add_param_group(self: ZeroParts, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are.

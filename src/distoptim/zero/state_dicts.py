@@ -1,5 +1,5 @@
 """A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's
-(``checkpoint/dcp_state.py``), and its part under ``Join``; ``self`` is typed as ``repartitioning.ZeroParts``."""
+(``checkpoint/dcp_state.py``); ``self`` is typed as ``repartitioning.ZeroParts``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import JoinHook
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm.objects import all_gather_objects
-from distoptim.zero import stepping
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
 from distoptim.zero.repartitioning import ZeroParts
@@ -23,13 +20,7 @@ from distoptim.zero.shard import stitch
 from distoptim.zero.state_formats import decoded
 from distoptim.zero.unowned_state import keep_loaded
 
-__all__ = ["JOIN_WITH_SDP", "Checkpoints", "Joining", "ZeroJoinHook"]
-
-JOIN_WITH_SDP = (
-    "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
-    "bucket's reduction and the parameter sync; give every rank the same number of batches (drop the last, uneven "
-    "one: DistributedSampler(drop_last=True)), or use DDP under Join([ddp, zero])"
-)
+__all__ = ["Checkpoints"]
 
 
 class Checkpoints:
@@ -169,42 +160,6 @@ class Checkpoints:
         self._consolidated = None
 
 
-class Joining:
-    """ZeroRedundancyOptimizer's part under ``torch.distributed.algorithms.join.Join`` (a base class of it)."""
-
-    def join_hook(self: ZeroParts, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
-        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
-
-        Args:
-            **kwargs: ``Join``'s keyword arguments (none are used).
-
-        Raises:
-            NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank, when ``Join`` is
-                built.
-        """
-        if self.gradient_source is not None:
-            raise NotImplementedError(JOIN_WITH_SDP)
-        if self.replicate_group is not None:
-            raise NotImplementedError(
-                "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
-                "step its shard with its stale .grad while its replica in another shard group, still training, "
-                "steps the same elements with the true average, and the replicas would part. Give every rank the "
-                "same number of batches (DistributedSampler(drop_last=True))"
-            )
-        return ZeroJoinHook(self)
-
-    @property
-    def join_device(self: ZeroParts) -> torch.device:
-        """The device of Join's own collectives: the parameters'."""
-        return self.global_params[0].device
-
-    @property
-    def join_process_group(self: ZeroParts) -> dist.ProcessGroup:
-        """The group of Join's own collectives: the one ZeRO shards over."""
-        return self.process_group
-
-
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
     """The construction state (Adagrad's ``sum``) torch's holds for the constructor's parameters not in ``present``."""
     made: dict[int, dict[str, Tensor]] = {}
@@ -293,28 +248,3 @@ def _land_and_agree_untouched(zero: ZeroParts) -> None:
     zero.land_sync()
     if zero._sync is not None and zero._sync.watches_writes:  # the same on every rank
         zero._agreed(zero._sync.check_untouched)
-
-
-class ZeroJoinHook(JoinHook):
-    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` inside the others' agreements, synced."""
-
-    def __init__(self, zero: ZeroParts) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        zero, stepper = self.zero, self.zero.overlap_stepper
-        if stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
-            stepper.run_deferred()
-            return
-        zero.land_sync()
-        try:  # the local step waits for the agreement: where another rank steps under a GradScaler, all refuse
-            stepping.agreed_step(
-                lambda: zero._prepare(None, {}, None, hold=True),
-                zero._fingerprint,
-                zero.agreement_groups,
-                joined_step=lambda: zero._step_local(None, {}),
-            )
-        finally:
-            zero.local_shard.detach_grads()
-        zero.sync_parameters()
-        zero._consolidated = None

@@ -1,0 +1,58 @@
+"""A ZeroRedundancyOptimizer under ``torch.distributed.algorithms.join.Join`` (uneven inputs): the hook a joined rank
+runs, and the modes that refuse Join. It reads the optimizer's public members and runs the step it is handed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from distoptim.zero.overlap import OverlapStepper
+
+__all__ = ["JOIN_WITH_SDP", "ZeroJoinHook", "hook"]
+
+JOIN_WITH_SDP = (
+    "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
+    "bucket's reduction and the parameter sync; give every rank the same number of batches (drop the last, uneven "
+    "one: DistributedSampler(drop_last=True)), or use DDP under Join([ddp, zero])"
+)
+
+
+class _Optimizer(Protocol):
+    """What ``hook`` reads of a ZeroRedundancyOptimizer: public members only."""
+
+    replicate_group: dist.ProcessGroup | None
+    overlap_stepper: OverlapStepper | None
+
+    @property
+    def gradient_source(self) -> object: ...
+
+
+def hook(zero: _Optimizer, joined_step: Callable[[], object]) -> JoinHook:
+    """``zero``'s join hook, running ``joined_step`` (a step inside the others' agreements, then the parameter sync);
+    refused under ``ShardedDataParallel`` or hybrid sharding."""
+    if zero.gradient_source is not None:
+        raise NotImplementedError(JOIN_WITH_SDP)
+    if zero.replicate_group is not None:
+        raise NotImplementedError(
+            "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
+            "step its shard with its stale .grad while its replica in another shard group, still training, "
+            "steps the same elements with the true average, and the replicas would part. Give every rank the "
+            "same number of batches (DistributedSampler(drop_last=True))"
+        )
+    return ZeroJoinHook(zero.overlap_stepper, joined_step)
+
+
+class ZeroJoinHook(JoinHook):
+    """A joined rank's step, as torch's: its shard stepped with its ``.grad`` inside the others' agreements, synced."""
+
+    def __init__(self, overlap_stepper: OverlapStepper | None, joined_step: Callable[[], object]) -> None:
+        self.overlap_stepper, self.joined_step = overlap_stepper, joined_step
+
+    def main_hook(self) -> None:
+        if self.overlap_stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
+            self.overlap_stepper.run_deferred()
+        else:
+            self.joined_step()
