@@ -50,7 +50,8 @@ class Slot:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """One bucket: its parameters, its length, who owns which range, and ``(layout, region)`` for an even one."""
+    """One bucket: its parameters (in position order), its length, who owns which range, and ``(layout, region)``
+    for an even one."""
 
     key: Hashable
     slots: tuple[Slot, ...]

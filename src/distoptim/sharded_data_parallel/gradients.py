@@ -359,7 +359,7 @@ class OwnedGradients:
     def _zero_gaps(self, buffer: Tensor, plan: BucketPlan) -> None:
         """Zeros where this backward copied no gradient: padding, parameters it did not reach (a memset less)."""
         at = 0
-        for slot in sorted(plan.slots, key=lambda slot: slot.position):
+        for slot in plan.slots:  # in position order
             if slot.index in self._filled:
                 if slot.position > at:
                     buffer[at : slot.position].zero_()
