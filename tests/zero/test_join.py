@@ -196,13 +196,18 @@ def test_ddp_and_zero_under_join_match_torchs_zero() -> None:
 
 
 def _refusals_body(rank: int, world_size: int) -> None:
-    """ShardedDataParallel and hybrid sharding refuse Join where it is built; a GradScaler under Join raises on
-    every rank at the first step a rank has joined, before any rank stepped."""
+    """ShardedDataParallel and hybrid sharding refuse Join where it is built (the wrapper, where a Join came first);
+    a GradScaler under Join raises on every rank at the first step a rank has joined, before any rank stepped."""
     net = _Net()
     sdp = ShardedDataParallel(net, ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1))
     for joinables in ([sdp], [sdp, sdp.zero], [sdp.zero]):
         with pytest.raises(NotImplementedError, match=r"Join \(uneven inputs\) is not supported with Sharded"):
             Join(joinables)
+    joined_first = _Net()  # Join built over the optimizer before the wrapper: its hook would hang the backward
+    zero = ZeroRedundancyOptimizer(joined_first.parameters(), torch.optim.SGD, lr=0.1)
+    Join([zero])
+    with pytest.raises(NotImplementedError, match=r"Join \(uneven inputs\) is not supported with Sharded"):
+        ShardedDataParallel(joined_first, zero)
     shards = [dist.new_group([r]) for r in range(world_size)]
     replicas = dist.new_group(list(range(world_size)))
     hybrid = ZeroRedundancyOptimizer(
