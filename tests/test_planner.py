@@ -168,7 +168,7 @@ def _live_run(rank: int, world_size: int, config: dict[str, Any], baseline: set[
     counter.add("state", _storages(_state_tensors(local)))
     if mode != "ddp":
         counter.add("master", _storages(t.tensor for t in optimizer.local_shard.masters))
-        rounds = getattr(optimizer._sync, "rounds", ())  # BucketViewSync stages nothing
+        rounds = getattr(optimizer.placer.sync, "rounds", ())  # BucketViewSync stages nothing
         counter.add("staging", _storages(r.work.stage for r in rounds if r.work is not None))
     counter.add("unaccounted", {p: s for p, s in _all_live_tensors().items() if p not in baseline})
     return {**counter.bytes, "upcast": sum(upcast.values())}
@@ -332,7 +332,9 @@ def _sdp_body(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list
             counter.add("params", _storages(model.parameters()))
             counter.add("state", _storages(_state_tensors(zero.local_optimizer)))
             counter.add("master", _storages(t.tensor for t in zero.local_shard.masters))
-            staged = [unit.sync for unit in zero._sync.units if hasattr(unit, "sync")]  # the in-place ones have none
+            staged = [
+                unit.sync for unit in zero.placer.sync.units if hasattr(unit, "sync")
+            ]  # the in-place ones have none
             counter.add("staging", _storages(r.work.stage for s in staged for r in s.rounds if r.work is not None))
             counter.add("grads", _storages(zero.gradient_source.owned))
             counter.add("markers", _storages(p.grad for p in model.parameters()))  # one element each, no values

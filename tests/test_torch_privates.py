@@ -27,6 +27,11 @@ PRIVATE_NAMES = {
     "_version": "a tensor's version counter: whether a gradient changed since it was read",
     "DisableTorchFunction": "(torch._C) data pointers read beneath a tensor subclass's __torch_function__",
     "DisableTorchFunctionSubclass": "(torch._C) the .grad marker's own ops run as plain tensor ops",
+    "_optimizer_state_dict_pre_hooks": "torch.optim.Optimizer's state-dict hooks (registered through its public "
+    "methods), run by ZeRO's own state_dict as torch's runs them",
+    "_optimizer_state_dict_post_hooks": "... and the same for state_dict's post hooks",
+    "_optimizer_load_state_dict_pre_hooks": "... load_state_dict's pre hooks",
+    "_optimizer_load_state_dict_post_hooks": "... load_state_dict's post hooks",
 }
 
 

@@ -34,12 +34,12 @@ def _refused_add_leaves_it_as_it_was(zero: ZeroRedundancyOptimizer, params: list
     def fail() -> None:
         raise RuntimeError("injected")
 
-    zero._plan_listeners.insert(0, fail)
+    zero.placer.listeners.insert(0, fail)
     try:
         with pytest.raises(RuntimeError, match="injected"):
             zero.add_param_group({"params": params, "lr": 0.02})
     finally:
-        zero._plan_listeners.remove(fail)
+        zero.placer.listeners.remove(fail)
     assert (len(zero.param_groups), zero.plan, len(zero.local_optimizer.param_groups)) == (groups, plan, local)
 
 

@@ -59,7 +59,7 @@ def _in_flight_body(rank: int, world_size: int) -> None:
     for partition, bucket_view in itertools.product(["greedy", "even"], [False, True]):
         model, zero, sdp = _build(partition, bucket_view)
         _train(sdp, zero, rank, range(1))
-        sync = zero._sync
+        sync = zero.placer.sync
         assert isinstance(sync, BucketedSync) and len(sync.units) > 3 and sync.in_flight(0)  # every bucket in flight
         first_landed: list[int] = []
         model.embed.register_forward_pre_hook(
@@ -141,9 +141,9 @@ def _wrapping_body(rank: int, world_size: int) -> None:
         for param in model.parameters():
             param.add_(rank)
     zero = ZeroRedundancyOptimizer(groups(model), torch.optim.AdamW, partition="even", parameters_as_bucket_view=True)
-    storages = {key: a.untyped_storage().data_ptr() for key, a in zero._sync.allocations().items()}
+    storages = {key: a.untyped_storage().data_ptr() for key, a in zero.placer.sync.allocations().items()}
     ShardedDataParallel(model, zero, bucket_cap_mb=0.001)
-    assert {key: a.untyped_storage().data_ptr() for key, a in zero._sync.allocations().items()} == storages
+    assert {key: a.untyped_storage().data_ptr() for key, a in zero.placer.sync.allocations().items()} == storages
     assert all(param.untyped_storage().data_ptr() in storages.values() for param in groups_of(zero))
     for param, reference in zip(model.parameters(), Model().parameters()):
         assert torch.equal(param, reference), "every rank holds rank 0's values"

@@ -227,7 +227,7 @@ def _add_param_group_body(rank: int, world_size: int) -> None:
         zero.zero_grad()
         assert all(p.grad is None for p in params), "zero_grad clears every parameter, owned or not"
         if bucket_view:  # trainable parameters are views into the rebuilt flat buckets
-            spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in zero._sync.buffers]
+            spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in zero.placer.sync.buffers]
             for param in (p for p in params if p.requires_grad):
                 assert any(start <= param.data_ptr() < end for start, end in spans)
 

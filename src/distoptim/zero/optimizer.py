@@ -1,7 +1,7 @@
 """ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
 
-The public surface, composing ``placement`` (plan, shard, sync), ``repartitioning``, ``stepping``, ``join`` and
-``state_dicts``; those take what they need as arguments (the base classes type the optimizer as a protocol)."""
+The public surface over its ``placer`` (``repartitioning.Placer``: plan, shard, sync, local optimizer), composing
+``stepping``, ``join`` and ``state_dicts``; the base classes read its public members only (``ZeroParts``)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,13 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp, clipping, join, placement, repartitioning, state_dicts, stepping, validation
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import check_classes_unchanged, check_eps_from_first_dtype
 from distoptim.zero.overlap import OverlapStepper
-from distoptim.zero.partition import PartitionPlan
-from distoptim.zero.shard import LocalShard, copy_hyperparameters
+from distoptim.zero.shard import LocalShard
 from distoptim.zero.state_formats import FORMAT_KEY
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -85,38 +83,30 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             state_format=state_format,
         )
 
-        self._ready = False  # until then, add_param_group only records groups (Optimizer.__init__ calls it)
+        self.rank = comm.group_rank(group)
+        self.world_size = comm.group_size(group)
+        settings = placement.PlacementSettings(
+            group, self.rank, self.world_size, partition, master_dtype, parameters_as_bucket_view, collectives
+        )  # the placer places nothing until the constructor's end: add_param_group only records groups until then
+        self.placer = repartitioning.Placer(self, settings, local_class, defaults, device)
         shown = defaults if state_format == "fp32" else {**defaults, FORMAT_KEY: state_format}  # each group's default
         super().__init__(groups, shown)
         Joinable.__init__(self)
         self.process_group = group
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding this shard in other shard groups
         self.replica_count = 1 if replicate_group is None else comm.group_size(replicate_group)
-        self._comm_device = device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
-        self.rank = comm.group_rank(group)
-        self.world_size = comm.group_size(group)
         self.global_rank = comm.global_rank(group, self.rank)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.collectives = collectives  # how gradients reach their owners and parameters leave them (comm.py)
         self.partition = partition
         self.master_dtype = master_dtype
-        self._settings = placement.PlacementSettings(
-            group, self.rank, self.world_size, partition, master_dtype, parameters_as_bucket_view, collectives
-        )
-        self._optimizer_class = local_class
         self.overlap_stepper = (
             None if functional_cls is None else OverlapStepper(functional_cls, group, collectives, self)
         )
-        self._defaults = defaults
-        self._first_added = len(self.global_params)  # the parameters after it came in add_param_group
-        self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
-        self._plan_listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
         self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
-        self._consolidated: checkpoint.GlobalState | None = None
-        self._kept_unowned: dict[int, dict[str, Any]] = {}  # loaded state of parameters no rank owns (unowned_state)
-        self._ready = True
-        self._repartition()
+        self.placer.first_added = len(self.global_params)
+        self.placer.repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
 
     @property
@@ -125,21 +115,14 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         return [param for group in self.param_groups for param in group["params"]]
 
     @property
-    def _placed(self) -> placement.Placement:
-        """What the last placement built (the constructor's first on): plan, shard, sync, the unowned parameters."""
-        assert self._placement is not None
-        return self._placement
-
-    @property
     def local_shard(self) -> LocalShard:
         """The tensors this rank's local optimizer steps (parameters it owns whole, views of its fragments)."""
-        return self._placed.shard
+        return self.placer.placed.shard
 
     @property
     def local_optimizer(self) -> Optimizer:
         """The plain ``torch.optim`` optimizer over this rank's shard (``optim``)."""
-        assert self.optim is not None
-        return self.optim
+        return self.placer.local_optimizer
 
     @property
     def state(self) -> Any:
@@ -204,11 +187,11 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             if verdict is not None:
                 verdict.record(found_inf)
             if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient held an inf or nan
-                self._agreed(lambda: None if verdict is None else self._step_local(None, kwargs))
+                repartitioning.agreed(self, lambda: None if verdict is None else self._step_local(None, kwargs))
         finally:
             self.local_shard.detach_grads()  # no stale gradient piece outlives the step
         self.sync_parameters()  # 3. every rank's updated shard to every rank
-        self._consolidated = None
+        self.placer.consolidated = None
         return loss
 
     def _prepare(
@@ -219,16 +202,15 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         try:  # inside the agreement: every rank raises if one does
             if self._gradient_source is not None:
                 self._gradient_source.check_finished()
-            if self._sync is not None:
-                self._sync.check_untouched()  # the sync step() finished first overwrote no write of the user's
-            check_classes_unchanged(self.param_groups, self.local_optimizer, self._optimizer_class)
-            check_eps_from_first_dtype(self.param_groups, self._optimizer_class, self.master_dtype)  # loads, edits
+            (placer := self.placer).sync.check_untouched()  # the sync step() finished first overwrote no user write
+            check_classes_unchanged(self.param_groups, self.local_optimizer, placer.optimizer_class)
+            check_eps_from_first_dtype(self.param_groups, placer.optimizer_class, self.master_dtype)  # loads, edits
         except Exception:
             if closure is not None:  # the others run it (its backward's collectives) before they hear of this
                 with torch.enable_grad():
                     closure()
             raise
-        self._repartition_if_changed()
+        self.placer.repartition_if_changed()
         loss: float | None = None
         shard = self.local_shard
         # torch.optim's order, the closure's backward first, wherever the step does not read the parameters' own .grad
@@ -236,8 +218,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         if closure is not None and (shard.detached or shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
-        validation.check_unowned_have_no_grad(self._placed.unowned)
-        self._push_hyperparameters()
+        validation.check_unowned_have_no_grad(self.placer.placed.unowned)
+        self.placer.push_hyperparameters()
         if self._gradient_source is not None and not self._gradient_source.prepare_step():
             self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
             return loss, None
@@ -258,10 +240,6 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
 
-    def _fingerprint(self) -> Any:
-        """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return validation.step_fingerprint(self._placed.trainability, self.param_groups)
-
     def _agreed_step(
         self, action: Callable[[], stepping.Prepared], joined_step: Callable[[], object] | None = None
     ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
@@ -271,7 +249,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             source = self._gradient_source
             return (False,) * count if done is None or source is None else (*source.used, self._held_back)
 
-        return stepping.agreed_step(action, self._fingerprint, self.agreement_groups, joined_step, store_flags)
+        return stepping.agreed_step(action, self.placer.fingerprint, self.agreement_groups, joined_step, store_flags)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
         """Place again where stale, then run ``action``, agreed across ranks (the DDP hooks' step); returns its result.
@@ -286,29 +264,23 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         def place_then_act() -> Any:
             if self.overlap_stepper is not None:
                 self.overlap_stepper.check_formats()
-            self._repartition_if_changed()
+            self.placer.repartition_if_changed()
             return action()
 
-        return self._agreed(place_then_act)
-
-    def _agreed(self, action: Callable[[], Any]) -> Any:
-        return stepping.agreed(action, self._fingerprint, self.agreement_groups, stepping.shadowing(self))
+        return repartitioning.agreed(self, place_then_act)
 
     def sync_parameters(self) -> None:
         """Bring every rank's updated shard to every rank (collective; ``step()`` ends with it)."""
-        assert self._sync is not None
-        self._sync.sync_parameters()
+        self.placer.sync.sync_parameters()
 
     def sync_finished(self) -> None:
         """Wait for any parameter sync still in flight (local); raises if a parameter was written meanwhile."""
         self.land_sync()
-        assert self._sync is not None
-        self._sync.check_untouched_here()
+        self.placer.sync.check_untouched_here()
 
     def land_sync(self) -> None:
         """``sync_finished`` without its local check (an agreement follows: the next step, a checkpoint)."""
-        assert self._sync is not None
-        self._sync.finish()
+        self.placer.sync.finish()
 
     @property
     def gradient_source(self) -> stepping.GradientSource | None:
@@ -318,7 +290,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     @property
     def placed_sync(self) -> ParameterSync:
         """The parameter sync the current placement built (a gradient source's ``sync`` wraps it)."""
-        return self._placed.sync
+        return self.placer.placed.sync
 
     def attach_gradient_source(self, source: stepping.GradientSource) -> None:
         """Read the gradient from ``source`` (``ShardedDataParallel``), not ``.grad``, and sync through its ``sync``.
@@ -326,13 +298,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         Args:
             source: the gradient's one owner (``stepping.GradientSource``).
         """
-        self._gradient_source, self.local_shard.source, self._sync = source, source.grad_of, source.sync
-        if source.replanned not in self._plan_listeners:
-            self._plan_listeners.append(source.replanned)
-
-    def _push_hyperparameters(self) -> None:
-        """``param_groups`` (what schedulers and users edit) into the local optimizer's: the one direction."""
-        copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
+        self._gradient_source, self.local_shard.source, self.placer.sync = source, source.grad_of, source.sync
+        if source.replanned not in self.placer.listeners:
+            self.placer.listeners.append(source.replanned)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
@@ -378,8 +346,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         if self._gradient_source is not None:  # every rank alike: which parameters some rank used
             self._gradient_source.ready()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
-        self._repartition_if_changed()
-        shard, params, group, device = self.local_shard, self.global_params, self.process_group, self._comm_device
+        self.placer.repartition_if_changed()
+        shard, params, group, device = self.local_shard, self.global_params, self.process_group, self.placer.comm_device
         return clipping.clip_shard(shard, params, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,6 +1,6 @@
-"""``Partitioning``, a base class of the optimizer (``self`` typed as ``ZeroParts``): who owns what, and placing again
-(``placement.place``) after ``add_param_group``, when a parameter is made trainable or given new storage, and where
-``ShardedDataParallel`` re-cuts an even partition into its buckets' regions."""
+"""``Placer``, the optimizer's placement (``placement.place``) and what is built from it, placed again after
+``add_param_group``, when a parameter is made trainable or given new storage, and where ``ShardedDataParallel`` cuts
+an even partition into its buckets' regions; ``Partitioning``, the optimizer's public methods over it (a base class)."""
 
 from __future__ import annotations
 
@@ -12,26 +12,124 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim.checkpoint.consolidated import GlobalState
 from distoptim.comm import collectives as comm
-from distoptim.zero import placement, validation
+from distoptim.zero import placement, stepping, validation
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.local_optimizer import (
-    CLASS_KEY,
-    CompositeOptimizer,
-    check_classes_unchanged,
-    whole_tensor_weights,
-)
+from distoptim.zero.local_optimizer import CLASS_KEY, CompositeOptimizer, check_classes_unchanged, whole_tensor_weights
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
-from distoptim.zero.shard import LocalShard, complete_hyperparameters
+from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
 from distoptim.zero.state_formats import FORMAT_KEY
 from distoptim.zero.unowned_state import install_kept
 
-__all__ = ["Partitioning", "ZeroParts"]
+__all__ = ["Partitioning", "Placer", "ZeroParts", "agreed"]
+
+
+class Placer:
+    """Where a ZeroRedundancyOptimizer's parameters live: the placement (plan, shard, sync), the local optimizer
+    over the shard, the even partition's regions, and the state loaded or gathered for the parameters (which a new
+    placement changes); ``repartition`` rebuilds them all and tells the ``listeners``. Built by the optimizer."""
+
+    sync: ParameterSync  # the placement's, or the gradient source's around it (from the constructor's placement on)
+
+    def __init__(
+        self,
+        zero: ZeroParts,
+        settings: placement.PlacementSettings,
+        optimizer_class: type[Optimizer],
+        defaults: dict[str, Any],
+        comm_device: torch.device,
+    ) -> None:
+        self.zero, self.settings = zero, settings  # the optimizer: its groups are the truth the placement follows
+        self.optimizer_class, self.defaults = optimizer_class, defaults  # the constructor's class and hyperparameters
+        self.comm_device = comm_device  # where this rank's messages live: its parameters' GPU under NCCL, else the CPU
+        self.placement: placement.Placement | None = None  # None until the constructor's first placement
+        self.optim: Optimizer | None = None
+        self.region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
+        self.listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
+        self.kept_unowned: GlobalState = {}  # loaded state of parameters no rank owns (unowned_state)
+        self.consolidated: GlobalState | None = None  # what consolidate_state_dict gathered here, until it is stale
+        self.first_added = 0  # the constructor's parameters: those after it came in add_param_group (set by it)
+        self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
+
+    @property
+    def placed(self) -> placement.Placement:
+        """What the last placement built (the constructor's first on): plan, shard, sync, the unowned parameters."""
+        assert self.placement is not None
+        return self.placement
+
+    @property
+    def local_optimizer(self) -> Optimizer:
+        """The local optimizer over the shard."""
+        assert self.optim is not None
+        return self.optim
+
+    def index_of(self, param: Tensor) -> int | None:
+        """``param``'s global index (None when the optimizer does not hold it)."""
+        plan = self.placed.plan
+        if self._index_cache[0] is not plan:
+            self._index_cache = (plan, {id(p): i for i, p in enumerate(self.zero.global_params)})
+        return self._index_cache[1].get(id(param))
+
+    def fingerprint(self) -> Any:
+        """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
+        return validation.step_fingerprint(self.placed.trainability, self.zero.param_groups)
+
+    def push_hyperparameters(self) -> None:
+        """``param_groups`` (what schedulers and users edit) into the local optimizer's: the one direction."""
+        copy_hyperparameters(self.zero.param_groups, self.local_optimizer.param_groups)
+
+    def repartition(self, fresh: bool = False, in_place: bool = False) -> None:
+        """Place the parameters that have no owner yet (all, ``fresh``; bucket views moved ``in_place``) and rebuild."""
+        before, groups = self.placement, self.zero.param_groups  # None at construction
+        if before is not None:
+            self.sync.finish()
+        params, previous_shard = self.zero.global_params, None if before is None else before.shard
+        whole, costs = whole_tensor_weights(groups, self.optimizer_class)
+        placed = placement.place(
+            params,
+            groups,
+            self.settings,
+            previous=None if fresh or before is None else before.plan,
+            region_numel=self.region_numel,
+            moving_within=self.sync if in_place else None,
+            whole=whole,
+            costs=costs,
+        )
+        self.placement, self.sync = placed, placed.sync
+        self.optim = optim = placement.bind_local_optimizer(
+            self.optim, self.optimizer_class, self.defaults, placed.shard, previous_shard, groups
+        )
+        complete_hyperparameters(groups, optim.param_groups)
+        self.push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
+        if install_kept(self.kept_unowned, placed.plan.owners, optim, placed.shard):  # loaded state, owned now
+            self.consolidated = None
+        if (stepper := self.zero.overlap_stepper) is not None:
+            stepper.rebuild(optim, placed.shard, placed.plan, params, groups)
+        for listener in self.listeners:
+            listener()
+
+    def repartition_if_changed(self) -> None:
+        """A new placement where the last one is stale; then master copies take parameters written outside."""
+        self.place_if_stale()
+        self.placed.shard.reseed_masters()
+
+    def place_if_stale(self) -> None:
+        """A new placement where the last one is stale; a parameter whose dtype or device changed is refused."""
+        if placement.is_stale(self.placed, self.zero.global_params):
+            placement.check_layout_keys(self.placed, self.zero.global_params)
+            self.repartition()
+
+    def check_before_adding(self) -> None:
+        """``add_param_group``'s first check: the sync landed over no write of the user's, the classes unedited."""
+        self.sync.finish()
+        self.sync.check_untouched()
+        check_classes_unchanged(self.zero.param_groups, self.local_optimizer, self.optimizer_class)
 
 
 class ZeroParts(Protocol):
-    """What the base classes (``Partitioning``, ``state_dicts``') read and set of a ZeroRedundancyOptimizer."""
+    """What ``Partitioning``, ``state_dicts`` and ``agreed`` read and set of a ZeroRedundancyOptimizer: public only."""
 
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
@@ -40,30 +138,13 @@ class ZeroParts(Protocol):
     world_size: int
     partition: str
     master_dtype: torch.dtype | None
-    _ready: bool
-    _comm_device: torch.device
-    _consolidated: Any
+    overlap_stepper: OverlapStepper | None
+    placer: Placer
 
     @property
     def gradient_source(self) -> Any: ...
-
-    overlap_stepper: OverlapStepper | None
-    optim: Optimizer | None
-    _optimizer_class: type[Optimizer]
-    _defaults: dict[str, Any]
-    _first_added: int
-    _settings: placement.PlacementSettings
-    _index_cache: tuple[PartitionPlan | None, dict[int, int]]
-    _placement: placement.Placement | None
-    _sync: ParameterSync | None
-    _kept_unowned: dict[int, dict[str, Any]]
-    _region_numel: dict[Any, int] | None
-    _plan_listeners: list[Callable[[], None]]
-    _optimizer_state_dict_pre_hooks: Any
-    _optimizer_state_dict_post_hooks: Any
-    _optimizer_load_state_dict_pre_hooks: Any
-    _optimizer_load_state_dict_post_hooks: Any
-
+    @property
+    def agreement_groups(self) -> list[dist.ProcessGroup]: ...
     @property
     def global_params(self) -> list[Tensor]: ...
     @property
@@ -74,32 +155,28 @@ class ZeroParts(Protocol):
     def local_optimizer(self) -> Optimizer: ...
     def index_of(self, param: Tensor) -> int | None: ...
     def land_sync(self) -> None: ...
-    def _add_group(self, group: dict[str, Any]) -> None: ...
-    def _push_hyperparameters(self) -> None: ...
-    def _agreed(self, action: Callable[[], Any]) -> Any: ...
-    def _repartition(self, fresh: bool = False, in_place: bool = False) -> None: ...
-    def _repartition_if_changed(self) -> None: ...
-    def _place_if_stale(self) -> None: ...
 
 
-def _check_before_adding(zero: ZeroParts) -> None:
-    """``add_param_group``'s first check: the sync landed over no write of the user's, the groups' classes unedited."""
-    if zero._sync is not None:
-        zero._sync.finish()
-        zero._sync.check_untouched()
-    check_classes_unchanged(zero.param_groups, zero.local_optimizer, zero._optimizer_class)
+def agreed(zero: ZeroParts, action: Callable[[], Any]) -> Any:
+    """``action()`` on every rank, agreed across ``zero``'s ranks with its step's fingerprint; returns its result."""
+    return stepping.agreed(action, zero.placer.fingerprint, zero.agreement_groups, stepping.shadowing(zero))
+
+
+def _add_group(zero: ZeroParts, group: dict[str, Any]) -> None:
+    """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults."""
+    if CLASS_KEY not in group:
+        Optimizer.add_param_group(cast(Optimizer, zero), group)
+        return
+    constructor_defaults = zero.defaults  # but the constructor's state_format, which any class may keep
+    zero.defaults = {k: v for k, v in constructor_defaults.items() if k == FORMAT_KEY}
+    try:
+        Optimizer.add_param_group(cast(Optimizer, zero), group)
+    finally:
+        zero.defaults = constructor_defaults
 
 
 class Partitioning:
-    """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it)."""
-
-    # what the last placement built (None until the constructor's first)
-    _index_cache: tuple[PartitionPlan | None, dict[int, int]]
-    _placement: placement.Placement | None = None
-    _sync: ParameterSync | None = None
-    optim: Optimizer | None = None
-    _region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per layout key
-    _consolidated: Any
+    """ZeroRedundancyOptimizer's plan: who owns what, and placing again (a base class of it, over its ``placer``)."""
 
     def add_param_group(self: ZeroParts, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (collective): new parameters are placed, existing ones stay where they are.
@@ -111,45 +188,38 @@ class Partitioning:
             ValueError: on every rank, when any rank's group is refused (a parameter already held, a bad
                 hyperparameter) or the ranks' groups differ.
         """
-        if not self._ready:
-            self._add_group(param_group)
+        placer = self.placer
+        if placer.placement is None:  # Optimizer.__init__'s groups: only recorded, placed at the constructor's end
+            _add_group(self, param_group)
             return
         group = validation.agreed_param_group(
             param_group,
-            self._optimizer_class,
+            placer.optimizer_class,
             self.param_groups,
-            self._defaults,
+            placer.defaults,
             self.process_group,
             sharded_gradients=self.gradient_source is not None,
             master_dtype=self.master_dtype,
-            check_existing=lambda: _check_before_adding(self),
+            check_existing=placer.check_before_adding,
             state_format=self.defaults.get(FORMAT_KEY, "fp32"),
         )
-        before = _Snapshot(self)
-        self._add_group(group)
+        before = _Snapshot(placer, len(self.param_groups))
+        _add_group(self, group)
         try:
-            self._repartition()
+            placer.repartition()
         except BaseException:  # the optimizer stays as it was: a retry, or the next step, meets no half-added group
-            before.restore(self)
+            before.restore(placer, self.param_groups)
             raise
 
-    def _add_group(self: ZeroParts, group: dict[str, Any]) -> None:
-        """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults."""
-        if CLASS_KEY not in group:
-            Optimizer.add_param_group(cast(Optimizer, self), group)
-            return
-        constructor_defaults = self.defaults  # but the constructor's state_format, which any class may keep
-        self.defaults = {k: v for k, v in constructor_defaults.items() if k == FORMAT_KEY}
-        try:
-            Optimizer.add_param_group(cast(Optimizer, self), group)
-        finally:
-            self.defaults = constructor_defaults
+    @property
+    def optim(self: ZeroParts) -> Optimizer | None:
+        """The plain ``torch.optim`` optimizer over this rank's shard, as torch's attribute (``local_optimizer``)."""
+        return self.placer.optim
 
     @property
     def plan(self: ZeroParts) -> PartitionPlan:
         """Which rank owns each parameter (global index order)."""
-        assert self._placement is not None
-        return self._placement.plan
+        return self.placer.placed.plan
 
     def owner_of(self: ZeroParts, param: Tensor) -> int:
         """The rank that owns ``param`` whole: -1 for a frozen one, -2 for one split (see ``fragments_of``).
@@ -179,51 +249,7 @@ class Partitioning:
         Args:
             param: a tensor, one of this optimizer's parameters or not.
         """
-        if self._index_cache[0] is not self.plan:
-            self._index_cache = (self.plan, {id(p): i for i, p in enumerate(self.global_params)})
-        return self._index_cache[1].get(id(param))
-
-    def _repartition(self: ZeroParts, fresh: bool = False, in_place: bool = False) -> None:
-        """Place the parameters that have no owner yet (all, ``fresh``; bucket views moved ``in_place``) and rebuild."""
-        if self._sync is not None:
-            self._sync.finish()
-        before = self._placement  # None at construction
-        params, previous_shard = self.global_params, None if before is None else before.shard
-        whole, costs = whole_tensor_weights(self.param_groups, self._optimizer_class)
-        placed = placement.place(
-            params,
-            self.param_groups,
-            self._settings,
-            previous=None if fresh or before is None else before.plan,
-            region_numel=self._region_numel,
-            moving_within=self._sync if in_place else None,
-            whole=whole,
-            costs=costs,
-        )
-        self._placement, self._sync = placed, placed.sync
-        self.optim = optim = placement.bind_local_optimizer(
-            self.optim, self._optimizer_class, self._defaults, placed.shard, previous_shard, self.param_groups
-        )
-        complete_hyperparameters(self.param_groups, optim.param_groups)
-        self._push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-        if install_kept(self._kept_unowned, placed.plan.owners, optim, placed.shard):  # loaded state, owned now
-            self._consolidated = None
-        if self.overlap_stepper is not None:
-            self.overlap_stepper.rebuild(optim, placed.shard, placed.plan, params, self.param_groups)
-        for listener in self._plan_listeners:
-            listener()
-
-    def _repartition_if_changed(self: ZeroParts) -> None:
-        """A new placement where the last one is stale; then master copies take parameters written outside."""
-        self._place_if_stale()
-        self.local_shard.reseed_masters()
-
-    def _place_if_stale(self: ZeroParts) -> None:
-        """A new placement where the last one is stale; a parameter whose dtype or device changed is refused."""
-        assert self._placement is not None
-        if placement.is_stale(self._placement, self.global_params):
-            placement.check_layout_keys(self._placement, self.global_params)
-            self._repartition()
+        return self.placer.index_of(param)
 
     def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
@@ -235,7 +261,7 @@ class Partitioning:
         Raises:
             RuntimeError: the optimizer has state already on some rank (under the even partition), on every rank.
         """
-        if region_numel == self._region_numel or self.partition != "even":
+        if region_numel == self.placer.region_numel or self.partition != "even":
             return
         has_state = torch.tensor([float(any(self.local_optimizer.state.values()))])
         if comm.all_reduce_(has_state, self.process_group, "max").item():  # a rank may own no state: ask all
@@ -243,27 +269,27 @@ class Partitioning:
                 "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the "
                 "model before the optimizer has any state (before the first step() and before loading a checkpoint)"
             )
-        self._region_numel = region_numel
-        self._repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
+        self.placer.region_numel = region_numel
+        self.placer.repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
 
 
 class _Snapshot:
     """What ``add_param_group`` changes once its group is agreed, to put back if placing the group fails."""
 
-    def __init__(self, zero: ZeroParts) -> None:
-        self.groups = len(zero.param_groups)
-        self.placed = (zero._placement, zero._sync)
-        self.optim = optim = zero.local_optimizer  # add_param_group runs after the constructor's placement
+    def __init__(self, placer: Placer, groups: int) -> None:
+        self.groups = groups
+        self.placed = (placer.placement, placer.sync)
+        self.optim = optim = placer.local_optimizer  # add_param_group runs after the constructor's placement
         self.local = [list(group["params"]) for group in optim.param_groups]
         self.state = dict(optim.state)
         composite = optim if isinstance(optim, CompositeOptimizer) else None
         self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
         self.formats = None if composite is None else composite.formats
 
-    def restore(self, zero: ZeroParts) -> None:
-        del zero.param_groups[self.groups :]
-        zero._placement, zero._sync = self.placed
-        zero.optim = optim = self.optim
+    def restore(self, placer: Placer, param_groups: list[dict[str, Any]]) -> None:
+        del param_groups[self.groups :]
+        placer.placement, placer.sync = self.placed
+        placer.optim = optim = self.optim
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
             optim._order[:], optim.parts = self.parts[0], self.parts[1]
             optim.formats = self.formats
@@ -275,5 +301,5 @@ class _Snapshot:
             group["params"] = params
         optim.state.clear()
         optim.state.update(self.state)
-        if zero.overlap_stepper is not None:
-            zero.overlap_stepper.rebuild(optim, zero.local_shard, zero.plan, zero.global_params, zero.param_groups)
+        if (stepper := placer.zero.overlap_stepper) is not None:
+            stepper.rebuild(optim, placer.placed.shard, placer.placed.plan, placer.zero.global_params, param_groups)

@@ -1,21 +1,22 @@
 """A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's
-(``checkpoint/dcp_state.py``); ``self`` is typed as ``repartitioning.ZeroParts``."""
+(``checkpoint/dcp_state.py``); ``self`` is typed as ``repartitioning.ZeroParts``, public members (and torch's hooks)."""
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from distoptim.checkpoint import consolidated as checkpoint
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm.objects import all_gather_objects
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
-from distoptim.zero.repartitioning import ZeroParts
+from distoptim.zero.repartitioning import ZeroParts, agreed
 from distoptim.zero.shard import stitch
 from distoptim.zero.state_formats import decoded
 from distoptim.zero.unowned_state import keep_loaded
@@ -45,14 +46,14 @@ class Checkpoints:
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
         _land_and_agree_untouched(self)
-        self._agreed(self._repartition_if_changed)  # the master copies follow the parameters
+        agreed(self, self.placer.repartition_if_changed)  # the master copies follow the parameters
         mine = self.local_shard.global_state(decoded(self.local_optimizer.state))  # torch.optim's format: decoded
-        merged = checkpoint.gather_state(mine, to, self.process_group, self._comm_device)
+        merged = checkpoint.gather_state(mine, to, self.process_group, self.placer.comm_device)
         if merged is not None:
             merged = stitch(merged, self.global_params)
-            merged.update(_made_at_construction(self, merged.keys() | self._kept_unowned.keys()))
-            merged.update((i, _on_cpu(entry)) for i, entry in self._kept_unowned.items() if i not in merged)
-        self._consolidated = None if merged is None else dict(sorted(merged.items()))
+            merged.update(_made_at_construction(self, merged.keys() | self.placer.kept_unowned.keys()))
+            merged.update((i, _on_cpu(entry)) for i, entry in self.placer.kept_unowned.items() if i not in merged)
+        self.placer.consolidated = None if merged is None else dict(sorted(merged.items()))
 
     def state_dict(self: ZeroParts) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim``'s format, on the rank that consolidated it (with its hooks).
@@ -60,16 +61,18 @@ class Checkpoints:
         Raises:
             RuntimeError: this rank holds no consolidated state (``consolidate_state_dict(to=this rank)`` first).
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        if self._consolidated is None:
+        torch_self = cast(Optimizer, self)
+        for pre_hook in torch_self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(torch_self)
+        consolidated = self.placer.consolidated
+        if consolidated is None:
             raise RuntimeError(
                 "Optimizer state has not been consolidated on this rank. Please call "
                 f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to save the global "
                 f"state (rank {self.rank} holds no consolidated optimizer state: consolidate after the last step)"
             )
-        result = {"state": dict(self._consolidated), "param_groups": checkpoint.saved_param_groups(self.param_groups)}
-        return checkpoint.apply_hooks(self._optimizer_state_dict_post_hooks.values(), self, result)
+        result = {"state": dict(consolidated), "param_groups": checkpoint.saved_param_groups(self.param_groups)}
+        return checkpoint.apply_hooks(torch_self._optimizer_state_dict_post_hooks.values(), self, result)
 
     def load_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
         """Load a global (``torch.optim``-format) dict on every rank, each keeping its own shard's state (the dict is
@@ -84,24 +87,25 @@ class Checkpoints:
                 a parameter frozen when placed (no rank owns it: make it trainable while loading).
         """
         self.land_sync()  # the load may write master weights into the parameters
-        self._agreed(self._place_if_stale)  # master weights go into the parameters' present storage
+        agreed(self, self.placer.place_if_stale)  # master weights go into the parameters' present storage
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        state_dict = checkpoint.apply_hooks(self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
+        torch_self = cast(Optimizer, self)
+        state_dict = checkpoint.apply_hooks(torch_self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
         by_param, hyperparameters = checkpoint.select_shard_on_every_rank(
-            state_dict, self.param_groups, self._optimizer_class, self.process_group
+            state_dict, self.param_groups, self.placer.optimizer_class, self.process_group
         )
         _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
         # torch's optimizer holds what it loaded for them: so does a consolidated dict
-        keep_loaded(self._kept_unowned, self.plan.owners, self.global_params, by_param)
+        keep_loaded(self.placer.kept_unowned, self.plan.owners, self.global_params, by_param)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
-        self._push_hyperparameters()
+        self.placer.push_hyperparameters()
         local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
-        self._consolidated = None
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        self.placer.consolidated = None
+        for post_hook in torch_self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(torch_self)
 
     def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
         """This rank's fragments of the state (master weights included) and the hyperparameters, for DCP or
@@ -111,7 +115,7 @@ class Checkpoints:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
         """
         _land_and_agree_untouched(self)
-        self._agreed(self._repartition_if_changed)  # the master copies follow the parameters
+        agreed(self, self.placer.repartition_if_changed)  # the master copies follow the parameters
         shard, state = self.local_shard, self.local_optimizer.state
         placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         formats = getattr(self.local_optimizer, "formats", None)
@@ -141,23 +145,23 @@ class Checkpoints:
         self.land_sync()
 
         def place_and_check() -> list[dict[str, Any]]:  # write_back below writes into the pieces the placement holds
-            self._place_if_stale()
-            saved = sharded.load_param_groups(state_dict, self.param_groups, self._optimizer_class)
+            self.placer.place_if_stale()
+            saved = sharded.load_param_groups(state_dict, self.param_groups, self.placer.optimizer_class)
             sharded.check_state_keys(self.local_shard, saved, self.param_groups, state_dict)
             return saved
 
-        saved_groups = self._agreed(place_and_check)  # a key the template lacks refused on every rank alike
+        saved_groups = agreed(self, place_and_check)  # a key the template lacks refused on every rank alike
         trained = {index for saved in saved_groups for index in saved.pop(sharded.TRAINED, ())}  # none in older saves
         for saved in saved_groups:
             saved.pop(sharded.STATE_KEYS, None)
         _refuse_stranded_state(self, trained, "load_sharded_state_dict")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
-        self._push_hyperparameters()
+        self.placer.push_hyperparameters()
         sharded.install_loaded(self.local_shard, self.local_optimizer.state, state_dict)
-        self._kept_unowned.clear()  # a sharded save holds no state for them: they have what this optimizer made
+        self.placer.kept_unowned.clear()  # a sharded save holds no state for them: they have what this optimizer made
         self.local_shard.write_back()
-        self._consolidated = None
+        self.placer.consolidated = None
 
 
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
@@ -166,12 +170,12 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
     index = 0
     for group in zero.param_groups:
         settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
-        optimizer_class = group.get(CLASS_KEY, zero._optimizer_class)
-        defaults = zero._defaults if optimizer_class is zero._optimizer_class else {}
+        optimizer_class = group.get(CLASS_KEY, zero.placer.optimizer_class)
+        defaults = zero.placer.defaults if optimizer_class is zero.placer.optimizer_class else {}
         missing = {
             index + i: p
             for i, p in enumerate(group["params"])
-            if index + i not in present and index + i < zero._first_added
+            if index + i not in present and index + i < zero.placer.first_added
         }
         index += len(group["params"])
         if not missing:
@@ -204,7 +208,7 @@ def _naming_saved(
     """The groups naming their parameters trained on some rank, and the keys saved for them (what a load may drop)."""
     trained = [t.index for t in zero.local_shard.locals if _trained(zero.local_optimizer.state.get(t.tensor))]
     mine = (trained, sharded.held_keys(zero.local_shard, state))
-    everyone = all_gather_objects(mine, zero.process_group, zero._comm_device)
+    everyone = all_gather_objects(mine, zero.process_group, zero.placer.comm_device)
     anywhere = {index for indices, _ in everyone for index in indices}
     held: dict[int, set[str]] = {}
     for _, keys in everyone:
@@ -246,5 +250,5 @@ def _same_value(value: Any, fresh: Any) -> bool:
 def _land_and_agree_untouched(zero: ZeroParts) -> None:
     """Land the sync and raise on every rank if a parameter was written while it was in flight."""
     zero.land_sync()
-    if zero._sync is not None and zero._sync.watches_writes:  # the same on every rank
-        zero._agreed(zero._sync.check_untouched)
+    if zero.placer.sync.watches_writes:  # the same on every rank
+        agreed(zero, zero.placer.sync.check_untouched)
