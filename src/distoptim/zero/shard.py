@@ -121,10 +121,9 @@ class LocalShard:
         """Give every fragment view and master copy its piece of the gradient (every tensor, from a ``source``)."""
         if self.source is not None:
             self._given_back = [(t.param, t.param.grad) for t in self.locals if t.tensor is t.param]
-            self._attached = []
-            for local in self.locals:
-                piece = self.source(local)
-                self._attached += [] if piece is None else [piece]
+            pieces = [self.source(local) for local in self.locals]  # all read before any whole .grad is replaced
+            self._attached = [piece for piece in pieces if piece is not None]
+            for local, piece in zip(self.locals, pieces):
                 local.tensor.grad = None if piece is None else piece.to(local.tensor.dtype)
             return
         self._align_grads()
