@@ -141,7 +141,8 @@ def main() -> None:
         print(f"  {line}")
     for program, verdict in zip(programs, verdicts):  # a first sample's mismatch that more twin samples measured
         if "resampled" in verdict:
-            print(f"  resampled seed {program.seed}: {verdict['category']} ({verdict['resampled'][0][:120]})")
+            first = verdict["resampled"][0][:110]  # the first sample's mismatch, not the final verdict's detail
+            print(f"  resampled seed {program.seed}: {verdict['category']} (the first sample had: {first})")
     for program, verdict in zip(programs, verdicts):  # the fuzzer's own gaps: programs plain DDP cannot run
         if verdict["category"] == "oracle_error":
             print(f"  oracle_error seed {program.seed}: {verdict['detail'][0][:160]}")
