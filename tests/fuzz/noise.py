@@ -38,9 +38,8 @@ BF16_ULPS = 1
 Record = dict[str, Tensor]  # what a pass saw at each comparison: "where|what" -> the oracle's value
 _DIRECTIONS = torch.Generator().manual_seed(0)  # a bf16 gradient's elements move up or down, as orders round them
 RESAMPLES = 16  # more twin samples for an inexact program's mismatch (``Twins``), each fp32 element either way too
-# ... and an element may be this many times the farthest later sample's distance (``Twins``), or one sample's rms
-# over the tensor: a sample that rounds the same element as the subject lands about as far, give or take what
-# follows it
+# ... and an element may be this many times the farthest later sample's distance (``Twins``): a sample that rounds
+# the same element as the subject lands about as far, give or take what follows it
 RESAMPLED_FACTOR = 4.0
 _either_way = {"fp32 too": False}
 
@@ -133,7 +132,7 @@ def allowance(
     """Per element: ``FACTOR`` times the twin's distance from the oracle (at least its rms over the tensor), at
     least ``OUTLIER`` times its largest in the tensor, plus the floor in ``dtype`` (``masters``: a bf16 parameter
     stepped through fp32 master weights); with later samples (``Twins.farthest``) at least ``RESAMPLED_FACTOR``
-    times the farthest sample's distance at the element (or one sample's rms over the tensor), plus the floor."""
+    times the farthest sample's distance at the element, plus the floor."""
     want = want.detach().float()
     ulps = floor(want, steps, dtype, masters)
     if twin is None or twin.shape != want.shape:
@@ -201,23 +200,16 @@ class Twins:
         return self.records[0].get(key) if self.records else None
 
     def farthest(self, key: str, want: Any) -> Tensor | None:
-        """Per element, the later samples' value farthest from ``want``, at least as far as the largest rms of one
-        sample's distance over the tensor, as the first sample's measure is (None: no later sample recorded ``key``).
-        A later sample that flips a signless bf16 element spreads the flip over every element downstream, each by
-        its own amount, which the subject's flip (to exactly 0: seed 721130) weighs otherwise."""
+        """Per element, the later samples' value farthest from ``want`` (None: no later sample recorded ``key``)."""
         values = [record[key] for record in self.records[1:] if key in record]
         if not values:
             return None
         farthest, target = values[0], torch.as_tensor(want).detach().float()
-        if farthest.shape != target.shape or not target.numel():
-            return farthest
-        spread = torch.zeros(())
-        for value in values:
-            if value.shape == target.shape:
-                apart = (value.float() - target).abs()
-                spread = torch.maximum(spread, apart.square().mean().sqrt())
-                farthest = torch.where(apart > (farthest.float() - target).abs(), value, farthest)
-        return target + torch.maximum((farthest.float() - target).abs(), spread)
+        for value in values[1:]:
+            if value.shape == farthest.shape == target.shape:
+                fuller = (value.float() - target).abs() > (farthest.float() - target).abs()
+                farthest = torch.where(fuller, value, farthest)
+        return farthest
 
 
 class Recorder:

@@ -129,24 +129,10 @@ def test_the_first_sample_measures_and_later_ones_allow_four_times_the_farthest(
     later = [torch.tensor([0.0, -3e-3, 1e-3, 0.0]), torch.tensor([0.0, 1e-3, 5e-3, 0.0])]
     twins = Twins([{"k": first}, *({"k": v} for v in later)])
     assert torch.equal(twins.get("k"), first) and twins.get("other") is None
-    spread = torch.tensor([0.0, 1e-3, 5e-3, 0.0]).square().mean().sqrt()  # the second sample's rms, the larger
-    assert torch.allclose(twins.farthest("k", want), torch.tensor([spread, 3e-3, 5e-3, spread]))
+    assert torch.equal(twins.farthest("k", want), torch.tensor([0.0, -3e-3, 5e-3, 0.0]))
     assert Twins([{"k": first}]).farthest("k", want) is None
     alone, resampled = allowance(want, first, 1), allowance(want, first, 1, farthest=twins.farthest("k", want))
     assert torch.equal(resampled, torch.maximum(alone, 4 * twins.farthest("k", want).abs()))  # not FACTOR
-
-
-def test_a_later_sample_measures_its_flip_over_the_tensor_as_the_first_does() -> None:
-    """Seed 721130 (3 ranks, SDP, bf16 head, AdamW): a head gradient element SDP summed to exactly 0 (no update)
-    where the oracle's was 4.9e-4 and a later sample's -1.1e-3 (the opposite update); the next backward spread each
-    over ``inp.weight``, element by element otherwise: 2.97e-05 off where that sample was 4.4e-06, its rms 2.1e-4."""
-    want = torch.zeros(128)
-    flipped = torch.full((128,), 2e-4)
-    flipped[29] = 4.4e-6
-    twins = Twins([{"k": torch.zeros(128)}, {"k": flipped}])
-    allowed = allowance(want, torch.zeros(128), 1, farthest=twins.farthest("k", want))
-    assert float(allowed[29]) > 2.97e-5  # within 4 times the sample's rms
-    assert float(allowed.max()) < 4 * 2e-4 + 1e-6  # a bug past 4 times the sample's spread stays caught
 
 
 def test_a_later_sample_moves_fp32_elements_either_way_and_repeats_from_the_seed() -> None:
@@ -199,3 +185,16 @@ def test_only_a_bf16_parameter_the_even_partition_cuts_gets_the_piece_slack() ->
         run._piece_rounding(name, param, param.clone(), update)
     assert set(run.sign_slack) == {"cut"}
     assert torch.allclose(run.sign_slack["cut"], torch.finfo(torch.bfloat16).eps * (1 + update))
+
+
+def test_one_flipped_element_does_not_widen_the_whole_tensor() -> None:
+    """Review r-45f: a later sample that flips one element's update must not allow every element of the tensor more
+    (a tensor-wide rms floor let a 1% lr error pass in 4 of 150 programs: 3053, 3117, 3122, 3145)."""
+    want = torch.zeros(128)
+    first = torch.full((128,), 1e-7)  # the first sample: rounding-sized everywhere
+    later = [torch.full((128,), 1e-7) for _ in range(16)]
+    later[3][0] = 0.3  # one later sample flips element 0's update (an update of 0.3)
+    twins = Twins([{"k": first}, *({"k": v} for v in later)])
+    subject = torch.full((128,), 3e-3)  # lr 1% off on this tensor: every element 1% of a 0.3 update away
+    allowed = allowance(want, first, 1, farthest=twins.farthest("k", want))
+    assert excess("k", subject, want, allowed), f"hidden: allowed {float(allowed[1]):.3g} at element 1"
