@@ -205,9 +205,10 @@ def _refusals_body(rank: int, world_size: int) -> None:
             Join(joinables)
     joined_first = _Net()  # Join built over the optimizer before the wrapper: its hook would hang the backward
     zero = ZeroRedundancyOptimizer(joined_first.parameters(), torch.optim.SGD, lr=0.1)
-    Join([zero])
-    with pytest.raises(NotImplementedError, match=r"Join \(uneven inputs\) is not supported with Sharded"):
+    refusal = r"Join \(uneven inputs\) is not supported with Sharded"
+    with Join([DDP(joined_first), zero]), pytest.raises(NotImplementedError, match=refusal):
         ShardedDataParallel(joined_first, zero)
+    ShardedDataParallel(joined_first, zero)  # that Join has exited (review r-45f: torch keeps its config set)
     shards = [dist.new_group([r]) for r in range(world_size)]
     replicas = dist.new_group(list(range(world_size)))
     hybrid = ZeroRedundancyOptimizer(

@@ -13,6 +13,7 @@ from distoptim._text import few
 from distoptim.comm import agreement as _agreement
 from distoptim.comm.groups import attached, attached_everywhere
 from distoptim.zero import validation
+from distoptim.zero.join import JOIN_WITH_SDP
 
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
@@ -61,6 +62,8 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
         )
     if zero.gradient_source is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
+    if zero.joining:  # its hook, built with the Join, would step the shard without the buckets' reductions
+        raise NotImplementedError(JOIN_WITH_SDP)
     validation.refuse_sparse_gradients(module, "ShardedDataParallel")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")

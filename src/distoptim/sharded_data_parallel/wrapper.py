@@ -73,8 +73,6 @@ class ShardedDataParallel(nn.Module):
             raise TypeError(
                 f"ShardedDataParallel needs the ZeroRedundancyOptimizer of the model, got {type(zero).__name__}"
             )
-        if zero._join_config.enable:  # a Join built over it before: its hook would step without the reductions
-            raise NotImplementedError(JOIN_WITH_SDP)
         settings: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": broadcast_buffers}
         settings |= {"reduce_dtype": str(reduce_dtype), "overlap_param_sync": overlap_param_sync}
         settings |= {"static_graph": static_graph}

@@ -30,7 +30,7 @@ class _Optimizer(Protocol):
     def gradient_source(self) -> object: ...
 
 
-def hook(zero: _Optimizer, joined_step: Callable[[], object]) -> JoinHook:
+def hook(zero: _Optimizer, joined_step: Callable[[], object]) -> ZeroJoinHook:
     """``zero``'s join hook, running ``joined_step`` (a step inside the others' agreements, then the parameter sync);
     refused under ``ShardedDataParallel`` or hybrid sharding."""
     if zero.gradient_source is not None:
@@ -50,9 +50,13 @@ class ZeroJoinHook(JoinHook):
 
     def __init__(self, overlap_stepper: OverlapStepper | None, joined_step: Callable[[], object]) -> None:
         self.overlap_stepper, self.joined_step = overlap_stepper, joined_step
+        self.open = True  # until its Join exits (post_hook)
 
     def main_hook(self) -> None:
         if self.overlap_stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
             self.overlap_stepper.run_deferred()
         else:
             self.joined_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.open = False

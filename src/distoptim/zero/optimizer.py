@@ -105,6 +105,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         )
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
         self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
+        self._join_hooks: list[join.ZeroJoinHook] = []  # those Join built over it (an open one refuses SDP)
         self.placer.first_added = len(self.global_params)
         self.placer.repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
@@ -312,7 +313,14 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         Raises:
             NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank as ``Join`` is built.
         """
-        return join.hook(self, lambda: self._step(None, {}, None, joined=True))
+        hook = join.hook(self, lambda: self._step(None, {}, None, joined=True))
+        self._join_hooks = [*(kept for kept in self._join_hooks if kept.open), hook]
+        return hook
+
+    @property
+    def joining(self) -> bool:
+        """Whether a ``Join`` built over this optimizer has not exited yet (``ShardedDataParallel`` refuses it)."""
+        return any(hook.open for hook in self._join_hooks)
 
     @property
     def join_device(self) -> torch.device:

@@ -1,6 +1,6 @@
 """The loaded state of parameters no rank owns (frozen when placed): torch's optimizer keeps what a load gave them
 (Adagrad's ``sum`` made with the saving optimizer's ``initial_accumulator_value``), so the optimizer keeps it (its
-``_kept_unowned``, by global index) until a placement gives them an owner, who then starts from it, and a
+placer's ``kept_unowned``, by global index) until a placement gives them an owner, who then starts from it, and a
 consolidated dict shows it meanwhile."""
 
 from __future__ import annotations
