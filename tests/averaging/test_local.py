@@ -8,8 +8,7 @@ import warnings
 import pytest
 import torch
 
-from distoptim.averagers import PeriodicModelAverager
-from distoptim.averaging.averagers import params_to_average
+from distoptim.averagers import PeriodicModelAverager, get_params_to_average
 from distoptim.comm.averaging import group_by_device, node_subgroup_size
 from distoptim.hooks import PostLocalSGDState
 
@@ -23,25 +22,25 @@ def _param(value: float, dtype: torch.dtype = torch.float32, grad: bool = True) 
 
 def test_params_to_average_takes_parameters_and_groups_and_skips_missing_grads() -> None:
     a, b, c = _param(1.0), _param(2.0, grad=False), _param(3.0)
-    assert params_to_average([a, b, c]) == [a, c]
-    assert params_to_average(p for p in (a, b, c)) == [a, c]
+    assert get_params_to_average([a, b, c]) == [a, c]
+    assert get_params_to_average(p for p in (a, b, c)) == [a, c]
     plain = torch.zeros(2, requires_grad=True)  # optimizers accept plain leaf tensors inside param groups
     plain.grad = torch.zeros(2)
     groups = [{"params": [a, b], "lr": 0.1}, {"params": [c, plain]}]
-    assert params_to_average(groups) == [a, c, plain]
+    assert get_params_to_average(groups) == [a, c, plain]
 
 
 def test_params_to_average_rejects_what_it_cannot_average() -> None:
     with pytest.raises(TypeError, match="not a single tensor"):
-        params_to_average(torch.zeros(3))  # type: ignore[arg-type]
+        get_params_to_average(torch.zeros(3))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="plain torch.Tensor, not an nn.Parameter"):
-        params_to_average([_param(1.0), torch.zeros(2)])  # type: ignore[list-item]
+        get_params_to_average([_param(1.0), torch.zeros(2)])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="single param-group dict"):
-        params_to_average({"params": [_param(1.0)]})  # type: ignore[arg-type]
+        get_params_to_average({"params": [_param(1.0)]})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="no 'params' entry"):
-        params_to_average([{"lr": 0.1}])
+        get_params_to_average([{"lr": 0.1}])
     with pytest.raises(TypeError, match="has type str"):
-        params_to_average(["weight"])  # type: ignore[list-item]
+        get_params_to_average(["weight"])  # type: ignore[list-item]
 
 
 def test_group_by_device_keeps_dtypes_together_in_first_appearance_order() -> None:

@@ -1,7 +1,6 @@
 """Model averagers: average parameters across a process group on a schedule (the "model" half of post-local SGD).
 
-Each averager is a schedule (``group_at(step)``) over one averaging collective (``comm.average_tensors_``), which
-writes the average into the parameters in place; ``step`` is plain visible state, advanced once per call. The
+Each averager is a schedule (``group_at(step)``) over ``comm.average_tensors_``, which averages in place. The
 functions at the end average directly, as ``torch.distributed.algorithms.model_averaging.utils`` does.
 """
 
@@ -27,7 +26,6 @@ __all__ = [
     "average_parameters",
     "average_parameters_or_parameter_groups",
     "get_params_to_average",
-    "params_to_average",
 ]
 
 ParamsLike = Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]
@@ -49,38 +47,6 @@ class UnsupportedParamsError(NotImplementedError, TypeError):
 
 def _unsupported(item: object, how: str) -> UnsupportedParamsError:
     return UnsupportedParamsError(f"Parameter input of type {type(item)} is not supported; {how}; {_HOW_TO_PASS}")
-
-
-def params_to_average(params: ParamsLike) -> list[torch.Tensor]:
-    """The parameters (or param-group entries) in ``params`` that have a gradient, in order (as PyTorch does); a
-    single tensor is refused (iterating it would yield its rows)."""
-    if isinstance(params, torch.Tensor):
-        raise _unsupported(params, "average_parameters() takes an iterable of parameters, not a single tensor")
-    if isinstance(params, Mapping):
-        first_key = next(iter(params), "")  # what torch's loop meets first: a key of the dict
-        raise _unsupported(first_key, "average_parameters() got a single param-group dict; pass a list of them")
-    selected: list[torch.Tensor] = []
-    for index, item in enumerate(params):
-        if isinstance(item, torch.nn.Parameter):
-            candidates: Iterable[Any] = (item,)
-        elif isinstance(item, Mapping):
-            if "params" not in item:
-                raise TypeError(f"param group {index} has no 'params' entry; {_HOW_TO_PASS}")
-            candidates = item["params"]
-        elif isinstance(item, torch.Tensor):
-            raise _unsupported(
-                item,
-                f"item {index} is a plain torch.Tensor, not an nn.Parameter; averaging only touches parameters "
-                "(wrap it in torch.nn.Parameter, or put it in an optimizer param group)",
-            )
-        else:
-            raise _unsupported(item, f"item {index} has type {type(item).__name__}")
-        for param in candidates:
-            if not isinstance(param, torch.Tensor):
-                raise TypeError(f"param group {index} holds a {type(param).__name__}, not a tensor")
-            if param.grad is not None:
-                selected.append(param)
-    return selected
 
 
 class ModelAverager(ABC):
@@ -117,7 +83,7 @@ class ModelAverager(ABC):
         """
 
     def _average_and_advance(self, params: ParamsLike, group: ProcessGroup | None) -> None:
-        selected = params_to_average(params)  # validated every call, so bad input fails before warm-up ends
+        selected = get_params_to_average(params)  # validated every call, so bad input fails before warm-up ends
         if group is not None:
             comm.average_tensors_(selected, group)
         self.step += 1
@@ -129,6 +95,14 @@ def _check_warmup(warmup_steps: int) -> None:
             f"Arg ``warmup_steps`` must be a non-negative number. Got {warmup_steps}; "
             "use 0 to average from the first step"
         )
+
+
+def _check_period(period: int, warmup_steps: int) -> None:
+    if period < 1:
+        raise ValueError(
+            f"Arg ``period`` must be a positive value. Got {period}: the steps between averagings, at least 1"
+        )
+    _check_warmup(warmup_steps)
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -152,16 +126,9 @@ class PeriodicModelAverager(ModelAverager):
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: ProcessGroup | None = None) -> None:
-        settings: dict[str, Any] | BaseException = {"period": period, "warmup_steps": warmup_steps}
-        try:
-            if period < 1:
-                raise ValueError(
-                    f"Arg ``period`` must be a positive value. Got {period}: the steps between averagings, at least 1"
-                )
-            _check_warmup(warmup_steps)
-        except (TypeError, ValueError) as error:
-            settings = error
-        comm.agree_on_settings(settings, process_group, "PeriodicModelAverager")
+        settings = {"period": period, "warmup_steps": warmup_steps}
+        check = lambda: _check_period(period, warmup_steps)
+        comm.agree_on_settings(settings, check, process_group, "PeriodicModelAverager")
         super().__init__(process_group)
         if period == 1:
             warnings.warn(_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
@@ -218,23 +185,18 @@ class HierarchicalModelAverager(ModelAverager):
         super().__init__(process_group)
         levels = list((period_group_size_dict or {}).items())
         overall = comm.group_size(self.process_group)
-        settings: dict[str, Any] | BaseException = {
-            "period_group_size_dict": dict(levels),
-            "warmup_steps": warmup_steps,
-        }
-        try:  # everything is validated, and agreed, before the first collective that builds subgroups
-            _check_levels(levels, overall)
-            _check_warmup(warmup_steps)
-        except (TypeError, ValueError) as error:
-            settings = error
-        comm.agree_on_settings(settings, self.process_group, "HierarchicalModelAverager")
+        comm.agree_on_settings(  # everything is validated, and agreed, before the collectives that build subgroups
+            {"period_group_size_dict": dict(levels), "warmup_steps": warmup_steps},
+            lambda: _check_levels(levels, overall, warmup_steps),
+            self.process_group,
+            "HierarchicalModelAverager",
+        )
         if levels[-1][0] == 1:
             warnings.warn(_MAX_PERIOD_ONE_WARNING, UserWarning, stacklevel=2)
         self.warmup_steps = warmup_steps
         self.period_process_group_dict: dict[int, ProcessGroup] = {
             period: comm.split_group(self.process_group, size) for period, size in levels
         }
-        self._periods_largest_first = [period for period, _ in reversed(levels)]
 
     def group_at(self, step: int) -> ProcessGroup | None:
         """The subgroup (of this rank) that averages at ``step``, or ``None`` when no averaging is due.
@@ -242,11 +204,10 @@ class HierarchicalModelAverager(ModelAverager):
         Args:
             step: an averager step (``self.step`` is the next one).
         """
-        if step < self.warmup_steps:
-            return None
-        for period in self._periods_largest_first:
-            if step % period == 0:
-                return self.period_process_group_dict[period]
+        if step >= self.warmup_steps:
+            for period, group in reversed(self.period_process_group_dict.items()):  # the largest period due
+                if step % period == 0:
+                    return group
         return None
 
     def average_parameters(self, params: ParamsLike) -> None:
@@ -258,7 +219,7 @@ class HierarchicalModelAverager(ModelAverager):
         self._average_and_advance(params, self.group_at(self.step))
 
 
-def _check_levels(levels: list[tuple[int, int]], overall: int) -> None:
+def _check_levels(levels: list[tuple[int, int]], overall: int, warmup_steps: int) -> None:
     example = f"e.g. {{2: {max(overall // 2, 1)}, 4: {overall}}}"
     if not levels:
         raise ValueError(
@@ -281,6 +242,7 @@ def _check_levels(levels: list[tuple[int, int]], overall: int) -> None:
             raise ValueError(
                 f"group size {size} for period {period} must be positive and divide the group's {overall} ranks"
             )
+    _check_warmup(warmup_steps)
 
 
 def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGroup | None) -> None:
@@ -300,12 +262,11 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGro
         average_parameters(model.parameters(), node_group)      # None: over every rank
         ```
     """
-    group = comm.default_group(process_group)
-    comm.average_tensors_(list(params), group)
+    comm.average_tensors_(list(params), comm.default_group(process_group))
 
 
-def get_params_to_average(params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
-    """The parameters of ``params`` that have a gradient (those a step changed), in order.
+def get_params_to_average(params: ParamsLike) -> list[torch.Tensor]:
+    """The parameters (or param-group entries) of ``params`` that have a gradient (those a step changed), in order.
 
     Args:
         params: ``model.parameters()`` or ``optimizer.param_groups``.
@@ -313,19 +274,44 @@ def get_params_to_average(params: Iterable[torch.nn.Parameter] | Iterable[Mappin
     Raises:
         NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group (torch's message; also a
             ``TypeError``).
-        TypeError: ``params`` is a single tensor or param group, or a group holds something other than tensors.
+        TypeError: ``params`` is a single tensor (iterating it would yield its rows) or param group, or a group
+            holds something other than tensors.
 
     Example:
         ```python
         average_parameters(get_params_to_average(optimizer.param_groups), None)
         ```
     """
-    return params_to_average(params)
+    if isinstance(params, torch.Tensor):
+        raise _unsupported(params, "average_parameters() takes an iterable of parameters, not a single tensor")
+    if isinstance(params, Mapping):
+        first_key = next(iter(params), "")  # what torch's loop meets first: a key of the dict
+        raise _unsupported(first_key, "average_parameters() got a single param-group dict; pass a list of them")
+    selected: list[torch.Tensor] = []
+    for index, item in enumerate(params):
+        if isinstance(item, torch.nn.Parameter):
+            candidates: Iterable[Any] = (item,)
+        elif isinstance(item, Mapping):
+            if "params" not in item:
+                raise TypeError(f"param group {index} has no 'params' entry; {_HOW_TO_PASS}")
+            candidates = item["params"]
+        elif isinstance(item, torch.Tensor):
+            raise _unsupported(
+                item,
+                f"item {index} is a plain torch.Tensor, not an nn.Parameter; averaging only touches parameters "
+                "(wrap it in torch.nn.Parameter, or put it in an optimizer param group)",
+            )
+        else:
+            raise _unsupported(item, f"item {index} has type {type(item).__name__}")
+        for param in candidates:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"param group {index} holds a {type(param).__name__}, not a tensor")
+            if param.grad is not None:
+                selected.append(param)
+    return selected
 
 
-def average_parameters_or_parameter_groups(
-    params: Iterable[torch.nn.Parameter] | Iterable[Mapping[str, Any]], process_group: ProcessGroup | None
-) -> None:
+def average_parameters_or_parameter_groups(params: ParamsLike, process_group: ProcessGroup | None) -> None:
     """Average, in place over ``process_group``, the parameters of a model or of an optimizer's param groups that
     have a gradient (``average_parameters(get_params_to_average(params), process_group)``).
 

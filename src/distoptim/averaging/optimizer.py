@@ -129,21 +129,18 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: ``state_dict["step"]`` is negative, or the wrapped optimizer refuses the dict.
         """
-        inner = {key: value for key, value in state_dict.items() if key != "step"}
-        self.optim.load_state_dict(inner)
-        if "step" in state_dict:
-            step = int(state_dict["step"])
-            if step < 0:
-                raise ValueError(f"state_dict['step'] must be >= 0, got {step}")
-            self.averager.step = step
-        else:
+        self.optim.load_state_dict({key: value for key, value in state_dict.items() if key != "step"})
+        if "step" not in state_dict:
             warnings.warn(
                 "Loaded state dict does not contain a step counter for an averager. Setting step counter to 0. "
                 "(Was it saved from the bare optimizer? The averaging schedule restarts, warm-up included.)",
                 UserWarning,
                 stacklevel=2,
             )
-            self.averager.step = 0
+        step = int(state_dict.get("step", 0))
+        if step < 0:
+            raise ValueError(f"state_dict['step'] must be >= 0, got {step}")
+        self.averager.step = step
 
 
 def _check_sharding_within_averaging(optim: Any, averager: Any) -> None:
@@ -154,8 +151,7 @@ def _check_sharding_within_averaging(optim: Any, averager: Any) -> None:
     if set(dist.get_process_group_ranks(sharded_over)) >= set(dist.get_process_group_ranks(averager.process_group)):
         raise ValueError(
             "PostLocalSGDOptimizer cannot wrap a ZeroRedundancyOptimizer that shards over the ranks it averages: "
-            "between averagings each of those ranks steps with its own gradient, but ZeRO keeps each parameter's "
-            "state on one rank, whose update every rank copies, so each parameter would follow its owner's local "
-            "gradient alone and the averaging would change nothing. Shard over a subgroup whose gradients stay "
-            "averaged every step (post_localSGD_hook's subgroup, e.g. the ranks of a node), or wrap a plain optimizer"
+            "every rank copies each parameter's update from its owner, so it would follow the owner's local gradient "
+            "alone and the averaging would change nothing. Shard over a subgroup whose gradients stay averaged every "
+            "step (post_localSGD_hook's subgroup, e.g. the ranks of a node), or wrap a plain optimizer"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,17 +29,24 @@ __all__ = [
 ]
 
 
-def agree_on_settings(settings: dict[str, Any] | BaseException, process_group: ProcessGroup | None, what: str) -> None:
-    """Raise on every rank unless every rank of the group built ``what`` without error and with equal ``settings``
-    (ranks averaging on different schedules would hang)."""
-    if isinstance(settings, BaseException) and process_group is None and not dist.is_initialized():
-        raise settings
+def agree_on_settings(
+    settings: dict[str, Any], check: Callable[[], None], process_group: ProcessGroup | None, what: str
+) -> None:
+    """Raise on every rank unless ``check()`` (which raises ``TypeError`` or ``ValueError``) passed on every rank of
+    the group and all built ``what`` with equal ``settings`` (ranks averaging on different schedules would hang)."""
+    local: dict[str, Any] | BaseException
+    try:
+        check()
+        local = {f"{{}} {k}": v for k, v in settings.items()}
+    except (TypeError, ValueError) as error:
+        local = error
+    if isinstance(local, BaseException) and process_group is None and not dist.is_initialized():
+        raise local
     group = default_group(process_group)
     if not is_member(group):
-        if isinstance(settings, BaseException):
-            raise settings
+        if isinstance(local, BaseException):
+            raise local
         return
-    local = settings if isinstance(settings, BaseException) else {f"{{}} {k}": v for k, v in settings.items()}
     fix = "every rank must pass the same period(s) and warmup_steps, or they average at different steps"
     agree_across_ranks(local, group, what, fix=fix)
 
@@ -56,8 +63,7 @@ def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
 def node_subgroup_size(total: int, environ: Mapping[str, str] | None = None) -> int:
     """How many ranks of a ``total``-rank group share this node (``LOCAL_WORLD_SIZE``; ``total`` when unknown or
     uneven)."""
-    env = os.environ if environ is None else environ
-    raw = env.get("LOCAL_WORLD_SIZE", "")
+    raw = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
     try:
         local = int(raw)
     except ValueError:

@@ -175,11 +175,10 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.fu
             "post_localSGD_hook needs a PostLocalSGDState as its state: "
             f"ddp.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook), got {type(state).__name__}"
         )
-    buffer = bucket.buffer()
     warming_up = state.iter < state.start_localSGD_iter
     state.maybe_increase_iter(bucket)
     if warming_up:
-        return comm.allreduce_mean_async(buffer, comm.default_group(state.process_group))
+        return allreduce_hook(state.process_group, bucket)
     if not state.post_local_gradient_allreduce:
-        return comm.completed_future(buffer)
-    return comm.allreduce_mean_async(buffer, state.local_subgroup())
+        return comm.completed_future(bucket.buffer())
+    return comm.allreduce_mean_async(bucket.buffer(), state.local_subgroup())

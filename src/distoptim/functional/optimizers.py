@@ -53,8 +53,10 @@ class FunctionalOptimizer:
     spec: ClassVar[KernelSpec]
     __signature__: ClassVar[inspect.Signature]
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, spec: KernelSpec | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if spec is not None:  # else set in the class body, or inherited
+            cls.spec = spec
         positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
         cls.__signature__ = inspect.Signature(  # (params, <torch.optim's hyperparameters>, *, foreach, maximize)
             [
@@ -83,8 +85,8 @@ class FunctionalOptimizer:
                 "use as_functional_optim() for an optimizer driven by step_param() alone"
             )
         self.spec.torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)  # raises as torch does
-        self.param_group: ParamGroup = {"params": params, **options, **self.spec.fixed}
         self.defaults: dict[str, Any] = dict(options, **self.spec.fixed)
+        self.param_group: ParamGroup = {"params": params, **self.defaults}
         self.state: dict[Tensor, dict[str, Tensor]] = {}
         if self.spec.eager_state:
             for param in params:
@@ -160,52 +162,36 @@ class FunctionalOptimizer:
                     state[key] = tensor
 
 
-class FunctionalSGD(FunctionalOptimizer):
+class FunctionalSGD(FunctionalOptimizer, spec=SGD):
     """``torch.optim.SGD`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = SGD
 
-
-class FunctionalAdam(FunctionalOptimizer):
+class FunctionalAdam(FunctionalOptimizer, spec=ADAM):
     """``torch.optim.Adam`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = ADAM
 
-
-class FunctionalAdamW(FunctionalOptimizer):
+class FunctionalAdamW(FunctionalOptimizer, spec=ADAMW):
     """``torch.optim.AdamW`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = ADAMW
 
-
-class FunctionalAdagrad(FunctionalOptimizer):
+class FunctionalAdagrad(FunctionalOptimizer, spec=ADAGRAD):
     """``torch.optim.Adagrad`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = ADAGRAD
 
-
-class FunctionalAdadelta(FunctionalOptimizer):
+class FunctionalAdadelta(FunctionalOptimizer, spec=ADADELTA):
     """``torch.optim.Adadelta`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = ADADELTA
 
-
-class FunctionalAdamax(FunctionalOptimizer):
+class FunctionalAdamax(FunctionalOptimizer, spec=ADAMAX):
     """``torch.optim.Adamax`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = ADAMAX
 
-
-class FunctionalRMSprop(FunctionalOptimizer):
+class FunctionalRMSprop(FunctionalOptimizer, spec=RMSPROP):
     """``torch.optim.RMSprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
-    spec = RMSPROP
 
-
-class FunctionalRprop(FunctionalOptimizer):
+class FunctionalRprop(FunctionalOptimizer, spec=RPROP):
     """``torch.optim.Rprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
-
-    spec = RPROP
 
 
 functional_optim_map: dict[Any, type] = {cls.spec.torch_cls: cls for cls in FunctionalOptimizer.__subclasses__()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ class _Owner:
     local: PyRRef[on_owner.LocalOptimizer]  # RRef to its LocalOptimizer
 
 
-def _on_owners(calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+def _on_owners(calls: Iterable[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
     """Run ``function(*args)`` on every named worker concurrently; wait for all, then raise the first failure."""
     futures = [rpc.rpc_async(name, on_owner.invoke, args=(function, *args)) for name, function, args in calls]
     outcomes: list[Any] = []
@@ -94,10 +94,8 @@ class DistributedOptimizer(Optimizer):
                 )
             indices_by_owner.setdefault(rref.owner_name(), []).append(index)
         created = _on_owners(
-            [
-                (name, on_owner.create, (optimizer_class, [params_rref[i] for i in indices], args, kwargs))
-                for name, indices in indices_by_owner.items()
-            ]
+            (name, on_owner.create, (optimizer_class, [params_rref[i] for i in indices], args, kwargs))
+            for name, indices in indices_by_owner.items()
         )
         hyperparameters: on_owner.Hyperparameters = created[0][1]
         super().__init__([{"params": []}], hyperparameters)  # param_groups[0]: the hyperparameters, no tensors
@@ -133,9 +131,10 @@ class DistributedOptimizer(Optimizer):
                 f"unknown distributed autograd context id {context_id}: call step() inside the "
                 "`with dist_autograd.context() as context_id:` block whose backward pass recorded the gradients"
             )
-        current = self._hyperparameters()
-        changed = None if self._unchanged(current) else current
-        _on_owners([(owner.name, on_owner.call, (owner.local, "step", context_id, changed)) for owner in self._owners])
+        current, shipped = self._hyperparameters(), self._shipped
+        unchanged = current.keys() == shipped.keys() and all(_same(v, shipped[k]) for k, v in current.items())
+        changed = None if unchanged else current  # the owners keep what they were sent last
+        _on_owners((owner.name, on_owner.call, (owner.local, "step", context_id, changed)) for owner in self._owners)
         self._shipped = copy.deepcopy(current)
 
     def state_dict(self) -> dict[str, Any]:
@@ -168,15 +167,10 @@ class DistributedOptimizer(Optimizer):
         if unknown:
             raise ValueError(f"state_dict has state for unknown parameter ids {sorted(unknown)}")
         hyperparameters = {key: value for key, value in groups[0].items() if key != "params"}
+        states = [state_dict["state"].get(param_id) for param_id in ids]
         _on_owners(
-            [
-                (
-                    owner.name,
-                    on_owner.call,
-                    (owner.local, "load", [state_dict["state"].get(ids[i]) for i in owner.indices], hyperparameters),
-                )
-                for owner in self._owners
-            ]
+            (owner.name, on_owner.call, (owner.local, "load", [states[i] for i in owner.indices], hyperparameters))
+            for owner in self._owners
         )
         self.param_groups[0].update(copy.deepcopy(hyperparameters))
         self._shipped = copy.deepcopy(self._hyperparameters())
@@ -197,9 +191,6 @@ class DistributedOptimizer(Optimizer):
 
     def _hyperparameters(self) -> on_owner.Hyperparameters:
         return {key: value for key, value in self.param_groups[0].items() if key != "params"}
-
-    def _unchanged(self, current: on_owner.Hyperparameters) -> bool:
-        return current.keys() == self._shipped.keys() and all(_same(v, self._shipped[k]) for k, v in current.items())
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:

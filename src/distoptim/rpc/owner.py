@@ -39,14 +39,8 @@ class _GradientsAsArgument:
             raise ValueError(
                 f"{optimizer_class.__name__} made {len(self.optimizer.param_groups)} param groups; one is supported"
             )
-
-    @property
-    def state(self) -> dict[Tensor, Any]:
-        return self.optimizer.state
-
-    @property
-    def param_group(self) -> dict[str, Any]:
-        return self.optimizer.param_groups[0]
+        self.state: dict[Tensor, Any] = self.optimizer.state  # the same objects: nothing here rebinds them
+        self.param_group: dict[str, Any] = self.optimizer.param_groups[0]
 
     def step(self, gradients: list[Tensor | None]) -> None:
         saved = [param.grad for param in self.params]
