@@ -310,10 +310,13 @@ class OwnedGradients:
         plan = self.buckets[bucket]
         whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
         whole = whole and self.store_keys[plan.key] == (grad.device, grad.dtype) and grad.stride() == param.stride()
+        divisor = self.zero.world_size * self.zero.replica_count  # each rank's share divided first, as DDP's
         if whole and is_dense(grad) and owns_its_memory(grad):  # no other tensor shares it (autograd may)
-            self._buffer(bucket, flat_view(grad))  # the gradient is the bucket (a parameter over the cap): no copy
+            self._buffer(bucket, flat_view(grad).div_(divisor))  # the gradient is the bucket (over the cap): no copy
+        elif grad.dtype == (into := view_like(self._buffer(bucket), slot.position, param)).dtype:
+            torch.div(grad, divisor, out=into)  # one pass: the copy divided
         else:
-            view_like(self._buffer(bucket), slot.position, param).copy_(grad)
+            into.copy_(grad).div_(divisor)
         param.grad = None
         self._unreduced.pop(slot.index, None)
         self._filled.add(slot.index)
@@ -334,7 +337,7 @@ class OwnedGradients:
         return self._buffers[bucket]
 
     def _launch_ready(self, flushing: bool = False) -> None:
-        """Launch, in order, every full bucket, divided (``flushing``: every one left, with ``.grad`` not reached)."""
+        """Launch, in order, every full bucket (``flushing``: every one left, with ``.grad`` not reached)."""
         zero = self.zero
         if self.shared and zero.replicate_group is not None and not flushing:  # hybrid, another wrapper: flush only
             return
@@ -349,7 +352,6 @@ class OwnedGradients:
             buffer = self._buffer(bucket)
             del self._buffers[bucket]
             self._zero_gaps(buffer, plan)
-            buffer.div_(zero.world_size * zero.replica_count)
             reduced = comm.reduce_to_owners_async(
                 buffer, plan.route, zero.process_group, zero.collectives, replicas=zero.replicate_group
             )
