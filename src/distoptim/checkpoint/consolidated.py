@@ -241,8 +241,7 @@ def agree_on_target(to: Any, world_size: int, group: comm.Group) -> None:
         outcome = TypeError(f"consolidate_state_dict(to={to!r}): 'to' must be a rank (an int), 0..{world_size - 1}")
     elif not 0 <= to < world_size:
         outcome = ValueError(f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{world_size - 1}")
-    fix = "pass the same 'to' everywhere"
-    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", fix)
+    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", "pass the same 'to' everywhere")
 
 
 def select_shard_on_every_rank(
