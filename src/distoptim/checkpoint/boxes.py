@@ -28,14 +28,12 @@ def memory_range_boxes(
     ``strides`` make up, in memory order (empty for an empty range), each of at most ``limit`` elements if given."""
     order = sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -strides[d], d))  # outermost first
     permuted = [shape[d] for d in order]
+    axis_of = [order.index(d) for d in range(len(shape))]  # each logical dimension's axis in the permuted space
     boxes = []
     whole = _row_major_boxes(offset, offset + length, permuted)
     for offsets, sizes in whole if limit is None else [cut for box in whole for cut in _cut(*box, max(1, limit))]:
-        logical_offsets, logical_sizes = [0] * len(shape), [1] * len(shape)
-        for axis, dim in enumerate(order):
-            logical_offsets[dim], logical_sizes[dim] = offsets[axis], sizes[axis]
         start = sum(o * math.prod(permuted[axis + 1 :]) for axis, o in enumerate(offsets)) - offset
-        boxes.append(Box(tuple(logical_offsets), tuple(logical_sizes), start))
+        boxes.append(Box(tuple(offsets[a] for a in axis_of), tuple(sizes[a] for a in axis_of), start))
     return boxes
 
 
@@ -71,7 +69,7 @@ def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[t
     for begin in range(0, sizes[axis], per_cut):
         at = (*offsets[:axis], offsets[axis] + begin, *offsets[axis + 1 :])
         cut = (*sizes[:axis], min(per_cut, sizes[axis] - begin), *sizes[axis + 1 :])
-        cuts += _cut(at, cut, limit) if slab > limit else [(at, cut)]
+        cuts += _cut(at, cut, limit)
     return cuts
 
 

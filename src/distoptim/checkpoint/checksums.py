@@ -39,8 +39,7 @@ def write_manifest(directory: Path, entries: Mapping[str, Entry]) -> None:
     """Write ``MANIFEST`` (``entries``, and ``.metadata``'s own, which it adds) into ``directory``, durably."""
     files = {**entries, **checksums(directory, [".metadata"])}
     text = json.dumps({"format": _FORMAT, "algorithm": _ALGORITHM, "files": dict(sorted(files.items()))}, indent=1)
-    path = directory / MANIFEST
-    with open(path, "w") as handle:
+    with open(directory / MANIFEST, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -69,13 +68,11 @@ def read_manifest(directory: Path) -> dict[str, Entry] | None:
 def verify(directory: Path, names: Iterable[str], manifest: Mapping[str, Entry]) -> None:
     """A ``ValueError`` naming the first file ``names`` whose size or checksum is not what ``manifest`` recorded."""
     for name in sorted(set(names)):
-        path = directory / name
         if name not in manifest:
             raise ValueError(f"the checkpoint at {directory} is damaged: its manifest does not list {name}")
-        if not path.is_file():
+        if not (directory / name).is_file():
             raise ValueError(f"the checkpoint at {directory} is damaged: its file {name} is missing")
-        size, crc = manifest[name]
-        actual_size, actual_crc = checksum(path)
+        (size, crc), (actual_size, actual_crc) = manifest[name], checksum(directory / name)
         if actual_size != size:
             raise ValueError(
                 f"the checkpoint at {directory} is damaged: its file {name} holds {actual_size} bytes where "

@@ -7,6 +7,7 @@ dict loads into a plain optimizer, and dicts from plain optimizers (or torch's Z
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +26,6 @@ __all__ = [
     "apply_hooks",
     "gather_state",
     "global_param_groups",
-    "on_cpu",
     "receive_state",
     "saved_param_groups",
     "select_shard",
@@ -96,11 +96,6 @@ def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> 
     return state
 
 
-def on_cpu(state: GlobalState) -> GlobalState:
-    """``state`` with its tensors on the CPU (those already there are kept, not copied), as consolidated state is."""
-    return _map_values(state, lambda value: value.cpu() if isinstance(value, Tensor) else value)
-
-
 def _map_values(state: GlobalState, function: Callable[[Any], Any]) -> GlobalState:
     """``state`` with ``function`` applied to every value of every entry."""
     return {index: {key: function(value) for key, value in entry.items()} for index, entry in state.items()}
@@ -108,14 +103,11 @@ def _map_values(state: GlobalState, function: Callable[[Any], Any]) -> GlobalSta
 
 def global_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``param_groups`` with parameters replaced by their global indices, as ``torch.optim`` saves them."""
-    saved, next_index = [], 0
-    for group in param_groups:
-        count = len(group["params"])
-        saved.append(
-            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(next_index, next_index + count))}
-        )
-        next_index += count
-    return saved
+    numbers = itertools.count()
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [next(numbers) for _ in group["params"]]}
+        for group in param_groups
+    ]
 
 
 def saved_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -233,9 +225,9 @@ def gather_state(
     if comm.group_rank(group) != to:
         send_state(mine, to, group, comm_device, STAGING_BYTES)
         return None
-    # a copy, as the other ranks' shards are: the consolidated state is this moment's, not live
-    copied = lambda value: value.detach().clone() if isinstance(value, Tensor) and value.device.type == "cpu" else value
-    merged = _map_values(on_cpu(mine), copied)
+    # a copy on the CPU, as the other ranks' shards are: the consolidated state is this moment's, not live
+    copied = lambda value: value.detach().to("cpu", copy=True) if isinstance(value, Tensor) else value
+    merged = _map_values(mine, copied)
     for source in range(comm.group_size(group)):
         if source != to:
             merged.update(receive_state(source, group, comm_device))
@@ -249,8 +241,7 @@ def agree_on_target(to: Any, world_size: int, group: comm.Group) -> None:
         outcome = TypeError(f"consolidate_state_dict(to={to!r}): 'to' must be a rank (an int), 0..{world_size - 1}")
     elif not 0 <= to < world_size:
         outcome = ValueError(f"consolidate_state_dict(to={to}): 'to' must be a rank of the group, 0..{world_size - 1}")
-    fix = "pass the same 'to' everywhere"
-    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", fix)
+    agreement.agree_across_ranks(outcome, group, "consolidate_state_dict", "pass the same 'to' everywhere")
 
 
 def select_shard_on_every_rank(

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distoptim._flat import flat_view
 from distoptim.checkpoint import checksums
+from distoptim.checkpoint import dcp_state as sharded
 from distoptim.checkpoint.dcp import check_files, read_metadata, underlying_error
-from distoptim.checkpoint.dcp_state import LAYOUTS, PARAM_GROUPS, STATE_KEYS, TRAINED, keys_by_name, memory_order
 from distoptim.zero import codecs
 from distoptim.zero.state_formats import FORMAT_KEY, check_format, tensor_format
 
@@ -62,10 +62,10 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
             raise ValueError(f"{directory} cannot be read: {type(cause).__name__}: {cause}") from cause
         flat: dict[str, Any] = torch.load(scratch, weights_only=False)
     saved = flat.get(key)
-    if not isinstance(saved, dict) or PARAM_GROUPS not in saved:
+    if not isinstance(saved, dict) or sharded.PARAM_GROUPS not in saved:
         keys = sorted(flat)
         raise ValueError(f"{directory} holds no distoptim optimizer under {key!r} (its keys: {keys[:8]}); pass --key")
-    layouts = pickle.loads(saved[LAYOUTS])
+    layouts = pickle.loads(saved[sharded.LAYOUTS])
     state: dict[int, dict[str, Any]] = {}
     for name, value in saved.items():
         if name.startswith("state."):
@@ -73,8 +73,8 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
             state.setdefault(int(index), {})[entry] = _reshaped(value, layouts[int(index)])
     for index, entry in state.items():
         _decode(entry, index, layouts[index])
-    own = (TRAINED, STATE_KEYS)  # what a sharded save adds to the groups
-    groups = [{k: v for k, v in group.items() if k not in own} for group in pickle.loads(saved[PARAM_GROUPS])]
+    own = (sharded.TRAINED, sharded.STATE_KEYS)  # what a sharded save adds to the groups
+    groups = [{k: v for k, v in group.items() if k not in own} for group in pickle.loads(saved[sharded.PARAM_GROUPS])]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
@@ -111,21 +111,18 @@ def torch_optim_to_dcp(
     found = parameter_shapes(state_dict, shapes)
     groups = [dict(group) for group in state_dict["param_groups"]]
     given = [None] * len(found) if shapes is None else _given(shapes, groups, len(found))
-    orders = [memory_order(item) if isinstance(item, Tensor) else None for item in given]
+    orders = [sharded.memory_order(item) if isinstance(item, Tensor) else None for item in given]
     formats: list[str] = []
     for number, group in enumerate(groups):
         fmt = check_format(group.get(FORMAT_KEY, "fp32") if state_format is None else state_format, f"group {number}")
         if state_format is not None:
             group[FORMAT_KEY] = state_format
         formats += [fmt] * len(group["params"])
-    layouts = [
-        None if shape is None else (shape, None) if order is None else (shape, None, order)
-        for shape, order in zip(found, orders)
-    ]
+    layouts = [None if shape is None else sharded.layout_of(shape, order) for shape, order in zip(found, orders)]
     state = {i: _encoded(entry, found[i], orders[i], formats[i]) for i, entry in sorted(state_dict["state"].items())}
     for group in groups:  # as a sharded save names them: a load whose template lacks one refuses it
-        group[STATE_KEYS] = keys_by_name(group["params"], state)
-    payload: dict[str, Any] = {PARAM_GROUPS: pickle.dumps(groups), LAYOUTS: pickle.dumps(layouts)}
+        group[sharded.STATE_KEYS] = sharded.keys_by_name(group["params"], state)
+    payload: dict[str, Any] = {sharded.PARAM_GROUPS: pickle.dumps(groups), sharded.LAYOUTS: pickle.dumps(layouts)}
     for index, entry in state.items():
         payload.update((f"state.{index}.{name}", value) for name, value in entry.items())
     with warnings.catch_warnings():  # dcp warns that it "assumes" one process even where no_dist=True says so
@@ -248,10 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "group's 'state_format', fp32 where it has none)",
     )
     args = parser.parse_args(argv)
-    if args.params is not None and args.from_torch is None:
-        parser.error("--params goes with --from-torch")
-    if args.state_format is not None and args.from_torch is None:
-        parser.error("--state-format goes with --from-torch")
+    for flag, value in (("--params", args.params), ("--state-format", args.state_format)):
+        if value is not None and args.from_torch is None:
+            parser.error(f"{flag} goes with --from-torch")
     try:
         if args.to_torch is not None:
             optim = dcp_to_torch_optim(args.directory, args.key)

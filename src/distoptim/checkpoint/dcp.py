@@ -5,7 +5,6 @@ raises an ordinary exception on every rank. ``docs/guides/internals.md``.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,7 +32,7 @@ def save(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None
 
     def local_plan() -> Any:
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
-        _set_up(writer.set_up_storage_writer, rank)
+        writer.set_up_storage_writer(rank == _COORDINATOR, rank=rank, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
     def global_plan(plans: list[Any]) -> tuple[list[Any], Metadata]:
@@ -43,19 +42,17 @@ def save(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None
     plan, metadata = _planned(local_plan, global_plan, group, what)
 
     def write() -> tuple[Any, dict[str, checksums.Entry]]:
-        written = writer.write_data(planner.finish_plan(plan), planner)
-        written.wait()
-        results = written.value()
+        results = writer.write_data(planner.finish_plan(plan), planner).wait()
         return results, checksums.checksums(directory, [result.storage_data.relative_path for result in results])
 
-    everyone = _gathered(_agreed(write, group, what), group)
+    everyone = _gathered(agreement.run_agreed(write, group, what), group)
 
     def finish() -> None:
         if everyone is not None and metadata is not None:  # on the coordinator: the manifest last, once complete
             writer.finish(metadata=metadata, results=[results for results, _ in everyone])
             checksums.write_manifest(directory, {name: entry for _, mine in everyone for name, entry in mine.items()})
 
-    _agreed(finish, group, what)
+    agreement.run_agreed(finish, group, what)
 
 
 def load(
@@ -72,12 +69,10 @@ def load(
         nonlocal metadata
         metadata = read_metadata(directory)
         planner.set_up_planner(state_dict, metadata, rank == _COORDINATOR)
-        _set_up(lambda *args, **kwargs: reader.set_up_storage_reader(metadata, *args, **kwargs), rank)
+        reader.set_up_storage_reader(metadata, rank == _COORDINATOR, rank=rank, use_collectives=True)
         return reader.prepare_local_plan(planner.create_local_plan())
 
-    def global_plan(plans: list[Any]) -> tuple[list[Any], None]:
-        return reader.prepare_global_plan(planner.create_global_plan(plans)), None
-
+    global_plan = lambda plans: (reader.prepare_global_plan(planner.create_global_plan(plans)), None)
     plan, _ = _planned(_as_value_error(local_plan, what), _as_value_error(global_plan, what), group, what)
 
     def checked_plan() -> Any:
@@ -86,16 +81,8 @@ def load(
         check_files(directory, [metadata.storage_data[item.storage_index] for item in final.items], manifest)
         return final
 
-    final = _agreed(_as_value_error(checked_plan, what), group, what)  # nothing is written into the state before
-    _agreed(_as_value_error(lambda: reader.read_data(final, planner).wait(), what), group, what)
-
-
-def _set_up(set_up: Callable[..., None], rank: int) -> None:
-    """A storage writer's or reader's set-up, with the rank where its signature takes keywords (as DCP does)."""
-    if "kwargs" in inspect.signature(set_up).parameters:
-        set_up(rank == _COORDINATOR, rank=rank, use_collectives=True)
-    else:
-        set_up(rank == _COORDINATOR)
+    final = agreement.run_agreed(_as_value_error(checked_plan, what), group, what)  # before anything is read
+    agreement.run_agreed(_as_value_error(lambda: reader.read_data(final, planner).wait(), what), group, what)
 
 
 def _planned(
@@ -105,8 +92,8 @@ def _planned(
     what: str,
 ) -> tuple[Any, _T | None]:
     """Each rank's part of the global plan the coordinator makes from every rank's; its extra there (else None)."""
-    plans = _gathered(_agreed(local_plan, group, what), group)
-    coordinated = _agreed(lambda: None if plans is None else global_plan(plans), group, what)
+    plans = _gathered(agreement.run_agreed(local_plan, group, what), group)
+    coordinated = agreement.run_agreed(lambda: None if plans is None else global_plan(plans), group, what)
     if coordinated is None:
         return comm.receive_object(_COORDINATOR, group), None
     everyone, extra = coordinated
@@ -122,10 +109,6 @@ def _gathered(mine: Any, group: comm.Group) -> list[Any] | None:
         return None
     ranks = range(comm.group_size(group))
     return [mine if rank == _COORDINATOR else comm.receive_object(rank, group) for rank in ranks]
-
-
-def _agreed(action: Callable[[], _T], group: comm.Group, what: str) -> _T:
-    return agreement.run_agreed(action, group, what, errors=(Exception,))
 
 
 def _as_value_error(action: Callable[..., _T], what: str) -> Callable[..., _T]:

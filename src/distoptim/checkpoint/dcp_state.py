@@ -8,6 +8,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,11 +121,11 @@ def _on_own_storage(box: Tensor) -> Tensor:
     return box.new_empty(0).set_(box.untyped_storage()[begin : begin + size], 0, box.shape, box.stride())
 
 
+@dataclass(eq=False)
 class Placeholder:
     """A non-tensor value a fresh optimizer would have: a load may replace it, a save leaves it out."""
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    value: Any
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return []
@@ -139,8 +140,8 @@ def sharded_state(
 ) -> dict[str, Any]:
     """``{"state.<index>.<name>": piece or scalar, "param_groups": pickled, "param_layouts": pickled}`` for this
     rank's fragments: their state, or for a fragment without any, ``placeholders`` that only a load fills."""
-    layouts = pickle.dumps([layout_of(p) for p in params])
-    exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: layouts}
+    layouts = [layout_of(tuple(p.shape), memory_order(p)) for p in params]
+    exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: pickle.dumps(layouts)}
     for local in (t for group in shard.groups for t in group if t.param.numel() > 0):  # zero-sized: nothing to keep
         saved = local.tensor in state
         entry = dict(state[local.tensor] if saved else placeholders.get(local.tensor, {}))
@@ -157,10 +158,9 @@ def memory_order(tensor: Tensor) -> tuple[int, ...] | None:
     return None if tensor.is_contiguous() or not is_dense(tensor) else tuple(tensor.stride())
 
 
-def layout_of(param: Tensor) -> tuple[Any, ...]:
-    """``param``'s entry in ``LAYOUTS``."""
-    order = memory_order(param)
-    return (tuple(param.shape), None) if order is None else (tuple(param.shape), None, order)
+def layout_of(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[Any, ...]:
+    """A parameter's entry in ``LAYOUTS``, from its shape and ``memory_order``."""
+    return (shape, None) if order is None else (shape, None, order)
 
 
 def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
@@ -169,7 +169,12 @@ def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
         piece = value.detach()
         if local.whole or piece.dim() == 0:
             return FragmentTensor(_boxes(piece, piece, 0, piece.numel()), tuple(piece.shape), value, saved)
-        _check_piece(piece, local)
+        if piece.dim() != 1 or piece.numel() != local.length or (local.length > 1 and piece.stride() != (1,)):
+            raise ValueError(
+                f"the optimizer state of parameter {local.index} holds a tensor of shape {tuple(piece.shape)} for a "
+                f"piece of {local.length} elements: a parameter split across ranks (partition='even') needs an "
+                "elementwise optimizer, whose state is shaped like the piece"
+            )
         return FragmentTensor(
             _boxes(piece, local.param, local.offset, local.length), tuple(local.param.shape), value, saved
         )
@@ -180,15 +185,6 @@ def _scales_saved(value: Tensor, local: LocalTensor, saved: bool) -> FragmentTen
     """An int8 state's scales as a fragment of the parameter's blocks (an even partition cuts between blocks)."""
     blocks = -(-local.param.numel() // BLOCK)
     return FragmentTensor([((local.offset // BLOCK,), value.detach())], (blocks,), value, saved)
-
-
-def _check_piece(piece: Tensor, local: LocalTensor) -> None:
-    if piece.dim() != 1 or piece.numel() != local.length or (local.length > 1 and piece.stride() != (1,)):
-        raise ValueError(
-            f"the optimizer state of parameter {local.index} holds a tensor of shape {tuple(piece.shape)} for a piece "
-            f"of {local.length} elements: a parameter split across ranks (partition='even') needs an elementwise "
-            "optimizer, whose state is shaped like the piece"
-        )
 
 
 def _boxes(piece: Tensor, like: Tensor, offset: int, length: int) -> list[tuple[tuple[int, ...], Tensor]]:
@@ -231,45 +227,38 @@ def load_param_groups(
     saved: dict[str, Any], param_groups: list[dict[str, Any]], optimizer_class: type
 ) -> list[dict[str, Any]]:
     """Each param group's hyperparameters from a loaded sharded checkpoint, once checked to be this optimizer's."""
-    payload, layouts = (saved.get(PARAM_GROUPS), saved.get(LAYOUTS)) if isinstance(saved, dict) else (None, None)
-    if not isinstance(payload, bytes) or not payload or not isinstance(layouts, bytes):
+    if not is_sharded_state(saved) or not saved[PARAM_GROUPS]:
         raise ValueError(
             "this is not a loaded sharded optimizer state: pass the dict that zero.sharded_state_dict() returned, "
             "after dcp.load(...) filled it in"
         )
-    groups: list[dict[str, Any]] = pickle.loads(payload)
+    groups: list[dict[str, Any]] = pickle.loads(saved[PARAM_GROUPS])
     if len(groups) != len(param_groups):
         raise ValueError(f"the checkpoint has {len(groups)} param groups but this optimizer has {len(param_groups)}")
-    shapes = [tuple(p.shape) for group in param_groups for p in group["params"]]
-    saved_layouts = pickle.loads(layouts)
+    params = [p for group in param_groups for p in group["params"]]
+    shapes = [tuple(p.shape) for p in params]
+    saved_layouts = pickle.loads(saved[LAYOUTS])
     saved_shapes = [shape if layout is None else layout[0] for layout, shape in zip(saved_layouts, shapes)]
     if len(saved_layouts) != len(shapes) or saved_shapes != shapes:  # None: unknown (converted, no state)
         raise ValueError(
             f"the checkpoint was saved for other parameters (shapes {_shown(saved_shapes)}) than this optimizer's "
             f"({_shown(shapes)}); load a checkpoint of this model, with its parameters in this order"
         )
-    _check_block_orders(param_groups, saved_layouts)
-    for number, (group, own) in enumerate(zip(groups, param_groups)):
-        check_hyperparameters(group, own, number, optimizer_class)
-    return [loaded_hyperparameters(group) for group in groups]
-
-
-def _check_block_orders(param_groups: list[dict[str, Any]], layouts: list[Any]) -> None:
-    """Refuse int8 state saved in blocks of another memory order (its codes would take other elements' scales).
-    Decided on the global parameters, so on every rank alike."""
-    params = [p for group in param_groups for p in group["params"]]
-    for index, block in enumerate(block_sizes(param_groups)):
-        if block == 1:
-            continue
-        layout, own = layouts[index], memory_order(params[index])
+    # int8 state saved in blocks of another memory order would take other elements' scales (decided on the global
+    # parameters, so on every rank alike)
+    for index, (block, layout, param) in enumerate(zip(block_sizes(param_groups), saved_layouts, params)):
+        own = memory_order(param)
         saved_order = None if layout is None or len(layout) < 3 else tuple(layout[2])
-        if layout is not None and saved_order != own:
+        if block != 1 and layout is not None and saved_order != own:
             raise ValueError(
                 f"parameter {index}'s int8 state was saved in blocks of memory order (strides) "
                 f"{saved_order or 'row-major'}, but this optimizer's parameter is laid out {own or 'row-major'}: int8 "
                 "blocks follow the memory order; lay the parameter out as when saved, or go through a consolidated "
                 "checkpoint"
             )
+    for number, (group, own_group) in enumerate(zip(groups, param_groups)):
+        check_hyperparameters(group, own_group, number, optimizer_class)
+    return [loaded_hyperparameters(group) for group in groups]
 
 
 def _shown(shapes: list[tuple[int, ...]]) -> str:

@@ -85,8 +85,7 @@ def save(
     _wait_for_pending_save()
     group = _async_group(process_group) if async_save else comm.default_group(process_group)
     final = Path(path)
-    leader = comm.group_rank(group) == 0
-    _on_leader(leader, group, "preparing the checkpoint directory", lambda: _fresh(_sibling(final, "partial")))
+    _on_leader(group, "preparing the checkpoint directory", lambda: _fresh(_sibling(final, "partial")))
     state = _stateful_to_state_dict(state_dict)
     if not async_save:
         _write(state, final, group)
@@ -100,9 +99,7 @@ def save(
 def _wait_for_pending_save() -> None:
     """Block until the latest asynchronous save has finished; warn (once) if it failed."""
     pending = _pending()
-    if not pending:
-        return
-    error = pending.pop().exception()
+    error = pending.pop().exception() if pending else None
     if error is not None:
         warnings.warn(f"an earlier asynchronous checkpoint save failed: {type(error).__name__}: {error}", stacklevel=3)
 
@@ -111,8 +108,7 @@ def _write(state: dict[str, Any], final: Path, group: comm.Group) -> None:
     """Write ``state`` into ``final``'s partial sibling, then rename it into place (on rank 0, after every rank)."""
     partial, previous = _sibling(final, "partial"), _sibling(final, "previous")
     _dcp.save(state, partial, group)
-    replace = lambda: _replace(partial, final, previous)
-    _on_leader(comm.group_rank(group) == 0, group, f"moving the finished checkpoint into {final}", replace)
+    _on_leader(group, f"moving the finished checkpoint into {final}", lambda: _replace(partial, final, previous))
 
 
 def _async_group(process_group: comm.Group | None) -> comm.Group:
@@ -135,8 +131,7 @@ def _staged(state: dict[str, Any]) -> dict[str, Any]:
 
     stager = DefaultStager(StagingOptions(False, False, False, False))  # plain copies, in this thread
     try:
-        staged: dict[str, Any] = stager.stage(state)  # type: ignore[assignment]
-        return staged
+        return stager.stage(state)  # type: ignore[return-value]
     finally:
         stager.close()
 
@@ -166,9 +161,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     _wait_for_pending_save()
     group, final = comm.default_group(process_group), Path(path)
     state = _stateful_to_state_dict(state_dict)
-    check = lambda: _checked_source(state, final)
     what = f"loading the checkpoint at {final}"
-    source, manifest = agreement.run_agreed(check, group, what, errors=(BaseException,))
+    source, manifest = agreement.run_agreed(lambda: _checked_source(state, final), group, what, errors=(BaseException,))
     _dcp.load(state, source, group, manifest)
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
@@ -190,7 +184,16 @@ def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict
         source = _sibling(final, "previous")
         warnings.warn(f"{final} is missing (a save was interrupted while replacing it): loading {source}", stacklevel=5)
     if not _complete(source):
-        raise ValueError(_incomplete_message(final))
+        if _sibling(final, "partial").exists():
+            raise ValueError(
+                f"{final} is not a complete checkpoint: a save into it did not finish (its partial files are in "
+                f"{_sibling(final, 'partial')}); load an earlier checkpoint"
+            )
+        if final.is_dir():
+            raise ValueError(
+                f"{final} is not a checkpoint: it has no {METADATA} (written by another tool, or partially)"
+            )
+        raise ValueError(f"no checkpoint at {final}: the directory does not exist")
     manifest = checksums.read_manifest(source)
     if manifest is None:
         warnings.warn(
@@ -200,8 +203,7 @@ def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict
         )
     metadata = _dcp.read_metadata(source)
     saved = set(metadata.state_dict_metadata)
-    _prune_unsaved_optimizer_state(state_dict, "", saved)
-    leaves = dict(_leaves(state_dict, ""))
+    leaves = dict(_leaves(state_dict, "", saved))
     missing = sorted(set(leaves) - saved)
     if missing:
         raise ValueError(
@@ -254,8 +256,9 @@ def _replace(partial: Path, final: Path, previous: Path) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def _on_leader(leader: bool, group: comm.Group, what: str, action: Callable[[], None]) -> None:
+def _on_leader(group: comm.Group, what: str, action: Callable[[], None]) -> None:
     """Run ``action`` on rank 0; every rank raises if it failed, and none returns before it is done."""
+    leader = comm.group_rank(group) == 0
     agreement.run_agreed(action if leader else lambda: None, group, what, errors=(BaseException,))
 
 
@@ -263,29 +266,13 @@ def _complete(directory: Path) -> bool:
     return (directory / METADATA).is_file()
 
 
-def _incomplete_message(final: Path) -> str:
-    if _sibling(final, "partial").exists():
-        return (
-            f"{final} is not a complete checkpoint: a save into it did not finish (its partial files are in "
-            f"{_sibling(final, 'partial')}); load an earlier checkpoint"
-        )
-    if final.is_dir():
-        return f"{final} is not a checkpoint: it has no {METADATA} (written by another tool, or partially)"
-    return f"no checkpoint at {final}: the directory does not exist"
-
-
-def _prune_unsaved_optimizer_state(state: Mapping[str, Any], prefix: str, saved: set[str]) -> None:
+def _leaves(state: Mapping[str, Any], prefix: str, saved: set[str]) -> Iterator[tuple[str, Any]]:
+    """The entries of nested dicts under the keys DCP gives them (lists that hold tensors are DCP's to check), each
+    sharded optimizer state pruned first of what a checkpoint of keys ``saved`` cannot have (``prune_unsaved``)."""
     for key, value in state.items():
         if sharded.is_sharded_state(value):
             sharded.prune_unsaved(value, f"{prefix}{key}.", saved)
-        elif isinstance(value, Mapping):
-            _prune_unsaved_optimizer_state(value, f"{prefix}{key}.", saved)
-
-
-def _leaves(state: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
-    """The entries of nested dicts under the keys DCP gives them (lists that hold tensors are DCP's to check)."""
-    for key, value in state.items():
         if isinstance(value, Mapping):
-            yield from _leaves(value, f"{prefix}{key}.")
+            yield from _leaves(value, f"{prefix}{key}.", saved)
         elif not isinstance(value, (list, tuple)):
             yield f"{prefix}{key}", value
