@@ -22,7 +22,6 @@ from distoptim.plan.figures import (
     RankMemory,
     all_reduce_bytes,
     dtype_name,
-    mastered,
     step_cost,
     step_dtype,
 )
@@ -87,18 +86,16 @@ class _ZeroShards:
 
     def __init__(self, params: Sequence[ParamSpec], plan: PartitionPlan, config: PlanConfig) -> None:
         self.params, self.plan, self.config = params, plan, config
-        size, master = config.world_size, config.master_dtype
-        self.state, self.master = [0] * size, [0] * size
+        self.state = [0] * config.world_size
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
         for param, fragments in zip(params, plan.fragments):
-            cost = step_cost(param, config, step_dtype(param, master), zero=True)
+            cost = step_cost(param, config, step_dtype(param, config.master_dtype), zero=True)
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
-                if master is not None and mastered(param, master):
-                    self.master[fragment.rank] += fragment.length * master.itemsize
                 piece_bytes = fragment.length * param.dtype.itemsize
                 if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
                     self.staging += piece_bytes
+        self.master = self._step_casts(None)  # master copies: the owned pieces stepped in a dtype not their own
 
     def _moved(self, in_chunks: bool, itemsize: int | None = None) -> int:
         """Bytes one rank receives when every owned range travels to or from its owner, as ``comm`` moves them:
@@ -233,7 +230,8 @@ class _ZeroShards:
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
     def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
-        """Per rank, the bytes of owned gradient pieces cast for the step from ``grad_dtype`` (or the parameter's)."""
+        """Per rank, the bytes of owned pieces in the step's dtype where the gradient's (``grad_dtype``, else the
+        parameter's) differs: gradients cast for the step; master copies where ``grad_dtype`` is None."""
         casts = [0] * self.config.world_size
         for param, fragments in zip(self.params, self.plan.fragments):
             step = step_dtype(param, self.config.master_dtype)
