@@ -223,7 +223,7 @@ def _memory(memory: RankMemory) -> dict[str, Any]:
 
 def _mode_report(mode: ModePlan, gpu_memory: int | None) -> dict[str, Any]:
     rank, peak = mode.peak()
-    distinct = len(set(mode.ranks))
+    flops = mode.newton_schulz  # with Muon; the balance: the largest rank's share over the mean (1.0: even)
     return {
         "mode": mode.key,
         "title": mode.title,
@@ -234,17 +234,10 @@ def _mode_report(mode: ModePlan, gpu_memory: int | None) -> dict[str, Any]:
         "sends": dict(mode.sends),
         "gloo_received_per_rank": list(mode.gloo_received) or None,
         "notes": list(mode.notes),
-        "ranks": [_memory(memory) for memory in mode.ranks] if distinct > 1 else "all ranks alike",
-        "newton_schulz_flops": list(mode.newton_schulz) or None,
-        "newton_schulz_balance": _balance(mode.newton_schulz),
+        "ranks": [_memory(memory) for memory in mode.ranks] if len(set(mode.ranks)) > 1 else "all ranks alike",
+        "newton_schulz_flops": list(flops) or None,
+        "newton_schulz_balance": max(flops) * len(flops) / sum(flops) if sum(flops) else None,
     }
-
-
-def _balance(per_rank: tuple[int, ...]) -> float | None:
-    """The largest rank's share over the mean (1.0: even); None without Muon."""
-    if not per_rank or not sum(per_rank):
-        return None
-    return max(per_rank) * len(per_rank) / sum(per_rank)
 
 
 def _human(count: float) -> str:
@@ -268,43 +261,35 @@ def _table(report: dict[str, Any]) -> str:
             f"{c['per_element']:.4g} B per element + {c['per_block']} B per block of 256 in {name}"
             for name, c in report["format_state_bytes"].items()
         )
-    muon = report["muon"]
-    muon_line = []
-    if muon:
-        states = "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
-        muon_line.append(
-            f"Muon on {muon['takes']}: {muon['matrices']} matrices, {report['optimizer']} on the rest; Muon's state: "
-            + states
-        )
     lines = [
         f"model: {report['model']}",
         f"{report['world_size']} ranks, {report['optimizer']}{master}, "
         f"parameters in {', '.join(report['parameter_dtypes'])}, ZeRO partition: {report['partition']}",
         f"optimizer state (measured by stepping torch.optim): {costs}",
-        *muon_line,
-        "",
-        "per rank (the rank holding the most); activations are NOT counted",
     ]
+    if muon := report["muon"]:
+        states = "; ".join(f"{c['per_element']} B per element in {name}" for name, c in muon["state_bytes"].items())
+        lines.append(
+            f"Muon on {muon['takes']}: {muon['matrices']} matrices, {report['optimizer']} on the rest; "
+            f"Muon's state: {states}"
+        )
+    lines += ["", "per rank (the rank holding the most); activations are NOT counted"]
     header = ["mode", "params", "grads", "optim state", "master", "other", "total", "sent/step"]
-    if muon:
-        header.append("NS GFLOP/step")  # the busiest rank's
-    if gpu is not None:
-        header.append(f"fits {_human(gpu)}")
+    header += ["NS GFLOP/step"] if muon else []  # the busiest rank's
+    header += [f"fits {_human(gpu)}"] if gpu is not None else []
     rows = [header]
     for mode in report["modes"]:
         peak = mode["peak"]
         row = [mode["title"], *(_human(peak[k]) for k in ("params", "grads", "optimizer_state", "master")),
                _human(sum(peak["other"].values())), _human(peak["total"]), _human(mode["sends_per_step"])]  # fmt: skip
-        if muon:
-            row.append(f"{max(mode['newton_schulz_flops']) / 1e9:.2f}")
-        if gpu is not None:
-            row.append("yes" if mode["fits"] else "no")
+        row += [f"{max(mode['newton_schulz_flops']) / 1e9:.2f}"] if muon else []
+        row += ["yes" if mode["fits"] else "no"] if gpu is not None else []
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        lines.append(
-            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        )
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    lines += [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines += ["", "what each mode holds and sends:"]
     for mode in report["modes"]:
         lines.append(f"  {mode['title']} (rank {mode['peak_rank']}):")

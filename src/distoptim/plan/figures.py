@@ -10,6 +10,7 @@ import torch
 from distoptim.plan.inventory import ParamSpec
 from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
 from distoptim.zero.codecs import MIN_NUMEL
+from distoptim.zero.shard import has_master
 
 __all__ = [
     "DEVICE",
@@ -19,7 +20,6 @@ __all__ = [
     "RankMemory",
     "all_reduce_bytes",
     "dtype_name",
-    "mastered",
     "step_cost",
     "step_dtype",
 ]
@@ -69,10 +69,8 @@ class ModePlan:
     ranks: tuple[RankMemory, ...]
     sends: tuple[tuple[str, int], ...]
     notes: tuple[str, ...]
-    gloo_received: tuple[int, ...] = ()
-    """Per rank, the bytes received a step in gloo's point-to-point style, by the path taken (empty: not modelled)."""
-    newton_schulz: tuple[int, ...] = ()
-    """With Muon: each rank's Newton-Schulz FLOPs per step (``newton_schulz_flops``)."""
+    gloo_received: tuple[int, ...] = ()  # per rank, bytes received a step on gloo by the path taken; (): not modelled
+    newton_schulz: tuple[int, ...] = ()  # with Muon: each rank's Newton-Schulz FLOPs per step
 
     @property
     def sends_total(self) -> int:
@@ -87,20 +85,15 @@ class ModePlan:
 def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype, zero: bool = False) -> StateCost:
     """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one); ``zero``:
     by ZeroRedundancyOptimizer, in ``config.state_format`` where the parameter takes it (``zero.state_formats``)."""
-    muon = param.muon and config.muon is not None
     formatted = zero and param.numel >= MIN_NUMEL and dtype.is_floating_point  # Muon's momentum too
-    optimizer = config.muon if muon and config.muon is not None else config.optimizer
+    optimizer = config.muon if param.muon and config.muon is not None else config.optimizer
     return state_cost(optimizer, dtype, config.state_format if formatted else "fp32")
 
 
 def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
-    """The dtype the optimizer steps ``param`` in: a master copy's where it has one, else its own."""
-    return master if master is not None and mastered(param, master) else param.dtype
-
-
-def mastered(param: ParamSpec, master: torch.dtype | None) -> bool:
-    """Whether ``param`` has a master copy: only one narrower than ``master`` (as ``zero.shard.has_master``)."""
-    return master is not None and param.dtype.is_floating_point and param.dtype.itemsize < master.itemsize
+    """The dtype the optimizer steps ``param`` in: a master copy's where it has one (``zero.shard.has_master``), else
+    its own."""
+    return master if master is not None and has_master(param.dtype, master) else param.dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

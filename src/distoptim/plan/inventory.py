@@ -1,7 +1,6 @@
 """What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit, from a model built on
 the meta device or from a parameter count modelled as a GPT-style transformer. FSDP units: every child of an
-``nn.ModuleList`` (a transformer block) is one, the rest is the root unit (0).
-"""
+``nn.ModuleList`` (a transformer block) is one, the rest is the root unit (0)."""
 
 from __future__ import annotations
 
@@ -115,19 +114,6 @@ def _block_numel(width: int) -> int:
     return 12 * width * width + 13 * width
 
 
-def _block(layer: int, width: int, dtype: torch.dtype) -> list[ParamSpec]:
-    prefix, unit = f"blocks.{layer}.", layer + 1
-    shapes = [
-        ("ln_1.weight", (width,)), ("ln_1.bias", (width,)),
-        ("attn.qkv.weight", (3 * width, width)), ("attn.qkv.bias", (3 * width,)),
-        ("attn.proj.weight", (width, width)), ("attn.proj.bias", (width,)),
-        ("ln_2.weight", (width,)), ("ln_2.bias", (width,)),
-        ("mlp.fc.weight", (4 * width, width)), ("mlp.fc.bias", (4 * width,)),
-        ("mlp.proj.weight", (width, 4 * width)), ("mlp.proj.bias", (width,)),
-    ]  # fmt: skip
-    return [ParamSpec(prefix + name, shape, dtype, True, unit) for name, shape in shapes]
-
-
 def transformer(total: int, dtype: torch.dtype = torch.float32) -> Inventory:
     """``total`` parameters as a GPT-style transformer: the most layers ``L`` of width ``128 L`` that leave room for
     a tied embedding of ``VOCAB`` rows or more, which takes the rest (exact); below one layer, one flat tensor."""
@@ -141,16 +127,23 @@ def transformer(total: int, dtype: torch.dtype = torch.float32) -> Inventory:
         return Inventory((flat,), f"{total:,} parameters as one flat tensor (too few for a transformer layer)")
     width = WIDTH_PER_LAYER * layers
     rows, rest = divmod(total - layers * _block_numel(width) - 2 * width, width)
+    block = [
+        ("ln_1.weight", (width,)), ("ln_1.bias", (width,)),
+        ("attn.qkv.weight", (3 * width, width)), ("attn.qkv.bias", (3 * width,)),
+        ("attn.proj.weight", (width, width)), ("attn.proj.bias", (width,)),
+        ("ln_2.weight", (width,)), ("ln_2.bias", (width,)),
+        ("mlp.fc.weight", (4 * width, width)), ("mlp.fc.bias", (4 * width,)),
+        ("mlp.proj.weight", (width, 4 * width)), ("mlp.proj.bias", (width,)),
+    ]  # fmt: skip
     params = [ParamSpec("embedding.weight", (rows, width), dtype, True)]
-    for layer in range(layers):
-        params += _block(layer, width, dtype)
+    for layer in range(layers):  # each block an FSDP unit of its own
+        params += [ParamSpec(f"blocks.{layer}.{name}", shape, dtype, True, layer + 1) for name, shape in block]
     params += [ParamSpec("ln_f.weight", (width,), dtype, True), ParamSpec("ln_f.bias", (width,), dtype, True)]
     if rest:
         params.append(ParamSpec("head.bias", (rest,), dtype, True))
     description = (
         f"{total:,} parameters modelled as a GPT-style transformer: {layers} layer{'s' if layers > 1 else ''} "
-        f"of width {width}, "
-        f"tied embedding {rows:,} x {width}{f' (+{rest} to make the total exact)' if rest else ''}; "
+        f"of width {width}, tied embedding {rows:,} x {width}{f' (+{rest} to make the total exact)' if rest else ''}; "
         "FSDP units: one per layer, the embedding and final norm in the root"
     )
     return Inventory(tuple(params), description)

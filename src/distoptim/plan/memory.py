@@ -1,14 +1,14 @@
 """Bytes per rank and sent per step for each way of training data-parallel, from the arithmetic the library runs:
 ZeRO's shards from ``partition_parameters``, state from ``state.state_cost``; DDP, ``ShardedDataParallel`` and FSDP2
-modelled from what they allocate (each mode's ``notes``). Muon (``--muon``) takes every 2-D parameter of the blocks,
-listed first (``docs/guides/muon.md``). The details: ``docs/guides/internals.md``.
-"""
+modelled from what they allocate (each mode's ``notes``); Muon's matrices listed first (``muon.with_muon``). The
+details: ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -22,15 +22,14 @@ from distoptim.plan.figures import (
     RankMemory,
     all_reduce_bytes,
     dtype_name,
-    mastered,
     step_cost,
     step_dtype,
 )
 from distoptim.plan.inventory import Inventory, ParamSpec
 from distoptim.plan.muon import newton_schulz_per_rank, with_muon
-from distoptim.sharded_data_parallel.buckets import plan_buckets
+from distoptim.sharded_data_parallel.buckets import BucketCaps, plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
-from distoptim.zero.partition import PartitionPlan, newton_schulz_cost, partition_parameters
+from distoptim.zero.partition import LayoutPlan, PartitionPlan, newton_schulz_cost, partition_parameters
 
 __all__ = ["plan_modes"]
 
@@ -43,10 +42,7 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
         inventory = with_muon(inventory)
     zero = _ZeroShards(inventory.params, _plan(inventory, config, None), config)
     # ShardedDataParallel re-cuts an even partition into buckets of its cap, each split evenly (its own plan)
-    cap_bytes = int(config.bucket_cap_mb * MB)
-    caps: dict[Hashable, int] = {
-        (DEVICE, p.dtype): max(1, cap_bytes // (config.reduce_dtype or p.dtype).itemsize) for p in inventory.params
-    }
+    caps = BucketCaps(int(config.bucket_cap_mb * MB), config.reduce_dtype)
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
     modes = [ddp_plan(inventory, config), zero.zero1(), sdp, fsdp2_plan(inventory, config)]
@@ -83,22 +79,21 @@ def _plan(inventory: Inventory, config: PlanConfig, region_numel: Mapping[Hashab
 
 
 class _ZeroShards:
-    """What each rank owns under the partition plan, and the three modes that shard optimizer state by it."""
+    """What each rank owns under the partition plan, and the two modes that shard optimizer state by it."""
 
     def __init__(self, params: Sequence[ParamSpec], plan: PartitionPlan, config: PlanConfig) -> None:
         self.params, self.plan, self.config = params, plan, config
-        size, master = config.world_size, config.master_dtype
-        self.state, self.master = [0] * size, [0] * size
+        self.state, self.owned = [0] * config.world_size, [0] * config.world_size  # owned: bytes of its fragments
         self.staging = 0  # StagedSync: pieces under DEFAULT_DIRECT_BYTES travel through buffers kept between steps
         for param, fragments in zip(params, plan.fragments):
-            cost = step_cost(param, config, step_dtype(param, master), zero=True)
+            cost = step_cost(param, config, step_dtype(param, config.master_dtype), zero=True)
             for fragment in fragments:
                 self.state[fragment.rank] += cost.bytes_for(fragment.length)
-                if master is not None and mastered(param, master):
-                    self.master[fragment.rank] += fragment.length * master.itemsize
                 piece_bytes = fragment.length * param.dtype.itemsize
+                self.owned[fragment.rank] += piece_bytes
                 if 0 < piece_bytes < DEFAULT_DIRECT_BYTES:
                     self.staging += piece_bytes
+        self.master = self._step_casts(None)  # master copies: the owned pieces stepped in a dtype not their own
 
     def _moved(self, in_chunks: bool, itemsize: int | None = None) -> int:
         """Bytes one rank receives when every owned range travels to or from its owner, as ``comm`` moves them:
@@ -106,19 +101,17 @@ class _ZeroShards:
         size = self.config.world_size
         scaled = 0  # size times the bytes, so that the one division is the last step
         for layout in self.plan.layouts:
-            dtype: torch.dtype = layout.key[1]  # type: ignore[index]  # the (device, dtype) key given above
-            width = itemsize or dtype.itemsize
             for bounds in layout.bounds:
                 shares = {end - start for start, end in itertools.pairwise(bounds)}
-                if in_chunks and len(shares) == 1 and 0 not in shares:
-                    scaled += size * (size - 1) * shares.pop() * width
+                if in_chunks and len(shares) == 1 and 0 not in shares:  # the whole region, padding included
+                    moved = bounds[-1] - bounds[0]
                 else:  # the parameters whose first element lies in the region (regions hold whole parameters)
-                    owned = sum(
+                    moved = sum(
                         self.plan.numels[index]
                         for index, position in zip(layout.params, layout.positions)
                         if bounds[0] <= position < bounds[-1]
                     )
-                    scaled += (size - 1) * owned * width
+                scaled += (size - 1) * moved * (itemsize or _itemsize(layout))
         return scaled // size
 
     def _memory(
@@ -128,23 +121,21 @@ class _ZeroShards:
         return RankMemory(params, grads, self.state[rank], self.master[rank], other)
 
     def _shard_note(self) -> str:
-        config, size = self.config, self.config.world_size
         loads = self.plan.loads()
-        largest = max(range(size), key=lambda rank: (loads[rank], -rank))
+        largest = max(range(len(loads)), key=lambda rank: (loads[rank], -rank))
         return (
-            f"optimizer state and master weights of this rank's shard only ({config.partition} partition; the "
+            f"optimizer state and master weights of this rank's shard only ({self.config.partition} partition; the "
             f"largest shard, rank {largest}'s, has {loads[largest]:,} of {sum(loads):,} trainable elements)"
         )
 
     def zero1(self) -> ModePlan:
         """ZeRO-1 (under DDP, which keeps full gradients)."""
         config, size = self.config, self.config.world_size
-        params = self.params_bytes()
         grad_bytes = sum(p.nbytes for p in self.params if p.trainable)
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
         staged = self.staging and not config.parameters_as_bucket_view
         staging = (("parameter sync staging", self.staging),) if staged else ()
-        casts = [("master gradients during step", master) for master in self.master]
+        params, casts = self.params_bytes(), [("master gradients during step", master) for master in self.master]
         under_ddp = tuple(self._memory(rank, params, ddp_grads, staging, casts[rank]) for rank in range(size))
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         ddp_note = (
@@ -157,21 +148,13 @@ class _ZeroShards:
 
     def _not_owned(self) -> list[int]:
         """Per rank, the bytes of trainable elements (bucket views: regions, padding included) a sync brings it."""
-        size = self.config.world_size
-        owned, total = [0] * size, 0
+        owned = self.owned
         if self.config.parameters_as_bucket_view:
+            owned = [0] * self.config.world_size
             for layout in self.plan.layouts:
-                width = layout.key[1].itemsize  # type: ignore[index]  # the (device, dtype) key given above
-                for bounds in layout.bounds:
-                    total += (bounds[-1] - bounds[0]) * width
-                    for rank in range(size):
-                        owned[rank] += (bounds[rank + 1] - bounds[rank]) * width
-        else:
-            for param, fragments in zip(self.params, self.plan.fragments):
-                for fragment in fragments:
-                    owned[fragment.rank] += fragment.length * param.dtype.itemsize
-                    total += fragment.length * param.dtype.itemsize
-        return [total - mine for mine in owned]
+                for rank in range(self.config.world_size):
+                    owned[rank] += sum(end - start for start, end in layout.ranges(rank)) * _itemsize(layout)
+        return [sum(owned) - mine for mine in owned]
 
     def params_bytes(self) -> int:
         """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the layouts' flat buffers
@@ -180,7 +163,7 @@ class _ZeroShards:
             return sum(p.nbytes for p in self.params)
         room = self.config.world_size - 1
         flat = sum(
-            (layout.numel + room * sum(1 for i in layout.params if self.plan.numels[i])) * layout.key[1].itemsize  # type: ignore[index]  # the (device, dtype) key given above
+            (layout.numel + room * sum(1 for i in layout.params if self.plan.numels[i])) * _itemsize(layout)
             for layout in self.plan.layouts
         )
         return flat + sum(p.nbytes for p in self.params if not p.trainable)
@@ -233,7 +216,8 @@ class _ZeroShards:
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
     def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
-        """Per rank, the bytes of owned gradient pieces cast for the step from ``grad_dtype`` (or the parameter's)."""
+        """Per rank, the bytes of owned pieces in the step's dtype where the gradient's (``grad_dtype``, else the
+        parameter's) differs: gradients cast for the step; master copies where ``grad_dtype`` is None."""
         casts = [0] * self.config.world_size
         for param, fragments in zip(self.params, self.plan.fragments):
             step = step_dtype(param, self.config.master_dtype)
@@ -241,3 +225,7 @@ class _ZeroShards:
                 for fragment in fragments:
                     casts[fragment.rank] += fragment.length * step.itemsize
         return casts
+
+
+def _itemsize(layout: LayoutPlan) -> int:
+    return cast(tuple[torch.device, torch.dtype], layout.key)[1].itemsize  # the (DEVICE, dtype) key ``_plan`` gives

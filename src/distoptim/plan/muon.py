@@ -44,10 +44,8 @@ def newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | No
     every rank without one."""
     per_rank = [0] * world_size
     for index, param in enumerate(params):
-        if not (param.muon and param.trainable):
-            continue
-        flops = newton_schulz_flops(param.shape)
-        owners = range(world_size) if plan is None else {f.rank for f in plan.fragments[index]}
-        for rank in owners:
-            per_rank[rank] += flops
+        if param.muon and param.trainable:
+            owners = range(world_size) if plan is None else {f.rank for f in plan.fragments[index]}
+            for rank in owners:
+                per_rank[rank] += newton_schulz_flops(param.shape)
     return per_rank

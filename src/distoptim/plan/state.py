@@ -1,7 +1,6 @@
 """Optimizer-state bytes, measured from ``torch.optim`` itself: one step on tiny CPU tensors gives ``per_element``
 and ``per_tensor`` bytes, which sizes 3, 7 and (3, 5) must agree on (Adafactor's factored state is refused). Muon is
-measured on matrices, a state format (``bf16``, ``int8``) on 4,096 and 8,192 elements with ZeRO's own codec.
-"""
+measured on matrices, a state format (``bf16``, ``int8``) on 4,096 and 8,192 elements with ZeRO's own codec."""
 
 from __future__ import annotations
 
@@ -52,10 +51,8 @@ class StateCost:
 
 def resolve_optimizer(name: str, kwargs: Mapping[str, Any] | None = None) -> OptimizerSpec:
     """``"adamw"``, ``"AdamW"``, ``"sgd-momentum"``...: a ``torch.optim`` class by name (case-insensitive)."""
-    settings = dict(kwargs or {})
-    alias = ALIASES.get(name.lower())
-    if alias is not None:
-        name, settings = alias[0], {**alias[1], **settings}
+    name, defaults = ALIASES.get(name.lower(), (name, {}))
+    settings = {**defaults, **(kwargs or {})}
     classes = {
         attribute.lower(): value
         for attribute in dir(torch.optim)
@@ -128,5 +125,4 @@ def _state_bytes(
     entry = dict(stepper.state[param])
     for key in [k for k, v in entry.items() if fmt != "fp32" and codecs.is_encodable(k, v) and v.shape == param.shape]:
         entry.update(codecs.encode(key, entry.pop(key), fmt))
-    values = entry.values()
-    return sum(value.numel() * value.element_size() for value in values if isinstance(value, torch.Tensor))
+    return sum(value.numel() * value.element_size() for value in entry.values() if isinstance(value, torch.Tensor))
