@@ -310,13 +310,14 @@ class OwnedGradients:
         plan = self.buckets[bucket]
         whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
         whole = whole and self.store_keys[plan.key] == (grad.device, grad.dtype) and grad.stride() == param.stride()
-        divisor = self.zero.world_size * self.zero.replica_count  # each rank's share divided first, as DDP's
-        if whole and is_dense(grad) and owns_its_memory(grad):  # no other tensor shares it (autograd may)
-            self._buffer(bucket, flat_view(grad).div_(divisor))  # the gradient is the bucket (over the cap): no copy
+        whole = whole and is_dense(grad) and owns_its_memory(grad)  # no other tensor shares it (autograd may)
+        scale = 1.0 / (self.zero.world_size * self.zero.replica_count)  # DDP's reducer: times 1/N (not / N)
+        if whole:  # the gradient is the bucket (a parameter over the cap): no copy
+            self._buffer(bucket, flat_view(grad).mul_(scale))
         elif grad.dtype == (into := view_like(self._buffer(bucket), slot.position, param)).dtype:
-            torch.div(grad, divisor, out=into)  # one pass: the copy divided
-        else:
-            into.copy_(grad).div_(divisor)
+            torch.mul(grad.detach(), scale, out=into)  # scaled as it is copied, in one pass, as DDP's reducer does
+        else:  # (detached: under backward(create_graph=True) the gradient requires grad, the bucket does not)
+            into.copy_(grad.detach()).mul_(scale)
         param.grad = None
         self._unreduced.pop(slot.index, None)
         self._filled.add(slot.index)

@@ -217,8 +217,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "ShardedDataParallel under hybrid sharding (replicate_group)",
         "each bucket divided by the shard group's size only: the replicas' gradients summed, not averaged",
         "distoptim/sharded_data_parallel/gradients.py",
-        "        divisor = self.zero.world_size * self.zero.replica_count",
-        "        divisor = self.zero.world_size",
+        "        scale = 1.0 / (self.zero.world_size * self.zero.replica_count)",
+        "        scale = 1.0 / self.zero.world_size",
     ),
     _one(
         "sdp_clear_forgets_held",
