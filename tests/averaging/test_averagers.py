@@ -72,7 +72,13 @@ def _parity_body(rank: int, world_size: int) -> dict[str, Any]:
     assert all(torch.equal(g[0], gathered[0][0]) for g in gathered)
     assert torch.equal(gathered[rank][1], gathered[rank ^ 1][1])
     assert not torch.equal(gathered[0][1], gathered[2][1])
-    return {"groups": [ours_hier.group_at(s) is None for s in range(8)]}
+    groups = [ours_hier.group_at(s) is None for s in range(8)]
+    for averager in (ours_hier, theirs_hier):  # the periods are fixed at construction: one deleted later is missing
+        del averager.period_process_group_dict[4]
+        averager.step = 8
+        with pytest.raises(KeyError):
+            averager.average_parameters(_model().parameters())
+    return {"groups": groups}
 
 
 def test_averagers_match_torch_step_for_step() -> None:

@@ -197,6 +197,7 @@ class HierarchicalModelAverager(ModelAverager):
         self.period_process_group_dict: dict[int, ProcessGroup] = {
             period: comm.split_group(self.process_group, size) for period, size in levels
         }
+        self._periods_largest_first = [period for period, _ in reversed(levels)]  # fixed here, as torch's
 
     def group_at(self, step: int) -> ProcessGroup | None:
         """The subgroup (of this rank) that averages at ``step``, or ``None`` when no averaging is due.
@@ -205,9 +206,9 @@ class HierarchicalModelAverager(ModelAverager):
             step: an averager step (``self.step`` is the next one).
         """
         if step >= self.warmup_steps:
-            for period, group in reversed(self.period_process_group_dict.items()):  # the largest period due
+            for period in self._periods_largest_first:
                 if step % period == 0:
-                    return group
+                    return self.period_process_group_dict[period]
         return None
 
     def average_parameters(self, params: ParamsLike) -> None:
