@@ -55,6 +55,7 @@ APPLICATION = "demo/"  # the demo is a program using the library, not library co
 COLLECTIVES = {
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "gather", "send", "recv", "isend",
+    "all_gather_single", "reduce_scatter_single",
     "irecv", "barrier", "monitored_barrier", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
     "send_object_list", "recv_object_list", "gather_object", "scatter_object_list", "new_group", "new_subgroups",
 }  # fmt: skip

@@ -4,13 +4,18 @@
   or inside DDP's backward, bucket views on and off, both partitions, NCCL's chunked collectives; p2p is refused) and
   ShardedDataParallel (overlapped sync on and off) equal the plain optimizer, and two steady-state iterations run
   under ``torch.cuda.set_sync_debug_mode("error")``: any call that makes the CPU wait for the GPU raises.
+- NCCL: a checkpoint (consolidated, and sharded through ``distoptim.checkpoint``) resumes bit for bit; Muon + AdamW
+  in one optimizer equals the plain pair.
 - gloo with 2 ranks on one GPU: ZeRO-2 and ShardedDataParallel with CUDA tensors, against DDP + the plain optimizer.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import tempfile
+import traceback
 from typing import Any
 
 import pytest
@@ -18,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer, checkpoint
 from distoptim.comm import collectives as comm
 from tests._dist import cuda_world_size, run_on_ranks
 from tests.zero._hooks import register
@@ -44,7 +49,9 @@ MODES = [
 ]
 
 
-def _build(mode: tuple[str, str, str], partition: str, bucket_view: bool, device: torch.device, rank: int) -> Any:
+def _build(
+    mode: tuple[str, str, str], partition: str, bucket_view: bool, device: torch.device, rank: int, **options: Any
+) -> Any:
     kind, how, stepping = mode
     model = _model(device)
     zero = ZeroRedundancyOptimizer(
@@ -53,6 +60,7 @@ def _build(mode: tuple[str, str, str], partition: str, bucket_view: bool, device
         partition=partition,
         parameters_as_bucket_view=bucket_view,
         overlap_with_ddp=stepping != "explicit",
+        **options,
         **KWARGS,
     )
     if kind == "sdp":
@@ -63,11 +71,52 @@ def _build(mode: tuple[str, str, str], partition: str, bucket_view: bool, device
     return model, zero, wrapped
 
 
-def _iteration(wrapped: Any, zero: Any, rank: int, step: int, device: torch.device, stepping: str) -> None:
+def _iteration(wrapped: Any, zero: Any, x: torch.Tensor, stepping: str) -> None:
     zero.zero_grad()
-    wrapped(_batch(rank, step, device)).square().mean().backward()
+    wrapped(x).square().mean().backward()
     if stepping == "explicit":
         zero.step()
+
+
+TOLERANCES = {"fp32": (1e-5, 1e-6), "bf16": (0.0, 5e-4), "int8": (0.0, 5e-3)}
+"""Against plain AdamW after 4 steps: the compressed states' own error here is 9e-5 (bf16) and 1.2e-3 (int8) on the
+CPU; a wrong update moves a parameter by about lr = 1e-2 per step."""
+
+CASES = [
+    *(
+        (mode, partition, view, "fp32")
+        for mode, partition, view in itertools.product(MODES, ["greedy", "even"], [False, True])
+    ),
+    *((mode, "even", True, fmt) for mode in (MODES[0], MODES[7]) for fmt in ("bf16", "int8")),
+]
+
+
+def _check_case(mode: tuple[str, str, str], partition: str, view: bool, fmt: str, batches: list[torch.Tensor]) -> None:
+    device = batches[0].device
+    model, zero, wrapped = _build(mode, partition, view, device, 0, state_format=fmt)
+    reference = _model(device)
+    plain = torch.optim.AdamW(reference.parameters(), **KWARGS)
+    for step, x in enumerate(batches):
+        if step >= 2:  # the steady state: no call may make the CPU wait for the GPU
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            _iteration(wrapped, zero, x, mode[2])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        plain.zero_grad()
+        reference(x).square().mean().backward()
+        plain.step()
+    zero.sync_finished()
+    rtol, atol = TOLERANCES[fmt]
+    for ours, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, want, rtol=rtol, atol=atol)
+
+
+def _where(error: BaseException) -> str:
+    """The error and the innermost library frame it passed through: one line per failing case."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "distoptim" in f.filename]
+    at = f" at {frames[-1].filename.split('src/')[-1]}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{at}"
 
 
 def _nccl_body(rank: int, world_size: int) -> None:
@@ -75,33 +124,94 @@ def _nccl_body(rank: int, world_size: int) -> None:
     os.environ[comm.ENVIRONMENT] = comm.Collectives.POINT_TO_POINT.value  # gloo's: refused on NCCL, by every rank
     with pytest.raises(ValueError, match="p2p is gloo's style"):
         _build(MODES[0], "even", True, device, rank)
-    for mode, partition, bucket_view, style in itertools.product(
-        MODES, ["greedy", "even"], [False, True], [comm.Collectives.CHUNKED]
-    ):
-        os.environ[comm.ENVIRONMENT] = style.value
-        model, zero, wrapped = _build(mode, partition, bucket_view, device, rank)
-        reference = _model(device)
-        plain = torch.optim.AdamW(reference.parameters(), **KWARGS)
-        for step in range(4):
-            if step >= 2:  # the steady state: no call may make the CPU wait for the GPU
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                _iteration(wrapped, zero, rank, step, device, mode[2])
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            plain.zero_grad()
-            reference(_batch(rank, step, device)).square().mean().backward()
-            plain.step()
-        zero.sync_finished()
-        for ours, want in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(
-                ours, want, rtol=1e-5, atol=1e-6, msg=f"{mode} {partition} {bucket_view} {style}"
-            )
+    batches = [_batch(rank, step, device) for step in range(4)]  # copied before the steady state: those copies wait
+    failures = []
+    for style, case in itertools.product([comm.Collectives.CHUNKED.value, "auto"], CASES):
+        os.environ[comm.ENVIRONMENT] = style
+        try:
+            _check_case(*case, batches)
+        except Exception as error:  # every case runs: one lent GPU session must show every failure at once
+            failures.append(f"{case} {style}: {_where(error)}")
     os.environ.pop(comm.ENVIRONMENT, None)
+    assert not failures, f"{len(failures)} of {2 * len(CASES)} cases failed:\n" + "\n".join(failures)
 
 
 def test_nccl_every_mode_matches_and_never_waits_for_the_gpu() -> None:
     run_on_ranks(_nccl_body, 1, backend="nccl", timeout=600)
+
+
+def _trained(mode: tuple[str, str, str], batches: list[torch.Tensor], **options: Any) -> Any:
+    model, zero, wrapped = _build(mode, "even", True, batches[0].device, 0, **options)
+    for x in batches:
+        _iteration(wrapped, zero, x, mode[2])
+    zero.sync_finished()
+    return model, zero, wrapped
+
+
+def _resumed_equals_uninterrupted(mode: tuple[str, str, str], how: str, batches: list[torch.Tensor]) -> None:
+    """Save after 2 steps (consolidated, or sharded through ``distoptim.checkpoint``), load into a fresh optimizer and
+    train 2 more: the parameters equal 4 uninterrupted steps bit for bit."""
+    whole = _trained(mode, batches)[0]
+    first_model, first = _trained(mode, batches[:2])[:2]
+    model, zero, wrapped = _build(mode, "even", True, batches[0].device, 0)
+    with torch.no_grad():
+        for param, saved in zip(model.parameters(), first_model.parameters()):
+            param.copy_(saved)
+    if how == "consolidated":
+        first.consolidate_state_dict(to=0)
+        zero.load_state_dict(first.state_dict())
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint.save({"optim": first.sharded_state_dict()}, directory + "/ckpt")
+            state = {"optim": zero.sharded_state_dict()}
+            checkpoint.load(state, directory + "/ckpt")
+            zero.load_sharded_state_dict(state["optim"])
+    for x in batches[2:]:
+        _iteration(wrapped, zero, x, mode[2])
+    zero.sync_finished()
+    for ours, want in zip(model.parameters(), whole.parameters()):
+        torch.testing.assert_close(ours, want, rtol=0, atol=0)
+
+
+def _muon_matches_plain(mode: tuple[str, str, str], batches: list[torch.Tensor]) -> None:
+    """Muon on the matrices and AdamW on the biases, in one optimizer, against the two plain optimizers."""
+    model = _model(batches[0].device)
+    matrices, rest = ([p for p in model.parameters() if (p.ndim == 2) == want] for want in (True, False))
+    groups = [{"params": matrices, "optimizer_class": torch.optim.Muon, "lr": 0.02}, {"params": rest}]
+    zero = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, partition="even", **KWARGS)
+    device_ids = [0] if batches[0].is_cuda else None
+    wrapped = ShardedDataParallel(model, zero) if mode[0] == "sdp" else DDP(model, device_ids=device_ids)
+    reference = _model(batches[0].device)
+    matrices, rest = ([p for p in reference.parameters() if (p.ndim == 2) == want] for want in (True, False))
+    muon, adamw = torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, **KWARGS)
+    for x in batches:
+        _iteration(wrapped, zero, x, "explicit")
+        muon.zero_grad()
+        adamw.zero_grad()
+        reference(x).square().mean().backward()
+        muon.step()
+        adamw.step()
+    zero.sync_finished()
+    for ours, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+
+
+def _nccl_state_body(rank: int, world_size: int) -> None:
+    batches = [_batch(rank, step, torch.device("cuda", rank)) for step in range(4)]
+    failures = []
+    for mode in (MODES[0], MODES[2], MODES[7]):
+        checks = [(how, functools.partial(_resumed_equals_uninterrupted, mode, how)) for how in ("consolidated", "dcp")]
+        checks += [("muon", functools.partial(_muon_matches_plain, mode))] if mode[2] == "explicit" else []
+        for name, check in checks:
+            try:
+                check(batches)
+            except Exception as error:
+                failures.append(f"{mode} {name}: {_where(error)}")
+    assert not failures, f"{len(failures)} checks failed:\n" + "\n".join(failures)
+
+
+def test_nccl_checkpoints_resume_exactly_and_muon_matches() -> None:
+    run_on_ranks(_nccl_state_body, 1, backend="nccl", timeout=300)
 
 
 def _gloo_on_one_gpu_body(rank: int, world_size: int) -> None:
@@ -111,7 +221,7 @@ def _gloo_on_one_gpu_body(rank: int, world_size: int) -> None:
         reference = _model(device)
         ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KWARGS)
         for step in range(3):
-            _iteration(wrapped, zero, rank, step, device, "explicit")
+            _iteration(wrapped, zero, _batch(rank, step, device), "explicit")
             plain.zero_grad()
             ddp(_batch(rank, step, device)).square().mean().backward()
             plain.step()

@@ -44,8 +44,9 @@ from tests.zero._hooks import register
 
 SOURCE = Path(distoptim.__file__).parent
 CONTROL_PLANE = {SOURCE / "comm/agreement.py", SOURCE / "comm/objects.py", SOURCE / "_host.py"}
-REDUCTIONS = {"reduce": 0, "reduce_scatter_tensor": 1, "all_reduce": 0}  # name -> which argument is handed over
-SYNCS = {"broadcast": 0, "all_gather_into_tensor": 0}
+# name -> which argument is handed over (torch 2.13 renamed the equal-chunk pair: both names, where they exist)
+REDUCTIONS = {"reduce": 0, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1, "all_reduce": 0}
+SYNCS = {"broadcast": 0, "all_gather_into_tensor": 0, "all_gather_single": 0}
 
 
 class _Net(nn.Module):
@@ -90,8 +91,8 @@ def _counting_elements(handed: Counter[str]) -> Iterator[None]:
         return isend(*args, **kwargs)
 
     isend = dist.isend
-    patches = [wrapper(name, "reduction", argument) for name, argument in REDUCTIONS.items()]
-    patches += [wrapper(name, "sync", argument) for name, argument in SYNCS.items()]
+    patches = [wrapper(name, "reduction", argument) for name, argument in REDUCTIONS.items() if hasattr(dist, name)]
+    patches += [wrapper(name, "sync", argument) for name, argument in SYNCS.items() if hasattr(dist, name)]
     patches.append(mock.patch.object(dist, "isend", sent))
     with contextlib.ExitStack() as stack:
         for patch in patches:

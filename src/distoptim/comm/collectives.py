@@ -48,6 +48,12 @@ __all__ = [
 
 Group = dist.ProcessGroup
 
+
+def _torch_collective(name: str, before_2_13: str) -> Any:
+    """torch 2.13's name for an equal-chunk collective (the older name warns there), else the older one."""
+    return getattr(dist, name, None) or getattr(dist, before_2_13)
+
+
 ENVIRONMENT = "DISTOPTIM_COLLECTIVES"
 EVERY = -1
 """The "owner" of a slice that every rank needs reduced (elements nobody owns yet): it is all-reduced."""
@@ -151,7 +157,8 @@ def gather_from_owners(
         if collectives is Collectives.CHUNKED and size is not None:
             mine = region[group_rank(group)]
             output, piece = buffer[region[0] : region[-1]], buffer[mine : mine + size]
-            works.append(dist.all_gather_into_tensor(output, piece, group=group, async_op=True))
+            all_gather = _torch_collective("all_gather_single", "all_gather_into_tensor")
+            works.append(all_gather(output, piece, group=group, async_op=True))
         else:
             slices = [(rank, start, end) for rank, (start, end) in enumerate(pairwise(region))]
             works.extend(broadcast_slices(buffer, slices, group, wait=False, collectives=collectives))
@@ -212,7 +219,8 @@ def _start_reduction(
     if chunk is not None:
         stage = _rank_by_rank(buffer, by_owner, chunk)
         own = stage.new_empty(chunk)
-        work = dist.reduce_scatter_tensor(own, stage, group=group, async_op=True)
+        reduce_scatter = _torch_collective("reduce_scatter_single", "reduce_scatter_tensor")
+        work = reduce_scatter(own, stage, group=group, async_op=True)
         return [work], [own], _scatter_moves(buffer, by_owner[mine], own)
     if sum(map(len, by_owner)) <= max_calls * size:  # in place, one reduce per slice
         works = [

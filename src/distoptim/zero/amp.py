@@ -51,7 +51,7 @@ def check_and_unscale(
             "scaler.step(zero), which unscales the sharded gradient itself"
         )
     scale: Tensor = grad_scaler._scale
-    one = torch.ones((), dtype=torch.float32)
+    one = torch.ones((), dtype=torch.float32, device=scale.device)
     inverse = one if unscaled else scale.double().reciprocal().float()
     stepped = [_dense(grad) for grad in grads()]
     held = [] if unscaled else [_dense(grad) for grad in model_grads()]

@@ -70,6 +70,12 @@ def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
 
 
 @functools.cache
+def _decode_table(signed: bool, device: torch.device) -> Tensor:
+    """``dynamic_map``'s code values on ``device``, copied there once (a copy per step would make the CPU wait)."""
+    return dynamic_map(signed)[0].to(device)
+
+
+@functools.cache
 def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
     """For each run of floats sharing their top 16 bits: how many midpoints lie below it, the one inside (or +inf)."""
     _, midpoints = dynamic_map(signed)
@@ -178,7 +184,7 @@ def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scr
     values = (scratch.take if scratch else _fresh)(f"decoded {key}", count, dtype, device)
     if fmt == "bf16":
         return _laid_like(values.copy_(_flat(codes)), codes)
-    absmax, table = entry[f"{key}.int8_{SCALE}"], dynamic_map(key in SIGNED)[0].to(device)
+    absmax, table = entry[f"{key}.int8_{SCALE}"], _decode_table(key in SIGNED, device)
     decoded = values if dtype == torch.float32 else torch.empty(count, device=device, dtype=torch.float32)
     flat = _flat(codes)
     for start in range(0, count, SPAN):

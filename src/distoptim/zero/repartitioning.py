@@ -263,7 +263,7 @@ class Partitioning:
         """
         if region_numel == self.placer.region_numel or self.partition != "even":
             return
-        has_state = torch.tensor([float(any(self.local_optimizer.state.values()))])
+        has_state = torch.tensor([float(any(self.local_optimizer.state.values()))], device=self.placer.comm_device)
         if comm.all_reduce_(has_state, self.process_group, "max").item():  # a rank may own no state: ask all
             raise RuntimeError(
                 "ShardedDataParallel re-cuts an even partition into buckets, which moves its fragments: wrap the "
