@@ -18,16 +18,21 @@ def _model(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 40), nn.Tanh(), nn.Linear(40, 8)).to(dtype)
 
 
-def _stepped(rank: int, wrap: str, dtype: torch.dtype, reduce_dtype: torch.dtype | None, cap: float) -> list:
+def _stepped(
+    rank: int, wrap: str, dtype: torch.dtype, reduce_dtype: torch.dtype | None, cap: float, late: bool = False
+) -> list:
     """The parameters after one SGD step (lr 1) on a loss only rank 0 has: the sum over ranks is exact, so only
-    the scaling by 1/N can tell the two apart."""
+    the scaling by 1/N can tell the two apart. ``late``: the first layer is made trainable after wrapping (no
+    bucket holds it: its gradient is all-reduced on its own)."""
     net = _model(dtype)
+    net[0].requires_grad_(not late)
     if wrap == "ddp":
         optim: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
         model: nn.Module = DDP(net, bucket_cap_mb=cap)
     else:
         optim = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=1.0)
         model = ShardedDataParallel(net, optim, bucket_cap_mb=cap, reduce_dtype=reduce_dtype)
+    net[0].requires_grad_(True)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(rank)).to(dtype)
     (model(x).float().square().sum() * (1.0 if rank == 0 else 0.0)).backward()
     optim.step()
@@ -43,7 +48,10 @@ def _bits_body(rank: int, world_size: int) -> None:
         (torch.bfloat16, torch.float32, 0.002),  # reduced in fp32: copied, then scaled
     ]:
         theirs = _stepped(rank, "ddp", dtype, None, cap)
-        ours = _stepped(rank, "sdp", dtype, reduce_dtype, cap)
+        ours = _stepped(rank, "sdp", dtype, reduce_dtype, cap, late=False)
+        if cap == 0.002 and reduce_dtype is None:  # and with the first layer unplaced: DDP's numbers again
+            ours += _stepped(rank, "sdp", dtype, None, cap, late=True)
+            theirs += theirs
         if reduce_dtype is not None:
             continue  # another rounding than DDP's by design; it must only run
         for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):

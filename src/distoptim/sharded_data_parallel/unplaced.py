@@ -36,9 +36,10 @@ class Unplaced:
             if param.requires_grad and id(param) not in placed and param.numel():
                 used[index] = used[index] or param.grad is not None
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                grad.mul_(1.0 / (zero.world_size * zero.replica_count))  # then summed: DDP's order and rounding
                 for group in zero.agreement_groups:
                     comm.all_reduce_(grad, group)
-                param.grad = grad.div_(zero.world_size * zero.replica_count)
+                param.grad = grad
                 self.averaged[index] = (weakref.ref(grad), grad._version)
 
     def take_into(self, buffer: Tensor, plan: BucketPlan, params: Sequence[Tensor]) -> list[int]:
