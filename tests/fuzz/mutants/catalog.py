@@ -89,10 +89,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "sdp_unfreeze_no_div",
         "ShardedDataParallel: a parameter unfrozen since the plan (all-reduced at the end of the backward)",
-        "the all-reduced gradient of an unplaced parameter not divided by the world size",
+        "the gradient of an unplaced parameter not scaled by 1/N before it is all-reduced",
         "distoptim/sharded_data_parallel/unplaced.py",
-        "                param.grad = grad.div_(zero.world_size * zero.replica_count)\n",
-        "                param.grad = grad\n",
+        "                grad.mul_(1.0 / (zero.world_size * zero.replica_count))",
+        "                grad.mul_(1.0)",
     ),
     _one(
         "overlap_hook_unused",
