@@ -364,6 +364,7 @@ def _state_scenario() -> None:
                 if step == 4:
                     for group in (distributed.param_groups[0], reference.param_groups[0]):
                         group["lr"], group["betas"] = 0.2, (0.5, 0.9)
+                        group["extra"] = {"weights": torch.tensor([1.0, 2.0])}  # compared by value, not ==
                 _distributed_step(model, distributed, x, y, use)
                 _local_step(model, reference, x, y, use)
                 model.check_equal(f"{name} with changing hyperparameters, step {step}")
