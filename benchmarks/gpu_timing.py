@@ -4,7 +4,9 @@ For each mode: the median time of a whole iteration (forward, backward, step) wi
 median time the CPU takes to *queue* one (no drain): a mode that makes the CPU wait for the GPU somewhere in its hot
 path shows a queueing time close to the whole iteration's. Run by ``benchmarks/gpu_check.sh`` on a lent GPU::
 
-    python benchmarks/gpu_timing.py [--params-millions 50] [--iterations 20]
+    python benchmarks/gpu_timing.py [--params-millions 50] [--iterations 20] [--batch 2048]
+
+The batch keeps the GPU busier than the CPU's queueing (the 2026-12-06 run at 64 rows was CPU-bound in every mode).
 """
 
 from __future__ import annotations
@@ -81,14 +83,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params-millions", type=float, default=50.0)
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=2048,
+        help="rows per batch; at 64 every mode, DDP too, is bound by the CPU's queueing",
+    )
     args = parser.parse_args()
     width = 2048
     depth = max(1, round(args.params_millions * 1e6 / (width * width + width)))
     store = tempfile.mktemp(prefix="distoptim-gpu-")
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    batch = torch.randn(64, width, device="cuda")
-    print(f"{depth} layers of {width}: {depth * (width * width + width) / 1e6:.1f}M parameters, world size 1 (NCCL)")
+    batch = torch.randn(args.batch, width, device="cuda")
+    millions = depth * (width * width + width) / 1e6
+    print(f"{depth} layers of {width}: {millions:.1f}M parameters, batch {args.batch}, world size 1 (NCCL)")
     print(f"{'variant':<24} {'collectives':<10} {'iteration ms':>13} {'queued ms':>10}")
     for name in ["ddp-adamw", "zero1", "zero2", "zero2-interleaved", "sdp", "sdp-overlap"]:
         for style in [comm.Collectives.CHUNKED] if name != "ddp-adamw" else [None]:  # NCCL refuses p2p
