@@ -68,7 +68,7 @@ def _local_term(grads: Sequence[Tensor], norm_type: float, device: torch.device)
     """This rank's share: ``sum |g|^p`` (``p`` 0 or 1: the plain sum of norms), or the max / min of ``|g|``."""
     if not grads:
         neutral = {math.inf: 0.0, -math.inf: math.inf}.get(norm_type, 0.0)
-        return torch.tensor(neutral, dtype=torch.float32, device=device)
+        return torch.full((), neutral, dtype=torch.float32, device=device)  # filled there: no copy from the host
     norms = torch.stack([_norm(g, norm_type).to(device) for g in grads])
     if math.isinf(norm_type):
         return norms.amax() if norm_type > 0 else norms.amin()
