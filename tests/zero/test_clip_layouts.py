@@ -28,3 +28,24 @@ def _body(rank: int, world_size: int) -> None:
 
 def test_a_gradient_laid_out_unlike_its_split_parameter_is_clipped() -> None:
     run_on_ranks(_body, 2)
+
+
+def _scale_body(rank: int, world_size: int) -> list[float]:
+    """A float ``grad_scale`` that is no power of two, under a bf16 default dtype: the norm of the unscaled gradient."""
+    scale = 1000.0 / 3
+    norms = []
+    for default in (torch.float32, torch.bfloat16):
+        net = torch.nn.Linear(8, 4)
+        zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+        net.weight.grad, net.bias.grad = torch.full((4, 8), scale), torch.full((4,), scale)  # unscaled: all ones
+        torch.set_default_dtype(default)
+        try:
+            norms.append(float(zero.clip_grad_norm_(1.0, grad_scale=scale)))
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return norms
+
+
+def test_a_float_grad_scale_is_kept_in_fp32_whatever_the_default_dtype() -> None:
+    for norms in run_on_ranks(_scale_body, 2):
+        assert norms == [6.0, 6.0], norms  # sqrt(36 ones)

@@ -48,7 +48,11 @@ def clip_shard(
     if op == "sum" and norm_type not in (0.0, 1.0):
         total = total.pow(1.0 / norm_type)
     if grad_scale is not None and norm_type != 0.0:  # a norm is homogeneous: |g / s| = |g| / s
-        scale = grad_scale if isinstance(grad_scale, Tensor) else torch.full((), grad_scale, device=total.device)
+        scale = (
+            grad_scale
+            if isinstance(grad_scale, Tensor)
+            else torch.full((), grad_scale, dtype=torch.float32, device=total.device)
+        )
         total = total / scale.to(total.device, torch.float32)  # a float filled there: no copy from the host
     if error_if_nonfinite and not _host.read(torch.isfinite(total), "clip_grad_norm_(error_if_nonfinite=True)"):
         raise RuntimeError(
