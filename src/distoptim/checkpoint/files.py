@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -20,7 +19,7 @@ from distoptim.checkpoint import dcp as _dcp
 from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
-from distoptim.comm.groups import attached, gloo_twin
+from distoptim.comm.groups import attached, backends_of, gloo_twin
 
 __all__ = ["load", "save"]
 
@@ -115,7 +114,7 @@ def _async_group(process_group: comm.Group | None) -> comm.Group:
     """The group an asynchronous save coordinates over: ``process_group``, or a gloo twin of the default group."""
     if process_group is not None:
         group = comm.default_group(process_group)
-        if str(dist.get_backend(group)) == "nccl":
+        if "cpu" not in backends_of(group):
             raise ValueError(
                 "save(async_save=True) coordinates its ranks from a background thread and needs a group with a CPU "
                 "backend that nothing else uses meanwhile: pass process_group=dist.new_group(backend='gloo'), or "

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from distoptim.comm import p2p, relay
-from distoptim.comm.groups import comm_device, default_group, group_size
+from distoptim.comm.groups import backends_of, comm_device, default_group, group_size
 from distoptim.comm.objects import all_gather_objects, receive_object, send_object
 from distoptim.comm.relay import relayed
 
@@ -71,9 +71,9 @@ class Collectives(enum.Enum):
 def choose_collectives(group: Group) -> Collectives:
     """The style for ``group``: ``$DISTOPTIM_COLLECTIVES``, ``auto`` (p2p on gloo, else chunked), p2p or chunked."""
     value = os.environ.get(ENVIRONMENT, "auto").strip().lower() or "auto"
-    backend = dist.get_backend(group)
+    backends = set(backends_of(group).values())
     if value == "auto":
-        return Collectives.POINT_TO_POINT if backend == "gloo" else Collectives.CHUNKED
+        return Collectives.POINT_TO_POINT if backends == {"gloo"} else Collectives.CHUNKED
     if value == "rooted":  # the gloo style before p2p
         raise ValueError(f"{ENVIRONMENT}=rooted is gone: gloo's style is now p2p (faster); use auto, p2p or chunked")
     try:
@@ -82,7 +82,8 @@ def choose_collectives(group: Group) -> Collectives:
         raise ValueError(
             f"{ENVIRONMENT}={value!r} is not a collective style: use auto (by backend), p2p or chunked"
         ) from None
-    if backend != "gloo" and collectives is Collectives.POINT_TO_POINT:
+    if backends != {"gloo"} and collectives is Collectives.POINT_TO_POINT:
+        backend = "+".join(sorted(backends))
         raise ValueError(
             f"{ENVIRONMENT}=p2p is gloo's style: it pairs messages by tag, which {backend} need not do. Use chunked "
             f"({backend}'s default) or auto"
@@ -275,7 +276,7 @@ def _when_done(works: Sequence[Any], group: Group, on_host: bool) -> Future[Any]
         done: Future[Any] = Future()
         done.set_result(None)
         return done
-    if dist.get_backend(group) == "nccl":
+    if backends_of(group) == {"cuda": "nccl"}:
         last: Future[Any] = futures[-1]
         return last
     collected: Future[Any] = torch.futures.collect_all(futures)

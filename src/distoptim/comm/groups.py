@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 __all__ = [
     "attached",
     "attached_everywhere",
+    "backends_of",
     "choose_comm_device",
     "comm_device",
     "control_group",
@@ -83,31 +84,40 @@ def group_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group=group)
 
 
+def backends_of(group: ProcessGroup) -> dict[str, str]:
+    """Which backend carries each device type's tensors over ``group``: ``{"cpu": "gloo", "cuda": "nccl"}``. Read
+    from its backend config, not ``get_backend``, which says "undefined" for ``init_process_group()`` without a
+    backend whatever that made (NCCL alone on a CUDA machine) and "cpu:gloo,cuda:nccl" for a pair."""
+    return dict(pair.strip().split(":", 1) for pair in str(dist.get_backend_config(group)).split(","))
+
+
 def comm_device(group: ProcessGroup, devices: Iterable[torch.device] | None = None) -> torch.device:
     """Where tensors sent over ``group`` must live (``choose_comm_device``) for tensors on ``devices`` (without
-    them, NCCL's is the current CUDA device)."""
-    backend = str(dist.get_backend(group))
+    them, a GPU-only group's is the current CUDA device)."""
+    backends = backends_of(group)
     if devices is None:
-        devices = [torch.device("cuda", torch.cuda.current_device())] if backend == "nccl" else []
-    return choose_comm_device(backend, devices)
+        devices = [] if "cpu" in backends else [torch.device("cuda", torch.cuda.current_device())]
+    return choose_comm_device(backends, devices)
 
 
-def choose_comm_device(backend: str, devices: Iterable[torch.device]) -> torch.device:
-    """The device for communication buffers: the CPU, or under NCCL the one CUDA device of ``devices`` (a
-    ``ValueError`` otherwise). Pure."""
-    if backend != "nccl":
+def choose_comm_device(backends: dict[str, str], devices: Iterable[torch.device]) -> torch.device:
+    """The device for communication buffers: the CPU where the group takes CPU tensors (gloo, "cpu:gloo,cuda:nccl"),
+    else (NCCL alone) the one CUDA device of ``devices`` (a ``ValueError`` otherwise). Pure."""
+    if "cpu" in backends:
         return torch.device("cpu")
     distinct = sorted({torch.device(device) for device in devices}, key=str)
     if len(distinct) == 1 and distinct[0].type == "cuda":
         return distinct[0]
     found = ", ".join(map(str, distinct)) or "none"
+    named = ",".join(f"{device}:{backend}" for device, backend in backends.items())
     raise ValueError(
-        f"the NCCL backend communicates tensors on one CUDA device per rank, but the parameters are on: {found}; "
-        "move the whole model to this rank's GPU (model.to(f'cuda:{local_rank}')), or use the gloo backend"
+        f"the process group's backend ({named}) communicates tensors on one CUDA device per rank, but the parameters "
+        f"are on: {found}; move the whole model to this rank's GPU (model.to(f'cuda:{{local_rank}}')), or use the "
+        "gloo backend"
     )
 
 
 def control_group(group: ProcessGroup) -> ProcessGroup:
-    """A group over ``group``'s ranks for host values (agreements): ``group`` itself under gloo, else its
-    ``"control"`` gloo twin (NCCL would block the CPU on the GPU's queue)."""
-    return group if str(dist.get_backend(group)) == "gloo" else gloo_twin(group, "control")
+    """A group over ``group``'s ranks for host values (agreements): ``group`` itself where gloo carries its CPU
+    tensors, else its ``"control"`` gloo twin (NCCL would block the CPU on the GPU's queue)."""
+    return group if backends_of(group).get("cpu") == "gloo" else gloo_twin(group, "control")
