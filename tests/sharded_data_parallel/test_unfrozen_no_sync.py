@@ -74,3 +74,32 @@ def _body(rank: int, world_size: int, between: str) -> None:
 @pytest.mark.parametrize("between", ["nothing", "consolidate", "sharded_state_dict"])
 def test_no_sync_gradient_of_a_layer_placed_between_micro_batches_is_averaged(between: str) -> None:
     run_on_ranks(_body, 2, between)
+
+
+class _Fork(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, through_a: bool) -> torch.Tensor:
+        return self.b(self.a(x) if through_a else x)
+
+
+def _untouched_body(rank: int, world_size: int) -> None:
+    net = _Fork()
+    net.a.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    model = ShardedDataParallel(net, zero)
+    net.a.requires_grad_(True)  # trainable since the plan: no bucket holds it
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x, True).square().sum().backward()
+    averaged = [p.grad.clone() for p in net.a.parameters()]
+    model(x, False).square().sum().backward()  # reaches only b, on every rank
+    for before, param in zip(averaged, net.a.parameters()):
+        assert torch.equal(param.grad, before), "a backward that reached no rank's .grad averaged it again"
+
+
+def test_an_unplaced_gradient_no_backward_reached_is_left_as_it_is() -> None:
+    """As DDP leaves a gradient unused everywhere (averaging it again would round it anew at 3 ranks)."""
+    run_on_ranks(_untouched_body, 3)

@@ -390,10 +390,11 @@ class OwnedGradients:
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
-        self._unplaced.average(self.zero, self.params, self.slot_of, self.used)
-        self.unagreed = True
-        if self.static is not None and self.static.pattern is not None:  # the step's agreement checks the promise
-            self.static.predicted = True
+        static = self.static if self.static is not None and self.static.pattern is not None else None
+        self.unagreed = True  # (a static graph's promise is checked by the step's agreement)
+        agreed = self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=static is None)
+        if static is not None:
+            static.predicted = True
             self.mark()
         else:
-            self.agreed(agreement.agree_across_ranks({}, self.zero.agreement_groups, "backward", flags=self.used))
+            self.agreed(agreed)
