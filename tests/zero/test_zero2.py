@@ -169,20 +169,23 @@ def test_reduce_to_owners_in_every_style() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "value", "chosen"),
+    ("config", "value", "chosen"),  # dist.get_backend_config's answer for backend="gloo", "nccl", ...
     [
-        ("gloo", "", comm.Collectives.POINT_TO_POINT),
-        ("gloo", "chunked", comm.Collectives.CHUNKED),
-        ("nccl", "auto", comm.Collectives.CHUNKED),
-        ("nccl", "p2p", "p2p is gloo's style"),  # NCCL pairs point-to-point messages by order, not by tag
-        ("mpi", "", comm.Collectives.CHUNKED),  # p2p only where its pairing by tag is known to hold
-        ("mpi", "p2p", "p2p is gloo's style"),
-        ("gloo", "rooted", "rooted is gone"),
-        ("gloo", "ring", "not a collective style"),
+        ("cpu:gloo,cuda:gloo", "", comm.Collectives.POINT_TO_POINT),
+        ("cpu:gloo", "", comm.Collectives.POINT_TO_POINT),  # init_process_group() without a backend, on a CPU machine
+        ("cpu:gloo,cuda:gloo", "chunked", comm.Collectives.CHUNKED),
+        ("cuda:nccl", "auto", comm.Collectives.CHUNKED),
+        ("cuda:nccl", "p2p", "p2p is gloo's style"),  # NCCL pairs point-to-point messages by order, not by tag
+        ("cpu:gloo,cuda:nccl", "", comm.Collectives.CHUNKED),  # the data on the GPU goes over NCCL
+        ("cpu:gloo,cuda:nccl", "p2p", "p2p is gloo's style"),
+        ("cpu:mpi,cuda:mpi", "", comm.Collectives.CHUNKED),  # p2p only where its pairing by tag is known to hold
+        ("cpu:mpi,cuda:mpi", "p2p", "p2p is gloo's style"),
+        ("cpu:gloo,cuda:gloo", "rooted", "rooted is gone"),
+        ("cpu:gloo,cuda:gloo", "ring", "not a collective style"),
     ],
 )
-def test_the_style_of_collectives_follows_the_backend(backend: str, value: str, chosen: Any) -> None:
-    with mock.patch.object(dist, "get_backend", return_value=backend), mock.patch.dict(os.environ):
+def test_the_style_of_collectives_follows_the_backend(config: str, value: str, chosen: Any) -> None:
+    with mock.patch.object(dist, "get_backend_config", return_value=config), mock.patch.dict(os.environ):
         os.environ[comm.ENVIRONMENT] = value
         if isinstance(chosen, comm.Collectives):
             assert comm.choose_collectives(None) is chosen
