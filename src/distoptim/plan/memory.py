@@ -27,7 +27,7 @@ from distoptim.plan.figures import (
 )
 from distoptim.plan.inventory import Inventory, ParamSpec
 from distoptim.plan.muon import newton_schulz_per_rank, with_muon
-from distoptim.sharded_data_parallel.buckets import BucketCaps, plan_buckets
+from distoptim.sharded_data_parallel.buckets import BucketCaps, BucketPlan, plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import LayoutPlan, PartitionPlan, newton_schulz_cost, partition_parameters
 
@@ -175,10 +175,11 @@ class _ZeroShards:
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         buckets = plan_buckets(self.plan, caps)
         store = [(reduce_dtype or self.params[b.slots[0].index].dtype).itemsize for b in buckets]
-        owned = [  # this rank's ranges of every bucket (the last rank's of a region with the padding)
-            sum(width * (end - start) for b, width in zip(buckets, store) for start, end in b.owned(rank))
-            for rank in range(size)
-        ]
+        by_owner = [_ranges_by_owner(b, size) for b in buckets]  # one pass over each route, not one per rank
+        owned = [0] * size  # this rank's ranges of every bucket (the last rank's of a region with the padding)
+        for ranges, width in zip(by_owner, store):
+            for rank, mine in enumerate(ranges):
+                owned[rank] += width * sum(end - start for start, end in mine)
         # held whole until it lands: at most two buckets, each of its full length (a parameter over the cap is one)
         in_flight = sum(sorted((b.numel * width for b, width in zip(buckets, store)), reverse=True)[:2])
         copied = [  # a gradient copied into its bucket (not the bucket itself) lives beside it while it is copied
@@ -209,8 +210,8 @@ class _ZeroShards:
             "parameters_as_bucket_view=True and the even partition, whose regions are gathered in place)",
         )
         reduced = [0] * size  # gloo: per bucket, the path comm.relay takes
-        for bucket, width in zip(buckets, store):
-            for rank, count in enumerate(relay.received([bucket.owned(r) for r in range(size)])):
+        for ranges, width in zip(by_owner, store):
+            for rank, count in enumerate(relay.received(ranges)):
                 reduced[rank] += count * width
         gloo = tuple(mine + synced for mine, synced in zip(reduced, self._not_owned()))
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
@@ -229,3 +230,12 @@ class _ZeroShards:
 
 def _itemsize(layout: LayoutPlan) -> int:
     return cast(tuple[torch.device, torch.dtype], layout.key)[1].itemsize  # the (DEVICE, dtype) key ``_plan`` gives
+
+
+def _ranges_by_owner(bucket: BucketPlan, size: int) -> list[list[tuple[int, int]]]:
+    """``[bucket.owned(rank) for rank in range(size)]``, in one pass over its route."""
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for owner, start, end in bucket.route:
+        if 0 <= owner < size:
+            ranges[owner].append((start, end))
+    return ranges
