@@ -26,7 +26,11 @@ def test_nccl_communicates_on_the_parameters_gpu_whatever_the_current_device() -
 def test_other_backends_communicate_on_the_cpu() -> None:
     assert choose_comm_device(GLOO, [CPU, CPU]) == CPU
     assert choose_comm_device(GLOO, [CUDA1]) == CPU
-    assert choose_comm_device(PAIR, [CUDA1]) == CPU  # "cpu:gloo,cuda:nccl": host values go over its gloo
+    assert choose_comm_device(PAIR, [CPU]) == CPU  # "cpu:gloo,cuda:nccl" with the model on the CPU: its gloo
+
+
+def test_a_gloo_and_nccl_pair_communicates_on_the_gpu_its_nccl_carries() -> None:
+    assert choose_comm_device(PAIR, [CUDA1, CUDA1]) == CUDA1  # norms and flags made on the GPU stay there
 
 
 @pytest.mark.parametrize(

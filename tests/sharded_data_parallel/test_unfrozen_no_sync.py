@@ -103,3 +103,20 @@ def _untouched_body(rank: int, world_size: int) -> None:
 def test_an_unplaced_gradient_no_backward_reached_is_left_as_it_is() -> None:
     """As DDP leaves a gradient unused everywhere (averaging it again would round it anew at 3 ranks)."""
     run_on_ranks(_untouched_body, 3)
+
+
+def _on_one_rank_body(rank: int, world_size: int) -> str:
+    net = _Fork()
+    net.a.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    model = ShardedDataParallel(net, zero)
+    net.a.requires_grad_(rank == 0)  # a user's slip: DDP would train the layer on rank 0 alone, unreduced
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with pytest.raises(ValueError, match="make the same parameters trainable on every rank") as raised:
+        model(x, True).square().sum().backward()
+    return str(raised.value)
+
+
+def test_a_layer_made_trainable_on_some_ranks_only_is_refused_on_every_rank() -> None:
+    messages = run_on_ranks(_on_one_rank_body, 3)
+    assert all("parameters made trainable since the wrapper planned its buckets" in m for m in messages)

@@ -196,7 +196,8 @@ def reduce_to_owners_async(
         return buffer
 
     on_host = buffer.device.type == "cpu"
-    result: Future[Tensor] = _when_done(works, group, on_host).then(landed)
+    ran_on = replicas if replicas is not None else group  # the works still pending ran there
+    result: Future[Tensor] = _when_done(works, ran_on, on_host).then(landed)
     return result
 
 

@@ -88,7 +88,7 @@ def backends_of(group: ProcessGroup) -> dict[str, str]:
     """Which backend carries each device type's tensors over ``group``: ``{"cpu": "gloo", "cuda": "nccl"}``. Read
     from its backend config, not ``get_backend``, which says "undefined" for ``init_process_group()`` without a
     backend whatever that made (NCCL alone on a CUDA machine) and "cpu:gloo,cuda:nccl" for a pair."""
-    return dict(pair.strip().split(":", 1) for pair in str(dist.get_backend_config(group)).split(","))
+    return dict(pair.strip().split(":", 1) for pair in str(dist.get_backend_config(group)).split(",") if ":" in pair)
 
 
 def comm_device(group: ProcessGroup, devices: Iterable[torch.device] | None = None) -> torch.device:
@@ -101,13 +101,15 @@ def comm_device(group: ProcessGroup, devices: Iterable[torch.device] | None = No
 
 
 def choose_comm_device(backends: dict[str, str], devices: Iterable[torch.device]) -> torch.device:
-    """The device for communication buffers: the CPU where the group takes CPU tensors (gloo, "cpu:gloo,cuda:nccl"),
-    else (NCCL alone) the one CUDA device of ``devices`` (a ``ValueError`` otherwise). Pure."""
+    """The device for communication buffers: the one CUDA device of ``devices`` where NCCL carries it (NCCL alone,
+    or "cpu:gloo,cuda:nccl": a norm or flag made there never goes through host memory), else the CPU where the group
+    takes CPU tensors (gloo), else a ``ValueError``. Pure."""
+    distinct = sorted({torch.device(device) for device in devices}, key=str)
+    on_one_gpu = len(distinct) == 1 and distinct[0].type == "cuda"
+    if on_one_gpu and (backends.get("cuda") == "nccl" or "cpu" not in backends):
+        return distinct[0]
     if "cpu" in backends:
         return torch.device("cpu")
-    distinct = sorted({torch.device(device) for device in devices}, key=str)
-    if len(distinct) == 1 and distinct[0].type == "cuda":
-        return distinct[0]
     found = ", ".join(map(str, distinct)) or "none"
     named = ",".join(f"{device}:{backend}" for device, backend in backends.items())
     raise ValueError(

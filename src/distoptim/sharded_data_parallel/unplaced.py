@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Unplaced"]
 
+_SAME_TRAINABLE = "make the same parameters trainable on every rank (requires_grad_ on the same layers everywhere)"
+
 
 class Unplaced:
     """Which ``.grad`` tensors a backward's end averaged (held weakly, with their version then)."""
@@ -38,9 +40,10 @@ class Unplaced:
         agree: bool,
     ) -> tuple[bool, ...]:
         """At a backward's end: mark each trainable parameter not in ``placed`` used where it has a ``.grad``; agree
-        across ranks on ``used`` (with ``agree``) and on which of those each rank's backward reached, in one
-        agreement; average the ``.grad`` of those some rank reached (zeros where this rank has none). One that no
-        backward reached stays as it is, as DDP leaves a gradient unused everywhere. Returns the agreed ``used``."""
+        across ranks on ``used`` (with ``agree``; the ranks must have the same such parameters), then, while there are
+        any, on which of them some rank's backward reached; average the ``.grad`` of those (zeros where this rank has
+        none). One no backward reached stays as it is, as DDP leaves a gradient unused everywhere. Returns the agreed
+        ``used`` (empty without ``agree``)."""
         late = [i for i, p in enumerate(params) if p.requires_grad and id(p) not in placed and p.numel()]
         fresh = []  # this backward reached its .grad here: not None, and not the average we left, untouched
         for index in late:
@@ -48,9 +51,11 @@ class Unplaced:
             used[index] = used[index] or grad is not None
             ref, version = self.averaged.get(index, (None, -1))
             fresh.append(grad is not None and not (ref is not None and ref() is grad and version == grad._version))
-        mine = [*used, *fresh] if agree else fresh
-        flags = agreement.agree_across_ranks({}, zero.agreement_groups, "backward", flags=mine) if agree or late else ()
-        for index, reached in zip(late, flags[len(mine) - len(late) :]):
+        groups = zero.agreement_groups
+        late_here = {"parameters made trainable since the wrapper planned its buckets {}": tuple(late)} if late else {}
+        agreed = agreement.agree_across_ranks(late_here, groups, "backward", _SAME_TRAINABLE, used) if agree else ()
+        anywhere = agreement.agree_across_ranks({}, groups, "backward", flags=fresh) if late else ()
+        for index, reached in zip(late, anywhere):
             if reached:
                 param = params[index]
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -59,7 +64,7 @@ class Unplaced:
                     comm.all_reduce_(grad, group)
                 param.grad = grad
                 self.averaged[index] = (weakref.ref(grad), grad._version)
-        return tuple(flags[: len(used)]) if agree else ()
+        return agreed
 
     def take_into(self, buffer: Tensor, plan: BucketPlan, params: Sequence[Tensor]) -> list[int]:
         """Move each averaged ``.grad`` of ``plan``'s parameters into ``buffer`` (``.grad`` set to None); return
