@@ -27,7 +27,7 @@ from distoptim.plan.figures import (
 )
 from distoptim.plan.inventory import Inventory, ParamSpec
 from distoptim.plan.muon import newton_schulz_per_rank, with_muon
-from distoptim.sharded_data_parallel.buckets import BucketCaps, BucketPlan, plan_buckets
+from distoptim.sharded_data_parallel.buckets import BucketCaps, plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import LayoutPlan, PartitionPlan, newton_schulz_cost, partition_parameters
 
@@ -175,7 +175,7 @@ class _ZeroShards:
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         buckets = plan_buckets(self.plan, caps)
         store = [(reduce_dtype or self.params[b.slots[0].index].dtype).itemsize for b in buckets]
-        by_owner = [_ranges_by_owner(b, size) for b in buckets]  # one pass over each route, not one per rank
+        by_owner = [b.owned_by_rank(size) for b in buckets]  # one pass over each route, not one per rank
         owned = [0] * size  # this rank's ranges of every bucket (the last rank's of a region with the padding)
         for ranges, width in zip(by_owner, store):
             for rank, mine in enumerate(ranges):
@@ -230,12 +230,3 @@ class _ZeroShards:
 
 def _itemsize(layout: LayoutPlan) -> int:
     return cast(tuple[torch.device, torch.dtype], layout.key)[1].itemsize  # the (DEVICE, dtype) key ``_plan`` gives
-
-
-def _ranges_by_owner(bucket: BucketPlan, size: int) -> list[list[tuple[int, int]]]:
-    """``[bucket.owned(rank) for rank in range(size)]``, in one pass over its route."""
-    ranges: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-    for owner, start, end in bucket.route:
-        if 0 <= owner < size:
-            ranges[owner].append((start, end))
-    return ranges

@@ -63,6 +63,14 @@ class BucketPlan:
         """The ranges of this bucket that ``rank`` owns."""
         return [(start, end) for owner, start, end in self.route if owner == rank]
 
+    def owned_by_rank(self, size: int) -> list[list[tuple[int, int]]]:
+        """``[self.owned(rank) for rank in range(size)]``, in one pass over the route (the planner's thousands)."""
+        ranges: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+        for owner, start, end in self.route:
+            if 0 <= owner < size:
+                ranges[owner].append((start, end))
+        return ranges
+
 
 def plan_buckets(
     plan: PartitionPlan, cap: Mapping[Hashable, int], previous: Sequence[BucketPlan] = ()
