@@ -71,12 +71,11 @@ class LocalOptimizer:
     def hyperparameters(self) -> Hyperparameters:
         return {key: value for key, value in self.optimizer.param_group.items() if key != "params"}
 
-    def step(self, context_id: int, hyperparameters: Hyperparameters | None) -> None:
+    def step(self, context_id: int, hyperparameters: Hyperparameters) -> None:
         recorded = recorded_gradients(context_id) or {}  # None: this owner took no part (the caller checked the id)
         gradients = [recorded.get(param) for param in self.params]
         with _OWNER_LOCK:
-            if hyperparameters is not None:
-                self.optimizer.param_group.update(hyperparameters)
+            self.optimizer.param_group.update(hyperparameters)
             if any(grad is not None for grad in gradients):
                 self.optimizer.step(gradients)
 
