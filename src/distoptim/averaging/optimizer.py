@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -13,6 +12,16 @@ import torch.distributed as dist
 from distoptim.averaging.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
+
+
+def _forwarded(name: str) -> Any:
+    """The wrapped optimizer's attribute ``name``, read and written through: its own object, which schedulers edit."""
+
+    def get(self: PostLocalSGDOptimizer) -> Any:
+        return getattr(self.optim, name)
+
+    get.__doc__ = f"The wrapped optimizer's ``{name}`` (the same object)."
+    return property(get, lambda self, value: setattr(self.optim, name, value))
 
 
 class PostLocalSGDOptimizer(torch.optim.Optimizer):
@@ -51,32 +60,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim = optim
         self.averager = averager
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's param groups (the same list: schedulers edit them)."""
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = value
-
-    @property
-    def state(self) -> defaultdict[torch.Tensor, Any]:
-        """The wrapped optimizer's state."""
-        return self.optim.state
-
-    @state.setter
-    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
-        self.optim.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The wrapped optimizer's defaults."""
-        return self.optim.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optim.defaults = value
+    param_groups = _forwarded("param_groups")
+    state = _forwarded("state")
+    defaults = _forwarded("defaults")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(optim={self.optim!r}, averager={type(self.averager).__name__})"
