@@ -54,8 +54,10 @@ def agree_across_ranks(
     groups = [group] if isinstance(group, dist.ProcessGroup) else list(group)
     controls, cpu = [control_group(g) for g in groups], torch.device("cpu")
     failed = isinstance(local, BaseException)
-    words, optional = _words(None if isinstance(local, BaseException) else local)
-    summary = torch.tensor([int(failed), -int(failed), *map(int, flags), *words, *optional], dtype=torch.int64)
+    always, optional = (None, None) if isinstance(local, BaseException) else (_always(local), local.get(STEPPING_ONLY))
+    summary = torch.tensor(
+        [int(failed), -int(failed), *map(int, flags), *_words(always), *_words(optional)], dtype=torch.int64
+    )
     for control in controls:  # the maxima over each group in turn: the maxima over their union
         dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=control)
     release(summary)  # gloo's thread lets go of it now, not while the interpreter exits (an abort)
@@ -71,7 +73,8 @@ def agree_across_ranks(
             raise local
         rank, message = found if found is not None else ("of another group", "(see that rank's error)")
         raise ValueError(f"{what} failed on rank {rank}: {message}")
-    if not isinstance(local, BaseException) and not _agreed(digests):
+    n = 2 * _DIGEST_WORDS
+    if not isinstance(local, BaseException) and not (_agreed(digests[:n]) and _agreed(digests[n:])):
         for control in controls:
             _raise_first_disagreement(local, all_gather_objects(local, control, cpu), control, what, fix)
         raise ValueError(f"{what}: the ranks' settings differ (between groups of ranks); {fix}")
@@ -88,25 +91,19 @@ def _first_of_everyone(value: Any, controls: list[dist.ProcessGroup], global_ran
     return None
 
 
-def _words(local: Fingerprint | None) -> tuple[list[int], list[int]]:
-    """This rank's digest words and their negations, for its fingerprint and its ``STEPPING_ONLY`` part."""
-    absent = [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
-    if local is None:  # a failed rank: its words are never compared
-        return [0] * 2 * _DIGEST_WORDS, absent
-    words = _digest(_always(local))
-    if STEPPING_ONLY not in local:
-        return [*words, *(-w for w in words)], absent
-    optional = _digest(local[STEPPING_ONLY])
-    return [*words, *(-w for w in words)], [*optional, *(-w for w in optional)]
+def _words(part: Fingerprint | None) -> list[int]:
+    """A fingerprint's digest words and their negations; for a part this rank does not give (a failed rank's, or
+    no ``STEPPING_ONLY`` part), zeros and ``_ABSENT``, which move no maximum."""
+    if part is None:
+        return [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
+    words = _digest(part)
+    return [*words, *(-w for w in words)]
 
 
-def _agreed(digests: list[int]) -> bool:
-    """Whether the digests' maxima equal their minima (the ``STEPPING_ONLY`` part where any rank gave it)."""
+def _agreed(maxima: list[int]) -> bool:
+    """Whether a part's digest maxima equal its minima (the negated maxima), or no rank gave it."""
     n = _DIGEST_WORDS
-    always, optional = digests[: 2 * n], digests[2 * n :]
-    same = always[:n] == [-w for w in always[n:]]
-    absent = optional[n:] == [_ABSENT] * n
-    return same and (absent or optional[:n] == [-w for w in optional[n:]])
+    return maxima[n:] == [_ABSENT] * n or maxima[:n] == [-w for w in maxima[n:]]
 
 
 def _digest(local: Fingerprint) -> list[int]:
