@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from distoptim._flat import pack, unpack_
-from distoptim.comm.agreement import agree_across_ranks
+from distoptim.comm.agreement import run_agreed
 from distoptim.comm.groups import default_group, group_size, is_member
 
 __all__ = [
@@ -34,21 +34,15 @@ def agree_on_settings(
 ) -> None:
     """Raise on every rank unless ``check()`` (which raises ``TypeError`` or ``ValueError``) passed on every rank of
     the group and all built ``what`` with equal ``settings`` (ranks averaging on different schedules would hang)."""
-    local: dict[str, Any] | BaseException
-    try:
-        check()
-        local = {f"{{}} {k}": v for k, v in settings.items()}
-    except (TypeError, ValueError) as error:
-        local = error
-    if isinstance(local, BaseException) and process_group is None and not dist.is_initialized():
-        raise local
+    if process_group is None and not dist.is_initialized():
+        check()  # its error before default_group's: there is no group to agree over
     group = default_group(process_group)
     if not is_member(group):
-        if isinstance(local, BaseException):
-            raise local
+        check()
         return
     fix = "every rank must pass the same period(s) and warmup_steps, or they average at different steps"
-    agree_across_ranks(local, group, what, fix=fix)
+    fingerprint = {f"{{}} {k}": v for k, v in settings.items()}
+    run_agreed(check, group, what, (TypeError, ValueError), lambda _: fingerprint, fix)
 
 
 def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
