@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 import weakref
@@ -161,16 +162,12 @@ class ReductionExchange:
 
 def reduction_tags(group: dist.ProcessGroup) -> int:
     """The first of ``CHUNKS`` tags of a reduction's own, the next of ``group``'s (alike on every rank)."""
-    state = _state(group)
-    sequence, state.reductions = state.reductions, state.reductions + 1
-    return FIRST_REDUCTION_TAG + ((sequence % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+    return FIRST_REDUCTION_TAG + ((next(_state(group).reductions) % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
 
 
 def sync_tags(group: dist.ProcessGroup) -> int:
     """The first of ``CHUNKS`` tags of a relayed sync's own (``reduction_tags``' rule, syncs counted apart)."""
-    state = _state(group)
-    sequence, state.syncs = state.syncs, state.syncs + 1
-    return _FIRST_SYNC_TAG + ((sequence % (1 << (_SEQUENCE_BITS - 1))) << _CHUNK_BITS)
+    return _FIRST_SYNC_TAG + ((next(_state(group).syncs) % (1 << (_SEQUENCE_BITS - 1))) << _CHUNK_BITS)
 
 
 def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
@@ -268,7 +265,8 @@ class _Group:
     """What this module keeps for a group: reductions and syncs started, staging held, deferred receives, threads."""
 
     def __init__(self) -> None:
-        self.reductions = self.syncs = self.staged = self.deferred = 0
+        self.reductions, self.syncs = itertools.count(), itertools.count()  # the tag reservations made so far
+        self.staged = self.deferred = 0
         self.waiter, self.beside = _Waiter(), _Waiter()
 
 
