@@ -4,7 +4,7 @@ every rank moves an all-reduce's bytes; ``relayed`` chooses between this and ``p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -160,52 +160,44 @@ class RelayedReduction:
 
     def _aggregate(self) -> None:
         """As an aggregator: every chunk summed and sent on to its owner."""
-        mine = self.gathered
-        staging = {
-            peer: [receive_buffer(n, self.buffer) for n in _slots(mine)] for peer in self.contributors
-        }  # two chunks a peer: the next one lands where the one before last did
-        receives: dict[int, list[tuple[Any, Tensor]]] = {}
+        staging = {peer: [receive_buffer(n, self.buffer) for n in _slots(self.gathered)] for peer in self.contributors}
 
-        def post(k: int) -> None:
-            i, m = mine[k]
-            receives[k] = []
-            for peer in self.contributors:
-                if peer != m.owner:
-                    into = staging[peer][k % 2][: m.end - m.start]
-                    work = dist.irecv(into, src=self._global(peer), group=self.group, tag=self.to_aggregators + i)
-                    receives[k].append((work, into))
+        def send_on(i: int, m: Piece) -> None:
+            owner = self._global(m.owner)
+            sent = dist.isend(self.buffer[m.start : m.end], dst=owner, group=self.group, tag=self.to_owners + i)
+            self.partial_sums.append(sent)
 
-        for k in range(min(2, len(mine))):
-            post(k)
-        for k, (i, m) in enumerate(mine):
-            rows = []
-            for work, into in receives.pop(k):
-                work.wait()
-                rows.append(into)
-            p2p.add_rows(self.buffer[m.start : m.end], rows)
-            self.partial_sums.append(
-                dist.isend(
-                    self.buffer[m.start : m.end], dst=self._global(m.owner), group=self.group, tag=self.to_owners + i
-                )
-            )
-            if k + 2 < len(mine):
-                post(k + 2)
+        sources = [[peer for peer in self.contributors if peer != m.owner] for _, m in self.gathered]
+        self._add_received(self.gathered, sources, staging.__getitem__, self.to_aggregators, send_on)
 
     def _collect(self) -> None:
-        """As an owner: every partial sum received (two at a time) and added into this rank's own contribution."""
-        incoming = self.incoming
-        slots = [receive_buffer(n, self.buffer) for n in _slots(incoming)]
+        """As an owner: every partial sum received and added into this rank's own contribution."""
+        slots = [receive_buffer(n, self.buffer) for n in _slots(self.incoming)]
+        self._add_received(self.incoming, [[m.aggregator] for _, m in self.incoming], lambda _: slots, self.to_owners)
 
-        def post(k: int) -> Any:
-            i, m = incoming[k]
-            into = slots[k % 2][: m.end - m.start]
-            return dist.irecv(into, src=self._global(m.aggregator), group=self.group, tag=self.to_owners + i)
+    def _add_received(
+        self,
+        messages: Sequence[tuple[int, Piece]],
+        sources: list[list[int]],
+        slots_of: Callable[[int], list[Tensor]],
+        tag: int,
+        then: Callable[[int, Piece], None] = lambda i, m: None,
+    ) -> None:
+        """Each message's rows from its ``sources``, in order, added into this rank's own, then ``then(i, m)``; two
+        messages in flight, taking turns in a peer's two ``slots_of(peer)``."""
 
-        posted = [post(k) for k in range(len(slots))]
-        for k, (_, m) in enumerate(incoming):
-            posted[k].wait()
-            p2p.add_rows(self.buffer[m.start : m.end], [slots[k % 2][: m.end - m.start]])
-            if k + 2 < len(incoming):
+        def post(k: int) -> list[tuple[Any, Tensor]]:
+            i, m = messages[k]
+            rows = [(peer, slots_of(peer)[k % 2][: m.end - m.start]) for peer in sources[k]]
+            return [(dist.irecv(row, src=self._global(peer), group=self.group, tag=tag + i), row) for peer, row in rows]
+
+        posted = [post(k) for k in range(min(2, len(messages)))]
+        for k, (i, m) in enumerate(messages):
+            for work, _ in posted[k]:
+                work.wait()
+            p2p.add_rows(self.buffer[m.start : m.end], [row for _, row in posted[k]])
+            then(i, m)
+            if k + 2 < len(messages):
                 posted.append(post(k + 2))
 
     def wait(self) -> None:
