@@ -96,7 +96,8 @@ def _words(part: Fingerprint | None) -> list[int]:
     no ``STEPPING_ONLY`` part), zeros and ``_ABSENT``, which move no maximum."""
     if part is None:
         return [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
-    words = _digest(part)
+    encoded = hashlib.sha256(repr(list(part.items())).encode()).digest()
+    words = [int.from_bytes(encoded[8 * i : 8 * i + 8], "little") >> 2 for i in range(_DIGEST_WORDS)]
     return [*words, *(-w for w in words)]
 
 
@@ -104,11 +105,6 @@ def _agreed(maxima: list[int]) -> bool:
     """Whether a part's digest maxima equal its minima (the negated maxima), or no rank gave it."""
     n = _DIGEST_WORDS
     return maxima[n:] == [_ABSENT] * n or maxima[:n] == [-w for w in maxima[n:]]
-
-
-def _digest(local: Fingerprint) -> list[int]:
-    encoded = hashlib.sha256(repr(list(local.items())).encode()).digest()
-    return [int.from_bytes(encoded[8 * i : 8 * i + 8], "little") >> 2 for i in range(_DIGEST_WORDS)]
 
 
 def run_agreed(
