@@ -12,10 +12,9 @@ from torch import Tensor
 __all__ = ["copy_each_", "flat_view", "is_dense", "owns_its_memory", "pack", "unpack_", "view_like"]
 
 
-def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
-    """The tensors' elements one after another in a 1-D tensor (written into ``out`` when given)."""
-    flat = [t.detach().reshape(-1) for t in tensors]
-    return torch.cat(flat) if out is None else torch.cat(flat, out=out)
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors' elements one after another in a 1-D tensor."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 def unpack_(flat: Tensor, tensors: Sequence[Tensor]) -> None:

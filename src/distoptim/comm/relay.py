@@ -111,7 +111,7 @@ class RelayedReduction:
 
     def __init__(self, buffer: Tensor, pieces: Sequence[Piece], group: dist.ProcessGroup) -> None:
         size, mine = group_size(group), dist.get_rank(group)
-        self.group, self.mine, self.buffer = group, mine, buffer
+        self.group, self.buffer = group, buffer
         self.direct = p2p.ReductionExchange(
             buffer,
             [[(p.start, p.end) for p in pieces if p.owner == p.aggregator == rank] for rank in range(size)],
