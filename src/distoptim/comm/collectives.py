@@ -273,14 +273,10 @@ def _when_done(works: Sequence[Any], group: Group, on_host: bool) -> Future[Any]
         futures.append(p2p.future_of(futureless, group))
     else:
         wait_all(futureless)
-    if not futures:
-        done: Future[Any] = Future()
-        done.set_result(None)
-        return done
-    if backends_of(group) == {"cuda": "nccl"}:
+    if futures and backends_of(group) == {"cuda": "nccl"}:
         last: Future[Any] = futures[-1]
         return last
-    collected: Future[Any] = torch.futures.collect_all(futures)
+    collected: Future[Any] = torch.futures.collect_all(futures)  # of none: already complete
     return collected
 
 
