@@ -61,17 +61,27 @@ def read_manifest(directory: Path) -> dict[str, Entry] | None:
             f"the checkpoint at {directory} is damaged: its manifest {MANIFEST} cannot be read ({error}); load "
             "another checkpoint"
         ) from error
-    verify(directory, [".metadata"], entries)
+    verify(directory, {".metadata": 0}, entries)
     return entries
 
 
-def verify(directory: Path, names: Iterable[str], manifest: Mapping[str, Entry]) -> None:
-    """A ``ValueError`` naming the first file ``names`` whose size or checksum is not what ``manifest`` recorded."""
-    for name in sorted(set(names)):
+def verify(directory: Path, needed: Mapping[str, int], manifest: Mapping[str, Entry] | None) -> None:
+    """A ``ValueError`` naming the first file of ``needed`` (each name with the bytes it holds at least) that is
+    missing or shorter, or, with a ``manifest``, that it does not list or whose size or checksum differs from it."""
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ValueError(f"the checkpoint at {directory} is damaged: its data file {name} is missing")
+        if os.path.getsize(path) < size:
+            raise ValueError(
+                f"the checkpoint at {directory} is damaged: its data file {name} holds {os.path.getsize(path)} bytes "
+                f"where its metadata says at least {size} (the file was truncated)"
+            )
+    if manifest is None:
+        return
+    for name in sorted(needed):
         if name not in manifest:
             raise ValueError(f"the checkpoint at {directory} is damaged: its manifest does not list {name}")
-        if not (directory / name).is_file():
-            raise ValueError(f"the checkpoint at {directory} is damaged: its file {name} is missing")
         (size, crc), (actual_size, actual_crc) = manifest[name], checksum(directory / name)
         if actual_size != size:
             raise ValueError(

@@ -5,7 +5,6 @@ raises an ordinary exception on every rank. ``docs/guides/internals.md``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -137,21 +136,11 @@ def read_metadata(directory: Path) -> Metadata:
 
 def check_files(directory: Path, storage: Iterable[Any], manifest: dict[str, checksums.Entry] | None) -> None:
     """Every data file that ``storage`` (DCP's ``_StorageInfo`` entries: file, offset, length) names exists, holds
-    the bytes the entries say it does and, with a ``manifest``, the bytes saved."""
+    the bytes the entries say it does and, with a ``manifest``, the bytes saved (``checksums.verify``)."""
     needed: dict[str, int] = {}
     for info in storage:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = directory / name
-        if not path.is_file():
-            raise ValueError(f"the checkpoint at {directory} is damaged: its data file {name} is missing")
-        if os.path.getsize(path) < size:
-            raise ValueError(
-                f"the checkpoint at {directory} is damaged: its data file {name} holds {os.path.getsize(path)} bytes "
-                f"where its metadata says at least {size} (the file was truncated)"
-            )
-    if manifest is not None:
-        checksums.verify(directory, needed, manifest)
+    checksums.verify(directory, needed, manifest)
 
 
 def underlying_error(error: BaseException) -> BaseException:
