@@ -547,7 +547,7 @@ class _NewtonSchulzFlops:
         self._original = torch.optim._muon._zeropower_via_newtonschulz
 
     def __call__(self, grad: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        from distoptim.plan.muon import newton_schulz_flops
+        from distoptim.plan.memory import newton_schulz_flops
 
         self.flops += newton_schulz_flops(tuple(grad.shape))
         return self._original(grad, *args, **kwargs)
@@ -626,7 +626,7 @@ def test_muon_takes_the_matrices_of_a_gpt2s_blocks_and_leaves_its_tied_embedding
     """``--muon``'s rule on a ``transformers`` GPT-2 built on the meta device: the blocks' ``Conv1D`` matrices, first,
     in model order; the tied token embedding (listed once), the position embedding and every vector on AdamW."""
     transformers = pytest.importorskip("transformers")
-    from distoptim.plan.muon import with_muon
+    from distoptim.plan.memory import with_muon
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=16)
     inventory = with_muon(from_factory(lambda: transformers.GPT2LMHeadModel(config), "gpt2"))

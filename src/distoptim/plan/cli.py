@@ -16,8 +16,7 @@ import torch
 
 from distoptim.plan.figures import ModePlan, PlanConfig, RankMemory, dtype_name, step_dtype
 from distoptim.plan.inventory import Inventory, from_factory, load_factory, transformer
-from distoptim.plan.memory import plan_modes
-from distoptim.plan.muon import takes_muon
+from distoptim.plan.memory import plan_modes, takes_muon
 from distoptim.plan.state import OptimizerSpec, resolve_optimizer, state_cost
 from distoptim.zero.codecs import FORMATS
 from distoptim.zero.partition import MODES as PARTITIONS

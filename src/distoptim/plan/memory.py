@@ -1,11 +1,12 @@
 """Bytes per rank and sent per step for each way of training data-parallel, from the arithmetic the library runs:
 ZeRO's shards from ``partition_parameters``, state from ``state.state_cost``; DDP, ``ShardedDataParallel`` and FSDP2
-modelled from what they allocate (each mode's ``notes``); Muon's matrices listed first (``muon.with_muon``). The
-details: ``docs/guides/internals.md``."""
+modelled from what they allocate (each mode's ``notes``); Muon's matrices listed first (``with_muon``), each rank's
+Newton-Schulz work counted. The details: ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
@@ -13,7 +14,6 @@ from typing import cast
 import torch
 
 from distoptim.comm import relay
-from distoptim.plan.baselines import ddp_plan, fsdp2_plan
 from distoptim.plan.figures import (
     DEVICE,
     MB,
@@ -25,13 +25,23 @@ from distoptim.plan.figures import (
     step_cost,
     step_dtype,
 )
-from distoptim.plan.inventory import Inventory, ParamSpec
-from distoptim.plan.muon import newton_schulz_per_rank, with_muon
+from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
 from distoptim.sharded_data_parallel.buckets import BucketCaps, plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import LayoutPlan, PartitionPlan, newton_schulz_cost, partition_parameters
 
-__all__ = ["plan_modes"]
+__all__ = [
+    "NS_STEPS",
+    "ddp_plan",
+    "fsdp2_plan",
+    "newton_schulz_flops",
+    "newton_schulz_per_rank",
+    "plan_modes",
+    "takes_muon",
+    "with_muon",
+]
+
+NS_STEPS = 5  # torch.optim.Muon's default ns_steps
 
 
 def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
@@ -230,3 +240,121 @@ class _ZeroShards:
 
 def _itemsize(layout: LayoutPlan) -> int:
     return cast(tuple[torch.device, torch.dtype], layout.key)[1].itemsize  # the (DEVICE, dtype) key ``_plan`` gives
+
+
+def ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
+    params, master = inventory.params, config.master_dtype
+    grad_bytes = sum(p.nbytes for p in params if p.trainable)
+    state = masters = 0  # a plain optimizer's state: of every parameter, frozen ones too where made at construction
+    for param in params:
+        dtype = step_dtype(param, master if param.trainable else None)
+        cost = step_cost(param, config, dtype)
+        if param.trainable or cost.at_construction:
+            state += cost.bytes_for(param.numel)
+        if dtype != param.dtype:  # a trainable parameter's master copy
+            masters += param.numel * dtype.itemsize
+    memory = RankMemory(
+        params=sum(p.nbytes for p in params),
+        grads=grad_bytes * (1 if config.gradient_as_bucket_view else 2),
+        state=state,
+        master=masters,
+        other=(("master gradients during step", masters),) if masters else (),
+    )
+    notes = [
+        "gradients: DDP's buckets, which .grad views (gradient_as_bucket_view=True)"
+        if config.gradient_as_bucket_view
+        else "gradients: DDP's buckets and a separate .grad, each the full gradient (gradient_as_bucket_view=False, "
+        "DDP's default)"
+    ]
+    if master:
+        notes.append(
+            f"master weights: a {dtype_name(master)} copy of every trainable parameter, which the optimizer steps"
+        )
+    sends = (("all-reduce of gradients", all_reduce_bytes(grad_bytes, config.world_size)),)
+    return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
+
+
+def fsdp2_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
+    """``fully_shard`` on every unit, ``reshard_after_forward=True``: each parameter cut along dim 0 into
+    ``ceil(rows / N)``-row chunks, parameters and gradients padded to a full chunk, optimizer state unpadded."""
+    size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
+    sharded = grads = 0  # the same on every rank (padded)
+    state = [0] * size  # of each rank's own rows (unpadded), an empty shard's per-tensor state too
+    gathered: Counter[int] = Counter()  # unit -> bytes of its gathered parameters (padded, in the compute dtype)
+    gathered_grads: Counter[int] = Counter()  # unit -> bytes of its unsharded gradient (in the reduce dtype)
+    for param in inventory.params:
+        rows = param.shape[0] if param.shape else 1
+        per_row = param.numel // rows if rows else 0
+        chunk = -(-rows // size)
+        dtype = step_dtype(param, master)
+        sharded += chunk * per_row * dtype.itemsize
+        gathered[param.unit] += size * chunk * per_row * param.dtype.itemsize
+        cost = step_cost(param, config, dtype)
+        if param.trainable or cost.at_construction:  # rank r holds rows [r chunk, (r + 1) chunk)
+            for rank in range(size):
+                state[rank] += cost.bytes_for(max(0, min(chunk, rows - rank * chunk)) * per_row)
+        if param.trainable:
+            grads += chunk * per_row * dtype.itemsize
+            gathered_grads[param.unit] += size * chunk * per_row * (reduce_dtype or param.dtype).itemsize
+    root = gathered[ROOT_UNIT]
+    blocks = sorted((b for unit, b in gathered.items() if unit != ROOT_UNIT), reverse=True)
+    held = {
+        "root unit gathered (not resharded after forward)": root,
+        "two largest units gathered (computing + prefetched)": sum(blocks[:2]),
+        "largest unit's unsharded gradient": max(gathered_grads.values(), default=0),
+    }
+    other = tuple((name, nbytes) for name, nbytes in held.items() if nbytes)
+    ranks = tuple(RankMemory(sharded, grads, state[rank], 0, other) for rank in range(size))
+    all_gathered = sum(gathered.values())
+    sends = (
+        ("all-gather of parameters, forward", (size - 1) * all_gathered // size),
+        ("all-gather of parameters, backward", (size - 1) * (all_gathered - root) // size),
+        ("reduce-scatter of gradients", (size - 1) * sum(gathered_grads.values()) // size),
+    )
+    notes = [
+        "fully_shard on each unit and the root, reshard_after_forward=True; parameters sharded along dim 0, "
+        "padded per parameter; unsharded units modelled (FSDP2's own prefetching decides the real peak)"
+    ]
+    if master:
+        notes.append(
+            f"sharded parameters are the {dtype_name(master)} master weights (MixedPrecisionPolicy(param_dtype))"
+        )
+    return ModePlan("fsdp2", "FSDP2 (ZeRO-3)", ranks, sends, tuple(notes))
+
+
+def takes_muon(param: ParamSpec) -> bool:
+    """Whether the planner gives ``param`` to Muon: a matrix inside a block."""
+    return len(param.shape) == 2 and param.unit != ROOT_UNIT
+
+
+def with_muon(inventory: Inventory) -> Inventory:
+    """``inventory`` in the optimizer's order, the blocks' matrices (flagged ``muon``) first, then the rest, each
+    in ``model.parameters()`` order."""
+    matrices = [replace(p, muon=True) for p in inventory.params if takes_muon(p)]
+    if not matrices:
+        raise ValueError(
+            f"--muon: {inventory.description} has no 2-D parameter inside a block (a child of an nn.ModuleList), "
+            "which is what the planner gives Muon"
+        )
+    rest = [p for p in inventory.params if not takes_muon(p)]
+    description = f"{inventory.description}; Muon on {len(matrices)} matrices of its blocks, the rest elementwise"
+    return Inventory((*matrices, *rest), description)
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
+    """FLOPs of one orthogonalization of an ``m x n`` matrix (``m`` the short side), as torch's Muon runs it:
+    per iteration ``X X^T`` and ``B X`` (``2 m^2 n`` each) and ``b A + c A A`` (``2 m^3``)."""
+    short, long = sorted(shape)
+    return steps * (4 * short * short * long + 2 * short**3)
+
+
+def newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | None, world_size: int) -> list[int]:
+    """Each rank's Newton-Schulz FLOPs per step: each trainable Muon matrix on its owner under ``plan``, or on
+    every rank without one."""
+    per_rank = [0] * world_size
+    for index, param in enumerate(params):
+        if param.muon and param.trainable:
+            owners = range(world_size) if plan is None else {f.rank for f in plan.fragments[index]}
+            for rank in owners:
+                per_rank[rank] += newton_schulz_flops(param.shape)
+    return per_rank
