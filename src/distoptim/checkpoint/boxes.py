@@ -45,15 +45,12 @@ def _row_major_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[
         return [((), ())]
     inner = math.prod(shape[1:])
     first, last = -(-start // inner), stop // inner  # the whole rows are [first, last)
-    if first > last:  # start and stop inside one row
-        row = start // inner
-        return _in_row(row, start - row * inner, stop - row * inner, shape)
     boxes = []
-    if start < first * inner:
-        boxes += _in_row(first - 1, start - (first - 1) * inner, inner, shape)
+    if start < first * inner:  # the partial row before them (the only row where start and stop share one)
+        boxes += _in_row(first - 1, start - (first - 1) * inner, min(stop - (first - 1) * inner, inner), shape)
     if first < last:
         boxes.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
-    if last * inner < stop:
+    if first <= last and last * inner < stop:
         boxes += _in_row(last, 0, stop - last * inner, shape)
     return boxes
 
