@@ -127,9 +127,8 @@ def torch_optim_to_dcp(
         payload.update((f"state.{index}.{name}", value) for name, value in entry.items())
     with warnings.catch_warnings():  # dcp warns that it "assumes" one process even where no_dist=True says so
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-        dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
-    written = (dcp.FileSystemReader(str(directory)).read_metadata().storage_data or {}).values()
-    files = [w.relative_path for w in written]
+        metadata = dcp.save({key: payload}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    files = [written.relative_path for written in (metadata.storage_data or {}).values()]
     checksums.write_manifest(Path(directory), checksums.checksums(Path(directory), files))
     return len(set(files))
 
