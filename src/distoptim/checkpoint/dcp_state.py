@@ -142,7 +142,7 @@ def sharded_state(
     rank's fragments: their state, or for a fragment without any, ``placeholders`` that only a load fills."""
     layouts = [layout_of(tuple(p.shape), memory_order(p)) for p in params]
     exported: dict[str, Any] = {PARAM_GROUPS: param_groups, LAYOUTS: pickle.dumps(layouts)}
-    for local in (t for group in shard.groups for t in group if t.param.numel() > 0):  # zero-sized: nothing to keep
+    for local in (t for t in shard.locals if t.param.numel() > 0):  # zero-sized: nothing to keep
         saved = local.tensor in state
         entry = dict(state[local.tensor] if saved else placeholders.get(local.tensor, {}))
         for name, value in entry.items():
@@ -204,13 +204,12 @@ def template_state(
 ) -> dict[Tensor, dict[str, Any]]:
     """The state a fresh optimizer would make for each local tensor without any (one step on zero gradients), for
     a load to fill in; returned, not kept: state, values and ``.grad`` are as before afterwards."""
-    locals_ = [t for group in shard.groups for t in group]
-    missing = [t for t in locals_ if not state.get(t.tensor)]
+    missing = [t for t in shard.locals if not state.get(t.tensor)]
     if not missing:
         return {}
     values = [t.tensor.detach().clone() for t in missing]
-    grads = [t.tensor.grad for t in locals_]
-    for local in locals_:  # only the missing ones take part in the step
+    grads = [t.tensor.grad for t in shard.locals]
+    for local in shard.locals:  # only the missing ones take part in the step
         local.tensor.grad = torch.zeros_like(local.tensor) if local in missing else None
     try:
         step()
@@ -218,7 +217,7 @@ def template_state(
         with torch.no_grad():
             for local, value in zip(missing, values):
                 local.tensor.copy_(value)
-        for local, grad in zip(locals_, grads):
+        for local, grad in zip(shard.locals, grads):
             local.tensor.grad = grad
     return {t.tensor: state.pop(t.tensor) for t in missing if t.tensor in state}
 
@@ -288,7 +287,7 @@ def _index_and_name(key: str) -> tuple[str, str]:
 
 def held_keys(shard: LocalShard, state: dict[Tensor, dict[str, Any]]) -> dict[int, list[str]]:
     """The state keys ``sharded_state`` saves for each local parameter (its master weights aside), by index."""
-    pieces = (t for group in shard.groups for t in group if t.param.numel() > 0 and state.get(t.tensor))
+    pieces = (t for t in shard.locals if t.param.numel() > 0 and state.get(t.tensor))
     return {local.index: sorted(state[local.tensor]) for local in pieces}
 
 
@@ -337,7 +336,7 @@ def install_loaded(shard: LocalShard, state: dict[Tensor, dict[str, Any]], loade
     """Make the local optimizer's state what a load filled into ``sharded_state``'s dict; a fragment without entries
     starts without state, a master copy not loaded from its parameter (with a warning)."""
     unmastered = []
-    for local in (t for group in shard.groups for t in group if t.param.numel() > 0):
+    for local in (t for t in shard.locals if t.param.numel() > 0):
         head = f"state.{local.index}."
         entry = {key[len(head) :]: _unwrapped(value) for key, value in loaded.items() if key.startswith(head)}
         if local.master and entry.pop(MASTER_KEY, None) is None:
