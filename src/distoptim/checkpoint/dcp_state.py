@@ -305,17 +305,12 @@ def check_state_keys(
 ) -> None:
     """Refuse a load whose template (``loaded``) has no entry for a key the checkpoint saved for one of this rank's
     parameters (``STATE_KEYS``; none in older saves): DCP loads only the entries asked for, so it would be dropped."""
-    saved: dict[int, set[str]] = {}
-    for group in saved_groups:
-        for name, indices in (group.get(STATE_KEYS) or {}).items():
-            for index in indices:
-                saved.setdefault(index, set()).add(name)
-    asked: dict[int, set[str]] = {}
-    for index, name in (_index_and_name(key) for key in loaded if key.startswith("state.")):
-        asked.setdefault(int(index), set()).add(name)
+    saved = {(i, name) for group in saved_groups for name, held in (group.get(STATE_KEYS) or {}).items() for i in held}
+    asked = {(int(i), name) for i, name in (_index_and_name(key) for key in loaded if key.startswith("state."))}
+    dropped = sorted(saved - asked)  # (parameter, key): usually none
     for number, pieces in enumerate(shard.groups):
         for local in (t for t in pieces if t.param.numel() > 0):
-            missing = sorted(saved.get(local.index, set()) - asked.get(local.index, set()))
+            missing = [name for index, name in dropped if index == local.index]
             if missing:
                 own, theirs = own_groups[number], saved_groups[number]
                 changed = [
