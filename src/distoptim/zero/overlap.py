@@ -90,10 +90,7 @@ class OverlapStepper:
             functional, group = part.functional, self.param_groups[part.group]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
             functional.param_group.update((k, group[k]) for k in functional.defaults if k in group)
-            if part.as_given:
-                step_grads = [grads.get(local.param) for local in part.locals]
-            else:
-                step_grads = [local.grad_for_step(grads.get(local.param)) for local in part.locals]
+            step_grads = [local.grad_for_step(grads.get(local.param)) for local in part.locals]
             if self.formats is None:
                 functional.step(step_grads)
             else:
@@ -165,7 +162,6 @@ class OverlapStepper:
             group=index,
             functional=functional,
             locals=locals_,
-            as_given=all(local.whole and not local.master for local in locals_),
             write_into=[local.param if local.whole else local.param_piece() for local in masters],
             write_from=[local.tensor for local in masters],
         )
@@ -254,6 +250,5 @@ class _Part:
     group: int
     functional: FunctionalOptimizer
     locals: list[LocalTensor]
-    as_given: bool
     write_into: list[Tensor]
     write_from: list[Tensor]
