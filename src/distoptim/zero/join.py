@@ -4,12 +4,11 @@ runs, and the modes that refuse Join. It reads the optimizer's public members an
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
-import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.repartitioning import ZeroParts
 
 __all__ = ["JOIN_WITH_SDP", "ZeroJoinHook", "hook"]
 
@@ -20,17 +19,7 @@ JOIN_WITH_SDP = (
 )
 
 
-class _Optimizer(Protocol):
-    """What ``hook`` reads of a ZeroRedundancyOptimizer: public members only."""
-
-    replicate_group: dist.ProcessGroup | None
-    overlap_stepper: OverlapStepper | None
-
-    @property
-    def gradient_source(self) -> object: ...
-
-
-def hook(zero: _Optimizer, joined_step: Callable[[], object]) -> ZeroJoinHook:
+def hook(zero: ZeroParts, joined_step: Callable[[], object]) -> ZeroJoinHook:
     """``zero``'s join hook, running ``joined_step`` (a step inside the others' agreements, then the parameter sync);
     refused under ``ShardedDataParallel`` or hybrid sharding."""
     if zero.gradient_source is not None:

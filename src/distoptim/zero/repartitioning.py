@@ -134,6 +134,7 @@ class ZeroParts(Protocol):
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     process_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
     rank: int
     world_size: int
     partition: str
