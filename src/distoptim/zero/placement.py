@@ -48,6 +48,7 @@ class Placement:
     unowned: list[Tensor]  # frozen parameters nobody owns: a gradient on one is refused
     bound: tuple[int, ...]
     keys: tuple[tuple[torch.device, torch.dtype], ...]  # each parameter's layout key when placed
+    index: dict[int, int]  # each parameter's global index, by id
 
 
 def place(
@@ -87,7 +88,8 @@ def place(
     else:
         sync = StagedSync(layouts, settings.group, settings.collectives)
     shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
-    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys)
+    index = {id(p): i for i, p in enumerate(params)}
+    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, index)
 
 
 def bind_local_optimizer(

@@ -51,7 +51,6 @@ class Placer:
         self.kept_unowned: GlobalState = {}  # loaded state of parameters no rank owns (unowned_state)
         self.consolidated: GlobalState | None = None  # what consolidate_state_dict gathered here, until it is stale
         self.first_added = 0  # the constructor's parameters: those after it came in add_param_group (set by it)
-        self._index_cache: tuple[PartitionPlan | None, dict[int, int]] = (None, {})
 
     @property
     def placed(self) -> placement.Placement:
@@ -64,13 +63,6 @@ class Placer:
         """The local optimizer over the shard."""
         assert self.optim is not None
         return self.optim
-
-    def index_of(self, param: Tensor) -> int | None:
-        """``param``'s global index (None when the optimizer does not hold it)."""
-        plan = self.placed.plan
-        if self._index_cache[0] is not plan:
-            self._index_cache = (plan, {id(p): i for i, p in enumerate(self.zero.global_params)})
-        return self._index_cache[1].get(id(param))
 
     def fingerprint(self) -> Any:
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
@@ -250,7 +242,7 @@ class Partitioning:
         Args:
             param: a tensor, one of this optimizer's parameters or not.
         """
-        return self.placer.index_of(param)
+        return self.placer.placed.index.get(id(param))
 
     def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
