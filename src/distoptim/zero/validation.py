@@ -140,8 +140,9 @@ def check_coupled(optimizer_class: type) -> None:
         )
 
 
-def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
-    """The functional class an overlap-mode optimizer steps with, or a ValueError naming the supported ones."""
+def check_overlap_class(optimizer_class: type, groups: Sequence[dict[str, Any]] = ()) -> type[FunctionalOptimizer]:
+    """The functional class an overlap-mode optimizer steps with, or a ValueError naming the supported ones; every
+    group of ``groups`` is stepped by that one class (the hooks step one functional optimizer)."""
     functional_cls = functional_class_for(optimizer_class)
     if functional_cls is None:
         name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
@@ -151,12 +152,6 @@ def check_overlap_class(optimizer_class: type) -> type[FunctionalOptimizer]:
             f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
             "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
         )
-    return functional_cls
-
-
-def check_overlap_classes(optimizer_class: type, groups: ParamGroups) -> type[FunctionalOptimizer]:
-    """``check_overlap_class``, and every group stepped by that one class (the hooks step one functional optimizer)."""
-    functional_cls = check_overlap_class(optimizer_class)
     for index, group in enumerate(groups):
         cls = group.get(CLASS_KEY)
         if cls is not None and group_class(group, optimizer_class) is not torch_class_of(optimizer_class):
@@ -232,7 +227,7 @@ def check_construction(
         check_coupled(local_class)
         groups = normalize_param_groups(params)
         device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
-        functional_cls = check_overlap_classes(optimizer_class, groups) if overlap_with_ddp else None
+        functional_cls = check_overlap_class(optimizer_class, groups) if overlap_with_ddp else None
         collectives = comm.choose_collectives(group)
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
