@@ -135,7 +135,6 @@ def partition_parameters(
     _greedy_owners(owners, costs, new, whole, world_size)
     if mode == "greedy":
         _greedy_owners(owners, numels, new, [not kept for kept in whole], world_size)
-    if mode == "greedy":
         distinct = dict.fromkeys(key for key, done in zip(keys, placed) if done)
         layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in distinct]
     else:
