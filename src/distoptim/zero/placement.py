@@ -120,7 +120,7 @@ def bind_local_optimizer(
             for new_group in local_groups[len(optim.param_groups) :]:
                 optim.add_param_group(new_group)
     if isinstance(optim, CompositeOptimizer) and needs_formats(param_groups):
-        optim.formats = StateFormats.for_shard(shard, param_groups)  # construction's state: encoded at a first step
+        optim.formats = StateFormats(shard, param_groups)  # construction's state: encoded at a first step
     return optim
 
 

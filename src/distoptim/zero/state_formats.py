@@ -56,18 +56,14 @@ def block_sizes(groups: Sequence[dict[str, Any]]) -> list[int]:
 class StateFormats:
     """The format of each local tensor's state, and the step that decodes, steps and encodes chunk by chunk."""
 
-    def __init__(self, formats: dict[Tensor, str], group_formats: list[str]) -> None:
-        self.formats = formats
-        self.group_formats = group_formats
+    def __init__(self, shard: LocalShard, global_groups: Sequence[dict[str, Any]]) -> None:
+        self.formats = {
+            piece.tensor: tensor_format(piece.param, group_format(group))
+            for group, local in zip(global_groups, shard.groups)
+            for piece in local
+        }
+        self.group_formats = [group_format(group) for group in global_groups]
         self.scratch = codecs.Scratch(CHUNK_NUMEL)  # a chunk's decoded state, the codecs' temporaries: kept
-
-    @classmethod
-    def for_shard(cls, shard: LocalShard, global_groups: Sequence[dict[str, Any]]) -> StateFormats:
-        formats = {}
-        for group, local in zip(global_groups, shard.groups):
-            for piece in local:
-                formats[piece.tensor] = tensor_format(piece.param, group_format(group))
-        return cls(formats, [group_format(group) for group in global_groups])
 
     def encode_entry(self, tensor: Tensor, entry: dict[str, Any]) -> None:
         """Encode ``entry`` (one tensor's state) in place, in ``tensor``'s format."""

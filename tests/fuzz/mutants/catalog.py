@@ -238,8 +238,8 @@ MUTANTS += (  # issue 43: the state formats
         "a tensor's state format decided on this rank's piece, not on the whole parameter (the bug of torchao "
         "under FSDP2, pytorch/ao#4912): a parameter cut in pieces below the threshold keeps fp32 state",
         "distoptim/zero/state_formats.py",
-        "                formats[piece.tensor] = tensor_format(piece.param, group_format(group))",
-        "                formats[piece.tensor] = tensor_format(piece.tensor, group_format(group))",
+        "            piece.tensor: tensor_format(piece.param, group_format(group))",
+        "            piece.tensor: tensor_format(piece.tensor, group_format(group))",
     ),
     _one(
         "int8_cut_inside_block",
