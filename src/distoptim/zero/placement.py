@@ -18,10 +18,18 @@ from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
 from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optimizer, kind_of
 from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
-from distoptim.zero.shard import LocalShard
+from distoptim.zero.shard import LocalShard, slice_entry
 from distoptim.zero.state_formats import StateFormats, block_sizes, needs_formats
 
-__all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "check_layout_keys", "is_stale", "place"]
+__all__ = [
+    "Placement",
+    "PlacementSettings",
+    "bind_local_optimizer",
+    "check_layout_keys",
+    "install_kept",
+    "is_stale",
+    "place",
+]
 
 
 @dataclass(frozen=True)
@@ -147,3 +155,31 @@ def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
 
 def _storages(params: Sequence[Tensor]) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in params)
+
+
+def install_kept(kept: dict[int, dict[str, Any]], owners: Sequence[int], optim: Optimizer, shard: LocalShard) -> bool:
+    """Move the entries whose parameters have an owner now into the owners' local state, as a load; whether any."""
+    placed = {index for index in kept if owners[index] != UNOWNED}
+    if not placed:
+        return False
+    formats = getattr(optim, "formats", None)
+    for local in shard.locals:
+        if local.index not in placed:
+            continue
+        sliced = slice_entry(kept[local.index], local)
+        entry = {key: _as_loaded(local.tensor, key, value) for key, value in sliced.items()}
+        if formats is not None:
+            formats.encode_entry(local.tensor, entry)
+        optim.state[local.tensor] = entry
+    for index in placed:
+        del kept[index]
+    return True
+
+
+def _as_loaded(tensor: Tensor, key: Any, value: Any) -> Any:
+    """``value`` cast as ``Optimizer.load_state_dict`` casts it for ``tensor`` (``step`` kept as it is)."""
+    if not isinstance(value, Tensor) or key == "step":
+        return value
+    if not torch.is_floating_point(value):
+        return value.to(tensor.device)
+    return value.to(tensor.device, tensor.dtype)

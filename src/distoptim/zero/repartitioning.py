@@ -21,7 +21,6 @@ from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
 from distoptim.zero.state_formats import FORMAT_KEY
-from distoptim.zero.unowned_state import install_kept
 
 __all__ = ["Partitioning", "Placer", "ZeroParts", "agreed"]
 
@@ -48,7 +47,7 @@ class Placer:
         self.optim: Optimizer | None = None
         self.region_numel: dict[Any, int] | None = None  # even partition: the most elements a region holds, per key
         self.listeners: list[Callable[[], None]] = []  # told after every repartition (ShardedDataParallel)
-        self.kept_unowned: GlobalState = {}  # loaded state of parameters no rank owns (unowned_state)
+        self.kept_unowned: GlobalState = {}  # loaded state of parameters no rank owns (state_dicts)
         self.consolidated: GlobalState | None = None  # what consolidate_state_dict gathered here, until it is stale
         self.first_added = 0  # the constructor's parameters: those after it came in add_param_group (set by it)
 
@@ -95,7 +94,9 @@ class Placer:
         )
         complete_hyperparameters(groups, optim.param_groups)
         self.push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-        if install_kept(self.kept_unowned, placed.plan.owners, optim, placed.shard):  # loaded state, owned now
+        if placement.install_kept(
+            self.kept_unowned, placed.plan.owners, optim, placed.shard
+        ):  # loaded state, owned now
             self.consolidated = None
         if (stepper := self.zero.overlap_stepper) is not None:
             stepper.rebuild(optim, placed.shard, placed.plan, params, groups)

@@ -17,9 +17,8 @@ from distoptim.comm.objects import all_gather_objects
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
 from distoptim.zero.repartitioning import ZeroParts, agreed
-from distoptim.zero.shard import stitch
+from distoptim.zero.shard import MASTER_KEY, stitch
 from distoptim.zero.state_formats import decoded
-from distoptim.zero.unowned_state import keep_loaded
 
 __all__ = ["Checkpoints"]
 
@@ -96,7 +95,7 @@ class Checkpoints:
         )
         _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
         # torch's optimizer holds what it loaded for them: so does a consolidated dict
-        keep_loaded(self.placer.kept_unowned, self.plan.owners, self.global_params, by_param)
+        _keep_unowned(self, by_param)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
         local_state = self.local_shard.local_state(by_param)
@@ -222,6 +221,20 @@ def _naming_saved(
         }
         for group in groups
     ]
+
+
+def _keep_unowned(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None:
+    """Keep (copies of) the loaded entries of the parameters no rank owns (frozen when placed), replacing what was
+    kept: torch's optimizer keeps what a load gave them (Adagrad's ``sum`` made with the saving optimizer's
+    ``initial_accumulator_value``), so this one keeps them until a placement gives them an owner, who then starts
+    from them (``placement.install_kept``), and a consolidated dict shows them meanwhile."""
+    kept, owners = zero.placer.kept_unowned, zero.plan.owners
+    kept.clear()
+    kept.update(
+        (index, {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in entry.items() if k != MASTER_KEY})
+        for index, param in enumerate(zero.global_params)
+        if owners[index] == UNOWNED and param.numel() and (entry := by_param.get(param))
+    )
 
 
 def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: str) -> None:
