@@ -136,7 +136,8 @@ def partition_parameters(
     if mode == "greedy":
         _greedy_owners(owners, numels, new, [not kept for kept in whole], world_size)
         distinct = dict.fromkeys(key for key, done in zip(keys, placed) if done)
-        layouts = [_rank_major_layout(key, numels, keys, owners, world_size) for key in distinct]
+        members = {key: [i for i in range(len(numels)) if keys[i] == key and owners[i] != UNOWNED] for key in distinct}
+        layouts = [LayoutPlan(key, *_by_owner(members[key], numels, owners, world_size, 0)) for key in distinct]
     else:
         grown = _grown_even_layouts(numels, keys, new, world_size, previous, region_numel or {}, whole, owners)
         layouts = [_aligned(layout, numels, align, previous) for layout in grown]
@@ -177,20 +178,20 @@ def _greedy_owners(
         heapq.heapreplace(heap, (load + weights[index], rank))
 
 
-def _rank_major_layout(
-    key: Hashable, numels: Sequence[int], keys: Sequence[Hashable], owners: Sequence[int], world_size: int
-) -> LayoutPlan:
-    """Rank 0's parameters of ``key`` first, then rank 1's...: every rank's range is one contiguous stretch."""
-    members = sorted((owners[i], i) for i in range(len(numels)) if keys[i] == key and owners[i] != UNOWNED)
-    params, positions, bounds, position = [], [], [0], 0
-    for rank, index in members:
+def _by_owner(
+    members: Sequence[int], numels: Sequence[int], owners: Sequence[int], world_size: int, start: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...]]]:
+    """Whole parameters laid out from ``start``, rank 0's first, then rank 1's...: every rank's range is one
+    contiguous stretch. The layout's parameters, their positions, and the region's bounds."""
+    params, positions, bounds, position = [], [], [start], start
+    for rank, index in sorted((owners[i], i) for i in members):
         while len(bounds) <= rank:
             bounds.append(position)
         params.append(index)
         positions.append(position)
         position += numels[index]
     bounds += [position] * (world_size + 1 - len(bounds))
-    return LayoutPlan(key, tuple(params), tuple(positions), (tuple(bounds),))
+    return tuple(params), tuple(positions), (tuple(bounds),)
 
 
 def _grown_even_layouts(
@@ -217,18 +218,12 @@ def _grown_even_layouts(
         for region, of_whole in regions:
             start = layout.numel
             if of_whole:  # whole parameters by owner, each owner's range theirs
-                region = tuple(sorted(region, key=lambda i: (owners[i], i)))
-                bounds = [start] * (world_size + 1)
-                for index in region:
-                    for rank in range(owners[index] + 1, world_size + 1):
-                        bounds[rank] += numels[index]
+                params, positions, bounds = _by_owner(region, numels, owners, world_size, start)
             else:
                 chunk = -(-sum(numels[i] for i in region) // world_size)  # ceil: the last rank's range is padded
-                bounds = [start + rank * chunk for rank in range(world_size + 1)]
-            positions = itertools.accumulate((numels[i] for i in region[:-1]), initial=start)
-            layout = LayoutPlan(
-                key, layout.params + region, layout.positions + tuple(positions), (*layout.bounds, tuple(bounds))
-            )
+                params, bounds = region, (tuple(start + rank * chunk for rank in range(world_size + 1)),)
+                positions = tuple(itertools.accumulate((numels[i] for i in region[:-1]), initial=start))
+            layout = LayoutPlan(key, layout.params + params, layout.positions + positions, layout.bounds + bounds)
         layouts[key] = layout
     return list(layouts.values())
 
