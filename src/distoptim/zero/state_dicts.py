@@ -44,8 +44,7 @@ class Checkpoints:
             ```
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
-        _land_and_agree_untouched(self)
-        agreed(self, self.placer.repartition_if_changed)  # the master copies follow the parameters
+        _ready_to_read(self)
         mine = self.local_shard.global_state(decoded(self.local_optimizer.state))  # torch.optim's format: decoded
         merged = checkpoint.gather_state(mine, to, self.process_group, self.placer.comm_device)
         if merged is not None:
@@ -113,8 +112,7 @@ class Checkpoints:
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
         """
-        _land_and_agree_untouched(self)
-        agreed(self, self.placer.repartition_if_changed)  # the master copies follow the parameters
+        _ready_to_read(self)
         shard, state = self.local_shard, self.local_optimizer.state
         placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         formats = getattr(self.local_optimizer, "formats", None)
@@ -260,8 +258,10 @@ def _same_value(value: Any, fresh: Any) -> bool:
     return value.shape == fresh.shape and torch.equal(value.to(fresh.device, fresh.dtype), fresh)
 
 
-def _land_and_agree_untouched(zero: ZeroParts) -> None:
-    """Land the sync and raise on every rank if a parameter was written while it was in flight."""
+def _ready_to_read(zero: ZeroParts) -> None:
+    """Land the sync, raise on every rank if a parameter was written while it was in flight, and place again where
+    stale (the master copies follow the parameters), agreed."""
     zero.land_sync()
     if zero.placer.sync.watches_writes:  # the same on every rank
         agreed(zero, zero.placer.sync.check_untouched)
+    agreed(zero, zero.placer.repartition_if_changed)
