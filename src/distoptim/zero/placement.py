@@ -157,13 +157,13 @@ def _storages(params: Sequence[Tensor]) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in params)
 
 
-def install_kept(kept: dict[int, dict[str, Any]], owners: Sequence[int], optim: Optimizer, shard: LocalShard) -> bool:
+def install_kept(kept: dict[int, dict[str, Any]], placement: Placement, optim: Optimizer) -> bool:
     """Move the entries whose parameters have an owner now into the owners' local state, as a load; whether any."""
-    placed = {index for index in kept if owners[index] != UNOWNED}
+    placed = {index for index in kept if placement.plan.owners[index] != UNOWNED}
     if not placed:
         return False
     formats = getattr(optim, "formats", None)
-    for local in shard.locals:
+    for local in placement.shard.locals:
         if local.index not in placed:
             continue
         sliced = slice_entry(kept[local.index], local)

@@ -14,10 +14,12 @@ from torch.optim import Optimizer
 
 from distoptim.checkpoint.consolidated import GlobalState
 from distoptim.comm import collectives as comm
+from distoptim.comm.agreement import Fingerprint, run_agreed
 from distoptim.zero import placement, stepping, validation
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import CLASS_KEY, CompositeOptimizer, check_classes_unchanged, whole_tensor_weights
 from distoptim.zero.overlap import OverlapStepper
+from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import Fragment, PartitionPlan
 from distoptim.zero.shard import LocalShard, complete_hyperparameters, copy_hyperparameters
 from distoptim.zero.state_formats import FORMAT_KEY
@@ -94,9 +96,7 @@ class Placer:
         )
         complete_hyperparameters(groups, optim.param_groups)
         self.push_hyperparameters()  # the local groups kept their old settings: the global ones are the truth
-        if placement.install_kept(
-            self.kept_unowned, placed.plan.owners, optim, placed.shard
-        ):  # loaded state, owned now
+        if placement.install_kept(self.kept_unowned, placed, optim):  # loaded state, owned now
             self.consolidated = None
         if (stepper := self.zero.overlap_stepper) is not None:
             stepper.rebuild(optim, placed.shard, placed.plan, params, groups)
@@ -113,12 +113,6 @@ class Placer:
         if placement.is_stale(self.placed, self.zero.global_params):
             placement.check_layout_keys(self.placed, self.zero.global_params)
             self.repartition()
-
-    def check_before_adding(self) -> None:
-        """``add_param_group``'s first check: the sync landed over no write of the user's, the classes unedited."""
-        self.sync.finish()
-        self.sync.check_untouched()
-        check_classes_unchanged(self.zero.param_groups, self.local_optimizer, self.optimizer_class)
 
 
 class ZeroParts(Protocol):
@@ -156,6 +150,34 @@ def agreed(zero: ZeroParts, action: Callable[[], Any]) -> Any:
     return stepping.agreed(action, zero.placer.fingerprint, zero.agreement_groups, stepping.shadowing(zero))
 
 
+def _agreed_group(zero: ZeroParts, param_group: Any) -> dict[str, Any]:
+    """``param_group`` normalised once every rank has checked it and all agree on it (``add_param_group``)."""
+    placer, groups = zero.placer, zero.param_groups
+
+    def normalized() -> dict[str, Any]:
+        placer.sync.finish()  # first the groups there are: the sync landed over no write, the classes unedited
+        placer.sync.check_untouched()
+        check_classes_unchanged(groups, placer.local_optimizer, placer.optimizer_class)
+        (checked,) = normalize_param_groups([param_group])
+        check_names_alike([checked], groups[0])
+        validation.try_optimizer_class(placer.optimizer_class, [*groups, checked], placer.defaults, zero.master_dtype)
+        validation.check_state_formats([checked], zero.defaults.get(FORMAT_KEY, "fp32"))
+        with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
+        if zero.gradient_source is not None and with_grad:
+            raise ValueError(
+                f"add_param_group under ShardedDataParallel: parameters {with_grad[:5]} of the new group already "
+                "have a .grad, from a backward run before they were added; ShardedDataParallel averages only the "
+                "gradients of parameters the optimizer holds, so each rank's would be its own. Add the group "
+                "before the backward (right after unfreezing), or clear their .grad first"
+            )
+        return checked
+
+    def what_it_is(checked: dict[str, Any]) -> Fingerprint:
+        return validation.fingerprint([checked], placer.defaults, first_group=len(groups))
+
+    return run_agreed(normalized, zero.process_group, "add_param_group", then_agree_on=what_it_is)
+
+
 def _add_group(zero: ZeroParts, group: dict[str, Any]) -> None:
     """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults."""
     if CLASS_KEY not in group:
@@ -186,17 +208,7 @@ class Partitioning:
         if placer.placement is None:  # Optimizer.__init__'s groups: only recorded, placed at the constructor's end
             _add_group(self, param_group)
             return
-        group = validation.agreed_param_group(
-            param_group,
-            placer.optimizer_class,
-            self.param_groups,
-            placer.defaults,
-            self.process_group,
-            sharded_gradients=self.gradient_source is not None,
-            master_dtype=self.master_dtype,
-            check_existing=placer.check_before_adding,
-            state_format=self.defaults.get(FORMAT_KEY, "fp32"),
-        )
+        group = _agreed_group(self, param_group)
         before = _Snapshot(placer, len(self.param_groups))
         _add_group(self, group)
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -16,18 +16,17 @@ from torch.optim import Optimizer
 from distoptim._flat import is_dense
 from distoptim.comm import collectives as comm
 from distoptim.comm import p2p
-from distoptim.comm.agreement import STEPPING_ONLY, Fingerprint, agree_across_ranks, run_agreed
+from distoptim.comm.agreement import STEPPING_ONLY, Fingerprint, agree_across_ranks
 from distoptim.comm.groups import control_group
 from distoptim.comm.objects import all_gather_objects
 from distoptim.functional import FunctionalOptimizer, functional_class_for
 from distoptim.zero.elementwise import class_name, is_coupled, is_elementwise, torch_class_of
 from distoptim.zero.local_optimizer import CLASS_KEY, build_local_optimizer, check_eps_from_first_dtype, group_class
-from distoptim.zero.param_input import check_names_alike, normalize_param_groups
+from distoptim.zero.param_input import normalize_param_groups
 from distoptim.zero.partition import MODES
 from distoptim.zero.state_formats import FORMAT_KEY, check_format
 
 __all__ = [
-    "agreed_param_group",
     "check_construction",
     "check_overlap_class",
     "check_unowned_have_no_grad",
@@ -292,41 +291,6 @@ def check_master_dtype(master_dtype: Any) -> None:
         raise TypeError(
             f"master_dtype must be a floating-point torch.dtype such as torch.float32, or None, got {master_dtype!r}"
         )
-
-
-def agreed_param_group(
-    param_group: Any,
-    optimizer_class: type[Optimizer],
-    param_groups: ParamGroups,
-    defaults: dict[str, Any],
-    group: comm.Group,
-    sharded_gradients: bool,
-    master_dtype: torch.dtype | None,
-    check_existing: Callable[[], None],
-    state_format: str,
-) -> dict[str, Any]:
-    """``param_group`` normalised once every rank has checked it and all agree on it (``add_param_group``)."""
-
-    def normalized() -> dict[str, Any]:
-        check_existing()  # the groups there are (their classes unedited), before anything changes
-        (checked,) = normalize_param_groups([param_group])
-        check_names_alike([checked], param_groups[0])
-        try_optimizer_class(optimizer_class, [*param_groups, checked], defaults, master_dtype)
-        check_state_formats([checked], state_format)
-        with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
-        if sharded_gradients and with_grad:
-            raise ValueError(
-                f"add_param_group under ShardedDataParallel: parameters {with_grad[:5]} of the new group already "
-                "have a .grad, from a backward run before they were added; ShardedDataParallel averages only the "
-                "gradients of parameters the optimizer holds, so each rank's would be its own. Add the group "
-                "before the backward (right after unfreezing), or clear their .grad first"
-            )
-        return checked
-
-    def what_it_is(checked: dict[str, Any]) -> Fingerprint:
-        return fingerprint([checked], defaults, first_group=len(param_groups))
-
-    return run_agreed(normalized, group, "add_param_group", then_agree_on=what_it_is)
 
 
 def fingerprint(
