@@ -128,8 +128,7 @@ def check_coupled(optimizer_class: type) -> None:
     """Refuse a class whose step couples every parameter (LBFGS): each rank would silently run another optimization
     (refused at every world size, so that a script does not change meaning when it scales out)."""
     if is_coupled(optimizer_class):
-        module = optimizer_class.__module__
-        name = f"{'torch.optim' if module.startswith('torch.optim.') else module}.{optimizer_class.__qualname__}"
+        name = class_name(optimizer_class)
         raise ValueError(
             f"{name} couples every parameter in one step (its curvature history and line search span all of them, "
             "and it evaluates the closure several times per step), but ZeroRedundancyOptimizer steps each rank's "
