@@ -20,8 +20,8 @@ from distoptim.zero import amp
 from distoptim.zero.buckets import StagedSync, owned_bytes, staged_sync_of
 from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.local_optimizer import CompositeOptimizer
-from distoptim.zero.partition import PartitionPlan
-from distoptim.zero.shard import LocalShard, LocalTensor
+from distoptim.zero.placement import Placement
+from distoptim.zero.shard import LocalTensor
 from distoptim.zero.state_formats import StateFormats
 
 __all__ = ["OverlapStepper", "buckets_final"]
@@ -57,13 +57,12 @@ class OverlapStepper:
     def rebuild(
         self,
         local_optimizer: Optimizer,
-        shard: LocalShard,
-        plan: PartitionPlan,
+        placed: Placement,
         global_params: list[Tensor],
         param_groups: list[dict[str, Any]],
     ) -> None:
         """Forget the functional optimizers over the local shard's tensors (after every placement, the first too)."""
-        self.local_optimizer, self.shard, self.plan = local_optimizer, shard, plan
+        self.local_optimizer, self.placed = local_optimizer, placed
         self.formats: StateFormats | None = (  # set by placement.bind_local_optimizer where a group takes a format
             local_optimizer.formats if isinstance(local_optimizer, CompositeOptimizer) else None
         )
@@ -72,13 +71,12 @@ class OverlapStepper:
         # each local group's settings for its functional optimizers
         self._options = [{k: v for k, v in group.items() if k in defaults} for group in local_optimizer.param_groups]
         self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
-        for index, locals_ in enumerate(shard.groups):
+        for index, locals_ in enumerate(placed.shard.groups):
             for local in locals_:
                 self._locals_of.setdefault(local.param, []).append((index, local))
-        self._index_of = {param: index for index, param in enumerate(global_params)}
         self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
         self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
-        layouts = layouts_from_plan(plan.layouts, plan.fragments, global_params)
+        layouts = layouts_from_plan(placed.plan.layouts, placed.plan.fragments, global_params)
         pieces = [piece for layout in layouts for piece in layout.pieces]
         # whether the bucket syncs go through aggregators (p2p style)
         self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))
@@ -199,9 +197,9 @@ class OverlapStepper:
         """The staged broadcast of one DDP bucket's parameters from their owners, relayed as the whole sync would be."""
         key = tuple(params)
         if key not in self._bucket_syncs:
-            chosen = [self._index_of[param] for param in params if param in self._index_of]
+            chosen = [self.placed.index[id(param)] for param in params if id(param) in self.placed.index]
             self._bucket_syncs[key] = staged_sync_of(
-                self.plan, self.global_params, chosen, self.group, self.collectives, self._relay
+                self.placed.plan, self.global_params, chosen, self.group, self.collectives, self._relay
             )
         return self._bucket_syncs[key]
 

@@ -99,7 +99,7 @@ class Placer:
         if placement.install_kept(self.kept_unowned, placed, optim):  # loaded state, owned now
             self.consolidated = None
         if (stepper := self.zero.overlap_stepper) is not None:
-            stepper.rebuild(optim, placed.shard, placed.plan, params, groups)
+            stepper.rebuild(optim, placed, params, groups)
         for listener in self.listeners:
             listener()
 
@@ -308,4 +308,4 @@ class _Snapshot:
         optim.state.clear()
         optim.state.update(self.state)
         if (stepper := placer.zero.overlap_stepper) is not None:
-            stepper.rebuild(optim, placer.placed.shard, placer.placed.plan, placer.zero.global_params, param_groups)
+            stepper.rebuild(optim, placer.placed, placer.zero.global_params, param_groups)
