@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from distoptim.comm import collectives as comm
 from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
 from distoptim.zero.layouts import layouts_from_plan
-from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optimizer, kind_of
+from distoptim.zero.local_optimizer import CompositeOptimizer, build_local_optimizer, kind_of, whole_tensor_weights
 from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameters
 from distoptim.zero.shard import LocalShard, slice_entry
 from distoptim.zero.state_formats import StateFormats, block_sizes, needs_formats
@@ -63,17 +63,17 @@ def place(
     params: Sequence[Tensor],
     param_groups: Sequence[dict[str, Any]],
     settings: PlacementSettings,
+    optimizer_class: type[Optimizer],
     *,
     previous: PartitionPlan | None,
     region_numel: Mapping[Hashable, int] | None,
     moving_within: ParameterSync | None = None,
-    whole: Sequence[bool] | None = None,
-    costs: Sequence[int] | None = None,
 ) -> Placement:
     """Place the parameters ``previous`` has no owner for and build the shard and the sync (``moving_within``: bucket
     views move within that sync's buffers). The caller finishes any sync in flight first."""
     trainability = tuple(p.requires_grad for p in params)
     keys = tuple((p.device, p.dtype) for p in params)
+    whole, costs = whole_tensor_weights(param_groups, optimizer_class)
     plan = partition_parameters(
         [p.numel() for p in params],
         list(trainability),

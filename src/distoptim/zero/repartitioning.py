@@ -17,7 +17,7 @@ from distoptim.comm import collectives as comm
 from distoptim.comm.agreement import Fingerprint, run_agreed
 from distoptim.zero import placement, stepping, validation
 from distoptim.zero.buckets import ParameterSync
-from distoptim.zero.local_optimizer import CLASS_KEY, CompositeOptimizer, check_classes_unchanged, whole_tensor_weights
+from distoptim.zero.local_optimizer import CLASS_KEY, CompositeOptimizer, check_classes_unchanged
 from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.param_input import check_names_alike, normalize_param_groups
 from distoptim.zero.partition import Fragment, PartitionPlan
@@ -79,16 +79,14 @@ class Placer:
         if before is not None:
             self.sync.finish()
         params, previous_shard = self.zero.global_params, None if before is None else before.shard
-        whole, costs = whole_tensor_weights(groups, self.optimizer_class)
         placed = placement.place(
             params,
             groups,
             self.settings,
+            self.optimizer_class,
             previous=None if fresh or before is None else before.plan,
             region_numel=self.region_numel,
             moving_within=self.sync if in_place else None,
-            whole=whole,
-            costs=costs,
         )
         self.placement, self.sync = placed, placed.sync
         self.optim = optim = placement.bind_local_optimizer(
@@ -289,16 +287,14 @@ class _Snapshot:
         self.local = [list(group["params"]) for group in optim.param_groups]
         self.state = dict(optim.state)
         composite = optim if isinstance(optim, CompositeOptimizer) else None
-        self.parts = None if composite is None else (list(composite._order), dict(composite.parts))
-        self.formats = None if composite is None else composite.formats
+        self.parts = None if composite is None else (list(composite._order), dict(composite.parts), composite.formats)
 
     def restore(self, placer: Placer, param_groups: list[dict[str, Any]]) -> None:
         del param_groups[self.groups :]
         placer.placement, placer.sync = self.placed
         placer.optim = optim = self.optim
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
-            optim._order[:], optim.parts = self.parts[0], self.parts[1]
-            optim.formats = self.formats
+            optim._order[:], optim.parts, optim.formats = self.parts
             for kind, part in optim.parts.items():
                 del part.param_groups[sum(1 for k, _ in optim._order if k == kind) :]
         else:
