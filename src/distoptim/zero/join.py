@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from torch.distributed.algorithms.join import JoinHook
 
-from distoptim.zero.overlap import OverlapStepper
 from distoptim.zero.repartitioning import ZeroParts
 
 __all__ = ["JOIN_WITH_SDP", "ZeroJoinHook", "hook"]
@@ -31,21 +30,19 @@ def hook(zero: ZeroParts, joined_step: Callable[[], object]) -> ZeroJoinHook:
             "steps the same elements with the true average, and the replicas would part. Give every rank the "
             "same number of batches (DistributedSampler(drop_last=True))"
         )
-    return ZeroJoinHook(zero.overlap_stepper, joined_step)
+    stepper = zero.overlap_stepper  # overlap mode: the step DDP's join hook deferred (Join([ddp, zero]))
+    return ZeroJoinHook(joined_step if stepper is None else stepper.run_deferred)
 
 
 class ZeroJoinHook(JoinHook):
     """A joined rank's step, as torch's: its shard stepped with its ``.grad`` inside the others' agreements, synced."""
 
-    def __init__(self, overlap_stepper: OverlapStepper | None, joined_step: Callable[[], object]) -> None:
-        self.overlap_stepper, self.joined_step = overlap_stepper, joined_step
+    def __init__(self, step: Callable[[], object]) -> None:
+        self.step = step
         self.open = True  # until its Join exits (post_hook)
 
     def main_hook(self) -> None:
-        if self.overlap_stepper is not None:  # after DDP's join hook (Join([ddp, zero]))
-            self.overlap_stepper.run_deferred()
-        else:
-            self.joined_step()
+        self.step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.open = False
