@@ -57,6 +57,47 @@ def test_state_of_a_parameter_frozen_at_placement_is_refused_at_load_not_dropped
     run_on_ranks(_trained_then_frozen_body, 2, optimizer_class, kwargs)
 
 
+def _failed_add_keeps_loaded_state_body(rank: int, world_size: int) -> None:
+    """A parameter frozen when placed holds its loaded state until it has an owner. An ``add_param_group`` whose
+    placing fails after giving it one (here a listener raises) puts that state back: the retry and the steps after
+    train as torch's optimizer, which never dropped it."""
+    (saving_params,) = make_params(SPEC)
+    saving_params[0].requires_grad_(False)  # frozen when placed: its sum is the constructor's 0.1, untrained
+    saving = ZeroRedundancyOptimizer(saving_params, torch.optim.Adagrad, lr=0.05, initial_accumulator_value=0.1)
+    _train([saving], [saving_params], rank, range(2))
+    saving.consolidate_state_dict(0)
+    objects = [saving.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(objects, 0)
+    spec = [[*SPEC[0], ((5,), torch.float32, True)]]  # the first three as SPEC's, and one added later
+    (ours,) = make_params(spec)
+    (plain,) = make_params(spec)
+    for params in (ours, plain):
+        params[0].requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(ours[:3], torch.optim.Adagrad, lr=0.05)
+    reference = torch.optim.Adagrad(plain[:3], lr=0.05)
+    zero.load_state_dict(copy.deepcopy(objects[0]))
+    reference.load_state_dict(copy.deepcopy(objects[0]))
+    for params in (ours, plain):
+        params[0].requires_grad_(True)
+
+    def fail() -> None:
+        raise RuntimeError("injected")
+
+    zero.placer.listeners.insert(0, fail)  # after the placing that gives parameter 0 an owner and its state
+    with pytest.raises(RuntimeError, match="injected"):
+        zero.add_param_group({"params": [ours[3]], "lr": 0.02})
+    zero.placer.listeners.remove(fail)
+    zero.add_param_group({"params": [ours[3]], "lr": 0.02})
+    reference.add_param_group({"params": [plain[3]], "lr": 0.02})
+    _train([zero, reference], [ours, plain], rank, range(2, 4))
+    assert_same_tensors(ours, plain, "after a failed add_param_group")
+    _same_consolidated_state(zero, reference, rank)
+
+
+def test_a_failed_add_param_group_keeps_the_loaded_state_of_a_parameter_frozen_when_placed() -> None:
+    run_on_ranks(_failed_add_keeps_loaded_state_body, 2)
+
+
 def _same_consolidated_state(zero: ZeroRedundancyOptimizer, reference: torch.optim.Optimizer, rank: int) -> None:
     zero.consolidate_state_dict(0)
     if rank == 0:

@@ -286,6 +286,7 @@ class _Snapshot:
         self.optim = optim = placer.local_optimizer  # add_param_group runs after the constructor's placement
         self.local = [list(group["params"]) for group in optim.param_groups]
         self.state = dict(optim.state)
+        self.kept, self.consolidated = dict(placer.kept_unowned), placer.consolidated  # placing may take them
         composite = optim if isinstance(optim, CompositeOptimizer) else None
         self.parts = None if composite is None else (list(composite._order), dict(composite.parts), composite.formats)
 
@@ -293,6 +294,7 @@ class _Snapshot:
         del param_groups[self.groups :]
         placer.placement, placer.sync = self.placed
         placer.optim = optim = self.optim
+        placer.kept_unowned, placer.consolidated = self.kept, self.consolidated
         if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
             optim._order[:], optim.parts, optim.formats = self.parts
             for kind, part in optim.parts.items():
