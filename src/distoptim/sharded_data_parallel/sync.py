@@ -17,8 +17,8 @@ from distoptim import _host
 from distoptim._flat import copy_each_
 from distoptim.comm import collectives as comm
 from distoptim.sharded_data_parallel.buckets import BucketPlan
-from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync
-from distoptim.zero.layouts import layouts_from_plan, piece_view
+from distoptim.zero.buckets import BucketViewSync, ParameterSync, StagedSync, staged_sync_of
+from distoptim.zero.layouts import piece_view
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = ["BucketedSync"]
@@ -127,11 +127,8 @@ class BucketedSync(ParameterSync):
             return _InPlace(
                 self.inner.buffers[layout], plan.layouts[layout].bounds[region], self.group, self.collectives
             )
-        inside = {slot.index for slot in bucket.slots}
-        fragments = [pieces if index in inside else () for index, pieces in enumerate(plan.fragments)]
-        stage_bytes = sum(params[slot.index].numel() * params[slot.index].element_size() for slot in bucket.slots)
-        layouts = [layout for layout in layouts_from_plan(plan.layouts, fragments, params) if layout.pieces]
-        return _Staged(StagedSync(layouts, self.group, self.collectives, stage_bytes=max(1, stage_bytes)))
+        chosen = [slot.index for slot in bucket.slots]
+        return _Staged(staged_sync_of(plan, params, chosen, self.group, self.collectives))
 
     def last_unit(self, params: Iterable[Tensor]) -> int:
         """The last bucket, in forward order, holding any of ``params`` (-1: none)."""
