@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.distributed.rpc import PyRRef  # what rpc.remote returns; rpc.RRef subclasses it for annotations only
@@ -45,6 +46,16 @@ def _on_owners(calls: Iterable[tuple[str, Callable[..., Any], tuple[Any, ...]]])
         if isinstance(outcome, Exception):
             raise outcome
     return outcomes
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(value, b[key]) for key, value in a.items())
+    return bool(a == b)
 
 
 class DistributedOptimizer(Optimizer):
@@ -95,6 +106,7 @@ class DistributedOptimizer(Optimizer):
             for (name, indices), (local, _) in zip(indices_by_owner.items(), created, strict=True)
         ]
         self._num_params = len(params_rref)
+        self._shipped = copy.deepcopy(hyperparameters)
         self.remote_optimizers: list[PyRRef[Any]] = [owner.local for owner in self._owners]
         """RRefs to the optimizer on each owner (as in torch's class)."""
         self.is_functional_optim = registered_functional_optim(optimizer_class) is not None
@@ -121,10 +133,11 @@ class DistributedOptimizer(Optimizer):
                 f"unknown distributed autograd context id {context_id}: call step() inside the "
                 "`with dist_autograd.context() as context_id:` block whose backward pass recorded the gradients"
             )
-        hyperparameters = self._hyperparameters()  # a few values: sent every step, so every change reaches the owners
-        _on_owners(
-            (owner.name, on_owner.call, (owner.local, "step", context_id, hyperparameters)) for owner in self._owners
-        )
+        current, shipped = self._hyperparameters(), self._shipped
+        unchanged = current.keys() == shipped.keys() and all(_same(v, shipped[k]) for k, v in current.items())
+        changed = None if unchanged else current  # the owners keep what they were sent last
+        _on_owners((owner.name, on_owner.call, (owner.local, "step", context_id, changed)) for owner in self._owners)
+        self._shipped = copy.deepcopy(current)
 
     def state_dict(self) -> dict[str, Any]:
         """Every owner's state, gathered through RPC, as ``torch.optim`` would save it for ``params_rref``."""
@@ -162,6 +175,7 @@ class DistributedOptimizer(Optimizer):
             for owner in self._owners
         )
         self.param_groups[0].update(copy.deepcopy(hyperparameters))
+        self._shipped = copy.deepcopy(self._hyperparameters())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: the parameters are fixed by ``params_rref`` at construction.

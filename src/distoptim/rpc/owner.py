@@ -71,11 +71,12 @@ class LocalOptimizer:
     def hyperparameters(self) -> Hyperparameters:
         return {key: value for key, value in self.optimizer.param_group.items() if key != "params"}
 
-    def step(self, context_id: int, hyperparameters: Hyperparameters) -> None:
+    def step(self, context_id: int, hyperparameters: Hyperparameters | None) -> None:
         recorded = recorded_gradients(context_id) or {}  # None: this owner took no part (the caller checked the id)
         gradients = [recorded.get(param) for param in self.params]
         with _OWNER_LOCK:
-            self.optimizer.param_group.update(hyperparameters)
+            if hyperparameters is not None:
+                self.optimizer.param_group.update(hyperparameters)
             if any(grad is not None for grad in gradients):
                 self.optimizer.step(gradients)
 
