@@ -373,6 +373,26 @@ def _state_scenario() -> None:
                         scheduler.step()
         assert distributed.state_dict()["param_groups"][0]["lr"] == reference.param_groups[0]["lr"] == 0.2
 
+    # An optimizer that keeps running values in its own group (schedule-free's k, Prodigy's d): the owners' values
+    # evolve as the local optimizer's, not reset to the caller's copy at every step.
+    model = _Model()
+    distributed = DistributedOptimizer(_SelfDecayingSGD, model.param_rrefs, lr=0.5)
+    reference = _SelfDecayingSGD(model.local_params(), lr=0.5)
+    for step, ((x, y), use) in enumerate(zip(batches, uses, strict=True)):
+        _distributed_step(model, distributed, x, y, use)
+        _local_step(model, reference, x, y, use)
+        model.check_equal(f"self-decaying SGD, step {step}")
+
+
+class _SelfDecayingSGD(torch.optim.SGD):
+    """SGD whose step halves its own group's lr (its schedule lives in the param group)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["lr"] *= 0.5
+        return loss
+
 
 def test_state_dict_round_trip_and_hyperparameter_changes() -> None:
     run_on_ranks(_on_workers, WORLD_SIZE, _state_scenario, backend=None, timeout=60)
