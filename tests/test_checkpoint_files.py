@@ -286,3 +286,34 @@ def test_incomplete_foreign_or_damaged_checkpoints_are_refused_on_every_rank_bef
         with pytest.raises(ValueError, match=re.escape(says)):
             dcp_to_torch_optim(tmp_path / name)
     assert dcp_to_torch_optim(tmp_path / "good")["state"]  # the intact one converts
+
+
+def _index_swapped_body(rank: int, world_size: int, root: str) -> None:
+    """``.metadata`` replaced by another checkpoint's after the load checked it: the load reads the index it
+    checked (the data files are intact), not the new one, whose offsets would point elsewhere."""
+    import distoptim.checkpoint.files as files
+
+    ours, other = Path(root) / "ours", Path(root) / "other"
+    if rank == 0:
+        other.mkdir()
+    x = torch.arange(8.0)
+    checkpoint.save({"x": x}, ours)
+    checkpoint.save({"first": torch.zeros(64), "x": torch.full((8,), 7.0)}, other)
+    checked = files._checked_source
+
+    def then_swapped(*args: Any) -> Any:
+        result = checked(*args)
+        dist.barrier()
+        if rank == 0:
+            shutil.copyfile(other / ".metadata", ours / ".metadata")
+        dist.barrier()
+        return result
+
+    state = {"x": torch.zeros(8)}
+    with mock.patch.object(files, "_checked_source", then_swapped):
+        checkpoint.load(state, ours)
+    assert torch.equal(state["x"], x)
+
+
+def test_a_load_reads_the_index_it_checked(tmp_path: Path) -> None:
+    run_on_ranks(_index_swapped_body, 2, str(tmp_path))

@@ -55,18 +55,20 @@ def save(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None
 
 
 def load(
-    state_dict: dict[str, Any], directory: Path, group: comm.Group, manifest: dict[str, checksums.Entry] | None
+    state_dict: dict[str, Any],
+    directory: Path,
+    metadata: Metadata,
+    manifest: dict[str, checksums.Entry] | None,
+    group: comm.Group,
 ) -> None:
-    """Fill ``state_dict`` in place from the checkpoint in ``directory`` as ``dcp.load`` does (collective); any
-    failure is a ``ValueError`` on every rank, and a missing, truncated or (with its ``manifest``, from
-    ``checksums.read_manifest``) changed file one before anything is loaded."""
+    """Fill ``state_dict`` in place from the checkpoint in ``directory``, whose ``metadata`` was read and checked
+    (``files``), as ``dcp.load`` does (collective); any failure is a ``ValueError`` on every rank, and a missing,
+    truncated or (with its ``manifest``, from ``checksums.read_manifest``) changed file one before anything is
+    loaded."""
     reader, planner = dcp.FileSystemReader(str(directory)), DefaultLoadPlanner()
     rank, what = comm.group_rank(group), f"loading the checkpoint at {directory}"
-    metadata: Metadata | None = None
 
     def local_plan() -> Any:
-        nonlocal metadata
-        metadata = read_metadata(directory)
         planner.set_up_planner(state_dict, metadata, rank == _COORDINATOR)
         reader.set_up_storage_reader(metadata, rank == _COORDINATOR, rank=rank, use_collectives=True)
         return reader.prepare_local_plan(planner.create_local_plan())
@@ -76,7 +78,7 @@ def load(
 
     def checked_plan() -> Any:
         final = planner.finish_plan(plan)
-        assert metadata is not None and metadata.storage_data is not None
+        assert metadata.storage_data is not None
         check_files(directory, [metadata.storage_data[item.storage_index] for item in final.items], manifest)
         return final
 

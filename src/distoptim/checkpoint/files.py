@@ -161,8 +161,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     group, final = comm.default_group(process_group), Path(path)
     state = _stateful_to_state_dict(state_dict)
     what = f"loading the checkpoint at {final}"
-    source, manifest = agreement.run_agreed(lambda: _checked_source(state, final), group, what, errors=(BaseException,))
-    _dcp.load(state, source, group, manifest)
+    checked = agreement.run_agreed(lambda: _checked_source(state, final), group, what, errors=(BaseException,))
+    _dcp.load(state, *checked, group)
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
             value.load_state_dict(state[key])
@@ -175,9 +175,12 @@ def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
 
 
-def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict[str, checksums.Entry] | None]:
+def _checked_source(
+    state_dict: dict[str, Any], final: Path
+) -> tuple[Path, Metadata, dict[str, checksums.Entry] | None]:
     """Where the checkpoint for ``final`` is (or the previous one a save died replacing), once checked complete,
-    undamaged, and holding every entry ``state_dict`` asks for in its shape; and its manifest (None: warned)."""
+    undamaged, and holding every entry ``state_dict`` asks for in its shape; its index as checked (the load reads no
+    other) and its manifest (None: warned)."""
     source = final
     if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
         source = _sibling(final, "previous")
@@ -210,7 +213,7 @@ def _checked_source(state_dict: dict[str, Any], final: Path) -> tuple[Path, dict
             "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
         )
     _check_shapes(leaves, metadata, final)
-    return source, manifest
+    return source, metadata, manifest
 
 
 def _check_shapes(leaves: dict[str, Any], metadata: Metadata, final: Path) -> None:
