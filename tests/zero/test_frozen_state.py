@@ -57,17 +57,25 @@ def test_state_of_a_parameter_frozen_at_placement_is_refused_at_load_not_dropped
     run_on_ranks(_trained_then_frozen_body, 2, optimizer_class, kwargs)
 
 
-def _failed_add_keeps_loaded_state_body(rank: int, world_size: int) -> None:
-    """A parameter frozen when placed holds its loaded state until it has an owner. An ``add_param_group`` whose
-    placing fails after giving it one (here a listener raises) puts that state back: the retry and the steps after
-    train as torch's optimizer, which never dropped it."""
+def _adagrad_saved_with_parameter_0_frozen(rank: int) -> dict[str, Any]:
+    """A consolidated Adagrad state dict (on every rank) of two steps with parameter 0 frozen when placed: its
+    ``sum`` is the constructor's 0.1, untrained."""
     (saving_params,) = make_params(SPEC)
-    saving_params[0].requires_grad_(False)  # frozen when placed: its sum is the constructor's 0.1, untrained
+    saving_params[0].requires_grad_(False)
     saving = ZeroRedundancyOptimizer(saving_params, torch.optim.Adagrad, lr=0.05, initial_accumulator_value=0.1)
     _train([saving], [saving_params], rank, range(2))
     saving.consolidate_state_dict(0)
     objects = [saving.state_dict() if rank == 0 else None]
     torch.distributed.broadcast_object_list(objects, 0)
+    assert objects[0] is not None
+    return objects[0]
+
+
+def _failed_add_keeps_loaded_state_body(rank: int, world_size: int) -> None:
+    """A parameter frozen when placed holds its loaded state until it has an owner. An ``add_param_group`` whose
+    placing fails after giving it one (here a listener raises) puts that state back: the retry and the steps after
+    train as torch's optimizer, which never dropped it."""
+    objects = [_adagrad_saved_with_parameter_0_frozen(rank)]
     spec = [[*SPEC[0], ((5,), torch.float32, True)]]  # the first three as SPEC's, and one added later
     (ours,) = make_params(spec)
     (plain,) = make_params(spec)
@@ -204,13 +212,7 @@ def test_state_a_class_makes_at_construction_without_a_step_count_loads() -> Non
 
 
 def _loaded_construction_state_body(rank: int, world_size: int, partition: str) -> None:
-    (saving_params,) = make_params(SPEC)
-    saving_params[0].requires_grad_(False)  # frozen when placed: its sum is the constructor's 0.1, untrained
-    saving = ZeroRedundancyOptimizer(saving_params, torch.optim.Adagrad, lr=0.05, initial_accumulator_value=0.1)
-    _train([saving], [saving_params], rank, range(2))
-    saving.consolidate_state_dict(0)
-    objects = [saving.state_dict() if rank == 0 else None]
-    torch.distributed.broadcast_object_list(objects, 0)
+    objects = [_adagrad_saved_with_parameter_0_frozen(rank)]
     (ours,) = make_params(SPEC)
     (plain,) = make_params(SPEC)
     for params in (ours, plain):
