@@ -56,6 +56,7 @@ class Placement:
     unowned: list[Tensor]  # frozen parameters nobody owns: a gradient on one is refused
     bound: tuple[int, ...]
     keys: tuple[tuple[torch.device, torch.dtype], ...]  # each parameter's layout key when placed
+    orders: tuple[tuple[int, ...], ...]  # each parameter's memory order when placed (bucket views moved it)
     index: dict[int, int]  # each parameter's global index, by id
 
 
@@ -97,7 +98,7 @@ def place(
         sync = StagedSync(layouts, settings.group, settings.collectives)
     shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
     index = {id(p): i for i, p in enumerate(params)}
-    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, index)
+    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, _orders(params), index)
 
 
 def bind_local_optimizer(
@@ -133,12 +134,18 @@ def bind_local_optimizer(
 
 
 def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
-    """Whether ``placement`` must be made again: a parameter made trainable or given new storage since."""
-    return tuple(p.requires_grad for p in params) != placement.trainability or _storages(params) != placement.bound
+    """Whether ``placement`` must be made again: a parameter made trainable or given new storage (or memory order)."""
+    trainability = tuple(p.requires_grad for p in params)
+    return (
+        trainability != placement.trainability
+        or _storages(params) != placement.bound
+        or _orders(params) != placement.orders
+    )
 
 
 def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
-    """Refuse parameters whose dtype or device changed since ``placement`` was made (the state cannot follow)."""
+    """Refuse parameters whose dtype, device or memory order changed since ``placement`` was made (the partition,
+    master copies, state and ``ShardedDataParallel``'s owned gradient cut them in the old memory order)."""
     now = [(p.device, p.dtype) for p in params]
     changed = [index for index, (key, new) in enumerate(zip(placement.keys, now)) if key != new]
     if changed:
@@ -147,10 +154,29 @@ def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
         raise ValueError(
             f"{len(changed)} parameter(s) changed dtype or device after the ZeroRedundancyOptimizer was built "
             f"(parameter {index}: {dtype} on {device}, now {new_dtype} on {new_device}; model.to(...) or .double() "
-            "since): its partition, master copies and optimizer state were made for the old ones. Convert the model "
-            "before building the optimizer, or build a new optimizer after converting (and load a checkpoint into "
-            "it to keep the optimizer state)"
+            f"since): {_CONVERT_FIRST}"
         )
+    moved = [index for index, (order, new) in enumerate(zip(placement.orders, _orders(params))) if order != new]
+    if moved:
+        index = moved[0]
+        raise ValueError(
+            f"{len(moved)} parameter(s) changed memory format (strides) after the ZeroRedundancyOptimizer was built "
+            f"(parameter {index}: shape {tuple(params[index].shape)}, strides {placement.orders[index]} of its "
+            f"dimensions longer than 1, now {_orders(params)[index]}; model.to(memory_format=...) since): "
+            f"{_CONVERT_FIRST}"
+        )
+
+
+_CONVERT_FIRST = (
+    "its partition, master copies and optimizer state were made for the old ones. Convert the model before building "
+    "the optimizer (dtype, device and memory_format, before any ShardedDataParallel too), or build a new optimizer "
+    "after converting (and load a checkpoint into it to keep the optimizer state)"
+)
+
+
+def _orders(params: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
+    """Each parameter's memory order: the strides of its dimensions longer than 1 (size-1 ones order nothing)."""
+    return tuple(tuple(s for s, n in zip(p.stride(), p.shape) if n > 1) for p in params)
 
 
 def _storages(params: Sequence[Tensor]) -> tuple[int, ...]:
