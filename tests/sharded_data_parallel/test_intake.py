@@ -245,6 +245,32 @@ def test_the_marker_refuses_every_read_and_survives_module_to() -> None:
         assert outcomes["deepcopy"] == "GradientMarker"
 
 
+def _channels_last_body(rank: int, world_size: int, partition: str, who: str) -> str:
+    """``model.to(memory_format=torch.channels_last)`` between the backward and the step: the owned gradient was
+    stored in the old memory order, so it cannot survive that (DDP's .grad does); refused like a dtype change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition=partition, lr=1.0)
+    sdp = ShardedDataParallel(model, zero)
+    sdp(torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    if who == "all" or rank == 1:
+        model.to(memory_format=torch.channels_last)
+    try:
+        zero.step()
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("who", ["all", "rank 1"])
+def test_a_memory_format_change_between_backward_and_step_is_refused_on_every_rank(partition: str, who: str) -> None:
+    for rank, outcome in enumerate(run_on_ranks(_channels_last_body, 2, partition, who, timeout=60)):
+        assert "changed memory format (strides) after the ZeroRedundancyOptimizer was built" in outcome, outcome
+        assert "Convert the model before building the optimizer" in outcome, outcome
+        assert who == "all" or rank == 1 or "on rank 1" in outcome, (rank, outcome)
+
+
 # ------------- a marker that is not the store's (another parameter's, kept across a clear) is refused; .data clears
 def _outcome(action: Any) -> str:
     try:
