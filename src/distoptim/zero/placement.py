@@ -56,7 +56,7 @@ class Placement:
     unowned: list[Tensor]  # frozen parameters nobody owns: a gradient on one is refused
     bound: tuple[int, ...]
     keys: tuple[tuple[torch.device, torch.dtype], ...]  # each parameter's layout key when placed
-    orders: tuple[tuple[int, ...], ...]  # each parameter's memory order when placed (bucket views moved it)
+    strides: tuple[tuple[int, ...], ...]  # each parameter's strides when placed (after bucket views moved it)
     index: dict[int, int]  # each parameter's global index, by id
 
 
@@ -98,7 +98,7 @@ def place(
         sync = StagedSync(layouts, settings.group, settings.collectives)
     shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
     index = {id(p): i for i, p in enumerate(params)}
-    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, _orders(params), index)
+    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, _strides(params), index)
 
 
 def bind_local_optimizer(
@@ -139,7 +139,7 @@ def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
     return (
         trainability != placement.trainability
         or _storages(params) != placement.bound
-        or _orders(params) != placement.orders
+        or _strides(params) != placement.strides
     )
 
 
@@ -156,14 +156,13 @@ def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
             f"(parameter {index}: {dtype} on {device}, now {new_dtype} on {new_device}; model.to(...) or .double() "
             f"since): {_CONVERT_FIRST}"
         )
-    moved = [index for index, (order, new) in enumerate(zip(placement.orders, _orders(params))) if order != new]
+    moved = [i for i, (p, was) in enumerate(zip(params, placement.strides)) if _order(p, was) != _order(p, p.stride())]
     if moved:
         index = moved[0]
         raise ValueError(
             f"{len(moved)} parameter(s) changed memory format (strides) after the ZeroRedundancyOptimizer was built "
-            f"(parameter {index}: shape {tuple(params[index].shape)}, strides {placement.orders[index]} of its "
-            f"dimensions longer than 1, now {_orders(params)[index]}; model.to(memory_format=...) since): "
-            f"{_CONVERT_FIRST}"
+            f"(parameter {index}: shape {tuple(params[index].shape)}, strides {placement.strides[index]}, now "
+            f"{params[index].stride()}; model.to(memory_format=...) since): {_CONVERT_FIRST}"
         )
 
 
@@ -174,9 +173,13 @@ _CONVERT_FIRST = (
 )
 
 
-def _orders(params: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
-    """Each parameter's memory order: the strides of its dimensions longer than 1 (size-1 ones order nothing)."""
-    return tuple(tuple(s for s, n in zip(p.stride(), p.shape) if n > 1) for p in params)
+def _strides(params: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
+    return tuple(p.stride() for p in params)
+
+
+def _order(param: Tensor, strides: Sequence[int]) -> tuple[int, ...]:
+    """``param``'s memory order under ``strides``: those of its dimensions longer than 1 (size-1 ones order nothing)."""
+    return tuple(s for s, n in zip(strides, param.shape) if n > 1)
 
 
 def _storages(params: Sequence[Tensor]) -> tuple[int, ...]:
