@@ -163,6 +163,35 @@ def test_a_hand_set_grad_is_used_as_is() -> None:
     run_on_ranks(_hand_set_body, 2, timeout=120)
 
 
+def _hand_set_scaled_body(rank: int, world_size: int, how: str) -> None:
+    """A ``.grad`` set by hand (the same on every rank), then clipped or unscaled by a GradScaler: every rank's
+    ``.grad`` is scaled, as under DDP, so that a backward adding onto it (no zero_grad) reduces the same sum."""
+    for partition in PARTITIONS:
+        model, zero, sdp, reference, ddp, plain = _pair(partition)
+        for step in range(2):
+            for module, wrapped, optimizer in ((model, sdp, zero), (reference, ddp, plain)):
+                scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if how == "scaler" else None
+                loss = wrapped(_x(rank, step)).square().mean()
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if step == 0:
+                    module.layers[0].weight.grad = torch.full((6, 6), 10.0)  # type: ignore[union-attr,index]
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    continue
+                if optimizer is zero:
+                    zero.clip_grad_norm_(1.0)
+                else:
+                    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+                optimizer.step()
+            sdp.sync_finished()
+            _compare(model, reference, f"{partition} {how} step {step}")
+
+
+@pytest.mark.parametrize("how", ["clip", "scaler"])
+def test_a_hand_set_grad_is_clipped_and_unscaled_on_every_rank(how: str) -> None:
+    run_on_ranks(_hand_set_scaled_body, 2, how, timeout=120)
+
+
 # ---------------------- no_sync's gradient, never reduced, and torch's clip_grad_norm_ are refused on every rank
 def _refusals_body(rank: int, world_size: int) -> list[str]:
     outcomes = []

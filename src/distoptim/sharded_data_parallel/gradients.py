@@ -266,6 +266,11 @@ class OwnedGradients:
             groups = self.zero.agreement_groups
             self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
 
+    def hand_set(self) -> list[Tensor]:
+        """The parameters whose ``.grad`` is a tensor set by hand (between backward and step: no marker, no view of
+        the store); clipping and a scaler scale each whole, on every rank, as DDP + torch.optim do."""
+        return [p for p in self.params if p.grad is not None and not isinstance(p.grad, GradientMarker)]
+
     def _new_owned(self, bucket: int) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
         return torch.empty(self.layout.lengths[bucket], dtype=dtype, device=device)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from distoptim import _host
 
-__all__ = ["Verdict", "check_and_unscale", "refuse_in_overlap_mode"]
+__all__ = ["Verdict", "check_and_unscale", "once_each", "refuse_in_overlap_mode"]
 
 
 class Verdict:
@@ -63,13 +63,20 @@ def check_and_unscale(
     return Verdict(grad_scaler, optimizer, torch.stack(flags).amax())
 
 
+def once_each(wholes: Sequence[Tensor], pieces: Sequence[Tensor]) -> list[Tensor]:
+    """Each of ``wholes`` (whole ``.grad`` tensors) once, then each of ``pieces`` that views none of them."""
+    wholes = list(dict.fromkeys(wholes))
+    inside = {_address(grad) for grad in wholes}
+    return [*wholes, *(piece for piece in pieces if _address(piece) not in inside)]
+
+
 def _dense(grad: Tensor) -> Tensor:
     return grad._values() if grad.is_sparse else grad
 
 
 def _address(grad: Tensor) -> int:
     """The storage a gradient lives in: a piece that views a ``.grad`` shares it."""
-    return grad.untyped_storage().data_ptr()
+    return _dense(grad).untyped_storage().data_ptr()
 
 
 def _check_and_unscale(grads: Sequence[Tensor], inverse: Tensor, scale: Tensor) -> Tensor:

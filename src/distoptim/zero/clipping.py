@@ -12,6 +12,7 @@ from torch import Tensor
 
 from distoptim import _host
 from distoptim.comm import collectives as comm
+from distoptim.zero.amp import once_each
 
 if TYPE_CHECKING:
     from distoptim.zero.shard import LocalShard
@@ -27,7 +28,7 @@ IN_OVERLAP_MODE = (
 
 def clip_shard(
     shard: LocalShard,
-    global_params: Sequence[Tensor],
+    whole_params: Sequence[Tensor],
     max_norm: float,
     norm_type: float,
     error_if_nonfinite: bool,
@@ -36,11 +37,10 @@ def clip_shard(
     grad_scale: float | Tensor | None,
 ) -> Tensor:
     """Scale ``shard``'s owned gradient pieces so that the whole gradient's norm is at most ``max_norm``; returns the
-    total norm (float32, on every rank). Under DDP every whole ``.grad`` is scaled: a later backward mixes no pieces."""
+    total norm (float32, on every rank). The ``.grad`` of each of ``whole_params`` (every parameter under DDP, those
+    set by hand under ShardedDataParallel) is scaled whole, on every rank: a later backward mixes no pieces."""
     grads = shard.owned_grads()  # first: it may lay a gradient out anew, and the new one is what gets scaled
-    whole = None
-    if shard.source is None:
-        whole = list(dict.fromkeys(p.grad for p in global_params if p.grad is not None))
+    scaled = once_each([p.grad for p in whole_params if p.grad is not None], grads)
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
     local = _local_term(grads, norm_type, device)
@@ -61,7 +61,7 @@ def clip_shard(
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads if whole is None else whole:
+    for grad in scaled:
         by_device.setdefault(grad.device, []).append(grad)
     for device_grads in by_device.values():
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))

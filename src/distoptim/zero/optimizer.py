@@ -231,11 +231,13 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
     ) -> stepping.Prepared:
         """Attach the gradients, check and unscale them (and every gradient held here, once each, as torch's step does:
-        the store's as attached, as reading it again settles) under a scaler; step unless it skips or ``hold``."""
-        shard, sharded = self.local_shard, self._gradient_source is not None
+        every ``.grad`` set by hand, on every rank, and the store's pieces as attached) under a scaler; step unless it
+        skips or ``hold``."""
+        shard, source = self.local_shard, self._gradient_source
+        whole = self.global_params if source is None else source.hand_set()  # before any store piece is in .grad
         shard.attach_grads()
-        held = shard.source_grads if sharded else lambda: [p.grad for p in self.global_params if p.grad is not None]
-        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, sharded, held)
+        held = lambda: amp.once_each([p.grad for p in whole if p.grad is not None], shard.source_grads())
+        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held)
         return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
@@ -355,8 +357,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             self._gradient_source.ready()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self.placer.repartition_if_changed()
-        shard, params, group, device = self.local_shard, self.global_params, self.process_group, self.placer.comm_device
-        return clipping.clip_shard(shard, params, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
+        shard, group, device = self.local_shard, self.process_group, self.placer.comm_device
+        whole = self.global_params if self._gradient_source is None else self._gradient_source.hand_set()
+        return clipping.clip_shard(shard, whole, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of all parameters, owned or not (and ``ShardedDataParallel``'s owned gradient).

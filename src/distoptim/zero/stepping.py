@@ -55,6 +55,9 @@ class GradientSource(Protocol):
     def ready(self) -> None:
         """Before ``clip_grad_norm_`` reads (collective): the same, agreed on its own where a backward ran since."""
 
+    def hand_set(self) -> list[Tensor]:
+        """The parameters whose ``.grad`` was set by hand (a tensor, not the store's marker), after settling."""
+
     def clear(self, set_to_none: bool) -> None:
         """``zero_grad``."""
 
