@@ -136,6 +136,29 @@ def test_state_dict_after_training_and_resume_at_another_world_size() -> None:
     run_on_ranks(_checkpoint_body, 2, saved)
 
 
+def _stale_consolidation_body(rank: int, world_size: int, hook: Any) -> None:
+    """Steps the hook takes after consolidate_state_dict() make the consolidated state stale, as step()'s do."""
+    model = _model()
+    ddp = _ddp(model, False, False)
+    zero = ZeroRedundancyOptimizer(model.parameters(), FunctionalAdamW, overlap_with_ddp=True, lr=0.01)
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
+    scheduler = StepLR(zero, step_size=100)
+    _train(ddp, zero, scheduler, rank, range(2), step=False)
+    zero.consolidate_state_dict(to=0)
+    _train(ddp, zero, scheduler, rank, range(2, 4), step=False)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="consolidate after the last step"):
+            zero.state_dict()
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        assert all(float(entry["step"]) == 4 for entry in zero.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_hooks_step_makes_the_consolidated_state_stale(hook: Any) -> None:
+    run_on_ranks(_stale_consolidation_body, 2, hook)
+
+
 def _errors_body(rank: int, world_size: int) -> None:
     model = _model()
     ddp = DDP(model)

@@ -101,7 +101,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         self.partition = partition
         self.master_dtype = master_dtype
         self.overlap_stepper = (
-            None if functional_cls is None else OverlapStepper(functional_cls, group, collectives, self)
+            None if functional_cls is None else OverlapStepper(functional_cls, group, collectives, self, self._stepped)
         )
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
         self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
@@ -192,8 +192,12 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         finally:
             self.local_shard.detach_grads()  # no stale gradient piece outlives the step
         self.sync_parameters()  # 3. every rank's updated shard to every rank
-        self.placer.consolidated = None
+        self._stepped()
         return loss
+
+    def _stepped(self) -> None:
+        """After every step, ``step()``'s or (overlap mode) the DDP hook's: a consolidated state is stale."""
+        self.placer.consolidated = None
 
     def _prepare(
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False

@@ -43,8 +43,10 @@ class OverlapStepper:
         group: comm.Group,
         collectives: comm.Collectives,
         stepped_flag_on: object,
+        on_step: Callable[[], None],
     ) -> None:
         self.functional_cls = functional_cls
+        self._on_step = on_step  # the optimizer's own after-step bookkeeping (a consolidated state is stale)
         self.group, self.collectives = group, collectives
         self._stepped_flag_on = stepped_flag_on  # the optimizer LR schedulers watch
         self._hooked = False
@@ -98,6 +100,7 @@ class OverlapStepper:
             copy_each_(part.write_into, part.write_from)  # master copies, rounded into their parameters
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
+        self._on_step()
 
     @property
     def warmup_over(self) -> bool:
