@@ -163,6 +163,24 @@ def test_sharded_checkpoint_resumes_at_another_world_size_and_partition(
     run_on_ranks(_load_body, load[0], path, load[1], master, saved)
 
 
+def _template_raises_body(rank: int, world_size: int) -> str:
+    params = [torch.randn(8, 6, requires_grad=True), torch.randn(0, 5, requires_grad=True)]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.Adafactor, lr=0.01)  # a 0-element parameter: 1 / 0 there
+    try:
+        zero.sharded_state_dict()
+    except Exception as error:  # the owner's own error; the others a ValueError naming it
+        return f"{type(error).__name__}: {error}"
+    return "returned"
+
+
+def test_a_template_step_that_raises_on_one_rank_raises_on_every_rank() -> None:
+    """``sharded_state_dict()``'s placeholder step (torch's Adafactor divides by zero on a 0-element parameter, on its
+    owner only) raises inside an agreement: every rank raises, none waits in the gathers after it."""
+    outcomes = run_on_ranks(_template_raises_body, 2, timeout=60)
+    assert sorted(o.split(":")[0] for o in outcomes) == ["ValueError", "ZeroDivisionError"], outcomes
+    assert all("ZeroDivisionError" in o for o in outcomes), outcomes
+
+
 def test_dcp_async_save_of_a_sharded_state_resumes_bit_exactly(tmp_path: Path) -> None:
     """``dcp.async_save(zero.sharded_state_dict())``: its staging copies the fragments (the steps taken while the
     save is written change nothing in it), and a run loaded from it at another world size goes on bit-exactly."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, cast
 
 import torch
@@ -112,9 +112,11 @@ class Checkpoints:
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
         """
-        _ready_to_read(self)
+        placeholders = _ready_to_read(  # inside its agreement: a placeholder step raising on some rank raises on all
+            self,
+            lambda: sharded.template_state(self.local_shard, self.local_optimizer.step, self.local_optimizer.state),
+        )
         shard, state = self.local_shard, self.local_optimizer.state
-        placeholders = sharded.template_state(shard, self.local_optimizer.step, state)
         formats = getattr(self.local_optimizer, "formats", None)
         state = state if formats is None else formats.as_kept(state)  # the keys a step gives, before one ran too
         groups = pickle.dumps(_naming_saved(self, checkpoint.saved_param_groups(self.param_groups), state))
@@ -258,10 +260,15 @@ def _same_value(value: Any, fresh: Any) -> bool:
     return value.shape == fresh.shape and torch.equal(value.to(fresh.device, fresh.dtype), fresh)
 
 
-def _ready_to_read(zero: ZeroParts) -> None:
+def _ready_to_read(zero: ZeroParts, then: Callable[[], Any] = lambda: None) -> Any:
     """Land the sync, raise on every rank if a parameter was written while it was in flight, and place again where
-    stale (the master copies follow the parameters), agreed."""
+    stale (the master copies follow the parameters), then run ``then``, agreed; returns what ``then`` returned."""
     zero.land_sync()
     if zero.placer.sync.watches_writes:  # the same on every rank
         agreed(zero, zero.placer.sync.check_untouched)
-    agreed(zero, zero.placer.repartition_if_changed)
+
+    def place_then() -> Any:
+        zero.placer.repartition_if_changed()
+        return then()
+
+    return agreed(zero, place_then)
