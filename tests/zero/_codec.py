@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from distoptim.zero import codecs
@@ -25,4 +26,5 @@ def round_trip(
         if fmt == "fp32" or not entry:
             continue
         for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
-            entry[key] = codecs.decode(key, codecs.encode(key, entry[key], fmt), fmt, tensor.dtype)
+            laid = torch.empty_like(tensor, dtype=entry[key].dtype).copy_(entry[key])  # blocks: the parameter's order
+            entry[key] = codecs.decode(key, codecs.encode(key, laid, fmt), fmt, tensor.dtype)

@@ -122,6 +122,32 @@ def test_world_size_one_and_fp32_default() -> None:
     run_on_ranks(_parity_body, 2, "adamw", "fp32", "even", 2)
 
 
+def _hand_set_grads_body(rank: int, world_size: int, partition: str) -> None:
+    """A transposed parameter whose ``.grad`` is set by hand, row-major (as after ``torch.autograd.grad`` and an
+    all-reduce): SGD clones it into a row-major ``momentum_buffer``, whose int8 blocks must still follow the
+    parameter's memory order; they followed the buffer's where a rank owned the parameter whole."""
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(70, 80, generator=generator).t(), torch.randn(10, generator=generator)]
+    params, reference_params = (
+        [v.clone(memory_format=torch.preserve_format).requires_grad_() for v in values] for _ in "ab"
+    )
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=partition, state_format="int8", **kwargs)
+    reference = CodecReference(reference_params, torch.optim.SGD, "int8", **kwargs)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=generator) for p in params]  # the same on every rank: its own average
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        zero.step()
+        reference.step(grads)
+        _assert_bitwise(params, reference_params, f"{partition} step {step}")
+
+
+@pytest.mark.parametrize(("world_size", "partition"), [(1, "greedy"), (2, "even")])
+def test_int8_blocks_follow_the_parameters_memory_order_not_the_gradients(world_size: int, partition: str) -> None:
+    run_on_ranks(_hand_set_grads_body, world_size, partition)
+
+
 def _state_bytes(zero: ZeroRedundancyOptimizer) -> int:
     return sum(
         v.numel() * v.element_size()

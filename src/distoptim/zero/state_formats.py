@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim._flat import is_dense
 from distoptim.zero import codecs
 from distoptim.zero.shard import LocalShard
 
@@ -71,7 +72,7 @@ class StateFormats:
         if fmt == "fp32":
             return
         for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
-            entry.update(codecs.encode(key, entry.pop(key), fmt, self.scratch))
+            entry.update(codecs.encode(key, _laid_as(entry.pop(key), tensor), fmt, self.scratch))
 
     def as_kept(self, state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
         """``state`` as a step leaves it (encoded copies): a checkpoint's keys do not depend on whether a step ran."""
@@ -134,6 +135,16 @@ class StateFormats:
             for tensor in tensors:
                 if tensor in state:
                     self.encode_entry(tensor, state[tensor])
+
+
+def _laid_as(value: Tensor, tensor: Tensor) -> Tensor:
+    """``value`` laid out as ``tensor`` (a copy only where it is not): int8 blocks follow the parameter's memory
+    order, also for state torch.optim cloned from a gradient laid out otherwise (SGD's momentum of a hand-set grad)."""
+    if not is_dense(tensor):
+        return value.contiguous()
+    if value.stride() == tensor.stride():
+        return value
+    return value.new_empty_strided(tensor.shape, tensor.stride()).copy_(value)
 
 
 def decode_entry(tensor: Tensor, entry: dict[str, Any], scratch: codecs.Scratch | None = None) -> None:
