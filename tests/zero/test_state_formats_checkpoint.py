@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from distoptim import ZeroRedundancyOptimizer, checkpoint
 from tests._dist import run_on_ranks
+from tests.zero._codec import eligible, round_trip
 from tests.zero.test_state_formats import CodecReference, _assert_bitwise, exact_average, local_grads, make_params
 
 KWARGS = {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}
@@ -22,7 +23,7 @@ def _train(zero: ZeroRedundancyOptimizer, params: list[torch.Tensor], rank: int,
     for step in steps:
         for param, grad in zip(params, local_grads(rank, world_size, step)):
             dist.all_reduce(grad)
-            param.grad = grad.div_(world_size)
+            param.grad = grad.div_(world_size) if param.requires_grad else None
         zero.step()
 
 
@@ -201,3 +202,73 @@ def _transposed_body(rank: int, world_size: int, path: str) -> None:
 
 def test_int8_state_laid_unlike_its_parameter_resumes_from_a_sharded_checkpoint(tmp_path: Path) -> None:
     run_on_ranks(_transposed_body, 1, str(tmp_path / "checkpoint"))
+
+
+ADAGRAD = {"lr": 0.05, "initial_accumulator_value": 0.1}
+
+
+def _adagrad(params: list[torch.Tensor]) -> ZeroRedundancyOptimizer:
+    return ZeroRedundancyOptimizer(params, torch.optim.Adagrad, partition="even", state_format="bf16", **ADAGRAD)
+
+
+def _adagrad_reference(world_size: int, steps: range, frozen_until: int = 0) -> list[torch.Tensor]:
+    """Plain Adagrad through the bf16 codec; parameter 0 without a gradient before step ``frozen_until``."""
+    params = make_params()
+    plain = torch.optim.Adagrad(params, **ADAGRAD)
+    for step in steps:
+        for index, (param, grad) in enumerate(zip(params, exact_average(world_size, step))):
+            param.grad = None if index == 0 and step < frozen_until else grad
+        plain.step()
+        round_trip(
+            plain.state, [p for p in params if p.grad is not None], {p: "bf16" for p in params if eligible(p, "bf16")}
+        )
+    return params
+
+
+def _unstepped_save_body(rank: int, world_size: int, path: str) -> None:
+    checkpoint.save({"optim": _adagrad(make_params()).sharded_state_dict()}, path)
+
+
+def _unstepped_load_body(rank: int, world_size: int, path: str, kind: str) -> None:
+    """Adagrad's ``sum`` is made at construction and kept plain until a first step encodes it (issue 43): a
+    checkpoint taken before that step must resume as the run that never stopped (bf16 rounded 0.1 at the load)."""
+    params = make_params()
+    zero = _adagrad(params)
+    if kind == "sharded":
+        state = {"optim": zero.sharded_state_dict()}
+        checkpoint.load(state, path)
+        zero.load_sharded_state_dict(state["optim"])
+    else:
+        saved = _adagrad(make_params())
+        saved.consolidate_state_dict(to=0)
+        zero.load_state_dict(_everyone(saved.state_dict() if rank == 0 else None))
+    _train(zero, params, rank, world_size, range(3))
+    _assert_bitwise(params, _adagrad_reference(world_size, range(3)), f"resumed ({kind})")
+
+
+def test_adagrad_sum_saved_before_a_first_step_resumes_unrounded(tmp_path: Path) -> None:
+    path = str(tmp_path / "checkpoint")
+    run_on_ranks(_unstepped_save_body, 2, path)
+    run_on_ranks(_unstepped_load_body, 3, path, "sharded")
+    run_on_ranks(_unstepped_load_body, 2, path, "consolidated")
+
+
+def _frozen_kept_body(rank: int, world_size: int) -> None:
+    """Parameter 0 frozen at placement: a consolidated load keeps its construction ``sum`` until unfreezing gives it
+    an owner, who must keep it plain until its first step."""
+    params = make_params()
+    params[0].requires_grad_(False)
+    zero = _adagrad(params)
+    _train(zero, params, rank, world_size, range(2))
+    zero.consolidate_state_dict(to=0)
+    saved = _everyone(zero.state_dict() if rank == 0 else None)
+    resumed = [p.detach().clone().requires_grad_(p.requires_grad) for p in params]
+    again = _adagrad(resumed)
+    again.load_state_dict(saved)
+    resumed[0].requires_grad_(True)
+    _train(again, resumed, rank, world_size, range(2, 4))
+    _assert_bitwise(resumed, _adagrad_reference(world_size, range(4), frozen_until=2), "unfrozen after a load")
+
+
+def test_adagrad_sum_of_a_parameter_frozen_at_placement_stays_plain_until_its_first_step() -> None:
+    run_on_ranks(_frozen_kept_body, 2)

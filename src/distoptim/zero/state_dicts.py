@@ -16,9 +16,10 @@ from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm.objects import all_gather_objects
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
+from distoptim.zero.placement import install_kept
 from distoptim.zero.repartitioning import ZeroParts, agreed
 from distoptim.zero.shard import MASTER_KEY, stitch
-from distoptim.zero.state_formats import decoded
+from distoptim.zero.state_formats import decoded, is_trained
 
 __all__ = ["Checkpoints"]
 
@@ -158,6 +159,7 @@ class Checkpoints:
             group.update(saved)
         self.placer.push_hyperparameters()
         sharded.install_loaded(self.local_shard, self.local_optimizer.state, state_dict)
+        _made_again(self)
         self.placer.kept_unowned.clear()  # a sharded save holds no state for them: they have what this optimizer made
         self.local_shard.write_back()
         self.placer.consolidated = None
@@ -184,19 +186,24 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
     return made
 
 
+def _made_again(zero: ZeroParts) -> None:
+    """The entries loaded at step 0 as the class makes them at construction, plain until a first step encodes them:
+    a sharded save encodes them (its keys must not depend on whether a step ran), rounding Adagrad's ``sum``."""
+    state = zero.local_optimizer.state
+    loaded = {t.index for t in zero.local_shard.locals if t.tensor in state and not is_trained(state[t.tensor])}
+    if loaded:
+        made = _made_at_construction(zero, set(range(len(zero.global_params))) - loaded)
+        install_kept(made, zero.placer.placed, zero.local_optimizer)
+
+
 def _on_cpu(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in entry.items()}
-
-
-def _trained(state: dict[str, Any] | None) -> bool:
-    """Whether ``state`` is more than a fresh optimizer makes at construction (Adagrad's ``sum`` at ``step`` 0)."""
-    return state is not None and bool(state) and float(state.get("step", 1)) != 0
 
 
 def _trained_in(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> set[int]:
     """The parameters no rank owns whose loaded state differs from what the class makes at construction."""
     params, owners = zero.global_params, zero.plan.owners
-    trained = {i for i, param in enumerate(params) if owners[i] == UNOWNED and _trained(by_param.get(param))}
+    trained = {i for i, param in enumerate(params) if owners[i] == UNOWNED and is_trained(by_param.get(param))}
     made = _made_at_construction(zero, set(range(len(params))) - trained) if trained else {}
     return {index for index in trained if not _same_state(by_param[params[index]], made.get(index, {}))}
 
@@ -205,7 +212,7 @@ def _naming_saved(
     zero: ZeroParts, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The groups naming their parameters trained on some rank, and the keys saved for them (what a load may drop)."""
-    trained = [t.index for t in zero.local_shard.locals if _trained(zero.local_optimizer.state.get(t.tensor))]
+    trained = [t.index for t in zero.local_shard.locals if is_trained(zero.local_optimizer.state.get(t.tensor))]
     mine = (trained, sharded.held_keys(zero.local_shard, state))
     everyone = all_gather_objects(mine, zero.process_group, zero.placer.comm_device)
     anywhere = {index for indices, _ in everyone for index in indices}

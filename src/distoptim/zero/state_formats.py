@@ -18,7 +18,16 @@ from distoptim._flat import is_dense
 from distoptim.zero import codecs
 from distoptim.zero.shard import LocalShard
 
-__all__ = ["FORMAT_KEY", "StateFormats", "block_sizes", "check_format", "decoded", "needs_formats", "tensor_format"]
+__all__ = [
+    "FORMAT_KEY",
+    "StateFormats",
+    "block_sizes",
+    "check_format",
+    "decoded",
+    "is_trained",
+    "needs_formats",
+    "tensor_format",
+]
 
 FORMAT_KEY = "state_format"
 CHUNK_NUMEL = 1 << 22  # encoded elements decoded at once in a step (and the buffers kept for them)
@@ -66,10 +75,11 @@ class StateFormats:
         self.group_formats = [group_format(group) for group in global_groups]
         self.scratch = codecs.Scratch(CHUNK_NUMEL)  # a chunk's decoded state, the codecs' temporaries: kept
 
-    def encode_entry(self, tensor: Tensor, entry: dict[str, Any]) -> None:
-        """Encode ``entry`` (one tensor's state) in place, in ``tensor``'s format."""
+    def encode_entry(self, tensor: Tensor, entry: dict[str, Any], made_too: bool = False) -> None:
+        """Encode ``entry`` (one tensor's state) in place, in ``tensor``'s format; the state a class makes at
+        construction (Adagrad's ``sum`` at step 0) only ``made_too``: a first step encodes it (issue 43)."""
         fmt = self.formats.get(tensor, "fp32")
-        if fmt == "fp32":
+        if fmt == "fp32" or not (made_too or is_trained(entry)):
             return
         for key in [k for k, v in entry.items() if codecs.is_encodable(k, v) and v.shape == tensor.shape]:
             entry.update(codecs.encode(key, _laid_as(entry.pop(key), tensor), fmt, self.scratch))
@@ -77,7 +87,8 @@ class StateFormats:
     def as_kept(self, state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, dict[str, Any]]:
         """``state`` as a step leaves it (encoded copies): a checkpoint's keys do not depend on whether a step ran."""
         kept = {tensor: dict(entry) for tensor, entry in state.items()}
-        self.encode_all(kept)
+        for tensor, entry in kept.items():
+            self.encode_entry(tensor, entry, made_too=True)  # a load makes step-0 entries plain again
         return kept
 
     def encode_all(self, state: dict[Tensor, dict[str, Any]]) -> None:
@@ -135,6 +146,11 @@ class StateFormats:
             for tensor in tensors:
                 if tensor in state:
                     self.encode_entry(tensor, state[tensor])
+
+
+def is_trained(entry: dict[str, Any] | None) -> bool:
+    """Whether ``entry`` is more than a fresh optimizer makes at construction (Adagrad's ``sum`` at ``step`` 0)."""
+    return entry is not None and bool(entry) and float(entry.get("step", 1)) != 0
 
 
 def _laid_as(value: Tensor, tensor: Tensor) -> Tensor:
