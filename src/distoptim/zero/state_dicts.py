@@ -18,7 +18,7 @@ from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
 from distoptim.zero.placement import install_kept
 from distoptim.zero.repartitioning import ZeroParts, agreed
-from distoptim.zero.shard import MASTER_KEY, stitch
+from distoptim.zero.shard import MASTER_KEY, has_master, stitch
 from distoptim.zero.state_formats import decoded, is_trained
 
 __all__ = ["Checkpoints"]
@@ -181,7 +181,11 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
         index += len(group["params"])
         if not missing:
             continue
-        fresh = optimizer_class([{"params": [p.detach() for p in missing.values()], **settings}], **defaults)
+        masters = zero.master_dtype  # the class steps the master copies: its state is made for them
+        made_over = [
+            p.detach().to(masters or p.dtype) if has_master(p.dtype, masters) else p.detach() for p in missing.values()
+        ]
+        fresh = optimizer_class([{"params": made_over, **settings}], **defaults)
         made.update((i, fresh.state[p]) for i, p in zip(missing, fresh.param_groups[0]["params"]) if p in fresh.state)
     return made
 
