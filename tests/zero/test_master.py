@@ -261,3 +261,24 @@ def _frozen_adagrad_body(rank: int, world_size: int) -> None:
 def test_construction_state_of_a_frozen_parameter_is_made_in_the_master_dtype() -> None:
     run_on_ranks(_frozen_adagrad_body, 2)
 
+
+def _masters_ignored_body(rank: int, world_size: int, path: str) -> int:
+    """A sharded checkpoint with master weights loaded into an optimizer without ``master_dtype``: they are ignored
+    with the consolidated path's warning, on every rank (they were dropped without a word)."""
+    import distoptim.checkpoint
+
+    ours = make_params(SPEC)
+    zero = ZeroRedundancyOptimizer(_groups(ours), torch.optim.AdamW, master_dtype=F32, **KWARGS)
+    set_gradients(averaged_gradients(flatten(ours), rank, 0), flatten(ours))
+    zero.step()
+    distoptim.checkpoint.save({"optim": zero.sharded_state_dict()}, path)
+    plain = ZeroRedundancyOptimizer(_groups(make_params(SPEC)), torch.optim.AdamW, **KWARGS)
+    state = {"optim": plain.sharded_state_dict()}
+    distoptim.checkpoint.load(state, path)
+    with pytest.warns(UserWarning, match="carries master weights but this optimizer keeps none") as caught:
+        plain.load_sharded_state_dict(state["optim"])
+    return len(caught)
+
+
+def test_sharded_master_weights_loaded_without_master_dtype_warn(tmp_path: Any) -> None:
+    assert run_on_ranks(_masters_ignored_body, 2, str(tmp_path / "checkpoint")) == [1, 1]

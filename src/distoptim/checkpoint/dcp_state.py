@@ -286,9 +286,13 @@ def _index_and_name(key: str) -> tuple[str, str]:
 
 
 def held_keys(shard: LocalShard, state: dict[Tensor, dict[str, Any]]) -> dict[int, list[str]]:
-    """The state keys ``sharded_state`` saves for each local parameter (its master weights aside), by index."""
-    pieces = (t for t in shard.locals if t.param.numel() > 0 and state.get(t.tensor))
-    return {local.index: sorted(state[local.tensor]) for local in pieces}
+    """The state keys ``sharded_state`` saves for each local parameter (its master weights too), by index."""
+    held = {}
+    for local in (t for t in shard.locals if t.param.numel() > 0):
+        keys = sorted(state.get(local.tensor, ())) + ([MASTER_KEY] if local.master else [])
+        if keys:
+            held[local.index] = keys
+    return held
 
 
 def keys_by_name(params: list[int], held: Mapping[int, Collection[str]]) -> dict[str, list[int]]:
@@ -307,7 +311,7 @@ def check_state_keys(
     parameters (``STATE_KEYS``; none in older saves): DCP loads only the entries asked for, so it would be dropped."""
     saved = {(i, name) for group in saved_groups for name, held in (group.get(STATE_KEYS) or {}).items() for i in held}
     asked = {(int(i), name) for i, name in (_index_and_name(key) for key in loaded if key.startswith("state."))}
-    dropped = sorted(saved - asked)  # (parameter, key): usually none
+    dropped = sorted((i, name) for i, name in saved - asked if name != MASTER_KEY)  # usually none; masters: a warning
     for number, pieces in enumerate(shard.groups):
         for local in (t for t in pieces if t.param.numel() > 0):
             missing = [name for index, name in dropped if index == local.index]

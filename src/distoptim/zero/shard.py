@@ -16,6 +16,7 @@ from distoptim._flat import copy_each_, flat_view
 from distoptim.zero.partition import PartitionPlan
 
 __all__ = [
+    "MASTERS_IGNORED",
     "MASTER_KEY",
     "LocalShard",
     "LocalTensor",
@@ -26,6 +27,10 @@ __all__ = [
 ]
 
 MASTER_KEY = "master_weight"
+MASTERS_IGNORED = (
+    "the checkpoint carries master weights but this optimizer keeps none (master_dtype=None): they are ignored and "
+    "the parameters stay as they are; build the optimizer with the saving run's master_dtype to keep them"
+)
 GLOBAL_ONLY = frozenset({"params", "param_names"})  # not hyperparameters: the local groups do not carry them
 
 
@@ -206,11 +211,7 @@ class LocalShard:
                 stacklevel=3,
             )
         if not self.masters and any(MASTER_KEY in entry for entry in by_param.values()):
-            warnings.warn(
-                "the state dict carries master weights but this optimizer keeps none (master_dtype=None): they are "
-                "ignored and the parameters stay as they are",
-                stacklevel=3,
-            )
+            warnings.warn(MASTERS_IGNORED, stacklevel=3)
         return entries
 
     def move_state(self, state: dict[Tensor, Any], previous: LocalShard | None) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Callable, Collection
 from typing import Any, cast
 
@@ -18,7 +19,7 @@ from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
 from distoptim.zero.placement import install_kept
 from distoptim.zero.repartitioning import ZeroParts, agreed
-from distoptim.zero.shard import MASTER_KEY, has_master, stitch
+from distoptim.zero.shard import MASTER_KEY, MASTERS_IGNORED, has_master, stitch
 from distoptim.zero.state_formats import decoded, is_trained
 
 __all__ = ["Checkpoints"]
@@ -152,9 +153,12 @@ class Checkpoints:
 
         saved_groups = agreed(self, place_and_check)  # a key the template lacks refused on every rank alike
         trained = {index for saved in saved_groups for index in saved.pop(sharded.TRAINED, ())}  # none in older saves
-        for saved in saved_groups:
-            saved.pop(sharded.STATE_KEYS, None)
+        mastered = {
+            i for saved in saved_groups for i in (saved.pop(sharded.STATE_KEYS, None) or {}).get(MASTER_KEY, ())
+        }
         _refuse_stranded_state(self, trained, "load_sharded_state_dict")
+        if any(not has_master(self.global_params[i].dtype, self.master_dtype) for i in mastered):
+            warnings.warn(MASTERS_IGNORED, stacklevel=2)  # as a consolidated load warns (LocalShard.local_state)
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
         self.placer.push_hyperparameters()
