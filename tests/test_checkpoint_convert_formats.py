@@ -149,3 +149,15 @@ def test_int8_state_of_another_memory_order_is_refused(tmp_path: Path) -> None:
     assert _cli(str(tmp_path / "rows"), "--from-torch", str(tmp_path / "optim.pt")).returncode == 0
     results = run_on_ranks(_resume_body, 2, str(tmp_path / "rows"), str(tmp_path / "sharded"), saved, True)
     assert all("saved in blocks of memory order (strides) row-major" in r for r in results), results
+
+
+def test_from_torch_before_a_first_step_resumes_adagrads_sum_unrounded(tmp_path: Path) -> None:
+    """``--from-torch`` encodes Adagrad's construction ``sum`` (step 0) as a sharded save does; the load makes it
+    again as the class does, so the run resumes as one that never stopped (not from bf16's 0.10009765625)."""
+    from distoptim.checkpoint.convert import torch_optim_to_dcp
+    from tests.zero.test_state_formats import make_params
+    from tests.zero.test_state_formats_checkpoint import ADAGRAD, _unstepped_load_body
+
+    plain = torch.optim.Adagrad(make_params(), **ADAGRAD)
+    torch_optim_to_dcp(plain.state_dict(), tmp_path / "checkpoint", state_format="bf16")
+    run_on_ranks(_unstepped_load_body, 2, str(tmp_path / "checkpoint"), "sharded")
