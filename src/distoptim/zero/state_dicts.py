@@ -195,10 +195,14 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
 
 
 def _made_again(zero: ZeroParts) -> None:
-    """The entries loaded at step 0 as the class makes them at construction, plain until a first step encodes them:
-    a sharded save encodes them (its keys must not depend on whether a step ran), rounding Adagrad's ``sum``."""
+    """The encoded entries loaded at step 0 as the class makes them at construction, plain until a first step encodes
+    them: a sharded save encodes them (its keys must not depend on whether a step ran), rounding Adagrad's ``sum``."""
     state = zero.local_optimizer.state
-    loaded = {t.index for t in zero.local_shard.locals if t.tensor in state and not is_trained(state[t.tensor])}
+    loaded = {
+        t.index
+        for t in zero.local_shard.locals
+        if not is_trained(entry := state.get(t.tensor)) and any(k.endswith((".bf16", ".int8")) for k in entry or ())
+    }
     if loaded:
         made = _made_at_construction(zero, set(range(len(zero.global_params))) - loaded)
         install_kept(made, zero.placer.placed, zero.local_optimizer)
