@@ -96,6 +96,7 @@ class LocalShard:
         master_dtype: torch.dtype | None = None,
     ) -> None:
         self.groups: list[list[LocalTensor]] = []
+        self.master_dtype = master_dtype
         index = 0
         for group in param_groups:
             local: list[LocalTensor] = []
@@ -210,8 +211,8 @@ class LocalShard:
                 "start from the (rounded) parameters, so the run does not continue bit for bit",
                 stacklevel=3,
             )
-        if not self.masters and any(MASTER_KEY in entry for entry in by_param.values()):
-            warnings.warn(MASTERS_IGNORED, stacklevel=3)
+        if any(MASTER_KEY in entry and not has_master(p.dtype, self.master_dtype) for p, entry in by_param.items()):
+            warnings.warn(MASTERS_IGNORED, stacklevel=3)  # by_param is global: the same verdict on every rank
         return entries
 
     def move_state(self, state: dict[Tensor, Any], previous: LocalShard | None) -> None:
