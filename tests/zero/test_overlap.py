@@ -47,10 +47,12 @@ def _ddp(model: nn.Module, gradient_as_bucket_view: bool, static_graph: bool) ->
     return DDP(model, bucket_cap_mb=0.0005, gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
 
 
-def _train(ddp: DDP, optimizer: Any, scheduler: StepLR, rank: int, iterations: range, step: bool) -> None:
+def _train(
+    ddp: DDP, optimizer: Any, scheduler: StepLR, rank: int, iterations: range, step: bool, set_to_none: bool = True
+) -> None:
     device = next(ddp.parameters()).device
     for iteration in iterations:
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         ddp(_batch(rank, iteration, device)).square().mean().backward()
         if step:
             optimizer.step()
@@ -235,25 +237,28 @@ def test_uneven_inputs_under_join(hook: Any) -> None:
             assert torch.equal(param, expected)
 
 
-def _frozen_after_ddp_body(rank: int, world_size: int, hook: Any) -> None:
-    """A parameter frozen after DDP was built keeps its slot in DDP's buckets: the others' gradients must not shift."""
+def _frozen_after_ddp_body(rank: int, world_size: int, hook: Any, set_to_none: bool) -> None:
+    """A parameter frozen after DDP was built keeps its slot in DDP's buckets: the others' gradients must not shift;
+    frozen mid-training with its .grad kept (zeros), torch.optim keeps stepping it (AdamW's moments move it)."""
     model, reference = _model(), _model()
     ddp = DDP(model, find_unused_parameters=True)
     reference_ddp = DDP(reference, find_unused_parameters=True)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=0.01)
     ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    for frozen in (model[2].weight, reference[2].weight):
-        frozen.requires_grad_(False)
     schedulers = StepLR(zero, step_size=100), StepLR(reference_optimizer, step_size=100)
-    _train(ddp, zero, schedulers[0], rank, range(3), step=False)
-    _train(reference_ddp, reference_optimizer, schedulers[1], rank, range(3), step=True)
-    _assert_close(model, reference, f"{hook.__name__} with a parameter frozen after DDP")
+    for iterations, freeze in ((range(2), False), (range(2, 5), True)):
+        for frozen in (model[2].weight, reference[2].weight):
+            frozen.requires_grad_(not freeze)
+        _train(ddp, zero, schedulers[0], rank, iterations, step=False, set_to_none=set_to_none)
+        _train(reference_ddp, reference_optimizer, schedulers[1], rank, iterations, True, set_to_none)
+        _assert_close(model, reference, f"{hook.__name__} with a parameter frozen after DDP, {freeze=}")
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("hook", HOOKS)
-def test_parameter_frozen_after_ddp_was_built(hook: Any) -> None:
-    run_on_ranks(_frozen_after_ddp_body, 2, hook)
+def test_parameter_frozen_after_ddp_was_built(hook: Any, set_to_none: bool) -> None:
+    run_on_ranks(_frozen_after_ddp_body, 2, hook, set_to_none)
 
 
 # ------------------------------------------------------------ layouts, unused and zero-sized parameters, bitwise

@@ -57,14 +57,14 @@ class _BucketReduction:
     used: _UsedFlags | None = None
 
     def grads(self, used: list[bool] | None = None) -> dict[Tensor, Tensor | None]:
-        """The trainable parameters' averaged gradients, None where no rank ``used`` one (frozen ones keep a slot)."""
+        """The parameters' averaged gradients, None where no rank ``used`` one: as torch.optim, a parameter frozen
+        after DDP was built is stepped while it holds a .grad (DDP averages it into the bucket, leaves .grad as is)."""
         reduced = self.reduced.wait()
         used = [True] * len(self.params) if used is None else used
         grads: dict[Tensor, Tensor | None] = {}
         offset = 0
         for param, param_used in zip(self.params, used, strict=True):
-            if param.requires_grad:
-                grads[param] = view_like(reduced, offset, param) if param_used else None
+            grads[param] = view_like(reduced, offset, param) if param_used else None
             offset += param.numel()
         return grads
 
@@ -264,7 +264,7 @@ def hook_with_zero_step_interleaved(
 
     def step_and_launch(reduction: _BucketReduction) -> None:
         stepper.step(reduction.grads(None if reduction.used is None else reduction.used.wait()))
-        sync = stepper.bucket_sync([p for p in reduction.params if p.requires_grad])
+        sync = stepper.bucket_sync(reduction.params)
         direct.extend(sync.launch_direct())
         syncs.extend((sync, sync.launch(round_)) for round_ in sync.rounds)
 
