@@ -50,6 +50,9 @@ def _errors_body(rank: int, world_size: int) -> None:
     _expect(ValueError, "empty parameter list", lambda: ZeroRedundancyOptimizer([], SGD, lr=1))
     _expect(ValueError, "has no 'params' key", lambda: ZeroRedundancyOptimizer([{"lr": 1}], SGD, lr=1))
     _expect(ValueError, "sparse parameter", lambda: ZeroRedundancyOptimizer([sparse], SGD, lr=1))
+    # torch.optim steps a parameter listed twice twice per step (and warns it will become an error): refused here.
+    twice = "param group 0 lists a parameter more than once"
+    _expect(ValueError, twice, lambda: ZeroRedundancyOptimizer([weight, torch.zeros(2), weight], SGD, lr=1))
     _expect(
         ValueError,
         "Adafactor has none",
@@ -93,7 +96,7 @@ def _errors_body(rank: int, world_size: int) -> None:
     _expect(
         ValueError,
         "has 1 vs 2 parameters|has 2 vs 1 parameters",
-        lambda: ZeroRedundancyOptimizer([torch.zeros(3, requires_grad=True)] * count, SGD, lr=1),
+        lambda: ZeroRedundancyOptimizer([torch.zeros(3, requires_grad=True) for _ in range(count)], SGD, lr=1),
     )
     _expect(
         ValueError,
@@ -136,6 +139,8 @@ def _errors_body(rank: int, world_size: int) -> None:
         re.escape(f"disagree (param group 1: 'lr' {lrs})"),
         lambda: zero.add_param_group({"params": torch.zeros(3, requires_grad=True), "lr": (1e-3, 1e-2)[rank]}),
     )
+    extra = torch.zeros(3, requires_grad=True)
+    _expect(ValueError, "lists a parameter more than once", lambda: zero.add_param_group({"params": [extra, extra]}))
     assert len(zero.param_groups) == 1, "a refused group is added on no rank"
     # Consolidation moves objects between ranks, also without numpy.
     weight.grad = torch.ones(3)

@@ -45,6 +45,12 @@ def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
         _take_names(group, index)
         for param in group["params"]:
             _check_parameter(param, index)
+        if len({id(param) for param in group["params"]}) != len(group["params"]):
+            raise ValueError(
+                f"param group {index} lists a parameter more than once; torch.optim warns that this will become an "
+                "error and meanwhile steps it once per listing, which ZeroRedundancyOptimizer does not copy: list "
+                "each parameter once (a shared, tied parameter too: model.parameters() gives it once)"
+            )
     check_names_alike(groups[1:], groups[0])
     return groups
 

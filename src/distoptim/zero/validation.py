@@ -84,7 +84,7 @@ def try_optimizer_class(
 ) -> None:
     """Build a throwaway local optimizer over meta-device stand-ins (else the parameters): its refusals raise here."""
     check_group_classes(groups, optimizer_class)
-    with warnings.catch_warnings():  # the real construction warns (duplicate parameters ...) once, not twice
+    with warnings.catch_warnings():  # the real construction warns once, not twice
         warnings.simplefilter("ignore")
         try:
             optim = build_local_optimizer(_stand_in_groups(groups), optimizer_class, defaults)
