@@ -22,7 +22,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from distoptim.averagers import PeriodicModelAverager
-from distoptim.hooks import PostLocalSGDState, post_localSGD_hook
+from distoptim.hooks import (
+    PostLocalSGDState,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    post_localSGD_hook,
+)
 from tests._dist import cuda_world_size, run_on_ranks
 
 STEPS = 10
@@ -158,6 +163,55 @@ def _zero_body(rank: int, world_size: int) -> None:
 
 def test_zero_as_the_local_optimizer_keeps_in_sync() -> None:
     run_on_ranks(_zero_body, 4)
+
+
+def _overlap_train(
+    rank: int, wrap: Any, zero_group: dist.ProcessGroup | None, subgroup: dist.ProcessGroup, post_local: bool
+) -> list[list[torch.Tensor]]:
+    """ZeRO (over ``zero_group``) stepped inside the backward by ``wrap(post_localSGD_hook, ...)``; averaged by hand."""
+    model = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    state = PostLocalSGDState(None, subgroup, start_localSGD_iter=WARMUP, post_local_gradient_allreduce=post_local)
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, process_group=zero_group, overlap_with_ddp=True, lr=0.1, momentum=0.9
+    )
+    model.register_comm_hook(state, wrap(post_localSGD_hook, model, zero, step_from_first_backward=True))
+    averager = PeriodicModelAverager(period=PERIOD, warmup_steps=WARMUP)
+    history = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        zero.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        zero.step()
+        averager.average_parameters(model.parameters())
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def _overlap_body(rank: int, world_size: int) -> None:
+    # Over the hook's subgroup, overlap ZeRO trains as torch's stack with a plain SGD; sharded over ranks the hook
+    # stops averaging after warm-up (all four, or a pair without post_local_gradient_allreduce), it is refused on
+    # every rank before its first step instead of training each shard on its owner's gradient alone.
+    pairs, _ = dist.new_subgroups(group_size=2)
+    assert PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False).averaged_ranks() == [rank]
+    assert PostLocalSGDState(None, None, 0).averaged_ranks() == [0, 1, 2, 3]  # no LOCAL_WORLD_SIZE: one node
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # the per-node subgroups local_subgroup() would make: pairs
+    assert PostLocalSGDState(None, None, 0).averaged_ranks() == [rank // 2 * 2, rank // 2 * 2 + 1]
+    del os.environ["LOCAL_WORLD_SIZE"]
+    theirs = _train(rank, _theirs(), pairs)[0]
+    for wrap in (hook_with_zero_step, hook_with_zero_step_interleaved):
+        ours = _overlap_train(rank, wrap, pairs, pairs, True)
+        for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, s=step: f"step {s}: {m}")
+    for wrap, zero_group, post_local in (
+        (hook_with_zero_step, None, True),
+        (hook_with_zero_step_interleaved, pairs, False),
+    ):
+        with pytest.raises(ValueError, match="Build ZeRO over the hook's subgroup"):
+            _overlap_train(rank, wrap, zero_group, pairs, post_local)
+
+
+def test_overlap_zero_must_shard_within_the_hooks_subgroup() -> None:
+    run_on_ranks(_overlap_body, 4)
 
 
 def _local_sgd(rank: int, optim: PostLocalSGDOptimizer, model: nn.Module, steps: range) -> list[torch.Tensor]:

@@ -37,6 +37,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: ``optim`` is not an optimizer instance (a class, say), or ``averager`` is not a model averager.
         ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` sharded over all the ranks ``averager`` averages.
+            (Unchecked: ZeRO must also shard within ``post_localSGD_hook``'s subgroup, averaged every step; the hook's
+            state is out of this optimizer's sight: ``docs/guides/post-local-sgd.md``.)
 
     Example:
         ```python

@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import GradBucket, ProcessGroup
 
 from distoptim._backward import at_end_of_backward, in_backward
@@ -88,6 +89,20 @@ class PostLocalSGDState:
             group = comm.default_group(self.process_group)
             self.subgroup = comm.split_group(group, comm.node_subgroup_size(comm.group_size(group)))
         return self.subgroup
+
+    def averaged_ranks(self) -> list[int]:
+        """The global ranks whose gradients the hook averages with this rank's after warm-up (this rank alone without
+        ``post_local_gradient_allreduce``), read without creating the per-node subgroups."""
+        if not self.post_local_gradient_allreduce:
+            return [dist.get_rank()]
+        if self.subgroup is not None:
+            return dist.get_process_group_ranks(self.subgroup)
+        ranks = dist.get_process_group_ranks(comm.default_group(self.process_group))
+        with warnings.catch_warnings():  # local_subgroup() warns when it makes the groups
+            warnings.simplefilter("ignore")
+            size = comm.node_subgroup_size(len(ranks))
+        start = ranks.index(dist.get_rank()) // size * size  # dist.new_subgroups cuts consecutive blocks
+        return ranks[start : start + size]
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue the schedule (the groups are rebuilt, not saved)."""

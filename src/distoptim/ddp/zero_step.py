@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import GradBucket
 from torch.futures import Future
@@ -19,6 +20,7 @@ from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
 from distoptim._text import few
 from distoptim.comm import collectives as comm
+from distoptim.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
 from distoptim.zero.overlap import buckets_final
@@ -97,6 +99,21 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
         )
 
 
+def _check_post_local_group(zero: "ZeroRedundancyOptimizer", state: PostLocalSGDState) -> None:
+    """Refuse ZeRO sharded over ranks whose gradients ``post_localSGD_hook`` stops averaging after its warm-up."""
+    sharded, averaged = dist.get_process_group_ranks(zero.process_group), state.averaged_ranks()
+    if set(sharded) <= set(averaged):
+        return
+    raise ValueError(
+        f"this ZeroRedundancyOptimizer shards over ranks [{few(sorted(sharded), 8)}], but after its warm-up "
+        f"post_localSGD_hook averages this rank's gradients over ranks [{few(sorted(averaged), 8)}] only "
+        f"(post_local_gradient_allreduce={state.post_local_gradient_allreduce}): each owner would step its shard "
+        "with gradients the rest of ZeRO's group does not share and broadcast it to them, unlike DDP + the hook + the "
+        "plain optimizer. Build ZeRO over the hook's subgroup, ZeroRedundancyOptimizer(..., process_group="
+        "state.subgroup), with post_local_gradient_allreduce=True, or step a plain optimizer"
+    )
+
+
 class _Backward:
     """An overlap hook's checked stepper and its backward: buckets so far, end scheduled, warm-up (no step) or not."""
 
@@ -127,14 +144,16 @@ class _Backward:
         if hook is reduce_to_owners_hook:
             check_ddp_group(zero, ddp)
         stepper.attach_hook(step_from_first_backward)
-        self.stepper, self.ddp = stepper, ddp
+        self.stepper, self.ddp, self.zero, self.hook = stepper, ddp, zero, hook
+        self.state: Any = None  # the hook's state, as DDP passes it at the first bucket
         self.buckets_final = buckets_final(ddp)
         self.pending: list[_BucketReduction] = []
         self.scheduled = self.checked = self.warmup = False
 
-    def start(self, bucket: GradBucket, finish: Callable[[], None]) -> bool:
+    def start(self, state: Any, bucket: GradBucket, finish: Callable[[], None]) -> bool:
         """At each bucket; True at a backward's first, which schedules ``finish`` at its end (a joined rank: none)."""
-        if not self.checked:  # registered on another model, the hook would step ZeRO with foreign gradients
+        if not self.checked:
+            self.state = state  # registered on another model, the hook would step ZeRO with foreign gradients
             known = set(self.ddp.module.parameters())
             if not all(p in known for p in bucket.parameters()):
                 raise ValueError(
@@ -150,6 +169,17 @@ class _Backward:
         if in_backward():
             at_end_of_backward(finish)
         return True
+
+    def agreed(self, action: Callable[[], None] = lambda: None) -> None:
+        """Run ``action`` once the ranks agree (ZeRO's step agreement, after placing): every rank raises if one does,
+        as for ZeRO sharded wider than ``post_localSGD_hook`` averages after its warm-up."""
+
+        def checked() -> None:
+            if self.hook is post_localSGD_hook and isinstance(self.state, PostLocalSGDState):
+                _check_post_local_group(self.zero, self.state)
+            action()
+
+        self.zero.agreed_after_placing(checked)
 
     def end_of_shadow(self, bucket: GradBucket, finish: Callable[[], None]) -> None:
         """A joined rank's end of backward, at DDP's join hook's last bucket (under find_unused: ZeRO's join hook)."""
@@ -215,11 +245,11 @@ def hook_with_zero_step(
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
-        zero.agreed_after_placing(lambda: stepper.step(grads))
+        backward.agreed(lambda: stepper.step(grads))
         zero.sync_parameters()
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        backward.start(bucket, finish)
+        backward.start(state, bucket, finish)
         reduction = _BucketReduction(bucket.parameters(), hook(state, bucket))
         if not backward.warmup:
             backward.pending.append(reduction)
@@ -281,8 +311,8 @@ def hook_with_zero_step_interleaved(
         direct.clear()
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
-        if backward.start(bucket, finish) and not backward.warmup:  # before any step
-            zero.agreed_after_placing()
+        if backward.start(state, bucket, finish) and not backward.warmup:  # before any step
+            backward.agreed()
         if backward.warmup:
             reduced = hook(state, bucket)
             backward.end_of_shadow(bucket, finish)
