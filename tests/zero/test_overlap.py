@@ -261,6 +261,23 @@ def test_parameter_frozen_after_ddp_was_built(hook: Any, set_to_none: bool) -> N
     run_on_ranks(_frozen_after_ddp_body, 2, hook, set_to_none)
 
 
+def _frozen_with_grad_body(rank: int, world_size: int, hook: Any) -> None:
+    """Frozen when ZeRO is built (no owner) but holding a .grad: torch.optim would step it; refused, as step() does."""
+    model = _model()
+    ddp = DDP(model, find_unused_parameters=True)
+    model[2].weight.requires_grad_(False)
+    model[2].weight.grad = torch.zeros_like(model[2].weight)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, weight_decay=0.5)
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
+    with pytest.raises(RuntimeError, match="requires_grad=False has a gradient"):
+        ddp(_batch(rank, 0)).square().mean().backward()
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_unowned_frozen_parameter_with_a_grad_is_refused(hook: Any) -> None:
+    run_on_ranks(_frozen_with_grad_body, 2, hook)
+
+
 # ------------------------------------------------------------ layouts, unused and zero-sized parameters, bitwise
 class _Strided(nn.Module):
     """Gradients DDP does not lay out row-major: a channels_last convolution and a transposed Linear weight (bucket

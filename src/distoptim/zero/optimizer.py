@@ -272,6 +272,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             if self.overlap_stepper is not None:
                 self.overlap_stepper.check_formats()
             self.placer.repartition_if_changed()
+            validation.check_unowned_have_no_grad(self.placer.placed.unowned)  # as step() does
             return action()
 
         return repartitioning.agreed(self, place_then_act)
