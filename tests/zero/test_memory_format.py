@@ -67,8 +67,10 @@ def test_parameters_laid_out_before_the_optimizer_train_as_the_plain_optimizer()
     run_on_ranks(_trains_body, 2, timeout=120)
 
 
-def _reformat_body(rank: int, world_size: int, partition: str, who: str) -> str:
-    """Steps 0 and 1 of SGD with momentum, the model made channels_last between them (on every rank or on one)."""
+def _reformat_body(rank: int, world_size: int, partition: str, who: str, clip: bool = False) -> str:
+    """Steps 0 and 1 of SGD with momentum, the model made channels_last between them (on every rank or on one);
+    ``clip``: ``zero.clip_grad_norm_`` before each step (collective, outside the step's agreement: it must not raise
+    on the changed rank alone, leaving the others in the norm's all-reduce)."""
     model = _model()
     params = list(model.parameters())
     zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=partition, **KW)
@@ -78,6 +80,8 @@ def _reformat_body(rank: int, world_size: int, partition: str, who: str) -> str:
         for param, grad in zip(params, _averaged(params, rank, step)):
             param.grad = grad
         try:
+            if clip:
+                zero.clip_grad_norm_(1.0)
             zero.step()
         except ValueError as error:
             return f"step {step}: {error}"
@@ -85,14 +89,60 @@ def _reformat_body(rank: int, world_size: int, partition: str, who: str) -> str:
 
 
 @pytest.mark.parametrize("partition", ["greedy", "even"])
-@pytest.mark.parametrize("who", ["all", "rank 1"])
+@pytest.mark.parametrize(("who", "clip"), [("all", False), ("rank 1", False), ("rank 1", True)])
 def test_a_memory_format_change_after_the_optimizer_was_built_is_refused_on_every_rank(
-    partition: str, who: str
+    partition: str, who: str, clip: bool
 ) -> None:
     """Under the even partition the momentum of each piece would sit on other elements after the change (a silent
-    wrong update); greedy is refused alike, one rule: every rank raises at the step after the change."""
-    for rank, outcome in enumerate(run_on_ranks(_reformat_body, 2, partition, who, timeout=120)):
+    wrong update); greedy is refused alike, one rule: every rank raises at the step after the change (a clip before
+    it leaves the refusal to the step's agreement)."""
+    for rank, outcome in enumerate(run_on_ranks(_reformat_body, 2, partition, who, clip, timeout=120)):
         assert outcome.startswith("step 1: "), (rank, outcome)
         assert REORDERED in outcome, (rank, outcome)
         assert who == "all" or rank == 1 or "on rank 1" in outcome, (rank, outcome)
         assert "Convert the model before building the optimizer" in outcome, (rank, outcome)
+
+
+def _unrefused_body(rank: int, world_size: int, partition: str) -> None:
+    """A depthwise convolution (its size-1 dimension orders nothing) and a frozen one nobody owns, made channels_last
+    after the optimizer: nothing it holds changes order, so it trains on, as the plain optimizer does."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(8, 1, 3, 3)), nn.Parameter(torch.randn(8, 4, 3, 3), requires_grad=False)]
+    truth = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in ours]
+    zero = ZeroRedundancyOptimizer(ours, torch.optim.SGD, partition=partition, **KW)
+    plain = torch.optim.SGD(truth, **KW)
+    for step in range(3):
+        if step == 1:
+            for param in ours:
+                param.data = param.data.contiguous(memory_format=torch.channels_last)
+        grad = _averaged(ours[:1], rank, step)[0]
+        ours[0].grad, truth[0].grad = grad.contiguous(memory_format=torch.channels_last), grad.clone()
+        zero.step()
+        plain.step()
+        torch.testing.assert_close(ours[0], truth[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours[1], truth[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("partition", ["greedy", "even"])
+def test_a_change_of_strides_that_orders_nothing_anew_is_not_refused(partition: str) -> None:
+    run_on_ranks(_unrefused_body, 2, partition, timeout=120)
+
+
+def _reshaped_body(rank: int, world_size: int) -> str:
+    param = nn.Parameter(torch.randn(4, 5))
+    zero = ZeroRedundancyOptimizer([param], torch.optim.SGD, partition="even", **KW)
+    for step in range(2):
+        if step == 1:
+            param.data = torch.randn(1, 20)
+        param.grad = torch.ones_like(param)
+        try:
+            zero.step()
+        except ValueError as error:
+            return f"step {step}: {error}"
+    return "ran"
+
+
+def test_a_parameter_given_another_shape_of_the_same_size_is_refused_on_every_rank() -> None:
+    """``p.data = t`` of another shape: the pieces and the momentum are ranges of the old one (plain SGD raises)."""
+    for rank, outcome in enumerate(run_on_ranks(_reshaped_body, 2, timeout=120)):
+        assert outcome.startswith("step 1: ") and "changed shape" in outcome, (rank, outcome)

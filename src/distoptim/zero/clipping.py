@@ -40,7 +40,8 @@ def clip_shard(
     total norm (float32, on every rank). The ``.grad`` of each of ``whole_params`` (every parameter under DDP, those
     set by hand under ShardedDataParallel) is scaled whole, on every rank: a later backward mixes no pieces."""
     grads = shard.owned_grads()  # first: it may lay a gradient out anew, and the new one is what gets scaled
-    scaled = once_each([p.grad for p in whole_params if p.grad is not None], grads)
+    wholes = [p.grad for p in whole_params if p.grad is not None]
+    scaled = list(dict.fromkeys(wholes)) if shard.source is None else once_each(wholes, grads)  # DDP: pieces view them
     norm_type = float(norm_type)
     op = "max" if norm_type == math.inf else "min" if norm_type == -math.inf else "sum"
     local = _local_term(grads, norm_type, device)

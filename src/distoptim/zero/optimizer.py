@@ -361,7 +361,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         if self._gradient_source is not None:  # every rank alike: which parameters some rank used
             self._gradient_source.ready()
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
-        self.placer.repartition_if_changed()
+        self.placer.repartition_if_changed(refusal_deferred=True)
         shard, group, device = self.local_shard, self.process_group, self.placer.comm_device
         whole = self.global_params if self._gradient_source is None else self._gradient_source.hand_set()
         return clipping.clip_shard(shard, whole, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)

@@ -56,7 +56,7 @@ class Placement:
     unowned: list[Tensor]  # frozen parameters nobody owns: a gradient on one is refused
     bound: tuple[int, ...]
     keys: tuple[tuple[torch.device, torch.dtype], ...]  # each parameter's layout key when placed
-    strides: tuple[tuple[int, ...], ...]  # each parameter's strides when placed (after bucket views moved it)
+    laid: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # each parameter's (shape, strides) when placed
     index: dict[int, int]  # each parameter's global index, by id
 
 
@@ -98,7 +98,7 @@ def place(
         sync = StagedSync(layouts, settings.group, settings.collectives)
     shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
     index = {id(p): i for i, p in enumerate(params)}
-    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, _strides(params), index)
+    return Placement(plan, shard, sync, trainability, unowned, _storages(params), keys, _laid(params), index)
 
 
 def bind_local_optimizer(
@@ -139,31 +139,46 @@ def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
     return (
         trainability != placement.trainability
         or _storages(params) != placement.bound
-        or _strides(params) != placement.strides
+        or _laid(params) != placement.laid
     )
 
 
 def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
-    """Refuse parameters whose dtype, device or memory order changed since ``placement`` was made (the partition,
-    master copies, state and ``ShardedDataParallel``'s owned gradient cut them in the old memory order)."""
+    """Refuse parameters whose dtype, device, shape or memory order changed since ``placement`` was made."""
+    change = layout_change(placement, params)
+    if change is not None:
+        raise ValueError(change)
+
+
+def layout_change(placement: Placement, params: Sequence[Tensor]) -> str | None:
+    """What changed since ``placement`` was made that its pieces cannot follow, or None: a dtype or device, or the
+    shape or memory order of a parameter some rank owns (pieces of the even partition, master copies, state and
+    ``ShardedDataParallel``'s owned gradient are ranges in the old memory order)."""
     now = [(p.device, p.dtype) for p in params]
     changed = [index for index, (key, new) in enumerate(zip(placement.keys, now)) if key != new]
     if changed:
         index = changed[0]
         (device, dtype), (new_device, new_dtype) = placement.keys[index], now[index]
-        raise ValueError(
+        return (
             f"{len(changed)} parameter(s) changed dtype or device after the ZeroRedundancyOptimizer was built "
             f"(parameter {index}: {dtype} on {device}, now {new_dtype} on {new_device}; model.to(...) or .double() "
             f"since): {_CONVERT_FIRST}"
         )
-    moved = [i for i, (p, was) in enumerate(zip(params, placement.strides)) if _order(p, was) != _order(p, p.stride())]
-    if moved:
-        index = moved[0]
-        raise ValueError(
-            f"{len(moved)} parameter(s) changed memory format (strides) after the ZeroRedundancyOptimizer was built "
-            f"(parameter {index}: shape {tuple(params[index].shape)}, strides {placement.strides[index]}, now "
-            f"{params[index].stride()}; model.to(memory_format=...) since): {_CONVERT_FIRST}"
+    owned = [
+        (i, p, laid) for i, (p, laid) in enumerate(zip(params, placement.laid)) if placement.plan.owners[i] != UNOWNED
+    ]
+    reshaped = [i for i, p, (shape, _) in owned if tuple(p.shape) != shape]
+    moved = [i for i, p, (shape, was) in owned if tuple(p.shape) == shape and _order(p, was) != _order(p, p.stride())]
+    if reshaped or moved:
+        index = (reshaped or moved)[0]
+        (shape, strides), param = placement.laid[index], params[index]
+        what = "shape" if reshaped else "memory format (strides)"
+        return (
+            f"{len(reshaped or moved)} parameter(s) changed {what} after the ZeroRedundancyOptimizer was built "
+            f"(parameter {index}: shape {shape}, strides {strides}, now shape {tuple(param.shape)}, strides "
+            f"{param.stride()}; model.to(memory_format=...) or p.data = ... since): {_CONVERT_FIRST}"
         )
+    return None
 
 
 _CONVERT_FIRST = (
@@ -173,8 +188,8 @@ _CONVERT_FIRST = (
 )
 
 
-def _strides(params: Sequence[Tensor]) -> tuple[tuple[int, ...], ...]:
-    return tuple(p.stride() for p in params)
+def _laid(params: Sequence[Tensor]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    return tuple((tuple(p.shape), p.stride()) for p in params)
 
 
 def _order(param: Tensor, strides: Sequence[int]) -> tuple[int, ...]:

@@ -101,13 +101,18 @@ class Placer:
         for listener in self.listeners:
             listener()
 
-    def repartition_if_changed(self) -> None:
-        """A new placement where the last one is stale; then master copies take parameters written outside."""
+    def repartition_if_changed(self, refusal_deferred: bool = False) -> None:
+        """A new placement where the last one is stale; then master copies take parameters written outside.
+        ``refusal_deferred`` (outside an agreement: clipping): a change ``place_if_stale`` refuses leaves the placement
+        as it is, for the step's agreement to refuse on every rank (a norm over old ranges is still the whole one)."""
+        params, placed = self.zero.global_params, self.placed
+        if refusal_deferred and placement.is_stale(placed, params) and placement.layout_change(placed, params):
+            return
         self.place_if_stale()
         self.placed.shard.reseed_masters()
 
     def place_if_stale(self) -> None:
-        """A new placement where the last one is stale; a parameter whose dtype or device changed is refused."""
+        """A new placement where the last one is stale; a change ``placement.layout_change`` names is refused."""
         if placement.is_stale(self.placed, self.zero.global_params):
             placement.check_layout_keys(self.placed, self.zero.global_params)
             self.repartition()
