@@ -225,16 +225,20 @@ def _adagrad_reference(world_size: int, steps: range, frozen_until: int = 0) -> 
     return params
 
 
-def _unstepped_save_body(rank: int, world_size: int, path: str) -> None:
-    checkpoint.save({"optim": _adagrad(make_params()).sharded_state_dict()}, path)
+def _unstepped_save_body(rank: int, world_size: int, path: str, split: bool = False) -> None:
+    params = make_params()
+    zero = _adagrad([{"params": params[:1]}, {"params": params[1:]}] if split else params)
+    checkpoint.save({"optim": zero.sharded_state_dict()}, path)
 
 
 def _unstepped_load_body(rank: int, world_size: int, path: str, kind: str) -> None:
     """Adagrad's ``sum`` is made at construction and kept plain until a first step encodes it (issue 43): a
     checkpoint taken before that step must resume as the run that never stopped (bf16 rounded 0.1 at the load)."""
     params = make_params()
-    zero = _adagrad(params)
-    if kind == "sharded":
+    zero = _adagrad(params[:1] if kind == "added" else params)
+    if kind == "added":  # the second group of the save added after construction: its sum made afresh all the same
+        zero.add_param_group({"params": params[1:]})
+    if kind != "consolidated":
         state = {"optim": zero.sharded_state_dict()}
         checkpoint.load(state, path)
         zero.load_sharded_state_dict(state["optim"])
@@ -251,6 +255,8 @@ def test_adagrad_sum_saved_before_a_first_step_resumes_unrounded(tmp_path: Path)
     run_on_ranks(_unstepped_save_body, 2, path)
     run_on_ranks(_unstepped_load_body, 3, path, "sharded")
     run_on_ranks(_unstepped_load_body, 2, path, "consolidated")
+    run_on_ranks(_unstepped_save_body, 2, path + "-split", True)
+    run_on_ranks(_unstepped_load_body, 3, path + "-split", "added")
 
 
 def _frozen_kept_body(rank: int, world_size: int) -> None:

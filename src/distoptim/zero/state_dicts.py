@@ -17,7 +17,6 @@ from distoptim.checkpoint import dcp_state as sharded
 from distoptim.comm.objects import all_gather_objects
 from distoptim.zero.local_optimizer import CLASS_KEY
 from distoptim.zero.partition import UNOWNED
-from distoptim.zero.placement import install_kept
 from distoptim.zero.repartitioning import ZeroParts, agreed
 from distoptim.zero.shard import MASTER_KEY, MASTERS_IGNORED, has_master, stitch
 from distoptim.zero.state_formats import decoded, is_trained
@@ -196,16 +195,23 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
 
 def _made_again(zero: ZeroParts) -> None:
     """The encoded entries loaded at step 0 as the class makes them at construction, plain until a first step encodes
-    them: a sharded save encodes them (its keys must not depend on whether a step ran), rounding Adagrad's ``sum``."""
+    them: a sharded save encodes them (its keys must not depend on whether a step ran), rounding Adagrad's ``sum``.
+    Made over this rank's pieces (construction state is elementwise), in their dtype (master copies: the master's)."""
     state = zero.local_optimizer.state
-    loaded = {
-        t.index
-        for t in zero.local_shard.locals
-        if not is_trained(entry := state.get(t.tensor)) and any(k.endswith((".bf16", ".int8")) for k in entry or ())
-    }
-    if loaded:
-        made = _made_at_construction(zero, set(range(len(zero.global_params))) - loaded)
-        install_kept(made, zero.placer.placed, zero.local_optimizer)
+    for group, pieces in zip(zero.param_groups, zero.local_shard.groups):
+        loaded = [
+            t
+            for t in pieces
+            if not is_trained(e := state.get(t.tensor)) and any(k.endswith((".bf16", ".int8")) for k in e or ())
+        ]
+        if not loaded:
+            continue
+        settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
+        optimizer_class = group.get(CLASS_KEY, zero.placer.optimizer_class)
+        defaults = zero.placer.defaults if optimizer_class is zero.placer.optimizer_class else {}
+        fresh = optimizer_class([{"params": [t.tensor.detach() for t in loaded], **settings}], **defaults)
+        for local, made in zip(loaded, fresh.param_groups[0]["params"]):
+            state[local.tensor] = dict(fresh.state.get(made, {}))
 
 
 def _on_cpu(entry: dict[str, Any]) -> dict[str, Any]:

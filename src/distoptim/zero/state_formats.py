@@ -145,7 +145,7 @@ class StateFormats:
         finally:
             for tensor in tensors:
                 if tensor in state:
-                    self.encode_entry(tensor, state[tensor])
+                    self.encode_entry(tensor, state[tensor], made_too=True)  # it stepped: trained
 
 
 def is_trained(entry: dict[str, Any] | None) -> bool:
