@@ -166,15 +166,23 @@ def test_zero_as_the_local_optimizer_keeps_in_sync() -> None:
 
 
 def _overlap_train(
-    rank: int, wrap: Any, zero_group: dist.ProcessGroup | None, subgroup: dist.ProcessGroup, post_local: bool
+    rank: int,
+    wrap: Any,
+    zero_group: dist.ProcessGroup | None,
+    subgroup: dist.ProcessGroup,
+    post_local: bool,
+    torchs: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """ZeRO (over ``zero_group``) stepped inside the backward by ``wrap(post_localSGD_hook, ...)``; averaged by hand."""
+    """ZeRO (over ``zero_group``) stepped inside the backward by ``wrap(post_localSGD_hook, ...)`` (``torchs``: torch's
+    hook and state); averaged by hand."""
     model = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    state = PostLocalSGDState(None, subgroup, start_localSGD_iter=WARMUP, post_local_gradient_allreduce=post_local)
+    state_class = torch_hook_module.PostLocalSGDState if torchs else PostLocalSGDState
+    state = state_class(None, subgroup, start_localSGD_iter=WARMUP, post_local_gradient_allreduce=post_local)
+    hook = torch_hook_module.post_localSGD_hook if torchs else post_localSGD_hook
     zero = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, process_group=zero_group, overlap_with_ddp=True, lr=0.1, momentum=0.9
     )
-    model.register_comm_hook(state, wrap(post_localSGD_hook, model, zero, step_from_first_backward=True))
+    model.register_comm_hook(state, wrap(hook, model, zero, step_from_first_backward=True))
     averager = PeriodicModelAverager(period=PERIOD, warmup_steps=WARMUP)
     history = []
     for step in range(STEPS):
@@ -202,12 +210,13 @@ def _overlap_body(rank: int, world_size: int) -> None:
         ours = _overlap_train(rank, wrap, pairs, pairs, True)
         for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, s=step: f"step {s}: {m}")
-    for wrap, zero_group, post_local in (
-        (hook_with_zero_step, None, True),
-        (hook_with_zero_step_interleaved, pairs, False),
+    for wrap, zero_group, post_local, torchs in (
+        (hook_with_zero_step, None, True, False),
+        (hook_with_zero_step_interleaved, pairs, False, False),
+        (hook_with_zero_step, None, True, True),  # torch's own hook and state, recognised by the state's attributes
     ):
         with pytest.raises(ValueError, match="Build ZeRO over the hook's subgroup"):
-            _overlap_train(rank, wrap, zero_group, pairs, post_local)
+            _overlap_train(rank, wrap, zero_group, pairs, post_local, torchs)
 
 
 def test_overlap_zero_must_shard_within_the_hooks_subgroup() -> None:

@@ -20,7 +20,7 @@ from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
 from distoptim._text import few
 from distoptim.comm import collectives as comm
-from distoptim.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from distoptim.ddp.post_local_sgd import PostLocalSGDState
 from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
 from distoptim.zero.overlap import buckets_final
@@ -99,10 +99,24 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
         )
 
 
-def _check_post_local_group(zero: "ZeroRedundancyOptimizer", state: PostLocalSGDState) -> None:
-    """Refuse ZeRO sharded over ranks whose gradients ``post_localSGD_hook`` stops averaging after its warm-up."""
-    sharded, averaged = dist.get_process_group_ranks(zero.process_group), state.averaged_ranks()
-    if set(sharded) <= set(averaged):
+def _post_local_ranks(state: Any) -> list[int] | None:
+    """The global ranks a post-local-SGD hook's ``state`` averages this rank's gradients over after its warm-up (ours,
+    or torch's by its attributes, whatever wraps the hook); None for another hook's state, or torch's before it made
+    its per-node subgroups."""
+    if isinstance(state, PostLocalSGDState):
+        return state.averaged_ranks()
+    if not all(hasattr(state, name) for name in ("subgroup", "post_local_gradient_allreduce", "start_localSGD_iter")):
+        return None
+    if not state.post_local_gradient_allreduce:
+        return [dist.get_rank()]
+    return None if state.subgroup is None else dist.get_process_group_ranks(state.subgroup)
+
+
+def _check_post_local_group(zero: "ZeroRedundancyOptimizer", state: Any) -> None:
+    """Refuse ZeRO sharded over ranks whose gradients a post-local-SGD hook stops averaging after its warm-up."""
+    averaged = _post_local_ranks(state)
+    sharded = dist.get_process_group_ranks(zero.process_group)
+    if averaged is None or set(sharded) <= set(averaged):
         return
     raise ValueError(
         f"this ZeroRedundancyOptimizer shards over ranks [{few(sorted(sharded), 8)}], but after its warm-up "
@@ -144,7 +158,7 @@ class _Backward:
         if hook is reduce_to_owners_hook:
             check_ddp_group(zero, ddp)
         stepper.attach_hook(step_from_first_backward)
-        self.stepper, self.ddp, self.zero, self.hook = stepper, ddp, zero, hook
+        self.stepper, self.ddp, self.zero = stepper, ddp, zero
         self.state: Any = None  # the hook's state, as DDP passes it at the first bucket
         self.buckets_final = buckets_final(ddp)
         self.pending: list[_BucketReduction] = []
@@ -175,8 +189,7 @@ class _Backward:
         as for ZeRO sharded wider than ``post_localSGD_hook`` averages after its warm-up."""
 
         def checked() -> None:
-            if self.hook is post_localSGD_hook and isinstance(self.state, PostLocalSGDState):
-                _check_post_local_group(self.zero, self.state)
+            _check_post_local_group(self.zero, self.state)  # a post-local-SGD hook's, however wrapped
             action()
 
         self.zero.agreed_after_placing(checked)
