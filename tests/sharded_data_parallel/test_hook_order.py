@@ -253,10 +253,13 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
     outcomes = []
     for (partition, bucket_view), end in configs:
         model = Critic()
+        unfreeze = end == "closure_step_unfrozen"
+        model.layers[2].requires_grad_(not unfreeze)  # frozen, then made trainable while the sync is in flight
         zero, sdp = _sdp(model, partition, bucket_view, True)
         zero.zero_grad()
         sdp(_x(rank, 0)).square().mean().backward()
         zero.step()
+        model.layers[2].requires_grad_(True)  # the next step places again: SDP's buckets change
         if end == "sync_finished":  # local: raised by the ranks owning a written element
             _clip(sdp.module.parameters(), "data", c=0.05)  # changes elements every rank owns: each one sees it
         else:  # collective: every rank raises, though one element, owned by one rank alone, changed
@@ -264,7 +267,8 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
         try:
             if end == "sync_finished":
                 sdp.sync_finished()
-            elif end == "closure_step":  # the closure's backward reduces: a rank raising before it would hang
+            elif end.startswith("closure_step"):  # the closure's backward reduces: a rank raising before it would hang
+                # (unfrozen: over the same buckets on every rank, placed again first on the ranks raising too)
 
                 def closure(zero: Any = zero, sdp: Any = sdp) -> torch.Tensor:
                     zero.zero_grad()
@@ -284,8 +288,11 @@ def _after_last_step_body(rank: int, world_size: int, configs: list[tuple[Any, .
 def test_a_write_after_the_last_step_is_refused_where_the_program_ends() -> None:
     """No step follows to raise it: ``sync_finished()`` (local) raises on the ranks that own written
     elements, ``consolidate_state_dict`` (what a checkpoint runs) on every rank; a step with a closure (whose
-    backward reduces) on every rank, after the closure ran (it hung: the owners raised before it)."""
-    configs = list(itertools.product(LAYOUTS, ["sync_finished", "consolidate", "closure_step"]))
+    backward reduces) on every rank, after the closure ran (it hung: the owners raised before it), also after a layer
+    was unfrozen (it hung: the owners ran the closure over the old buckets, the others placed again first; fuzz
+    seed 763022)."""
+    ends = ["sync_finished", "consolidate", "closure_step", "closure_step_unfrozen"]
+    configs = list(itertools.product(LAYOUTS, ends))
     for outcomes in run_on_ranks(_after_last_step_body, 2, configs, timeout=120):
         for end, outcome in outcomes:
             assert "sync_finished() before writing" in outcome, (end, outcome)

@@ -211,9 +211,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             check_classes_unchanged(self.param_groups, self.local_optimizer, placer.optimizer_class)
             check_eps_from_first_dtype(self.param_groups, placer.optimizer_class, self.master_dtype)  # loads, edits
         except Exception:
-            if closure is not None:  # the others run it (its backward's collectives) before they hear of this
-                with torch.enable_grad():
-                    closure()
+            if closure is not None:  # the others run it (its backward's collectives) before they hear of this,
+                self._closure_as_the_others(closure)  # placed again first as they are (fuzz seed 763022)
             raise
         self.placer.repartition_if_changed()
         loss: float | None = None
@@ -230,6 +229,18 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             return loss, None
         local_loss, verdict = self._attach_and_step(closure, kwargs, grad_scaler, hold)
         return loss if closure is None else local_loss, verdict
+
+    def _closure_as_the_others(self, closure: Callable[[], float]) -> None:
+        """A closure run by a rank whose checks raised, over the placement the ranks whose checks passed run theirs
+        over: they place again first (a layer unfrozen since the last step), which rebuilds ShardedDataParallel's
+        buckets; over the old ones this rank's backward would reduce other buckets than theirs, and every rank hung.
+        Where placing raises here it raises on every rank (the same parameters, the same plan): none runs it."""
+        try:
+            self.placer.repartition_if_changed()
+        except Exception:
+            return  # this rank's own error is the one raised
+        with torch.enable_grad():
+            closure()
 
     def _attach_and_step(
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
