@@ -205,8 +205,7 @@ class OwnedGradients:
             self.in_backward = False
             self._unswap()
         self.landed = [not set_to_none] * len(self.buckets)
-        self.used = [False] * len(self.params)
-        self.unagreed = False
+        self.used, self.unagreed = [False] * len(self.params), False
         if self.static is not None:
             self.static.predicted = False
         self._unreduced.clear()
@@ -214,10 +213,8 @@ class OwnedGradients:
             self.holds = [False] * len(self.params)
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
         for bucket, owned in enumerate(self.owned):
-            if set_to_none:
-                self.owned[bucket] = None
-            elif owned is None:
-                self.owned[bucket] = self._new_owned(bucket).zero_()
+            if set_to_none or owned is None:
+                self.owned[bucket] = None if set_to_none else self._new_owned(bucket).zero_()
             else:
                 owned.zero_()
         if not set_to_none:  # zeros where the raised backward reached, on every rank where any did (the step agrees)
@@ -251,8 +248,7 @@ class OwnedGradients:
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
             self.static.agreed(everywhere, placed)
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
-        self.used = [False] * len(self.params)
-        self.unagreed = False
+        self.used, self.unagreed = [False] * len(self.params), False
         for index, (marker, _) in list(self._markers.items()):
             if not self.holds[index] and self.params[index].grad is marker:
                 self.params[index].grad = None
@@ -267,8 +263,7 @@ class OwnedGradients:
             self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
 
     def hand_set(self) -> list[Tensor]:
-        """The parameters whose ``.grad`` is a tensor set by hand (between backward and step: no marker, no view of
-        the store); clipping and a scaler scale each whole, on every rank, as DDP + torch.optim do."""
+        """Parameters whose ``.grad`` the program set (a tensor): clipping and a scaler scale each whole, everywhere."""
         return [p for p in self.params if p.grad is not None and not isinstance(p.grad, GradientMarker)]
 
     def _new_owned(self, bucket: int) -> Tensor:
