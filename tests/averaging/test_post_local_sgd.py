@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from distoptim.averagers import PeriodicModelAverager
+from distoptim.ddp.post_local_sgd import averaged_ranks
 from distoptim.hooks import (
     PostLocalSGDState,
     hook_with_zero_step,
@@ -200,10 +201,10 @@ def _overlap_body(rank: int, world_size: int) -> None:
     # stops averaging after warm-up (all four, or a pair without post_local_gradient_allreduce), it is refused on
     # every rank before its first step instead of training each shard on its owner's gradient alone.
     pairs, _ = dist.new_subgroups(group_size=2)
-    assert PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False).averaged_ranks() == [rank]
-    assert PostLocalSGDState(None, None, 0).averaged_ranks() == [0, 1, 2, 3]  # no LOCAL_WORLD_SIZE: one node
+    assert averaged_ranks(PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)) == [rank]
+    assert averaged_ranks(PostLocalSGDState(None, None, 0)) == [0, 1, 2, 3]  # no LOCAL_WORLD_SIZE: one node
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # the per-node subgroups local_subgroup() would make: pairs
-    assert PostLocalSGDState(None, None, 0).averaged_ranks() == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert averaged_ranks(PostLocalSGDState(None, None, 0)) == [rank // 2 * 2, rank // 2 * 2 + 1]
     del os.environ["LOCAL_WORLD_SIZE"]
     theirs = _train(rank, _theirs(), pairs)[0]
     for wrap in (hook_with_zero_step, hook_with_zero_step_interleaved):

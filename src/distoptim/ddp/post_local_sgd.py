@@ -15,7 +15,7 @@ from torch.distributed import GradBucket, ProcessGroup
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim.comm import averaging as comm
 
-__all__ = ["PostLocalSGDState", "allreduce_hook", "post_localSGD_hook"]
+__all__ = ["PostLocalSGDState", "allreduce_hook", "averaged_ranks", "post_localSGD_hook"]
 
 
 class PostLocalSGDState:
@@ -90,20 +90,6 @@ class PostLocalSGDState:
             self.subgroup = comm.split_group(group, comm.node_subgroup_size(comm.group_size(group)))
         return self.subgroup
 
-    def averaged_ranks(self) -> list[int]:
-        """The global ranks whose gradients the hook averages with this rank's after warm-up (this rank alone without
-        ``post_local_gradient_allreduce``), read without creating the per-node subgroups."""
-        if not self.post_local_gradient_allreduce:
-            return [dist.get_rank()]
-        if self.subgroup is not None:
-            return dist.get_process_group_ranks(self.subgroup)
-        ranks = dist.get_process_group_ranks(comm.default_group(self.process_group))
-        with warnings.catch_warnings():  # local_subgroup() warns when it makes the groups
-            warnings.simplefilter("ignore")
-            size = comm.node_subgroup_size(len(ranks))
-        start = ranks.index(dist.get_rank()) // size * size  # dist.new_subgroups cuts consecutive blocks
-        return ranks[start : start + size]
-
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue the schedule (the groups are rebuilt, not saved)."""
         return {"iter": self.iter}
@@ -143,6 +129,26 @@ class PostLocalSGDState:
         self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
         self.iter = state["iter"]
         self._counting = False
+
+
+def averaged_ranks(state: Any) -> list[int] | None:
+    """The global ranks whose gradients a post-local-SGD hook with ``state`` (ours, or torch's by its attributes)
+    averages with this rank's after warm-up: this rank alone without ``post_local_gradient_allreduce``; ours without a
+    subgroup yet, the per-node one it would make. None for another hook's state, or torch's before its subgroups."""
+    if not all(hasattr(state, name) for name in ("subgroup", "post_local_gradient_allreduce", "start_localSGD_iter")):
+        return None
+    if not state.post_local_gradient_allreduce:
+        return [dist.get_rank()]
+    if state.subgroup is not None:
+        return dist.get_process_group_ranks(state.subgroup)
+    if not isinstance(state, PostLocalSGDState):
+        return None
+    ranks = dist.get_process_group_ranks(comm.default_group(state.process_group))
+    with warnings.catch_warnings():  # local_subgroup() warns when it makes the groups
+        warnings.simplefilter("ignore")
+        size = comm.node_subgroup_size(len(ranks))
+    start = ranks.index(dist.get_rank()) // size * size  # dist.new_subgroups cuts consecutive blocks
+    return ranks[start : start + size]
 
 
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

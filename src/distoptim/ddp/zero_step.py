@@ -20,7 +20,7 @@ from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import view_like
 from distoptim._text import few
 from distoptim.comm import collectives as comm
-from distoptim.ddp.post_local_sgd import PostLocalSGDState
+from distoptim.ddp.post_local_sgd import averaged_ranks
 from distoptim.ddp.reduce_to_owners import check_ddp_group, reduce_to_owners_hook
 from distoptim.zero import validation
 from distoptim.zero.overlap import buckets_final
@@ -99,22 +99,9 @@ def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOp
         )
 
 
-def _post_local_ranks(state: Any) -> list[int] | None:
-    """The global ranks a post-local-SGD hook's ``state`` averages this rank's gradients over after its warm-up (ours,
-    or torch's by its attributes, whatever wraps the hook); None for another hook's state, or torch's before it made
-    its per-node subgroups."""
-    if isinstance(state, PostLocalSGDState):
-        return state.averaged_ranks()
-    if not all(hasattr(state, name) for name in ("subgroup", "post_local_gradient_allreduce", "start_localSGD_iter")):
-        return None
-    if not state.post_local_gradient_allreduce:
-        return [dist.get_rank()]
-    return None if state.subgroup is None else dist.get_process_group_ranks(state.subgroup)
-
-
 def _check_post_local_group(zero: "ZeroRedundancyOptimizer", state: Any) -> None:
     """Refuse ZeRO sharded over ranks whose gradients a post-local-SGD hook stops averaging after its warm-up."""
-    averaged = _post_local_ranks(state)
+    averaged = averaged_ranks(state)
     sharded = dist.get_process_group_ranks(zero.process_group)
     if averaged is None or set(sharded) <= set(averaged):
         return

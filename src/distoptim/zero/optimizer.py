@@ -249,11 +249,16 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         every ``.grad`` set by hand, on every rank, and the store's pieces as attached) under a scaler; step unless it
         skips or ``hold``."""
         shard, source = self.local_shard, self._gradient_source
-        whole = self.global_params if source is None else source.hand_set()  # before any store piece is in .grad
+        whole = self._whole_grads()  # before any store piece is in .grad
         shard.attach_grads()
         held = lambda: amp.once_each([p.grad for p in whole if p.grad is not None], shard.source_grads())
         verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held)
         return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
+
+    def _whole_grads(self) -> list[Tensor]:
+        """The parameters whose ``.grad`` clipping and a scaler scale whole, on every rank: all of them under DDP, under
+        a gradient source those it was set on by hand."""
+        return self.global_params if self._gradient_source is None else self._gradient_source.hand_set()
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
@@ -374,7 +379,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
         self.placer.repartition_if_changed(refusal_deferred=True)
         shard, group, device = self.local_shard, self.process_group, self.placer.comm_device
-        whole = self.global_params if self._gradient_source is None else self._gradient_source.hand_set()
+        whole = self._whole_grads()
         return clipping.clip_shard(shard, whole, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

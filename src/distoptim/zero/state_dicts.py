@@ -173,9 +173,6 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
     made: dict[int, dict[str, Tensor]] = {}
     index = 0
     for group in zero.param_groups:
-        settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
-        optimizer_class = group.get(CLASS_KEY, zero.placer.optimizer_class)
-        defaults = zero.placer.defaults if optimizer_class is zero.placer.optimizer_class else {}
         missing = {
             index + i: p
             for i, p in enumerate(group["params"])
@@ -188,7 +185,7 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
         made_over = [
             p.detach().to(masters or p.dtype) if has_master(p.dtype, masters) else p.detach() for p in missing.values()
         ]
-        fresh = optimizer_class([{"params": made_over, **settings}], **defaults)
+        fresh = _fresh(zero, group, made_over)
         made.update((i, fresh.state[p]) for i, p in zip(missing, fresh.param_groups[0]["params"]) if p in fresh.state)
     return made
 
@@ -206,12 +203,17 @@ def _made_again(zero: ZeroParts) -> None:
         ]
         if not loaded:
             continue
-        settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
-        optimizer_class = group.get(CLASS_KEY, zero.placer.optimizer_class)
-        defaults = zero.placer.defaults if optimizer_class is zero.placer.optimizer_class else {}
-        fresh = optimizer_class([{"params": [t.tensor.detach() for t in loaded], **settings}], **defaults)
+        fresh = _fresh(zero, group, [t.tensor.detach() for t in loaded])
         for local, made in zip(loaded, fresh.param_groups[0]["params"]):
             state[local.tensor] = dict(fresh.state.get(made, {}))
+
+
+def _fresh(zero: ZeroParts, group: dict[str, Any], tensors: list[Tensor]) -> torch.optim.Optimizer:
+    """``group``'s class (and settings) over ``tensors``, as constructed: the state it makes at construction."""
+    settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
+    optimizer_class = group.get(CLASS_KEY, zero.placer.optimizer_class)
+    defaults = zero.placer.defaults if optimizer_class is zero.placer.optimizer_class else {}
+    return cast(torch.optim.Optimizer, optimizer_class([{"params": tensors, **settings}], **defaults))
 
 
 def _on_cpu(entry: dict[str, Any]) -> dict[str, Any]:
