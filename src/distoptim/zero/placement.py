@@ -56,10 +56,10 @@ class Placement:
     plan: PartitionPlan
     shard: LocalShard
     sync: ParameterSync
-    trainability: tuple[bool, ...]
+    trainable: tuple[int, ...]  # the indices of the parameters that required grad when placed
     unowned: list[Tensor]  # frozen parameters nobody owns: a gradient on one is refused
     keys: tuple[tuple[torch.device, torch.dtype], ...]  # each parameter's layout key when placed
-    signature: tuple[Signature, ...]  # each parameter's (requires_grad, storage, shape, strides) when placed
+    signature: list[Signature]  # each parameter's (requires_grad, storage, shape, strides) when placed
     index: dict[int, int]  # each parameter's global index, by id
 
 
@@ -101,7 +101,8 @@ def place(
         sync = StagedSync(layouts, settings.group, settings.collectives)
     shard = LocalShard(plan, param_groups, settings.rank, settings.master_dtype)
     index = {id(p): i for i, p in enumerate(params)}
-    return Placement(plan, shard, sync, trainability, unowned, keys, _signature(params), index)
+    trainable = tuple(i for i, flag in enumerate(trainability) if flag)
+    return Placement(plan, shard, sync, trainable, unowned, keys, _signature(params), index)
 
 
 def bind_local_optimizer(
@@ -184,9 +185,9 @@ _CONVERT_FIRST = (
 )
 
 
-def _signature(params: Sequence[Tensor]) -> tuple[Signature, ...]:
+def _signature(params: Sequence[Tensor]) -> list[Signature]:
     """What a placement depends on of each parameter, read in one pass (every step: 0.3 us a parameter)."""
-    return tuple((p.requires_grad, p.data_ptr(), p.shape, p.stride()) for p in params)
+    return [(p.requires_grad, p.data_ptr(), p.shape, p.stride()) for p in params]
 
 
 def _order(param: Tensor, strides: Sequence[int]) -> tuple[int, ...]:

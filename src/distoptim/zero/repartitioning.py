@@ -67,7 +67,7 @@ class Placer:
 
     def fingerprint(self) -> Any:
         """What every rank must step with alike: which parameters are trainable, and every hyperparameter."""
-        return validation.step_fingerprint(self.placed.trainability, self.zero.param_groups)
+        return validation.step_fingerprint(self.placed.trainable, self.zero.param_groups)
 
     def push_hyperparameters(self) -> None:
         """``param_groups`` (what schedulers and users edit) into the local optimizer's: the one direction."""

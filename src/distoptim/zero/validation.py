@@ -331,12 +331,11 @@ def _canonical(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"  # opaque objects: only their type is comparable
 
 
-def step_fingerprint(trainability: Sequence[bool], param_groups: ParamGroups) -> Fingerprint:
+def step_fingerprint(trainable: tuple[int, ...], param_groups: ParamGroups) -> Fingerprint:
     """What every rank steps with alike: the trainable parameters; the hyperparameters among stepping ranks (Join)."""
     hyperparameters: Fingerprint = {}
     for index, group in enumerate(param_groups):
         for key, value in group.items():
             if key != "params":
                 hyperparameters[f"param group {index}: {key!r} {{}}"] = _canonical(value)
-    trainable = tuple(index for index, trainable in enumerate(trainability) if trainable)
     return {"the parameters that require grad, by index: {}": trainable, STEPPING_ONLY: hyperparameters}
