@@ -318,11 +318,16 @@ EXPECTED_READS = {
     # the overlap hooks step a parameter no rank used as a plain optimizer would (not at all): they must know which
     ("all_reduce", "hook", True, False): {"which parameters some rank used": 1},
     ("all_reduce", "interleaved", True, False): {"which parameters some rank used": "buckets"},
-    # ShardedDataParallel: which parameters were used is host data; with the sync overlapped (the default), whether
+    # ShardedDataParallel: which parameters some rank used, summed in the last bucket's reduction (as DDP with
+    # find_unused_parameters=True reads its used map each backward); with the sync overlapped (the default), whether
     # a write while it was in flight changed an owned element (sharded_data_parallel/sync.py)
-    ("sharded", "explicit", False, False): {"writes to parameters while their sync was in flight": 1},
+    ("sharded", "explicit", False, False): {
+        "which parameters some rank used": 1,
+        "writes to parameters while their sync was in flight": 1,
+    },
     ("sharded", "explicit", False, True): {
         "GradScaler's skip decision": 1,
+        "which parameters some rank used": 1,
         "writes to parameters while their sync was in flight": 1,
     },
 }

@@ -14,7 +14,7 @@ import torch
 
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "plan_buckets", "store_plan"]
+__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "flag_route", "gaps", "plan_buckets", "store_plan"]
 
 Route = tuple[tuple[int, int, int], ...]  # (owner, start, end) in the bucket, neighbours of one owner merged
 
@@ -135,6 +135,24 @@ def _merged(pieces: list[tuple[int, int, int]]) -> Route:
         else:
             merged.append((rank, start, end))
     return tuple(merged)
+
+
+def flag_route(numel: int, size: int, count: int) -> Route:
+    """The route of the last bucket's tail: ``count`` flags after its ``numel`` elements, once in each of the
+    ``size`` ranks' shares, so that the reduction gives every rank each flag's sum over the ranks."""
+    return tuple((rank, numel + rank * count, numel + (rank + 1) * count) for rank in range(size))
+
+
+def gaps(plan: BucketPlan, filled: set[int]) -> list[tuple[int, int]]:
+    """The ranges of ``plan``'s bucket that no gradient of ``filled`` (parameter indices) covers: padding, and
+    parameters a backward did not reach (zeroed there rather than the whole buffer first)."""
+    ranges, at = [], 0
+    for slot in plan.slots:  # in position order
+        if slot.index in filled:
+            if slot.position > at:
+                ranges.append((at, slot.position))
+            at = slot.position + slot.numel
+    return [*ranges, (at, plan.numel)] if at < plan.numel else ranges
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
+    "FOREIGN_MARKER",
     "POISONED",
+    "SECOND_GRADIENT",
     "UNFINISHED",
+    "UNREDUCED",
     "StaticGraph",
     "check_current",
     "check_wrapping",
@@ -37,6 +40,22 @@ POISONED = (
 UNFINISHED = (
     "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced and cannot "
     "be stepped or added to. Call zero_grad() (it drops that gradient) before the next forward and step"
+)
+FOREIGN_MARKER = (
+    "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is not the one this "
+    "store put there last: copied from another parameter, or kept from before a zero_grad() or a later backward; the "
+    "gradient it stood for is gone. Set .grad to a full tensor of your own, or to None"
+)
+UNREDUCED = (
+    "ShardedDataParallel: zero.step() found gradients that backward passes under model.no_sync() accumulated and no "
+    "backward outside no_sync() reduced (each rank's own, unaveraged). Run the last micro-batch's backward outside "
+    "no_sync(), or call zero.zero_grad() to drop them"
+)
+SECOND_GRADIENT = (
+    "ShardedDataParallel: parameter {index} of the optimizer received a second gradient in one backward, after its "
+    "first went into its bucket (reentrant activation checkpointing, checkpoint(..., use_reentrant=True), with the "
+    "parameter also used outside the checkpoint does this). Use checkpoint(..., use_reentrant=False), or use the "
+    "parameter on one side only"
 )
 
 _NEWEST = "newest ShardedDataParallel"  # under comm.groups.attached: a group's newest wrapper, weakly

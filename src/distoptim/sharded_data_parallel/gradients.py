@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from distoptim import _host
 from distoptim._backward import at_end_of_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
-from distoptim.sharded_data_parallel.buckets import BucketPlan, store_plan
+from distoptim.sharded_data_parallel.buckets import BucketPlan, flag_route, gaps, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.sharded_data_parallel.unplaced import Unplaced
 from distoptim.zero.buckets import ParameterSync
@@ -63,6 +64,7 @@ class OwnedGradients:
         }
         self.layout = store_plan(self.buckets, zero.rank, zero.plan)
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
+        self.last = len(self.buckets) - 1  # the last launched: its reduction also sums the ranks' used flags
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
@@ -82,6 +84,7 @@ class OwnedGradients:
         self._next_backward_afresh()
         self._buffers: dict[int, Tensor] = {}
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
+        self._counts: list[float] | None = None  # each parameter's users, and ranks with unplaced ones (last bucket)
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
 
@@ -110,12 +113,7 @@ class OwnedGradients:
         grad = param.grad
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
             if marker is None or grad.origin is not marker[0].origin:
-                raise RuntimeError(
-                    "ShardedDataParallel: a parameter's .grad holds a marker (a gradient without values) that is "
-                    "not the one this store put there last: copied from another parameter, or kept from before a "
-                    "zero_grad() or a later backward; the gradient it stood for is gone. Set .grad to a full "
-                    "tensor of your own, or to None"
-                )
+                raise RuntimeError(checks.FOREIGN_MARKER)
             marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
         if grad is None:
             if marker is not None and index not in self._swapped:
@@ -129,11 +127,7 @@ class OwnedGradients:
                 self._swapped.add(index)
         elif (left := self._unreduced.get(index)) is not None and left() is grad:
             if not before_backward:
-                raise RuntimeError(
-                    "ShardedDataParallel: zero.step() found gradients that backward passes under model.no_sync() "
-                    "accumulated and no backward outside no_sync() reduced (each rank's own, unaveraged). Run the "
-                    "last micro-batch's backward outside no_sync(), or call zero.zero_grad() to drop them"
-                )
+                raise RuntimeError(checks.UNREDUCED)
         elif marker is not None or self.holds[index]:  # set by hand: it replaces the owned gradient
             self._forget(index)
 
@@ -301,16 +295,11 @@ class OwnedGradients:
         grad = param.grad
         assert grad is not None
         if slot.index in self._filled:
-            raise RuntimeError(
-                f"ShardedDataParallel: parameter {slot.index} of the optimizer received a second gradient in one "
-                "backward, after its first went into its bucket (reentrant activation checkpointing, "
-                "checkpoint(..., use_reentrant=True), with the parameter also used outside the checkpoint does "
-                "this). Use checkpoint(..., use_reentrant=False), or use the parameter on one side only"
-            )
+            raise RuntimeError(checks.SECOND_GRADIENT.format(index=slot.index))
         plan = self.buckets[bucket]
-        whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
+        whole = bucket not in self._buffers and bucket != self.last and len(plan.slots) == 1
+        whole = whole and plan.numel == grad.numel() and is_dense(grad) and owns_its_memory(grad)  # autograd may share
         whole = whole and self.store_keys[plan.key] == (grad.device, grad.dtype) and grad.stride() == param.stride()
-        whole = whole and is_dense(grad) and owns_its_memory(grad)  # no other tensor shares it (autograd may)
         scale = 1.0 / (self.zero.world_size * self.zero.replica_count)  # DDP's reducer: times 1/N (not / N)
         if whole:  # the gradient is the bucket (a parameter over the cap): no copy
             self._buffer(bucket, flat_view(grad).mul_(scale))
@@ -333,7 +322,8 @@ class OwnedGradients:
                 self._land_oldest()
             if gradient is None:
                 device, dtype = self.store_keys[self.buckets[bucket].key]
-                gradient = torch.empty(self.buckets[bucket].numel, dtype=dtype, device=device)
+                flags = self.zero.world_size * (len(self.params) + 1) if bucket == self.last else 0  # (flag_route)
+                gradient = torch.empty(self.buckets[bucket].numel + flags, dtype=dtype, device=device)
             self._buffers[bucket] = gradient
         return self._buffers[bucket]
 
@@ -345,30 +335,25 @@ class OwnedGradients:
         while self._next < len(self.buckets) and (flushing or not self._remaining[self._next]):
             bucket, plan = self._next, self.buckets[self._next]
             for slot in plan.slots if flushing else ():
-                param = self.params[slot.index]
-                grad = param.grad
+                grad = (param := self.params[slot.index]).grad
                 if slot.index not in self._filled and grad is not None and not isinstance(grad, GradientMarker):
                     self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
                     self._fill(bucket, slot, param)
             buffer = self._buffer(bucket)
             del self._buffers[bucket]
-            self._zero_gaps(buffer, plan)
+            for start, end in gaps(plan, self._filled):  # padding, parameters not reached
+                buffer[start:end].zero_()
+            route = plan.route
+            if buffer.numel() > plan.numel:  # the last bucket: this rank's flags in every rank's share, to be summed
+                late = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
+                flags = buffer[plan.numel :].view(zero.world_size, -1)
+                flags.copy_(torch.tensor([*self.used, late], dtype=buffer.dtype).expand_as(flags))
+                route += flag_route(plan.numel, zero.world_size, flags.shape[1])
             reduced = comm.reduce_to_owners_async(
-                buffer, plan.route, zero.process_group, zero.collectives, replicas=zero.replicate_group
+                buffer, route, zero.process_group, zero.collectives, replicas=zero.replicate_group
             )
             self._in_flight.append((bucket, buffer, reduced))
             self._next = bucket + 1
-
-    def _zero_gaps(self, buffer: Tensor, plan: BucketPlan) -> None:
-        """Zeros where this backward copied no gradient: padding, parameters it did not reach (a memset less)."""
-        at = 0
-        for slot in plan.slots:  # in position order
-            if slot.index in self._filled:
-                if slot.position > at:
-                    buffer[at : slot.position].zero_()
-                at = slot.position + slot.numel
-        if at < buffer.numel():
-            buffer[at:].zero_()
 
     def _land_oldest(self) -> None:
         """Wait for the oldest reduction; add its owned sums into the owned gradient (copy the first since a clear)."""
@@ -382,6 +367,9 @@ class OwnedGradients:
             target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])
             at += end - start
         self.landed[bucket] = True
+        if (numel := self.buckets[bucket].numel) < buffer.numel():
+            mine = buffer[numel:].view(self.zero.world_size, -1)[self.zero.rank]
+            self._counts = _host.read(mine, "which parameters some rank used")
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
@@ -392,9 +380,12 @@ class OwnedGradients:
         self._next_backward_afresh()
         static = self.static if self.static is not None and self.static.pattern is not None else None
         self.unagreed = True  # (a static graph's promise is checked by the step's agreement)
-        agreed = self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=static is None)
-        if static is not None:
+        counts, self._counts = self._counts, None  # the used flags, summed with the last bucket's reduction
+        if static is None and counts is not None and not counts[-1]:  # (where no rank has unplaced parameters)
+            self.agreed([count > 0 for count in counts[:-1]])
+        elif static is None:
+            self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True))
+        else:
+            self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
             static.predicted = True
             self.mark()
-        else:
-            self.agreed(agreed)
