@@ -336,4 +336,25 @@ MUTANTS += (  # review r-42d (its A, E, K, G4): settings a load or an edit must 
     ),
 )
 
+MUTANTS += (  # issue 45: the used flags ride on ShardedDataParallel's last bucket reduction
+    _one(
+        "sdp_flags_local",
+        "ShardedDataParallel: a parameter some ranks use and others do not",
+        "each rank takes its own used flags for the ranks' sums: a rank owning a piece of a parameter only another "
+        "rank used never steps it",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "            self.agreed([count > 0 for count in counts[:-1]])",
+        "            self.agreed(list(self.used))",
+    ),
+    _one(
+        "sdp_flags_late_ignored",
+        "ShardedDataParallel: a parameter unfrozen since the plan (all-reduced at the end of the backward)",
+        "the flag saying some rank holds parameters trainable since the plan ignored: their gradients are never "
+        "averaged",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "counts is not None and not counts[-1]:",
+        "counts is not None:",
+    ),
+)
+
 BY_NAME = {m.name: m for m in MUTANTS}

@@ -182,5 +182,13 @@ DEMOS["edited_hyperparameter_not_pushed"] = (
 )
 DEMOS["overlap_drops_nesterov"] = (_program("overlap_hook", TWO, kwargs=NESTEROV, exact=True), 2)
 DEMOS["bf16_bucket_view_flat"] = (_program("zero1", TWO, features=("bf16",), bucket_view=True), 2)
+DEMOS["sdp_flags_local"] = (
+    _program("sdp", TWO, "Adam", {"lr": 0.01}, features=("rank_branch",), exact=True, partition="even"),
+    2,
+)
+DEMOS["sdp_flags_late_ignored"] = (
+    _program("sdp", [*_block(), Action("unfreeze"), *_block()], kwargs={"lr": 0.05}, features=("frozen",)),
+    2,
+)
 # the verdict a demonstration must reach where it is not ``mismatch``
 DEMO_VERDICTS = {"bf16_bucket_view_flat": "unexpected_error"}
