@@ -103,9 +103,31 @@ def extra_group(model: FuzzModel, lr: float) -> dict[str, Any]:
     return {"params": list(model.extra.parameters()), "lr": lr * 3}
 
 
-def _ddp(model: nn.Module, group: Any = None) -> DDP:
+def _ddp(model: nn.Module, group: Any = None, two_stage: bool = False) -> DDP:
     group_kwargs = {} if group is None else {"process_group": group}
-    return DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB, **group_kwargs)
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB, **group_kwargs)
+    if two_stage:
+        # a lambda: DDP checks a hook's annotations against the classes, and this module's are strings
+        ddp.register_comm_hook(hybrid_groups(), lambda groups, bucket: _two_stage_mean(groups, bucket))
+    return ddp
+
+
+def sums_in_two_stages(program: Program, group: Any = None) -> bool:
+    """Whether the subject sums each gradient within its shard pair, then across the pairs (hybrid ``sdp`` and
+    ``zero2_hook`` over the world), where DDP's own all-reduce adds the four ranks in its ring's order. The oracle's
+    DDP then sums in the subject's two stages (seed 43031): both orders are DDP's arithmetic, but a bf16 sum rounded
+    otherwise flips a bf16 step's tie, which everything after it carries, and the twin measures no such flip."""
+    return bool(program.options.get("hybrid")) and program.mode in ("sdp", "zero2_hook") and group is None
+
+
+def _two_stage_mean(groups: tuple[Any, Any], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's average as two all-reduces, over the shard pair then the replicate pair (the subject's order)."""
+    buffer = bucket.buffer().mul_(1.0 / dist.get_world_size())  # DDP's reducer: times 1/N, then summed
+    for group in groups:
+        dist.all_reduce(buffer, group=group)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
 
 
 def _thaw(model: FuzzModel, structure: Structure) -> None:
@@ -239,7 +261,7 @@ class Oracle:
         self.scheduler = _scheduler(self.optimizer, program)
         self.scaler = _scaler(program)
         self.group = group
-        self.ddp = _ddp(self.model, group)
+        self.ddp = _ddp(self.model, group, sums_in_two_stages(program, group))
 
     def muon_lrs(self) -> dict[int, float]:
         """For each model parameter Muon steps (Muon programs), its step size now (``matrices.muon_step_size``)."""
@@ -263,7 +285,7 @@ class Oracle:
         subject is not rewrapped: ShardedDataParallel follows the storage itself)."""
         buffers = [b.detach().clone() for b in self.model.buffers()] if keep_buffers else []
         syncs_next = self.ddp.require_forward_param_sync  # a DDP that followed: broadcasts where it would have
-        self.ddp = _ddp(self.model, self.group)
+        self.ddp = _ddp(self.model, self.group, sums_in_two_stages(self.program, self.group))
         if keep_buffers:
             self.ddp.require_forward_param_sync = syncs_next
         with torch.no_grad():

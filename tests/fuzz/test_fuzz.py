@@ -152,6 +152,24 @@ def test_ci_hybrid_seeds() -> None:
     _run_and_fail_on_failures([generate(seed, hybrid=True) for seed in HYBRID_SEEDS], 4)
 
 
+SEED_43031 = (  # shrunk: 4 ranks, hybrid sdp, NAdam over a bf16 head without masters, a step then a closure step
+    '{"seed":43031,"features":["batchnorm","bf16","prehook","tied","transposed"],"mode":"sdp","options":{"partition":'
+    '"greedy","bucket_view":false,"master":false,"overlap":false,"hybrid":true},"optimizer":"NAdam","kwargs":{"lr":'
+    '0.01,"betas":[0.8,0.95],"decoupled_weight_decay":true},"actions":[{"name":"backward","args":{"micro":1,'
+    '"no_sync":false}},{"name":"step","args":{}},{"name":"closure_step","args":{}}]}'
+)
+
+
+def test_the_hybrid_oracle_sums_in_the_subjects_two_stages() -> None:
+    """Seed 43031: the subject sums each bf16 gradient within its shard pair, then across; DDP's own all-reduce
+    rounded ``head.weight[9, 12]``'s otherwise, NAdam's bf16 step took that weight across a rounding tie, and the
+    closure step carried the ulp into every weight, 7.6 times past the twin's measure. Summed in the same stages,
+    the oracle agrees (``modes.sums_in_two_stages``), in ``zero2_hook`` too."""
+    sdp = Program.from_json(SEED_43031)
+    verdicts = run_programs([sdp, sdp.replace(mode="zero2_hook")], 4)
+    assert [v["category"] for v in verdicts] == ["pass", "pass"], verdicts
+
+
 def _run_and_fail_on_failures(programs: list[Program], world_size: int, oracle_errors_fail: bool = False) -> None:
     """``oracle_errors_fail``: CI's seeds hold no program plain DDP cannot run, so an ``oracle_error`` there is a
     fuzzer gap or a library crash tagged wrong, and fails (review r-42d)."""
