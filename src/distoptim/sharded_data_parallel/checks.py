@@ -145,22 +145,27 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
 
 
 class StaticGraph:
-    """``static_graph=True``, DDP's promise that every backward uses the same parameters: the first backward's, as
-    the ranks' summed flags say, and a check of each later backward's against them."""
+    """``static_graph=True``: the parameters some rank used at the first agreement, which later backwards take as
+    agreed (``predicted``) until the next agreement checks them against the ranks' flags."""
 
     def __init__(self) -> None:
         self.pattern: list[bool] | None = None
+        self.predicted = False
 
-    def check(self, everywhere: Sequence[bool], placed: Sequence[int]) -> None:
-        """A backward's flags (the same on every rank): the first become the pattern; a later one must match it."""
+    def used(self, index: int) -> bool:
+        return self.pattern is not None and self.pattern[index]
+
+    def agreed(self, everywhere: Sequence[bool], placed: Sequence[int]) -> None:
+        """The ranks' agreed flags: the first become the pattern; a predicted backward must have matched it."""
         if self.pattern is None:
             self.pattern = [False] * len(everywhere)
             for index in placed:
                 self.pattern[index] = bool(everywhere[index])
         changed = [index for index in placed if everywhere[index] != self.pattern[index]]
-        if changed:
+        if self.predicted and changed:
             raise ValueError(
                 f"ShardedDataParallel(static_graph=True): parameters {changed[:8]} of the optimizer were used by "
                 "some rank in the first backward and by none since, or the other way round. Build the wrapper "
-                "without static_graph=True, which takes the parameters used at the end of each backward as they are"
+                "without static_graph=True, which agrees on the parameters used at the end of each backward"
             )
+        self.predicted = False

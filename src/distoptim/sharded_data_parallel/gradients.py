@@ -145,6 +145,8 @@ class OwnedGradients:
         """A marker into each free ``.grad`` the store holds, may hold, or (until the ranks agree) owns a piece of."""
         for index, param in enumerate(self.params):
             maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
+            if self.static is not None and self.static.predicted:
+                maybe = self.used[index] or self.static.used(index)
             if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
                 marker = GradientMarker.like(param)
                 param.grad = marker
@@ -198,6 +200,8 @@ class OwnedGradients:
             self._unswap()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used, self.unagreed = [False] * len(self.params), False
+        if self.static is not None:
+            self.static.predicted = False
         self._unreduced.clear()
         if set_to_none:
             self.holds = [False] * len(self.params)
@@ -227,12 +231,16 @@ class OwnedGradients:
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
+        predicted = self.static.used if self.static is not None and self.static.predicted else lambda i: False
         return not self.unagreed or all(
-            self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad
+            self.holds[i] or self.used[i] or predicted(i) for i in self.pieces if self.params[i].requires_grad
         )
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
         """The ranks agreed which parameters some rank used: the store holds those; the others' markers go."""
+        placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
+        if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
+            self.static.agreed(everywhere, placed)
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used, self.unagreed = [False] * len(self.params), False
         for index, (marker, _) in list(self._markers.items()):
@@ -370,14 +378,14 @@ class OwnedGradients:
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
-        self.unagreed = True
+        static = self.static if self.static is not None and self.static.pattern is not None else None
+        self.unagreed = True  # (a static graph's promise is checked by the step's agreement)
         counts, self._counts = self._counts, None  # the used flags, summed with the last bucket's reduction
-        if counts is not None and not counts[-1]:  # (where no rank has unplaced parameters)
-            everywhere: Sequence[bool] = [count > 0 for count in counts[:-1]]
+        if static is None and counts is not None and not counts[-1]:  # (where no rank has unplaced parameters)
+            self.agreed([count > 0 for count in counts[:-1]])
+        elif static is None:
+            self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True))
         else:
-            everywhere = self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True)
-        if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
-            self.static.check(
-                everywhere, [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
-            )
-        self.agreed(everywhere)
+            self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
+            static.predicted = True
+            self.mark()

@@ -38,7 +38,7 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: broadcast rank 0's buffers before each forward, as DDP does (default True).
         reduce_dtype: the dtype gradients are reduced and kept in (default: the parameters').
         overlap_param_sync: leave the parameter sync in flight after ``step()`` for the next forward (default False).
-        static_graph: every backward uses the same parameters (DDP's promise), checked each backward (default False).
+        static_graph: every backward uses the same parameters (DDP's promise), agreed once (default False).
 
     Raises:
         TypeError: ``module`` is not a module, or ``zero`` not a ``ZeroRedundancyOptimizer``.

@@ -343,8 +343,8 @@ MUTANTS += (  # issue 45: the used flags ride on ShardedDataParallel's last buck
         "each rank takes its own used flags for the ranks' sums: a rank owning a piece of a parameter only another "
         "rank used never steps it",
         "distoptim/sharded_data_parallel/gradients.py",
-        "            everywhere: Sequence[bool] = [count > 0 for count in counts[:-1]]",
-        "            everywhere: Sequence[bool] = list(self.used)",
+        "            self.agreed([count > 0 for count in counts[:-1]])",
+        "            self.agreed(list(self.used))",
     ),
     _one(
         "sdp_flags_late_ignored",
