@@ -14,7 +14,7 @@ import torch
 
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "flag_route", "gaps", "plan_buckets", "store_plan"]
+__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "gaps", "plan_buckets", "store_plan"]
 
 Route = tuple[tuple[int, int, int], ...]  # (owner, start, end) in the bucket, neighbours of one owner merged
 
@@ -135,12 +135,6 @@ def _merged(pieces: list[tuple[int, int, int]]) -> Route:
         else:
             merged.append((rank, start, end))
     return tuple(merged)
-
-
-def flag_route(numel: int, size: int, count: int) -> Route:
-    """The route of the last bucket's tail: ``count`` flags after its ``numel`` elements, once in each of the
-    ``size`` ranks' shares, so that the reduction gives every rank each flag's sum over the ranks."""
-    return tuple((rank, numel + rank * count, numel + (rank + 1) * count) for rank in range(size))
 
 
 def gaps(plan: BucketPlan, filled: set[int]) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
-from distoptim.sharded_data_parallel.buckets import BucketPlan, flag_route, gaps, store_plan
+from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.sharded_data_parallel.unplaced import Unplaced
 from distoptim.zero.buckets import ParameterSync
@@ -64,7 +64,6 @@ class OwnedGradients:
         }
         self.layout = store_plan(self.buckets, zero.rank, zero.plan)
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
-        self.last = len(self.buckets) - 1  # the last launched: its reduction also sums the ranks' used flags
         self.slot_of = {id(self.params[s.index]): (b, s) for b, bucket in enumerate(self.buckets) for s in bucket.slots}
         self.landed = [False] * len(self.buckets)  # since the last clear(): read, and added to rather than copied
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
@@ -84,7 +83,6 @@ class OwnedGradients:
         self._next_backward_afresh()
         self._buffers: dict[int, Tensor] = {}
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
-        self._counts: list[float] | None = None  # each parameter's users, and ranks with unplaced ones (last bucket)
         self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
 
@@ -297,8 +295,8 @@ class OwnedGradients:
         if slot.index in self._filled:
             raise RuntimeError(checks.SECOND_GRADIENT.format(index=slot.index))
         plan = self.buckets[bucket]
-        whole = bucket not in self._buffers and bucket != self.last and len(plan.slots) == 1
-        whole = whole and plan.numel == grad.numel() and is_dense(grad) and owns_its_memory(grad)  # autograd may share
+        whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
+        whole = whole and is_dense(grad) and owns_its_memory(grad)  # no other tensor shares it (autograd may)
         whole = whole and self.store_keys[plan.key] == (grad.device, grad.dtype) and grad.stride() == param.stride()
         scale = 1.0 / (self.zero.world_size * self.zero.replica_count)  # DDP's reducer: times 1/N (not / N)
         if whole:  # the gradient is the bucket (a parameter over the cap): no copy
@@ -322,8 +320,7 @@ class OwnedGradients:
                 self._land_oldest()
             if gradient is None:
                 device, dtype = self.store_keys[self.buckets[bucket].key]
-                flags = self.zero.world_size * (len(self.params) + 1) if bucket == self.last else 0  # (flag_route)
-                gradient = torch.empty(self.buckets[bucket].numel + flags, dtype=dtype, device=device)
+                gradient = torch.empty(self.buckets[bucket].numel, dtype=dtype, device=device)
             self._buffers[bucket] = gradient
         return self._buffers[bucket]
 
@@ -343,14 +340,8 @@ class OwnedGradients:
             del self._buffers[bucket]
             for start, end in gaps(plan, self._filled):  # padding, parameters not reached
                 buffer[start:end].zero_()
-            route = plan.route
-            if buffer.numel() > plan.numel:  # the last bucket: this rank's flags in every rank's share, to be summed
-                late = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
-                flags = buffer[plan.numel :].view(zero.world_size, -1)
-                flags.copy_(torch.tensor([*self.used, late], dtype=buffer.dtype).expand_as(flags))
-                route += flag_route(plan.numel, zero.world_size, flags.shape[1])
             reduced = comm.reduce_to_owners_async(
-                buffer, route, zero.process_group, zero.collectives, replicas=zero.replicate_group
+                buffer, plan.route, zero.process_group, zero.collectives, replicas=zero.replicate_group
             )
             self._in_flight.append((bucket, buffer, reduced))
             self._next = bucket + 1
@@ -367,9 +358,15 @@ class OwnedGradients:
             target.add_(buffer[start:end]) if self.landed[bucket] else target.copy_(buffer[start:end])
             at += end - start
         self.landed[bucket] = True
-        if (numel := self.buckets[bucket].numel) < buffer.numel():
-            mine = buffer[numel:].view(self.zero.world_size, -1)[self.zero.rank]
-            self._counts = _host.read(mine, "which parameters some rank used")
+
+    def _summed_flags(self) -> list[int]:
+        """Each parameter's users over the ranks, and how many ranks hold parameters trainable since the plan: DDP's
+        used map under ``find_unused_parameters=True`` (an int32 all-reduce behind the buckets', not an agreement)."""
+        late = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
+        flags = torch.tensor([*self.used, late], dtype=torch.int32, device=self.store_keys[self.buckets[0].key][0])
+        for group in self.zero.agreement_groups:
+            comm.all_reduce_(flags, group)
+        return list(_host.read(flags, "which parameters some rank used"))
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
@@ -380,8 +377,8 @@ class OwnedGradients:
         self._next_backward_afresh()
         static = self.static if self.static is not None and self.static.pattern is not None else None
         self.unagreed = True  # (a static graph's promise is checked by the step's agreement)
-        counts, self._counts = self._counts, None  # the used flags, summed with the last bucket's reduction
-        if static is None and counts is not None and not counts[-1]:  # (where no rank has unplaced parameters)
+        counts = self._summed_flags() if static is None and self.buckets else None
+        if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
             self.agreed([count > 0 for count in counts[:-1]])
         elif static is None:
             self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True))
