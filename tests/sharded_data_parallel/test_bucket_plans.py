@@ -1,4 +1,4 @@
-"""Bucket plans (pure): each bucket's slots come in position order, which ``OwnedGradients._zero_gaps`` walks once
+"""Bucket plans (pure): each bucket's slots come in position order, which ``buckets.gaps`` walks once
 to zero what no gradient filled."""
 
 from __future__ import annotations

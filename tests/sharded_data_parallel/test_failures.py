@@ -320,10 +320,10 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
         ("sdp_static_unused", 0, 1),
     ],
 )
-def test_agreements_one_per_backward_one_per_plain_step(how: str, per_backward: int, per_step: int) -> None:
+def test_agreements_none_per_backward_one_per_plain_step(how: str, per_backward: int, per_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
-    exactly where DDP's is) rides on each backward's last bucket reduction, not on an agreement of its own; a
-    GradScaler adds the one around the local step. ``static_graph=True`` changes none of these counts."""
+    exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
+    raise), not agreed; a GradScaler adds the agreement around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == per_step * 3, counts

@@ -318,7 +318,7 @@ EXPECTED_READS = {
     # the overlap hooks step a parameter no rank used as a plain optimizer would (not at all): they must know which
     ("all_reduce", "hook", True, False): {"which parameters some rank used": 1},
     ("all_reduce", "interleaved", True, False): {"which parameters some rank used": "buckets"},
-    # ShardedDataParallel: which parameters some rank used, summed in the last bucket's reduction (as DDP with
+    # ShardedDataParallel: which parameters some rank used, an int32 all-reduce at the backward's end (as DDP with
     # find_unused_parameters=True reads its used map each backward); with the sync overlapped (the default), whether
     # a write while it was in flight changed an owned element (sharded_data_parallel/sync.py)
     ("sharded", "explicit", False, False): {

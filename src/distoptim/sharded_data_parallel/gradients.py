@@ -311,7 +311,7 @@ class OwnedGradients:
         self._remaining[bucket] -= 1
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
-        """Bucket ``bucket``'s buffer (``gradient``, or a new one: ``_zero_gaps`` zeros what no gradient filled), once
+        """Bucket ``bucket``'s buffer (``gradient``, or a new one: ``buckets.gaps`` are what no gradient filled), once
         fewer than ``max_in_flight`` are in use."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:

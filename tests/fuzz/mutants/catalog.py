@@ -336,7 +336,7 @@ MUTANTS += (  # review r-42d (its A, E, K, G4): settings a load or an edit must 
     ),
 )
 
-MUTANTS += (  # issue 45: the used flags ride on ShardedDataParallel's last bucket reduction
+MUTANTS += (  # issue 45: ShardedDataParallel's used flags summed as DDP's used map, not agreed
     _one(
         "sdp_flags_local",
         "ShardedDataParallel: a parameter some ranks use and others do not",
