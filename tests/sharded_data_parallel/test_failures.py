@@ -357,6 +357,26 @@ def test_static_graph_trains_as_ddp_and_refuses_a_changed_graph(change: bool) ->
     run_on_ranks(_static_body, 2, change, timeout=60)
 
 
+def _static_one_rank_body(rank: int, world_size: int) -> None:
+    """``static_graph=True`` with the branch used on rank 0 only (even partition: rank 1 owns half of it without
+    using it) and ``zero_grad()`` to None each step trains as DDP + AdamW. Rank 1 skipped its half from the second
+    step on: the predicted backward let it step early, but its store no longer said it held that gradient."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, static_graph=True)
+    ddp = DDP(reference, find_unused_parameters=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(3):
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step), use_branch=rank == 0).square().mean().backward()
+            opt.step()
+        _compare(model, reference, f"step {step}")
+
+
+def test_static_graph_steps_a_piece_its_owner_did_not_use() -> None:
+    run_on_ranks(_static_one_rank_body, 2, timeout=60)
+
+
 # ------------------------------------------- a clear between backwards, before the ranks agreed on what was used
 def _clear_before_the_agreement_body(rank: int, world_size: int, how: str) -> None:
     """The branch is used on rank 0 only (even partition: rank 1 owns half of it without using it); between two

@@ -229,9 +229,8 @@ class OwnedGradients:
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
-        predicted = self.static.used if self.static is not None and self.static.predicted else lambda i: False
         return not self.unagreed or all(
-            self.holds[i] or self.used[i] or predicted(i) for i in self.pieces if self.params[i].requires_grad
+            self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad
         )
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
@@ -384,5 +383,6 @@ class OwnedGradients:
             self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True))
         else:
             self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
-            static.predicted = True
+            static.predicted = True  # the first backward's parameters, held as if agreed (the step checks them)
+            self.holds = [held or static.used(index) for index, held in enumerate(self.holds)]
             self.mark()
