@@ -368,7 +368,7 @@ class OwnedGradients:
         return list(_host.read(flags, "which parameters some rank used"))
 
     def flush(self) -> None:
-        """A backward's end: every bucket landed, unplaced gradients averaged, used flags agreed, markers put in."""
+        """A backward's end: every bucket landed, used flags summed (unplaced gradients averaged), markers put in."""
         self.in_backward = False
         self._launch_ready(flushing=True)
         while self._in_flight:
