@@ -20,6 +20,7 @@ from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
+from distoptim.comm.objects import release
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
@@ -365,7 +366,10 @@ class OwnedGradients:
         flags = torch.tensor([*self.used, late], dtype=torch.int32, device=self.store_keys[self.buckets[0].key][0])
         for group in self.zero.agreement_groups:
             comm.all_reduce_(flags, group)
-        return list(_host.read(flags, "which parameters some rank used"))
+        counts = list(_host.read(flags, "which parameters some rank used"))
+        if flags.is_cpu:  # gloo's worker lets go of it now, not after the backward (as the agreements' tensors)
+            release(flags)
+        return counts
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, used flags summed (unplaced gradients averaged), markers put in."""
