@@ -1,8 +1,5 @@
-"""Model averagers: average parameters across a process group on a schedule (the "model" half of post-local SGD).
-
-Each averager is a schedule (``group_at(step)``) over ``comm.average_tensors_``, which averages in place. The
-functions at the end average directly, as ``torch.distributed.algorithms.model_averaging.utils`` does.
-"""
+"""Model averagers: a schedule (``group_at(step)``) over ``comm.average_tensors_``, which averages in place; the
+functions at the end average directly, as ``torch.distributed.algorithms.model_averaging.utils`` does."""
 
 from __future__ import annotations
 
@@ -77,9 +74,6 @@ class ModelAverager(ABC):
 
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
-
-        Raises:
-            TypeError: ``params`` is a single tensor or param group, or holds something other than parameters.
         """
 
     def _average_and_advance(self, params: ParamsLike, group: ProcessGroup | None) -> None:
@@ -136,10 +130,10 @@ class PeriodicModelAverager(ModelAverager):
         self.warmup_steps = warmup_steps
 
     def group_at(self, step: int) -> ProcessGroup | None:
-        """The group that averages at ``step``, or ``None`` when no averaging is due.
+        """The group that averages at ``step`` (``self.step`` is the next one), or ``None`` when none is due.
 
         Args:
-            step: an averager step (``self.step`` is the next one).
+            step: an averager step.
         """
         if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
             return self.process_group
@@ -200,10 +194,10 @@ class HierarchicalModelAverager(ModelAverager):
         self._periods_largest_first = [period for period, _ in reversed(levels)]  # fixed here, as torch's
 
     def group_at(self, step: int) -> ProcessGroup | None:
-        """The subgroup (of this rank) that averages at ``step``, or ``None`` when no averaging is due.
+        """This rank's subgroup that averages at ``step`` (``self.step`` is the next one), or ``None``.
 
         Args:
-            step: an averager step (``self.step`` is the next one).
+            step: an averager step.
         """
         if step >= self.warmup_steps:
             for period in self._periods_largest_first:
@@ -247,11 +241,10 @@ def _check_levels(levels: list[tuple[int, int]], overall: int, warmup_steps: int
 
 
 def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGroup | None) -> None:
-    """Replace each of ``params`` by its mean over ``process_group``, in place; unlike torch's, the parameters keep
-    their storage, so views into them stay views.
+    """Replace each of ``params`` by its mean over ``process_group``, in place (views into them stay views).
 
     Args:
-        params: the parameters (any iterable of tensors, a generator included), the same on every rank.
+        params: the parameters (any iterable of tensors), the same on every rank.
         process_group: the group to average over; ``None`` is the default (world) group.
 
     Raises:
@@ -260,7 +253,7 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: ProcessGro
 
     Example:
         ```python
-        average_parameters(model.parameters(), node_group)      # None: over every rank
+        average_parameters(model.parameters(), node_group)
         ```
     """
     comm.average_tensors_(list(params), comm.default_group(process_group))
@@ -273,10 +266,8 @@ def get_params_to_average(params: ParamsLike) -> list[torch.Tensor]:
         params: ``model.parameters()`` or ``optimizer.param_groups``.
 
     Raises:
-        NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group (torch's message; also a
-            ``TypeError``).
-        TypeError: ``params`` is a single tensor (iterating it would yield its rows) or param group, or a group
-            holds something other than tensors.
+        NotImplementedError: an entry is neither an ``nn.Parameter`` nor a param group (also a ``TypeError``).
+        TypeError: ``params`` is a single tensor or param group, or a group holds something other than tensors.
 
     Example:
         ```python
@@ -313,15 +304,14 @@ def get_params_to_average(params: ParamsLike) -> list[torch.Tensor]:
 
 
 def average_parameters_or_parameter_groups(params: ParamsLike, process_group: ProcessGroup | None) -> None:
-    """Average, in place over ``process_group``, the parameters of a model or of an optimizer's param groups that
-    have a gradient (``average_parameters(get_params_to_average(params), process_group)``).
+    """``average_parameters(get_params_to_average(params), process_group)``: the parameters that have a gradient.
 
     Args:
-        params: ``model.parameters()`` or ``optimizer.param_groups``; parameters without ``.grad`` are skipped.
+        params: ``model.parameters()`` or ``optimizer.param_groups``.
         process_group: the group to average over; ``None`` is the default (world) group.
 
     Raises:
-        NotImplementedError: an entry of ``params`` is neither a parameter nor a param group (as in torch).
+        NotImplementedError: an entry of ``params`` is neither a parameter nor a param group.
         TypeError: ``params`` is a single tensor or param group, or ``process_group`` is not a ``ProcessGroup``.
         RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
 

@@ -36,9 +36,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``optim`` is not an optimizer instance (a class, say), or ``averager`` is not a model averager.
-        ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` sharded over all the ranks ``averager`` averages.
-            (Unchecked: ZeRO must also shard within ``post_localSGD_hook``'s subgroup, averaged every step; the hook's
-            state is out of this optimizer's sight: ``docs/guides/post-local-sgd.md``.)
+        ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` sharded over all the ranks ``averager`` averages
+            (it must shard within ``post_localSGD_hook``'s subgroup, unchecked here: the guide says why).
 
     Example:
         ```python
@@ -76,7 +75,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step the local optimizer, then average parameters if the averager's schedule says so.
+        """Step the local optimizer, then average if the averager's schedule says so.
 
         Args:
             closure: passed to the local optimizer's ``step`` (default ``None``); its loss is returned.
@@ -108,11 +107,10 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the wrapped optimizer's state and restore the averager's step (a dict without ``"step"`` warns and
-        restarts the schedule at 0).
+        """Load the wrapped optimizer's state and the averager's step (without ``"step"``: a warning, step 0).
 
         Args:
-            state_dict: what ``state_dict()`` returned (this rank's: the ranks differ between averagings).
+            state_dict: what ``state_dict()`` returned on this rank (the ranks differ between averagings).
 
         Raises:
             ValueError: ``state_dict["step"]`` is negative, or the wrapped optimizer refuses the dict.

@@ -67,8 +67,8 @@ class PostLocalSGDState:
         self._counting = False  # the end of this backward is scheduled to count it
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
-        """Count one iteration per backward pass, at its end (outside a backward, a joined rank's, at the bucket DDP
-        marks last: inside one, DDP's static-graph first iteration marks none).
+        """Count one iteration per backward pass: at its end (DDP's static-graph first iteration marks no bucket
+        last), or outside a backward (a joined rank's) at the bucket DDP marks last.
 
         Args:
             bucket: the bucket the hook was called with.
@@ -124,11 +124,10 @@ class PostLocalSGDState:
                 UserWarning,
                 stacklevel=2,
             )
-        self.process_group = self.subgroup = None
-        self.start_localSGD_iter = state["start_localSGD_iter"]
-        self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
+        PostLocalSGDState.__init__(
+            self, None, None, state["start_localSGD_iter"], state["post_local_gradient_allreduce"]
+        )
         self.iter = state["iter"]
-        self._counting = False
 
 
 def averaged_ranks(state: Any) -> list[int] | None:
@@ -152,15 +151,11 @@ def averaged_ranks(state: Any) -> list[int] | None:
 
 
 def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default reduction as a comm hook (and the overlap hooks' inner hook): average the bucket over
-    ``process_group`` (None: the world).
+    """DDP's default reduction as a comm hook (and the overlap hooks' inner hook): the bucket averaged, in a future.
 
     Args:
         process_group: the hook's state, as ``register_comm_hook`` passes it: the group, or ``None`` for the world.
         bucket: DDP's gradient bucket.
-
-    Returns:
-        A future holding the bucket's averaged gradients.
 
     Raises:
         TypeError: ``process_group`` is neither a ``ProcessGroup`` nor ``None``.
@@ -174,14 +169,12 @@ def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> to
 
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not).
+    """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not);
+    returns a future holding them.
 
     Args:
         state: the ``PostLocalSGDState`` given to ``register_comm_hook``; its ``iter`` advances once per backward.
         bucket: DDP's gradient bucket.
-
-    Returns:
-        A future holding the bucket's gradients: averaged globally, within the subgroup, or this rank's own.
 
     Raises:
         TypeError: ``state`` is not a ``PostLocalSGDState``.

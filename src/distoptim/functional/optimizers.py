@@ -1,9 +1,6 @@
-"""Functional optimizers: ``torch.optim`` update rules that take gradients as arguments instead of reading ``.grad``.
-
-The overlap hooks and the RPC ``DistributedOptimizer`` hand their optimizer its gradients. ``FunctionalOptimizer``
-is one generic class that runs ``torch.optim``'s own functional kernels (bit for bit), one ``kernels.KernelSpec`` row
-per optimizer; its state is created exactly as ``torch.optim`` creates it, so the two are interchangeable.
-"""
+"""Functional optimizers, handed their gradients (by the overlap hooks, the RPC ``DistributedOptimizer``): one
+generic class running ``torch.optim``'s own kernels bit for bit, one ``kernels.KernelSpec`` row per optimizer, its
+state created as ``torch.optim`` creates it."""
 
 from __future__ import annotations
 
@@ -204,12 +201,10 @@ _BUILT_IN = tuple(functional_optim_map)
 def register_functional_optim(key: Any, optim: type) -> None:
     """Map ``key`` to the functional optimizer class ``optim``, unless ``key`` already has one (torch's rule).
 
-    ``optim`` follows torch's protocol (``step(gradients)``, ``step_param``, ``param_group``, ``state``); ZeRO's
-    overlap mode steps ``FunctionalOptimizer`` subclasses only.
-
     Args:
         key: what users will pass, usually an optimizer class (need not be a ``torch.optim.Optimizer``).
-        optim: the functional optimizer class.
+        optim: a class with torch's protocol (``step(gradients)``, ``step_param``, ``param_group``, ``state``);
+            ZeRO's overlap mode steps ``FunctionalOptimizer`` subclasses only.
 
     Raises:
         TypeError: ``key`` is unhashable, or ``optim`` is not a class.
@@ -238,12 +233,10 @@ def registered_functional_optim(optim_cls: Any) -> type | None:
 
 def functional_class_for(optim_cls: type) -> type[FunctionalOptimizer] | None:
     """The ``FunctionalOptimizer`` class for a ``torch.optim`` class (exact class: a subclass may change the math),
-    a key registered with one, or a functional class itself; else None.
+    a key registered with one, or a functional class itself; else None. Never raises.
 
     Args:
-        optim_cls: any class (``torch.optim.Adam``, ``FunctionalAdam``, ...); anything else returns None.
-
-    Never raises: anything unsupported gives None.
+        optim_cls: any class (``torch.optim.Adam``, ``FunctionalAdam``, ...).
 
     Example:
         ```python

@@ -1,9 +1,5 @@
-"""``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` driving a ``ZeroRedundancyOptimizer`` (under ``torchrun``).
-
-The plain Trainer saves the main process's ``state_dict()``; a ZeRO optimizer has its whole state only after a
-collective. ``ZeroTrainer`` saves and loads it on every rank, clips through ``zero.clip_grad_norm_`` and can wrap the
-model in ``ShardedDataParallel``. ``docs/guides/transformers.md``. This module imports ``transformers``.
-"""
+"""``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` driving a ``ZeroRedundancyOptimizer``, its state saved
+and loaded on every rank (``docs/guides/transformers.md``). This module imports ``transformers``."""
 
 from __future__ import annotations
 
@@ -102,8 +98,7 @@ class ZeroTrainer(Trainer):
         return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer; a ZeRO one prepared by Accelerate here, without device placement (which would call
-        ``state_dict()`` on every rank)."""
+        """The Trainer's optimizer; a ZeRO one prepared here without device placement (it calls ``state_dict()``)."""
         optimizer = super().create_optimizer(model)
         zero = self._zero()
         if zero is None:

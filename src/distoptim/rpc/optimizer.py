@@ -1,8 +1,5 @@
-"""DistributedOptimizer: step parameters that live on other RPC workers with a distributed-autograd context's gradients.
-
-Each owner holds a ``LocalOptimizer`` (``rpc/owner.py``) to which ``step(context_id)`` hands that context's gradients
-explicitly (nothing parked in ``.grad``). The guide: ``docs/guides/rpc.md``.
-"""
+"""DistributedOptimizer: each owner's ``LocalOptimizer`` (``rpc/owner.py``) is handed a distributed-autograd
+context's gradients by ``step(context_id)``, nothing parked in ``.grad`` (``docs/guides/rpc.md``)."""
 
 from __future__ import annotations
 
@@ -178,13 +175,10 @@ class DistributedOptimizer(Optimizer):
         self._shipped = copy.deepcopy(self._hyperparameters())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: the parameters are fixed by ``params_rref`` at construction.
+        """Not supported (a ``NotImplementedError``): the parameters are fixed by ``params_rref`` at construction.
 
         Args:
             param_group: ignored.
-
-        Raises:
-            NotImplementedError: always (build another ``DistributedOptimizer`` for other parameters).
         """
         if getattr(self, "_owners", None) is None:  # Optimizer.__init__ adding the hyperparameter group
             super().add_param_group(param_group)
