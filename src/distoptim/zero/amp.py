@@ -1,7 +1,5 @@
 """Loss scaling: ``torch.amp.GradScaler`` drives a ``ZeroRedundancyOptimizer`` through torch's custom-scaling protocol
-(the ``grad_scaler`` keyword of ``step``). The step checks what it steps, unscales every ``.grad`` as torch's step
-leaves them, and the step's agreement carries the inf/nan flag, so every rank skips the same steps and keeps the
-same scale."""
+(``step(grad_scaler=...)``); the step's agreement carries the inf/nan flag (``docs/guides/mixed-precision.md``)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ def check_and_unscale(
     sharded_in_memory: bool,
     model_grads: Callable[[], Sequence[Tensor]] = tuple,
 ) -> Verdict | None:
-    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local).
-    ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, so that a backward accumulating onto
-    it adds to unscaled values (fuzzer seed 681176); a piece viewing a ``.grad`` is unscaled once."""
+    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local);
+    ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, a piece viewing one only once."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None
@@ -57,7 +54,7 @@ def check_and_unscale(
     held = [] if unscaled else [_dense(grad) for grad in model_grads()]
     in_held = {_address(grad) for grad in held}
     copies = [grad for grad in stepped if _address(grad) not in in_held]  # fp32 master copies, re-laid pieces
-    flags = [torch.zeros((), dtype=torch.float32, device=scale.device), _check_and_unscale(copies, inverse, scale)]
+    flags = [_check_and_unscale(copies, inverse, scale)]
     _check_and_unscale(held, inverse, scale)  # the verdict reads only what this rank steps
     flags.append(_check_and_unscale([grad for grad in stepped if _address(grad) in in_held], one, scale))
     return Verdict(grad_scaler, optimizer, torch.stack(flags).amax())

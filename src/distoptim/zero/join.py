@@ -25,10 +25,9 @@ def hook(zero: ZeroParts, joined_step: Callable[[], object]) -> ZeroJoinHook:
         raise NotImplementedError(JOIN_WITH_SDP)
     if zero.replicate_group is not None:
         raise NotImplementedError(
-            "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank would "
-            "step its shard with its stale .grad while its replica in another shard group, still training, "
-            "steps the same elements with the true average, and the replicas would part. Give every rank the "
-            "same number of batches (DistributedSampler(drop_last=True))"
+            "Join (uneven inputs) is not supported with hybrid sharding (replicate_group): a joined rank and its "
+            "still-training replica would step the same elements differently. Give every rank the same number of "
+            "batches (DistributedSampler(drop_last=True))"
         )
     stepper = zero.overlap_stepper  # overlap mode: the step DDP's join hook deferred (Join([ddp, zero]))
     return ZeroJoinHook(joined_step if stepper is None else stepper.run_deferred)

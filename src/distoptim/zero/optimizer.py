@@ -1,7 +1,5 @@
-"""ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1).
-
-The public surface over its ``placer`` (``repartitioning.Placer``: plan, shard, sync, local optimizer), composing
-``stepping``, ``join`` and ``state_dicts``; the base classes read its public members only (``ZeroParts``)."""
+"""ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1),
+over its ``placer`` (``repartitioning.Placer``), composing ``stepping``, ``join`` and ``state_dicts``."""
 
 from __future__ import annotations
 
@@ -148,8 +146,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None, **kwargs: Any
     ) -> float | None:
-        """Step this rank's shard, agreed across ranks (one small all-reduce), then sync the parameters (collective);
-        returns the closure's loss, or None.
+        """Step this rank's shard, agreed across ranks, then sync the parameters (collective); returns the loss or None.
 
         Args:
             closure: re-evaluates the model and returns the loss, run first as ``torch.optim`` does (default None).
@@ -231,10 +228,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         return loss if closure is None else local_loss, verdict
 
     def _closure_as_the_others(self, closure: Callable[[], float]) -> None:
-        """A closure run by a rank whose checks raised, over the placement the ranks whose checks passed run theirs
-        over: they place again first (a layer unfrozen since the last step), which rebuilds ShardedDataParallel's
-        buckets; over the old ones this rank's backward would reduce other buckets than theirs, and every rank hung.
-        Where placing raises here it raises on every rank (the same parameters, the same plan): none runs it."""
+        """The closure of a rank whose checks raised, run over the placement the others place first (else its backward
+        reduces other buckets than theirs, and every rank hangs); where placing raises, it raises on every rank."""
         try:
             self.placer.repartition_if_changed()
         except Exception:
@@ -245,9 +240,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def _attach_and_step(
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
     ) -> stepping.Prepared:
-        """Attach the gradients, check and unscale them (and every gradient held here, once each, as torch's step does:
-        every ``.grad`` set by hand, on every rank, and the store's pieces as attached) under a scaler; step unless it
-        skips or ``hold``."""
+        """Attach the gradients, check and unscale them under a scaler (with every ``.grad`` held here, once each, as
+        torch's step does); step unless it skips or ``hold``."""
         shard, source = self.local_shard, self._gradient_source
         whole = self._whole_grads()  # before any store piece is in .grad
         shard.attach_grads()
@@ -256,8 +250,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
 
     def _whole_grads(self) -> list[Tensor]:
-        """The parameters whose ``.grad`` clipping and a scaler scale whole, on every rank: all of them under DDP, under
-        a gradient source those it was set on by hand."""
+        """The parameters whose ``.grad`` clipping and a scaler scale whole: all under DDP, else those set by hand."""
         return self.global_params if self._gradient_source is None else self._gradient_source.hand_set()
 
     def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
@@ -328,7 +321,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
-        others' step (their agreements and parameter sync), as torch's ZeRO join hook does.
+        others' step, as torch's ZeRO join hook does.
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).
@@ -358,8 +351,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
-        """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` would, each rank what it
-        owns; returns the total norm on every rank (one scalar all-reduce).
+        """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_``; returns it on every rank.
 
         Args:
             max_norm: the largest total norm the gradient may have.
@@ -376,8 +368,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             raise RuntimeError(clipping.IN_OVERLAP_MODE)
         if self._gradient_source is not None:  # every rank alike: which parameters some rank used
             self._gradient_source.ready()
-        # a parameter made trainable since the last step has no owner yet, so no rank would measure or clip it
-        self.placer.repartition_if_changed(refusal_deferred=True)
+        self.placer.repartition_if_changed(refusal_deferred=True)  # a newly trainable parameter needs an owner
         shard, group, device = self.local_shard, self.process_group, self.placer.comm_device
         whole = self._whole_grads()
         return clipping.clip_shard(shard, whole, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)

@@ -1,6 +1,5 @@
-"""``Placer``, the optimizer's placement (``placement.place``) and what is built from it, placed again after
-``add_param_group``, when a parameter is made trainable or given new storage, and where ``ShardedDataParallel`` cuts
-an even partition into its buckets' regions; ``Partitioning``, the optimizer's public methods over it (a base class)."""
+"""``Placer``, the optimizer's placement (``placement.place``) and what is built from it, placed again when the
+parameters change; ``Partitioning``, the optimizer's public methods over it (a base class)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from distoptim._backward import in_backward
 from distoptim.checkpoint.consolidated import GlobalState
 from distoptim.comm import collectives as comm
 from distoptim.comm.agreement import Fingerprint, run_agreed
@@ -28,9 +28,8 @@ __all__ = ["Partitioning", "Placer", "ZeroParts", "agreed"]
 
 
 class Placer:
-    """Where a ZeroRedundancyOptimizer's parameters live: the placement (plan, shard, sync), the local optimizer
-    over the shard, the even partition's regions, and the state loaded or gathered for the parameters (which a new
-    placement changes); ``repartition`` rebuilds them all and tells the ``listeners``. Built by the optimizer."""
+    """Where a ZeroRedundancyOptimizer's parameters live: the placement (plan, shard, sync), the local optimizer, the
+    even partition's regions and the state loaded or gathered; ``repartition`` rebuilds them and tells ``listeners``."""
 
     sync: ParameterSync  # the placement's, or the gradient source's around it (from the constructor's placement on)
 
@@ -102,9 +101,8 @@ class Placer:
             listener()
 
     def repartition_if_changed(self, refusal_deferred: bool = False) -> None:
-        """A new placement where the last one is stale; then master copies take parameters written outside.
-        ``refusal_deferred`` (outside an agreement: clipping): a change ``place_if_stale`` refuses leaves the placement
-        as it is, for the step's agreement to refuse on every rank (a norm over old ranges is still the whole one)."""
+        """A new placement where the last one is stale; then master copies take parameters written outside. With
+        ``refusal_deferred`` (clipping, outside an agreement) a refused change is left for the step to refuse."""
         params, placed = self.zero.global_params, self.placed
         if refusal_deferred and placement.is_stale(placed, params) and placement.layout_change(placed, params):
             return
@@ -149,8 +147,10 @@ class ZeroParts(Protocol):
 
 
 def agreed(zero: ZeroParts, action: Callable[[], Any]) -> Any:
-    """``action()`` on every rank, agreed across ``zero``'s ranks with its step's fingerprint; returns its result."""
-    return stepping.agreed(action, zero.placer.fingerprint, zero.agreement_groups, stepping.shadowing(zero))
+    """``action()`` on every rank, agreed across ``zero``'s ranks with its step's fingerprint; returns its result.
+    In overlap mode a rank outside any backward is joined: DDP's join hook runs the comm hook there."""
+    joined = zero.overlap_stepper is not None and not in_backward()
+    return stepping.agreed(action, zero.placer.fingerprint, zero.agreement_groups, joined)
 
 
 def _agreed_group(zero: ZeroParts, param_group: Any) -> dict[str, Any]:
@@ -169,9 +169,8 @@ def _agreed_group(zero: ZeroParts, param_group: Any) -> dict[str, Any]:
         if zero.gradient_source is not None and with_grad:
             raise ValueError(
                 f"add_param_group under ShardedDataParallel: parameters {with_grad[:5]} of the new group already "
-                "have a .grad, from a backward run before they were added; ShardedDataParallel averages only the "
-                "gradients of parameters the optimizer holds, so each rank's would be its own. Add the group "
-                "before the backward (right after unfreezing), or clear their .grad first"
+                "have a .grad, which ShardedDataParallel did not average (they were not held in that backward): "
+                "add the group before the backward, or clear their .grad first"
             )
         return checked
 
@@ -183,11 +182,9 @@ def _agreed_group(zero: ZeroParts, param_group: Any) -> dict[str, Any]:
 
 def _add_group(zero: ZeroParts, group: dict[str, Any]) -> None:
     """``Optimizer.add_param_group``; a group naming its own class takes none of the constructor's defaults."""
-    if CLASS_KEY not in group:
-        Optimizer.add_param_group(cast(Optimizer, zero), group)
-        return
-    constructor_defaults = zero.defaults  # but the constructor's state_format, which any class may keep
-    zero.defaults = {k: v for k, v in constructor_defaults.items() if k == FORMAT_KEY}
+    constructor_defaults = zero.defaults
+    if CLASS_KEY in group:  # but the constructor's state_format, which any class may keep
+        zero.defaults = {k: v for k, v in constructor_defaults.items() if k == FORMAT_KEY}
     try:
         Optimizer.add_param_group(cast(Optimizer, zero), group)
     finally:
@@ -262,7 +259,7 @@ class Partitioning:
 
     def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
         """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets); before the optimizer has state.
+        (``ShardedDataParallel``'s buckets), before the optimizer has state.
 
         Args:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.

@@ -74,8 +74,7 @@ class Checkpoints:
         return checkpoint.apply_hooks(torch_self._optimizer_state_dict_post_hooks.values(), self, result)
 
     def load_state_dict(self: ZeroParts, state_dict: dict[str, Any]) -> None:
-        """Load a global (``torch.optim``-format) dict on every rank, each keeping its own shard's state (the dict is
-        checked first, with the same verdict on every rank; hooks run as ``torch.optim`` runs them).
+        """Load a global (``torch.optim``-format) dict on every rank, each keeping its shard's state, with its hooks.
 
         Args:
             state_dict: what ``state_dict()`` returned (or a plain ``torch.optim`` optimizer's), at any world size.
@@ -85,8 +84,8 @@ class Checkpoints:
                 when the parameters' dtype or device changed since construction, or when it holds trained state of
                 a parameter frozen when placed (no rank owns it: make it trainable while loading).
         """
-        self.land_sync()  # the load may write master weights into the parameters
-        agreed(self, self.placer.place_if_stale)  # master weights go into the parameters' present storage
+        self.land_sync()  # the load may write master weights into the parameters' present storage
+        agreed(self, self.placer.place_if_stale)
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         torch_self = cast(Optimizer, self)
         state_dict = checkpoint.apply_hooks(torch_self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
@@ -94,7 +93,6 @@ class Checkpoints:
             state_dict, self.param_groups, self.placer.optimizer_class, self.process_group
         )
         _refuse_stranded_state(self, _trained_in(self, by_param), "load_state_dict")
-        # torch's optimizer holds what it loaded for them: so does a consolidated dict
         _keep_unowned(self, by_param)
         for group, saved in zip(self.param_groups, hyperparameters):
             group.update(saved)
@@ -251,10 +249,8 @@ def _naming_saved(
 
 
 def _keep_unowned(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None:
-    """Keep (copies of) the loaded entries of the parameters no rank owns (frozen when placed), replacing what was
-    kept: torch's optimizer keeps what a load gave them (Adagrad's ``sum`` made with the saving optimizer's
-    ``initial_accumulator_value``), so this one keeps them until a placement gives them an owner, who then starts
-    from them (``placement.install_kept``), and a consolidated dict shows them meanwhile."""
+    """Keep copies of the loaded entries of the parameters no rank owns, as torch's optimizer keeps them, until a
+    placement gives them an owner (``placement.install_kept``); a consolidated dict shows them meanwhile."""
     kept, owners = zero.placer.kept_unowned, zero.plan.owners
     kept.clear()
     kept.update(
@@ -272,8 +268,7 @@ def _refuse_stranded_state(zero: ZeroParts, trained: Collection[int], method: st
         raise ValueError(
             f"{method}: parameter {stranded[0]} has optimizer state from training, but it had requires_grad=False "
             "when this ZeroRedundancyOptimizer placed it, so no rank owns it and its state would be dropped: set "
-            "requires_grad=True on it (on every rank) before loading and freeze it after (a parameter frozen "
-            "after it has an owner keeps its owner and its state)"
+            "requires_grad=True on it (on every rank) before loading and freeze it after"
         )
 
 

@@ -1,7 +1,5 @@
-"""The pieces of a ZeroRedundancyOptimizer's ``step()``: the agreement around its local part (one small all-reduce,
-also carrying a GradScaler's inf flag and a joined rank's), the local step, and the interface of a gradient source
-the step reads instead of ``.grad``. The details: ``docs/guides/internals.md``.
-"""
+"""The pieces of a ZeroRedundancyOptimizer's ``step()``: the agreement around its local part, the local step, and
+the interface of a gradient source the step reads instead of ``.grad`` (``docs/guides/internals.md``)."""
 
 from __future__ import annotations
 
@@ -12,13 +10,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from distoptim._backward import in_backward
 from distoptim.comm import agreement
 from distoptim.zero import amp
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = ["GradientSource", "Prepared", "agreed", "agreed_step", "shadowing", "step_local_optimizer"]
+__all__ = ["GradientSource", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -95,11 +92,6 @@ def agreed(
 ) -> _T:
     """``action()`` on this rank, then the step's agreement (collective)."""
     return agreement.run_step_agreed(action, fingerprint, list(groups), joined=joined)[0]
-
-
-def shadowing(zero: Any) -> bool:
-    """In overlap mode, whether this rank is joined (Join): DDP's join hook runs the comm hook outside any backward."""
-    return zero.overlap_stepper is not None and not in_backward()
 
 
 def step_local_optimizer(

@@ -126,15 +126,13 @@ def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
 
 def check_coupled(optimizer_class: type) -> None:
     """Refuse a class whose step couples every parameter (LBFGS): each rank would silently run another optimization
-    (refused at every world size, so that a script does not change meaning when it scales out)."""
+    (refused at every world size: a script keeps its meaning when it scales out)."""
     if is_coupled(optimizer_class):
         name = class_name(optimizer_class)
         raise ValueError(
-            f"{name} couples every parameter in one step (its curvature history and line search span all of them, "
-            "and it evaluates the closure several times per step), but ZeroRedundancyOptimizer steps each rank's "
-            f"shard on its own: every rank would run its own, different optimization; use {name} without "
-            "ZeroRedundancyOptimizer (under DDP every rank steps all parameters alike; its state is a short history), "
-            "or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
+            f"{name} couples every parameter in one step (its curvature history and line search span all of them), "
+            f"but ZeroRedundancyOptimizer steps each rank's shard on its own: use {name} without "
+            "ZeroRedundancyOptimizer, or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
         )
 
 
