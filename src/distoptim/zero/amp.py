@@ -42,10 +42,9 @@ def check_and_unscale(
     unscaled = _scaler_state(grad_scaler, optimizer)["stage"].name == "UNSCALED"
     if unscaled and sharded_in_memory:
         raise RuntimeError(
-            "scaler.unscale_(zero) cannot reach the gradients of a ShardedDataParallel model (.grad holds no values: "
-            "each rank holds its shard of the gradient inside the optimizer), so nothing was unscaled. Drop "
-            "scaler.unscale_(zero); clip with zero.clip_grad_norm_(max_norm, grad_scale=scaler.get_scale()) and call "
-            "scaler.step(zero), which unscales the sharded gradient itself"
+            "scaler.unscale_(zero) cannot reach a ShardedDataParallel model's gradient (the optimizer holds each "
+            "rank's shard of it), so nothing was unscaled: drop it, clip with zero.clip_grad_norm_(max_norm, "
+            "grad_scale=scaler.get_scale()) and call scaler.step(zero), which unscales the sharded gradient itself"
         )
     scale: Tensor = grad_scaler._scale
     one = torch.ones((), dtype=torch.float32, device=scale.device)

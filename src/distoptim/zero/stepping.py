@@ -23,9 +23,8 @@ Fingerprint = Callable[[], agreement.Fingerprint]  # what every rank must step w
 
 JOIN_WITH_SCALER = (
     "a rank has joined (Join, uneven inputs) while the others step under a torch.amp.GradScaler: the joined rank "
-    "would step its shard with its .grad as it stands, which no scaler unscaled or checked for inf/nan (torch's "
-    "ZeroRedundancyOptimizer steps it unchecked, and hangs where the others skip a step). Give every rank the same "
-    "number of batches (DistributedSampler(drop_last=True)), or step without the GradScaler under Join"
+    "would step its shard with its .grad as it stands, which no scaler unscaled or checked for inf/nan. Give every "
+    "rank the same number of batches (DistributedSampler(drop_last=True)), or step without the GradScaler under Join"
 )
 
 

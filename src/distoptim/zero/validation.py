@@ -144,9 +144,8 @@ def check_overlap_class(optimizer_class: type, groups: Sequence[dict[str, Any]] 
         name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
         raise ValueError(
             "Using `ddp_with_overlap=True` requires using a functional optimizer, but there is no supported "
-            f"functional optimizer equivalent for {optimizer_class}. "
-            f"overlap_with_ddp=True steps through a functional optimizer, and {name} has none; use one of "
-            "SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
+            f"functional optimizer equivalent for {optimizer_class}. {name} has none; use one of SGD, Adam, AdamW, "
+            "Adagrad, Adadelta, Adamax, RMSprop, Rprop (or their distoptim.functional classes)"
         )
     for index, group in enumerate(groups):
         cls = group.get(CLASS_KEY)
