@@ -351,7 +351,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
-        """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_``; returns it on every rank.
+        """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` does (collective; each rank
+        scales what it owns); returns the total norm on every rank.
 
         Args:
             max_norm: the largest total norm the gradient may have.

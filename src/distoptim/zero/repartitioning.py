@@ -102,7 +102,8 @@ class Placer:
 
     def repartition_if_changed(self, refusal_deferred: bool = False) -> None:
         """A new placement where the last one is stale; then master copies take parameters written outside. With
-        ``refusal_deferred`` (clipping, outside an agreement) a refused change is left for the step to refuse."""
+        ``refusal_deferred`` (clipping, outside an agreement) a refused change is left for the step to refuse: a norm
+        over the old ranges is still the whole one."""
         params, placed = self.zero.global_params, self.placed
         if refusal_deferred and placement.is_stale(placed, params) and placement.layout_change(placed, params):
             return

@@ -84,8 +84,8 @@ class Checkpoints:
                 when the parameters' dtype or device changed since construction, or when it holds trained state of
                 a parameter frozen when placed (no rank owns it: make it trainable while loading).
         """
-        self.land_sync()  # the load may write master weights into the parameters' present storage
-        agreed(self, self.placer.place_if_stale)
+        self.land_sync()  # the load may write master weights into the parameters
+        agreed(self, self.placer.place_if_stale)  # master weights go into the parameters' present storage
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         torch_self = cast(Optimizer, self)
         state_dict = checkpoint.apply_hooks(torch_self._optimizer_load_state_dict_pre_hooks.values(), self, state_dict)
