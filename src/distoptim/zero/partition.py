@@ -119,23 +119,19 @@ def partition_parameters(
             f"got {len(numels)} element counts, {len(trainable)} trainable flags, {len(keys)} keys, {len(whole)} "
             f"whole flags, {len(costs)} costs and {len(align)} alignments"
         )
-    placed: list[bool] = []
-    owners: list[int] = []
+    owners, placed = [UNOWNED] * len(numels), set[int]()
     if previous is not None:
-        placed = [bool(pieces) or owner != UNOWNED for pieces, owner in zip(previous.fragments, previous.owners)]
-        owners = list(previous.owners)
-        prefix = (world_size, mode, tuple(numels[: len(placed)]), keys[: len(placed)])
+        count = len(previous.numels)
+        prefix = (world_size, mode, tuple(numels[:count]), keys[:count])
         if prefix != (previous.world_size, previous.mode, previous.numels, previous.keys):
             raise ValueError("previous plan does not describe a prefix of these parameters at this world size and mode")
-    placed += [False] * (len(numels) - len(placed))
-    owners += [UNOWNED] * (len(numels) - len(owners))
-    new = [index for index, done in enumerate(placed) if trainable[index] and not done]
-    for index in new:
-        placed[index] = True
+        owners[:count] = previous.owners
+        placed = {i for i, pieces in enumerate(previous.fragments) if pieces or owners[i] != UNOWNED}
+    new = [index for index in range(len(numels)) if trainable[index] and index not in placed]
     _greedy_owners(owners, costs, new, whole, world_size)
-    if mode == "greedy":
+    if mode == "greedy":  # every placed parameter has an owner
         _greedy_owners(owners, numels, new, [not kept for kept in whole], world_size)
-        distinct = dict.fromkeys(key for key, done in zip(keys, placed) if done)
+        distinct = dict.fromkeys(key for key, owner in zip(keys, owners) if owner != UNOWNED)
         members = {key: [i for i in range(len(numels)) if keys[i] == key and owners[i] != UNOWNED] for key in distinct}
         layouts = [LayoutPlan(key, *_by_owner(members[key], numels, owners, world_size, 0)) for key in distinct]
     else:
