@@ -36,13 +36,12 @@ BLOCK = 256  # elements per int8 block (torchao's block size)
 MIN_NUMEL = 4096  # a parameter with fewer elements keeps fp32 state in every format
 SIGNED = frozenset({"exp_avg", "momentum_buffer", "prev", "grad_avg"})
 NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
-SCALE = "absmax"
-SCALES_SUFFIX = f".int8_{SCALE}"
+SCALES_SUFFIX = ".int8_absmax"
 
 
 def encoded_names(key: str, fmt: str) -> tuple[str, ...]:
     """The state keys a key is stored under in ``fmt``: its codes (and, int8, its per-block scales)."""
-    return (f"{key}.bf16",) if fmt == "bf16" else (f"{key}.int8", f"{key}.int8_{SCALE}")
+    return (f"{key}.bf16",) if fmt == "bf16" else (f"{key}.int8", key + SCALES_SUFFIX)
 
 
 def is_encodable(key: str, value: object) -> bool:
@@ -70,15 +69,10 @@ def dynamic_map(signed: bool) -> tuple[Tensor, Tensor]:
 
 
 @functools.cache
-def _decode_table(signed: bool, device: torch.device) -> Tensor:
-    """``dynamic_map``'s code values on ``device``, copied there once (a copy per step would make the CPU wait)."""
-    return dynamic_map(signed)[0].to(device)
-
-
-@functools.cache
-def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """For each run of floats sharing their top 16 bits: how many midpoints lie below it, the one inside (or +inf)."""
-    _, midpoints = dynamic_map(signed)
+def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """For each run of floats sharing their top 16 bits: how many midpoints lie below it, the one inside (or +inf);
+    and the code values. On ``device``, copied there once (a copy per step would make the CPU wait)."""
+    table, midpoints = dynamic_map(signed)
     top = torch.arange(1 << 16, dtype=torch.int64) << 16
     low, high = top.to(torch.int32).view(torch.float32), (top | 0xFFFF).to(torch.int32).view(torch.float32)
     low, high = torch.minimum(low, high), torch.maximum(low, high)  # negative floats run the other way
@@ -87,16 +81,17 @@ def _code_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
     finite = low.isfinite() & high.isfinite()
     assert int(inside[finite].max()) <= 1
     after = torch.where(inside > 0, midpoints[below.clamp(max=254)], torch.full_like(low, float("inf")))
-    return below.to(torch.uint8).to(device), after.to(device)  # below + 1 <= 255 wherever a midpoint follows
+    return below.to(torch.uint8).to(device), after.to(device), table.to(device)  # below + 1 <= 255 before a midpoint
 
 
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
 class Scratch:
-    """Flat temporaries kept between calls, one per role (``take``: consecutive slices until ``reset``)."""
+    """Flat temporaries kept between calls, one per role (``take``: consecutive slices until ``reset``, then fresh
+    memory past ``limit``; ``Scratch()``: a call's own temporaries)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int = 0) -> None:
         self.limit = limit
         self.buffers: dict[str, Tensor] = {}
         self.used: dict[str, int] = {}
@@ -110,7 +105,7 @@ class Scratch:
     def take(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         start = self.used.get(role, 0)
         if start + numel > self.limit:
-            return _fresh(role, numel, dtype, device)
+            return torch.empty(numel, dtype=dtype, device=device)
         self.used[role] = start + numel
         return self.get(role, start + numel, dtype, device)[start:]
 
@@ -118,16 +113,12 @@ class Scratch:
         self.used.clear()
 
 
-def _fresh(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
 def nearest_codes(
     normalized: Tensor, signed: bool, scratch: Scratch | None = None, out: Tensor | None = None
 ) -> Tensor:
     """The index of the nearest code to each element of ``normalized`` (fp32 in [-1, 1]; ties to the lower code)."""
-    below, after = _code_tables(signed, normalized.device)
-    get, count, device = scratch.get if scratch else _fresh, normalized.numel(), normalized.device
+    below, after, _ = _code_tables(signed, normalized.device)
+    get, count, device = (scratch or Scratch()).get, normalized.numel(), normalized.device
     halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
     run = get("int32", count, torch.int32, device).copy_(halves.view(torch.uint16))
     above = torch.lt(
@@ -150,10 +141,10 @@ def _laid_like(flat: Tensor, like: Tensor) -> Tensor:
 SPAN = 1 << 18  # elements encoded or decoded at once (a multiple of ``BLOCK``): the temporaries stay in cache
 
 
-def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scratch: Scratch | None) -> None:
+def _encode_span(flat: Tensor, absmax: Tensor, codes: Tensor, signed: bool, scratch: Scratch) -> None:
     """Blocks from ``flat``'s start into ``absmax`` and ``codes`` (slices of the outputs)."""
     count, full = flat.numel(), flat.numel() // BLOCK * BLOCK
-    normalized = (scratch.get if scratch else _fresh)("normalized", count, torch.float32, flat.device)
+    normalized = scratch.get("normalized", count, torch.float32, flat.device)
     torch.amax(torch.abs(flat[:full], out=normalized[:full]).view(-1, BLOCK), 1, out=absmax[: full // BLOCK])
     if full < count:
         absmax[-1] = flat[full:].abs().amax()
@@ -173,23 +164,23 @@ def encode(key: str, value: Tensor, fmt: str, scratch: Scratch | None = None) ->
     absmax, codes = flat.new_empty(-(-count // BLOCK)), torch.empty(count, dtype=torch.uint8, device=flat.device)
     for start in range(0, count, SPAN):
         end, blocks = min(start + SPAN, count), slice(start // BLOCK, -(-(start + SPAN) // BLOCK))
-        _encode_span(flat[start:end], absmax[blocks], codes[start:end], key in SIGNED, scratch)
-    return {f"{key}.int8": _laid_like(codes, value), f"{key}.int8_{SCALE}": absmax}
+        _encode_span(flat[start:end], absmax[blocks], codes[start:end], key in SIGNED, scratch or Scratch())
+    return {f"{key}.int8": _laid_like(codes, value), key + SCALES_SUFFIX: absmax}
 
 
 def decode(key: str, entry: dict[str, Tensor], fmt: str, dtype: torch.dtype, scratch: Scratch | None = None) -> Tensor:
     """State ``key`` decoded from ``entry`` (``encode``'s output) to ``dtype`` (into ``scratch`` where given)."""
-    codes = entry[f"{key}.bf16" if fmt == "bf16" else f"{key}.int8"]
+    codes, scratch = entry[f"{key}.bf16" if fmt == "bf16" else f"{key}.int8"], scratch or Scratch()
     count, device = codes.numel(), codes.device
-    values = (scratch.take if scratch else _fresh)(f"decoded {key}", count, dtype, device)
+    values = scratch.take(f"decoded {key}", count, dtype, device)
     if fmt == "bf16":
         return _laid_like(values.copy_(_flat(codes)), codes)
-    absmax, table = entry[f"{key}.int8_{SCALE}"], _decode_table(key in SIGNED, device)
+    absmax, table = entry[key + SCALES_SUFFIX], _code_tables(key in SIGNED, device)[2]
     decoded = values if dtype == torch.float32 else torch.empty(count, device=device, dtype=torch.float32)
     flat = _flat(codes)
     for start in range(0, count, SPAN):
         end = min(start + SPAN, count)
-        indices = (scratch.get if scratch else _fresh)("int32", end - start, torch.int32, device)
+        indices = scratch.get("int32", end - start, torch.int32, device)
         torch.index_select(table, 0, indices.copy_(flat[start:end]), out=decoded[start:end])
     full = count // BLOCK * BLOCK
     decoded[:full].view(-1, BLOCK).mul_(absmax[: full // BLOCK, None])
