@@ -153,28 +153,20 @@ def layout_change(placement: Placement, params: Sequence[Tensor]) -> str | None:
     """What changed since ``placement`` was made that its pieces cannot follow, or None: a dtype or device, or the
     shape or memory order of a parameter some rank owns (pieces of the even partition, master copies, state and
     ``ShardedDataParallel``'s owned gradient are ranges in the old memory order)."""
-    now = [(p.device, p.dtype) for p in params]
-    changed = [index for index, (key, new) in enumerate(zip(placement.keys, now)) if key != new]
-    if changed:
-        index = changed[0]
-        (device, dtype), (new_device, new_dtype) = placement.keys[index], now[index]
-        return (
-            f"{len(changed)} parameter(s) changed dtype or device after the ZeroRedundancyOptimizer was built "
-            f"(parameter {index}: {dtype} on {device}, now {new_dtype} on {new_device}; model.to(...) or .double() "
-            f"since): {_CONVERT_FIRST}"
-        )
+    retyped = [i for i, (p, key) in enumerate(zip(params, placement.keys)) if (p.device, p.dtype) != key]
     owned = [(i, p, placement.signature[i]) for i, p in enumerate(params) if placement.plan.owners[i] != UNOWNED]
     reshaped = [i for i, p, (*_, shape, _) in owned if p.shape != shape]
     moved = [i for i, p, (*_, shape, was) in owned if p.shape == shape and _order(p, was) != _order(p, p.stride())]
-    if reshaped or moved:
-        index = (reshaped or moved)[0]
-        (*_, shape, strides), param = placement.signature[index], params[index]
-        what = "shape" if reshaped else "memory format (strides)"
-        return (
-            f"{len(reshaped or moved)} parameter(s) changed {what} after the ZeroRedundancyOptimizer was built "
-            f"(parameter {index}: shape {tuple(shape)}, strides {strides}, now shape {tuple(param.shape)}, strides "
-            f"{param.stride()}; model.to(memory_format=...) or p.data = ... since): {_CONVERT_FIRST}"
-        )
+    for changed, what in ((retyped, "dtype or device"), (reshaped, "shape"), (moved, "memory format (strides)")):
+        if changed:
+            (device, dtype), (*_, shape, strides) = placement.keys[changed[0]], placement.signature[changed[0]]
+            param = params[changed[0]]
+            return (
+                f"{len(changed)} parameter(s) changed {what} after the ZeroRedundancyOptimizer was built (parameter "
+                f"{changed[0]}: {dtype} on {device}, shape {tuple(shape)}, strides {strides}; now {param.dtype} on "
+                f"{param.device}, shape {tuple(param.shape)}, strides {param.stride()}; model.to(...), .double() or "
+                f"p.data = ... since): {_CONVERT_FIRST}"
+            )
     return None
 
 
