@@ -1,14 +1,13 @@
-"""The two ways to sync the flat per-(device, dtype) layouts of the owned parameter elements, worked out at
-construction (a step runs no Python per parameter): ``BucketViewSync`` (parameters become views into the flat
-buffers, synced in place) and ``StagedSync`` (parameters keep their storage; small pieces travel through staging
-buffers, large ones are broadcast in place). ``docs/guides/internals.md``.
+"""The two ways to sync the flat per-(device, dtype) layouts of the owned elements, worked out at construction:
+``BucketViewSync`` (parameters are views into the flat buffers, synced in place) and ``StagedSync`` (parameters keep
+their storage; small pieces staged, large ones broadcast in place). ``docs/guides/internals.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -157,19 +156,20 @@ class StagedSync(ParameterSync):
             )
         ]
 
-    def launch(self, round_: _Round) -> _InFlight:
+    def launch(self, round_: _Round) -> tuple[_Round, list[Any]]:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
         work = self._work(round_)
         copy_each_(work.pack_into, work.pack_from)
         works = comm.broadcast_slices(
             work.stage, work.slices, self.group, wait=False, collectives=self.collectives, relay_path=self.relay
         )
-        return _InFlight(round_, works)
+        return round_, works
 
-    def land(self, flight: _InFlight) -> None:
-        """Wait for a launched round and copy the other ranks' chunks into their parameters."""
-        comm.wait_all(flight.works)
-        work = self._work(flight.round)
+    def land(self, flight: tuple[_Round, list[Any]]) -> None:
+        """Wait for a launched round (``launch``'s return) and copy the other ranks' chunks into their parameters."""
+        round_, works = flight
+        comm.wait_all(works)
+        work = self._work(round_)
         copy_each_(work.unpack_into, work.unpack_from)
 
     def _work(self, round_: _Round) -> _RoundWork:
@@ -236,21 +236,15 @@ class _Round:
     work: _RoundWork | None = None
 
 
-class _InFlight(NamedTuple):
-    round: _Round
-    works: list[Any]
-
-
 def _rounds(pieces: Sequence[Piece], layout: FlatLayout, stage_numel: int) -> list[_Round]:
     """Cut the pieces, owner by owner, into chunks of about ``stage_numel`` and pack the chunks into rounds."""
     chunks: list[_Chunk] = []
     for piece in sorted(pieces, key=lambda p: (p.rank, p.position)):
-        last = chunks[-1] if chunks else None
-        if last is not None and last.src == piece.rank and last.end - last.start + piece.length <= stage_numel:
-            last.pieces.append(piece)
-            last.end += piece.length
+        if chunks and chunks[-1].src == piece.rank and chunks[-1].end + piece.length <= stage_numel:  # start 0 here
+            chunks[-1].pieces.append(piece)
+            chunks[-1].end += piece.length
         else:
-            chunks.append(_Chunk(src=piece.rank, pieces=[piece], start=0, end=piece.length))
+            chunks.append(_Chunk(src=piece.rank, pieces=[piece], end=piece.length))
     rounds: list[_Round] = []
     for chunk in chunks:
         size = chunk.end - chunk.start
