@@ -63,7 +63,7 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
         cls, named = kinds[0]
         optim: Optimizer = cls(list(groups), **({} if named else defaults))
         return optim
-    return CompositeOptimizer(groups, lambda kind, parts: kind[0](parts, **({} if kind[1] else defaults)), default)
+    return CompositeOptimizer(groups, default, defaults)
 
 
 def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Optimizer, default: type) -> None:
@@ -106,13 +106,8 @@ def check_eps_from_first_dtype(
 class CompositeOptimizer(Optimizer):
     """Several plain optimizers, one per kind of group, seen as one (see the module's docstring)."""
 
-    def __init__(
-        self,
-        groups: Sequence[dict[str, Any]],
-        make: Callable[[Kind, list[dict[str, Any]]], Optimizer],
-        default: type,
-    ) -> None:
-        self._make, self._default = make, default
+    def __init__(self, groups: Sequence[dict[str, Any]], default: type, defaults: dict[str, Any]) -> None:
+        self._default, self._defaults = default, defaults  # a part whose groups named their class: its own defaults
         self.formats: StateFormats | None = None  # the state's formats, where a group keeps it in fewer bits
         self.parts: dict[Kind, Optimizer] = {}
         self._shared: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
@@ -160,7 +155,8 @@ class CompositeOptimizer(Optimizer):
         self._order.append((kind, len(part.param_groups) - 1))
 
     def _add_part(self, kind: Kind, groups: list[dict[str, Any]]) -> Optimizer:
-        part = self.parts[kind] = self._make(kind, groups)
+        self.parts[kind] = kind[0](groups, **({} if kind[1] else self._defaults))
+        part = self.parts[kind]
         self._shared.update(part.state)  # what it made at construction (Adagrad's sums)
         part.state = self._shared
         return part
