@@ -18,7 +18,6 @@ from distoptim.comm import collectives as comm
 from distoptim.functional import FunctionalOptimizer
 from distoptim.zero import amp
 from distoptim.zero.buckets import StagedSync, owned_bytes, staged_sync_of
-from distoptim.zero.layouts import layouts_from_plan
 from distoptim.zero.local_optimizer import CompositeOptimizer
 from distoptim.zero.placement import Placement
 from distoptim.zero.shard import LocalTensor
@@ -78,10 +77,8 @@ class OverlapStepper:
                 self._locals_of.setdefault(local.param, []).append((index, local))
         self._parts: dict[tuple[Tensor, ...], list[_Part]] = {}  # by the parameters stepped together
         self._bucket_syncs: dict[tuple[Tensor, ...], StagedSync] = {}
-        layouts = layouts_from_plan(placed.plan.layouts, placed.plan.fragments, global_params)
-        pieces = [piece for layout in layouts for piece in layout.pieces]
-        # whether the bucket syncs go through aggregators (p2p style)
-        self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))
+        pieces = [piece for layout in placed.sync.layouts for piece in layout.pieces]  # the whole sync's
+        self._relay = comm.relayed(owned_bytes(pieces, comm.group_size(self.group)))  # bucket syncs relay as it would
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
         """Step the owned fragments of the parameters in ``grads`` (a DDP bucket) with those gradients (None: skip)."""
