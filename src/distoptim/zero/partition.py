@@ -1,8 +1,6 @@
-"""Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors.
-
-One flat buffer per layout key ((device, dtype)); each rank owns ranges of it, a parameter's share of a range being a
-``Fragment``. ``greedy`` (torch's) places whole parameters on the least-loaded rank; ``even`` cuts each layout (or
-region) into equal ranges. A plan grows from the previous one. The details: ``docs/guides/internals.md``.
+"""Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors. Each rank owns
+ranges of one flat buffer per layout key ((device, dtype)), a parameter's share of a range being a ``Fragment``:
+``greedy`` (torch's) places whole parameters, ``even`` cuts equal ranges (``docs/guides/internals.md``).
 """
 
 from __future__ import annotations
@@ -231,8 +229,7 @@ def _aligned(
     if all(block == 1 for block in align):
         return layout
     kept = {old.key: len(old.bounds) for old in previous.layouts} if previous is not None else {}
-    starts = [(position, index) for index, position in zip(layout.params, layout.positions)]
-    starts.sort()
+    starts = sorted(zip(layout.positions, layout.params))
     bounds = list(layout.bounds[: kept.get(layout.key, 0)])
     for region in layout.bounds[len(bounds) :]:
         moved = [region[0]]
