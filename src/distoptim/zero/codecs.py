@@ -1,8 +1,6 @@
-"""How one optimizer-state tensor is stored between steps: fp32 as it is, bf16, or blockwise int8 (pure tensor ops).
-
-int8 is Dettmers et al.'s scheme (2022): one fp32 absmax scale per block of ``BLOCK`` elements (in memory order from
-the first element), each element the nearest code of a dynamic map. Only ``SIGNED`` and ``NON_NEGATIVE`` keys are
-encoded; every other key stays as torch.optim keeps it.
+"""How one optimizer-state tensor is stored between steps (pure tensor ops): fp32 as it is, bf16, or int8 (Dettmers
+et al., 2022: an fp32 absmax scale per ``BLOCK`` elements in memory order, each element the nearest code of a dynamic
+map; ``docs/guides/state-formats.md``). Only ``SIGNED`` and ``NON_NEGATIVE`` keys are encoded.
 """
 
 from __future__ import annotations

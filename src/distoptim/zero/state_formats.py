@@ -1,8 +1,6 @@
-"""Optimizer state kept in fewer bits between steps (``state_format``), around torch.optim's own step.
-
-Each local tensor's format is its group's, or ``"fp32"`` for a small parameter. A step takes the tensors with a
-gradient in chunks of at most ``CHUNK_NUMEL`` encoded elements: their state decoded, the plain optimizer stepping
-that chunk only (the others' ``.grad`` held back), and the state encoded again.
+"""Optimizer state kept in fewer bits between steps (``state_format``; a small parameter's in fp32) around torch.optim's
+own step: the tensors with a gradient step in chunks of at most ``CHUNK_NUMEL`` encoded elements, each chunk's state
+decoded for its step (the others' ``.grad`` held back) and encoded again (``docs/guides/state-formats.md``).
 """
 
 from __future__ import annotations
