@@ -231,8 +231,7 @@ def buckets_final(ddp: Any) -> Callable[[], bool]:
         asked.append(True)
         if ddp.find_unused_parameters and not ddp.static_graph:  # DDP never rebuilds: torch's hooks never step
             return len(asked) >= 2  # distoptim takes them final where DDP would rebuild them, alike on every rank
-        # DDP tells it only by this private flag, which torch's hooks read; a rank that joined (Join) before the
-        # rebuild never sets it (DDP's join hook rebuilds without it), so the ranks agree on it: MAX over DDP's group
+        # DDP's private flag, as torch's hooks read it; MAX over the group: a rank that joined early never sets it
         device = comm.comm_device(ddp.process_group, [p.device for p in ddp.module.parameters()])
         flag = torch.tensor([ddp._has_rebuilt_buckets], dtype=torch.uint8, device=device)
         comm.all_reduce_(flag, ddp.process_group, "max")

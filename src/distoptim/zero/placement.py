@@ -50,8 +50,7 @@ class PlacementSettings:
 
 @dataclass(frozen=True)
 class Placement:
-    """A plan, what is built from it, and what it was made for (each parameter's ``Signature``), to tell when it
-    is stale."""
+    """A plan, what is built from it, and each parameter's ``Signature`` when made (to tell when it is stale)."""
 
     plan: PartitionPlan
     shard: LocalShard
