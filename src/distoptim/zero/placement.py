@@ -25,7 +25,6 @@ __all__ = [
     "Placement",
     "PlacementSettings",
     "bind_local_optimizer",
-    "check_layout_keys",
     "install_kept",
     "is_stale",
     "place",
@@ -139,13 +138,6 @@ def bind_local_optimizer(
 def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
     """Whether ``placement`` must be made again: a parameter made trainable, given new storage, shape or strides."""
     return _signature(params) != placement.signature
-
-
-def check_layout_keys(placement: Placement, params: Sequence[Tensor]) -> None:
-    """Refuse parameters whose dtype, device, shape or memory order changed since ``placement`` was made."""
-    change = layout_change(placement, params)
-    if change is not None:
-        raise ValueError(change)
 
 
 def layout_change(placement: Placement, params: Sequence[Tensor]) -> str | None:

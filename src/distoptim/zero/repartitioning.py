@@ -113,7 +113,9 @@ class Placer:
     def place_if_stale(self) -> None:
         """A new placement where the last one is stale; a change ``placement.layout_change`` names is refused."""
         if placement.is_stale(self.placed, self.zero.global_params):
-            placement.check_layout_keys(self.placed, self.zero.global_params)
+            change = placement.layout_change(self.placed, self.zero.global_params)
+            if change is not None:
+                raise ValueError(change)
             self.repartition()
 
 
