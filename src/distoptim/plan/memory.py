@@ -30,16 +30,7 @@ from distoptim.sharded_data_parallel.buckets import BucketCaps, plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
 from distoptim.zero.partition import LayoutPlan, PartitionPlan, newton_schulz_cost, partition_parameters
 
-__all__ = [
-    "NS_STEPS",
-    "ddp_plan",
-    "fsdp2_plan",
-    "newton_schulz_flops",
-    "newton_schulz_per_rank",
-    "plan_modes",
-    "takes_muon",
-    "with_muon",
-]
+__all__ = ["NS_STEPS", "newton_schulz_flops", "plan_modes", "takes_muon", "with_muon"]
 
 NS_STEPS = 5  # torch.optim.Muon's default ns_steps
 
@@ -55,7 +46,7 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     caps = BucketCaps(int(config.bucket_cap_mb * MB), config.reduce_dtype)
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
-    modes = [ddp_plan(inventory, config), zero.zero1(), sdp, fsdp2_plan(inventory, config)]
+    modes = [_ddp_plan(inventory, config), zero.zero1(), sdp, _fsdp2_plan(inventory, config)]
     if config.muon is None:
         return modes
     plans = {"zero1": zero.plan, "sharded_data_parallel": sharded.plan}  # else every rank
@@ -67,7 +58,7 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
     return [
         replace(
             mode,
-            newton_schulz=tuple(newton_schulz_per_rank(inventory.params, plans.get(mode.key), config.world_size)),
+            newton_schulz=tuple(_newton_schulz_per_rank(inventory.params, plans.get(mode.key), config.world_size)),
             notes=(*mode.notes, everywhere.get(mode.key, owned)),
         )
         for mode in modes
@@ -124,11 +115,16 @@ class _ZeroShards:
                 scaled += (size - 1) * moved * (itemsize or _itemsize(layout))
         return scaled // size
 
-    def _memory(
-        self, rank: int, params: int, grads: int, extra: tuple[tuple[str, int], ...], cast: tuple[str, int]
-    ) -> RankMemory:
-        other = (*extra, cast) if cast[1] else extra
-        return RankMemory(params, grads, self.state[rank], self.master[rank], other)
+    def _ranks(
+        self, params: int, grads: Sequence[int], extra: tuple[tuple[str, int], ...], cast: str, casts: list[int]
+    ) -> tuple[RankMemory, ...]:
+        """Each rank's figures: ``extra`` buffers, and ``casts[rank]`` bytes named ``cast`` where it has any."""
+        return tuple(
+            RankMemory(
+                params, grads[r], self.state[r], self.master[r], (*extra, (cast, casts[r])) if casts[r] else extra
+            )
+            for r in range(self.config.world_size)
+        )
 
     def _shard_note(self) -> str:
         loads = self.plan.loads()
@@ -145,8 +141,8 @@ class _ZeroShards:
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
         staged = self.staging and not config.parameters_as_bucket_view
         staging = (("parameter sync staging", self.staging),) if staged else ()
-        params, casts = self.params_bytes(), [("master gradients during step", master) for master in self.master]
-        under_ddp = tuple(self._memory(rank, params, ddp_grads, staging, casts[rank]) for rank in range(size))
+        params, casts = self.params_bytes(), self.master  # master gradients: the owned ones in the master dtype
+        under_ddp = self._ranks(params, [ddp_grads] * size, staging, "master gradients during step", casts)
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         ddp_note = (
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
@@ -185,11 +181,13 @@ class _ZeroShards:
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         buckets = plan_buckets(self.plan, caps)
         store = [(reduce_dtype or self.params[b.slots[0].index].dtype).itemsize for b in buckets]
-        by_owner = [b.owned_by_rank(size) for b in buckets]  # one pass over each route, not one per rank
         owned = [0] * size  # this rank's ranges of every bucket (the last rank's of a region with the padding)
-        for ranges, width in zip(by_owner, store):
-            for rank, mine in enumerate(ranges):
+        reduced = [0] * size  # on gloo: what each bucket's path (comm.relay) brings each rank
+        for bucket, width in zip(buckets, store):
+            ranges = bucket.owned_by_rank(size)
+            for rank, (mine, count) in enumerate(zip(ranges, relay.received(ranges))):
                 owned[rank] += width * sum(end - start for start, end in mine)
+                reduced[rank] += count * width
         # held whole until it lands: at most two buckets, each of its full length (a parameter over the cap is one)
         in_flight = sum(sorted((b.numel * width for b, width in zip(buckets, store)), reverse=True)[:2])
         copied = [  # a gradient copied into its bucket (not the bucket itself) lives beside it while it is copied
@@ -203,11 +201,7 @@ class _ZeroShards:
             extra += (("a gradient being copied into its bucket (at most)", max(copied)),)
         staged = not (config.parameters_as_bucket_view and config.partition == "even")
         extra += (("parameter sync staging", self.staging),) if self.staging and staged else ()
-        casts = self._step_casts(reduce_dtype)
-        ranks = tuple(
-            self._memory(rank, params, owned[rank], extra, ("gradients cast to the step's dtype", casts[rank]))
-            for rank in range(size)
-        )
+        ranks = self._ranks(params, owned, extra, "gradients cast to the step's dtype", self._step_casts(reduce_dtype))
         reduce_itemsize = reduce_dtype.itemsize if reduce_dtype else None
         reduce_scatter = ("reduction of gradients to owners", self._moved(True, reduce_itemsize))  # per bucket
         notes = (
@@ -219,10 +213,6 @@ class _ZeroShards:
             "parameter sync: per bucket, pieces under 1 MiB through staging kept between steps (none with "
             "parameters_as_bucket_view=True and the even partition, whose regions are gathered in place)",
         )
-        reduced = [0] * size  # gloo: per bucket, the path comm.relay takes
-        for ranges, width in zip(by_owner, store):
-            for rank, count in enumerate(relay.received(ranges)):
-                reduced[rank] += count * width
         gloo = tuple(mine + synced for mine, synced in zip(reduced, self._not_owned()))
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
@@ -242,7 +232,7 @@ def _itemsize(layout: LayoutPlan) -> int:
     return cast(tuple[torch.device, torch.dtype], layout.key)[1].itemsize  # the (DEVICE, dtype) key ``_plan`` gives
 
 
-def ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
+def _ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
     params, master = inventory.params, config.master_dtype
     grad_bytes = sum(p.nbytes for p in params if p.trainable)
     state = masters = 0  # a plain optimizer's state: of every parameter, frozen ones too where made at construction
@@ -274,7 +264,7 @@ def ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
     return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
 
 
-def fsdp2_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
+def _fsdp2_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
     """``fully_shard`` on every unit, ``reshard_after_forward=True``: each parameter cut along dim 0 into
     ``ceil(rows / N)``-row chunks, parameters and gradients padded to a full chunk, optimizer state unpadded."""
     size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
@@ -348,7 +338,7 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
     return steps * (4 * short * short * long + 2 * short**3)
 
 
-def newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | None, world_size: int) -> list[int]:
+def _newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | None, world_size: int) -> list[int]:
     """Each rank's Newton-Schulz FLOPs per step: each trainable Muon matrix on its owner under ``plan``, or on
     every rank without one."""
     per_rank = [0] * world_size
