@@ -10,6 +10,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, NoReturn
 
 import torch
@@ -95,34 +96,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="an optimizer setting that changes its state (momentum=0.9, centered=True); repeatable",
     )
-    parser.add_argument(
-        "--muon",
-        action="store_true",
-        help="torch.optim.Muon on every 2-D parameter of the blocks (nn.ModuleList children), --optimizer on the rest",
-    )
+    parser.add_argument("--muon", action="store_true", help="Muon on the blocks' matrices, --optimizer on the rest")
     parser.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: the model's own, or fp32)")
     parser.add_argument("--master-dtype", help="step master copies in this dtype (fp32 for a bf16 model)")
-    parser.add_argument(
-        "--partition",
-        default="even",
-        choices=PARTITIONS,
-        help="ZeRO's partition (default here: even; ZeroRedundancyOptimizer's own default: greedy)",
-    )
+    parser.add_argument("--partition", default="even", choices=PARTITIONS, help="ZeRO's (default here: even)")
     parser.add_argument("--gpu-memory", help="memory per GPU (80GiB, 80GB = 80e9 bytes): which modes fit")
     parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's option (default off)")
-    parser.add_argument(
-        "--parameters-as-bucket-view",
-        action="store_true",
-        help="ZeroRedundancyOptimizer's option (default off): parameters view flat buffers, no sync staging",
-    )
+    parser.add_argument("--parameters-as-bucket-view", action="store_true", help="ZeRO's option (default off)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ShardedDataParallel's (default 25)")
     parser.add_argument("--reduce-dtype", help="ShardedDataParallel's and FSDP2's gradient reduction dtype")
-    parser.add_argument(
-        "--state-format",
-        default="fp32",
-        choices=FORMATS,
-        help="ZeroRedundancyOptimizer's state_format (ZeRO's modes): fp32, bf16, int8 (default fp32)",
-    )
+    parser.add_argument("--state-format", default="fp32", choices=FORMATS, help="ZeRO's state_format (default fp32)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser  # fmt: skip
 
@@ -204,9 +187,7 @@ def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | Non
 def _state_bytes(
     optimizer: OptimizerSpec, dtypes: list[torch.dtype], state_format: str = "fp32"
 ) -> dict[str, dict[str, Any]]:
-    keys = ("per_element", "per_block", "per_tensor", "at_construction")
-    costs = {dtype_name(dtype): state_cost(optimizer, dtype, state_format) for dtype in dtypes}
-    return {name: {key: getattr(cost, key) for key in keys} for name, cost in costs.items()}
+    return {dtype_name(dtype): asdict(state_cost(optimizer, dtype, state_format)) for dtype in dtypes}
 
 
 def _memory(memory: RankMemory) -> dict[str, Any]:
