@@ -102,9 +102,7 @@ class FragmentTensor(Tensor):
         ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
-        if hint is not None and hint < len(self._pieces) and self._pieces[hint][0] == offsets:
-            return _on_own_storage(self._pieces[hint][1])
+        offsets = tuple(index.offset or ())
         return _on_own_storage(next(local for at, local in self._pieces if at == offsets))
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -243,8 +241,7 @@ def load_param_groups(
             f"the checkpoint was saved for other parameters (shapes {_shown(saved_shapes)}) than this optimizer's "
             f"({_shown(shapes)}); load a checkpoint of this model, with its parameters in this order"
         )
-    # int8 state saved in blocks of another memory order would take other elements' scales (decided on the global
-    # parameters, so on every rank alike)
+    # int8 blocks of another memory order would take other elements' scales (global parameters: every rank alike)
     for index, (block, layout, param) in enumerate(zip(block_sizes(param_groups), saved_layouts, params)):
         own = memory_order(param)
         saved_order = None if layout is None or len(layout) < 3 else tuple(layout[2])
