@@ -230,19 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     direction.add_argument("--to-torch", type=Path, metavar="FILE", help="write its optimizer as a torch.optim dict")
     direction.add_argument("--from-torch", type=Path, metavar="FILE", help="write DIRECTORY from a torch.optim dict")
     parser.add_argument("--key", default="optim", help="where the optimizer is in the checkpoint (default: optim)")
-    parser.add_argument(
-        "--params",
-        type=Path,
-        metavar="FILE",
-        help="with --from-torch, where the state does not show the parameters' shapes: a torch.save'd list of them "
-        "(or of the parameters) in the optimizer's order, or the model's state_dict() if param groups carry names",
-    )
-    parser.add_argument(
-        "--state-format",
-        choices=codecs.FORMATS,
-        help="with --from-torch, encode the state for an optimizer of this state_format (default: each param "
-        "group's 'state_format', fp32 where it has none)",
-    )
+    parser.add_argument("--params", type=Path, metavar="FILE", help="with --from-torch: the parameters' shapes")
+    parser.add_argument("--state-format", choices=codecs.FORMATS, help="with --from-torch: the format to encode in")
     args = parser.parse_args(argv)
     for flag, value in (("--params", args.params), ("--state-format", args.state_format)):
         if value is not None and args.from_torch is None:
