@@ -141,8 +141,8 @@ class _ZeroShards:
         ddp_grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
         staged = self.staging and not config.parameters_as_bucket_view
         staging = (("parameter sync staging", self.staging),) if staged else ()
-        params, casts = self.params_bytes(), self.master  # master gradients: the owned ones in the master dtype
-        under_ddp = self._ranks(params, [ddp_grads] * size, staging, "master gradients during step", casts)
+        params = self.params_bytes()  # master gradients (below): the owned ones upcast, as large as the masters
+        under_ddp = self._ranks(params, [ddp_grads] * size, staging, "master gradients during step", self.master)
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         ddp_note = (
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
