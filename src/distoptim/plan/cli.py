@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--muon", action="store_true", help="Muon on the blocks' matrices, --optimizer on the rest")
     parser.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: the model's own, or fp32)")
     parser.add_argument("--master-dtype", help="step master copies in this dtype (fp32 for a bf16 model)")
-    parser.add_argument("--partition", default="even", choices=PARTITIONS, help="ZeRO's (default here: even)")
+    parser.add_argument("--partition", default="even", choices=PARTITIONS, help="ZeRO's partition (default here: even)")
     parser.add_argument("--gpu-memory", help="memory per GPU (80GiB, 80GB = 80e9 bytes): which modes fit")
     parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's option (default off)")
     parser.add_argument("--parameters-as-bucket-view", action="store_true", help="ZeRO's option (default off)")
