@@ -198,12 +198,21 @@ class _Wire:
         self.objects: deque[Any] = deque()
         self.messages: deque[torch.Tensor] = deque()
         self.sent: list[torch.Tensor] = []
+        self.object_devices: list[torch.device | None] = []  # each side's device for the object: one backend
 
     def patched(self) -> Any:
+        def send_object(obj: Any, to: int, group: Any, device: torch.device | None = None) -> None:
+            self.object_devices.append(device)
+            self.objects.append(pickle.loads(pickle.dumps(obj)))
+
+        def receive_object(source: int, group: Any, device: torch.device | None = None) -> Any:
+            self.object_devices.append(device)
+            return self.objects.popleft()
+
         return mock.patch.multiple(
             comm,
-            send_object=lambda obj, to, group: self.objects.append(pickle.loads(pickle.dumps(obj))),
-            receive_object=lambda source, group, device=None: self.objects.popleft(),
+            send_object=send_object,
+            receive_object=receive_object,
             send_tensor=lambda tensor, to, group: (self.sent.append(tensor), self.messages.append(tensor.clone())),
             receive_tensor=lambda tensor, source, group: tensor.copy_(self.messages.popleft()),
         )
@@ -233,6 +242,8 @@ def test_a_shard_travels_in_bounded_messages_through_one_staging_buffer(device: 
     tensors = [v for entry in state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
     total = sum(t.numel() * t.element_size() for t in tensors)
     assert len(wire.sent) == -(-total // staging_bytes) and not wire.messages and not wire.objects
+    # both ends name the comm device: on "cpu:gloo,cuda:nccl" the group's default would be gloo's CPU on one side
+    assert wire.object_devices == [torch.device(device)] * 2
     assert all(message.numel() <= staging_bytes for message in wire.sent)
     assert len({message.untyped_storage().data_ptr() for message in wire.sent}) == 1  # one staging buffer, reused
     assert list(received) == list(state) and received[3]["note"] == "as is"

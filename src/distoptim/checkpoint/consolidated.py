@@ -71,7 +71,7 @@ def send_state(
     )
     sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
     chunk = max(1, staging_bytes)
-    comm.send_object((skeleton, chunk), to, group)
+    comm.send_object((skeleton, chunk), to, group, comm_device)
     staging = torch.empty(min(chunk, sum(sizes)), dtype=torch.uint8, device=comm_device)
     source: dict[int, Tensor] = {}  # the bytes of the tensor being sent (at most one copy, if not contiguous)
     for pieces, length in _chunks(sizes, chunk):
