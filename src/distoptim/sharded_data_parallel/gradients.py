@@ -39,24 +39,15 @@ class OwnedGradients:
 
     max_in_flight = 2  # the most buckets being filled or reduced at once
 
-    def __init__(
-        self,
-        zero: ZeroRedundancyOptimizer,
-        buckets: Sequence[BucketPlan],
-        reduce_dtype: torch.dtype | None,
-        sync: ParameterSync,
-        replanned: Callable[[], None],
-        wrapper: Any,
-        static_graph: bool = False,
-    ) -> None:
-        self.zero, self.reduce_dtype = zero, reduce_dtype
-        self.static_graph = static_graph  # the parameters some rank uses are the same every backward (DDP's promise)
-        self.replanned, self.wrapper = replanned, wrapper  # called after placing; the wrapper whose hooks these are
+    def __init__(self, wrapper: Any, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
+        self.wrapper = wrapper  # the ShardedDataParallel whose hooks these are, and its settings
+        self.zero: ZeroRedundancyOptimizer = wrapper.zero
+        self.replanned: Callable[[], None] = wrapper._rebuild  # called after placing
         self._build(buckets, sync)
 
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
         """Everything over ``buckets``, as new (``replan`` then keeps what the last plan held)."""
-        zero, reduce_dtype = self.zero, self.reduce_dtype
+        zero, reduce_dtype = self.zero, self.wrapper.reduce_dtype
         self.buckets, self.sync = list(buckets), sync  # sync: what the optimizer syncs through
         self.params = zero.global_params
         first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
@@ -70,7 +61,7 @@ class OwnedGradients:
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
         self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
-        self.static = checks.StaticGraph() if self.static_graph else None
+        self.static = checks.StaticGraph() if self.wrapper.static_graph else None  # DDP's promise
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
         for (index, offset), (bucket, start) in self.layout.fragments.items():
             length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)

@@ -109,9 +109,7 @@ class ShardedDataParallel(nn.Module):
         sync = BucketedSync(zero.placed_sync, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
         self._bucketed = sync
         if self.gradients is None:
-            self.gradients = OwnedGradients(
-                zero, self._buckets, self.reduce_dtype, sync, self._rebuild, self, static_graph=self.static_graph
-            )
+            self.gradients = OwnedGradients(self, self._buckets, sync)
         else:
             self.gradients.replan(self._buckets, sync)
         gradients = self.gradients
