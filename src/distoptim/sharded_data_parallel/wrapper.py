@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -176,9 +176,7 @@ class ShardedDataParallel(nn.Module):
             self.gradients.check_finished()
             checks.check_current(self)
         if self.broadcast_buffers and self._sync_buffers_next:
-            buffers = list(self.module.buffers())
-            if buffers:
-                _broadcast_from_first(buffers, self.zero.agreement_groups, self._cap_bytes)
+            _broadcast_from_first(self.module.buffers(), self.zero.agreement_groups, self._cap_bytes)
         output = self.module(*args, **kwargs)
         self.zero.land_sync()  # the rest (modules the forward did not run): the loss may read them (weight decay)
         self._sync_buffers_next = torch.is_grad_enabled() and not self.gradients.no_sync
@@ -267,7 +265,7 @@ def _held_directly(module: nn.Module) -> Iterator[Tensor]:
             yield from _held_directly(child)
 
 
-def _broadcast_from_first(tensors: Sequence[Tensor], groups: Sequence[comm.Group], cap_bytes: int) -> None:
+def _broadcast_from_first(tensors: Iterable[Tensor], groups: Sequence[comm.Group], cap_bytes: int) -> None:
     """Every rank's ``tensors`` made the first rank's, group by group (the replicas first), packed per (device,
     dtype) in batches of at most ``cap_bytes`` (a larger dense tensor in place): never a second copy of the model."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
