@@ -36,15 +36,15 @@ class _LandBefore:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         sync = self.sync()
-        if sync is None:
-            return
+        if sync is not None and self.foreign():  # one registered since the step may read anything
+            sync.finish()
+        elif sync is not None:
+            sync.land_through(sync.landing.get(module, -1))
+
+    def foreign(self) -> bool:
+        """Whether torch's module-global pre-hooks hold one of the user's (it runs before ours or after it)."""
         hooks = self.hooks()
-        if hooks is not None and any(not isinstance(hook, _LandBefore) for hook in hooks.values()):
-            sync.finish()  # a module-global pre-hook of the user's, registered since the step, may read anything
-            return
-        last = sync.landing.get(module, -1)
-        if last >= 0:
-            sync.land_through(last)
+        return hooks is None or any(not isinstance(hook, _LandBefore) for hook in hooks.values())
 
 
 class _InPlace:
@@ -91,9 +91,6 @@ class _Staged:
         return owned + [piece_view(piece) for piece in sync.direct if piece.rank == sync.rank]
 
 
-_Unit = _InPlace | _Staged
-
-
 class BucketedSync(ParameterSync):
     """ZeRO's parameter sync bucket by bucket, in forward order; with ``overlap``, ``sync_parameters`` only launches
     and ``land_through`` (the forward pre-hooks) or ``finish`` lands."""
@@ -121,7 +118,7 @@ class BucketedSync(ParameterSync):
         self.landing: dict[nn.Module, int] = {}  # the last bucket (forward order) each module reads: set by the wrapper
         self._hook: weakref.finalize[Any, Any] | None = None  # removes the landing pre-hook: held while in flight
 
-    def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _Unit:
+    def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _InPlace | _Staged:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
             layout, region = bucket.region
             return _InPlace(
@@ -146,8 +143,7 @@ class BucketedSync(ParameterSync):
         handle = register_module_forward_pre_hook(lander)
         self._hook = weakref.finalize(self, handle.remove)  # removed when all landed, or when the sync is dropped
         lander.hooks = handle.hooks_dict_ref  # read through the handle torch returned (public), never reordered
-        hooks = handle.hooks_dict_ref()
-        if hooks is None or any(not isinstance(hook, _LandBefore) for hook in hooks.values()):
+        if lander.foreign():
             self.finish()  # a module-global pre-hook of the user's runs before ours and may read any parameter
 
     def land_through(self, last: int) -> None:
@@ -227,9 +223,7 @@ def _where(params: Sequence[Tensor]) -> _Storage:
 def _same_storage(launched: _Storage, params: Sequence[Tensor]) -> bool:
     """Whether ``params`` still lie where they lay at launch."""
     now = _where(params)
-    return len(now) == len(launched) and all(
-        a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True)
-    )
+    return all(a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True))
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wide accumulator is 10x slower)
