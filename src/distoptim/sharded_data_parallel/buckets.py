@@ -151,23 +151,23 @@ def gaps(plan: BucketPlan, filled: set[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class StorePlan:
-    """A rank's owned gradient: ``lengths[b]`` elements for bucket ``b``; ``(index, offset)`` -> ``(bucket, start)``."""
+    """A rank's owned gradient: ``lengths[b]`` elements of bucket ``b``; (index, offset) -> (bucket, start, length)."""
 
     lengths: tuple[int, ...]
-    fragments: Mapping[tuple[int, int], tuple[int, int]]
+    fragments: Mapping[tuple[int, int], tuple[int, int, int]]
 
 
 def store_plan(buckets: Sequence[BucketPlan], rank: int, plan: PartitionPlan) -> StorePlan:
     """Lay out ``rank``'s owned ranges of each of ``buckets`` one after another."""
     lengths = []
-    fragments: dict[tuple[int, int], tuple[int, int]] = {}
+    fragments: dict[tuple[int, int], tuple[int, int, int]] = {}
     for number, bucket in enumerate(buckets):
         owned = bucket.owned(rank)
         for slot in bucket.slots:
             for fragment in plan.fragments[slot.index]:
                 if fragment.rank == rank and fragment.length:
                     at = _owned_offset(owned, slot.position + fragment.offset)
-                    fragments[(slot.index, fragment.offset)] = (number, at)
+                    fragments[(slot.index, fragment.offset)] = (number, at, fragment.length)
         lengths.append(sum(end - start for start, end in owned))
     return StorePlan(tuple(lengths), fragments)
 

@@ -63,9 +63,8 @@ class OwnedGradients:
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
         self.static = checks.StaticGraph() if self.wrapper.static_graph else None  # DDP's promise
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
-        for (index, offset), (bucket, start) in self.layout.fragments.items():
-            length = next(f.length for f in zero.plan.fragments[index] if f.offset == offset and f.rank == zero.rank)
-            self.pieces.setdefault(index, []).append((bucket, start, length))
+        for (index, _), piece in self.layout.fragments.items():
+            self.pieces.setdefault(index, []).append(piece)
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
