@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,10 +65,7 @@ class _Newest:
     """A process group's newest wrapper, held weakly (a finished wrapper may live on in a reference cycle)."""
 
     def __init__(self) -> None:
-        self.wrapper: weakref.ref[Any] | None = None
-
-    def get(self) -> Any:
-        return None if self.wrapper is None else self.wrapper()
+        self.get: Callable[[], Any] = lambda: None  # then a weak reference to it
 
 
 def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_mb: Any, reduce_dtype: Any) -> None:
@@ -114,7 +111,7 @@ def claim_groups(wrapper: Any) -> list[Any]:
         previous = newest.get()
         if previous is not None and previous is not wrapper and all(previous is not o for o in older):
             older.append(previous)
-        newest.wrapper = weakref.ref(wrapper)
+        newest.get = weakref.ref(wrapper)
     return older
 
 
