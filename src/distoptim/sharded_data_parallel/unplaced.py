@@ -39,11 +39,9 @@ class Unplaced:
         used: list[bool],
         agree: bool,
     ) -> tuple[bool, ...]:
-        """At a backward's end: mark each trainable parameter not in ``placed`` used where it has a ``.grad``; agree
-        across ranks on ``used`` (with ``agree``; the ranks must have the same such parameters), then, while there are
-        any, on which of them some rank's backward reached; average the ``.grad`` of those (zeros where this rank has
-        none). One no backward reached stays as it is, as DDP leaves a gradient unused everywhere. Returns the agreed
-        ``used`` (empty without ``agree``)."""
+        """At a backward's end: average the ``.grad`` of the trainable parameters not in ``placed`` that some rank's
+        backward reached (zeros where this rank has none; the others left as DDP leaves them), marking them ``used``.
+        With ``agree``, first agree on ``used`` (the ranks must have the same such parameters) and return it."""
         late = [i for i, p in enumerate(params) if p.requires_grad and id(p) not in placed and p.numel()]
         fresh = []  # this backward reached its .grad here: not None, and not the average we left, untouched
         for index in late:
