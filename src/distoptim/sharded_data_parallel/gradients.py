@@ -195,15 +195,12 @@ class OwnedGradients:
         if set_to_none:
             self.holds = [False] * len(self.params)
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
-        for bucket, owned in enumerate(self.owned):
-            if set_to_none or owned is None:
-                self.owned[bucket] = None if set_to_none else self._new_owned(bucket).zero_()
-            else:
-                owned.zero_()
-        if not set_to_none:  # zeros where the raised backward reached, on every rank where any did (the step agrees)
-            for index in reached:
-                self.used[index] = self.unagreed = True
-            self.mark()
+            self.owned = [None] * len(self.buckets)
+            return
+        self.owned = [(self._new_owned(b) if owned is None else owned).zero_() for b, owned in enumerate(self.owned)]
+        for index in reached:  # zeros where the raised backward reached, on every rank where any did (the step agrees)
+            self.used[index] = self.unagreed = True
+        self.mark()
 
     def _next_backward_afresh(self) -> None:
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
