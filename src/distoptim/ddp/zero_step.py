@@ -74,10 +74,9 @@ class _BucketReduction:
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
     held = set(zero.global_params)
-    in_ddp = {p for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore}
-    unheld = [
-        f"'{name}'" for name, p in ddp.module.named_parameters() if p in in_ddp and p.requires_grad and p not in held
-    ]
+    named = [(name, p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore]
+    in_ddp = {p for _, p in named}
+    unheld = [f"'{name}'" for name, p in named if p.requires_grad and p not in held]
     if unheld:
         raise ValueError(
             f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {few(unheld)}; the hook "
