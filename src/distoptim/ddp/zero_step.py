@@ -73,22 +73,14 @@ class _BucketReduction:
 
 def _check_same_parameters(ddp: DistributedDataParallel, zero: "ZeroRedundancyOptimizer") -> None:
     """The hook steps ZeRO's parameters with DDP's gradients: refuse parameters only one side has (never updated)."""
-    held = set(zero.global_params)
-    named = [(name, p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore]
-    in_ddp = {p for _, p in named}
-    unheld = [f"'{name}'" for name, p in named if p.requires_grad and p not in held]
+    named = ((name, p) for name, p in ddp.module.named_parameters() if name not in ddp.parameters_to_ignore)
+    unheld, not_in_ddp = validation.unmatched_parameters(named, zero)
     if unheld:
         raise ValueError(
             f"the DDP model trains parameters this ZeroRedundancyOptimizer does not hold: {few(unheld)}; the hook "
             "steps only ZeRO's parameters, so these would never be updated. Give ZeRO all of the DDP model's "
             "trainable parameters (ddp.module.parameters()), or wrap only the part ZeRO manages in DDP"
         )
-    not_in_ddp = [
-        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
-        for g, group in enumerate(zero.param_groups)
-        for i, p in enumerate(group["params"])
-        if p.requires_grad and p not in in_ddp
-    ]
     if not_in_ddp:
         raise ValueError(
             f"this ZeroRedundancyOptimizer holds trainable parameters that are not in the DDP model: "

@@ -85,15 +85,7 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
-    held = {id(p) for p in zero.global_params}
-    extra = [f"'{name}'" for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
-    in_module = {id(p) for p in module.parameters()}
-    missing = [
-        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
-        for g, group in enumerate(zero.param_groups)
-        for i, p in enumerate(group["params"])
-        if p.requires_grad and id(p) not in in_module
-    ]
+    extra, missing = validation.unmatched_parameters(module.named_parameters(), zero)
     parts = [f"it does not hold the module's {few(extra)}"] if extra else []
     parts += [f"the module has no {few(missing)}"] if missing else []
     if parts:

@@ -32,6 +32,7 @@ __all__ = [
     "check_unowned_have_no_grad",
     "refuse_sparse_gradients",
     "step_fingerprint",
+    "unmatched_parameters",
 ]
 
 ParamGroups = list[dict[str, Any]]
@@ -57,6 +58,21 @@ def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
             f"e.g. ZeroRedundancyOptimizer(params, {name}, lr=...)"
         )
     raise TypeError(f"{expected}; got {type(optimizer_class).__name__} {optimizer_class!r}")
+
+
+def unmatched_parameters(named: Iterable[tuple[str, Tensor]], zero: Any) -> tuple[list[str], list[str]]:
+    """The trainable parameters of ``named`` that ``zero`` does not hold (by name), and ``zero``'s trainable ones that
+    ``named`` lacks (by place in its groups): a model wrapper and the optimizer must train the same parameters."""
+    named = list(named)
+    held, present = set(zero.global_params), {p for _, p in named}
+    extra = [f"'{name}'" for name, p in named if p.requires_grad and p not in held]
+    missing = [
+        f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
+        for g, group in enumerate(zero.param_groups)
+        for i, p in enumerate(group["params"])
+        if p.requires_grad and p not in present
+    ]
+    return extra, missing
 
 
 def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "keep DDP's default all-reduce") -> None:
