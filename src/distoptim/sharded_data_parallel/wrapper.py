@@ -246,8 +246,17 @@ class ShardedDataParallel(nn.Module):
         self._land_sync()
         return super().load_state_dict(*args, **kwargs)
 
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """``nn.Module.parameters``, once the parameter sync has landed.
+
+        Args:
+            recurse: include the submodules' parameters (default True).
+        """
+        self._land_sync()
+        return super().parameters(recurse)
+
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters``, once the parameter sync has landed (``parameters()`` reads through it).
+        """``nn.Module.named_parameters``, once the parameter sync has landed.
 
         Args:
             *args: ``nn.Module.named_parameters``'s positional arguments.
