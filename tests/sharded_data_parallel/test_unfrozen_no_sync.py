@@ -1,5 +1,6 @@
 """A layer unfrozen since the last placement, whose gradient ``no_sync()`` accumulated (each rank's own), placed
-before the backward that reduces it (a checkpoint between micro-batches): the sum must still be averaged."""
+before the backward that reduces it (a checkpoint between micro-batches): the sum must still be averaged. A group
+added inside ``no_sync()`` leaves it in force: the backwards left inside still accumulate, as DDP's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
@@ -120,3 +122,41 @@ def _on_one_rank_body(rank: int, world_size: int) -> str:
 def test_a_layer_made_trainable_on_some_ranks_only_is_refused_on_every_rank() -> None:
     messages = run_on_ranks(_on_one_rank_body, 3)
     assert all("parameters made trainable since the wrapper planned its buckets" in m for m in messages)
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.norm, self.rest = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.norm(torch.tanh(self.first(x))))
+
+
+def _added_inside_body(rank: int, world_size: int) -> None:
+    model, reference = _Normed(), _Normed()
+    ddp = DDP(reference, find_unused_parameters=True)  # built before the freeze: it keeps the layer
+    for net in (model, reference):
+        net.first.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer([*model.norm.parameters(), *model.rest.parameters()], torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, zero)
+    plain = torch.optim.SGD([*reference.norm.parameters(), *reference.rest.parameters()], lr=0.1)
+    for step in range(3):
+        for micro in range(3):
+            for wrapped, net, optimizer in ((sdp, model, zero), (ddp, reference, plain)):
+                with wrapped.no_sync() if micro < 2 else contextlib.nullcontext():
+                    if (step, micro) == (1, 1):  # unfrozen at a micro-batch count, between two no_sync backwards
+                        net.first.requires_grad_(True)
+                        optimizer.add_param_group({"params": list(net.first.parameters()), "lr": 0.05})
+                    wrapped(_x(rank, 10 * step + micro)).square().mean().backward()
+        for optimizer in (zero, plain):
+            optimizer.step()
+            optimizer.zero_grad()
+        # still inside no_sync() after the placing: no reduction, and no buffer broadcast before the next forward
+        for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"step {step} {name} differs")
+
+
+def test_a_group_added_inside_no_sync_keeps_accumulating_as_ddp() -> None:
+    run_on_ranks(_added_inside_body, 2)

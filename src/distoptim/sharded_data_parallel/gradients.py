@@ -84,6 +84,7 @@ class OwnedGradients:
         for kept in ("owned", "landed", "used", "holds"):
             getattr(self, kept)[: len(getattr(previous, kept))] = getattr(previous, kept)
         self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
+        self.no_sync = previous.no_sync  # placed inside no_sync() (add_param_group): its backwards still accumulate
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
