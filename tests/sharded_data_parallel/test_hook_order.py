@@ -219,6 +219,8 @@ def _outside_write_body(rank: int, world_size: int, configs: list[tuple[Any, ...
             _step_both(zero, sdp, plain, ddp, _x(rank, step), f"{label} step {step}")
             if order == "synced_first":
                 sdp.sync_finished()  # what the message says to do
+            elif order == "parameters_called":
+                sdp.parameters()  # the call alone waits for the sync (the guide says so), not its first item
             _clip(sdp.parameters() if order == "through_wrapper" else sdp.module.parameters(), how)
             _clip(reference.parameters(), how)
         else:
@@ -229,12 +231,14 @@ def _outside_write_body(rank: int, world_size: int, configs: list[tuple[Any, ...
 def test_writes_through_the_inner_module_after_step_are_refused_on_every_rank() -> None:
     """WGAN's clipping through ``model.module`` right after ``step()`` (``p.data.clamp_`` and ``p.clamp_`` under
     no_grad): with the sync in flight every rank raises at the next step, saying what to do; after
-    ``sync_finished()``, through ``model.parameters()``, or without overlap, the training is DDP's."""
+    ``sync_finished()`` or ``model.parameters()``, through ``model.parameters()``, or without overlap, the training
+    is DDP's."""
     configs = list(
         itertools.product(
             LAYOUTS, [True, False], ["data", "no_grad"], ["inner_at_once", "synced_first", "through_wrapper"]
         )
     )
+    configs += [(layout, True, "no_grad", "parameters_called") for layout in LAYOUTS]
     run_on_ranks(_outside_write_body, 2, configs, timeout=120)
 
 
