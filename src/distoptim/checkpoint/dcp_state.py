@@ -102,7 +102,9 @@ class FragmentTensor(Tensor):
         ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        offsets = tuple(index.offset or ())
+        offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
+        if hint is not None and hint < len(self._pieces) and self._pieces[hint][0] == offsets:
+            return _on_own_storage(self._pieces[hint][1])
         return _on_own_storage(next(local for at, local in self._pieces if at == offsets))
 
     def __repr__(self) -> str:  # type: ignore[override]

@@ -124,10 +124,11 @@ class PostLocalSGDState:
                 UserWarning,
                 stacklevel=2,
             )
-        PostLocalSGDState.__init__(
-            self, None, None, state["start_localSGD_iter"], state["post_local_gradient_allreduce"]
-        )
+        self.process_group = self.subgroup = None
+        self.start_localSGD_iter = state["start_localSGD_iter"]
+        self.post_local_gradient_allreduce = state["post_local_gradient_allreduce"]
         self.iter = state["iter"]
+        self._counting = False
 
 
 def averaged_ranks(state: Any) -> list[int] | None:
