@@ -39,10 +39,12 @@ class OwnedGradients:
 
     max_in_flight = 2  # the most buckets being filled or reduced at once
 
-    def __init__(self, wrapper: Any, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
+    def __init__(
+        self, wrapper: Any, buckets: Sequence[BucketPlan], sync: ParameterSync, replanned: Callable[[], None]
+    ) -> None:
         self.wrapper = wrapper  # the ShardedDataParallel whose hooks these are, and its settings
         self.zero: ZeroRedundancyOptimizer = wrapper.zero
-        self.replanned: Callable[[], None] = wrapper._rebuild  # called after placing
+        self.replanned = replanned  # called after placing (the wrapper's rebuild)
         self._build(buckets, sync)
 
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:

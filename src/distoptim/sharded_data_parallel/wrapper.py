@@ -109,7 +109,7 @@ class ShardedDataParallel(nn.Module):
         sync = BucketedSync(zero.placed_sync, self._buckets, zero.plan, zero.global_params, self.overlap_param_sync)
         self._bucketed = sync
         if self.gradients is None:
-            self.gradients = OwnedGradients(self, self._buckets, sync)
+            self.gradients = OwnedGradients(self, self._buckets, sync, self._rebuild)
         else:
             self.gradients.replan(self._buckets, sync)
         gradients = self.gradients
