@@ -135,10 +135,12 @@ class OwnedGradients:
 
     def mark(self) -> None:
         """A marker into each free ``.grad`` the store holds, may hold, or (until the ranks agree) owns a piece of."""
+        predicted = self.static if self.static is not None and self.static.predicted else None
         for index, param in enumerate(self.params):
-            maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
-            if self.static is not None and self.static.predicted:
-                maybe = self.used[index] or self.static.used(index)
+            if predicted is not None:  # a static graph's backward: the first one's parameters, as if agreed
+                maybe = self.used[index] or predicted.used(index)
+            else:
+                maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
             if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
                 marker = GradientMarker.like(param)
                 param.grad = marker
@@ -226,8 +228,8 @@ class OwnedGradients:
 
     def agreed(self, everywhere: Sequence[bool]) -> None:
         """The ranks agreed which parameters some rank used: the store holds those; the others' markers go."""
-        placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
+            placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
             self.static.agreed(everywhere, placed)
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used, self.unagreed = [False] * len(self.params), False
