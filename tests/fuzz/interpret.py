@@ -343,9 +343,8 @@ class Run:
             self.mismatches.append("end: a step held the sparse embedding's gradient, cut by the partition, unrefused")
         want = self.oracle.optimizer.state_dict()
         masters = {key: self.oracle.masters.get(id(p)) for key, p in enumerate(self.oracle.params)}
+        self.compare_buffers("end")
         if self.recorder is not None:
-            for name, buffer in self.oracle.model.named_buffers():
-                self.recorder.keep(f"end|buffer|{name}", buffer)
             for key, state in want["state"].items():
                 for name, value in state.items():
                     self.recorder.keep(f"end|state|{key}|{name}", value)
@@ -354,9 +353,6 @@ class Run:
                     self.recorder.keep(f"end|master|{key}", master)
             return
         self._compare_schedules()
-        ours = dict(self.subject.model.named_buffers())
-        for name, buffer in self.oracle.model.named_buffers():  # statistics that carry the parameters' rounding
-            self._compare_state(f"end: buffer {name}", ours[name], buffer, f"end|buffer|{name}")
         zero = self.subject.zero
         zero.consolidate_state_dict(0)
         if dist.get_rank(zero.process_group) != 0:  # each shard group's first rank (hybrid: two of them)
@@ -435,6 +431,17 @@ class Run:
             self._compare_state(where, got, want, where)
 
     @_comparing
+    def compare_buffers(self, where: str) -> None:
+        """Each buffer (statistics that carry the parameters' rounding) against the oracle's, as the state is. At a
+        ``check`` too: a broadcast of rank 0's buffers that DDP skips shows only until a synced forward broadcasts."""
+        ours = dict(self.subject.model.named_buffers())
+        for name, buffer in self.oracle.model.named_buffers():
+            key = f"{where}|buffer|{name}"
+            if self.recorder is not None:
+                self.recorder.keep(key, buffer)
+            else:
+                self._compare_state(f"{where}: buffer {name}", ours[name], buffer, key)
+
     def _compare_state(
         self, where: str, got: Any, want: Any, key: str, slack: Tensor | None = None, nan_equal: bool = False
     ) -> None:
@@ -479,11 +486,15 @@ class Run:
         with self.on("oracle"):
             self.oracle.model.zero_grad(set_to_none)
 
-    def backward(self, micro: int, no_sync: bool) -> None:
+    def backward(self, micro: int, no_sync: bool, grow: str | None = None, at: int = 0) -> None:
         """``micro`` backward passes, all but the last under ``no_sync()`` when asked. Under the overlap hooks the
         step runs inside each backward that reduces (the documented meaning), so the oracle steps after each, one
         micro-batch at a time on both sides; with a bf16 layer both are compared and aligned after each such step
-        (the bf16 ulps a step leaves would otherwise move the next micro-batch's fp32 gradients: seed 1963)."""
+        (the bf16 ulps a step leaves would otherwise move the next micro-batch's fp32 gradients: seed 1963).
+        ``grow`` (``unfreeze``, ``add_group``): made after micro-batch ``at``, inside one ``no_sync()`` a wrapper."""
+        if grow is not None:
+            self._grown_backward(micro, no_sync, grow, at)
+            return
         overlap = self.program.mode == "overlap_hook"
         bf16 = any(p.dtype == torch.bfloat16 for p in self.oracle.model.parameters())
         sides = (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp))
@@ -497,6 +508,23 @@ class Run:
                         self.oracle.step()
             if overlap and bf16 and not quiet and m < micro - 1:  # the last is compared after the action (do)
                 self.compare(f"action {self.counter} micro-batch {m}")
+
+    def _grown_backward(self, micro: int, no_sync: bool, grow: str, at: int) -> None:
+        """The micro-batches, all but the last inside one ``no_sync()`` of each wrapper (entered once, held across
+        the change: a wrapper built by the change enters its own), the model grown by ``grow`` after ``at``."""
+        with contextlib.ExitStack() as quiet:
+            entered: list[Any] = []
+            for m in range(micro):
+                if m == micro - 1:
+                    quiet.close()  # the last micro-batch reduces everything accumulated, on both sides
+                for side, wrapper in (("subject", self.subject.wrapper), ("oracle", self.oracle.ddp)):
+                    with self.on(side):
+                        if no_sync and m < micro - 1 and not any(wrapper is w for w in entered):
+                            entered.append(wrapper)
+                            quiet.enter_context(wrapper.no_sync())
+                        self.forward_loss(wrapper, m).backward()
+                if m == at:
+                    getattr(self, grow)()
 
     def hand_grad(self) -> None:
         for side, model in (("subject", self.subject.model), ("oracle", self.oracle.model)):
@@ -766,7 +794,11 @@ class Run:
             with torch.no_grad():
                 flat = next(self.subject.model.parameters()).view(-1)
                 flat[[0, -1]] = flat[[-1, 0]].clone()
+        if self.program.options.get("sabotage") == "buffer_on_rank1" and self.rank == 1:  # the next forward's broadcast
+            with torch.no_grad():  # puts rank 0's back on both sides
+                next(b for b in self.subject.model.buffers() if b.is_floating_point()).add_(1.0)
         self.compare(f"check at action {self.counter}")
+        self.compare_buffers(f"check at action {self.counter}")
         if self.program.options.get("sabotage") == "lr_then_oracle_fails":  # the fuzzer's own test
             raise OracleFailed("the oracle raised after a mismatch (on purpose)")
 

@@ -108,6 +108,32 @@ def test_ranks_whose_parameters_only_sum_alike_disagree() -> None:
     assert any("the ranks hold different values of subject" in line for line in verdict["detail"]), verdict
 
 
+def test_a_check_compares_the_buffers_a_later_forward_overwrites() -> None:
+    """Rank 1's BatchNorm statistics moved before a ``check``, then a synced forward broadcasts rank 0's on both
+    sides: only the check sees it (buffers were compared at the end alone, so the mutant
+    ``sdp_replan_leaves_no_sync``, a broadcast DDP skips, passed every CI seed)."""
+    program = _sabotaged("buffer_on_rank1")
+    block = [Action("zero_grad", {"via": "optimizer", "set_to_none": True}), *program.actions[1:3]]
+    [verdict] = run_programs([program.replace(features=["batchnorm", "tied"], actions=[*program.actions, *block])])
+    assert verdict["category"] == "mismatch", verdict
+    assert any("check at action 4: buffer" in line for line in verdict["detail"]), verdict
+    assert not any(line.startswith("end") or ": end:" in line for line in verdict["detail"]), verdict
+
+
+def test_ci_grows_the_model_inside_no_sync_between_accumulated_micro_batches() -> None:
+    """``sdp`` programs that add a group inside ``no_sync()`` with an accumulated micro-batch after it, a BatchNorm
+    and a check (``program._grown_in_no_sync``: a re-placement there reset ``no_sync``, and no program did this)."""
+    found = [
+        seed
+        for seed in CI_SEEDS
+        for program in [generate(seed)]
+        for a in program.actions
+        if program.mode == "sdp" and a.args.get("grow") == "add_group" and a.args["at"] < a.args["micro"] - 2
+        if "batchnorm" in program.features
+    ]
+    assert len(found) >= 2, found
+
+
 def test_every_group_hyperparameter_is_compared_at_the_end() -> None:
     """The subject's momentum edited after its last step: the parameters agree, the end's group does not (only
     ``lr`` was compared before issue 42's review)."""

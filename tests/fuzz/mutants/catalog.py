@@ -357,4 +357,17 @@ MUTANTS += (  # issue 45: ShardedDataParallel's used flags summed as DDP's used 
     ),
 )
 
+MUTANTS += (  # the bug a review found that no program reached (fixed in 2ad6c3c): the fuzzer grows models there now
+    _one(
+        "sdp_replan_leaves_no_sync",
+        "ShardedDataParallel: a group added (or a layer placed) between two backwards inside no_sync()",
+        "the re-placement builds the store afresh with no_sync off: the rest of the context reduces each backward, "
+        "and its forwards broadcast buffers DDP's skip",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "        self.no_sync = previous.no_sync  # placed inside no_sync() (add_param_group): its backwards still "
+        "accumulate\n",
+        "",
+    ),
+)
+
 BY_NAME = {m.name: m for m in MUTANTS}

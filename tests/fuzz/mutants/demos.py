@@ -190,5 +190,19 @@ DEMOS["sdp_flags_late_ignored"] = (
     _program("sdp", [*_block(), Action("unfreeze"), *_block()], kwargs={"lr": 0.05}, features=("frozen",)),
     2,
 )
+DEMOS["sdp_replan_leaves_no_sync"] = (  # the extra micro-batches' forwards broadcast rank 0's BatchNorm statistics
+    _program(
+        "sdp",
+        [
+            *_block(),
+            Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
+            Action("backward", {"micro": 3, "no_sync": True, "grow": "add_group", "at": 0}),
+            Action("step"),
+        ],  # then the check: rank 1's statistics (the next synced forward would overwrite them with rank 0's)
+        kwargs={"lr": 0.05},
+        features=("batchnorm", "extra"),
+    ),
+    2,
+)
 # the verdict a demonstration must reach where it is not ``mismatch``
 DEMO_VERDICTS = {"bf16_bucket_view_flat": "unexpected_error"}
