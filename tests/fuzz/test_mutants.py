@@ -64,12 +64,19 @@ def test_a_bug_on_near_zero_gradients_stays_caught_when_resampled(tmp_path: Path
 
 @pytest.mark.parametrize(
     ("name", "seed", "verdict"),
-    [("load_keeps_constructor_hyperparameters", 6, "mismatch"), ("bf16_bucket_view_flat", 17, "unexpected_error")],
+    [
+        ("load_keeps_constructor_hyperparameters", 6, "mismatch"),
+        ("bf16_bucket_view_flat", 17, "unexpected_error"),
+        ("sdp_replan_leaves_no_sync", 78, "mismatch"),
+    ],
 )
-def test_review_r42d_mutants_fail_their_first_ci_seed(tmp_path: Path, name: str, seed: int, verdict: str) -> None:
-    """Review r-42d: a load that keeps the constructor's settings passed every CI seed (the resumed subject was
-    built with the program's own), and a crash in the subject's forward read as the oracle's error (a pass). Their
-    first catching CI seeds, with the verdict each must reach."""
+def test_mutants_that_passed_every_ci_seed_fail_their_first_now(
+    tmp_path: Path, name: str, seed: int, verdict: str
+) -> None:
+    """Bugs every CI seed once passed, and their first catching CI seeds now, with the verdict each must reach.
+    Review r-42d: a load that keeps the constructor's settings (the resumed subject was built with the program's
+    own), and a crash in the subject's forward read as the oracle's error (a pass). Session 15's review: a group
+    added inside ``no_sync()`` that ended it (no program grew its model there; a check compared no buffers)."""
     clean = snapshot(tmp_path)
     mutant = BY_NAME[name]
     verdicts = CleanVerdicts(clean, 2, hybrid=False)
