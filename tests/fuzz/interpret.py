@@ -442,6 +442,7 @@ class Run:
             else:
                 self._compare_state(f"{where}: buffer {name}", ours[name], buffer, key)
 
+    @_comparing
     def _compare_state(
         self, where: str, got: Any, want: Any, key: str, slack: Tensor | None = None, nan_equal: bool = False
     ) -> None:
@@ -512,6 +513,8 @@ class Run:
     def _grown_backward(self, micro: int, no_sync: bool, grow: str, at: int) -> None:
         """The micro-batches, all but the last inside one ``no_sync()`` of each wrapper (entered once, held across
         the change: a wrapper built by the change enters its own), the model grown by ``grow`` after ``at``."""
+        if self.program.mode == "overlap_hook":  # its oracle steps inside each reducing backward (``backward``)
+            raise ValueError("backward(grow=...) is not drawn under overlap_hook, whose DDP cannot be built again")
         with contextlib.ExitStack() as quiet:
             entered: list[Any] = []
             for m in range(micro):

@@ -349,7 +349,7 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
     widened = Program(program.seed, features, mode, options, optimizer, kwargs, actions)
-    return _hyper_edits(_piece_invariant(_grown_in_no_sync(_faults(_formats(_exact(widened))))), allowed)
+    return _hyper_edits(_piece_invariant(_grown_in_no_sync(_faults(_formats(_exact(widened))), allowed)), allowed)
 
 
 def _hyper_edits(program: Program, allowed: set[str]) -> Program:
@@ -472,25 +472,29 @@ def _held_then_unused(program: Program, actions: list[Action]) -> list[Action]:
     return [*actions[: first + 1], *used, *block, *block, *actions[first + 1 :]]
 
 
-def _grown_in_no_sync(program: Program) -> Program:
-    """From an eighth stream, 3 in 5 ``sdp`` programs with a ``frozen`` or ``extra`` layer (3 in 10 in the other
-    modes that change structure; not under overlap_param_sync, whose refusals read those actions by name): the layer
-    unfrozen or added as a group inside ``no_sync()``, after an accumulated micro-batch and before another, in a block
-    of its own (``backward``'s ``grow``), in place of the program's own ``unfreeze``/``add_group`` or after a step;
-    then a ``check``. The ``sdp`` ones get a BatchNorm: its statistics are what a micro-batch reduced by mistake
-    changes (exact sums do not), and a re-placement there once reset ShardedDataParallel's ``no_sync``, silently
-    (2ad6c3c, found by a review: no program did this)."""
+def _grown_in_no_sync(program: Program, allowed: set[str]) -> Program:
+    """From a tenth stream, 3 in 5 ``sdp`` programs with a ``frozen`` or ``extra`` layer their own actions do not
+    change (3 in 10 in the other modes that change structure; not under overlap_param_sync, whose refusals read
+    those actions by name): the layer unfrozen or added as a group inside ``no_sync()``, after an accumulated
+    micro-batch and before another, in a block of its own after a step (``backward``'s ``grow``), then a ``check``.
+    The ``sdp`` ones get a BatchNorm: its statistics are what a micro-batch reduced by mistake changes (exact sums do
+    not). A re-placement there once reset ShardedDataParallel's ``no_sync``, silently (2ad6c3c, found by a review:
+    no program did this)."""
     rng, actions = random.Random(f"grown-{program.seed}"), program.actions
-    names = [name for name, layer in (("unfreeze", "frozen"), ("add_group", "extra")) if layer in program.features]
+    own = {a.name for a in actions}
+    names = [
+        name
+        for name, layer in (("unfreeze", "frozen"), ("add_group", "extra"))
+        if layer in program.features and name in allowed and name not in own
+    ]
     steps = [i + 1 for i, a in enumerate(actions) if a.name == "step"]
     eligible = program.mode in (ACTIONS["unfreeze"] or ()) and not program.options.get("overlap")
     if not names or not steps or not eligible or rng.random() >= (0.6 if program.mode == "sdp" else 0.3):
         return program
-    own = next((i for i, a in enumerate(actions) if a.name in ("unfreeze", "add_group")), None)
-    at, grow = (rng.choice(steps), rng.choice(names)) if own is None else (own, actions[own].name)
+    at, grow = rng.choice(steps), rng.choice(names)
     micro = rng.choice([3, 4])  # an accumulated micro-batch before the change and one after it, then the reducing one
     grown = Action("backward", {"micro": micro, "no_sync": True, "grow": grow, "at": rng.randrange(micro - 2)})
     block = [Action("zero_grad", {"via": "optimizer", "set_to_none": rng.random() < 0.6}), grown, Action("step")]
     block.append(Action("check"))  # the buffers each rank's forwards left, before a synced forward overwrites them
     features = sorted({*program.features, "batchnorm"}) if program.mode == "sdp" else program.features
-    return program.replace(features=features, actions=[*actions[:at], *block, *actions[at + (own is not None) :]])
+    return program.replace(features=features, actions=[*actions[:at], *block, *actions[at:]])
