@@ -1,7 +1,5 @@
-"""Agreement across ranks: each rank does its part, then one small all-reduce (on the group's control twin, host
-values) tells every rank whether all succeeded and whether their fingerprints match, so that all ranks raise the same
-error or none does. A fingerprint maps "what {} is" templates to values; a disagreement is named in a second round.
-"""
+"""Agreement across ranks: each rank does its part, then one small all-reduce of host values tells every rank whether
+all succeeded and their fingerprints match, so that all ranks raise the same error or none does."""
 
 from __future__ import annotations
 
@@ -48,9 +46,8 @@ Groups = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 def agree_across_ranks(
     local: Fingerprint | BaseException, group: Groups, what: str, fix: str = SAME_EVERYWHERE, flags: Sequence[bool] = ()
 ) -> tuple[bool, ...]:
-    """Raise on every rank unless every rank succeeded (``local`` is its fingerprint) and all fingerprints agree
-    (a failing rank raises its own error, the others name it); return, for each of ``flags``, whether any rank
-    raised it. One all-reduce (MAX) of ``[failed, -failed, flags, digest, -digest]``."""
+    """Raise on every rank (a failing one its own error, the others naming it) unless every rank succeeded (``local``:
+    its fingerprint) and all fingerprints agree; return, for each of ``flags``, whether any rank raised it."""
     groups = [group] if isinstance(group, dist.ProcessGroup) else list(group)
     controls, cpu = [control_group(g) for g in groups], torch.device("cpu")
     failed = isinstance(local, BaseException)
@@ -92,8 +89,7 @@ def _first_of_everyone(value: Any, controls: list[dist.ProcessGroup], global_ran
 
 
 def _words(part: Fingerprint | None) -> list[int]:
-    """A fingerprint's digest words and their negations; for a part this rank does not give (a failed rank's, or
-    no ``STEPPING_ONLY`` part), zeros and ``_ABSENT``, which move no maximum."""
+    """A part's digest words and their negations; zeros and ``_ABSENT`` (moving no maximum) where there is none."""
     if part is None:
         return [0] * _DIGEST_WORDS + [_ABSENT] * _DIGEST_WORDS
     encoded = hashlib.sha256(repr(list(part.items())).encode()).digest()
@@ -157,7 +153,6 @@ def run_step_agreed(
 
 
 def _always(local: Fingerprint) -> Fingerprint:
-    """``local`` without its ``STEPPING_ONLY`` part."""
     return {key: value for key, value in local.items() if key != STEPPING_ONLY}
 
 

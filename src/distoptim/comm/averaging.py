@@ -55,8 +55,7 @@ def split_group(group: ProcessGroup, size: int) -> ProcessGroup:
 
 
 def node_subgroup_size(total: int, environ: Mapping[str, str] | None = None) -> int:
-    """How many ranks of a ``total``-rank group share this node (``LOCAL_WORLD_SIZE``; ``total`` when unknown or
-    uneven)."""
+    """The ranks of a ``total``-rank group on this node: ``LOCAL_WORLD_SIZE``, or ``total`` if unknown or uneven."""
     raw = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
     try:
         local = int(raw)
@@ -88,8 +87,7 @@ def average_tensors_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> No
         return
     size = group_size(group)
     for run in group_by_device([t for t in tensors if t.numel() > 0]):  # every rank skips the same ones
-        flat = pack(run)
-        flat.div_(size)
+        flat = pack(run).div_(size)
         dist.all_reduce(flat, group=group)
         unpack_(flat, run)
 

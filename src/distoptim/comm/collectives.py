@@ -1,7 +1,5 @@
-"""ZeRO's collectives, always given a group (ranks are group ranks; global ones only here and in ``p2p.py``).
-Two styles move a step's bytes (``Collectives``): point to point on gloo, equal-chunk collectives on NCCL;
-``DISTOPTIM_COLLECTIVES`` overrides. ``docs/guides/internals.md``.
-"""
+"""ZeRO's collectives, always given a group (group ranks; global ones only here and in ``p2p.py``), in two styles
+(``Collectives``) that ``DISTOPTIM_COLLECTIVES`` may override: ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
@@ -124,7 +122,6 @@ def broadcast_slices(
 
 
 def _point_to_point(collectives: Collectives | None, buffer: Tensor) -> bool:
-    """Whether ``buffer`` moves point to point: the p2p style, on host memory."""
     return collectives is Collectives.POINT_TO_POINT and buffer.device.type == "cpu"
 
 

@@ -23,7 +23,6 @@ __all__ = [
     "is_member",
 ]
 
-# What the library keeps for a process group, by purpose: its one registry of per-group state, dropped with the group
 _ATTACHED: weakref.WeakKeyDictionary[ProcessGroup, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 _T = TypeVar("_T")
@@ -80,14 +79,12 @@ def is_member(group: object) -> bool:
 
 
 def group_size(group: ProcessGroup) -> int:
-    """Number of ranks in ``group``."""
     return dist.get_world_size(group=group)
 
 
 def backends_of(group: ProcessGroup) -> dict[str, str]:
-    """Which backend carries each device type's tensors over ``group``: ``{"cpu": "gloo", "cuda": "nccl"}``. Read
-    from its backend config, not ``get_backend``, which says "undefined" for ``init_process_group()`` without a
-    backend whatever that made (NCCL alone on a CUDA machine) and "cpu:gloo,cuda:nccl" for a pair."""
+    """Which backend carries each device type's tensors over ``group``: ``{"cpu": "gloo", "cuda": "nccl"}``, from its
+    backend config (``get_backend`` says "undefined" after an ``init_process_group()`` that named no backend)."""
     return dict(pair.strip().split(":", 1) for pair in str(dist.get_backend_config(group)).split(",") if ":" in pair)
 
 

@@ -19,11 +19,9 @@ RELEASE_TIMEOUT_S = 2.0
 
 
 def release(*tensors: Tensor) -> None:
-    """Return once no thread but the caller's holds ``tensors`` (CPU tensors of a finished blocking collective).
-
-    gloo's worker thread drops them a moment after ``wait()`` returned, taking the GIL; if the interpreter is
-    finalizing by then the process aborts ("terminate called without an active exception"). Gives up after
-    ``RELEASE_TIMEOUT_S`` (a dead peer: the caller raises)."""
+    """Return once no thread but the caller's holds ``tensors`` (CPU tensors of a finished blocking collective):
+    gloo's worker drops them a moment after ``wait()``, taking the GIL, and aborts the process if the interpreter is
+    finalizing by then. Gives up after ``RELEASE_TIMEOUT_S`` (a dead peer: the caller raises)."""
     deadline = None
     for tensor in tensors:
         while tensor._use_count() > 1:  # type: ignore[attr-defined]  # gloo's worker still holds it

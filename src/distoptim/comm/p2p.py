@@ -1,6 +1,5 @@
-"""gloo's fastest way to move a step's bytes: point to point, each rank sending each owner its share directly
-(``ReductionExchange``, ``send_from_owners``). Why and how: ``docs/guides/internals.md``.
-"""
+"""gloo's fastest way to move a step's bytes: each rank sending each owner its share directly, point to point
+(``ReductionExchange``, ``send_from_owners``); ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 

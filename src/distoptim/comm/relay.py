@@ -1,6 +1,5 @@
 """gloo's transfers where the owners' shares are unequal: each rank aggregates ``T/N`` of a layout's elements, so
-every rank moves an all-reduce's bytes; ``relayed`` chooses between this and ``p2p.py``. ``docs/guides/internals.md``.
-"""
+every rank moves an all-reduce's bytes (``relayed`` chooses this or ``p2p.py``); ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
@@ -151,7 +150,6 @@ class RelayedReduction:
         return dist.get_global_rank(self.group, rank)
 
     def _relay(self) -> None:
-        """On the thread beside the waiter: aggregate and send on, then collect the partial sums this rank owns."""
         try:
             self._aggregate()
             self._collect()
