@@ -31,13 +31,11 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     Args:
         optim: the local optimizer, already built over the model's parameters (an instance, not a class).
-        averager: the averaging schedule, e.g. ``PeriodicModelAverager(period=4, warmup_steps=100)``; its
-            ``warmup_steps`` should equal the DDP hook's ``start_localSGD_iter``.
+        averager: the averaging schedule; its ``warmup_steps`` should equal the DDP hook's ``start_localSGD_iter``.
 
     Raises:
         TypeError: ``optim`` is not an optimizer instance (a class, say), or ``averager`` is not a model averager.
-        ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` sharded over all the ranks ``averager`` averages
-            (it must shard within ``post_localSGD_hook``'s subgroup, unchecked here: the guide says why).
+        ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` sharded over all the ranks ``averager`` averages.
 
     Example:
         ```python
@@ -102,9 +100,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``"step"``, the averager's step (PyTorch's format)."""
-        state_dict = dict(self.optim.state_dict())
-        state_dict["step"] = self.averager.step
-        return state_dict
+        return {**self.optim.state_dict(), "step": self.averager.step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped optimizer's state and the averager's step (without ``"step"``: a warning, step 0).

@@ -1,7 +1,6 @@
 """The table that maps each supported ``torch.optim`` optimizer onto its functional kernel (``optimizers`` runs it):
 its hyperparameters (``torch.optim``'s order and defaults) and per-parameter state. A torch upgrade that renames a
-kernel argument fails at import, not at the first step.
-"""
+kernel argument fails at import, not at the first step."""
 
 from __future__ import annotations
 

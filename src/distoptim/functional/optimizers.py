@@ -10,31 +10,18 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from distoptim.functional.kernels import (
-    ADADELTA,
-    ADAGRAD,
-    ADAM,
-    ADAMAX,
-    ADAMW,
-    RMSPROP,
-    RPROP,
-    SGD,
-    KernelSpec,
-    ParamGroup,
-)
+from distoptim.functional import kernels
 
 
 class FunctionalOptimizer:
     """A ``torch.optim`` optimizer that is handed its gradients: ``step(gradients)`` or ``step_param(param, grad)``.
 
-    Use a subclass (``FunctionalAdam`` ...), built like its ``torch.optim`` class. ``param_group`` is read at every
-    step; ``state`` holds the same tensors ``torch.optim`` keeps.
+    Use a subclass (``FunctionalAdam`` ...); ``param_group`` is read at every step, ``state`` is ``torch.optim``'s.
 
     Args:
         params: the parameters ``step`` updates (a list of tensors); empty only through ``as_functional_optim``.
         *args: the ``torch.optim`` class's hyperparameters by position, in its order; omitted ones take its defaults.
-        **kwargs: the same by name, plus the keyword-only ``foreach`` (default ``None``: torch's choice) and
-            ``maximize`` (default ``False``).
+        **kwargs: the same by name, plus keyword-only ``foreach`` (default ``None``) and ``maximize`` (default False).
 
     Raises:
         TypeError: ``FunctionalOptimizer`` itself is built, or an argument is unknown or given twice.
@@ -47,10 +34,10 @@ class FunctionalOptimizer:
         ```
     """
 
-    spec: ClassVar[KernelSpec]
+    spec: ClassVar[kernels.KernelSpec]
     __signature__: ClassVar[inspect.Signature]
 
-    def __init_subclass__(cls, spec: KernelSpec | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, spec: kernels.KernelSpec | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if spec is not None:  # else set in the class body, or inherited
             cls.spec = spec
@@ -83,7 +70,7 @@ class FunctionalOptimizer:
             )
         self.spec.torch_cls([torch.empty(1, device="meta", requires_grad=True)], **options)  # raises as torch does
         self.defaults: dict[str, Any] = dict(options, **self.spec.fixed)
-        self.param_group: ParamGroup = {"params": params, **self.defaults}
+        self.param_group: kernels.ParamGroup = {"params": params, **self.defaults}
         self.state: dict[Tensor, dict[str, Tensor]] = {}
         if self.spec.eager_state:
             for param in params:
@@ -159,35 +146,35 @@ class FunctionalOptimizer:
                     state[key] = tensor
 
 
-class FunctionalSGD(FunctionalOptimizer, spec=SGD):
+class FunctionalSGD(FunctionalOptimizer, spec=kernels.SGD):
     """``torch.optim.SGD`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalAdam(FunctionalOptimizer, spec=ADAM):
+class FunctionalAdam(FunctionalOptimizer, spec=kernels.ADAM):
     """``torch.optim.Adam`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalAdamW(FunctionalOptimizer, spec=ADAMW):
+class FunctionalAdamW(FunctionalOptimizer, spec=kernels.ADAMW):
     """``torch.optim.AdamW`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalAdagrad(FunctionalOptimizer, spec=ADAGRAD):
+class FunctionalAdagrad(FunctionalOptimizer, spec=kernels.ADAGRAD):
     """``torch.optim.Adagrad`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalAdadelta(FunctionalOptimizer, spec=ADADELTA):
+class FunctionalAdadelta(FunctionalOptimizer, spec=kernels.ADADELTA):
     """``torch.optim.Adadelta`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalAdamax(FunctionalOptimizer, spec=ADAMAX):
+class FunctionalAdamax(FunctionalOptimizer, spec=kernels.ADAMAX):
     """``torch.optim.Adamax`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalRMSprop(FunctionalOptimizer, spec=RMSPROP):
+class FunctionalRMSprop(FunctionalOptimizer, spec=kernels.RMSPROP):
     """``torch.optim.RMSprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
-class FunctionalRprop(FunctionalOptimizer, spec=RPROP):
+class FunctionalRprop(FunctionalOptimizer, spec=kernels.RPROP):
     """``torch.optim.Rprop`` taking gradients: its hyperparameters and defaults, then ``foreach``, ``maximize``."""
 
 
@@ -253,8 +240,7 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
     """The functional counterpart of ``optim_cls`` with an empty parameter list, to be driven by ``step_param``.
 
     Args:
-        optim_cls: a ``torch.optim`` class with a functional counterpart, a ``distoptim.functional`` class, or a
-            key given to ``register_functional_optim``.
+        optim_cls: a ``torch.optim`` or ``distoptim.functional`` class, or a key given to ``register_functional_optim``.
         *args: ``optim_cls``'s hyperparameters by position, without ``params``; omitted ones take its defaults.
         **kwargs: the same by name (``lr=1e-3`` ...), plus ``foreach`` and ``maximize``.
 

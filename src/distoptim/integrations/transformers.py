@@ -181,24 +181,22 @@ class ZeroTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         """Load the shards every rank saved, or ``optimizer.pt`` on every rank (each keeps its shard); the scheduler."""
         zero = self._zero()
-        if zero is None or checkpoint_dir is None or not self._holds_shards(zero, checkpoint_dir):
+        if zero is None or checkpoint_dir is None:
             return super()._load_optimizer_and_scheduler(checkpoint_dir)
-        state = {"optim": zero.sharded_state_dict()}
-        checkpoint.load(state, os.path.join(checkpoint_dir, SHARDS_DIR), process_group=zero.process_group)
-        zero.load_sharded_state_dict(state["optim"])
-        scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-        return None
-
-    @staticmethod
-    def _holds_shards(zero: ZeroRedundancyOptimizer, checkpoint_dir: str) -> bool:
-        """Whether ``checkpoint_dir`` has sharded optimizer state, agreed by all ranks (they load it together)."""
         shards = os.path.join(checkpoint_dir, SHARDS_DIR)
-        return agreement.run_agreed(
+        has_shards = agreement.run_agreed(  # every rank loads the shards, or none: they load them together
             lambda: os.path.isdir(shards),
             zero.process_group,
             f"looking for the optimizer shards in {shards}",
             then_agree_on=lambda found: {"whether the directory exists: {}": found},
             fix="resume from a checkpoint directory that every rank sees",
         )
+        if not has_shards:
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        state = {"optim": zero.sharded_state_dict()}
+        checkpoint.load(state, shards, process_group=zero.process_group)
+        zero.load_sharded_state_dict(state["optim"])
+        scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        return None

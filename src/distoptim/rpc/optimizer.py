@@ -59,8 +59,7 @@ class DistributedOptimizer(Optimizer):
     """Optimize parameters spread over RPC workers, one local optimizer on each owner.
 
     Args:
-        optimizer_class: a ``torch.optim`` class, a ``distoptim.functional`` one, or one registered with
-            ``register_functional_optim``, to run on every owner.
+        optimizer_class: a ``torch.optim`` class, a functional one, or one given to ``register_functional_optim``.
         params_rref: RRefs to the parameters to optimize, wherever they live.
         *args: the optimizer's hyperparameters by position; none by default (``optimizer_class``'s defaults apply).
         **kwargs: the optimizer's hyperparameters by name (``lr=1e-3`` ...); they reach every owner.
@@ -113,8 +112,7 @@ class DistributedOptimizer(Optimizer):
         """Apply the gradients of distributed autograd context ``context_id`` on every owner; wait for all.
 
         Args:
-            context_id: the id from ``with dist_autograd.context() as context_id:`` whose backward recorded the
-                gradients (parameters without one are left untouched).
+            context_id: the ``dist_autograd.context()`` whose backward recorded the gradients (none: left untouched).
 
         Raises:
             TypeError: ``context_id`` is not an int.
@@ -130,9 +128,8 @@ class DistributedOptimizer(Optimizer):
                 f"unknown distributed autograd context id {context_id}: call step() inside the "
                 "`with dist_autograd.context() as context_id:` block whose backward pass recorded the gradients"
             )
-        current, shipped = self._hyperparameters(), self._shipped
-        unchanged = current.keys() == shipped.keys() and all(_same(v, shipped[k]) for k, v in current.items())
-        changed = None if unchanged else current  # the owners keep what they were sent last
+        current = self._hyperparameters()
+        changed = None if _same(current, self._shipped) else current  # the owners keep what they were sent last
         _on_owners((owner.name, on_owner.call, (owner.local, "step", context_id, changed)) for owner in self._owners)
         self._shipped = copy.deepcopy(current)
 
@@ -162,8 +159,7 @@ class DistributedOptimizer(Optimizer):
         ids = list(groups[0]["params"])
         if len(ids) != self._num_params:
             raise ValueError(f"state_dict covers {len(ids)} parameters; this optimizer has {self._num_params}")
-        unknown = set(state_dict["state"]) - set(ids)
-        if unknown:
+        if unknown := set(state_dict["state"]) - set(ids):
             raise ValueError(f"state_dict has state for unknown parameter ids {sorted(unknown)}")
         hyperparameters = {key: value for key, value in groups[0].items() if key != "params"}
         states = [state_dict["state"].get(param_id) for param_id in ids]

@@ -1,8 +1,5 @@
-"""The owners' half of ``DistributedOptimizer``: what runs, through RPC, on the workers that hold the parameters.
-
-One ``LocalOptimizer`` per trainer and owner. The module-level functions are the RPC entry points; ``invoke`` returns
-an owner's exception as a value (``RemoteFailure``) so that its type survives the trip.
-"""
+"""The owners' half of ``DistributedOptimizer``, run through RPC on the workers that hold the parameters: one
+``LocalOptimizer`` per trainer and owner; the module-level functions are the RPC entry points."""
 
 from __future__ import annotations
 
