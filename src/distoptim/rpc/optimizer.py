@@ -112,7 +112,7 @@ class DistributedOptimizer(Optimizer):
         """Apply the gradients of distributed autograd context ``context_id`` on every owner; wait for all.
 
         Args:
-            context_id: the ``dist_autograd.context()`` whose backward recorded the gradients (none: left untouched).
+            context_id: the ``dist_autograd.context()`` whose backward recorded the gradients; params without one stay.
 
         Raises:
             TypeError: ``context_id`` is not an int.
