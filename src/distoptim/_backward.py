@@ -1,6 +1,5 @@
-"""The end of a backward pass, as the autograd engine knows it: in DDP's static-graph first iteration no bucket
-arrives as the last (``bucket.is_last()``), but a callback queued on the engine runs once the backward has finished.
-"""
+"""The end of a backward pass, as the autograd engine knows it (in DDP's static-graph first iteration no bucket
+arrives as ``bucket.is_last()``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Packing tensors into one flat buffer and back; ``flat_view``: a dense tensor's elements in memory order as a 1-D
-view, the order DDP's buckets and distoptim's flat buffers use.
-"""
+"""Packing tensors into one flat buffer and back; 1-D views of dense tensors in memory order (DDP's bucket order)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The one door through which distoptim's hot path reads a tensor on the host (on a GPU, a stall until queued kernels
-have run): ``read`` counts the reads by reason, and a test pins how many a steady-state iteration makes.
-"""
+"""The one door through which the hot path reads a tensor on the host (on a GPU, a stall): ``read`` counts the
+reads by reason, and a test pins how many a steady-state iteration makes."""
 
 from __future__ import annotations
 

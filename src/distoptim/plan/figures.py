@@ -83,21 +83,18 @@ class ModePlan:
 
 
 def step_cost(param: ParamSpec, config: PlanConfig, dtype: torch.dtype, zero: bool = False) -> StateCost:
-    """The state of ``param`` stepped in ``dtype`` by its optimizer (Muon's or the elementwise one); ``zero``:
-    by ZeroRedundancyOptimizer, in ``config.state_format`` where the parameter takes it (``zero.state_formats``)."""
+    """The state of ``param`` stepped in ``dtype`` by its optimizer; ``zero``: in ZeRO's ``config.state_format``."""
     formatted = zero and param.numel >= MIN_NUMEL and dtype.is_floating_point  # Muon's momentum too
     optimizer = config.muon if param.muon and config.muon is not None else config.optimizer
     return state_cost(optimizer, dtype, config.state_format if formatted else "fp32")
 
 
 def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
-    """The dtype the optimizer steps ``param`` in: a master copy's where it has one (``zero.shard.has_master``), else
-    its own."""
+    """The dtype the optimizer steps ``param`` in: its master copy's where it has one (``zero.shard.has_master``)."""
     return master if master is not None and has_master(param.dtype, master) else param.dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``bfloat16`` for ``torch.bfloat16``."""
     return str(dtype).removeprefix("torch.")
 
 

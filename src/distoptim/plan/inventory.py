@@ -1,6 +1,5 @@
-"""What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit, from a model built on
-the meta device or from a parameter count modelled as a GPT-style transformer. FSDP units: every child of an
-``nn.ModuleList`` (a transformer block) is one, the rest is the root unit (0)."""
+"""What a memory plan is made of: every parameter's shape, dtype, trainability and FSDP unit (a child of an
+``nn.ModuleList``, else the root), from a model built on the meta device or a GPT-style parameter count."""
 
 from __future__ import annotations
 
@@ -79,7 +78,7 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
 
 
 def from_factory(factory: Callable[[], nn.Module], name: str = "model") -> Inventory:
-    """Call ``factory()`` under ``torch.device("meta")``: the model's parameters exist as shapes only."""
+    """The inventory of ``factory()`` built under ``torch.device("meta")`` (shapes only)."""
     try:
         with torch.device("meta"):
             model = factory()

@@ -1,7 +1,5 @@
-"""Bytes per rank and sent per step for each way of training data-parallel, from the arithmetic the library runs:
-ZeRO's shards from ``partition_parameters``, state from ``state.state_cost``; DDP, ``ShardedDataParallel`` and FSDP2
-modelled from what they allocate (each mode's ``notes``); Muon's matrices listed first (``with_muon``), each rank's
-Newton-Schulz work counted. The details: ``docs/guides/internals.md``."""
+"""Bytes per rank and sent per step for each mode: ZeRO's shards from the library's own ``partition_parameters``;
+DDP, ``ShardedDataParallel`` and FSDP2 modelled from what they allocate (``docs/guides/planner.md``)."""
 
 from __future__ import annotations
 
@@ -97,8 +95,8 @@ class _ZeroShards:
         self.master = self._step_casts(None)  # master copies: the owned pieces stepped in a dtype not their own
 
     def _moved(self, in_chunks: bool, itemsize: int | None = None) -> int:
-        """Bytes one rank receives when every owned range travels to or from its owner, as ``comm`` moves them:
-        equal shares in one equal-chunk collective where ``in_chunks``, else rooted calls over the owned elements."""
+        """Bytes one rank receives when every owned range travels to or from its owner (``in_chunks``: in equal
+        chunks where a region's shares are equal)."""
         size = self.config.world_size
         scaled = 0  # size times the bytes, so that the one division is the last step
         for layout in self.plan.layouts:
@@ -120,10 +118,8 @@ class _ZeroShards:
     ) -> tuple[RankMemory, ...]:
         """Each rank's figures: ``extra`` buffers, and ``casts[rank]`` bytes named ``cast`` where it has any."""
         return tuple(
-            RankMemory(
-                params, grads[r], self.state[r], self.master[r], (*extra, (cast, casts[r])) if casts[r] else extra
-            )
-            for r in range(self.config.world_size)
+            RankMemory(params, grad, state, master, (*extra, (cast, n)) if n else extra)
+            for grad, state, master, n in zip(grads, self.state, self.master, casts)
         )
 
     def _shard_note(self) -> str:
@@ -163,8 +159,7 @@ class _ZeroShards:
         return [sum(owned) - mine for mine in owned]
 
     def params_bytes(self) -> int:
-        """Parameter storage: each parameter's own, or, with ``parameters_as_bucket_view``, the layouts' flat buffers
-        (padding and ``N - 1`` elements of room a parameter included) beside the frozen parameters'."""
+        """Parameter storage: with ``parameters_as_bucket_view``, the flat buffers (padding and room included)."""
         if not self.config.parameters_as_bucket_view:
             return sum(p.nbytes for p in self.params)
         room = self.config.world_size - 1
@@ -175,8 +170,7 @@ class _ZeroShards:
         return flat + sum(p.nbytes for p in self.params if not p.trainable)
 
     def sharded_data_parallel(self, caps: Mapping[Hashable, int], params: int) -> ModePlan:
-        """ShardedDataParallel, from the plan and the buckets ``plan_buckets`` makes; ``params``: the parameters'
-        storage as the ZeroRedundancyOptimizer it wraps laid them out."""
+        """ShardedDataParallel over ``plan_buckets``; ``params``: the wrapped ZeroRedundancyOptimizer's storage."""
         config, reduce_dtype, size = self.config, self.config.reduce_dtype, self.config.world_size
         gather = ("all-gather of parameters", self._moved(config.parameters_as_bucket_view))
         buckets = plan_buckets(self.plan, caps)
@@ -217,8 +211,7 @@ class _ZeroShards:
         return ModePlan("sharded_data_parallel", "ShardedDataParallel", ranks, (reduce_scatter, gather), notes, gloo)
 
     def _step_casts(self, grad_dtype: torch.dtype | None) -> list[int]:
-        """Per rank, the bytes of owned pieces in the step's dtype where the gradient's (``grad_dtype``, else the
-        parameter's) differs: gradients cast for the step; master copies where ``grad_dtype`` is None."""
+        """Per rank, the bytes of owned pieces cast to the step's dtype from ``grad_dtype`` (None: the parameter's)."""
         casts = [0] * self.config.world_size
         for param, fragments in zip(self.params, self.plan.fragments):
             step = step_dtype(param, self.config.master_dtype)
@@ -265,8 +258,7 @@ def _ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
 
 
 def _fsdp2_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
-    """``fully_shard`` on every unit, ``reshard_after_forward=True``: each parameter cut along dim 0 into
-    ``ceil(rows / N)``-row chunks, parameters and gradients padded to a full chunk, optimizer state unpadded."""
+    """``fully_shard`` on every unit: ``ceil(rows / N)``-row chunks, padded except the optimizer state."""
     size, master, reduce_dtype = config.world_size, config.master_dtype, config.reduce_dtype
     sharded = grads = 0  # the same on every rank (padded)
     state = [0] * size  # of each rank's own rows (unpadded), an empty shard's per-tensor state too
@@ -318,8 +310,7 @@ def takes_muon(param: ParamSpec) -> bool:
 
 
 def with_muon(inventory: Inventory) -> Inventory:
-    """``inventory`` in the optimizer's order, the blocks' matrices (flagged ``muon``) first, then the rest, each
-    in ``model.parameters()`` order."""
+    """``inventory`` in the optimizer's order: the blocks' matrices (flagged ``muon``) first, then the rest."""
     matrices = [replace(p, muon=True) for p in inventory.params if takes_muon(p)]
     if not matrices:
         raise ValueError(
@@ -332,15 +323,13 @@ def with_muon(inventory: Inventory) -> Inventory:
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
-    """FLOPs of one orthogonalization of an ``m x n`` matrix (``m`` the short side), as torch's Muon runs it:
-    per iteration ``X X^T`` and ``B X`` (``2 m^2 n`` each) and ``b A + c A A`` (``2 m^3``)."""
+    """FLOPs of one orthogonalization as torch's Muon runs it: ``steps (4 m^2 n + 2 m^3)``, ``m`` the short side."""
     short, long = sorted(shape)
     return steps * (4 * short * short * long + 2 * short**3)
 
 
 def _newton_schulz_per_rank(params: Sequence[ParamSpec], plan: PartitionPlan | None, world_size: int) -> list[int]:
-    """Each rank's Newton-Schulz FLOPs per step: each trainable Muon matrix on its owner under ``plan``, or on
-    every rank without one."""
+    """Each rank's Newton-Schulz FLOPs per step: each trainable Muon matrix on its owners (no ``plan``: all)."""
     per_rank = [0] * world_size
     for index, param in enumerate(params):
         if param.muon and param.trainable:

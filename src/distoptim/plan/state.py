@@ -1,6 +1,5 @@
 """Optimizer-state bytes, measured from ``torch.optim`` itself: one step on tiny CPU tensors gives ``per_element``
-and ``per_tensor`` bytes, which sizes 3, 7 and (3, 5) must agree on (Adafactor's factored state is refused). Muon is
-measured on matrices, a state format (``bf16``, ``int8``) on 4,096 and 8,192 elements with ZeRO's own codec."""
+and ``per_tensor`` bytes (a state format's with ZeRO's own codec); state not proportional to size is refused."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ from distoptim.zero.elementwise import is_elementwise
 
 __all__ = ["OptimizerSpec", "StateCost", "resolve_optimizer", "state_cost"]
 
-ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "sgd-momentum": ("SGD", {"momentum": 0.9}),
-}
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {"sgd-momentum": ("SGD", {"momentum": 0.9})}
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str =
 
 @functools.cache
 def _encoded(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str) -> StateCost:
-    """Measured at 16 blocks, 16 blocks and one element, and 32 blocks: bytes per element and per started block."""
+    """Bytes per element and per started block, measured at 16 blocks, 16 blocks and one element, and 32 blocks."""
     muon = issubclass(optimizer.cls, torch.optim.Muon)  # matrices only
     small, one_more, large = (
         _state_bytes(optimizer, dtype, (1, n) if muon else (n,), fmt=state_format) for n in (4096, 4097, 8192)
