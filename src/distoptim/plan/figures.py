@@ -46,8 +46,7 @@ class PlanConfig:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds: parameters, gradient storage, optimizer state, master weights, and ``other`` named
-    buffers (communication staging, unsharded FSDP units, gradients upcast for the step)."""
+    """Bytes one rank holds; ``other``: named buffers (communication staging, gathered FSDP units, upcast gradients)."""
 
     params: int
     grads: int

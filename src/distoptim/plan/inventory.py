@@ -92,8 +92,7 @@ def from_factory(factory: Callable[[], nn.Module], name: str = "model") -> Inven
 
 
 def from_module(model: nn.Module, description: str) -> Inventory:
-    """The parameters of ``model`` (shared ones once, as ``model.parameters()`` yields them), each in its FSDP unit:
-    the innermost child of an ``nn.ModuleList`` holding it, else the root."""
+    """The parameters of ``model`` (shared ones once), each in its FSDP unit (the innermost ``nn.ModuleList`` child)."""
     units: dict[str, int] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList):

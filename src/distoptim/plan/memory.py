@@ -236,13 +236,9 @@ def _ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
             state += cost.bytes_for(param.numel)
         if dtype != param.dtype:  # a trainable parameter's master copy
             masters += param.numel * dtype.itemsize
-    memory = RankMemory(
-        params=sum(p.nbytes for p in params),
-        grads=grad_bytes * (1 if config.gradient_as_bucket_view else 2),
-        state=state,
-        master=masters,
-        other=(("master gradients during step", masters),) if masters else (),
-    )
+    grads = grad_bytes * (1 if config.gradient_as_bucket_view else 2)
+    other = (("master gradients during step", masters),) if masters else ()
+    memory = RankMemory(sum(p.nbytes for p in params), grads, state, masters, other)
     notes = [
         "gradients: DDP's buckets, which .grad views (gradient_as_bucket_view=True)"
         if config.gradient_as_bucket_view

@@ -68,8 +68,7 @@ def resolve_optimizer(name: str, kwargs: Mapping[str, Any] | None = None) -> Opt
 
 
 def state_cost(optimizer: OptimizerSpec, dtype: torch.dtype, state_format: str = "fp32") -> StateCost:
-    """What one step of ``optimizer`` leaves in its state for a tensor stepped in ``dtype``, kept in ``state_format``
-    (measured, cached)."""
+    """The state one step of ``optimizer`` leaves for a tensor stepped in ``dtype``, kept in ``state_format``."""
     return _measured(optimizer, dtype) if state_format == "fp32" else _encoded(optimizer, dtype, state_format)
 
 
