@@ -36,9 +36,8 @@ def clip_shard(
     device: torch.device,
     grad_scale: float | Tensor | None,
 ) -> Tensor:
-    """Scale ``shard``'s owned gradient pieces so that the whole gradient's norm is at most ``max_norm``; returns the
-    total norm (float32, on every rank). The ``.grad`` of each of ``whole_params`` (every parameter under DDP, those
-    set by hand under ShardedDataParallel) is scaled whole, on every rank: a later backward mixes no pieces."""
+    """Scale ``shard``'s owned gradient pieces, and every rank's ``.grad`` of ``whole_params`` whole, so that the total
+    norm is at most ``max_norm``; returns the total norm (float32, on every rank)."""
     grads = shard.owned_grads()  # first: it may lay a gradient out anew, and the new one is what gets scaled
     wholes = [p.grad for p in whole_params if p.grad is not None]
     scaled = list(dict.fromkeys(wholes)) if shard.source is None else once_each(wholes, grads)  # DDP: pieces view them
@@ -49,12 +48,9 @@ def clip_shard(
     if op == "sum" and norm_type not in (0.0, 1.0):
         total = total.pow(1.0 / norm_type)
     if grad_scale is not None and norm_type != 0.0:  # a norm is homogeneous: |g / s| = |g| / s
-        scale = (
-            grad_scale
-            if isinstance(grad_scale, Tensor)
-            else torch.full((), grad_scale, dtype=torch.float32, device=total.device)
-        )
-        total = total / scale.to(total.device, torch.float32)  # a float filled there: no copy from the host
+        if not isinstance(grad_scale, Tensor):  # a float filled there: no copy from the host
+            grad_scale = torch.full((), grad_scale, dtype=torch.float32, device=total.device)
+        total = total / grad_scale.to(total.device, torch.float32)
     if error_if_nonfinite and not _host.read(torch.isfinite(total), "clip_grad_norm_(error_if_nonfinite=True)"):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be "

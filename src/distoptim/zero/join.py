@@ -1,5 +1,4 @@
-"""A ZeroRedundancyOptimizer under ``torch.distributed.algorithms.join.Join`` (uneven inputs): the hook a joined rank
-runs, and the modes that refuse Join. It reads the optimizer's public members and runs the step it is handed."""
+"""A ZeroRedundancyOptimizer under ``Join`` (uneven inputs): the hook a joined rank runs, and the modes refusing it."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ JOIN_WITH_SDP = (
 
 
 def hook(zero: ZeroParts, joined_step: Callable[[], object]) -> ZeroJoinHook:
-    """``zero``'s join hook, running ``joined_step`` (a step inside the others' agreements, then the parameter sync);
-    refused under ``ShardedDataParallel`` or hybrid sharding."""
+    """``zero``'s join hook, running ``joined_step``; refused under ``ShardedDataParallel`` or hybrid sharding."""
     if zero.gradient_source is not None:
         raise NotImplementedError(JOIN_WITH_SDP)
     if zero.replicate_group is not None:

@@ -1,7 +1,5 @@
-"""The local optimizer: plain ``torch.optim`` over this rank's shard, or where groups name their own class
-(``"optimizer_class"``, taking that class's defaults) or keep their state in fewer bits, a ``CompositeOptimizer``:
-one plain optimizer per kind of group, seen as one (its parts' groups in global order, one shared ``state``).
-"""
+"""The local optimizer: plain ``torch.optim`` over this rank's shard or, where groups name their own class or keep
+their state in fewer bits, a ``CompositeOptimizer``: one plain optimizer per kind of group, seen as one."""
 
 from __future__ import annotations
 
@@ -86,8 +84,7 @@ def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Opti
 def check_eps_from_first_dtype(
     groups: Sequence[dict[str, Any]], default: type, master_dtype: torch.dtype | None
 ) -> None:
-    """Refuse an Adafactor group with ``eps=(None, ...)`` over parameters of more than one stepped dtype: torch takes
-    ``eps1`` from the group's first parameter's dtype, which a shard (other first parameters) cannot reproduce."""
+    """Refuse Adafactor's ``eps=(None, ...)`` over several stepped dtypes: a shard cannot reproduce its ``eps1``."""
     for index, group in enumerate(groups):
         eps = group.get("eps")
         adafactor = issubclass(group_class(group, default), torch.optim.Adafactor)
@@ -104,7 +101,7 @@ def check_eps_from_first_dtype(
 
 
 class CompositeOptimizer(Optimizer):
-    """Several plain optimizers, one per kind of group, seen as one (see the module's docstring)."""
+    """Several plain optimizers, one per kind of group, seen as one: its parts' groups in global order, one state."""
 
     def __init__(self, groups: Sequence[dict[str, Any]], default: type, defaults: dict[str, Any]) -> None:
         self._default, self._defaults = default, defaults  # a part whose groups named their class: its own defaults

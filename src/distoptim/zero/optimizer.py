@@ -1,5 +1,4 @@
-"""ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1),
-over its ``placer`` (``repartitioning.Placer``), composing ``stepping``, ``join`` and ``state_dicts``."""
+"""ZeroRedundancyOptimizer: any ``torch.optim`` optimizer with its state sharded across a process group (ZeRO-1)."""
 
 from __future__ import annotations
 
@@ -154,8 +153,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             **kwargs: passed to the local optimizer's ``step``.
 
         Raises:
-            ValueError: on every rank, when the local part raised on some rank (naming it), a setting was changed on
-                some ranks only, or the parameters' dtype or device changed since construction.
+            ValueError: on every rank, when a rank raised (naming it), settings differ or a dtype or device changed.
             RuntimeError: in overlap mode, when no hook stepped since the last ``step()``.
         """
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
@@ -214,8 +212,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         self.placer.repartition_if_changed()
         loss: float | None = None
         shard = self.local_shard
-        # torch.optim's order, the closure's backward first, wherever the step does not read the parameters' own .grad
-        # (pieces and master copies take .grad when attached; ShardedDataParallel's owned gradient is attached likewise)
+        # torch.optim's order, the closure's backward first, where the step reads attached gradients (pieces, SDP's)
         if closure is not None and (shard.detached or shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
@@ -228,8 +225,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         return loss if closure is None else local_loss, verdict
 
     def _closure_as_the_others(self, closure: Callable[[], float]) -> None:
-        """The closure of a rank whose checks raised, run over the placement the others place first (else its backward
-        reduces other buckets than theirs, and every rank hangs); where placing raises, it raises on every rank."""
+        """Run the closure of a rank whose checks raised over the placement the others make, so its backward matches."""
         try:
             self.placer.repartition_if_changed()
         except Exception:
@@ -240,8 +236,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def _attach_and_step(
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
     ) -> stepping.Prepared:
-        """Attach the gradients, check and unscale them under a scaler (with every ``.grad`` held here, once each, as
-        torch's step does); step unless it skips or ``hold``."""
+        """Attach the gradients, check and unscale them under a scaler; step unless the scaler skips or ``hold``."""
         shard, source = self.local_shard, self._gradient_source
         whole = self._whole_grads()  # before any store piece is in .grad
         shard.attach_grads()
@@ -320,8 +315,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             self.placer.listeners.append(source.replanned)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """While this rank has run out of inputs, step its shard with its ``.grad`` as it stands and shadow the
-        others' step, as torch's ZeRO join hook does.
+        """Once this rank runs out of inputs, step its shard with its ``.grad`` as it stands, as torch's ZeRO does.
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).
@@ -351,19 +345,16 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, grad_scale: Any = None
     ) -> Tensor:
-        """Clip the whole gradient by its total norm as ``torch.nn.utils.clip_grad_norm_`` does (collective; each rank
-        scales what it owns); returns the total norm on every rank.
+        """Clip the whole gradient as ``torch.nn.utils.clip_grad_norm_`` does (collective); returns the total norm.
 
         Args:
             max_norm: the largest total norm the gradient may have.
             norm_type: the order of the norm (default 2.0; ``math.inf`` for the largest element).
             error_if_nonfinite: raise when the total norm is inf or nan (default False, as torch's).
-            grad_scale: the loss scale the gradients still carry where ``scaler.unscale_(zero)`` cannot run (fp16
-                gradients, ``ShardedDataParallel``): the norm and the clipping are the unscaled ones (default None).
+            grad_scale: the loss scale the gradients carry where ``scaler.unscale_(zero)`` cannot run (default None).
 
         Raises:
-            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
-                ``overlap_with_ddp=True`` (the step already ran inside the backward).
+            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm, or under ``overlap_with_ddp=True``.
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(clipping.IN_OVERLAP_MODE)

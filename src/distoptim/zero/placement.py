@@ -1,7 +1,5 @@
-"""Where a ZeroRedundancyOptimizer's parameters live: the partition plan and everything built from it (the local
-shard, its optimizer, the parameter sync), rebuilt when the plan changes or parameters got new storage. Parameters
-that have an owner keep it, and their state, even when frozen since.
-"""
+"""Where a ZeroRedundancyOptimizer's parameters live: the partition plan and what is built from it (the local shard,
+its optimizer, the parameter sync). Parameters that have an owner keep it, and their state, even when frozen since."""
 
 from __future__ import annotations
 
@@ -21,15 +19,7 @@ from distoptim.zero.partition import UNOWNED, PartitionPlan, partition_parameter
 from distoptim.zero.shard import LocalShard, slice_entry
 from distoptim.zero.state_formats import StateFormats, block_sizes, needs_formats
 
-__all__ = [
-    "Placement",
-    "PlacementSettings",
-    "bind_local_optimizer",
-    "install_kept",
-    "is_stale",
-    "place",
-]
-
+__all__ = ["Placement", "PlacementSettings", "bind_local_optimizer", "install_kept", "is_stale", "place"]
 
 Signature = tuple[bool, int, torch.Size, tuple[int, ...]]  # requires_grad, storage, shape, strides
 
@@ -141,9 +131,8 @@ def is_stale(placement: Placement, params: Sequence[Tensor]) -> bool:
 
 
 def layout_change(placement: Placement, params: Sequence[Tensor]) -> str | None:
-    """What changed since ``placement`` was made that its pieces cannot follow, or None: a dtype or device, or the
-    shape or memory order of a parameter some rank owns (pieces of the even partition, master copies, state and
-    ``ShardedDataParallel``'s owned gradient are ranges in the old memory order)."""
+    """What changed since ``placement`` was made that its pieces cannot follow (ranges in the old memory order), or
+    None: a dtype or device, or the shape or memory order of a parameter some rank owns."""
     retyped = [i for i, (p, key) in enumerate(zip(params, placement.keys)) if (p.device, p.dtype) != key]
     owned = [(i, p, placement.signature[i]) for i, p in enumerate(params) if placement.plan.owners[i] != UNOWNED]
     reshaped = [i for i, p, (*_, shape, _) in owned if p.shape != shape]

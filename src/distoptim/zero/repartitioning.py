@@ -1,5 +1,4 @@
-"""``Placer``, the optimizer's placement (``placement.place``) and what is built from it, placed again when the
-parameters change; ``Partitioning``, the optimizer's public methods over it (a base class)."""
+"""``Placer``, the optimizer's placement, rebuilt when the parameters change; ``Partitioning``, its public methods."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ __all__ = ["Partitioning", "Placer", "ZeroParts", "agreed"]
 
 
 class Placer:
-    """Where a ZeroRedundancyOptimizer's parameters live: the placement (plan, shard, sync), the local optimizer, the
-    even partition's regions and the state loaded or gathered; ``repartition`` rebuilds them and tells ``listeners``."""
+    """Where a ZeroRedundancyOptimizer's parameters live, its local optimizer and its loaded or gathered state."""
 
     sync: ParameterSync  # the placement's, or the gradient source's around it (from the constructor's placement on)
 
@@ -101,9 +99,8 @@ class Placer:
             listener()
 
     def repartition_if_changed(self, refusal_deferred: bool = False) -> None:
-        """A new placement where the last one is stale; then master copies take parameters written outside. With
-        ``refusal_deferred`` (clipping, outside an agreement) a refused change is left for the step to refuse: a norm
-        over the old ranges is still the whole one."""
+        """``place_if_stale``, then master copies take parameters written outside; with ``refusal_deferred``
+        (clipping, outside an agreement) a refused change is left for the step to refuse."""
         params, placed = self.zero.global_params, self.placed
         if refusal_deferred and placement.is_stale(placed, params) and placement.layout_change(placed, params):
             return
@@ -113,8 +110,7 @@ class Placer:
     def place_if_stale(self) -> None:
         """A new placement where the last one is stale; a change ``placement.layout_change`` names is refused."""
         if placement.is_stale(self.placed, self.zero.global_params):
-            change = placement.layout_change(self.placed, self.zero.global_params)
-            if change is not None:
+            if (change := placement.layout_change(self.placed, self.zero.global_params)) is not None:
                 raise ValueError(change)
             self.repartition()
 
@@ -261,14 +257,13 @@ class Partitioning:
         return self.placer.placed.index.get(id(param))
 
     def use_regions(self: ZeroParts, region_numel: dict[Any, int]) -> None:
-        """Cut the even partition into regions of at most ``region_numel[key]`` elements, each split evenly
-        (``ShardedDataParallel``'s buckets), before the optimizer has state.
+        """Cut the even partition into regions (``ShardedDataParallel``'s buckets), each split evenly, before any state.
 
         Args:
             region_numel: the most elements a region holds, per layout key ``(device, dtype)``.
 
         Raises:
-            RuntimeError: the optimizer has state already on some rank (under the even partition), on every rank.
+            RuntimeError: on every rank, when the optimizer has state already on some rank (even partition).
         """
         if region_numel == self.placer.region_numel or self.partition != "even":
             return

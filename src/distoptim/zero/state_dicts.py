@@ -1,5 +1,4 @@
-"""A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's
-(``checkpoint/dcp_state.py``); ``self`` is typed as ``repartitioning.ZeroParts``, public members (and torch's hooks)."""
+"""A ZeroRedundancyOptimizer's checkpoints, in ``torch.optim``'s format (``checkpoint/consolidated.py``) and DCP's."""
 
 from __future__ import annotations
 
@@ -34,8 +33,8 @@ class Checkpoints:
             to: the group rank that receives the whole state (default 0).
 
         Raises:
-            ValueError: on every rank, when any rank names no valid rank or the ranks differ (a TypeError where ``to``
-                is not an int), or when the parameters' dtype or device changed since construction.
+            ValueError: on every rank, when any rank's ``to`` is invalid (TypeError: not an int) or the ranks differ,
+                or when the parameters' dtype or device changed since construction.
 
         Example:
             ```python
@@ -81,8 +80,7 @@ class Checkpoints:
 
         Raises:
             ValueError: on every rank, when the dict was saved by another optimizer class or for other parameters,
-                when the parameters' dtype or device changed since construction, or when it holds trained state of
-                a parameter frozen when placed (no rank owns it: make it trainable while loading).
+                when the parameters' dtype or device changed, or it holds trained state of an unowned frozen parameter.
         """
         self.land_sync()  # the load may write master weights into the parameters
         agreed(self, self.placer.place_if_stale)  # master weights go into the parameters' present storage
@@ -105,8 +103,7 @@ class Checkpoints:
             post_hook(torch_self)
 
     def sharded_state_dict(self: ZeroParts) -> dict[str, Any]:
-        """This rank's fragments of the state (master weights included) and the hyperparameters, for DCP or
-        ``distoptim.checkpoint``, loadable at any world size and partition (collective: a small all-reduce, a gather).
+        """This rank's fragments of the state and the hyperparameters, for DCP or ``distoptim.checkpoint`` (collective).
 
         Raises:
             ValueError: on every rank, when the parameters' dtype or device changed since construction.
@@ -128,9 +125,8 @@ class Checkpoints:
             state_dict: the dict ``sharded_state_dict()`` returned, after ``dcp.load`` / ``checkpoint.load``.
 
         Raises:
-            ValueError: on every rank, when the dict is not a loaded sharded state, or was saved for other parameters
-                or another optimizer class, or holds state keys this optimizer's hyperparameters do not make (SGD's
-                ``momentum_buffer`` saved with momentum), or when the parameters' dtype or device changed.
+            ValueError: on every rank, when the dict is not a loaded sharded state, was saved for other parameters or
+                class, holds state keys the hyperparameters do not make, or the parameters' dtype or device changed.
 
         Example:
             ```python
@@ -189,9 +185,8 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
 
 
 def _made_again(zero: ZeroParts) -> None:
-    """The encoded entries loaded at step 0 as the class makes them at construction, plain until a first step encodes
-    them: a sharded save encodes them (its keys must not depend on whether a step ran), rounding Adagrad's ``sum``.
-    Made over this rank's pieces (construction state is elementwise), in their dtype (master copies: the master's)."""
+    """Encoded entries loaded at step 0 made again as the class makes them (plain until a first step encodes them):
+    a sharded save encodes them, rounding Adagrad's ``sum``, so that its keys do not depend on whether a step ran."""
     state = zero.local_optimizer.state
     for group, pieces in zip(zero.param_groups, zero.local_shard.groups):
         loaded = [
@@ -249,8 +244,7 @@ def _naming_saved(
 
 
 def _keep_unowned(zero: ZeroParts, by_param: dict[Tensor, dict[str, Any]]) -> None:
-    """Keep copies of the loaded entries of the parameters no rank owns, as torch's optimizer keeps them, until a
-    placement gives them an owner (``placement.install_kept``); a consolidated dict shows them meanwhile."""
+    """Keep copies of the loaded entries of parameters no rank owns, as torch's does, until a placement owns them."""
     kept, owners = zero.placer.kept_unowned, zero.plan.owners
     kept.clear()
     kept.update(
@@ -283,8 +277,7 @@ def _same_value(value: Any, fresh: Any) -> bool:
 
 
 def _ready_to_read(zero: ZeroParts, then: Callable[[], Any] = lambda: None) -> Any:
-    """Land the sync, raise on every rank if a parameter was written while it was in flight, and place again where
-    stale (the master copies follow the parameters), then run ``then``, agreed; returns what ``then`` returned."""
+    """Land the sync (refusing writes made during it), place again where stale, then run ``then``, all agreed."""
     zero.land_sync()
     if zero.placer.sync.watches_writes:  # the same on every rank
         agreed(zero, zero.placer.sync.check_untouched)

@@ -29,33 +29,19 @@ JOIN_WITH_SCALER = (
 
 
 class GradientSource(Protocol):
-    """The gradient's one owner (``ShardedDataParallel``'s store): read by the step and clipping, cleared by
-    ``zero_grad``; which parameters some rank used rides on the step's agreement."""
+    """The gradient's one owner (``ShardedDataParallel``'s store), read by the step and clipping, not ``.grad``."""
 
     sync: ParameterSync  # the parameter sync the optimizer runs after each step
     replanned: Callable[[], None]  # called after each re-placement
     used: list[bool]  # which parameters this rank gave a gradient since the ranks last agreed
 
-    def grad_of(self, local: LocalTensor) -> Tensor | None:
-        """``local``'s piece of its parameter's gradient, or None where the parameter has none."""
-
-    def check_finished(self) -> None:
-        """Refuse a gradient a backward that raised midway left (local)."""
-
-    def prepare_step(self) -> bool:
-        """Before the step reads (inside its agreement): whether this rank may step before the ranks agree."""
-
-    def agreed(self, everywhere: Sequence[bool]) -> None:
-        """The step's agreement said which parameters some rank used."""
-
-    def ready(self) -> None:
-        """Before ``clip_grad_norm_`` reads (collective): the same, agreed on its own where a backward ran since."""
-
-    def hand_set(self) -> list[Tensor]:
-        """The parameters whose ``.grad`` was set by hand (a tensor, not the store's marker), after settling."""
-
-    def clear(self, set_to_none: bool) -> None:
-        """``zero_grad``."""
+    def grad_of(self, local: LocalTensor) -> Tensor | None: ...  # local's piece of its parameter's gradient, or None
+    def check_finished(self) -> None: ...  # refuse a gradient a backward that raised midway left (local)
+    def prepare_step(self) -> bool: ...  # before the step reads (agreed): may this rank step before the ranks agree
+    def agreed(self, everywhere: Sequence[bool]) -> None: ...  # the step's agreement said which parameters were used
+    def ready(self) -> None: ...  # before clip_grad_norm_ reads (collective): the same, agreed alone after a backward
+    def hand_set(self) -> list[Tensor]: ...  # the parameters whose .grad was set by hand (not the store's marker)
+    def clear(self, set_to_none: bool) -> None: ...  # zero_grad
 
 
 def agreed_step(
@@ -65,9 +51,8 @@ def agreed_step(
     joined_step: Callable[[], object] | None = None,
     extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
-    """``action()`` (the local part), agreed over ``groups``; then whether any rank steps under a GradScaler, whether
-    any of those found an inf or nan, and for each of ``extra(prepared)`` whether any rank raised it. Where a rank
-    has joined, every rank agrees once more, around that rank's ``joined_step``."""
+    """``action()`` agreed over ``groups``; then whether any rank steps under a GradScaler, whether any found an inf or
+    nan, and for each of ``extra(prepared)`` whether any rank raised it; around a joined rank's ``joined_step`` too."""
     joined = joined_step is not None
     prepared, (scaled, found_inf, any_joined, *extras) = agreement.run_step_agreed(
         action,

@@ -1,6 +1,5 @@
 """Checks on what the user passed, so that every rank raises the same clear error instead of hanging: each rank
-checks locally and fingerprints its parameters and settings (plain data, ``_canonical``), and the agreement makes
-every rank raise when any rank failed or any two disagree. ``params`` is read by ``param_input``."""
+checks locally and fingerprints its settings, and every rank raises when any rank failed or any two disagree."""
 
 from __future__ import annotations
 
@@ -141,8 +140,7 @@ def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
 
 
 def check_coupled(optimizer_class: type) -> None:
-    """Refuse a class whose step couples every parameter (LBFGS): each rank would silently run another optimization
-    (refused at every world size: a script keeps its meaning when it scales out)."""
+    """Refuse a class whose step couples every parameter (LBFGS), at every world size: each rank would run its own."""
     if is_coupled(optimizer_class):
         name = class_name(optimizer_class)
         raise ValueError(
@@ -153,8 +151,7 @@ def check_coupled(optimizer_class: type) -> None:
 
 
 def check_overlap_class(optimizer_class: type, groups: Sequence[dict[str, Any]] = ()) -> type[FunctionalOptimizer]:
-    """The functional class an overlap-mode optimizer steps with, or a ValueError naming the supported ones; every
-    group of ``groups`` is stepped by that one class (the hooks step one functional optimizer)."""
+    """The functional class stepping every group in overlap mode, or a ValueError naming the supported ones."""
     functional_cls = functional_class_for(optimizer_class)
     if functional_cls is None:
         name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
