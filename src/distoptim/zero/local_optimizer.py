@@ -29,8 +29,7 @@ __all__ = [
 
 CLASS_KEY = "optimizer_class"
 
-# (the torch.optim class, whether the group named it: then the constructor's defaults don't apply)
-Kind = tuple[type, bool]
+Kind = tuple[type, bool]  # the torch.optim class, whether the group named it (then without the constructor's defaults)
 
 
 def group_class(group: dict[str, Any], default: type) -> type:

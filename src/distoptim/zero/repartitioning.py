@@ -58,7 +58,6 @@ class Placer:
 
     @property
     def local_optimizer(self) -> Optimizer:
-        """The local optimizer over the shard."""
         assert self.optim is not None
         return self.optim
 

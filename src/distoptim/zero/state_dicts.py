@@ -35,13 +35,6 @@ class Checkpoints:
         Raises:
             ValueError: on every rank, when any rank's ``to`` is invalid (TypeError: not an int) or the ranks differ,
                 or when the parameters' dtype or device changed since construction.
-
-        Example:
-            ```python
-            zero.consolidate_state_dict(to=0)             # on every rank
-            if rank == 0:
-                torch.save(zero.state_dict(), "optim.pt")
-            ```
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
         _ready_to_read(self)
@@ -127,14 +120,6 @@ class Checkpoints:
         Raises:
             ValueError: on every rank, when the dict is not a loaded sharded state, was saved for other parameters or
                 class, holds state keys the hyperparameters do not make, or the parameters' dtype or device changed.
-
-        Example:
-            ```python
-            state = {"model": model.state_dict(), "optim": zero.sharded_state_dict()}
-            distoptim.checkpoint.load(state, path)
-            model.load_state_dict(state["model"])
-            zero.load_sharded_state_dict(state["optim"])
-            ```
         """
         self.land_sync()
 

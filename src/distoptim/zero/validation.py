@@ -295,7 +295,6 @@ def check_unowned_have_no_grad(unowned: Iterable[Tensor]) -> None:
 
 
 def check_master_dtype(master_dtype: Any) -> None:
-    """``master_dtype`` is None or a floating-point dtype."""
     if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
         raise TypeError(
             f"master_dtype must be a floating-point torch.dtype such as torch.float32, or None, got {master_dtype!r}"
