@@ -98,8 +98,8 @@ class Placer:
             listener()
 
     def repartition_if_changed(self, refusal_deferred: bool = False) -> None:
-        """``place_if_stale``, then master copies take parameters written outside; with ``refusal_deferred``
-        (clipping, outside an agreement) a refused change is left for the step to refuse."""
+        """``place_if_stale``, then master copies take parameters written outside; with ``refusal_deferred`` (clipping,
+        outside an agreement) a refused change is left for the step to refuse: the old ranges still cover the norm."""
         params, placed = self.zero.global_params, self.placed
         if refusal_deferred and placement.is_stale(placed, params) and placement.layout_change(placed, params):
             return
@@ -199,8 +199,7 @@ class Partitioning:
             param_group: ``{"params": [...], **hyperparameters}``, the same on every rank.
 
         Raises:
-            ValueError: on every rank, when any rank's group is refused (a parameter already held, a bad
-                hyperparameter) or the ranks' groups differ.
+            ValueError: on every rank, when any rank refuses the group (a parameter held already) or groups differ.
         """
         placer = self.placer
         if placer.placement is None:  # Optimizer.__init__'s groups: only recorded, placed at the constructor's end
