@@ -1,7 +1,6 @@
 """The two ways to sync the flat per-(device, dtype) layouts of the owned elements, worked out at construction:
 ``BucketViewSync`` (parameters are views into the flat buffers, synced in place) and ``StagedSync`` (parameters keep
-their storage; small pieces staged, large ones broadcast in place). ``docs/guides/internals.md``.
-"""
+their storage; small pieces staged, large ones broadcast in place). ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
@@ -27,9 +26,7 @@ class ParameterSync:
     """After the local step: every rank's updated shard reaches every rank of the group."""
 
     def __init__(self, layouts: list[FlatLayout], group: comm.Group, collectives: comm.Collectives) -> None:
-        self.layouts = layouts
-        self.group = group
-        self.collectives = collectives
+        self.layouts, self.group, self.collectives = layouts, group, collectives
         self.alone = comm.group_size(group) == 1  # this rank's shard is every shard: nothing to send or receive
         self.watches_writes = False  # whether ``check_untouched`` can raise (a sync left in flight)
 
@@ -106,9 +103,8 @@ def staged_sync_of(
 
 
 class StagedSync(ParameterSync):
-    """Parameters keep their storage: large pieces are broadcast in place, small ones travel through staging buffers
-    in rounds of at most ``stage_bytes`` (one ``torch._foreach_copy_`` packs, one unpacks). ``relay``: whether the
-    p2p style goes through aggregators (None: each round decides)."""
+    """Parameters keep their storage: large pieces are broadcast in place, small ones staged in rounds of at most
+    ``stage_bytes``. ``relay``: whether the p2p style goes through aggregators (None: each round decides)."""
 
     def __init__(
         self,
@@ -160,10 +156,9 @@ class StagedSync(ParameterSync):
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
         work = self._work(round_)
         copy_each_(work.pack_into, work.pack_from)
-        works = comm.broadcast_slices(
+        return round_, comm.broadcast_slices(
             work.stage, work.slices, self.group, wait=False, collectives=self.collectives, relay_path=self.relay
         )
-        return round_, works
 
     def land(self, flight: tuple[_Round, list[Any]]) -> None:
         """Wait for a launched round (``launch``'s return) and copy the other ranks' chunks into their parameters."""
@@ -200,7 +195,6 @@ class StagedSync(ParameterSync):
 
 
 def owned_bytes(pieces: Iterable[Piece], world_size: int) -> list[int]:
-    """The bytes of ``pieces`` each rank owns."""
     shares = [0] * world_size
     for piece in pieces:
         shares[piece.rank] += piece.length * piece.param.element_size()

@@ -1,7 +1,6 @@
 """How one optimizer-state tensor is stored between steps (pure tensor ops): fp32 as it is, bf16, or int8 (Dettmers
 et al., 2022: an fp32 absmax scale per ``BLOCK`` elements in memory order, each element the nearest code of a dynamic
-map; ``docs/guides/state-formats.md``). Only ``SIGNED`` and ``NON_NEGATIVE`` keys are encoded.
-"""
+map; ``docs/guides/state-formats.md``). Only ``SIGNED`` and ``NON_NEGATIVE`` keys are encoded."""
 
 from __future__ import annotations
 
@@ -44,12 +43,8 @@ def encoded_names(key: str, fmt: str) -> tuple[str, ...]:
 
 def is_encodable(key: str, value: object) -> bool:
     """Whether state ``key`` holding ``value`` is stored encoded in a low-bit format (never a sparse one)."""
-    return (
-        (key in SIGNED or key in NON_NEGATIVE)
-        and isinstance(value, Tensor)
-        and value.is_floating_point()
-        and value.layout == torch.strided
-    )
+    dense_float = isinstance(value, Tensor) and value.is_floating_point() and value.layout == torch.strided
+    return dense_float and (key in SIGNED or key in NON_NEGATIVE)
 
 
 @functools.cache
@@ -119,11 +114,8 @@ def nearest_codes(
     get, count, device = (scratch or Scratch()).get, normalized.numel(), normalized.device
     halves = normalized.view(torch.int16).view(-1, 2)[:, _HIGH_HALF]  # each float's top 16 bits
     run = get("int32", count, torch.int32, device).copy_(halves.view(torch.uint16))
-    above = torch.lt(
-        torch.index_select(after, 0, run, out=get("after", count, torch.float32, device)),
-        normalized,
-        out=get("above", count, torch.bool, device),
-    )
+    after_run = torch.index_select(after, 0, run, out=get("after", count, torch.float32, device))
+    above = torch.lt(after_run, normalized, out=get("above", count, torch.bool, device))
     return torch.index_select(below, 0, run, out=out).add_(above.view(torch.uint8))
 
 

@@ -1,29 +1,16 @@
 """Which optimizers update each element of a parameter on its own (Adam, SGD, ...: their state is shaped like the
-parameter, which may be cut anywhere; exact classes only), and which couple every parameter in one step (LBFGS).
-"""
+parameter, which may be cut anywhere; exact classes only), and which couple every parameter in one step (LBFGS)."""
 
 from __future__ import annotations
 
 import torch
+from torch.optim import LBFGS, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
 from distoptim.functional import functional_class_for
 
 __all__ = ["class_name", "is_coupled", "is_elementwise", "torch_class_of"]
 
-_ELEMENTWISE: frozenset[type] = frozenset(
-    {
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adagrad,
-        torch.optim.Adadelta,
-        torch.optim.Adamax,
-        torch.optim.RMSprop,
-        torch.optim.Rprop,
-        torch.optim.NAdam,
-        torch.optim.RAdam,
-    }
-)
+_ELEMENTWISE: frozenset[type] = frozenset({SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop, Rprop, NAdam, RAdam})
 
 
 def torch_class_of(optimizer_class: type) -> type:
@@ -45,7 +32,7 @@ def is_elementwise(optimizer_class: type) -> bool:
     return torch_class_of(optimizer_class) in _ELEMENTWISE
 
 
-_COUPLED: tuple[type, ...] = (torch.optim.LBFGS,)  # one step over all parameters as one vector; subclasses too
+_COUPLED: tuple[type, ...] = (LBFGS,)  # one step over all parameters as one vector; subclasses too
 
 
 def is_coupled(optimizer_class: type) -> bool:

@@ -65,10 +65,6 @@ def layouts_from_plan(
     layouts = []
     for plan in layout_plans:
         first = params[plan.params[0]]
-        layout = FlatLayout(first.device, first.dtype, bounds=list(plan.bounds))
-        for index in plan.params:
-            layout.pieces.extend(
-                Piece(params[index], f.offset, f.length, f.rank, f.position) for f in fragments[index] if f.length > 0
-            )
-        layouts.append(layout)
+        pieces = (Piece(params[i], f.offset, f.length, f.rank, f.position) for i in plan.params for f in fragments[i])
+        layouts.append(FlatLayout(first.device, first.dtype, [p for p in pieces if p.length > 0], list(plan.bounds)))
     return layouts

@@ -1,6 +1,5 @@
 """The overlap-mode step of a ZeroRedundancyOptimizer: functional optimizers over its local shard, stepped by the
-DDP hooks (``ddp/zero_step.py``) with gradients straight from DDP's buckets, never from ``.grad``.
-"""
+DDP hooks (``ddp/zero_step.py``) with gradients straight from DDP's buckets, never from ``.grad``."""
 
 from __future__ import annotations
 
@@ -156,13 +155,8 @@ class OverlapStepper:
         tensors = [local.tensor for local in locals_]
         functional = self.functional_cls(tensors, **self._options[index], _allow_empty_param_list=True)
         masters = [local for local in locals_ if local.master]
-        return _Part(
-            group=index,
-            functional=functional,
-            locals=locals_,
-            write_into=[local.param if local.whole else local.param_piece() for local in masters],
-            write_from=[local.tensor for local in masters],
-        )
+        write_into = [local.param if local.whole else local.param_piece() for local in masters]
+        return _Part(index, functional, locals_, write_into, [local.tensor for local in masters])
 
     def explicit_step(
         self, closure: Callable[[], float] | None, grad_scaler: Any, kwargs: dict[str, Any]

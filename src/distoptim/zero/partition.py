@@ -1,7 +1,6 @@
 """Which rank owns which elements of which parameter: pure arithmetic, no process group, no tensors. Each rank owns
 ranges of one flat buffer per layout key ((device, dtype)), a parameter's share of a range being a ``Fragment``:
-``greedy`` (torch's) places whole parameters, ``even`` cuts equal ranges (``docs/guides/internals.md``).
-"""
+``greedy`` (torch's) places whole parameters, ``even`` cuts equal ranges (``docs/guides/internals.md``)."""
 
 from __future__ import annotations
 

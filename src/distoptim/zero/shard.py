@@ -1,6 +1,5 @@
 """This rank's shard as its local optimizer sees it: one tensor per owned fragment (the parameter, a 1-D view, or a
-master copy), and its state's global format (a partial fragment's keyed ``(index, offset)`` until ``stitch``).
-"""
+master copy), and its state in global form (a partial fragment's keyed ``(index, offset)`` until ``stitch``)."""
 
 from __future__ import annotations
 
@@ -73,9 +72,7 @@ def copy_hyperparameters(sources: Sequence[dict[str, Any]], targets: Sequence[di
 def complete_hyperparameters(targets: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> None:
     """Give each global (``targets``) group the settings only the local optimizer's defaults filled in."""
     for source, target in zip(sources, targets):
-        for key, value in source.items():
-            if key != "params":
-                target.setdefault(key, value)
+        target.update((k, v) for k, v in source.items() if k != "params" and k not in target)
 
 
 def fragment_of(tensor: Tensor, param: Tensor, offset: int, length: int) -> Tensor:

@@ -1,7 +1,6 @@
 """Optimizer state kept in fewer bits between steps (``state_format``; a small parameter's in fp32) around torch.optim's
 own step: the tensors with a gradient step in chunks of at most ``CHUNK_NUMEL`` encoded elements, each chunk's state
-decoded for its step (the others' ``.grad`` held back) and encoded again (``docs/guides/state-formats.md``).
-"""
+decoded for its step (the others' ``.grad`` held back) and encoded again (``docs/guides/state-formats.md``)."""
 
 from __future__ import annotations
 
