@@ -139,18 +139,13 @@ class StagedSync(ParameterSync):
 
     def launch_direct(self) -> list[Any]:
         """Start the in-place broadcasts of the large pieces; ``comm.wait_all`` finishes them."""
-        return [
-            work
-            for piece in ([] if self.alone else self.direct)
-            for work in comm.broadcast_slices(
-                piece_view(piece),
-                [(piece.rank, 0, piece.length)],
-                self.group,
-                False,
-                self.collectives,
-                self.relay_direct,
+        works: list[Any] = []
+        for piece in [] if self.alone else self.direct:
+            owned = [(piece.rank, 0, piece.length)]
+            works += comm.broadcast_slices(
+                piece_view(piece), owned, self.group, False, self.collectives, self.relay_direct
             )
-        ]
+        return works
 
     def launch(self, round_: _Round) -> tuple[_Round, list[Any]]:
         """Pack this rank's chunks of ``round_`` and start its broadcasts; ``land`` finishes them."""
