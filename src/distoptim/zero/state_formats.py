@@ -31,7 +31,6 @@ CHUNK_NUMEL = 1 << 22  # encoded elements decoded at once in a step (and the buf
 
 
 def check_format(value: Any, where: str) -> str:
-    """``value`` as a format name, or a ValueError naming the formats."""
     if value not in codecs.FORMATS:
         raise ValueError(f"{where}: state_format must be one of {', '.join(map(repr, codecs.FORMATS))}, got {value!r}")
     return str(value)
