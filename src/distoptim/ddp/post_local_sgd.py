@@ -2,8 +2,7 @@
 warm-up, then local or none; pair it with an averager whose ``warmup_steps`` equals ``start_localSGD_iter``).
 """
 
-# No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's runtime annotations
-# with dist.GradBucket and Future[Tensor], and string annotations fail that check.
+# No `from __future__ import annotations`: DDP checks the hooks' annotations against the real classes.
 
 import warnings
 from typing import Any
@@ -67,8 +66,8 @@ class PostLocalSGDState:
         self._counting = False  # the end of this backward is scheduled to count it
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
-        """Count one iteration per backward pass: at its end (DDP's static-graph first iteration marks no bucket
-        last), or outside a backward (a joined rank's) at the bucket DDP marks last.
+        """Count one iteration per backward: at its end (DDP's static-graph first iteration marks no bucket last);
+        outside a backward (a joined rank's), at the bucket DDP marks last.
 
         Args:
             bucket: the bucket the hook was called with.
@@ -132,9 +131,8 @@ class PostLocalSGDState:
 
 
 def averaged_ranks(state: Any) -> list[int] | None:
-    """The global ranks whose gradients a post-local-SGD hook with ``state`` (ours, or torch's by its attributes)
-    averages with this rank's after warm-up: this rank alone without ``post_local_gradient_allreduce``; ours without a
-    subgroup yet, the per-node one it would make. None for another hook's state, or torch's before its subgroups."""
+    """The global ranks a post-local-SGD hook with ``state`` (ours, or torch's) averages this rank's gradients with
+    after warm-up (ours without a subgroup yet: the per-node one it would make); None where that is unknown."""
     if not all(hasattr(state, name) for name in ("subgroup", "post_local_gradient_allreduce", "start_localSGD_iter")):
         return None
     if not state.post_local_gradient_allreduce:
@@ -170,8 +168,7 @@ def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> to
 
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket's gradients globally before ``start_localSGD_iter``, then within the subgroup (or not);
-    returns a future holding them.
+    """Average the bucket globally before ``start_localSGD_iter``, then within the subgroup (or not), in a future.
 
     Args:
         state: the ``PostLocalSGDState`` given to ``register_comm_hook``; its ``iter`` advances once per backward.

@@ -1,6 +1,5 @@
 """``reduce_to_owners_hook``, deprecated (ZeRO-2 is ``distoptim.ShardedDataParallel``): it averages every bucket
-over ``zero``'s group times its ``replicate_group``, as DDP's default, so programs registering it keep training.
-"""
+over ``zero``'s group times its ``replicate_group``, as DDP's default, so programs registering it keep training."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against the real classes.
 import functools

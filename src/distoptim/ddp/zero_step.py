@@ -1,7 +1,5 @@
-"""Overlap with DDP: the ZeRO step runs inside DDP's backward, through a DDP communication hook, at its end
-(``hook_with_zero_step``) or bucket by bucket (``..._interleaved``). No collective runs from a future's callback
-(which deadlocks gloo). The details: ``docs/guides/internals.md``.
-"""
+"""Overlap with DDP: the ZeRO step runs inside DDP's backward through a communication hook, at its end or bucket by
+bucket. No collective runs from a future's callback (that deadlocks gloo). Details: ``docs/guides/internals.md``."""
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations against the real classes.
 from collections.abc import Callable
@@ -198,23 +196,20 @@ def hook_with_zero_step(
     *,
     step_from_first_backward: bool = False,
 ) -> CommHook:
-    """Wrap ``hook`` so that ZeRO steps inside DDP's backward: once every bucket is reduced, each rank steps the
-    parameters it owns and the updated parameters are broadcast from their owners (``docs/guides/overlap.md``).
+    """Wrap ``hook`` so that ZeRO steps inside DDP's backward once every bucket is reduced, and the updated
+    parameters are broadcast from their owners (``docs/guides/overlap.md``).
 
     Args:
-        hook: the DDP communication hook that averages a bucket (``distoptim.hooks.allreduce_hook``, or any hook
-            returning a future of the bucket's averaged gradients).
+        hook: the DDP communication hook averaging a bucket (``allreduce_hook``, or any returning a future of it).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
-        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
-            parameters and over DDP's process group.
+        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over the DDP model's parameters and group.
         shard_buckets: accepted for compatibility with torch (default False); ZeRO's own plan shards.
-        step_from_first_backward: step from the first backward (default False: no step in torch's warm-up
-            backwards, the overlap guide says which).
+        step_from_first_backward: step from the first backward (default False: not in torch's warm-up backwards).
 
     Raises:
         TypeError: ``ddp`` is not a DDP model or ``zero`` not a ZeroRedundancyOptimizer (arguments swapped).
-        ValueError: ``zero`` was built without ``overlap_with_ddp``, already has a hook, or holds other parameters
-            than the DDP model trains; at the first backward, when the hook runs on another DDP model than ``ddp``.
+        ValueError: ``zero`` lacks ``overlap_with_ddp``, already has a hook, or holds other parameters than DDP
+            trains; at the first backward, if the hook runs on another DDP model than ``ddp``.
 
     Example:
         ```python
@@ -224,7 +219,6 @@ def hook_with_zero_step(
         ```
     """
     backward = _Backward(hook, ddp, zero, step_from_first_backward)
-    stepper = backward.stepper
 
     def finish() -> None:
         pending = backward.end()
@@ -236,7 +230,7 @@ def hook_with_zero_step(
         for earlier in pending:
             grads.update(earlier.grads(used[: len(earlier.params)]))
             used = used[len(earlier.params) :]
-        backward.agreed(lambda: stepper.step(grads))
+        backward.agreed(lambda: backward.stepper.step(grads))
         zero.sync_parameters()
 
     def hook_with_zero_step(state: Any, bucket: GradBucket) -> Future[Tensor]:
@@ -258,9 +252,8 @@ def hook_with_zero_step_interleaved(
     *,
     step_from_first_backward: bool = False,
 ) -> CommHook:
-    """Wrap ``hook`` so that ZeRO steps bucket by bucket inside DDP's backward: once a bucket is reduced, each rank
-    steps its owned parameters of it and starts broadcasting them while later buckets are reduced. Requirements and
-    result are those of :func:`hook_with_zero_step`.
+    """As :func:`hook_with_zero_step`, but ZeRO steps each bucket once it is reduced and starts broadcasting its
+    parameters while later buckets are reduced.
 
     Args:
         hook: the DDP communication hook that averages a bucket (``allreduce_hook``).

@@ -1,7 +1,5 @@
-"""Which gradients share a bucket, where each sits in it, and who owns which range: pure arithmetic over a partition
-plan. Even partition: a bucket is one region; greedy: consecutive parameters up to the cap.
-``docs/guides/internals.md`` has the details.
-"""
+"""Which gradients share a bucket, where each sits in it, and who owns which range: arithmetic over a partition plan
+(even: a bucket per region; greedy: consecutive parameters up to the cap). ``docs/guides/internals.md`` has more."""
 
 from __future__ import annotations
 
@@ -75,8 +73,7 @@ class BucketPlan:
 def plan_buckets(
     plan: PartitionPlan, cap: Mapping[Hashable, int], previous: Sequence[BucketPlan] = ()
 ) -> list[BucketPlan]:
-    """Buckets for every placed parameter of ``plan``, in reduction order: ``previous`` first, then new ones (the
-    last parameters' first). ``cap``: the most elements a greedy bucket holds, per key."""
+    """``plan``'s placed parameters' buckets in reduction order: ``previous``, then new ones, last parameters first."""
     bucketed = {slot.index for bucket in previous for slot in bucket.slots}
     new = _region_buckets(plan, bucketed) if plan.mode == "even" else _greedy_buckets(plan, cap, bucketed)
     new.sort(key=lambda bucket: -max(slot.index for slot in bucket.slots))

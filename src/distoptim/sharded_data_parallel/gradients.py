@@ -1,7 +1,5 @@
-"""The gradient side of ``ShardedDataParallel``: each accumulated gradient goes into its bucket, full buckets are
-reduced to their owners in one fixed order, and each rank keeps its owned part (``OwnedGradients``) for ZeRO to clip,
-scale and step. Between backwards ``.grad`` holds a ``marker.GradientMarker``. ``docs/guides/internals.md``.
-"""
+"""The gradient side of ``ShardedDataParallel``: gradients go into buckets reduced to their owners in one fixed order,
+and each rank keeps its owned part (``OwnedGradients``) for ZeRO to step. ``docs/guides/internals.md`` has more."""
 
 from __future__ import annotations
 
@@ -99,8 +97,8 @@ class OwnedGradients:
 
     # ------------------------------------------------------------------------- what .grad says
     def settle(self, index: int, before_backward: bool = False) -> None:
-        """Take in what the program did to ``.grad`` since the store marked it: None forgets the owned gradient, the
-        marker zeroed zeroes it, a hand-set tensor replaces it (``before_backward``: the marker leaves ``.grad``)."""
+        """Take in what the program did to ``.grad`` since it was marked: None forgets the owned gradient, the marker
+        zeroed zeroes it, a tensor replaces it (``before_backward``: the marker leaves ``.grad``)."""
         param, marker = self.params[index], self._markers.get(index)
         grad = param.grad
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
@@ -147,8 +145,8 @@ class OwnedGradients:
                 self._markers[index] = (marker, marker._version)
 
     def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
-        """A parameter's gradient hook (``param`` bound, held weakly): at a backward's first, settle every parameter
-        (markers out of ``.grad``, put back at its end where nothing accumulated), before any bucket lands."""
+        """A gradient hook (``param`` held weakly): at a backward's first, settle every parameter before any bucket
+        lands (markers out of ``.grad``, put back at its end where nothing accumulated)."""
         held = param()
         if held is None or self._task != -1 or self.zero.index_of(held) is None:
             return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)

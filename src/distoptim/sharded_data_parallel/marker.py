@@ -1,6 +1,5 @@
 """What ``.grad`` holds while ``ShardedDataParallel``'s store holds the gradient: a marker with the parameter's shape
-and no values, so that whatever the program then does to ``.grad`` is seen by the store (``OwnedGradients.settle``).
-"""
+and no values, so that whatever the program then does to ``.grad`` is seen (``OwnedGradients.settle``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The parameter side of ``ShardedDataParallel``: after the step, each bucket gathered from its owners in forward
 order; with ``overlap_param_sync`` a module-global forward pre-hook lands what each module reads, the owners'
-checksums catching writes in flight. The window's rules: ``docs/guides/internals.md``.
-"""
+checksums catching writes in flight. The window's rules: ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
@@ -121,9 +120,8 @@ class BucketedSync(ParameterSync):
     def _unit(self, bucket: BucketPlan, plan: PartitionPlan, params: Sequence[Tensor]) -> _InPlace | _Staged:
         if isinstance(self.inner, BucketViewSync) and bucket.region is not None:
             layout, region = bucket.region
-            return _InPlace(
-                self.inner.buffers[layout], plan.layouts[layout].bounds[region], self.group, self.collectives
-            )
+            bounds = plan.layouts[layout].bounds[region]
+            return _InPlace(self.inner.buffers[layout], bounds, self.group, self.collectives)
         chosen = [slot.index for slot in bucket.slots]
         return _Staged(staged_sync_of(plan, params, chosen, self.group, self.collectives))
 
@@ -222,8 +220,7 @@ def _where(params: Sequence[Tensor]) -> _Storage:
 
 def _same_storage(launched: _Storage, params: Sequence[Tensor]) -> bool:
     """Whether ``params`` still lie where they lay at launch."""
-    now = _where(params)
-    return all(a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, now, strict=True))
+    return all(a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(launched, _where(params), strict=True))
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32))  # summed in their own width (a wide accumulator is 10x slower)

@@ -1,7 +1,5 @@
-"""The gradients of parameters made trainable after ``ShardedDataParallel`` planned its buckets: no bucket holds
-them until the wrapper plans again, so each backward's end averages their ``.grad`` (one all-reduce each), and the
-next plan takes that average into its new buckets.
-"""
+"""Parameters made trainable after ``ShardedDataParallel`` planned its buckets: each backward's end averages their
+``.grad`` (one all-reduce each) until the next plan takes that average into its new buckets."""
 
 from __future__ import annotations
 

@@ -65,7 +65,6 @@ class ShardedDataParallel(nn.Module):
         overlap_param_sync: bool = False,
         static_graph: bool = False,
     ) -> None:
-        """Wrap ``module``: its arguments and errors are in the class docstring (the API reference shows it)."""
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
@@ -150,8 +149,7 @@ class ShardedDataParallel(nn.Module):
             sync.landing[self] = len(sync.units)
 
     def register_forward_pre_hook(self, hook: Any, *, prepend: bool = False, with_kwargs: bool = False) -> Any:
-        """``nn.Module.register_forward_pre_hook``; with ``overlap_param_sync`` the whole sync lands before the
-        wrapper's pre-hooks from then on (one may read any parameter).
+        """``nn.Module.register_forward_pre_hook``; with ``overlap_param_sync`` the whole sync lands before it runs.
 
         Args:
             hook: the pre-hook.
@@ -183,8 +181,7 @@ class ShardedDataParallel(nn.Module):
         return output
 
     def join_hook(self, **kwargs: Any) -> Any:
-        """Refuse ``torch.distributed.algorithms.join.Join`` (uneven inputs) where it is built, not at a backward:
-        a ``NotImplementedError`` on every rank (each builds its ``Join``).
+        """Refuse ``Join`` (uneven inputs) where it is built, not at a backward: ``NotImplementedError`` on every rank.
 
         Args:
             **kwargs: ``Join``'s keyword arguments (none are used).
@@ -221,8 +218,7 @@ class ShardedDataParallel(nn.Module):
         super().zero_grad(set_to_none)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``to()``, ``float()`` ... copy parameters: never one whose sync is still in flight."""
-        self._land_sync()
+        self._land_sync()  # to(), float() ... copy parameters: never one whose sync is still in flight
         return super()._apply(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ what reads parameters waits first
