@@ -22,8 +22,7 @@ class PostLocalSGDState:
 
     Args:
         process_group: group for the warm-up's global all-reduce; ``None`` is the default (world) group.
-        subgroup: group for the all-reduce after warm-up; ``None`` picks per-node subgroups (``LOCAL_WORLD_SIZE``),
-            created when local SGD starts (a collective of every rank).
+        subgroup: group after warm-up; ``None``: per-node ones (``LOCAL_WORLD_SIZE``), made collectively then.
         start_localSGD_iter: number of iterations that all-reduce globally.
         post_local_gradient_allreduce: after warm-up, all-reduce within ``subgroup`` (default True) or not at all.
 

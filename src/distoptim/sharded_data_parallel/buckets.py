@@ -91,10 +91,9 @@ def _region_buckets(plan: PartitionPlan, bucketed: set[int]) -> list[BucketPlan]
                 for position, index in members
                 if start <= position < end and index not in bucketed
             )
-            if not slots:
-                continue
-            route = tuple((rank, a - start, b - start) for rank, (a, b) in enumerate(pairwise(bounds)) if b > a)
-            buckets.append(BucketPlan(layout.key, slots, end - start, route, (layout_number, region_number)))
+            if slots:
+                route = tuple((rank, a - start, b - start) for rank, (a, b) in enumerate(pairwise(bounds)) if b > a)
+                buckets.append(BucketPlan(layout.key, slots, end - start, route, (layout_number, region_number)))
     return buckets
 
 
