@@ -622,6 +622,19 @@ def test_muon_by_name_points_to_the_muon_option(capsys: pytest.CaptureFixture[st
     assert "Newton-Schulz work per step" in capsys.readouterr().out
 
 
+def frozen_muon_net() -> nn.Module:
+    """Every matrix Muon would take frozen: its Newton-Schulz work is zero on every rank."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ModuleList([nn.Linear(8, 8)]))
+    model[1].requires_grad_(False)
+    return model
+
+
+def test_muon_with_every_matrix_frozen_prints_no_balance(capsys: pytest.CaptureFixture[str]) -> None:
+    """No Newton-Schulz work anywhere: the table shows no balance rather than failing to format it."""
+    assert main(["--model", "tests.test_planner:frozen_muon_net", "--world-size", "2", "--muon"]) == 0
+    assert "(max/mean -)" in capsys.readouterr().out
+
+
 def test_muon_takes_the_matrices_of_a_gpt2s_blocks_and_leaves_its_tied_embedding() -> None:
     """``--muon``'s rule on a ``transformers`` GPT-2 built on the meta device: the blocks' ``Conv1D`` matrices, first,
     in model order; the tied token embedding (listed once), the position embedding and every vector on AdamW."""

@@ -287,5 +287,6 @@ def _table(report: dict[str, Any]) -> str:
         for mode in report["modes"]:
             flops = mode["newton_schulz_flops"]
             shown = ", ".join(f"{f / 1e9:.2f}" for f in flops[:8]) + (", ..." if len(flops) > 8 else "")
-            lines.append(f"  {mode['title']}: {shown} (max/mean {mode['newton_schulz_balance']:.3f})")
+            balance = mode["newton_schulz_balance"]  # None: no trainable matrix for Muon
+            lines.append(f"  {mode['title']}: {shown} (max/mean {'-' if balance is None else f'{balance:.3f}'})")
     return "\n".join(lines)
