@@ -257,6 +257,10 @@ def _wrapper_body(rank: int, world_size: int) -> None:
     with pytest.warns(UserWarning, match=r"^Loaded state dict does not contain a step counter for an averager\."):
         optim.load_state_dict(without_step)
     assert optim.averager.step == 0
+    changed = [{**group, "lr": 123.0} for group in saved_optim["param_groups"]]
+    with pytest.raises(ValueError, match=r"state_dict\['step'\] must be >= 0"):
+        optim.load_state_dict({**saved_optim, "param_groups": changed, "step": -1})
+    assert optim.averager.step == 0 and all(g["lr"] != 123.0 for g in optim.param_groups)  # nothing of it loaded
 
     # The wrapper reads through to the wrapped optimizer: groups, state, defaults, schedulers, closures.
     inner = optim.optim

@@ -111,6 +111,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: ``state_dict["step"]`` is negative, or the wrapped optimizer refuses the dict.
         """
+        step = int(state_dict.get("step", 0))
+        if step < 0:  # refused before anything is loaded: no half-loaded optimizer
+            raise ValueError(f"state_dict['step'] must be >= 0, got {step}")
         self.optim.load_state_dict({key: value for key, value in state_dict.items() if key != "step"})
         if "step" not in state_dict:
             warnings.warn(
@@ -119,9 +122,6 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=2,
             )
-        step = int(state_dict.get("step", 0))
-        if step < 0:
-            raise ValueError(f"state_dict['step'] must be >= 0, got {step}")
         self.averager.step = step
 
 
