@@ -270,6 +270,14 @@ def _overlap_zero_grad_after_unhooked_backward(r: Rank) -> None:
     zero.zero_grad()
 
 
+def _overlap_zero_grad_after_unhooked_backward_first_unused(r: Rank) -> None:
+    ddp = _ddp(r)
+    zero = _overlap(r, ddp)
+    _backward(ddp)
+    next(ddp.parameters()).grad = None  # as if the first parameter were unused: the others' gradients still count
+    zero.zero_grad()
+
+
 def _overlap_step_with_kwargs(r: Rank) -> None:
     ddp = _ddp(r)
     zero = _overlap(r, ddp)
@@ -649,6 +657,9 @@ MISUSES: list[Misuse] = [
                          r"DDP model's output"),
     Misuse("zero_grad() under overlap_with_ddp after a backward no hook stepped",
            _overlap_zero_grad_after_unhooked_backward, ALL,
+           RuntimeError, r"has gradients but no optimizer step ran: register hook_with_zero_step"),
+    Misuse("zero_grad() under overlap_with_ddp after an unhooked backward, first parameter without a gradient",
+           _overlap_zero_grad_after_unhooked_backward_first_unused, ALL,
            RuntimeError, r"has gradients but no optimizer step ran: register hook_with_zero_step"),
     Misuse("step() under overlap_with_ddp with keyword arguments", _overlap_step_with_kwargs, ALL,
            TypeError, r"step\(\) takes no keyword arguments, got \['lr'\]: the step already ran inside DDP's backward"),

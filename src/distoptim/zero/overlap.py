@@ -212,8 +212,9 @@ class OverlapStepper:
         self._grad_seen = self._grad_marker()
 
     def _grad_marker(self) -> tuple[int, int] | None:
-        """Identity and version of one trainable parameter's gradient: changes whenever a backward wrote it."""
-        grad = next((p.grad for p in self.global_params if p.requires_grad), None)
+        """Identity and version of the first gradient a trainable parameter holds: changes whenever a backward wrote
+        one (an unused first parameter hides nothing)."""
+        grad = next((p.grad for p in self.global_params if p.requires_grad and p.grad is not None), None)
         return None if grad is None else (id(grad), grad._version)
 
 
