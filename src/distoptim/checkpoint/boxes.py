@@ -1,7 +1,6 @@
 """A range of a dense tensor's elements in memory order as boxes of its logical (row-major) index space: memory
 order is row-major over the dimensions sorted by stride, so the range is at most ``2 * ndim - 1`` boxes of that
-permuted space, each a box of the logical one. Pure arithmetic; ``docs/guides/internals.md``.
-"""
+permuted space, each a box of the logical one. Pure arithmetic; ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 

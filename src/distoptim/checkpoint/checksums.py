@@ -1,6 +1,5 @@
 """A sharded checkpoint's manifest: every file's size and CRC-32 (DCP's files carry none), written after DCP's
-``.metadata``, checked before a load; CRC-32 guards against damage, not tampering. ``docs/guides/checkpoints.md``.
-"""
+``.metadata``, checked before a load; CRC-32 guards against damage, not tampering. ``docs/guides/checkpoints.md``."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ Entry = tuple[int, str]  # (size in bytes, checksum as 8 hex digits)
 
 
 def checksum(path: Path) -> Entry:
-    """The size and CRC-32 of the file at ``path``, read in 4 MiB chunks."""
     crc, size, buffer = 0, 0, bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as handle:
@@ -31,7 +29,6 @@ def checksum(path: Path) -> Entry:
 
 
 def checksums(directory: Path, names: Iterable[str]) -> dict[str, Entry]:
-    """The entry of each file ``names`` in ``directory``."""
     return {name: checksum(directory / name) for name in sorted(set(names))}
 
 

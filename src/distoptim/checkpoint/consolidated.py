@@ -1,8 +1,6 @@
-"""Optimizer-state formats and their movement: shards to one rank (consolidation), a global dict to shards (loading).
-
-The global format is exactly ``torch.optim``'s (indices numbering all parameters group by group), so a consolidated
-dict loads into a plain optimizer, and dicts from plain optimizers (or torch's ZeroRedundancyOptimizer) load here.
-"""
+"""``torch.optim``'s state-dict format (parameters numbered group by group), so that dicts move between plain
+optimizers and this one: every rank's shard gathered into it on one rank (consolidation), and a dict in it matched
+to this rank's shard (loading)."""
 
 from __future__ import annotations
 
@@ -97,7 +95,6 @@ def receive_state(source: int, group: comm.Group, comm_device: torch.device) -> 
 
 
 def _map_values(state: GlobalState, function: Callable[[Any], Any]) -> GlobalState:
-    """``state`` with ``function`` applied to every value of every entry."""
     return {index: {key: function(value) for key, value in entry.items()} for index, entry in state.items()}
 
 
@@ -248,9 +245,5 @@ def select_shard_on_every_rank(
     state_dict: Any, param_groups: Sequence[dict[str, Any]], optimizer_class: type, group: comm.Group
 ) -> tuple[dict[Tensor, dict[str, Any]], list[dict[str, Any]]]:
     """``select_shard``, with its verdict agreed (one all-reduce): a dict refused on one rank is refused on all."""
-    return agreement.run_agreed(
-        lambda: select_shard(state_dict, param_groups, optimizer_class),
-        group,
-        "load_state_dict",
-        errors=(TypeError, ValueError, KeyError),
-    )
+    select = lambda: select_shard(state_dict, param_groups, optimizer_class)
+    return agreement.run_agreed(select, group, "load_state_dict", errors=(TypeError, ValueError, KeyError))

@@ -1,10 +1,7 @@
 """Between the two checkpoint formats, offline, on one process: a sharded DCP checkpoint's optimizer part and
 ``torch.optim``'s state dict (``python -m distoptim checkpoint DIR --to-torch optim.pt`` or ``--from-torch optim.pt``).
 
-``--to-torch`` decodes low-bit state to fp32; ``--from-torch`` encodes it in each group's ``"state_format"`` (or
-``--state-format``'s) and reads each parameter's shape from its state, or from ``--params FILE`` where the state
-cannot tell. Conversion holds the whole state in memory: it is for leaving and joining the format, not for training.
-"""
+Conversion holds the whole state in memory: it is for leaving and joining the format, not for training."""
 
 from __future__ import annotations
 
@@ -101,13 +98,10 @@ def torch_optim_to_dcp(
     shapes: Shapes | None = None,
     state_format: str | None = None,
 ) -> int:
-    """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint that ``load_sharded_state_dict`` takes;
-    return how many data files were written.
-
-    ``shapes``: the parameters' shapes (or the parameters, whose memory order int8 blocks follow), in the
-    optimizer's order, or a model state dict when the groups carry ``param_names``; needed only where the state
-    cannot tell. ``state_format``: the format to encode in (default: each group's ``"state_format"``, else fp32).
-    """
+    """Write ``state_dict`` (``torch.optim``'s format) as a sharded checkpoint for ``load_sharded_state_dict``; return
+    how many data files were written. ``shapes`` (where the state cannot tell): the parameters' shapes, or the
+    parameters (whose memory order int8 blocks follow) in the optimizer's order, or a model state dict when the
+    groups carry ``param_names``; ``state_format``: default each group's ``"state_format"``, else fp32."""
     found = parameter_shapes(state_dict, shapes)
     groups = [dict(group) for group in state_dict["param_groups"]]
     given = [None] * len(found) if shapes is None else _given(shapes, groups, len(found))

@@ -1,7 +1,5 @@
-"""``torch.distributed.checkpoint``'s save and load, coordinated over distoptim's own collectives: DCP's planner and
-storage steps (the files are DCP's), plans moved as pickled bytes and each step agreed across ranks, so a failure
-raises an ordinary exception on every rank. ``docs/guides/internals.md``.
-"""
+"""``torch.distributed.checkpoint``'s save and load (DCP's planner and files) coordinated over distoptim's own
+collectives, so that a failure raises an ordinary exception on every rank. ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
@@ -61,10 +59,8 @@ def load(
     manifest: dict[str, checksums.Entry] | None,
     group: comm.Group,
 ) -> None:
-    """Fill ``state_dict`` in place from the checkpoint in ``directory``, whose ``metadata`` was read and checked
-    (``files``), as ``dcp.load`` does (collective); any failure is a ``ValueError`` on every rank, and a missing,
-    truncated or (with its ``manifest``, from ``checksums.read_manifest``) changed file one before anything is
-    loaded."""
+    """Fill ``state_dict`` in place from ``directory``, whose ``metadata`` was read and checked, as ``dcp.load`` does
+    (collective); any failure is a ``ValueError`` on every rank, a damaged file's before anything is loaded."""
     reader, planner = dcp.FileSystemReader(str(directory)), DefaultLoadPlanner()
     rank, what = comm.group_rank(group), f"loading the checkpoint at {directory}"
 
@@ -126,7 +122,6 @@ def _as_value_error(action: Callable[..., _T], what: str) -> Callable[..., _T]:
 
 
 def read_metadata(directory: Path) -> Metadata:
-    """The checkpoint's index (``.metadata``); a ``ValueError`` saying so if it cannot be read."""
     try:
         return dcp.FileSystemReader(str(directory)).read_metadata()
     except Exception as error:

@@ -1,7 +1,6 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves and loads its fragments only,
 each state tensor as the boxes of the parameter's shape its fragment covers (``memory_range_boxes``), so that a
-checkpoint is independent of world size, partition and memory layout. ``docs/guides/internals.md``.
-"""
+checkpoint is independent of world size, partition and memory layout. ``docs/guides/internals.md``."""
 
 from __future__ import annotations
 
@@ -264,7 +263,6 @@ def _shown(shapes: list[tuple[int, ...]]) -> str:
 
 
 def is_sharded_state(value: Any) -> bool:
-    """Whether ``value`` is a dict that ``sharded_state`` made."""
     return isinstance(value, dict) and all(isinstance(value.get(key), bytes) for key in (PARAM_GROUPS, LAYOUTS))
 
 

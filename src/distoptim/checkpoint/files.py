@@ -62,17 +62,13 @@ def save(
     once the new one is complete (collective).
 
     Args:
-        state_dict: any dict DCP takes (``{"model": ..., "optim": zero.sharded_state_dict()}``); ``Stateful``
-            values are saved by their state dicts.
+        state_dict: any dict DCP takes; ``Stateful`` values are saved by their state dicts.
         path: the checkpoint's directory, on a file system every rank sees.
-        process_group: the ranks saving together; default None: the default group (with ``async_save``, a gloo
-            group made once; one given must have a CPU backend and be used by nothing else meanwhile).
-        async_save: copy the state to the CPU and write it in a background thread, returning a ``Future`` that
-            raises what the save raised; default False: write now and return None.
+        process_group: the ranks saving together (default None: the default group, or with ``async_save`` its twin).
+        async_save: write from a CPU copy in a background thread and return a ``Future`` (default False: write now).
 
     Raises:
-        ValueError: on every rank, when the save failed on any rank; the previous checkpoint at ``path`` stays
-            whole. With ``async_save`` the future raises it.
+        ValueError: on every rank when the save failed on any (with ``async_save``, the future's); ``path`` stays whole.
 
     Example:
         ```python
@@ -140,14 +136,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     ``zero.load_sharded_state_dict(state_dict[...])`` for each optimizer in it.
 
     Args:
-        state_dict: what to load, laid out as it was saved (built on the new run, at any world size and
-            partition); filled in place.
-        path: the checkpoint's directory (a save interrupted while replacing it is found beside it).
+        state_dict: what to load, laid out as saved (at any world size and partition); filled in place.
+        path: the checkpoint's directory.
         process_group: the ranks loading together; default None: the default group.
 
     Raises:
-        ValueError: on every rank, for a directory that is not a complete checkpoint or was saved from another
-            model or optimizer, or whose files are missing, truncated or changed (naming the file).
+        ValueError: on every rank, for an incomplete or damaged checkpoint, or one of another model or optimizer.
 
     Example:
         ```python
@@ -171,16 +165,14 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with each ``Stateful`` (a module, an optimizer) replaced by its state dict."""
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
 
 
 def _checked_source(
     state_dict: dict[str, Any], final: Path
 ) -> tuple[Path, Metadata, dict[str, checksums.Entry] | None]:
-    """Where the checkpoint for ``final`` is (or the previous one a save died replacing), once checked complete,
-    undamaged, and holding every entry ``state_dict`` asks for in its shape; its index as checked (the load reads no
-    other) and its manifest (None: warned)."""
+    """The checkpoint for ``final`` (or the one a save died replacing), checked complete, undamaged and holding
+    each entry ``state_dict`` asks for in its shape; its index as checked (the load reads no other) and manifest."""
     source = final
     if not final.exists() and _complete(_sibling(final, "previous")):  # a save died between its two renames
         source = _sibling(final, "previous")
@@ -212,28 +204,23 @@ def _checked_source(
             f"the checkpoint at {final} lacks {len(missing)} of the entries asked for, e.g. {missing[:4]}: it was "
             "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
         )
-    _check_shapes(leaves, metadata, final)
-    return source, metadata, manifest
-
-
-def _check_shapes(leaves: dict[str, Any], metadata: Metadata, final: Path) -> None:
-    """Every tensor asked for has the shape the checkpoint saved it in."""
     for key, value in leaves.items():
-        saved = metadata.state_dict_metadata[key]
-        if not isinstance(value, torch.Tensor) or not isinstance(saved, TensorStorageMetadata):
+        stored = metadata.state_dict_metadata[key]
+        if not isinstance(value, torch.Tensor) or not isinstance(stored, TensorStorageMetadata):
             continue
-        if value.shape == saved.size:
+        if value.shape == stored.size:
             continue
         hint = "it was saved from another model or with other parameters (check the model's configuration)"
-        if len(saved.size) == 1 and value.dim() > 1 and saved.size.numel() == value.numel():
+        if len(stored.size) == 1 and value.dim() > 1 and stored.size.numel() == value.numel():
             hint = (
                 "it was saved by distoptim 0.2, which kept parameter-shaped optimizer state flat: convert it with "
                 "'python -m distoptim checkpoint DIR --to-torch optim.pt' and load that with load_state_dict"
             )
         raise ValueError(
-            f"the checkpoint at {final} holds {key} with shape {tuple(saved.size)}, but the state to load has shape "
+            f"the checkpoint at {final} holds {key} with shape {tuple(stored.size)}, but the state to load has shape "
             f"{tuple(value.shape)}: {hint}"
         )
+    return source, metadata, manifest
 
 
 def _sibling(path: Path, role: str) -> Path:
