@@ -181,8 +181,7 @@ def check_hyperparameters(saved: dict[str, Any], group: dict[str, Any], number: 
             f"{shown[1]}: load a state dict saved with the same optimizer class per group"
         )
     optimizer_class = torch_class_of(own) if isinstance(own, type) else optimizer_class
-    missing = sorted(name for name in _hyperparameter_names(optimizer_class) & group.keys() if name not in saved)
-    if missing:
+    if missing := sorted(name for name in _hyperparameter_names(optimizer_class) & group.keys() if name not in saved):
         name = torch_class_of(optimizer_class).__qualname__
         found = ", ".join(sorted(k for k in saved if k != "params"))
         raise ValueError(

@@ -80,8 +80,7 @@ def _decode(entry: dict[str, Any], index: int, layout: tuple[Any, ...] | None) -
     for name in [k for k in entry if k.endswith((".bf16", ".int8"))]:
         key, fmt = name.rsplit(".", 1)
         names = codecs.encoded_names(key, fmt)
-        missing = [n for n in names if n not in entry]
-        if missing:
+        if missing := [n for n in names if n not in entry]:
             raise ValueError(f"parameter {index}'s state has {name} but not {missing}: the checkpoint is incomplete")
         encoded = {n: entry.pop(n) for n in names}
         order = None if layout is None or len(layout) < 3 else tuple(layout[2])
@@ -194,8 +193,7 @@ def _given(shapes: Shapes, groups: list[dict[str, Any]], count: int) -> list[Any
                 "a state dict of the model gives shapes by name, but these param groups carry no param_names (the "
                 "optimizer was not built from named parameters): give a list of the shapes, in the optimizer's order"
             )
-        unknown = [name for name in names if name not in shapes]
-        if unknown:
+        if unknown := [name for name in names if name not in shapes]:
             raise ValueError(f"the model's state dict has no {unknown[:4]} (parameters the optimizer names)")
         return [shapes[name] for name in names]
     listed = list(shapes)

@@ -89,16 +89,12 @@ class FragmentTensor(Tensor):
 
         if not self.saved:
             return []
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets, position),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=self.size()
-                ),
-            )
-            for position, (chunk, (_, local)) in enumerate(zip(self.__create_chunk_list__(), self._pieces))
-        ]
+        items: list[WriteItem] = []
+        for position, (chunk, (_, local)) in enumerate(zip(self.__create_chunk_list__(), self._pieces)):
+            data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=self.size())
+            index = MetadataIndex(fqn, chunk.offsets, position)
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
+        return items
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
         offsets, hint = tuple(index.offset or ()), index.index  # the hint: the chunk's position, where DCP knows it
@@ -286,8 +282,7 @@ def held_keys(shard: LocalShard, state: dict[Tensor, dict[str, Any]]) -> dict[in
     """The state keys ``sharded_state`` saves for each local parameter (its master weights too), by index."""
     held = {}
     for local in (t for t in shard.locals if t.param.numel() > 0):
-        keys = sorted(state.get(local.tensor, ())) + ([MASTER_KEY] if local.master else [])
-        if keys:
+        if keys := sorted(state.get(local.tensor, ())) + ([MASTER_KEY] if local.master else []):
             held[local.index] = keys
     return held
 
@@ -311,8 +306,7 @@ def check_state_keys(
     dropped = sorted((i, name) for i, name in saved - asked if name != MASTER_KEY)  # usually none; masters: a warning
     for number, pieces in enumerate(shard.groups):
         for local in (t for t in pieces if t.param.numel() > 0):
-            missing = [name for index, name in dropped if index == local.index]
-            if missing:
+            if missing := [name for index, name in dropped if index == local.index]:
                 own, theirs = own_groups[number], saved_groups[number]
                 changed = [
                     f"{k}={theirs[k]!r} (here {own[k]!r})"

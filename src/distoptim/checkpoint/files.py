@@ -198,8 +198,7 @@ def _checked_source(
     metadata = _dcp.read_metadata(source)
     saved = set(metadata.state_dict_metadata)
     leaves = dict(_leaves(state_dict, "", saved))
-    missing = sorted(set(leaves) - saved)
-    if missing:
+    if missing := sorted(set(leaves) - saved):
         raise ValueError(
             f"the checkpoint at {final} lacks {len(missing)} of the entries asked for, e.g. {missing[:4]}: it was "
             "saved from another model or optimizer (check the keys, the optimizer class and its settings)"
