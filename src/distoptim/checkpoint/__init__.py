@@ -1,8 +1,7 @@
 """Crash-safe sharded checkpoints: ``torch.distributed.checkpoint`` into a directory that appears only when complete.
 
-``save(state, path)`` writes every rank's shard, then a manifest of each file's CRC-32; ``load(state, path)`` checks
-manifest, keys and shapes on every rank first and raises one ``ValueError`` everywhere otherwise. The contract,
-recovery and formats: ``docs/guides/checkpoints.md``."""
+``save`` writes every rank's shard, then a manifest of each file's CRC-32; ``load`` checks manifest, keys and shapes
+on every rank first and raises one ``ValueError`` everywhere otherwise (``docs/guides/checkpoints.md``)."""
 
 from distoptim.checkpoint.files import load, save
 
