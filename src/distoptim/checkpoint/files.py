@@ -64,11 +64,11 @@ def save(
     Args:
         state_dict: any dict DCP takes; ``Stateful`` values are saved by their state dicts.
         path: the checkpoint's directory, on a file system every rank sees.
-        process_group: the ranks saving together (default None: the default group, or with ``async_save`` its twin).
+        process_group: the ranks saving together; default None: the default group (a gloo twin with ``async_save``).
         async_save: write from a CPU copy in a background thread and return a ``Future`` (default False: write now).
 
     Raises:
-        ValueError: on every rank when the save failed on any (with ``async_save``, the future's); ``path`` stays whole.
+        ValueError: on every rank when the save failed on any (``async_save``: the future raises it); the old one stays.
 
     Example:
         ```python
