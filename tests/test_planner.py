@@ -622,6 +622,12 @@ def test_muon_by_name_points_to_the_muon_option(capsys: pytest.CaptureFixture[st
     assert "Newton-Schulz work per step" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("cap", ["0", "inf", "nan", "1e303"])
+def test_a_bucket_cap_no_int_holds_is_a_one_line_error(cap: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "1e7", "--world-size", "2", "--bucket-cap-mb", cap]) == 2
+    assert "--bucket-cap-mb must be positive" in capsys.readouterr().err
+
+
 def frozen_muon_net() -> nn.Module:
     """Every matrix Muon would take frozen: its Newton-Schulz work is zero on every rank."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ModuleList([nn.Linear(8, 8)]))

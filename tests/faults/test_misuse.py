@@ -737,6 +737,9 @@ MISUSES: list[Misuse] = [
     Misuse("ShardedDataParallel with an infinite bucket_cap_mb",
            lambda r: ShardedDataParallel((m := _model()), _zero(r, m.parameters()), bucket_cap_mb=float("inf")),
            ALL, ValueError, r"bucket_cap_mb must be a positive number of MiB, got inf"),
+    Misuse("ShardedDataParallel with a bucket_cap_mb no int holds in bytes",
+           lambda r: ShardedDataParallel((m := _model()), _zero(r, m.parameters()), bucket_cap_mb=1e303),
+           ALL, ValueError, r"bucket_cap_mb must be a positive number of MiB, got 1e\+303"),
     Misuse("ShardedDataParallel with Join (uneven inputs)", _sdp_under_join, ALL,
            NotImplementedError, r"Join \(uneven inputs\) is not supported with ShardedDataParallel"),
     # --- Functional optimizers.

@@ -132,7 +132,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     else:
         inventory = transformer(parse_count(args.params), dtype or torch.float32)
     optimizer = resolve_optimizer(args.optimizer, dict(map(_optimizer_argument, args.optimizer_arg)))
-    if args.bucket_cap_mb <= 0:
+    if not 0 < args.bucket_cap_mb * 2**20 < math.inf:  # nan, inf and overflowing sizes too
         raise ValueError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     config = PlanConfig(
         world_size=args.world_size,

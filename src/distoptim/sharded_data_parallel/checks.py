@@ -85,7 +85,7 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
     if (
         isinstance(bucket_cap_mb, bool)
         or not isinstance(bucket_cap_mb, (int, float))
-        or not 0 < bucket_cap_mb < math.inf
+        or not 0 < bucket_cap_mb * 2**20 < math.inf  # in bytes: a finite int (DDP's int(bucket_cap_mb * 2**20))
     ):
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
