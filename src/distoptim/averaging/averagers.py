@@ -159,7 +159,8 @@ class HierarchicalModelAverager(ModelAverager):
         process_group: the group to average over; ``None`` (default) is the world group.
 
     Raises:
-        ValueError: bad levels (see above), ``warmup_steps < 0``, or ranks that disagree: raised on every rank.
+        ValueError: bad levels (none, a period below 1, not increasing, a size not dividing the group, a last one
+            not the group), ``warmup_steps < 0``, or ranks that disagree: raised on every rank.
         TypeError: ``process_group`` is not a ``ProcessGroup``.
         RuntimeError: ``process_group`` is ``None`` and no default process group is initialised.
 

@@ -202,7 +202,8 @@ def hook_with_zero_step(
     Args:
         hook: the DDP communication hook averaging a bucket (``allreduce_hook``, or any returning a future of it).
         ddp: the ``DistributedDataParallel`` model whose backward runs the hook.
-        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over the DDP model's parameters and group.
+        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over exactly the DDP model's trainable
+            parameters and over DDP's process group.
         shard_buckets: accepted for compatibility with torch (default False); ZeRO's own plan shards.
         step_from_first_backward: step from the first backward (default False: not in torch's warm-up backwards).
 

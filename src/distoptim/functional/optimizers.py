@@ -21,7 +21,8 @@ class FunctionalOptimizer:
     Args:
         params: the parameters ``step`` updates (a list of tensors); empty only through ``as_functional_optim``.
         *args: the ``torch.optim`` class's hyperparameters by position, in its order; omitted ones take its defaults.
-        **kwargs: the same by name, plus keyword-only ``foreach`` (default ``None``) and ``maximize`` (default False).
+        **kwargs: the same by name, plus keyword-only ``foreach`` (default ``None``: torch's
+            choice) and ``maximize`` (default False).
 
     Raises:
         TypeError: ``FunctionalOptimizer`` itself is built, or an argument is unknown or given twice.

@@ -351,10 +351,12 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             max_norm: the largest total norm the gradient may have.
             norm_type: the order of the norm (default 2.0; ``math.inf`` for the largest element).
             error_if_nonfinite: raise when the total norm is inf or nan (default False, as torch's).
-            grad_scale: the loss scale the gradients carry where ``scaler.unscale_(zero)`` cannot run (default None).
+            grad_scale: the loss scale the gradients still carry where ``scaler.unscale_(zero)`` cannot run (fp16
+                gradients, ``ShardedDataParallel``): the norm and the clipping are the unscaled ones (default None).
 
         Raises:
-            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm, or under ``overlap_with_ddp=True``.
+            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
+                ``overlap_with_ddp=True``.
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(clipping.IN_OVERLAP_MODE)
