@@ -103,13 +103,21 @@ def extra_group(model: FuzzModel, lr: float) -> dict[str, Any]:
     return {"params": list(model.extra.parameters()), "lr": lr * 3}
 
 
-def _ddp(model: nn.Module, group: Any = None, two_stage: bool = False) -> DDP:
+def _ddp(model: nn.Module, group: Any = None, two_stage: bool = False, static_graph: bool = False) -> DDP:
     group_kwargs = {} if group is None else {"process_group": group}
-    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB, **group_kwargs)
+    ddp = DDP(
+        model, find_unused_parameters=True, bucket_cap_mb=BUCKET_CAP_MB, static_graph=static_graph, **group_kwargs
+    )
     if two_stage:
         # a lambda: DDP checks a hook's annotations against the classes, and this module's are strings
         ddp.register_comm_hook(hybrid_groups(), lambda groups, bucket: _two_stage_mean(groups, bucket))
     return ddp
+
+
+def static_graph(program: Program) -> bool:
+    """Whether both sides promise a static graph (``program._static_graph``): ShardedDataParallel agrees on the used
+    parameters at the first backward only, and the oracle's DDP is built with ``static_graph=True`` as well."""
+    return bool(program.options.get("static_graph"))
 
 
 def sums_in_two_stages(program: Program, group: Any = None) -> bool:
@@ -155,7 +163,11 @@ class Subject:
             # fp32, arithmetic DDP has no way to do (seed 102534: a master a bf16 ulp of its gradient apart after one
             # step, outside the twin's measure); its parity test: tests/sharded_data_parallel/test_parity.py
             self.wrapper = ShardedDataParallel(
-                self.model, self.zero, bucket_cap_mb=BUCKET_CAP_MB, overlap_param_sync=options["overlap"]
+                self.model,
+                self.zero,
+                bucket_cap_mb=BUCKET_CAP_MB,
+                overlap_param_sync=options["overlap"],
+                static_graph=static_graph(self.program),
             )
             return
         self.wrapper = ddp = _ddp(self.model, self.group)
@@ -261,7 +273,7 @@ class Oracle:
         self.scheduler = _scheduler(self.optimizer, program)
         self.scaler = _scaler(program)
         self.group = group
-        self.ddp = _ddp(self.model, group, sums_in_two_stages(program, group))
+        self.ddp = _ddp(self.model, group, sums_in_two_stages(program, group), static_graph(program))
 
     def muon_lrs(self) -> dict[int, float]:
         """For each model parameter Muon steps (Muon programs), its step size now (``matrices.muon_step_size``)."""
@@ -285,7 +297,9 @@ class Oracle:
         subject is not rewrapped: ShardedDataParallel follows the storage itself)."""
         buffers = [b.detach().clone() for b in self.model.buffers()] if keep_buffers else []
         syncs_next = self.ddp.require_forward_param_sync  # a DDP that followed: broadcasts where it would have
-        self.ddp = _ddp(self.model, self.group, sums_in_two_stages(self.program, self.group))
+        self.ddp = _ddp(
+            self.model, self.group, sums_in_two_stages(self.program, self.group), static_graph(self.program)
+        )
         if keep_buffers:
             self.ddp.require_forward_param_sync = syncs_next
         with torch.no_grad():

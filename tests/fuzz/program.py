@@ -349,7 +349,8 @@ def _widen(program: Program, allowed: set[str], hybrid: bool) -> Program:
         options["hybrid"] = True
         actions = [a for a in actions if a.name not in ("load_optim", "resume", "reshard")]
     widened = Program(program.seed, features, mode, options, optimizer, kwargs, actions)
-    return _hyper_edits(_piece_invariant(_grown_in_no_sync(_faults(_formats(_exact(widened))), allowed)), allowed)
+    edited = _hyper_edits(_piece_invariant(_grown_in_no_sync(_faults(_formats(_exact(widened))), allowed)), allowed)
+    return _static_graph(edited)
 
 
 def _hyper_edits(program: Program, allowed: set[str]) -> Program:
@@ -498,3 +499,42 @@ def _grown_in_no_sync(program: Program, allowed: set[str]) -> Program:
     block.append(Action("check"))  # the buffers each rank's forwards left, before a synced forward overwrites them
     features = sorted({*program.features, "batchnorm"}) if program.mode == "sdp" else program.features
     return program.replace(features=features, actions=[*actions[:at], *block, *actions[at:]])
+
+
+# what changes the parameters a backward uses, or the graph, between backwards (``_static_graph`` draws none); a
+# ``rank_branch`` is static: rank 0 uses it in every backward, so the ranks' union stays the same
+UNSTATIC_FEATURES = ("odd_branch",)  # used on odd steps only
+UNSTATIC_ACTIONS = ("unfreeze", "add_group", "gan", "failed_backward", "hand_grad")
+BACKWARDS = ("backward", "closure_step", "scaler_step")  # each a backward through the wrapper, on both sides
+
+
+def _quiet_first(actions: list[Action]) -> bool:
+    """Whether a DDP's first backward (the program's, or the first after a ``resume`` wraps anew) runs under
+    ``no_sync()``: DDP(static_graph=True) then fails an internal assert in its reducer (torch's
+    ``expect_autograd_hooks_``) at the next synced backward, so the oracle cannot run such a program."""
+    fresh = True
+    for action in actions:
+        if action.name in ("resume", "retype", "data_clone"):
+            fresh = True
+        elif action.name in BACKWARDS:
+            if fresh and action.name == "backward" and action.args.get("no_sync") and action.args.get("micro", 1) > 1:
+                return True
+            fresh = False
+    return False
+
+
+def _static_graph(program: Program) -> Program:
+    """From an eleventh stream, half the ``sdp`` programs that are static by construction: every backward uses the
+    same parameters (no ``odd_branch``; no unfreezing, added group or growth inside ``no_sync()``, no re-typed or
+    cloned storage, no GAN round, no failed backward), and no ``hand_grad`` (a step whose gradient no backward made:
+    ShardedDataParallel then raises its static-graph ValueError where DDP trains, HISTORY.md). Both sides promise it:
+    ShardedDataParallel(static_graph=True) agrees on the used parameters at the first backward only and predicts them
+    after (``checks.StaticGraph``); the oracle's DDP is built with ``static_graph=True`` too, so not where its first
+    backward is under ``no_sync()`` (``_quiet_first``). Mutant ``sdp_static_marks_used_only``: none was drawn."""
+    rng = random.Random(f"static-{program.seed}")
+    drawn = rng.random()
+    grows = any(a.name == "backward" and a.args.get("grow") for a in program.actions)
+    changes = grows or any(a.name in UNSTATIC_ACTIONS for a in program.actions) or _quiet_first(program.actions)
+    if program.mode != "sdp" or changes or set(program.features) & set(UNSTATIC_FEATURES) or drawn >= 0.5:
+        return program
+    return program.replace(options={**program.options, "static_graph": True})

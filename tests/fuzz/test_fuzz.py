@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fuzz import program as program_module
 from tests.fuzz.__main__ import FAILURES, rerun_command
 from tests.fuzz.interpret import _holds_something, same_bits
 from tests.fuzz.program import (
@@ -25,6 +26,7 @@ from tests.fuzz.program import (
     MODES,
     NEW_FEATURES,
     STATE_FORMATS,
+    UNSTATIC_ACTIONS,
     Action,
     Program,
     constructor_to_load,
@@ -131,6 +133,27 @@ def test_ci_grows_the_model_inside_no_sync_between_accumulated_micro_batches() -
         if program.mode == "sdp" and a.args.get("grow") == "add_group" and "batchnorm" in program.features
     ]
     assert len(found) >= 2, found
+
+
+def test_ci_promises_a_static_graph_only_where_every_backward_uses_the_same_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``sdp`` programs built with ``static_graph=True`` on both sides (``program._static_graph``: none was drawn, so
+    a slip on SDP's predicted path passed every CI seed, mutant ``sdp_static_flags_local``), a ``rank_branch`` one
+    among them; none that changes the used parameters between backwards; and the stream only adds the option."""
+    static = [seed for seed in CI_SEEDS if generate(seed).options.get("static_graph")]
+    assert len(static) >= 2 and any("rank_branch" in generate(seed).features for seed in static), static
+    for seed in static:
+        program = generate(seed)
+        assert program.mode == "sdp" and "odd_branch" not in program.features, program.text()
+        assert not {a.name for a in program.actions} & set(UNSTATIC_ACTIONS), program.text()
+        assert not any(a.args.get("grow") for a in program.actions), program.text()
+    assert any(generate(seed, hybrid=True).options.get("static_graph") for seed in HYBRID_SEEDS)
+    drawn = {seed: generate(seed) for seed in CI_SEEDS}
+    monkeypatch.setattr(program_module, "_static_graph", lambda program: program)
+    for seed, program in drawn.items():
+        options = {k: v for k, v in program.options.items() if k != "static_graph"}
+        assert program.replace(options=options) == generate(seed), seed
 
 
 def test_every_group_hyperparameter_is_compared_at_the_end() -> None:
