@@ -68,6 +68,7 @@ def test_a_bug_on_near_zero_gradients_stays_caught_when_resampled(tmp_path: Path
         ("load_keeps_constructor_hyperparameters", 6, "mismatch"),
         ("bf16_bucket_view_flat", 17, "unexpected_error"),
         ("sdp_replan_leaves_no_sync", 78, "mismatch"),
+        ("sdp_static_flags_local", 10, "hang"),
     ],
 )
 def test_mutants_that_passed_every_ci_seed_fail_their_first_now(
@@ -76,7 +77,9 @@ def test_mutants_that_passed_every_ci_seed_fail_their_first_now(
     """Bugs every CI seed once passed, and their first catching CI seeds now, with the verdict each must reach.
     Review r-42d: a load that keeps the constructor's settings (the resumed subject was built with the program's
     own), and a crash in the subject's forward read as the oracle's error (a pass). Session 15's review: a group
-    added inside ``no_sync()`` that ended it (no program grew its model there; a check compared no buffers)."""
+    added inside ``no_sync()`` that ended it (no program grew its model there; a check compared no buffers). A
+    static graph's backward taken as agreed on each rank's own flags (no program drew ``static_graph``): at seed 10
+    rank 1 steps without rank 0's branch and fails alone, so rank 0 waits (``hang``; seed 62: a plain mismatch)."""
     clean = snapshot(tmp_path)
     mutant = BY_NAME[name]
     verdicts = CleanVerdicts(clean, 2, hybrid=False)

@@ -370,4 +370,16 @@ MUTANTS += (  # the bug a review found that no program reached (fixed in 2ad6c3c
     ),
 )
 
+MUTANTS += (  # ShardedDataParallel(static_graph=True), drawn since the eleventh stream (program._static_graph)
+    _one(
+        "sdp_static_flags_local",
+        "ShardedDataParallel(static_graph=True): a parameter some ranks use and others do not",
+        "a predicted backward (after the first) taken as agreed on this rank's own used flags, as if every rank used "
+        "the same parameters: a rank owning a piece of a parameter only another rank used steps without it",
+        "distoptim/sharded_data_parallel/gradients.py",
+        "            self.holds = [held or static.used(index) for index, held in enumerate(self.holds)]",
+        "            self.holds, self.unagreed = [held or now for held, now in zip(self.holds, self.used)], False",
+    ),
+)
+
 BY_NAME = {m.name: m for m in MUTANTS}

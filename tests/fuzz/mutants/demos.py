@@ -204,5 +204,11 @@ DEMOS["sdp_replan_leaves_no_sync"] = (  # the extra micro-batches' forwards broa
     ),
     2,
 )
+DEMOS["sdp_static_flags_local"] = (  # the first backward agrees; rank 1 steps the second without rank 0's branch
+    _program(
+        "sdp", TWO, "Adam", {"lr": 0.01}, features=("rank_branch",), exact=True, partition="even", static_graph=True
+    ),
+    2,
+)
 # the verdict a demonstration must reach where it is not ``mismatch``
 DEMO_VERDICTS = {"bf16_bucket_view_flat": "unexpected_error"}
