@@ -79,7 +79,7 @@ def test_mutants_that_passed_every_ci_seed_fail_their_first_now(
     own), and a crash in the subject's forward read as the oracle's error (a pass). Session 15's review: a group
     added inside ``no_sync()`` that ended it (no program grew its model there; a check compared no buffers). A
     static graph's backward taken as agreed on each rank's own flags (no program drew ``static_graph``): at seed 10
-    rank 1 steps without rank 0's branch and fails alone, so rank 0 waits (``hang``; seed 62: a plain mismatch)."""
+    rank 1 steps without rank 0's branch and fails alone, so rank 0 waits (``hang``; its demonstration: a mismatch)."""
     clean = snapshot(tmp_path)
     mutant = BY_NAME[name]
     verdicts = CleanVerdicts(clean, 2, hybrid=False)
