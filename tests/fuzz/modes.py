@@ -170,7 +170,7 @@ class Subject:
                 static_graph=static_graph(self.program),
             )
             return
-        self.wrapper = ddp = _ddp(self.model, self.group)
+        self.wrapper = ddp = _ddp(self.model, self.group, static_graph=static_graph(self.program))
         if mode == "zero2_hook":  # the deprecated hook (its FutureWarning: session.py ignores warnings) averages
             # over the optimizer's ranks, which are DDP's (reshard's one-rank group too)
             ddp.register_comm_hook(self.zero, reduce_to_owners_hook)

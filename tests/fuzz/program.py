@@ -503,6 +503,7 @@ def _grown_in_no_sync(program: Program, allowed: set[str]) -> Program:
 
 # what changes the parameters a backward uses, or the graph, between backwards (``_static_graph`` draws none); a
 # ``rank_branch`` is static: rank 0 uses it in every backward, so the ranks' union stays the same
+STATIC_MODES = ("sdp", "zero1", "zero2_hook")  # the wrappers distoptim's modes build: SDP, DDP (not the hooks')
 UNSTATIC_FEATURES = ("odd_branch",)  # used on odd steps only
 UNSTATIC_ACTIONS = ("unfreeze", "add_group", "retype", "data_clone", "gan", "failed_backward", "hand_grad")
 BACKWARDS = ("backward", "closure_step", "scaler_step")  # each a backward through the wrapper, on both sides
@@ -524,18 +525,20 @@ def _quiet_first(actions: list[Action]) -> bool:
 
 
 def _static_graph(program: Program) -> Program:
-    """From an eleventh stream, three in four ``sdp`` programs that are static by construction: every backward uses
-    the same parameters (no ``odd_branch``; no unfreezing, added group or growth inside ``no_sync()``, no GAN round,
-    no failed backward; no re-typed or cloned storage, which re-places it), and no ``hand_grad``. Both sides promise
-    it: ShardedDataParallel(static_graph=True) agrees on the used parameters at the first backward only and predicts
-    them after (``checks.StaticGraph``); the oracle's DDP is built with ``static_graph=True`` too, so not where its
-    first backward is under ``no_sync()`` (``_quiet_first``). Mutant ``sdp_static_flags_local``: none was drawn.
-    Left out for the library's sake (HISTORY.md, open): a step before the first backward, a hand-set gradient and a
-    re-placement make SDP raise its static-graph ValueError where DDP trains on."""
+    """From an eleventh stream, three in four ``sdp``, ``zero1`` and ``zero2_hook`` programs (not the overlap
+    hooks', which step inside DDP's backwards) that are static by construction: every backward uses the same
+    parameters (no ``odd_branch``; no unfreezing, added group or growth inside ``no_sync()``, no GAN round, no failed
+    backward; no re-typed or cloned storage, which SDP re-places), and no ``hand_grad``. Both sides promise it:
+    ShardedDataParallel(static_graph=True) agrees on the used parameters at the first backward only and predicts
+    them after (``checks.StaticGraph``); the subject's DDP (``zero1``, ``zero2_hook``) and the oracle's are built
+    with ``static_graph=True``, so not where a DDP's first backward is under ``no_sync()`` (``_quiet_first``).
+    Mutant ``sdp_static_flags_local``: none was drawn. Left out for the library's sake (HISTORY.md, open): a step
+    before the first backward, a hand-set gradient and a re-placement make SDP raise its static-graph ValueError
+    where DDP trains on."""
     rng = random.Random(f"static-{program.seed}")
     drawn = rng.random()
     grows = any(a.name == "backward" and a.args.get("grow") for a in program.actions)
     changes = grows or any(a.name in UNSTATIC_ACTIONS for a in program.actions) or _quiet_first(program.actions)
-    if program.mode != "sdp" or changes or set(program.features) & set(UNSTATIC_FEATURES) or drawn >= 0.75:
+    if program.mode not in STATIC_MODES or changes or set(program.features) & set(UNSTATIC_FEATURES) or drawn >= 0.75:
         return program
     return program.replace(options={**program.options, "static_graph": True})

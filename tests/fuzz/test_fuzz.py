@@ -26,6 +26,7 @@ from tests.fuzz.program import (
     MODES,
     NEW_FEATURES,
     STATE_FORMATS,
+    STATIC_MODES,
     UNSTATIC_ACTIONS,
     Action,
     Program,
@@ -138,14 +139,17 @@ def test_ci_grows_the_model_inside_no_sync_between_accumulated_micro_batches() -
 def test_ci_promises_a_static_graph_only_where_every_backward_uses_the_same_parameters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``sdp`` programs built with ``static_graph=True`` on both sides (``program._static_graph``: none was drawn, so
-    a slip on SDP's predicted path passed every CI seed, mutant ``sdp_static_flags_local``), a ``rank_branch`` one
-    among them; none that changes the used parameters between backwards; and the stream only adds the option."""
+    """Programs built with ``static_graph=True`` on both sides (``program._static_graph``: none was drawn, so a slip
+    on SDP's predicted path passed every CI seed, mutant ``sdp_static_flags_local``): ``sdp`` ones, a ``rank_branch``
+    one among them, and DDP's under ``zero1`` and ``zero2_hook``; none that changes the used parameters between
+    backwards; and the stream only adds the option."""
     static = [seed for seed in CI_SEEDS if generate(seed).options.get("static_graph")]
-    assert len(static) >= 2 and any("rank_branch" in generate(seed).features for seed in static), static
+    sdp = [seed for seed in static if generate(seed).mode == "sdp"]
+    assert len(sdp) >= 2 and any("rank_branch" in generate(seed).features for seed in sdp), static
+    assert {generate(seed).mode for seed in static} == set(STATIC_MODES), static
     for seed in static:
         program = generate(seed)
-        assert program.mode == "sdp" and "odd_branch" not in program.features, program.text()
+        assert "odd_branch" not in program.features, program.text()
         assert not {a.name for a in program.actions} & set(UNSTATIC_ACTIONS), program.text()
         assert not any(a.args.get("grow") for a in program.actions), program.text()
     assert any(generate(seed, hybrid=True).options.get("static_graph") for seed in HYBRID_SEEDS)
