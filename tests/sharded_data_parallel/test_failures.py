@@ -357,6 +357,31 @@ def test_static_graph_trains_as_ddp_and_refuses_a_changed_graph(change: bool) ->
     run_on_ranks(_static_body, 2, change, timeout=60)
 
 
+def _static_step_first_body(rank: int, world_size: int) -> None:
+    """``static_graph=True`` with a step before any backward (none, then on gradients set by hand, alike on every
+    rank) trains as DDP + AdamW: the promise is the first backward's parameters, not the first step's."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, static_graph=True)
+    ddp = DDP(reference, find_unused_parameters=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    for opt, net in ((zero, model), (plain, reference)):
+        opt.step()
+        for param in net.parameters():
+            param.grad = torch.full_like(param, 0.1)
+        opt.step()
+    _compare(model, reference, "hand-set step")
+    for step in range(3):
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step)).square().mean().backward()
+            opt.step()
+        _compare(model, reference, f"step {step}")
+
+
+def test_static_graph_takes_its_promise_from_the_first_backward_not_a_step() -> None:
+    run_on_ranks(_static_step_first_body, 2, timeout=60)
+
+
 def _static_one_rank_body(rank: int, world_size: int) -> None:
     """``static_graph=True`` with the branch used on rank 0 only (even partition: rank 1 owns half of it without
     using it) and ``zero_grad()`` to None each step trains as DDP + AdamW. Rank 1 skipped its half from the second

@@ -139,8 +139,9 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
 
 
 class StaticGraph:
-    """``static_graph=True``: the parameters some rank used at the first agreement, which later backwards take as
-    agreed (``predicted``) until the next agreement checks them against the ranks' flags."""
+    """``static_graph=True``: the parameters some rank used in the first backward, which later backwards take as
+    agreed (``predicted``) until the next agreement checks them against the ranks' flags. A step before any backward
+    (on hand-set gradients, or none) sets no pattern."""
 
     def __init__(self) -> None:
         self.pattern: list[bool] | None = None
@@ -149,8 +150,10 @@ class StaticGraph:
     def used(self, index: int) -> bool:
         return self.pattern is not None and self.pattern[index]
 
-    def agreed(self, everywhere: Sequence[bool], placed: Sequence[int]) -> None:
-        """The ranks' agreed flags: the first become the pattern; a predicted backward must have matched it."""
+    def agreed(self, everywhere: Sequence[bool], placed: Sequence[int], backward: bool) -> None:
+        """The ranks' agreed flags: the first backward's become the pattern; a predicted one must have matched it."""
+        if self.pattern is None and not backward:
+            return
         if self.pattern is None:
             self.pattern = [False] * len(everywhere)
             for index in placed:

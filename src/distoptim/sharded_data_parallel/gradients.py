@@ -224,11 +224,12 @@ class OwnedGradients:
             self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad
         )
 
-    def agreed(self, everywhere: Sequence[bool]) -> None:
-        """The ranks agreed which parameters some rank used: the store holds those; the others' markers go."""
+    def agreed(self, everywhere: Sequence[bool], backward: bool = False) -> None:
+        """The ranks agreed which parameters some rank used (``backward``: at a backward's end): the store holds
+        those; the others' markers go."""
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
             placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
-            self.static.agreed(everywhere, placed)
+            self.static.agreed(everywhere, placed, backward)
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used, self.unagreed = [False] * len(self.params), False
         for index, (marker, _) in list(self._markers.items()):
@@ -372,9 +373,9 @@ class OwnedGradients:
         self.unagreed = True  # (a static graph's promise is checked by the step's agreement)
         counts = self._summed_flags() if static is None and self.buckets else None
         if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
-            self.agreed([count > 0 for count in counts[:-1]])
+            self.agreed([count > 0 for count in counts[:-1]], backward=True)
         elif static is None:
-            self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True))
+            self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True), True)
         else:
             self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
             static.predicted = True  # the first backward's parameters, held as if agreed (the step checks them)

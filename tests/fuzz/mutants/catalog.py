@@ -343,8 +343,8 @@ MUTANTS += (  # issue 45: ShardedDataParallel's used flags summed as DDP's used 
         "each rank takes its own used flags for the ranks' sums: a rank owning a piece of a parameter only another "
         "rank used never steps it",
         "distoptim/sharded_data_parallel/gradients.py",
-        "            self.agreed([count > 0 for count in counts[:-1]])",
-        "            self.agreed(list(self.used))",
+        "            self.agreed([count > 0 for count in counts[:-1]], backward=True)",
+        "            self.agreed(list(self.used), backward=True)",
     ),
     _one(
         "sdp_flags_late_ignored",
