@@ -375,7 +375,8 @@ class OwnedGradients:
         if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
             self.agreed([count > 0 for count in counts[:-1]], backward=True)
         elif static is None:
-            self.agreed(self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True), True)
+            averaged = self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True)
+            self.agreed(averaged, backward=True)
         else:
             self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
             static.predicted = True  # the first backward's parameters, held as if agreed (the step checks them)
