@@ -847,7 +847,8 @@ def _same_setting(got: Any, want: Any) -> bool:
 
 def _overflowing(name: str | None, models: list[Any]) -> list[Any]:
     """An injected overflow (``scaler_step(overflow=layer)``): the gradient of the layer's weight holds an inf in
-    its first element on every rank, so only that element's owner finds it; the hooks' handles, to remove."""
+    its first element on every rank, so under ShardedDataParallel only that element's owner finds it (under DDP every
+    rank reads the averaged whole); the hooks' handles, to remove."""
 
     def poison(grad: Tensor) -> Tensor:
         grad = grad.clone()

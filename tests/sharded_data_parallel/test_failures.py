@@ -273,13 +273,13 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
     """Agreements (``agree_across_ranks``: one all-reduce on the control plane each) made in the backwards and in
     the steps of three steps of two micro-batches each."""
     model, reference = Chain(), Chain()
-    if how == "ddp":
+    if how.startswith("ddp"):
         ddp = DDP(model)
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **KW)
         wrapper: nn.Module = ddp
     else:
         zero, wrapper = _sdp(model, static_graph="static" in how)
-    scaler = torch.amp.GradScaler("cpu", init_scale=64.0) if how == "sdp_scaler" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0) if how.endswith("scaler") else None
     counts: Counter[str] = Counter()
     phase = ["setup"]
     original = agreement.agree_across_ranks
@@ -312,6 +312,7 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
     ("how", "per_backward", "per_step"),
     [
         ("ddp", 0, 1),
+        ("ddp_scaler", 0, 1),
         ("sdp", 0, 1),
         ("sdp_scaler", 0, 2),
         ("sdp_unused", 0, 1),
@@ -323,7 +324,8 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
 def test_agreements_none_per_backward_one_per_plain_step(how: str, per_backward: int, per_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
     exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
-    raise), not agreed; a GradScaler adds the agreement around the local step."""
+    raise), not agreed; a GradScaler adds the agreement around the local step, since each rank's verdict reads its
+    owned gradient only (under DDP every rank reads the same whole gradient and steps inside the one agreement)."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == per_step * 3, counts

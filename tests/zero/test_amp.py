@@ -177,6 +177,24 @@ def test_grad_scaler_with_overlap_is_refused_clearly() -> None:
     run_on_ranks(_overlap_body, 2)
 
 
+def _differing_body(rank: int, world_size: int) -> None:
+    """Under DDP each rank reads the whole (alike) gradient and steps inside the step's one agreement; a ``.grad`` made
+    to differ by hand (an inf on rank 1 only) then raises on every rank, naming the cause, instead of being agreed."""
+    model = _net(torch.float32)
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(ddp, rank, 0, torch.float32)).backward()
+    if rank == 1:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    with pytest.raises(RuntimeError, match=r"the ranks' \.grad differ under torch\.amp\.GradScaler"):
+        scaler.step(zero)
+
+
+def test_grad_scaler_refuses_grads_that_differ_between_ranks_on_every_rank() -> None:
+    run_on_ranks(_differing_body, 2)
+
+
 def _accumulate_body(rank: int, world_size: int, wrapper: str) -> None:
     """``scaler.step(zero)`` then a backward with no ``zero_grad`` between: torch's ``scaler.step(optimizer)`` leaves
     every ``.grad`` unscaled, so the next backward accumulates onto unscaled gradients. ZeRO unscaled only what this

@@ -15,11 +15,12 @@ __all__ = ["Verdict", "check_and_unscale", "once_each", "refuse_in_overlap_mode"
 
 
 class Verdict:
-    """This rank's half of a scaler's verdict (an inf or nan in its owned gradients), to be agreed and recorded."""
+    """This rank's half of a scaler's verdict (an inf or nan in the gradient it read), to be agreed and recorded."""
 
-    def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor) -> None:
+    def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor, alike: bool) -> None:
         self.grad_scaler, self.optimizer, self.flag = grad_scaler, optimizer, flag
         self.found_here = bool(_host.read(flag, "GradScaler's skip decision"))
+        self.step_now = alike and not self.found_here  # every rank read the same gradient: steps before agreeing
 
     def record(self, found_anywhere: bool) -> None:
         """Hand the scaler the agreed verdict, the same on every rank, for ``update()`` to adjust the scale by."""
@@ -33,9 +34,11 @@ def check_and_unscale(
     grads: Callable[[], Sequence[Tensor]],
     sharded_in_memory: bool,
     model_grads: Callable[[], Sequence[Tensor]] = tuple,
+    alike: bool = False,
 ) -> Verdict | None:
     """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local);
-    ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, a piece viewing one only once."""
+    ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, a piece viewing one only once.
+    ``alike`` (DDP's ``.grad``, the same on every rank): the verdict reads the whole gradient, so ranks step at once."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None
@@ -50,13 +53,13 @@ def check_and_unscale(
     one = torch.ones((), dtype=torch.float32, device=scale.device)
     inverse = one if unscaled else scale.double().reciprocal().float()
     stepped = [_dense(grad) for grad in grads()]
-    held = [] if unscaled else [_dense(grad) for grad in model_grads()]
+    held = [] if unscaled and not alike else [_dense(grad) for grad in model_grads()]
     in_held = {_address(grad) for grad in held}
     copies = [grad for grad in stepped if _address(grad) not in in_held]  # fp32 master copies, re-laid pieces
-    flags = [_check_and_unscale(copies, inverse, scale)]
-    _check_and_unscale(held, inverse, scale)  # the verdict reads only what this rank steps
-    flags.append(_check_and_unscale([grad for grad in stepped if _address(grad) in in_held], one, scale))
-    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax())
+    flags = [_check_and_unscale(copies, inverse, scale), _check_and_unscale(held, inverse, scale)]
+    if not alike:  # the verdict reads only what this rank steps
+        flags[1] = _check_and_unscale([grad for grad in stepped if _address(grad) in in_held], one, scale)
+    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax(), alike)
 
 
 def once_each(wholes: Sequence[Tensor], pieces: Sequence[Tensor]) -> list[Tensor]:

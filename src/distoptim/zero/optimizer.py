@@ -166,7 +166,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     ) -> float | None:
         """``step()`` past the overlap mode and Join's notice; ``joined``: a joined rank's, run by Join's hook."""
         self.land_sync()
-        try:  # 1. the local part on every rank (under a GradScaler, all but the local step), agreed
+        try:  # 1. the local part on every rank (SDP under a GradScaler: all but the local step), agreed
             (loss, verdict), scaled, found_inf, flags = self._agreed_step(
                 lambda: self._prepare(closure, kwargs, grad_scaler, hold=joined),
                 (lambda: self._step_local(None, kwargs)) if joined else None,
@@ -182,8 +182,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                     )
             if verdict is not None:
                 verdict.record(found_inf)
-            if scaled and not found_inf:  # 2. a GradScaler's step where no rank's owned gradient held an inf or nan
-                repartitioning.agreed(self, lambda: None if verdict is None else self._step_local(None, kwargs))
+            if scaled and not found_inf:  # 2. a GradScaler's step (SDP's) where no rank's owned gradient held one
+                waits = verdict is not None and not verdict.step_now
+                repartitioning.agreed(self, lambda: self._step_local(None, kwargs) if waits else None)
         finally:
             self.local_shard.detach_grads()  # no stale gradient piece outlives the step
         self.sync_parameters()  # 3. every rank's updated shard to every rank
@@ -241,8 +242,10 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         whole = self._whole_grads()  # before any store piece is in .grad
         shard.attach_grads()
         held = lambda: amp.once_each([p.grad for p in whole if p.grad is not None], shard.source_grads())
-        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held)
-        return self._step_local(closure, kwargs) if verdict is None and not hold else None, verdict
+        alike = source is None and not self.joining  # DDP's .grad: each rank decides on the same values
+        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held, alike)
+        stepping_now = (verdict is None or verdict.step_now) and not hold
+        return self._step_local(closure, kwargs) if stepping_now else None, verdict
 
     def _whole_grads(self) -> list[Tensor]:
         """The parameters whose ``.grad`` clipping and a scaler scale whole: all under DDP, else those set by hand."""

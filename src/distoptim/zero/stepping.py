@@ -26,6 +26,13 @@ JOIN_WITH_SCALER = (
     "would step its shard with its .grad as it stands, which no scaler unscaled or checked for inf/nan. Give every "
     "rank the same number of batches (DistributedSampler(drop_last=True)), or step without the GradScaler under Join"
 )
+DIVERGED_UNDER_SCALER = (
+    "the ranks' .grad differ under torch.amp.GradScaler: a rank found an inf or nan in its gradient and skipped the "
+    "step while another found none and stepped its shard, so the ranks' optimizer states now differ. Under DDP every "
+    "rank holds the same averaged .grad; change .grad alike on every rank (or not at all) between the backward and "
+    "scaler.step(zero), or use ShardedDataParallel, whose step agrees on the verdict first; then resume from a "
+    "checkpoint"
+)
 
 
 class GradientSource(Protocol):
@@ -51,21 +58,29 @@ def agreed_step(
     joined_step: Callable[[], object] | None = None,
     extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
-    """``action()`` agreed over ``groups``; then whether any rank steps under a GradScaler, whether any found an inf or
-    nan, and for each of ``extra(prepared)`` whether any rank raised it; around a joined rank's ``joined_step`` too."""
+    """``action()`` agreed over ``groups``; then whether any rank's step under a GradScaler waits for the agreed
+    verdict, whether any found an inf or nan, and for each of ``extra(prepared)`` whether any rank raised it; around
+    a joined rank's ``joined_step`` too. Where the verdict was read on the same gradient everywhere, ranks step in
+    ``action()`` (one agreement a step), so a rank that stepped where another found an inf raises everywhere."""
     joined = joined_step is not None
-    prepared, (scaled, found_inf, any_joined, *extras) = agreement.run_step_agreed(
+    prepared, (scaled, found_inf, stepped, any_joined, *extras) = agreement.run_step_agreed(
         action,
         fingerprint,
         list(groups),
         flags=lambda done: (
-            ((False, False, joined) if done is None or done[1] is None else (True, done[1].found_here, joined))
+            (
+                (False, False, False, joined)
+                if done is None or (verdict := done[1]) is None
+                else (not verdict.step_now, verdict.found_here, verdict.step_now, joined)
+            )
             + tuple(extra(done))
         ),
         joined=joined,
     )
+    if found_inf and stepped:
+        raise RuntimeError(DIVERGED_UNDER_SCALER)
     if any_joined:
-        if scaled:
+        if scaled or stepped:
             raise RuntimeError(JOIN_WITH_SCALER)
         agreed(joined_step or (lambda: None), fingerprint, groups, joined)
     return prepared, scaled, found_inf, tuple(extras)

@@ -98,7 +98,7 @@ DEMOS.update(
         "overlap_adamw_coupled": (_program("overlap_hook", TWO + TWO, "AdamW", ADAMW), 2),
         "scaler_local_verdict": (
             _program(
-                "zero1",
+                "sdp",
                 [
                     Action("zero_grad", {"via": "optimizer", "set_to_none": True}),
                     Action("scaler_step", {"clip": False, "overflow": "head"}),
