@@ -139,30 +139,39 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
 
 
 class StaticGraph:
-    """``static_graph=True``: the parameters some rank used in the first backward, which later backwards take as
-    agreed (``predicted``) until the next agreement checks them against the ranks' flags. A step before any backward
-    (on hand-set gradients, or none) sets no pattern."""
+    """``static_graph=True``: the parameters some rank used in the first backward (of those placed then), which later
+    backwards take as agreed (``expected``: those still trainable at their end) until the next agreement checks them
+    against the ranks' flags. A step before any backward sets no pattern; a re-placement drops it (the next backward
+    sets it again), never a pending check."""
 
     def __init__(self) -> None:
-        self.pattern: list[bool] | None = None
-        self.predicted = False
+        self.pattern: dict[int, bool] | None = None
+        self.expected: dict[int, bool] | None = None  # a predicted backward's, until an agreement checks it
+
+    @property
+    def predicted(self) -> bool:
+        return self.expected is not None
+
+    def predict(self, params: Sequence[torch.Tensor]) -> None:
+        """A backward's end: its parameters are the pattern's still trainable (and any a predicted one held)."""
+        assert self.pattern is not None
+        held = self.expected or {}
+        self.expected = {
+            i: held.get(i, False) or (used and params[i].requires_grad) for i, used in self.pattern.items()
+        }
 
     def used(self, index: int) -> bool:
-        return self.pattern is not None and self.pattern[index]
+        return self.expected is not None and self.expected.get(index, False)
 
     def agreed(self, everywhere: Sequence[bool], placed: Sequence[int], backward: bool) -> None:
         """The ranks' agreed flags: the first backward's become the pattern; a predicted one must have matched it."""
-        if self.pattern is None and not backward:
-            return
-        if self.pattern is None:
-            self.pattern = [False] * len(everywhere)
-            for index in placed:
-                self.pattern[index] = bool(everywhere[index])
-        changed = [index for index in placed if everywhere[index] != self.pattern[index]]
-        if self.predicted and changed:
+        expected, self.expected = self.expected or {}, None
+        changed = [index for index, used in expected.items() if bool(everywhere[index]) != used]
+        if changed:
             raise ValueError(
                 f"ShardedDataParallel(static_graph=True): parameters {changed[:8]} of the optimizer were used by "
                 "some rank in the first backward and by none since, or the other way round. Build the wrapper "
                 "without static_graph=True, which agrees on the parameters used at the end of each backward"
             )
-        self.predicted = False
+        if self.pattern is None and backward:
+            self.pattern = {index: bool(everywhere[index]) for index in placed}

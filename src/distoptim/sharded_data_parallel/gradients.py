@@ -43,6 +43,7 @@ class OwnedGradients:
         self.wrapper = wrapper  # the ShardedDataParallel whose hooks these are, and its settings
         self.zero: ZeroRedundancyOptimizer = wrapper.zero
         self.replanned = replanned  # called after placing (the wrapper's rebuild)
+        self.static = checks.StaticGraph() if wrapper.static_graph else None  # DDP's promise
         self._build(buckets, sync)
 
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
@@ -61,7 +62,6 @@ class OwnedGradients:
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
         self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
-        self.static = checks.StaticGraph() if self.wrapper.static_graph else None  # DDP's promise
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
         for (index, _), piece in self.layout.fragments.items():
             self.pieces.setdefault(index, []).append(piece)
@@ -84,6 +84,8 @@ class OwnedGradients:
         for kept in ("owned", "landed", "used", "holds"):
             getattr(self, kept)[: len(getattr(previous, kept))] = getattr(previous, kept)
         self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
+        if self.static is not None:  # a pending check stays; the next backward's parameters are the promise
+            self.static.pattern = None
         self.no_sync = previous.no_sync  # placed inside no_sync() (add_param_group): its backwards still accumulate
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
@@ -193,7 +195,7 @@ class OwnedGradients:
         self.landed = [not set_to_none] * len(self.buckets)
         self.used, self.unagreed = [False] * len(self.params), False
         if self.static is not None:
-            self.static.predicted = False
+            self.static.expected = None
         self._unreduced.clear()
         if set_to_none:
             self.holds = [False] * len(self.params)
@@ -379,6 +381,6 @@ class OwnedGradients:
             self.agreed(averaged, backward=True)
         else:
             self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
-            static.predicted = True  # the first backward's parameters, held as if agreed (the step checks them)
+            static.predict(self.params)  # the first backward's parameters, held as if agreed (the step checks them)
             self.holds = [held or static.used(index) for index, held in enumerate(self.holds)]
             self.mark()
