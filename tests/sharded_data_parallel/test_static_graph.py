@@ -1,6 +1,6 @@
 """``ShardedDataParallel(static_graph=True)`` where the program changes what it trains or clears between a predicted
-backward and its step: a re-placement (a layer frozen) keeps the step's check of the prediction. Each program that
-trains is compared with DDP + torch's AdamW."""
+backward and its step: a re-placement (a layer frozen) and a clear to zeros keep the step's check of the prediction.
+Each program that trains is compared with DDP + torch's AdamW."""
 
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ def _between(how: str, net: Chain, optimizer: torch.optim.Optimizer) -> None:
         net.layers[0].requires_grad_(False)
     elif how == "freeze_unused":
         net.branch.requires_grad_(False)
+    elif how == "zeros":
+        optimizer.zero_grad(set_to_none=False)
 
 
 def _predicted_body(rank: int, world_size: int, how: str, broken: bool) -> None:
     """Three steps as DDP + AdamW; at the third (``broken``: the branch unused by every rank, a broken promise) the
-    program freezes a layer before the backward or between it and the step."""
+    program freezes a layer before the backward or between it and the step, or clears to zeros between them."""
     model, reference = Chain(), Chain()
     zero, sdp = _sdp(model, static_graph=True)
     ddp = DDP(reference, find_unused_parameters=True)
@@ -52,7 +54,9 @@ def _predicted_body(rank: int, world_size: int, how: str, broken: bool) -> None:
         ("freeze_before", False),  # frozen before the backward: not stepped (no gradient), as under DDP
         ("freeze_other", True),  # the re-placement kept the check: the branch is not stepped on zeros
         ("freeze_unused", True),
+        ("zeros", False),  # every parameter stepped on zeros, as torch's AdamW steps zeroed gradients
+        ("zeros", True),  # the clear kept the check: the branch (no gradient under DDP) not stepped on zeros
     ],
 )
-def test_static_graph_checks_a_predicted_backward_across_a_replacement(how: str, broken: bool) -> None:
+def test_static_graph_checks_a_predicted_backward_across_a_replacement_or_a_clear(how: str, broken: bool) -> None:
     run_on_ranks(_predicted_body, 2, how, broken, timeout=60)

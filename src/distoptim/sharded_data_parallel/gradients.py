@@ -183,18 +183,19 @@ class OwnedGradients:
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: forget the owned gradient and which parameters were used (``set_to_none=False``: zero it)."""
-        reached: set[int] = set()
+        pending = self.static is not None and self.static.predicted and not set_to_none  # checked at the step
+        reached = {index for index, used in enumerate(self.used) if used and pending}
         if self.in_backward:  # a backward that raised before launching anything: its buckets dropped, unswapped
             if self._next:
                 raise RuntimeError(checks.POISONED)
-            reached = set(self._filled)
+            reached |= self._filled
             self._buffers = {}
             self._next_backward_afresh()
             self.in_backward = False
             self._unswap()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used, self.unagreed = [False] * len(self.params), False
-        if self.static is not None:
+        if self.static is not None and not pending:
             self.static.expected = None
         self._unreduced.clear()
         if set_to_none:
