@@ -1,13 +1,17 @@
 """``ShardedDataParallel(static_graph=True)`` where the program changes what it trains or clears between a predicted
-backward and its step: a re-placement (a layer frozen) and a clear to zeros keep the step's check of the prediction.
-Each program that trains is compared with DDP + torch's AdamW."""
+backward and its step: a re-placement (a layer frozen or unfrozen) keeps the step's check of the prediction, ranks
+that unfreeze different layers raise on every rank instead of hanging, and a clear to zeros keeps the check. Each
+program that trains is compared with DDP + torch's AdamW."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
 from tests.sharded_data_parallel.test_failures import KW, Chain, _compare, _sdp, _x
 
@@ -60,3 +64,56 @@ def _predicted_body(rank: int, world_size: int, how: str, broken: bool) -> None:
 )
 def test_static_graph_checks_a_predicted_backward_across_a_replacement_or_a_clear(how: str, broken: bool) -> None:
     run_on_ranks(_predicted_body, 2, how, broken, timeout=60)
+
+
+class _Gated(nn.Module):
+    """Two layers frozen when the optimizer is built (``a``; ``b``, without a bias), unfrozen later, and a body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.body = nn.Linear(6, 6), nn.Linear(6, 6, bias=False), nn.Linear(6, 6)
+        self.a.requires_grad_(False)
+        self.b.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.tanh(self.a(x) + self.b(x)))
+
+
+def _unfreezing_body(rank: int, world_size: int, how: str) -> None:
+    """Static graph: ``a`` unfrozen after the first step on every rank (``same``; then trains as an averaged AdamW,
+    clips and two backwards a step included), or by rank 0 only, or ``a`` on rank 0 and ``b`` on rank 1: the
+    step raises on every rank (the backward's end was a collective on the unfreezing ranks only: a hang)."""
+    model, reference = _Gated(), _Gated()
+    zero = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, **KW)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001, static_graph=True)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(4):
+        if step == 1 and (how == "same" or rank == 0):
+            model.a.requires_grad_(True)
+            reference.a.requires_grad_(True)
+        elif step == 1 and how == "different":
+            model.b.requires_grad_(True)
+        zero.zero_grad()
+        plain.zero_grad()
+        for micro in range(1 + (step == 2)):
+            sdp(_x(rank, 10 * step + micro)).square().mean().backward()
+            reference(_x(rank, 10 * step + micro)).square().mean().backward()
+        if step == 1 and how != "same":
+            with pytest.raises(ValueError, match="disagree .the parameters that require grad"):
+                zero.step()
+            return
+        for param in reference.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= world_size
+        if step in (1, 3):  # the first right after unfreezing: the averaged gradient's norm
+            torch.testing.assert_close(zero.clip_grad_norm_(0.1), nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+        zero.step()
+        plain.step()
+        _compare(model, reference, f"{how}, step {step}")
+
+
+@pytest.mark.parametrize("how", ["same", "one", "different"])
+def test_static_graph_ranks_unfreezing_different_layers_raise_on_every_rank(how: str) -> None:
+    run_on_ranks(_unfreezing_body, 2, how, timeout=60)

@@ -44,6 +44,7 @@ class OwnedGradients:
         self.zero: ZeroRedundancyOptimizer = wrapper.zero
         self.replanned = replanned  # called after placing (the wrapper's rebuild)
         self.static = checks.StaticGraph() if wrapper.static_graph else None  # DDP's promise
+        self.late: list[int] = []  # static_graph=True: placed since the ranks last agreed (their .grad: the ranks' own)
         self._build(buckets, sync)
 
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
@@ -85,7 +86,8 @@ class OwnedGradients:
             getattr(self, kept)[: len(getattr(previous, kept))] = getattr(previous, kept)
         self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
         if self.static is not None:  # a pending check stays; the next backward's parameters are the promise
-            self.static.pattern = None
+            self.static.pattern, placed = None, self.slot_of.keys() - previous.slot_of.keys()
+            self.late += [index for index, param in enumerate(self.params) if id(param) in placed]
         self.no_sync = previous.no_sync  # placed inside no_sync() (add_param_group): its backwards still accumulate
         for bucket in range(len(previous.buckets), len(self.buckets)):
             plan = self.buckets[bucket]
@@ -223,8 +225,8 @@ class OwnedGradients:
         self.check_finished()
         for index in range(len(self.params)):
             self.settle(index)
-        return not self.unagreed or all(
-            self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad
+        return not self.late and (
+            not self.unagreed or all(self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad)
         )
 
     def agreed(self, everywhere: Sequence[bool], backward: bool = False) -> None:
@@ -233,6 +235,8 @@ class OwnedGradients:
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
             placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
             self.static.agreed(everywhere, placed, backward)
+            late, self.late = self.late, []  # (a backward since reduced their .grad: the ranks' own no longer)
+            self._unplaced.average(self.zero, self.params, [] if backward else [i for i in late if everywhere[i]])
         self.holds = [held or now for held, now in zip(self.holds, everywhere)]
         self.used, self.unagreed = [False] * len(self.params), False
         for index, (marker, _) in list(self._markers.items()):
@@ -246,7 +250,8 @@ class OwnedGradients:
         self.prepare_step()
         if self.unagreed:
             groups = self.zero.agreement_groups
-            self.agreed(agreement.agree_across_ranks({}, groups, "clip_grad_norm_", flags=self.used))
+            late = {"parameters placed since the last step {}": tuple(self.late)} if self.late else {}
+            self.agreed(agreement.agree_across_ranks(late, groups, "clip_grad_norm_", flags=self.used))
 
     def hand_set(self) -> list[Tensor]:
         """Parameters whose ``.grad`` the program set (a tensor): clipping and a scaler scale each whole, everywhere."""
@@ -378,10 +383,9 @@ class OwnedGradients:
         if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
             self.agreed([count > 0 for count in counts[:-1]], backward=True)
         elif static is None:
-            averaged = self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=True)
-            self.agreed(averaged, backward=True)
-        else:
-            self._unplaced.average(self.zero, self.params, self.slot_of, self.used, agree=False)
+            self.agreed(self._unplaced.agree(self.zero, self.params, self.slot_of, self.used), backward=True)
+        else:  # no collective: a rank alone may hold parameters trainable since the plan (the step agrees on them)
+            self._unplaced.agree(self.zero, self.params, self.slot_of, self.used, alone=True)
             static.predict(self.params)  # the first backward's parameters, held as if agreed (the step checks them)
             self.holds = [held or static.used(index) for index, held in enumerate(self.holds)]
             self.mark()

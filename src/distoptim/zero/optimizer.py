@@ -363,9 +363,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(clipping.IN_OVERLAP_MODE)
-        if self._gradient_source is not None:  # every rank alike: which parameters some rank used
-            self._gradient_source.ready()
         self.placer.repartition_if_changed(refusal_deferred=True)  # a newly trainable parameter needs an owner
+        if self._gradient_source is not None:  # every rank alike: which parameters some rank used (those placed now)
+            self._gradient_source.ready()
         shard, group, device = self.local_shard, self.process_group, self.placer.comm_device
         whole = self._whole_grads()
         return clipping.clip_shard(shard, whole, max_norm, norm_type, error_if_nonfinite, group, device, grad_scale)

@@ -91,8 +91,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "ShardedDataParallel: a parameter unfrozen since the plan (all-reduced at the end of the backward)",
         "the gradient of an unplaced parameter not scaled by 1/N before it is all-reduced",
         "distoptim/sharded_data_parallel/unplaced.py",
-        "                grad.mul_(1.0 / (zero.world_size * zero.replica_count))",
-        "                grad.mul_(1.0)",
+        "            grad.mul_(1.0 / (zero.world_size * zero.replica_count))",
+        "            grad.mul_(1.0)",
     ),
     _one(
         "overlap_hook_unused",
