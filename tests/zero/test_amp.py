@@ -195,6 +195,26 @@ def test_grad_scaler_refuses_grads_that_differ_between_ranks_on_every_rank() -> 
     run_on_ranks(_differing_body, 2)
 
 
+def _mixed_body(rank: int, world_size: int, wrapper: str) -> None:
+    """Rank 0 steps through its GradScaler, rank 1 without one (an inf in the gradient): both raise (before, rank 1
+    stepped its shard on the inf and the sync spread it: a non-finite parameter on every rank, no error)."""
+    model = _net(torch.float32)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    ddp: nn.Module = ShardedDataParallel(model, zero) if wrapper == "sdp" else DDP(model)
+    handles = [param.register_hook(_poison(0)) for param in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(ddp, rank, 0, torch.float32)).backward()
+    for handle in handles:
+        handle.remove()
+    with pytest.raises(RuntimeError, match=r"some ranks stepped with scaler\.step\(zero\) and others with zero"):
+        scaler.step(zero) if rank == 0 else zero.step()
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "sdp"])
+def test_grad_scaler_on_some_ranks_only_raises_on_every_rank(wrapper: str) -> None:
+    run_on_ranks(_mixed_body, 2, wrapper)
+
+
 def _accumulate_body(rank: int, world_size: int, wrapper: str) -> None:
     """``scaler.step(zero)`` then a backward with no ``zero_grad`` between: torch's ``scaler.step(optimizer)`` leaves
     every ``.grad`` unscaled, so the next backward accumulates onto unscaled gradients. ZeRO unscaled only what this

@@ -27,11 +27,16 @@ JOIN_WITH_SCALER = (
     "rank the same number of batches (DistributedSampler(drop_last=True)), or step without the GradScaler under Join"
 )
 DIVERGED_UNDER_SCALER = (
-    "the ranks' .grad differ under torch.amp.GradScaler: a rank found an inf or nan in its gradient and skipped the "
-    "step while another found none and stepped its shard, so the ranks' optimizer states now differ. Under DDP every "
-    "rank holds the same averaged .grad; change .grad alike on every rank (or not at all) between the backward and "
-    "scaler.step(zero), or use ShardedDataParallel, whose step agrees on the verdict first; then resume from a "
-    "checkpoint"
+    "the ranks' .grad differ under torch.amp.GradScaler: a rank found an inf or nan in its .grad and skipped the step "
+    "while another found none and stepped its shard, so the ranks' optimizer states now differ (resume from a "
+    "checkpoint). Without ShardedDataParallel each rank decides on its whole .grad, which must be the same on every "
+    "rank of the optimizer's group (DDP's average): gradients reduced to their owners by hand, or left local "
+    "(post-local SGD without its all-reduce, .grad changed on some ranks), are not; average them on every rank, or "
+    "use ShardedDataParallel, whose step agrees on the verdict before any rank steps"
+)
+MIXED_SCALER = (
+    "some ranks stepped with scaler.step(zero) and others with zero.step() (no GradScaler): the ranks would skip "
+    "different steps and step on differently scaled gradients. Call scaler.step(zero) on every rank or on none"
 )
 
 
@@ -63,20 +68,11 @@ def agreed_step(
     a joined rank's ``joined_step`` too. Where the verdict was read on the same gradient everywhere, ranks step in
     ``action()`` (one agreement a step), so a rank that stepped where another found an inf raises everywhere."""
     joined = joined_step is not None
-    prepared, (scaled, found_inf, stepped, any_joined, *extras) = agreement.run_step_agreed(
-        action,
-        fingerprint,
-        list(groups),
-        flags=lambda done: (
-            (
-                (False, False, False, joined)
-                if done is None or (verdict := done[1]) is None
-                else (not verdict.step_now, verdict.found_here, verdict.step_now, joined)
-            )
-            + tuple(extra(done))
-        ),
-        joined=joined,
+    prepared, (scaled, found_inf, stepped, unscaled, any_joined, *extras) = agreement.run_step_agreed(
+        action, fingerprint, list(groups), flags=lambda done: _flags(done, joined) + tuple(extra(done)), joined=joined
     )
+    if (scaled or stepped) and unscaled:
+        raise RuntimeError(MIXED_SCALER)
     if found_inf and stepped:
         raise RuntimeError(DIVERGED_UNDER_SCALER)
     if any_joined:
@@ -84,6 +80,14 @@ def agreed_step(
             raise RuntimeError(JOIN_WITH_SCALER)
         agreed(joined_step or (lambda: None), fingerprint, groups, joined)
     return prepared, scaled, found_inf, tuple(extras)
+
+
+def _flags(done: Prepared | None, joined: bool) -> tuple[bool, ...]:
+    """Whether this rank's step waits for the verdict, found an inf or nan, stepped on its own verdict, stepped
+    without a scaler (not joined), and is joined."""
+    if done is None or (verdict := done[1]) is None:
+        return False, False, False, done is not None and not joined, joined
+    return not verdict.step_now, verdict.found_here, verdict.step_now, False, joined
 
 
 def agreed(
