@@ -117,3 +117,47 @@ def _unfreezing_body(rank: int, world_size: int, how: str) -> None:
 @pytest.mark.parametrize("how", ["same", "one", "different"])
 def test_static_graph_ranks_unfreezing_different_layers_raise_on_every_rank(how: str) -> None:
     run_on_ranks(_unfreezing_body, 2, how, timeout=60)
+
+
+def _caught_at_clip_body(rank: int, world_size: int) -> None:
+    """A broken promise first raised by ``clip_grad_norm_`` and caught: the step raises it again (review r-18s: the
+    check was dropped as it raised, and the step stepped the unused branch on zeros)."""
+    model = Chain()
+    zero, sdp = _sdp(model, static_graph=True)
+    for step in range(3):
+        zero.zero_grad()
+        sdp(_x(rank, step), use_branch=step < 2).square().mean().backward()
+        if step == 2:
+            with pytest.raises(ValueError, match=BROKEN):
+                zero.clip_grad_norm_(1.0)
+            with pytest.raises(ValueError, match=BROKEN):
+                zero.step()
+            return
+        zero.step()
+
+
+def test_static_graph_a_broken_promise_caught_at_the_clip_is_raised_again_by_the_step() -> None:
+    run_on_ranks(_caught_at_clip_body, 2, timeout=60)
+
+
+def _raised_then_clip_body(rank: int, world_size: int, static: bool) -> None:
+    """A layer unfrozen, then a backward that raises after a reduction was launched: the clip refuses it (review
+    r-18s: the clip placed the layer first, which rebuilt the store and forgot the raised backward)."""
+    model = _Gated()
+    zero = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, **KW)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001, static_graph=static)
+    sdp(_x(rank, 0)).square().mean().backward()
+    zero.step()
+    zero.zero_grad()
+    model.a.requires_grad_(True)
+    handle = model.a.weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        sdp(_x(rank, 1)).square().mean().backward()
+    handle.remove()
+    with pytest.raises(RuntimeError, match="a backward raised"):
+        zero.clip_grad_norm_(0.5)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_clip_after_a_raised_backward_refuses_it_when_a_layer_was_unfrozen(static: bool) -> None:
+    run_on_ranks(_raised_then_clip_body, 2, static, timeout=60)

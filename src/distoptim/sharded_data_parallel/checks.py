@@ -165,13 +165,13 @@ class StaticGraph:
 
     def agreed(self, everywhere: Sequence[bool], placed: Sequence[int], backward: bool) -> None:
         """The ranks' agreed flags: the first backward's become the pattern; a predicted one must have matched it."""
-        expected, self.expected = self.expected or {}, None
-        changed = [index for index, used in expected.items() if bool(everywhere[index]) != used]
-        if changed:
+        changed = [index for index, used in (self.expected or {}).items() if bool(everywhere[index]) != used]
+        if changed:  # (the expectation stays: a step after a caught error raises again, never steps on zeros)
             raise ValueError(
                 f"ShardedDataParallel(static_graph=True): parameters {changed[:8]} of the optimizer were used by "
                 "some rank in the first backward and by none since, or the other way round. Build the wrapper "
                 "without static_graph=True, which agrees on the parameters used at the end of each backward"
             )
+        self.expected = None
         if self.pattern is None and backward:
             self.pattern = {index: bool(everywhere[index]) for index in placed}

@@ -22,7 +22,7 @@ from distoptim.comm.objects import release
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
-from distoptim.sharded_data_parallel.unplaced import Unplaced
+from distoptim.sharded_data_parallel.unplaced import SAME_TRAINABLE, Unplaced
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
@@ -251,7 +251,7 @@ class OwnedGradients:
         if self.unagreed:
             groups = self.zero.agreement_groups
             late = {"parameters placed since the last step {}": tuple(self.late)} if self.late else {}
-            self.agreed(agreement.agree_across_ranks(late, groups, "clip_grad_norm_", flags=self.used))
+            self.agreed(agreement.agree_across_ranks(late, groups, "clip_grad_norm_", SAME_TRAINABLE, self.used))
 
     def hand_set(self) -> list[Tensor]:
         """Parameters whose ``.grad`` the program set (a tensor): clipping and a scaler scale each whole, everywhere."""

@@ -20,9 +20,9 @@ from distoptim.sharded_data_parallel.marker import GradientMarker
 if TYPE_CHECKING:
     from distoptim.zero.optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["Unplaced"]
+__all__ = ["SAME_TRAINABLE", "Unplaced"]
 
-_SAME_TRAINABLE = "make the same parameters trainable on every rank (requires_grad_ on the same layers everywhere)"
+SAME_TRAINABLE = "make the same parameters trainable on every rank (requires_grad_ on the same layers everywhere)"
 
 
 class Unplaced:
@@ -53,7 +53,7 @@ class Unplaced:
             return ()
         groups = zero.agreement_groups
         late_here = {"parameters made trainable since the wrapper planned its buckets {}": tuple(late)} if late else {}
-        agreed = agreement.agree_across_ranks(late_here, groups, "backward", _SAME_TRAINABLE, used)
+        agreed = agreement.agree_across_ranks(late_here, groups, "backward", SAME_TRAINABLE, used)
         anywhere = agreement.agree_across_ranks({}, groups, "backward", flags=fresh) if late else ()
         self.average(zero, params, [index for index, reached in zip(late, anywhere) if reached])
         return agreed

@@ -363,6 +363,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(clipping.IN_OVERLAP_MODE)
+        if self._gradient_source is not None:  # (a re-placement rebuilds the store: a raised backward's state first)
+            self._gradient_source.check_finished()
         self.placer.repartition_if_changed(refusal_deferred=True)  # a newly trainable parameter needs an owner
         if self._gradient_source is not None:  # every rank alike: which parameters some rank used (those placed now)
             self._gradient_source.ready()
