@@ -156,10 +156,14 @@ def _oracle_state(oracle: Oracle) -> dict[str, Any]:
     }
 
 
-def _oracle_from(run: Any, state: dict[str, Any], group: Any) -> Oracle:
-    oracle = Oracle(constructor_defaults(run.program), run.structure, group)  # torch's load restores the rest
+def _oracle_from(run: Any, kind: str, state: dict[str, Any], group: Any) -> Oracle:
+    """The oracle resumed from ``state``: built with torch's defaults (the load restores the groups' settings), then
+    the subject's constructor's ``defaults``, which a load keeps and torch reads for Adagrad's lazy ``sum`` of a
+    parameter stepped first after it (seed 810032: an added group, a sharded ``reshard``), as ``resume`` does."""
+    oracle = Oracle(constructor_defaults(run.program), run.structure, group)
     oracle.model.load_state_dict(state["model"])
     oracle.optimizer.load_state_dict(state["optim"])
+    oracle.rebuilt_with(constructor_to_load(run.program, kind).kwargs)
     with torch.no_grad():
         for p, master in zip(oracle.params, state["masters"]):
             if master is not None:
@@ -191,7 +195,7 @@ def reshard(run: Any, kind: str) -> None:
         try:
             run.subject = _load(run, kind, f"{path}-W", saved, solo)
             with run.on("oracle"):
-                run.oracle = _oracle_from(run, oracle_state, solo)
+                run.oracle = _oracle_from(run, kind, oracle_state, solo)
             _one_step(run)
             run.compare_local(f"action {run.counter}: a step at 1 rank after loading at 1 what {run.world_size} saved")
             payload = (_save(run, run.subject, kind, f"{path}-1", solo), _oracle_state(run.oracle))
@@ -206,5 +210,5 @@ def reshard(run: Any, kind: str) -> None:
     saved, oracle_state = box[0]
     run.subject = _load(run, kind, f"{path}-1", saved, None)
     with run.on("oracle"):
-        run.oracle = _oracle_from(run, oracle_state, None)
+        run.oracle = _oracle_from(run, kind, oracle_state, None)
     _one_step(run)
