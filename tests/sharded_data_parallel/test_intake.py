@@ -82,12 +82,15 @@ def test_a_closures_backward_is_what_the_step_uses() -> None:
 
 # -------------------------------------------------- 5. clearing through the inner module, by hand, in place
 CLEARS = ["inner_module", "inner_module_in_place", "grad_none_by_hand", "wrapper", "wrapper_in_place", "zero"]
-CLEARS += ["zero_in_place"]
+CLEARS += ["zero_in_place", "inner_module_then_zero_in_place"]  # the second clear: no .grad left to zero (810142)
 
 
 def _clear(how: str, model: nn.Module, sdp: ShardedDataParallel, zero: ZeroRedundancyOptimizer) -> None:
     if how == "inner_module":  # model.module.zero_grad(), or the bare model a script kept from before wrapping
         model.zero_grad()
+    elif how == "inner_module_then_zero_in_place":
+        model.zero_grad()
+        zero.zero_grad(set_to_none=False)
     elif how == "inner_module_in_place":
         sdp.module.zero_grad(set_to_none=False)
     elif how == "grad_none_by_hand":
@@ -107,7 +110,7 @@ def _clears_body(rank: int, world_size: int) -> None:
                 _clear(how, model, sdp, zero)
                 sdp(_x(rank, step), step == 0).square().mean().backward()
                 zero.step()
-                reference.zero_grad(set_to_none="in_place" not in how)
+                reference.zero_grad(set_to_none="in_place" not in how or "_then_" in how)
                 ddp(_x(rank, step), step == 0).square().mean().backward()
                 plain.step()
                 sdp.sync_finished()

@@ -205,6 +205,9 @@ class OwnedGradients:
             self._markers.clear()  # a marker kept and put back after this clear stands for nothing: refused
             self.owned = [None] * len(self.buckets)
             return
+        for index in list(self._markers):  # dropped since marked (model.zero_grad()): nothing to zero, as torch's
+            if self.params[index].grad is None:  # clear finds no .grad there (seed 810142)
+                self._forget(index)
         self.owned = [(self._new_owned(b) if owned is None else owned).zero_() for b, owned in enumerate(self.owned)]
         for index in reached:  # zeros where the raised backward reached, on every rank where any did (the step agrees)
             self.used[index] = self.unagreed = True
