@@ -170,6 +170,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             (loss, verdict), scaled, found_inf, flags = self._agreed_step(
                 lambda: self._prepare(closure, kwargs, grad_scaler, hold=joined),
                 (lambda: self._step_local(None, kwargs)) if joined else None,
+                grad_scaler is not None,
             )
             if self._gradient_source is not None:  # 1b. which parameters some rank used; then the ranks that held
                 self._gradient_source.agreed(flags[:-1])  # back their local part (it needed those) run it, agreed
@@ -178,7 +179,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                         lambda: (
                             None,
                             self._attach_and_step(None, kwargs, grad_scaler)[1] if self._held_back else verdict,
-                        )
+                        ),
+                        scaler=grad_scaler is not None,
                     )
             if verdict is not None:
                 verdict.record(found_inf)
@@ -255,7 +257,10 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
 
     def _agreed_step(
-        self, action: Callable[[], stepping.Prepared], joined_step: Callable[[], object] | None = None
+        self,
+        action: Callable[[], stepping.Prepared],
+        joined_step: Callable[[], object] | None = None,
+        scaler: bool = False,
     ) -> tuple[stepping.Prepared, bool, bool, tuple[bool, ...]]:
         count = 0 if self._gradient_source is None else len(self.global_params) + 1
 
@@ -263,7 +268,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             source = self._gradient_source
             return (False,) * count if done is None or source is None else (*source.used, self._held_back)
 
-        return stepping.agreed_step(action, self.placer.fingerprint, self.agreement_groups, joined_step, store_flags)
+        groups = self.agreement_groups
+        return stepping.agreed_step(action, self.placer.fingerprint, groups, joined_step, store_flags, scaler)
 
     def agreed_after_placing(self, action: Callable[[], Any] = lambda: None) -> Any:
         """Place again where stale, then run ``action``, agreed across ranks (the DDP hooks' step); returns its result.

@@ -62,16 +62,19 @@ def agreed_step(
     groups: Sequence[dist.ProcessGroup],
     joined_step: Callable[[], object] | None = None,
     extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
+    scaler: bool = False,
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
     """``action()`` agreed over ``groups``; then whether any rank's step under a GradScaler waits for the agreed
     verdict, whether any found an inf or nan, and for each of ``extra(prepared)`` whether any rank raised it; around
     a joined rank's ``joined_step`` too. Where the verdict was read on the same gradient everywhere, ranks step in
-    ``action()`` (one agreement a step), so a rank that stepped where another found an inf raises everywhere."""
+    ``action()`` (one agreement a step), so a rank that stepped where another found an inf raises everywhere, as
+    ranks do where ``scaler`` (a GradScaler passed to the step) is true on some and false on others."""
     joined = joined_step is not None
-    prepared, (scaled, found_inf, stepped, unscaled, any_joined, *extras) = agreement.run_step_agreed(
-        action, fingerprint, list(groups), flags=lambda done: _flags(done, joined) + tuple(extra(done)), joined=joined
+    flags = lambda done: (*_flags(done, joined), scaler, not scaler and not joined, *extra(done))
+    prepared, (scaled, found_inf, stepped, any_joined, with_scaler, without, *extras) = agreement.run_step_agreed(
+        action, fingerprint, list(groups), flags=flags, joined=joined
     )
-    if (scaled or stepped) and unscaled:
+    if with_scaler and without:
         raise RuntimeError(MIXED_SCALER)
     if found_inf and stepped:
         raise RuntimeError(DIVERGED_UNDER_SCALER)
@@ -83,11 +86,10 @@ def agreed_step(
 
 
 def _flags(done: Prepared | None, joined: bool) -> tuple[bool, ...]:
-    """Whether this rank's step waits for the verdict, found an inf or nan, stepped on its own verdict, stepped
-    without a scaler (not joined), and is joined."""
+    """Whether this rank's step waits for the verdict, found an inf or nan, stepped on its own verdict, is joined."""
     if done is None or (verdict := done[1]) is None:
-        return False, False, False, done is not None and not joined, joined
-    return not verdict.step_now, verdict.found_here, verdict.step_now, False, joined
+        return False, False, False, joined
+    return not verdict.step_now, verdict.found_here, verdict.step_now, joined
 
 
 def agreed(
