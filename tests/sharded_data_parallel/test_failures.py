@@ -159,6 +159,43 @@ def test_a_backward_that_raised_before_any_gradient_leaves_training_as_ddp() -> 
     run_on_ranks(_failed_before_any_gradient_body, 2, timeout=60)
 
 
+def _raised_after_settle_body(rank: int, world_size: int, set_to_none: bool) -> None:
+    """A backward that raises in a gradient hook of the program's, after the store took its markers out of ``.grad``
+    and before any gradient accumulated: ``.grad`` stays as torch leaves it (review r-18c: a clear to zeros then
+    forgot every gradient, 0.035 off, and later backwards accumulated into markers)."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    armed = [False]
+
+    def once(grad: torch.Tensor) -> torch.Tensor:
+        if armed[0]:
+            armed[0] = False
+            raise _Fails("the first gradient's hook fails")
+        return grad
+
+    for step in range(4):
+        for opt, wrapper, net in ((zero, sdp, model), (plain, ddp, reference)):
+            if step == 1:
+                armed[0] = True
+                handles = [param.register_hook(once) for param in net.parameters()]
+                with contextlib.suppress(_Fails):
+                    wrapper(_x(rank, step)).square().mean().backward()
+                for handle in handles:
+                    handle.remove()
+                opt.zero_grad(set_to_none=set_to_none)
+                opt.step()  # straight after the clear: on zeros, or on nothing
+            opt.zero_grad(set_to_none=set_to_none)
+            wrapper(_x(rank, step)).square().mean().backward()
+            opt.step()
+        _compare(model, reference, f"step {step}, after a backward that raised in a gradient hook")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_backward_that_raised_after_the_settle_leaves_grad_as_torch(set_to_none: bool) -> None:
+    run_on_ranks(_raised_after_settle_body, 2, set_to_none, timeout=60)
+
+
 def _failed_before_any_launch_body(rank: int, world_size: int, set_to_none: bool) -> list[str]:
     """One bucket: a backward that raises in the first layer, after the later layers' gradients went into it and
     before it was launched. The next forward refuses until ``zero_grad()``, which drops that gradient; then training

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from distoptim import _host
-from distoptim._backward import at_end_of_backward
+from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
@@ -185,6 +185,8 @@ class OwnedGradients:
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: forget the owned gradient and which parameters were used (``set_to_none=False``: zero it)."""
+        if not self.in_backward:
+            self.check_finished()
         pending = self.static is not None and self.static.predicted and not set_to_none  # checked at the step
         reached = {index for index, used in enumerate(self.used) if used and pending}
         if self.in_backward:  # a backward that raised before launching anything: its buckets dropped, unswapped
@@ -218,9 +220,12 @@ class OwnedGradients:
         self._remaining, self._next = [len(bucket.slots) for bucket in self.buckets], 0
 
     def check_finished(self) -> None:
-        """Refuse the gradient of a backward that raised midway (local, as DDP's reducer)."""
+        """Refuse the gradient of a backward that raised midway (local, as DDP's reducer); one that raised before any
+        gradient arrived leaves ``.grad`` as it was (its end, which puts the markers back, never ran)."""
         if self.in_backward:
             raise RuntimeError(checks.POISONED if self._next else checks.UNFINISHED)
+        if self._task != -1 and not in_backward():
+            self._unswap()
 
     # ------------------------------------------------------------------- which parameters some rank used
     def prepare_step(self) -> bool:
