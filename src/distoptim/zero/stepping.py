@@ -64,14 +64,14 @@ def agreed_step(
     extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
     scaler: bool = False,
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
-    """``action()`` agreed over ``groups``; then whether any rank's step under a GradScaler waits for the agreed
-    verdict, whether any found an inf or nan, and for each of ``extra(prepared)`` whether any rank raised it; around
-    a joined rank's ``joined_step`` too. Where the verdict was read on the same gradient everywhere, ranks step in
-    ``action()`` (one agreement a step), so a rank that stepped where another found an inf raises everywhere, as
-    ranks do where ``scaler`` (a GradScaler passed to the step) is true on some and false on others."""
+    """``action()`` agreed over ``groups``; then whether a GradScaler's step waits for the agreed verdict (passed as
+    ``scaler`` on some rank, none stepped in ``action()``), whether any rank found an inf or nan, and for each of
+    ``extra(prepared)`` whether any rank raised it; around a joined rank's ``joined_step`` too. Where the verdict was
+    read on the same gradient everywhere, ranks step in ``action()`` (one agreement a step), so a rank that stepped
+    where another found an inf raises everywhere, as ranks do where ``scaler`` is true on some and not others."""
     joined = joined_step is not None
-    flags = lambda done: (*_flags(done, joined), scaler, not scaler and not joined, *extra(done))
-    prepared, (scaled, found_inf, stepped, any_joined, with_scaler, without, *extras) = agreement.run_step_agreed(
+    flags = lambda done: (*_flags(done), joined, scaler, not scaler and not joined, *extra(done))
+    prepared, (found_inf, stepped, any_joined, with_scaler, without, *extras) = agreement.run_step_agreed(
         action, fingerprint, list(groups), flags=flags, joined=joined
     )
     if with_scaler and without:
@@ -79,17 +79,16 @@ def agreed_step(
     if found_inf and stepped:
         raise RuntimeError(DIVERGED_UNDER_SCALER)
     if any_joined:
-        if scaled or stepped:
+        if with_scaler:
             raise RuntimeError(JOIN_WITH_SCALER)
         agreed(joined_step or (lambda: None), fingerprint, groups, joined)
-    return prepared, scaled, found_inf, tuple(extras)
+    return prepared, with_scaler and not stepped, found_inf, tuple(extras)
 
 
-def _flags(done: Prepared | None, joined: bool) -> tuple[bool, ...]:
-    """Whether this rank's step waits for the verdict, found an inf or nan, stepped on its own verdict, is joined."""
-    if done is None or (verdict := done[1]) is None:
-        return False, False, False, joined
-    return not verdict.step_now, verdict.found_here, verdict.step_now, joined
+def _flags(done: Prepared | None) -> tuple[bool, bool]:
+    """Whether this rank found an inf or nan, and whether it stepped on its own verdict (on a gradient alike)."""
+    verdict = None if done is None else done[1]
+    return (False, False) if verdict is None else (verdict.found_here, verdict.step_now)
 
 
 def agreed(
