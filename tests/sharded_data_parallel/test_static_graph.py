@@ -140,24 +140,49 @@ def test_static_graph_a_broken_promise_caught_at_the_clip_is_raised_again_by_the
     run_on_ranks(_caught_at_clip_body, 2, timeout=60)
 
 
-def _raised_then_clip_body(rank: int, world_size: int, static: bool) -> None:
-    """A layer unfrozen, then a backward that raises after a reduction was launched: the clip refuses it (review
-    r-18s: the clip placed the layer first, which rebuilt the store and forgot the raised backward)."""
-    model = _Gated()
+def _raised_then_clip_body(rank: int, world_size: int, static: bool, then: str, launched: bool) -> None:
+    """A layer unfrozen, then a backward that raises (``launched``: after a reduction was launched; else in one
+    bucket, half filled): the clip or ``consolidate_state_dict()`` refuses it on every rank, and so does the step
+    after (review r-18s for the clip; r-19 for consolidate: it placed the layer, which rebuilt the store and forgot
+    the raised backward, and the step then moved the layer on the owner's own partial gradient of the raised batch).
+    Not launched: ``zero_grad()`` drops it and training goes on as an averaged AdamW without that batch."""
+    model, reference = _Gated(), _Gated()
     zero = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, **KW)
-    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001, static_graph=static)
-    sdp(_x(rank, 0)).square().mean().backward()
-    zero.step()
-    zero.zero_grad()
-    model.a.requires_grad_(True)
-    handle = model.a.weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
-    with pytest.raises(RuntimeError, match="boom"):
-        sdp(_x(rank, 1)).square().mean().backward()
-    handle.remove()
-    with pytest.raises(RuntimeError, match="a backward raised"):
-        zero.clip_grad_norm_(0.5)
+    sdp = ShardedDataParallel(model, zero, bucket_cap_mb=0.0001 if launched else 25, static_graph=static)
+    plain = torch.optim.AdamW(reference.parameters(), **KW)
+    refusal = "a backward raised" if launched else "Call zero_grad"
+    for step in range(4):
+        if step == 1:
+            model.a.requires_grad_(True)
+            reference.a.requires_grad_(True)
+            raising = model.a.weight if launched else model.body.weight  # after body's bucket, or inside it
+            handle = raising.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
+            with pytest.raises(RuntimeError, match="boom"):
+                sdp(_x(rank, 50)).square().mean().backward()
+            handle.remove()
+            with pytest.raises(RuntimeError, match=refusal):
+                zero.clip_grad_norm_(0.5) if then == "clip" else zero.consolidate_state_dict()
+            with pytest.raises(RuntimeError, match=refusal):
+                zero.step()
+            if launched:
+                return
+        zero.zero_grad()
+        plain.zero_grad()
+        sdp(_x(rank, step)).square().mean().backward()
+        reference(_x(rank, step)).square().mean().backward()
+        for param in reference.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= world_size
+        zero.step()
+        plain.step()
+        _compare(model, reference, f"{then}, step {step}")
 
 
+@pytest.mark.parametrize("launched", [True, False])
+@pytest.mark.parametrize("then", ["clip", "consolidate"])
 @pytest.mark.parametrize("static", [False, True])
-def test_a_clip_after_a_raised_backward_refuses_it_when_a_layer_was_unfrozen(static: bool) -> None:
-    run_on_ranks(_raised_then_clip_body, 2, static, timeout=60)
+def test_a_clip_or_consolidate_after_a_raised_backward_refuses_it_when_a_layer_was_unfrozen(
+    static: bool, then: str, launched: bool
+) -> None:
+    run_on_ranks(_raised_then_clip_body, 2, static, then, launched, timeout=60)

@@ -111,6 +111,8 @@ class Placer:
         if placement.is_stale(self.placed, self.zero.global_params):
             if (change := placement.layout_change(self.placed, self.zero.global_params)) is not None:
                 raise ValueError(change)
+            if (source := self.zero.gradient_source) is not None:  # a raised backward: refused, not rebuilt away
+                source.check_finished()
             self.repartition()
 
 
