@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from distoptim import _host
 from distoptim.comm import p2p, relay
 from distoptim.comm.groups import backends_of, comm_device, default_group, group_size
-from distoptim.comm.objects import all_gather_objects, receive_object, send_object
+from distoptim.comm.objects import all_gather_objects, receive_object, release, send_object
 from distoptim.comm.relay import relayed
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "relayed",
     "send_object",
     "send_tensor",
+    "sum_flags",
     "wait_all",
 ]
 
@@ -281,6 +283,17 @@ def all_reduce_(tensor: Tensor, group: Group, op: str = "sum") -> Tensor:
     """``tensor`` overwritten with its reduction over the ranks (``op``: "sum", "max" or "min"), and returned."""
     all_reduce_async(tensor, group, op).wait()
     return tensor
+
+
+def sum_flags(flags: Sequence[bool], device: torch.device, groups: Sequence[Group], what: str) -> list[int]:
+    """How many ranks set each flag: an int32 all-reduce over each of ``groups`` in turn, read back once (``what``)."""
+    counts = torch.tensor(list(flags), dtype=torch.int32, device=device)
+    for group in groups:
+        all_reduce_(counts, group)
+    summed = list(_host.read(counts, what))
+    if counts.is_cpu:  # gloo's worker lets go of it now, not after the backward (as the agreements' tensors)
+        release(counts)
+    return summed
 
 
 def all_reduce_async(tensor: Tensor, group: Group, op: str = "sum") -> Any:

@@ -12,13 +12,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from distoptim import _host
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
-from distoptim.comm.objects import release
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
@@ -370,13 +368,8 @@ class OwnedGradients:
         """Each parameter's users over the ranks, and how many ranks hold parameters trainable since the plan: DDP's
         used map under ``find_unused_parameters=True`` (an int32 all-reduce behind the buckets', not an agreement)."""
         late = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
-        flags = torch.tensor([*self.used, late], dtype=torch.int32, device=self.store_keys[self.buckets[0].key][0])
-        for group in self.zero.agreement_groups:
-            comm.all_reduce_(flags, group)
-        counts = list(_host.read(flags, "which parameters some rank used"))
-        if flags.is_cpu:  # gloo's worker lets go of it now, not after the backward (as the agreements' tensors)
-            release(flags)
-        return counts
+        device = self.store_keys[self.buckets[0].key][0]
+        return comm.sum_flags([*self.used, late], device, self.zero.agreement_groups, "which parameters some rank used")
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, used flags summed (unplaced gradients averaged), markers put in."""
