@@ -26,13 +26,16 @@ def _between(how: str, net: Chain, optimizer: torch.optim.Optimizer) -> None:
         net.branch.requires_grad_(False)
     elif how == "zeros":
         optimizer.zero_grad(set_to_none=False)
+    elif how == "drop_then_zeros":  # the branch's .grad to None first: torch's in-place clear leaves it without one
+        net.branch.zero_grad()
+        optimizer.zero_grad(set_to_none=False)
 
 
-def _predicted_body(rank: int, world_size: int, how: str, broken: bool) -> None:
+def _predicted_body(rank: int, world_size: int, how: str, broken: bool, partition: str) -> None:
     """Three steps as DDP + AdamW; at the third (``broken``: the branch unused by every rank, a broken promise) the
     program freezes a layer before the backward or between it and the step, or clears to zeros between them."""
     model, reference = Chain(), Chain()
-    zero, sdp = _sdp(model, static_graph=True)
+    zero, sdp = _sdp(model, partition, static_graph=True)
     ddp = DDP(reference, find_unused_parameters=True)
     plain = torch.optim.AdamW(reference.parameters(), **KW)
     for step in range(4):
@@ -52,18 +55,24 @@ def _predicted_body(rank: int, world_size: int, how: str, broken: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("how", "broken"),
+    ("how", "broken", "partition"),
     [
-        ("freeze_other", False),  # the frozen layer is stepped with its gradient, as torch's AdamW steps it
-        ("freeze_before", False),  # frozen before the backward: not stepped (no gradient), as under DDP
-        ("freeze_other", True),  # the re-placement kept the check: the branch is not stepped on zeros
-        ("freeze_unused", True),
-        ("zeros", False),  # every parameter stepped on zeros, as torch's AdamW steps zeroed gradients
-        ("zeros", True),  # the clear kept the check: the branch (no gradient under DDP) not stepped on zeros
+        ("freeze_other", False, "even"),  # the frozen layer is stepped with its gradient, as torch's AdamW steps it
+        ("freeze_before", False, "even"),  # frozen before the backward: not stepped (no gradient), as under DDP
+        ("freeze_other", True, "even"),  # the re-placement kept the check: the branch is not stepped on zeros
+        ("freeze_unused", True, "even"),
+        ("zeros", False, "even"),  # every parameter stepped on zeros, as torch's AdamW steps zeroed gradients
+        ("zeros", True, "even"),  # the clear kept the check: the branch (no gradient under DDP) not stepped on zeros
+        ("drop_then_zeros", False, "even"),  # the branch set to None: not stepped (review r-19: on zeros, 0.035 off)
+        ("drop_then_zeros", False, "greedy"),
+        ("drop_then_zeros", True, "even"),  # ... and the check still counts it
+        ("drop_then_zeros", True, "greedy"),
     ],
 )
-def test_static_graph_checks_a_predicted_backward_across_a_replacement_or_a_clear(how: str, broken: bool) -> None:
-    run_on_ranks(_predicted_body, 2, how, broken, timeout=60)
+def test_static_graph_checks_a_predicted_backward_across_a_replacement_or_a_clear(
+    how: str, broken: bool, partition: str
+) -> None:
+    run_on_ranks(_predicted_body, 2, how, broken, partition, timeout=60)
 
 
 class _Gated(nn.Module):

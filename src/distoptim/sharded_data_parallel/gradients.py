@@ -61,6 +61,7 @@ class OwnedGradients:
         self.used = [False] * len(self.params)  # by this rank, since the ranks last agreed (or the last clear)
         self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
+        self.dropped: set[int] = set()  # set to None since then: nothing held (a static graph's check counts them)
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
         for (index, _), piece in self.layout.fragments.items():
             self.pieces.setdefault(index, []).append(piece)
@@ -82,7 +83,8 @@ class OwnedGradients:
         self._build(buckets, sync)
         for kept in ("owned", "landed", "used", "holds"):
             getattr(self, kept)[: len(getattr(previous, kept))] = getattr(previous, kept)
-        self._markers, self._unreduced, self.unagreed = previous._markers, previous._unreduced, previous.unagreed
+        for kept in ("_markers", "_unreduced", "unagreed", "dropped"):
+            setattr(self, kept, getattr(previous, kept))
         if self.static is not None:  # a pending check stays; the next backward's parameters are the promise
             self.static.pattern, placed = None, self.slot_of.keys() - previous.slot_of.keys()
             self.late += [index for index, param in enumerate(self.params) if id(param) in placed]
@@ -141,7 +143,8 @@ class OwnedGradients:
                 maybe = self.used[index] or predicted.used(index)
             else:
                 maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
-            if (self.holds[index] or maybe) and param.grad is None and id(param) in self.slot_of:
+            maybe = (self.holds[index] or maybe) and index not in self.dropped
+            if maybe and param.grad is None and id(param) in self.slot_of:
                 marker = GradientMarker.like(param)
                 param.grad = marker
                 self._markers[index] = (marker, marker._version)
@@ -174,12 +177,11 @@ class OwnedGradients:
             if not local.whole and param.grad.stride() != param.stride():  # its pieces as views, for clipping
                 param.grad = torch.empty_like(param).copy_(param.grad)
             return local.grad_from(param.grad)
-        where = self.layout.fragments.get((local.index, local.offset))
-        if where is None or not (self.holds[local.index] or self.used[local.index]) or self.owned[where[0]] is None:
+        where, index = self.layout.fragments.get((local.index, local.offset)), local.index
+        held = self.holds[index] or (self.used[index] and index not in self.dropped)  # dropped: counted, not held
+        if where is None or not held or (owned := self.owned[where[0]]) is None:
             return None
-        owned, start = self.owned[where[0]], where[1]
-        assert owned is not None
-        return view_like(owned, start, local.param) if local.whole else owned[start : start + local.length]
+        return view_like(owned, where[1], local.param) if local.whole else owned[where[1] : where[1] + local.length]
 
     def clear(self, set_to_none: bool = True) -> None:
         """``zero_grad``: forget the owned gradient and which parameters were used (``set_to_none=False``: zero it)."""
@@ -196,7 +198,7 @@ class OwnedGradients:
             self.in_backward = False
             self._unswap()
         self.landed = [not set_to_none] * len(self.buckets)
-        self.used, self.unagreed = [False] * len(self.params), False
+        self.used, self.unagreed, self.dropped = [False] * len(self.params), False, set()
         if self.static is not None and not pending:
             self.static.expected = None
         self._unreduced.clear()
@@ -208,8 +210,9 @@ class OwnedGradients:
         for index in list(self._markers):  # dropped since marked (model.zero_grad()): nothing to zero, as torch's
             if self.params[index].grad is None:  # clear finds no .grad there (seed 810142)
                 self._forget(index)
+                self.dropped.add(index)
         self.owned = [(self._new_owned(b) if owned is None else owned).zero_() for b, owned in enumerate(self.owned)]
-        for index in reached:  # zeros where the raised backward reached, on every rank where any did (the step agrees)
+        for index in reached if pending else reached - self.dropped:  # zeros where reached; dropped: the check's flag
             self.used[index] = self.unagreed = True
         self.mark()
 
@@ -243,8 +246,9 @@ class OwnedGradients:
             self.static.agreed(everywhere, placed, backward)
             late, self.late = self.late, []  # (a backward since reduced their .grad: the ranks' own no longer)
             self._unplaced.average(self.zero, self.params, [] if backward else [i for i in late if everywhere[i]])
-        self.holds = [held or now for held, now in zip(self.holds, everywhere)]
-        self.used, self.unagreed = [False] * len(self.params), False
+        now = [used and index not in self.dropped for index, used in enumerate(everywhere)]  # (those: the check's)
+        self.holds = [held or used for held, used in zip(self.holds, now)]
+        self.used, self.unagreed, self.dropped = [False] * len(self.params), False, set()
         for index, (marker, _) in list(self._markers.items()):
             if not self.holds[index] and self.params[index].grad is marker:
                 self.params[index].grad = None
@@ -373,7 +377,7 @@ class OwnedGradients:
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, used flags summed (unplaced gradients averaged), markers put in."""
-        self.in_backward = False
+        self.in_backward, self.dropped = False, set()
         self._launch_ready(flushing=True)
         while self._in_flight:
             self._land_oldest()
