@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
@@ -68,7 +69,7 @@ class OwnedGradients:
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
-        self._swapped: set[int] = set()  # markers taken out of .grad for this backward to accumulate into
+        self._swaps: list[Any] = []  # this backward's accumulator pre-hooks: markers out of .grad to accumulate into
         self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
         self.no_sync = False
         self._next_backward_afresh()
@@ -102,7 +103,7 @@ class OwnedGradients:
     # ------------------------------------------------------------------------- what .grad says
     def settle(self, index: int, before_backward: bool = False) -> None:
         """Take in what the program did to ``.grad`` since it was marked: None forgets the owned gradient, the marker
-        zeroed zeroes it, a tensor replaces it (``before_backward``: the marker leaves ``.grad``)."""
+        zeroed zeroes it, a tensor replaces it (``before_backward``: a ``no_sync()`` sum stays, for it to reduce)."""
         param, marker = self.params[index], self._markers.get(index)
         grad = param.grad
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
@@ -110,15 +111,12 @@ class OwnedGradients:
                 raise RuntimeError(checks.FOREIGN_MARKER)
             marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
         if grad is None:
-            if marker is not None and index not in self._swapped:
+            if marker is not None:
                 self._forget(index)
         elif marker is not None and grad is marker[0]:
             if grad._version != marker[1]:  # zero_grad(set_to_none=False), through whatever object
                 self._zero(index)
                 self._markers[index] = (grad, grad._version)
-            if before_backward:
-                param.grad = None
-                self._swapped.add(index)
         elif (left := self._unreduced.get(index)) is not None and left() is grad:
             if not before_backward:
                 raise RuntimeError(checks.UNREDUCED)
@@ -151,22 +149,28 @@ class OwnedGradients:
 
     def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
         """A gradient hook (``param`` held weakly): at a backward's first, settle every parameter before any bucket
-        lands (markers out of ``.grad``, put back at its end where nothing accumulated)."""
-        held = param()
-        if held is None or self._task != -1 or self.zero.index_of(held) is None:
-            return  # settled at the start of this backward (or of the one a reentrant checkpoint runs inside)
-        self._task = torch._C._current_graph_task_id()
-        at_end_of_backward(self._unswap)
-        for index in range(len(self.params)):
-            self.settle(index, before_backward=True)
+        lands. A marker leaves ``.grad`` only as autograd accumulates there, after every hook of the program's (one
+        that raises leaves ``.grad`` as torch does, so a clear that follows is seen)."""
+        if (held := param()) is None or (index := self.zero.index_of(held)) is None:
+            return
+        if self._task == -1:  # (else settled at the start of this backward, or of one a reentrant checkpoint is in)
+            self._task = torch._C._current_graph_task_id()
+            at_end_of_backward(self._end)
+            for each in range(len(self.params)):
+                self.settle(each, before_backward=True)
+        if index in self._filled:
+            raise RuntimeError(checks.SECOND_GRADIENT.format(index=index))
+        if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
+            self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index, marker[0])))
 
-    def _unswap(self) -> None:
-        for index in self._swapped:
-            param = self.params[index]
-            if param.grad is None and index in self._markers:
-                param.grad = self._markers[index][0]
-        self._swapped.clear()
-        self._task = -1
+    def _swap(self, index: int, marker: Tensor) -> None:
+        if (param := self.params[index]).grad is marker:  # autograd accumulates into None; on_grad marks it again
+            param.grad = None
+
+    def _end(self) -> None:
+        for handle in self._swaps:  # (those of parameters a raise left unreached)
+            handle.remove()
+        self._swaps, self._task = [], -1
 
     # ------------------------------------------------------------------------------- what the step reads
     def grad_of(self, local: LocalTensor) -> Tensor | None:
@@ -189,14 +193,14 @@ class OwnedGradients:
             self.check_finished()
         pending = self.static is not None and self.static.predicted and not set_to_none  # checked at the step
         reached = {index for index, used in enumerate(self.used) if used and pending}
-        if self.in_backward:  # a backward that raised before launching anything: its buckets dropped, unswapped
+        if self.in_backward:  # a backward that raised before launching anything: its buckets dropped
             if self._next:
                 raise RuntimeError(checks.POISONED)
             reached |= self._filled
             self._buffers = {}
             self._next_backward_afresh()
             self.in_backward = False
-            self._unswap()
+            self._end()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used, self.unagreed, self.dropped = [False] * len(self.params), False, set()
         if self.static is not None and not pending:
@@ -222,11 +226,11 @@ class OwnedGradients:
 
     def check_finished(self) -> None:
         """Refuse the gradient of a backward that raised midway (local, as DDP's reducer); one that raised before any
-        gradient arrived leaves ``.grad`` as it was (its end, which puts the markers back, never ran)."""
+        gradient arrived left ``.grad`` as it was (its end, which drops its accumulators' pre-hooks, never ran)."""
         if self.in_backward:
             raise RuntimeError(checks.POISONED if self._next else checks.UNFINISHED)
         if self._task != -1 and not in_backward():
-            self._unswap()
+            self._end()
 
     # ------------------------------------------------------------------- which parameters some rank used
     def prepare_step(self) -> bool:
@@ -280,7 +284,6 @@ class OwnedGradients:
         index = self.zero.index_of(param)
         if index is not None:
             self.used[index] = True
-            self._swapped.discard(index)
         if self.no_sync:
             if index is not None and param.grad is not None:
                 self._unreduced[index] = weakref.ref(param.grad)
@@ -301,8 +304,6 @@ class OwnedGradients:
     def _fill(self, bucket: int, slot: Any, param: Tensor) -> None:
         grad = param.grad
         assert grad is not None
-        if slot.index in self._filled:
-            raise RuntimeError(checks.SECOND_GRADIENT.format(index=slot.index))
         plan = self.buckets[bucket]
         whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
         whole = whole and is_dense(grad) and owns_its_memory(grad)  # no other tensor shares it (autograd may)
@@ -314,7 +315,8 @@ class OwnedGradients:
             torch.mul(grad.detach(), scale, out=into)  # scaled as it is copied, in one pass, as DDP's reducer does
         else:  # (detached: under backward(create_graph=True) the gradient requires grad, the bucket does not)
             into.copy_(grad.detach()).mul_(scale)
-        param.grad = None
+        marker = param.grad = GradientMarker.like(param)  # as torch's .grad holds one (a clear after a raise is seen)
+        self._markers[slot.index] = (marker, marker._version)
         self._unreduced.pop(slot.index, None)
         self._filled.add(slot.index)
         self._remaining[bucket] -= 1

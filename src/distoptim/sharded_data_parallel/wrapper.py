@@ -214,7 +214,7 @@ class ShardedDataParallel(nn.Module):
             set_to_none: set each ``.grad`` to None rather than to zeros (default True).
         """
         assert self.gradients is not None
-        self.gradients.clear(set_to_none)  # first, as zero.zero_grad(): it puts back markers a raised backward left
+        self.gradients.clear(set_to_none)  # first, as zero.zero_grad(): it drops what a raised backward left
         super().zero_grad(set_to_none)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
