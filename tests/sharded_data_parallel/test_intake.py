@@ -314,7 +314,7 @@ def _outcome(action: Any) -> str:
 
 def _foreign_marker_body(rank: int, world_size: int) -> dict[str, str]:
     outcomes = {}
-    for case in ["another parameter's", "transposed", "kept across zero_grad"]:
+    for case in ["another parameter's", "transposed", "kept across zero_grad", "kept across a backward"]:
         model, zero, sdp, *_ = _pair("greedy")
         zero.zero_grad()
         sdp(_x(rank, 0)).square().mean().backward()
@@ -323,9 +323,11 @@ def _foreign_marker_body(rank: int, world_size: int) -> dict[str, str]:
             first.grad = second.grad
         elif case == "transposed":
             outcomes["transposed .T"] = _outcome(lambda p=first: setattr(p, "grad", p.grad.T))
-        else:
+        else:  # torch's step would use the kept gradient; the store put a new marker, not the kept one, back
             kept = [p.grad for p in model.parameters()]
             zero.zero_grad()
+            if case == "kept across a backward":
+                sdp(_x(rank, 1)).square().mean().backward()
             for param, grad in zip(model.parameters(), kept):
                 param.grad = grad
         outcomes[case] = _outcome(zero.step)
@@ -354,7 +356,7 @@ def _foreign_marker_body(rank: int, world_size: int) -> dict[str, str]:
 
 def test_a_marker_not_the_stores_is_refused_and_data_zero_clears() -> None:
     for outcomes in run_on_ranks(_foreign_marker_body, 2, timeout=90):
-        for case in ["another parameter's", "kept across zero_grad"]:
+        for case in ["another parameter's", "kept across zero_grad", "kept across a backward"]:
             assert "not the one this store put there last" in outcomes[case], f"{case}: {outcomes[case]}"
         assert ".T cannot use" in outcomes["transposed .T"], outcomes["transposed .T"]
         assert "already have a .grad" in outcomes["added after its backward"], outcomes["added after its backward"]

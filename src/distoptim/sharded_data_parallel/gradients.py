@@ -20,7 +20,7 @@ from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
-from distoptim.sharded_data_parallel.marker import GradientMarker
+from distoptim.sharded_data_parallel.marker import GradientMarker, MarkerSpares
 from distoptim.sharded_data_parallel.unplaced import SAME_TRAINABLE, Unplaced
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
@@ -67,6 +67,7 @@ class OwnedGradients:
         for (index, _), piece in self.layout.fragments.items():
             self.pieces.setdefault(index, []).append(piece)
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
+        self._spares = MarkerSpares()  # each parameter's last marker, to put back
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
         self._swaps: list[Any] = []  # this backward's accumulator pre-hooks: markers out of .grad to accumulate into
@@ -109,14 +110,14 @@ class OwnedGradients:
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
             if marker is None or grad.origin is not marker[0].origin:
                 raise RuntimeError(checks.FOREIGN_MARKER)
-            marker = self._markers[index] = (grad, grad._version)  # the held gradient, converted (module.to())
+            marker = self._markers[index] = (grad, grad.version)  # the held gradient, converted (module.to())
         if grad is None:
             if marker is not None:
                 self._forget(index)
         elif marker is not None and grad is marker[0]:
-            if grad._version != marker[1]:  # zero_grad(set_to_none=False), through whatever object
+            if marker[0].version != marker[1]:  # zero_grad(set_to_none=False), through whatever object
                 self._zero(index)
-                self._markers[index] = (grad, grad._version)
+                self._markers[index] = (marker[0], marker[0].version)
         elif (left := self._unreduced.get(index)) is not None and left() is grad:
             if not before_backward:
                 raise RuntimeError(checks.UNREDUCED)
@@ -143,9 +144,12 @@ class OwnedGradients:
                 maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
             maybe = (self.holds[index] or maybe) and index not in self.dropped
             if maybe and param.grad is None and id(param) in self.slot_of:
-                marker = GradientMarker.like(param)
-                param.grad = marker
-                self._markers[index] = (marker, marker._version)
+                self._put_marker(index, param)
+
+    def _put_marker(self, index: int, param: Tensor) -> None:
+        self._markers.pop(index, None)  # (out of .grad here: its reference goes, so that it may be put back)
+        marker = param.grad = self._spares.marker_for(index, param)
+        self._markers[index] = (marker, marker.version)
 
     def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
         """A gradient hook (``param`` held weakly): at a backward's first, settle every parameter before any bucket
@@ -161,11 +165,11 @@ class OwnedGradients:
         if index in self._filled:
             raise RuntimeError(checks.SECOND_GRADIENT.format(index=index))
         if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
-            self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index, marker[0])))
+            self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index)))
 
-    def _swap(self, index: int, marker: Tensor) -> None:
-        if (param := self.params[index]).grad is marker:  # autograd accumulates into None; on_grad marks it again
-            param.grad = None
+    def _swap(self, index: int) -> None:  # (looked up, not captured: a marker only the store holds is put back)
+        if (marker := self._markers.get(index)) is not None and (param := self.params[index]).grad is marker[0]:
+            param.grad = None  # autograd accumulates into None; on_grad marks it again
 
     def _end(self) -> None:
         for handle in self._swaps:  # (those of parameters a raise left unreached)
@@ -197,9 +201,8 @@ class OwnedGradients:
             if self._next:
                 raise RuntimeError(checks.POISONED)
             reached |= self._filled
-            self._buffers = {}
+            self._buffers, self.in_backward = {}, False
             self._next_backward_afresh()
-            self.in_backward = False
             self._end()
         self.landed = [not set_to_none] * len(self.buckets)
         self.used, self.unagreed, self.dropped = [False] * len(self.params), False, set()
@@ -315,8 +318,7 @@ class OwnedGradients:
             torch.mul(grad.detach(), scale, out=into)  # scaled as it is copied, in one pass, as DDP's reducer does
         else:  # (detached: under backward(create_graph=True) the gradient requires grad, the bucket does not)
             into.copy_(grad.detach()).mul_(scale)
-        marker = param.grad = GradientMarker.like(param)  # as torch's .grad holds one (a clear after a raise is seen)
-        self._markers[slot.index] = (marker, marker._version)
+        self._put_marker(slot.index, param)  # as torch's .grad holds one (a clear after a raise is seen)
         self._unreduced.pop(slot.index, None)
         self._filled.add(slot.index)
         self._remaining[bucket] -= 1
