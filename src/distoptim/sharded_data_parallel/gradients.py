@@ -105,8 +105,7 @@ class OwnedGradients:
     def settle(self, index: int, before_backward: bool = False) -> None:
         """Take in what the program did to ``.grad`` since it was marked: None forgets the owned gradient, the marker
         zeroed zeroes it, a tensor replaces it (``before_backward``: a ``no_sync()`` sum stays, for it to reduce)."""
-        param, marker = self.params[index], self._markers.get(index)
-        grad = param.grad
+        marker, grad = self._markers.get(index), self.params[index].grad
         if isinstance(grad, GradientMarker) and (marker is None or grad is not marker[0]):
             if marker is None or grad.origin is not marker[0].origin:
                 raise RuntimeError(checks.FOREIGN_MARKER)
@@ -164,12 +163,14 @@ class OwnedGradients:
                 self.settle(each, before_backward=True)
         if index in self._filled:
             raise RuntimeError(checks.SECOND_GRADIENT.format(index=index))
-        if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
+        if index in self._markers:  # (run after the program's hooks, as late as can be)
             self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index)))
 
     def _swap(self, index: int) -> None:  # (looked up, not captured: a marker only the store holds is put back)
         if (marker := self._markers.get(index)) is not None and (param := self.params[index]).grad is marker[0]:
             param.grad = None  # autograd accumulates into None; on_grad marks it again
+        elif marker is not None:  # a hook of the program's set .grad since the settle: the held gradient goes
+            self._forget(index)
 
     def _end(self) -> None:
         for handle in self._swaps:  # (those of parameters a raise left unreached)
@@ -205,7 +206,7 @@ class OwnedGradients:
             self._next_backward_afresh()
             self._end()
         self.landed = [not set_to_none] * len(self.buckets)
-        self.used, self.unagreed, self.dropped = [False] * len(self.params), False, set()
+        self.used, self.unagreed, self.dropped = [False] * len(self.params), False, self.dropped if pending else set()
         if self.static is not None and not pending:
             self.static.expected = None
         self._unreduced.clear()
@@ -296,17 +297,15 @@ class OwnedGradients:
             self.zero.land_sync()  # buckets no module of the forward read (local: step() launched every one)
             at_end_of_backward(self.flush)
         entry = self.slot_of.get(id(param))
-        if entry is None or param.grad is None:  # trainable since the plan was made: averaged at the end
+        if entry is None or (grad := param.grad) is None:  # trainable since the plan was made: averaged at the end
             return
         bucket, slot = entry
-        self._fill(bucket, slot, param)
+        self._fill(bucket, slot, param, grad)
         self._launch_ready()
         while self._in_flight and self._in_flight[0][2].done():  # its buffer freed now, not when one is needed
             self._land_oldest()
 
-    def _fill(self, bucket: int, slot: Any, param: Tensor) -> None:
-        grad = param.grad
-        assert grad is not None
+    def _fill(self, bucket: int, slot: Any, param: Tensor, grad: Tensor) -> None:
         plan = self.buckets[bucket]
         whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
         whole = whole and is_dense(grad) and owns_its_memory(grad)  # no other tensor shares it (autograd may)
@@ -348,7 +347,7 @@ class OwnedGradients:
                 grad = (param := self.params[slot.index]).grad
                 if slot.index not in self._filled and grad is not None and not isinstance(grad, GradientMarker):
                     self.used[slot.index] = True  # its gradient is reduced and stepped, as DDP + torch.optim would
-                    self._fill(bucket, slot, param)
+                    self._fill(bucket, slot, param, grad)
             buffer = self._buffer(bucket)
             del self._buffers[bucket]
             for start, end in gaps(plan, self._filled):  # padding, parameters not reached

@@ -25,6 +25,7 @@ class GradientMarker(Tensor):
     _STAY_MARKERS |= {"detach", "_to_copy", "as_subclass"}
     _VALUE_VIEWS = frozenset({"T", "mT", "H", "mH", "real", "imag"})  # properties that would hand out values
     origin: object
+    copied = False  # a copy of it was made (.detach(), .to()): never put back in .grad, see MarkerSpares
 
     @staticmethod
     def like(param: Tensor) -> GradientMarker:
@@ -69,7 +70,7 @@ class GradientMarker(Tensor):
         result = super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         source = args[0] if args else None
         if isinstance(result, GradientMarker) and result is not source and isinstance(source, GradientMarker):
-            result.origin = source.origin
+            result.origin, source.copied = source.origin, True  # (a copy may share its version counter: not reused)
         return result
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
@@ -83,8 +84,8 @@ class GradientMarker(Tensor):
 
 
 class MarkerSpares:
-    """Each parameter's last marker, put back into ``.grad`` where it still fits and nothing else holds it: a new one
-    costs 9 us, and one the program kept stays stale, so that putting it back is refused."""
+    """Each parameter's last marker, put back into ``.grad`` where it still fits and nothing else holds it or a copy of
+    it: a new one costs 9 us, and one the program kept stays stale, so that putting it back is refused."""
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[Any, GradientMarker]] = {}
@@ -92,6 +93,6 @@ class MarkerSpares:
     def marker_for(self, index: int, param: Tensor) -> GradientMarker:
         """``index``'s last marker if it fits ``param`` and is held only here (not in ``.grad``), else a new one."""
         key, last = (param.shape, param.dtype, param.device), self._last.get(index)
-        if last is None or last[0] != key or sys.getrefcount(last[1]) > 2:  # 2: the dict's, the call's
+        if last is None or last[0] != key or last[1].copied or sys.getrefcount(last[1]) > 2:  # 2: dict's, call's
             last = self._last[index] = (key, GradientMarker.like(param))
         return last[1]
