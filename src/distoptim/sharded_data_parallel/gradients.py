@@ -20,7 +20,7 @@ from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
-from distoptim.sharded_data_parallel.marker import GradientMarker, MarkerSpares
+from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.sharded_data_parallel.unplaced import SAME_TRAINABLE, Unplaced
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
@@ -67,7 +67,6 @@ class OwnedGradients:
         for (index, _), piece in self.layout.fragments.items():
             self.pieces.setdefault(index, []).append(piece)
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
-        self._spares = MarkerSpares()  # each parameter's last marker, to put back
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
         self._swaps: list[Any] = []  # this backward's accumulator pre-hooks: markers out of .grad to accumulate into
@@ -145,9 +144,8 @@ class OwnedGradients:
             if maybe and param.grad is None and id(param) in self.slot_of:
                 self._put_marker(index, param)
 
-    def _put_marker(self, index: int, param: Tensor) -> None:
-        self._markers.pop(index, None)  # (out of .grad here: its reference goes, so that it may be put back)
-        marker = param.grad = self._spares.marker_for(index, param)
+    def _put_marker(self, index: int, param: Tensor) -> None:  # (a new one each time: see GradientMarker.like)
+        marker = param.grad = GradientMarker.like(param)
         self._markers[index] = (marker, marker.version)
 
     def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
@@ -163,14 +161,12 @@ class OwnedGradients:
                 self.settle(each, before_backward=True)
         if index in self._filled:
             raise RuntimeError(checks.SECOND_GRADIENT.format(index=index))
-        if index in self._markers:  # (run after the program's hooks, as late as can be)
-            self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index)))
+        if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
+            self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index, marker[0])))
 
-    def _swap(self, index: int) -> None:  # (looked up, not captured: a marker only the store holds is put back)
-        if (marker := self._markers.get(index)) is not None and (param := self.params[index]).grad is marker[0]:
-            param.grad = None  # autograd accumulates into None; on_grad marks it again
-        elif marker is not None:  # a hook of the program's set .grad since the settle: the held gradient goes
-            self._forget(index)
+    def _swap(self, index: int, marker: Tensor) -> None:
+        if (param := self.params[index]).grad is marker:  # autograd accumulates into None; on_grad marks it again
+            param.grad = None
 
     def _end(self) -> None:
         for handle in self._swaps:  # (those of parameters a raise left unreached)
