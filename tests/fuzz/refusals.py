@@ -125,6 +125,7 @@ def _poisoned(program: Program) -> str:
     ``head`` and ``out``; or in ``head`` after an untied ``out``) and its clear goes through ``zero``/the wrapper, or a
     forward through the wrapper, a step or a clip follows before a new subject (resume, reshard): each refuses where
     a bucket was launched ("restart from a checkpoint"); "may" where the failing layer may have reached nothing."""
+    cleared_elsewhere = ""
     for index, action in enumerate(program.actions):
         if action.name != "failed_backward":
             continue
@@ -138,7 +139,8 @@ def _poisoned(program: Program) -> str:
             )
         if refused:
             return "must" if sure else "may"
-    return ""
+        cleared_elsewhere = "may"  # not through zero or the wrapper: the end's consolidation may re-place, and refuse
+    return cleared_elsewhere
 
 
 TABLE: tuple[Refusal, ...] = (

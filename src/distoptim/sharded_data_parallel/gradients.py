@@ -159,8 +159,6 @@ class OwnedGradients:
             at_end_of_backward(self._end)
             for each in range(len(self.params)):
                 self.settle(each, before_backward=True)
-        if index in self._filled:
-            raise RuntimeError(checks.SECOND_GRADIENT.format(index=index))
         if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
             self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index, marker[0])))
 
@@ -302,6 +300,8 @@ class OwnedGradients:
             self._land_oldest()
 
     def _fill(self, bucket: int, slot: Any, param: Tensor, grad: Tensor) -> None:
+        if slot.index in self._filled:  # (not at the tensor hook: torch.autograd.grad runs those too)
+            raise RuntimeError(checks.SECOND_GRADIENT.format(index=slot.index))
         plan = self.buckets[bucket]
         whole = bucket not in self._buffers and len(plan.slots) == 1 and plan.numel == grad.numel()
         whole = whole and is_dense(grad) and owns_its_memory(grad)  # no other tensor shares it (autograd may)
