@@ -27,10 +27,10 @@ class GradientMarker(Tensor):
 
     @staticmethod
     def like(param: Tensor) -> GradientMarker:
-        """A new marker: never reused, since an alias of an old one (``.detach()``, ``torch.Tensor(g)``, a weakref)
-        would share its identity or version counter (6.7 us: one element, strides 0)."""
-        empty = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=param.dtype, device=param.device)
-        marker = empty.fill_(float("nan")).as_subclass(GradientMarker)
+        """A new marker (one element, expanded): never reused, since an alias of an old one (``.detach()``,
+        ``torch.Tensor(g)``, a weakref) would share its identity or version counter."""
+        base = torch.full((), float("nan"), dtype=param.dtype, device=param.device)
+        marker = base.expand(param.shape).as_subclass(GradientMarker)
         marker.origin = object()
         return marker
 
