@@ -159,6 +159,18 @@ def test_a_backward_that_raised_before_any_gradient_leaves_training_as_ddp() -> 
     run_on_ranks(_failed_before_any_gradient_body, 2, timeout=60)
 
 
+class _FailsOnce:
+    """A gradient hook that raises at the first gradient after it is armed."""
+
+    armed = False
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            raise _Fails("the first gradient's hook fails")
+        return grad
+
+
 def _raised_after_settle_body(rank: int, world_size: int, set_to_none: bool) -> None:
     """A backward that raises in a gradient hook of the program's, after the store took its markers out of ``.grad``
     and before any gradient accumulated: ``.grad`` stays as torch leaves it (review r-18c: a clear to zeros then
@@ -166,18 +178,11 @@ def _raised_after_settle_body(rank: int, world_size: int, set_to_none: bool) -> 
     model, reference = Chain(), Chain()
     zero, sdp = _sdp(model)
     ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
-    armed = [False]
-
-    def once(grad: torch.Tensor) -> torch.Tensor:
-        if armed[0]:
-            armed[0] = False
-            raise _Fails("the first gradient's hook fails")
-        return grad
-
+    once = _FailsOnce()
     for step in range(4):
         for opt, wrapper, net in ((zero, sdp, model), (plain, ddp, reference)):
             if step == 1:
-                armed[0] = True
+                once.armed = True
                 handles = [param.register_hook(once) for param in net.parameters()]
                 with contextlib.suppress(_Fails):
                     wrapper(_x(rank, step)).square().mean().backward()
@@ -244,21 +249,14 @@ def _raised_then_dropped_body(rank: int, world_size: int, partition: str, where:
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition=partition, **KW)
     sdp = ShardedDataParallel(model, zero)  # one bucket of 25 MiB: launched at the end of the backward only
     ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
-    armed = [False]
-
-    def once(grad: torch.Tensor) -> torch.Tensor:
-        if armed[0]:
-            armed[0] = False
-            raise _Fails("the first gradient's hook fails")
-        return grad
-
+    once = _FailsOnce()
     for step in range(3):
         for opt, wrapper, net in ((zero, sdp, model), (plain, ddp, reference)):
             opt.zero_grad(set_to_none=False)
             if (
                 step == 1 and opt is zero
             ):  # (DDP's reducer cannot go on after it; torch's .grad is None after the clear)
-                armed[0] = True
+                once.armed = True
                 handles = [model.layers[0].register_full_backward_pre_hook(_fail)] if where == "layer" else []
                 handles += [param.register_hook(once) for param in model.parameters()] if where == "hook" else []
                 with contextlib.suppress(_Fails):
