@@ -392,27 +392,90 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("how", "per_backward", "per_step"),
+    ("how", "per_backward", "per_step", "first_step"),
     [
-        ("ddp", 0, 1),
-        ("ddp_scaler", 0, 1),
-        ("sdp", 0, 1),
-        ("sdp_scaler", 0, 2),
-        ("sdp_unused", 0, 1),
-        ("sdp_clip", 0, 1),
-        ("sdp_static", 0, 1),
-        ("sdp_static_unused", 0, 1),
+        ("ddp", 0, 1, 1),
+        ("ddp_scaler", 0, 1, 1),
+        ("sdp", 0, 1, 1),
+        ("sdp_scaler", 0, 1, 2),
+        ("sdp_unused", 0, 1, 1),
+        ("sdp_clip", 0, 1, 1),
+        ("sdp_static", 0, 1, 1),
+        ("sdp_static_unused", 0, 1, 1),
+        ("sdp_static_scaler", 0, 2, 2),
     ],
 )
-def test_agreements_none_per_backward_one_per_plain_step(how: str, per_backward: int, per_step: int) -> None:
+def test_agreements_none_per_backward_one_per_step(how: str, per_backward: int, per_step: int, first_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
     exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
-    raise), not agreed; a GradScaler adds the agreement around the local step, since each rank's verdict reads its
-    owned gradient only (under DDP every rank reads the same whole gradient and steps inside the one agreement)."""
+    raise), not agreed. Under a GradScaler that sum carries whether an owned gradient holds an inf or nan too, once
+    the first step has shown the scaler: that first step, and every step under ``static_graph=True`` (whose
+    backwards sum nothing), agree on the verdict before stepping, then around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
-        assert counts["step"] == per_step * 3, counts
+        assert counts["step"] == first_step + per_step * 2, counts
         assert counts.get("clip", 0) == 0, counts
+
+
+def _scaler_unknown_body(rank: int, world_size: int) -> None:
+    """Rank 0's store never knows its backward's inf/nan verdict (as after a ``.grad`` set by hand), rank 1's does:
+    rank 1 steps inside the one agreement, rank 0 after it, and both train as DDP + AdamW (it once never stepped)."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    store = zero.gradient_source
+    assert store is not None
+    if rank == 0:
+        known = store.overflow_found
+        store.overflow_found = lambda scaled: (known(scaled), None)[1]  # type: ignore[method-assign]
+    for step in range(3):
+        zero.zero_grad()
+        scaler.scale(sdp(_x(rank, step)).square().mean()).backward()
+        scaler.step(zero)
+        scaler.update()
+        plain.zero_grad()
+        ddp(_x(rank, step)).square().mean().backward()
+        plain.step()
+        _compare(model, reference, f"step {step}")
+
+
+def test_a_rank_unsure_of_the_summed_verdict_steps_after_the_others() -> None:
+    run_on_ranks(_scaler_unknown_body, 2, timeout=60)
+
+
+def _scaler_changed_body(rank: int, world_size: int, how: str) -> None:
+    """After the third step's backward, ``.grad`` changed alike on every rank: ``hand_set``, an inf by hand in the
+    first element of a parameter the backward did not reach (every rank skips and backs off); ``zeroed``, an inf the
+    backward put there, then ``model.zero_grad(set_to_none=False)`` (every rank steps on zeros). As DDP + AdamW under
+    their scaler: the backward's summed verdict is not reused once ``.grad`` changed (once, ranks raised or skipped)."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model)
+    ddp, plain = DDP(reference, find_unused_parameters=True), torch.optim.AdamW(reference.parameters(), **KW)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=64.0) for _ in range(2)]
+    inf = lambda grad: torch.zeros_like(grad).index_fill_(0, torch.tensor([0]), float("inf"))
+    for step in range(4):
+        for wrapper, optimizer, scaler in ((sdp, zero, scalers[0]), (ddp, plain, scalers[1])):
+            weight = wrapper.module.branch.weight
+            hook = weight.register_hook(inf) if step == 2 and how == "zeroed" else None
+            optimizer.zero_grad()
+            use_branch = step != 2 or how == "zeroed"
+            scaler.scale(wrapper(_x(rank, step), use_branch=use_branch).square().mean()).backward()
+            if step == 2 and how == "hand_set":
+                weight.grad = inf(weight)
+            elif hook is not None:
+                hook.remove()
+                wrapper.module.zero_grad(set_to_none=False)
+            scaler.step(optimizer)
+            scaler.update()
+        skipped = step >= 2 and how == "hand_set"
+        assert scalers[0].get_scale() == scalers[1].get_scale() == (32.0 if skipped else 64.0), step
+        _compare(model, reference, f"step {step}")
+
+
+@pytest.mark.parametrize("how", ["hand_set", "zeroed"])
+def test_a_grad_changed_after_the_backward_is_checked_again_by_the_scaler(how: str) -> None:
+    run_on_ranks(_scaler_changed_body, 2, how, timeout=60)
 
 
 def _static_body(rank: int, world_size: int, change: bool) -> None:

@@ -285,9 +285,14 @@ def all_reduce_(tensor: Tensor, group: Group, op: str = "sum") -> Tensor:
     return tensor
 
 
-def sum_flags(flags: Sequence[bool], device: torch.device, groups: Sequence[Group], what: str) -> list[int]:
-    """How many ranks set each flag: an int32 all-reduce over each of ``groups`` in turn, read back once (``what``)."""
+def sum_flags(
+    flags: Sequence[bool], device: torch.device, groups: Sequence[Group], what: str, later: Sequence[Tensor] = ()
+) -> list[int]:
+    """How many ranks set each flag: an int32 all-reduce over each of ``groups`` in turn, read back once (``what``);
+    ``later``: 0-d flags still on ``device`` (unread: no stall before the sum), after ``flags``."""
     counts = torch.tensor(list(flags), dtype=torch.int32, device=device)
+    if later:
+        counts = torch.cat([counts, torch.stack(list(later)).to(device, torch.int32)])
     for group in groups:
         all_reduce_(counts, group)
     summed = list(_host.read(counts, what))

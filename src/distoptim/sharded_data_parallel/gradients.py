@@ -22,6 +22,7 @@ from distoptim.sharded_data_parallel import checks
 from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.sharded_data_parallel.unplaced import SAME_TRAINABLE, Unplaced
+from distoptim.zero import amp
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalTensor
 
@@ -35,6 +36,7 @@ class OwnedGradients:
     """This rank's owned gradient of ``zero``'s parameters, filled bucket by bucket during each backward."""
 
     max_in_flight = 2  # the most buckets being filled or reduced at once
+    overflow: bool | None  # under a GradScaler, each backward's end's inf/nan sum (``overflow_found``)
 
     def __init__(
         self, wrapper: Any, buckets: Sequence[BucketPlan], sync: ParameterSync, replanned: Callable[[], None]
@@ -44,6 +46,7 @@ class OwnedGradients:
         self.replanned = replanned  # called after placing (the wrapper's rebuild)
         self.static = checks.StaticGraph() if wrapper.static_graph else None  # DDP's promise
         self.late: list[int] = []  # static_graph=True: placed since the ranks last agreed (their .grad: the ranks' own)
+        self.scaled = False  # a GradScaler steps: each backward's end sums its inf/nan flag too
         self._build(buckets, sync)
 
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
@@ -128,6 +131,7 @@ class OwnedGradients:
         self._markers.pop(index, None)
 
     def _zero(self, index: int) -> None:
+        self.overflow = None
         for bucket, start, length in self.pieces.get(index, ()):
             if (owned := self.owned[bucket]) is not None:
                 owned[start : start + length].zero_()
@@ -135,13 +139,10 @@ class OwnedGradients:
     def mark(self) -> None:
         """A marker into each free ``.grad`` the store holds, may hold, or (until the ranks agree) owns a piece of."""
         predicted = self.static if self.static is not None and self.static.predicted else None
-        for index, param in enumerate(self.params):
-            if predicted is not None:  # a static graph's backward: the first one's parameters, as if agreed
-                maybe = self.used[index] or predicted.used(index)
-            else:
-                maybe = self.used[index] or (self.unagreed and index in self.pieces and param.requires_grad)
-            maybe = (self.holds[index] or maybe) and index not in self.dropped
-            if maybe and param.grad is None and id(param) in self.slot_of:
+        for index, param in enumerate(self.params):  # predicted: a static graph's first backward's, as if agreed
+            unagreed = self.unagreed and index in self.pieces and param.requires_grad
+            maybe = self.holds[index] or self.used[index] or (unagreed if predicted is None else predicted.used(index))
+            if maybe and index not in self.dropped and param.grad is None and id(param) in self.slot_of:
                 self._put_marker(index, param)
 
     def _put_marker(self, index: int, param: Tensor) -> None:  # (a new one each time: see GradientMarker.like)
@@ -149,9 +150,8 @@ class OwnedGradients:
         self._markers[index] = (marker, marker.version)
 
     def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
-        """A gradient hook (``param`` held weakly): at a backward's first, settle every parameter before any bucket
-        lands. A marker leaves ``.grad`` only as autograd accumulates there, after every hook of the program's (one
-        that raises leaves ``.grad`` as torch does, so a clear that follows is seen)."""
+        """A gradient hook (``param`` weakly): at a backward's first, settle every parameter. A marker leaves ``.grad``
+        only as autograd accumulates there, after the program's hooks (a raise leaves ``.grad`` as torch's)."""
         if (held := param()) is None or (index := self.zero.index_of(held)) is None:
             return
         if self._task == -1:  # (else settled at the start of this backward, or of one a reentrant checkpoint is in)
@@ -199,7 +199,7 @@ class OwnedGradients:
             self._buffers, self.in_backward = {}, False
             self._next_backward_afresh()
             self._end()
-        self.landed = [not set_to_none] * len(self.buckets)
+        self.landed, self.overflow = [not set_to_none] * len(self.buckets), None
         self.used, self.unagreed, self.dropped = [False] * len(self.params), False, self.dropped if pending else set()
         if self.static is not None and not pending:
             self.static.expected = None
@@ -220,17 +220,15 @@ class OwnedGradients:
 
     def _next_backward_afresh(self) -> None:
         self._filled: set[int] = set()  # parameters whose gradient this backward put into a bucket
-        self._remaining, self._next = [len(bucket.slots) for bucket in self.buckets], 0
+        self._remaining, self._next, self.overflow = [len(bucket.slots) for bucket in self.buckets], 0, None
 
     def check_finished(self) -> None:
-        """Refuse the gradient of a backward that raised midway (local, as DDP's reducer); one that raised before any
-        gradient arrived left ``.grad`` as it was (its end, which drops its accumulators' pre-hooks, never ran)."""
+        """Refuse the gradient of a backward that raised midway (local, as DDP's reducer); drop a raised one's hooks."""
         if self.in_backward:
             raise RuntimeError(checks.POISONED if self._next else checks.UNFINISHED)
         if self._task != -1 and not in_backward():
             self._end()
 
-    # ------------------------------------------------------------------- which parameters some rank used
     def prepare_step(self) -> bool:
         """Settle every ``.grad`` (inside the step's agreement); whether this rank may step before the ranks agree."""
         self.check_finished()
@@ -240,9 +238,13 @@ class OwnedGradients:
             not self.unagreed or all(self.holds[i] or self.used[i] for i in self.pieces if self.params[i].requires_grad)
         )
 
+    def overflow_found(self, scaled: bool) -> bool | None:
+        """The inf/nan verdict ``_summed_flags`` made (None: unknown, changed since), read once; ``scaled``: make it."""
+        found, self.overflow, self.scaled = self.overflow if scaled else None, None, scaled
+        return found
+
     def agreed(self, everywhere: Sequence[bool], backward: bool = False) -> None:
-        """The ranks agreed which parameters some rank used (``backward``: at a backward's end): the store holds
-        those; the others' markers go."""
+        """The ranks agreed which parameters some rank used (``backward``: at its end): held; other markers go."""
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
             placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
             self.static.agreed(everywhere, placed, backward)
@@ -319,8 +321,7 @@ class OwnedGradients:
         self._remaining[bucket] -= 1
 
     def _buffer(self, bucket: int, gradient: Tensor | None = None) -> Tensor:
-        """Bucket ``bucket``'s buffer (``gradient``, or a new one: ``buckets.gaps`` are what no gradient filled), once
-        fewer than ``max_in_flight`` are in use."""
+        """Bucket ``bucket``'s buffer (``gradient``, or a new one), once fewer than ``max_in_flight`` are in use."""
         if bucket not in self._buffers:
             while len(self._buffers) + len(self._in_flight) >= self.max_in_flight and self._in_flight:
                 if self.shared:  # another wrapper's reductions may come first on other ranks: no wait before flushes
@@ -368,11 +369,15 @@ class OwnedGradients:
         self.landed[bucket] = True
 
     def _summed_flags(self) -> list[int]:
-        """Each parameter's users over the ranks, and how many ranks hold parameters trainable since the plan: DDP's
-        used map under ``find_unused_parameters=True`` (an int32 all-reduce behind the buckets', not an agreement)."""
+        """Each parameter's users over the ranks, how many ranks hold parameters trainable since the plan (DDP's used
+        map: an int32 all-reduce behind the buckets', not an agreement), and ``overflow_found``'s sum."""
         late = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
         device = self.store_keys[self.buckets[0].key][0]
-        return comm.sum_flags([*self.used, late], device, self.zero.agreement_groups, "which parameters some rank used")
+        checked = amp.nonfinite(self.owned, device) if self.scaled else torch.zeros((), device=device)
+        flags, what = [*self.used, late], "which parameters some rank used"
+        *counts, overflows = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
+        self.overflow = bool(overflows) if self.scaled else None  # (the step reads it, or a change forgets it)
+        return counts
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, used flags summed (unplaced gradients averaged), markers put in."""

@@ -11,16 +11,19 @@ from torch import Tensor
 
 from distoptim import _host
 
-__all__ = ["Verdict", "check_and_unscale", "once_each", "refuse_in_overlap_mode"]
+__all__ = ["Verdict", "check_and_unscale", "nonfinite", "once_each", "refuse_in_overlap_mode"]
 
 
 class Verdict:
-    """This rank's half of a scaler's verdict (an inf or nan in the gradient it read), to be agreed and recorded."""
+    """This rank's half of a scaler's verdict (an inf or nan in the gradient it read), to be agreed and recorded;
+    ``summed``: whether some rank's owned gradient held one at the backward's end, as every rank knows (or None)."""
 
-    def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor, alike: bool) -> None:
+    def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor, alike: bool, summed: bool | None) -> None:
         self.grad_scaler, self.optimizer, self.flag = grad_scaler, optimizer, flag
         self.found_here = bool(_host.read(flag, "GradScaler's skip decision"))
-        self.step_now = alike and not self.found_here  # every rank read the same gradient: steps before agreeing
+        self.found = self.found_here or bool(summed)
+        # every rank read the same gradient, or knows what every other found: steps before agreeing
+        self.step_now = (alike or summed is not None) and not self.found
 
     def record(self, found_anywhere: bool) -> None:
         """Hand the scaler the agreed verdict, the same on every rank, for ``update()`` to adjust the scale by."""
@@ -35,10 +38,12 @@ def check_and_unscale(
     sharded_in_memory: bool,
     model_grads: Callable[[], Sequence[Tensor]] = tuple,
     alike: bool = False,
+    summed: bool | None = None,
 ) -> Verdict | None:
     """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local);
     ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, a piece viewing one only once.
-    ``alike`` (DDP's ``.grad``, the same on every rank): the verdict reads the whole gradient, so ranks step at once."""
+    ``alike`` (DDP's ``.grad``, the same on every rank): the verdict reads the whole gradient, so ranks step at once;
+    so they do where the owned gradients' verdict was ``summed`` over the ranks at the backward's end."""
     if grad_scaler is None:
         _refuse_unknown_scaling(optimizer)
         return None
@@ -59,7 +64,13 @@ def check_and_unscale(
     flags = [_check_and_unscale(copies, inverse, scale), _check_and_unscale(held, inverse, scale)]
     if not alike:  # the verdict reads only what this rank steps
         flags[1] = _check_and_unscale([grad for grad in stepped if _address(grad) in in_held], one, scale)
-    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax(), alike)
+    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax(), alike, summed)
+
+
+def nonfinite(grads: Sequence[Tensor | None], device: torch.device) -> Tensor:
+    """1 where one of ``grads`` holds an inf or nan, else 0: a 0-d tensor on ``device``, unread (torch's kernel)."""
+    one = torch.ones((), dtype=torch.float32, device=device)
+    return _check_and_unscale([grad for grad in grads if grad is not None], one, one)
 
 
 def once_each(wholes: Sequence[Tensor], pieces: Sequence[Tensor]) -> list[Tensor]:

@@ -245,7 +245,9 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         shard.attach_grads()
         held = lambda: amp.once_each([p.grad for p in whole if p.grad is not None], shard.source_grads())
         alike = source is None and not self.joining  # DDP's .grad: each rank decides on the same values
-        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held, alike)
+        summed = None if source is None else source.overflow_found(grad_scaler is not None)
+        summed = None if whole else summed  # .grad set by hand (alike everywhere, or refused): checked where stepped
+        verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held, alike, summed)
         stepping_now = (verdict is None or verdict.step_now) and not hold
         return self._step_local(closure, kwargs) if stepping_now else None, verdict
 

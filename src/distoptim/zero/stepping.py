@@ -32,7 +32,8 @@ DIVERGED_UNDER_SCALER = (
     "checkpoint). Without ShardedDataParallel each rank decides on its whole .grad, which must be the same on every "
     "rank of the optimizer's group (DDP's average): gradients reduced to their owners by hand, or left local "
     "(post-local SGD without its all-reduce, .grad changed on some ranks), are not; average them on every rank, or "
-    "use ShardedDataParallel, whose step agrees on the verdict before any rank steps"
+    "use ShardedDataParallel, whose ranks share the verdict before any rank steps (there: a .grad set by hand after "
+    "the backward, on some ranks only, held one; set it alike on every rank)"
 )
 MIXED_SCALER = (
     "some ranks stepped with scaler.step(zero) and others with zero.step() (no GradScaler): the ranks would skip "
@@ -50,6 +51,7 @@ class GradientSource(Protocol):
     def grad_of(self, local: LocalTensor) -> Tensor | None: ...  # local's piece of its parameter's gradient, or None
     def check_finished(self) -> None: ...  # refuse a gradient a backward that raised midway left (local)
     def prepare_step(self) -> bool: ...  # before the step reads (agreed): may this rank step before the ranks agree
+    def overflow_found(self, scaled: bool) -> bool | None: ...  # an inf/nan in some rank's owned gradient, or None
     def agreed(self, everywhere: Sequence[bool]) -> None: ...  # the step's agreement said which parameters were used
     def ready(self) -> None: ...  # before clip_grad_norm_ reads (collective): the same, agreed alone after a backward
     def hand_set(self) -> list[Tensor]: ...  # the parameters whose .grad was set by hand (not the store's marker)
@@ -65,13 +67,14 @@ def agreed_step(
     scaler: bool = False,
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
     """``action()`` agreed over ``groups``; then whether a GradScaler's step waits for the agreed verdict (passed as
-    ``scaler`` on some rank, none stepped in ``action()``), whether any rank found an inf or nan, and for each of
-    ``extra(prepared)`` whether any rank raised it; around a joined rank's ``joined_step`` too. Where the verdict was
-    read on the same gradient everywhere, ranks step in ``action()`` (one agreement a step), so a rank that stepped
+    ``scaler`` on some rank, some rank not stepped in ``action()``), whether any rank found an inf or nan, and for each
+    of ``extra(prepared)`` whether any rank raised it; around a joined rank's ``joined_step`` too. Where the verdict
+    was read on the same gradient everywhere or summed at the backward's end, ranks step in ``action()`` (one
+    agreement a step), so a rank that stepped
     where another found an inf raises everywhere, as ranks do where ``scaler`` is true on some and not others."""
     joined = joined_step is not None
     flags = lambda done: (*_flags(done), joined, scaler, not scaler and not joined, *extra(done))
-    prepared, (found_inf, stepped, any_joined, with_scaler, without, *extras) = agreement.run_step_agreed(
+    prepared, (found_inf, stepped, waited, any_joined, with_scaler, without, *extras) = agreement.run_step_agreed(
         action, fingerprint, list(groups), flags=flags, joined=joined
     )
     if with_scaler and without:
@@ -82,13 +85,14 @@ def agreed_step(
         if with_scaler:
             raise RuntimeError(JOIN_WITH_SCALER)
         agreed(joined_step or (lambda: None), fingerprint, groups, joined)
-    return prepared, with_scaler and not stepped, found_inf, tuple(extras)
+    return prepared, with_scaler and waited, found_inf, tuple(extras)
 
 
-def _flags(done: Prepared | None) -> tuple[bool, bool]:
-    """Whether this rank found an inf or nan, and whether it stepped on its own verdict (on a gradient alike)."""
+def _flags(done: Prepared | None) -> tuple[bool, bool, bool]:
+    """Whether this rank found an inf or nan, whether it stepped on its own verdict (on a gradient alike, or the
+    owned gradients' verdict summed at the backward's end), and whether it waits for the agreed verdict."""
     verdict = None if done is None else done[1]
-    return (False, False) if verdict is None else (verdict.found_here, verdict.step_now)
+    return (False, False, False) if verdict is None else (verdict.found, verdict.step_now, not verdict.step_now)
 
 
 def agreed(
