@@ -10,7 +10,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distoptim"
 
 PRIVATE_NAMES = {
     "_C": "the namespace of _current_graph_task_id and the DisableTorchFunction modes",
-    "_current_graph_task_id": "which backward is running: a hook tells a backward's first gradient from a later one",
+    "_current_graph_task_id": "whether a backward is running (DDP's join hook runs comm hooks outside of any)",
     "_execution_engine": "queue_callback: run at the end of the running backward, as DDP's reducer does",
     "_amp_foreach_non_finite_check_and_unscale_": "GradScaler's own unscale-and-check kernel, on the owned shard",
     "_per_optimizer_states": "GradScaler's custom-scaling protocol (_step_supports_amp_scaling) hands over this",

@@ -41,9 +41,8 @@ class OwnedGradients:
     def __init__(
         self, wrapper: Any, buckets: Sequence[BucketPlan], sync: ParameterSync, replanned: Callable[[], None]
     ) -> None:
-        self.wrapper = wrapper  # the ShardedDataParallel whose hooks these are, and its settings
+        self.wrapper, self.replanned = wrapper, replanned  # the ShardedDataParallel whose hooks these are; its rebuild
         self.zero: ZeroRedundancyOptimizer = wrapper.zero
-        self.replanned = replanned  # called after placing (the wrapper's rebuild)
         self.static = checks.StaticGraph() if wrapper.static_graph else None  # DDP's promise
         self.late: list[int] = []  # static_graph=True: placed since the ranks last agreed (their .grad: the ranks' own)
         self.scaled = False  # a GradScaler steps: each backward's end sums its inf/nan flag too
@@ -73,7 +72,7 @@ class OwnedGradients:
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
         self._swaps: list[Any] = []  # this backward's accumulator pre-hooks: markers out of .grad to accumulate into
-        self._task = -1  # the backward (graph task) whose start settled every parameter, until it ends
+        self._task: weakref.ref[Callable[[], None]] | None = None  # the end of the backward whose start settled all
         self.no_sync = False
         self._next_backward_afresh()
         self._buffers: dict[int, Tensor] = {}
@@ -93,8 +92,7 @@ class OwnedGradients:
             self.static.pattern, placed = None, self.slot_of.keys() - previous.slot_of.keys()
             self.late += [index for index, param in enumerate(self.params) if id(param) in placed]
         self.no_sync = previous.no_sync  # placed inside no_sync() (add_param_group): its backwards still accumulate
-        for bucket in range(len(previous.buckets), len(self.buckets)):
-            plan = self.buckets[bucket]
+        for bucket, plan in enumerate(self.buckets[len(previous.buckets) :], start=len(previous.buckets)):
             buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
             for index in previous._unplaced.take_into(buffer, plan, self.params):
                 self.holds[index] = True
@@ -143,33 +141,34 @@ class OwnedGradients:
             unagreed = self.unagreed and index in self.pieces and param.requires_grad
             maybe = self.holds[index] or self.used[index] or (unagreed if predicted is None else predicted.used(index))
             if maybe and index not in self.dropped and param.grad is None and id(param) in self.slot_of:
-                self._put_marker(index, param)
-
-    def _put_marker(self, index: int, param: Tensor) -> None:  # (a new one each time: see GradientMarker.like)
-        marker = param.grad = GradientMarker.like(param)
-        self._markers[index] = (marker, marker.version)
+                marker = param.grad = GradientMarker.like(param)  # (a new one each time: see GradientMarker.like)
+                self._markers[index] = (marker, marker.version)
 
     def before_gradient(self, param: weakref.ref[Tensor], _: Tensor) -> None:
         """A gradient hook (``param`` weakly): at a backward's first, settle every parameter. A marker leaves ``.grad``
         only as autograd accumulates there, after the program's hooks (a raise leaves ``.grad`` as torch's)."""
         if (held := param()) is None or (index := self.zero.index_of(held)) is None:
             return
-        if self._task == -1:  # (else settled at the start of this backward, or of one a reentrant checkpoint is in)
-            self._task = torch._C._current_graph_task_id()
-            at_end_of_backward(self._end)
+        if self._task is None or self._task() is None:  # (else settled at this backward's start, or at a reentrant
+            self._end()  # checkpoint's outer one's); a backward that raised never ran its end: autograd dropped it
+            self._task = weakref.ref(end := self._end)  # (the bound method autograd holds, until the backward ends)
+            at_end_of_backward(end)
             for each in range(len(self.params)):
                 self.settle(each, before_backward=True)
         if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
             self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index, marker[0])))
 
-    def _swap(self, index: int, marker: Tensor) -> None:
-        if (param := self.params[index]).grad is marker:  # autograd accumulates into None; on_grad marks it again
+    def _swap(self, index: int, marker: GradientMarker) -> None:
+        param, (held, version) = self.params[index], self._markers.get(index, (marker, marker.version))
+        if param.grad is not held or held.version != version:  # a hook of the program's changed .grad since
+            self.settle(index, before_backward=True)
+        if isinstance(param.grad, GradientMarker):  # autograd accumulates into None; on_grad marks it again
             param.grad = None
 
     def _end(self) -> None:
         for handle in self._swaps:  # (those of parameters a raise left unreached)
             handle.remove()
-        self._swaps, self._task = [], -1
+        self._swaps, self._task = [], None
 
     # ------------------------------------------------------------------------------- what the step reads
     def grad_of(self, local: LocalTensor) -> Tensor | None:
@@ -226,7 +225,7 @@ class OwnedGradients:
         """Refuse the gradient of a backward that raised midway (local, as DDP's reducer); drop a raised one's hooks."""
         if self.in_backward:
             raise RuntimeError(checks.POISONED if self._next else checks.UNFINISHED)
-        if self._task != -1 and not in_backward():
+        if not in_backward():
             self._end()
 
     def prepare_step(self) -> bool:
@@ -315,7 +314,8 @@ class OwnedGradients:
             torch.mul(grad.detach(), scale, out=into)  # scaled as it is copied, in one pass, as DDP's reducer does
         else:  # (detached: under backward(create_graph=True) the gradient requires grad, the bucket does not)
             into.copy_(grad.detach()).mul_(scale)
-        self._put_marker(slot.index, param)  # as torch's .grad holds one (a clear after a raise is seen)
+        marker = param.grad = GradientMarker.like(param)  # as torch's .grad holds one (a clear after a raise is seen)
+        self._markers[slot.index] = (marker, marker.version)
         self._unreduced.pop(slot.index, None)
         self._filled.add(slot.index)
         self._remaining[bucket] -= 1
