@@ -478,6 +478,45 @@ def test_a_grad_changed_after_the_backward_is_checked_again_by_the_scaler(how: s
     run_on_ranks(_scaler_changed_body, 2, how, timeout=60)
 
 
+class _Half(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8, dtype=torch.float16))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.w * c).float().sum() * 2
+
+
+def _scaler_step_only_body(rank: int, world_size: int, how: str) -> list[Any]:
+    """An inf only the step itself makes, on rank 1 (it owns elements 6 and 7): ``cast``, an fp32 store of fp16
+    weights summing to 80000 over two backwards (inf once cast to fp16); ``unscaled``, a scale of 0.5 unscaling an
+    fp16 60000 to 120000 (inf). The backward's summed verdict saw none: every rank must wait for the agreed one and skip
+    (review r-20: rank 0 stepped on the sum, then every rank raised with the ranks' shards apart)."""
+    model = _Half()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, partition="even", lr=0.1)
+    sdp = ShardedDataParallel(model, zero, reduce_dtype=torch.float32 if how == "cast" else None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0 if how == "cast" else 0.5, growth_interval=1000)
+    seen = []
+    for step in range(3):
+        zero.zero_grad()
+        c = torch.ones(8, dtype=torch.float16)
+        c[6:] = (20000.0 if how == "cast" else 60000.0) if step == 1 else 1.0
+        for _ in range(2 if how == "cast" else 1):
+            scaler.scale(sdp(c)).backward()
+        scaler.step(zero)
+        scaler.update()
+        seen.append((scaler.get_scale(), model.w.detach().float().tolist()))
+    return seen
+
+
+@pytest.mark.parametrize("how", ["cast", "unscaled"])
+def test_an_inf_only_the_step_makes_skips_the_step_everywhere(how: str) -> None:
+    ranks = run_on_ranks(_scaler_step_only_body, 2, how, timeout=60)
+    assert ranks[0] == ranks[1], ranks
+    (first, _), (second, skipped), (_, stepped) = ranks[0]
+    assert second == first / 2 and skipped == ranks[0][0][1] and stepped != skipped, ranks[0]
+
+
 def _static_body(rank: int, world_size: int, change: bool) -> None:
     """``static_graph=True`` trains as DDP + AdamW; a backward whose parameters differ from the first's (the branch
     unused by every rank at the third step) is refused at the step on every rank, naming the parameters."""

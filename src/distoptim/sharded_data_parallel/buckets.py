@@ -12,7 +12,7 @@ import torch
 
 from distoptim.zero.partition import PartitionPlan
 
-__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "gaps", "plan_buckets", "store_plan"]
+__all__ = ["BucketCaps", "BucketPlan", "Slot", "StorePlan", "gaps", "narrowed", "plan_buckets", "store_plan"]
 
 Route = tuple[tuple[int, int, int], ...]  # (owner, start, end) in the bucket, neighbours of one owner merged
 
@@ -176,3 +176,18 @@ def _owned_offset(owned: list[tuple[int, int]], element: int) -> int:
             return skipped + element - start
         skipped += end - start
     raise ValueError(f"element {element} is not in the owned ranges {owned}")
+
+
+def narrowed(
+    buckets: Sequence[BucketPlan],
+    params: Sequence[torch.Tensor],
+    stores: Mapping[Hashable, tuple[torch.device, torch.dtype]],
+    master: torch.dtype | None,
+) -> bool:
+    """Whether the step reads some bucket's store (``stores``: by bucket key) cast to a narrower dtype (an fp32 store
+    of fp16 parameters without an fp32 master copy): a finite sum there may become an inf only then."""
+    for bucket in buckets:
+        stepped = [torch.finfo(params[bucket.slots[0].index].dtype).max, torch.finfo(master).max if master else 0.0]
+        if torch.finfo(stores[bucket.key][1]).max > max(stepped):
+            return True
+    return False

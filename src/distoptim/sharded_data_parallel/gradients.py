@@ -19,7 +19,7 @@ from distoptim.comm import agreement
 from distoptim.comm import collectives as comm
 from distoptim.comm.averaging import completed_future
 from distoptim.sharded_data_parallel import checks
-from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, store_plan
+from distoptim.sharded_data_parallel.buckets import BucketPlan, gaps, narrowed, store_plan
 from distoptim.sharded_data_parallel.marker import GradientMarker
 from distoptim.sharded_data_parallel.unplaced import SAME_TRAINABLE, Unplaced
 from distoptim.zero import amp
@@ -371,12 +371,12 @@ class OwnedGradients:
     def _summed_flags(self) -> list[int]:
         """Each parameter's users over the ranks, how many ranks hold parameters trainable since the plan (DDP's used
         map: an int32 all-reduce behind the buckets', not an agreement), and ``overflow_found``'s sum."""
-        late = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
-        device = self.store_keys[self.buckets[0].key][0]
-        checked = amp.nonfinite(self.owned, device) if self.scaled else torch.zeros((), device=device)
-        flags, what = [*self.used, late], "which parameters some rank used"
-        *counts, overflows = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
-        self.overflow = bool(overflows) if self.scaled else None  # (the step reads it, or a change forgets it)
+        device, what = self.store_keys[self.buckets[0].key][0], "which parameters some rank used"
+        watch = self.scaled and not narrowed(self.buckets, self.params, self.store_keys, self.zero.master_dtype)
+        checked = amp.nonfinite(self.owned, device) if watch else torch.zeros((), device=device)
+        flags = [*self.used, any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)]
+        *counts, found = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
+        self.overflow = bool(found) if watch else None  # (a step reads it, a change forgets it; narrowed: the step)
         return counts
 
     def flush(self) -> None:

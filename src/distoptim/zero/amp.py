@@ -18,12 +18,15 @@ class Verdict:
     """This rank's half of a scaler's verdict (an inf or nan in the gradient it read), to be agreed and recorded;
     ``summed``: whether some rank's owned gradient held one at the backward's end, as every rank knows (or None)."""
 
-    def __init__(self, grad_scaler: Any, optimizer: object, flag: Tensor, alike: bool, summed: bool | None) -> None:
+    def __init__(
+        self, grad_scaler: Any, optimizer: object, flag: Tensor, alike: bool, summed: bool | None, scale: Tensor
+    ) -> None:
         self.grad_scaler, self.optimizer, self.flag = grad_scaler, optimizer, flag
-        self.found_here = bool(_host.read(flag, "GradScaler's skip decision"))
-        self.found = self.found_here or bool(summed)
-        # every rank read the same gradient, or knows what every other found: steps before agreeing
-        self.step_now = (alike or summed is not None) and not self.found
+        found, below_one = _host.read(torch.stack([flag, (scale < 1).to(flag.dtype)]), "GradScaler's skip decision")
+        self.found_here, self.found = bool(found), bool(found) or bool(summed)
+        # every rank read the same gradient, or knows what every other found (unscaling by 1 / scale > 1 can make a
+        # finite value an inf that only this rank's check sees): steps before agreeing
+        self.step_now = (alike or (summed is not None and not below_one)) and not self.found
 
     def record(self, found_anywhere: bool) -> None:
         """Hand the scaler the agreed verdict, the same on every rank, for ``update()`` to adjust the scale by."""
@@ -64,7 +67,7 @@ def check_and_unscale(
     flags = [_check_and_unscale(copies, inverse, scale), _check_and_unscale(held, inverse, scale)]
     if not alike:  # the verdict reads only what this rank steps
         flags[1] = _check_and_unscale([grad for grad in stepped if _address(grad) in in_held], one, scale)
-    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax(), alike, summed)
+    return Verdict(grad_scaler, optimizer, torch.stack(flags).amax(), alike, summed, scale)
 
 
 def nonfinite(grads: Sequence[Tensor | None], device: torch.device) -> Tensor:
