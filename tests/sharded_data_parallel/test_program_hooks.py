@@ -6,14 +6,17 @@ on after a raise, as AdamW on gradients averaged by hand). Both were silently of
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import ShardedDataParallel, ZeroRedundancyOptimizer
 from tests._dist import run_on_ranks
-from tests.sharded_data_parallel.test_intake import KW, PARTITIONS, Chain, _compare, _pair, _x
+from tests.sharded_data_parallel.test_intake import KW, PARTITIONS, Chain, _compare, _x
 
 CHANGES = ["zero in place", "set to None", "set to a tensor", "detached", "same"]
 
@@ -34,27 +37,59 @@ def _changed(param: torch.Tensor, how: str) -> None:
         param.grad = param.grad
 
 
-def _hook_body(rank: int, world_size: int, partition: str) -> None:
-    """A second backward accumulating onto the first, with a hook on the first layer's weight that changes its
-    ``.grad`` before autograd accumulates there; each way in turn, on a fresh pair."""
-    for how in CHANGES:
-        model, zero, sdp, reference, ddp, plain = _pair(partition)
+def _build(partition: str, how: str, where: str) -> tuple[Any, ...]:
+    """The pair, with the hook on the first layer's weight registered before wrapping (``before wrap``: it runs
+    before the store's own hook) or by the caller after."""
+    models = [Chain(), Chain()]
+    handles = []
+    for model in models if where == "before wrap" else ():
+        weight = model.layers[0].weight
+        handles.append(weight.register_hook(lambda grad, weight=weight: _changed(weight, how)))
+    zero = ZeroRedundancyOptimizer(models[0].parameters(), torch.optim.AdamW, partition=partition, **KW)
+    sdp = ShardedDataParallel(models[0], zero, bucket_cap_mb=0.0001)
+    ddp = DDP(models[1], find_unused_parameters=True)
+    return models[0], zero, sdp, models[1], ddp, torch.optim.AdamW(models[1].parameters(), **KW), handles
+
+
+def _hook(net: nn.Module, how: str, where: str, x: torch.Tensor) -> Any:
+    """``own``: the first layer's weight's hook; ``other``: the third layer's (reached first) changes the first's;
+    ``nested``: the second layer's output's hook reads a gradient with ``torch.autograd.grad`` (the first weight's
+    hooks run, its accumulator does not), then changes nothing."""
+    weight = net.layers[0].weight
+    if where == "own":
+        return weight.register_hook(lambda grad: _changed(weight, how))
+    if where == "other":
+        return net.layers[2].weight.register_hook(lambda grad: _changed(weight, how))
+    aux = net.layers[0](x).square().sum()
+    read = lambda grad: torch.autograd.grad(aux, [weight])[0].norm() * 0 + grad
+    return net.layers[1].register_forward_hook(lambda module, inputs, out: (out.register_hook(read), None)[1])
+
+
+def _hook_body(rank: int, world_size: int, partition: str, where: str) -> None:
+    """A second backward accumulating onto the first, with a hook that changes the first layer's weight's ``.grad``
+    before autograd accumulates there; each way in turn, on a fresh pair."""
+    for how in CHANGES if where != "nested" else ["same"]:
+        model, zero, sdp, reference, ddp, plain, _ = _build(partition, how, where)
         for step in range(2):
             for wrapper, optimizer, net in ((sdp, zero, model), (ddp, plain, reference)):
                 optimizer.zero_grad()
                 wrapper(_x(rank, step)).square().mean().backward()
-                weight = net.layers[0].weight
-                handle = weight.register_hook(lambda grad, weight=weight, how=how: _changed(weight, how))
-                wrapper(_x(rank, step + 10)).square().mean().backward()
-                handle.remove()
+                handle = _hook(net, how, where, _x(rank, step + 30)) if where != "before wrap" else None
+                out = wrapper(_x(rank, step + 10))
+                if where == "nested" and handle is not None:
+                    handle.remove()
+                out.square().mean().backward()
+                if handle is not None:
+                    handle.remove()
                 optimizer.step()
             sdp.sync_finished()
-            _compare(model, reference, f"{partition}, a hook: {how}, step {step}")
+            _compare(model, reference, f"{partition}, a hook ({where}): {how}, step {step}")
 
 
+@pytest.mark.parametrize("where", ["own", "other", "before wrap", "nested"])
 @pytest.mark.parametrize("partition", PARTITIONS)
-def test_a_hook_changing_grad_during_an_accumulating_backward_trains_as_ddp(partition: str) -> None:
-    run_on_ranks(_hook_body, 2, partition, timeout=90)
+def test_a_hook_changing_grad_during_an_accumulating_backward_trains_as_ddp(partition: str, where: str) -> None:
+    run_on_ranks(_hook_body, 2, partition, where, timeout=120)
 
 
 class _Fails(Exception):

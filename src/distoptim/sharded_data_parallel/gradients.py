@@ -71,7 +71,7 @@ class OwnedGradients:
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
-        self._swaps: list[Any] = []  # this backward's accumulator pre-hooks: markers out of .grad to accumulate into
+        self._swaps: dict[int, Any] = {}  # index -> this backward's accumulator pre-hook (.grad taken in, marker out)
         self._task: weakref.ref[Callable[[], None]] | None = None  # the end of the backward whose start settled all
         self.no_sync = False
         self._next_backward_afresh()
@@ -155,20 +155,20 @@ class OwnedGradients:
             at_end_of_backward(end)
             for each in range(len(self.params)):
                 self.settle(each, before_backward=True)
-        if (marker := self._markers.get(index)) is not None and held.grad is marker[0]:  # (after the hooks, as late)
-            self._swaps.append(get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index, marker[0])))
+        if index in self._markers and index not in self._swaps:  # (once: torch.autograd.grad runs this hook too)
+            self._swaps[index] = get_gradient_edge(held).node.register_prehook(lambda _: self._swap(index))
 
-    def _swap(self, index: int, marker: GradientMarker) -> None:
-        param, (held, version) = self.params[index], self._markers.get(index, (marker, marker.version))
-        if param.grad is not held or held.version != version:  # a hook of the program's changed .grad since
+    def _swap(self, index: int) -> None:  # after every hook, as late as can be: what they did to .grad taken in
+        param, recorded = self.params[index], self._markers.get(index)
+        if recorded is not None and (param.grad is not recorded[0] or recorded[0].version != recorded[1]):
             self.settle(index, before_backward=True)
         if isinstance(param.grad, GradientMarker):  # autograd accumulates into None; on_grad marks it again
             param.grad = None
 
     def _end(self) -> None:
-        for handle in self._swaps:  # (those of parameters a raise left unreached)
+        for handle in self._swaps.values():  # (those of parameters a raise left unreached)
             handle.remove()
-        self._swaps, self._task = [], None
+        self._swaps, self._task = {}, None
 
     # ------------------------------------------------------------------------------- what the step reads
     def grad_of(self, local: LocalTensor) -> Tensor | None:
