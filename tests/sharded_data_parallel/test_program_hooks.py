@@ -53,6 +53,7 @@ def _build(partition: str, how: str, where: str) -> tuple[Any, ...]:
 
 def _hook(net: nn.Module, how: str, where: str, x: torch.Tensor) -> Any:
     """``own``: the first layer's weight's hook; ``other``: the third layer's (reached first) changes the first's;
+    ``unreached``: it changes the side layer's, which the backward does not reach (the backward's end settles it);
     ``nested``: the second layer's output's hook reads a gradient with ``torch.autograd.grad`` (the first weight's
     hooks run, its accumulator does not), then changes nothing."""
     weight = net.layers[0].weight
@@ -60,6 +61,8 @@ def _hook(net: nn.Module, how: str, where: str, x: torch.Tensor) -> Any:
         return weight.register_hook(lambda grad: _changed(weight, how))
     if where == "other":
         return net.layers[2].weight.register_hook(lambda grad: _changed(weight, how))
+    if where == "unreached":  # the side layer, which this backward does not reach
+        return net.layers[2].weight.register_hook(lambda grad: _changed(net.side.weight, how))
     aux = net.layers[0](x).square().sum()
     read = lambda grad: torch.autograd.grad(aux, [weight])[0].norm() * 0 + grad
     return net.layers[1].register_forward_hook(lambda module, inputs, out: (out.register_hook(read), None)[1])
@@ -75,7 +78,7 @@ def _hook_body(rank: int, world_size: int, partition: str, where: str) -> None:
                 optimizer.zero_grad()
                 wrapper(_x(rank, step)).square().mean().backward()
                 handle = _hook(net, how, where, _x(rank, step + 30)) if where != "before wrap" else None
-                out = wrapper(_x(rank, step + 10))
+                out = wrapper(_x(rank, step + 10), use_side=where != "unreached")
                 if where == "nested" and handle is not None:
                     handle.remove()
                 out.square().mean().backward()
@@ -86,7 +89,7 @@ def _hook_body(rank: int, world_size: int, partition: str, where: str) -> None:
             _compare(model, reference, f"{partition}, a hook ({where}): {how}, step {step}")
 
 
-@pytest.mark.parametrize("where", ["own", "other", "before wrap", "nested"])
+@pytest.mark.parametrize("where", ["own", "other", "unreached", "before wrap", "nested"])
 @pytest.mark.parametrize("partition", PARTITIONS)
 def test_a_hook_changing_grad_during_an_accumulating_backward_trains_as_ddp(partition: str, where: str) -> None:
     run_on_ranks(_hook_body, 2, partition, where, timeout=120)

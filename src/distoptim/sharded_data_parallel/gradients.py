@@ -101,7 +101,6 @@ class OwnedGradients:
             self._land_oldest()
         self.mark()
 
-    # ------------------------------------------------------------------------- what .grad says
     def settle(self, index: int, before_backward: bool = False) -> None:
         """Take in what the program did to ``.grad`` since it was marked: None forgets the owned gradient, the marker
         zeroed zeroes it, a tensor replaces it (``before_backward``: a ``no_sync()`` sum stays, for it to reduce)."""
@@ -381,13 +380,14 @@ class OwnedGradients:
 
     def flush(self) -> None:
         """A backward's end: every bucket landed, used flags summed (unplaced gradients averaged), markers put in."""
-        self.in_backward, self.dropped = False, set()
+        self.in_backward, self.dropped, self.unagreed = False, set(), True  # (static: checked by the step)
+        for index in set(range(len(self.params))) - self._filled:  # not reached: a hook may have changed its .grad
+            self.settle(index, before_backward=True)
         self._launch_ready(flushing=True)
         while self._in_flight:
             self._land_oldest()
         self._next_backward_afresh()
         static = self.static if self.static is not None and self.static.pattern is not None else None
-        self.unagreed = True  # (a static graph's promise is checked by the step's agreement)
         counts = self._summed_flags() if static is None and self.buckets else None
         if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
             self.agreed([count > 0 for count in counts[:-1]], backward=True)
