@@ -181,10 +181,10 @@ def test_bench_command_runs_every_variant(tmp_path: Path) -> None:
         "distoptim-master-bf16",
     }
     grads = 4 * by_name["ddp-adamw"]["num_params"]
-    # step()'s all-reduce of 23 int64 (at N=2 it counts once): failed and its negation, five flags (a GradScaler's
-    # verdict, a rank joined, a scaler passed or not), a digest and its negation (4 words each), the same for the
-    # stepping ranks' part
-    agreement = 184
+    # step()'s all-reduce of 24 int64 (at N=2 it counts once): failed and its negation, six flags (a GradScaler's
+    # verdict: found, stepped, waited; a rank joined, a scaler passed or not), a digest and its negation (4 words
+    # each), the same for the stepping ranks' part
+    agreement = 192
     overlap_agreement = 144  # the overlap hooks agree on what they train, once a backward: 18 int64, no flags
     assert by_name["ddp-adamw"]["comm_bytes_per_rank_per_step"] == pytest.approx(grads)  # 2 (N-1)/N = 1 at N=2
     assert by_name["torch-zero"]["comm_bytes_per_rank_per_step"] == pytest.approx(1.5 * grads)  # + broadcasts
