@@ -37,6 +37,11 @@ def group_of(ranks: list[int]) -> Any:
     return _GROUPS[key]
 
 
+def forget_groups() -> None:
+    """After ``dist.destroy_process_group()``: the next ``group_of`` makes its group anew."""
+    _GROUPS.clear()
+
+
 def hybrid_groups() -> tuple[Any, Any]:
     """This rank's shard group and replicate group at 4 ranks: shards {0, 1} and {2, 3}, replicas {0, 2}, {1, 3}."""
     rank, world_size = dist.get_rank(), dist.get_world_size()

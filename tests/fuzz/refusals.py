@@ -200,8 +200,11 @@ TABLE: tuple[Refusal, ...] = (
         "sdp_failed_backward",
         "`sdp`: `failed_backward` that launched a bucket's reduction, then a clear through `zero`/the wrapper, a "
         "forward, a step or a clip (a restart from a checkpoint is the recovery, as after DDP's); one that launched "
-        "none, until `zero.zero_grad()`/`model.zero_grad()` (which one depends on the buckets: allowed, not predicted)",
-        r"^RuntimeError: ShardedDataParallel: (a backward raised after|the last backward raised before it finished)",
+        "none, until `zero.zero_grad()`/`model.zero_grad()` (which one depends on the buckets: allowed, not "
+        "predicted); a subject built again (resume, reshard) where the ranks launched different reductions: its "
+        "construction",
+        r"^(RuntimeError: ShardedDataParallel: (a backward raised after|the last backward raised before it finished)"
+        r"|ValueError: ShardedDataParallel construction: rank \d+ and rank \d+ disagree \(reductions and syncs)",
         lambda p, w: False,
         lambda p, w: _poisoned(p) != "",
     ),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import distoptim
 from tests._dist import RankFailure, run_on_ranks
-from tests.fuzz import noise, refusals
+from tests.fuzz import modes, noise, refusals
 from tests.fuzz.interpret import is_exact, run_program
 from tests.fuzz.program import Program
 
@@ -178,6 +178,11 @@ def _session(rank: int, world_size: int, programs: list[str], workdir: str, pg_t
                 handle.write(json.dumps(verdict) + "\n")
         if verdict["category"] == "hang":
             return  # the group may be broken: the parent starts a new session for the rest
+        if any(action.name == "failed_backward" for action in program.actions):  # its ranks may have launched
+            dist.destroy_process_group()  # different reductions: the group's tags apart, a wrapper on it refused
+            modes.forget_groups()
+            store = f"file://{os.path.join(workdir, f'group-{index}')}"
+            dist.init_process_group("gloo", store, timedelta(seconds=pg_timeout), rank=rank, world_size=world_size)
     dist.destroy_process_group()
 
 

@@ -137,6 +137,42 @@ def test_a_backward_that_raised_after_launching_reductions_is_refused_until_a_re
         assert all("Restart from a checkpoint" in outcome for outcome in outcomes), outcomes
 
 
+def _raised_apart_body(rank: int, world_size: int) -> str:
+    """Rank 0's backward raises once the branch's weight's bucket was launched, rank 1's before any gradient: their
+    point-to-point tags drift apart. A wrapper built again on that process group is refused on every rank (its
+    reductions would pair with the stale ones: a crash, or a wrong sum where the sizes match); on a new process
+    group, training goes on as DDP + the plain optimizer's."""
+    model = Chain()
+    zero, sdp = _sdp(model)
+    out = sdp(_x(rank, 1))
+    last = model.branch.weight  # (its hook runs after the wrapper's, which launched its bucket)
+    handle = last.register_post_accumulate_grad_hook(_fail) if rank == 0 else out.register_hook(_fail)
+    with contextlib.suppress(_Fails):
+        out.square().mean().backward()
+    handle.remove()
+    try:
+        _sdp(Chain())
+        refusal = "accepted"
+    except ValueError as error:
+        refusal = str(error)
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, group=dist.new_group([0, 1]))
+    ddp, plain = DDP(reference), torch.optim.AdamW(reference.parameters(), **KW)
+    for step in range(2):
+        for opt, wrapper in ((zero, sdp), (plain, ddp)):
+            opt.zero_grad()
+            wrapper(_x(rank, step)).square().mean().backward()
+            opt.step()
+    _compare(model, reference, "on a new process group after a backward that raised apart")
+    return refusal
+
+
+def test_a_wrapper_on_a_group_whose_ranks_raised_apart_is_refused_and_a_new_group_trains() -> None:
+    for refusal in run_on_ranks(_raised_apart_body, 2, timeout=60):
+        assert "disagree (reductions and syncs started point to point on process group 0" in refusal, refusal
+        assert "torch.distributed.new_group" in refusal, refusal
+
+
 def _failed_before_any_gradient_body(rank: int, world_size: int) -> None:
     """A backward that raises before any parameter's gradient arrived (in the loss's own backward) launched nothing:
     training goes on, as DDP + the plain optimizer's without that batch."""

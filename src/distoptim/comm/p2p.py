@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import atexit
-import itertools
 import queue
 import threading
 import weakref
@@ -30,6 +29,7 @@ __all__ = [
     "reduction_tags",
     "run_beside",
     "send_from_owners",
+    "started",
     "sync_tags",
 ]
 
@@ -161,12 +161,23 @@ class ReductionExchange:
 
 def reduction_tags(group: dist.ProcessGroup) -> int:
     """The first of ``CHUNKS`` tags of a reduction's own, the next of ``group``'s (alike on every rank)."""
-    return FIRST_REDUCTION_TAG + ((next(_state(group).reductions) % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
+    state = _state(group)
+    state.reductions += 1
+    return FIRST_REDUCTION_TAG + (((state.reductions - 1) % (1 << _SEQUENCE_BITS)) << _CHUNK_BITS)
 
 
 def sync_tags(group: dist.ProcessGroup) -> int:
     """The first of ``CHUNKS`` tags of a relayed sync's own (``reduction_tags``' rule, syncs counted apart)."""
-    return _FIRST_SYNC_TAG + ((next(_state(group).syncs) % (1 << (_SEQUENCE_BITS - 1))) << _CHUNK_BITS)
+    state = _state(group)
+    state.syncs += 1
+    return _FIRST_SYNC_TAG + (((state.syncs - 1) % (1 << (_SEQUENCE_BITS - 1))) << _CHUNK_BITS)
+
+
+def started(group: dist.ProcessGroup) -> tuple[int, int]:
+    """The reductions and relayed syncs ``group`` has started: alike on every rank, unless a backward raised after
+    launching more reductions on some ranks than on others (its tags no longer pair up: a new group is needed)."""
+    state = _state(group)
+    return state.reductions, state.syncs
 
 
 def _packed(buffer: Tensor, ranges: Sequence[tuple[int, int]]) -> Tensor:
@@ -264,7 +275,7 @@ class _Group:
     """What this module keeps for a group: reductions and syncs started, staging held, deferred receives, threads."""
 
     def __init__(self) -> None:
-        self.reductions, self.syncs = itertools.count(), itertools.count()  # the tag reservations made so far
+        self.reductions = self.syncs = 0  # the tag reservations made so far
         self.staged = self.deferred = 0
         self.waiter, self.beside = _Waiter(), _Waiter()
 

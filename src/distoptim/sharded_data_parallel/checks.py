@@ -12,6 +12,7 @@ from torch import nn
 
 from distoptim._text import few
 from distoptim.comm import agreement as _agreement
+from distoptim.comm import p2p
 from distoptim.comm.groups import attached, attached_everywhere
 from distoptim.zero import validation
 from distoptim.zero.join import JOIN_WITH_SDP
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FOREIGN_MARKER",
+    "P2P_APART",
     "POISONED",
     "SECOND_GRADIENT",
     "UNFINISHED",
@@ -36,7 +38,11 @@ __all__ = [
 POISONED = (
     "ShardedDataParallel: a backward raised after some of its gradient reductions were launched; the ranks' "
     "reductions no longer pair up (DDP's reducer is left the same way). Restart from a checkpoint: build the model, "
-    "the optimizer and the wrapper again"
+    "the optimizer and the wrapper again (on a new process group where the ranks launched different reductions)"
+)
+P2P_APART = (
+    "which differ after a backward that raised midway on some ranks only: wrap on a new process group "
+    "(torch.distributed.new_group) or restart the processes"
 )
 UNFINISHED = (
     "ShardedDataParallel: the last backward raised before it finished, so its gradient is partly reduced and cannot "
@@ -127,9 +133,14 @@ def others_live(wrapper: Any) -> bool:
     return any(newest.get() not in (None, wrapper) for newest in attached_everywhere(_NEWEST))
 
 
-def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
-    """What every rank must agree on before wrapping: the settings, each parameter's and buffer's layout."""
+def fingerprint(module: nn.Module, settings: dict[str, Any], groups: Sequence[Any]) -> _agreement.Fingerprint:
+    """What every rank must agree on before wrapping: the settings, each parameter's and buffer's layout, and the
+    point-to-point messages its groups started (apart, an earlier wrapper's reductions would pair with this one's)."""
     entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
+    for number, group in enumerate(g for g in groups if g is not None):
+        entries[f"reductions and syncs started point to point on process group {number}: {{}}, {P2P_APART}"] = (
+            p2p.started(group)
+        )
     for name, p in module.named_parameters():
         layout = (tuple(p.shape), str(p.dtype), p.requires_grad, p.stride())
         entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = layout

@@ -79,7 +79,7 @@ class ShardedDataParallel(nn.Module):
             lambda: checks.check_wrapping(module, zero, bucket_cap_mb, reduce_dtype),
             zero.agreement_groups,
             "ShardedDataParallel construction",
-            then_agree_on=lambda _: checks.fingerprint(module, settings),
+            then_agree_on=lambda _: checks.fingerprint(module, settings, [zero.process_group, zero.replicate_group]),
         )
         self.module, self.zero = module, zero
         self.broadcast_buffers, self.reduce_dtype = broadcast_buffers, reduce_dtype
