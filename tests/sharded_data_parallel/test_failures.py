@@ -438,15 +438,15 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
         ("sdp_clip", 0, 1, 1),
         ("sdp_static", 0, 1, 1),
         ("sdp_static_unused", 0, 1, 1),
-        ("sdp_static_scaler", 0, 2, 2),
+        ("sdp_static_scaler", 0, 1, 2),
     ],
 )
 def test_agreements_none_per_backward_one_per_step(how: str, per_backward: int, per_step: int, first_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
     exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
     raise), not agreed. Under a GradScaler that sum carries whether an owned gradient holds an inf or nan too, once
-    the first step has shown the scaler: that first step, and every step under ``static_graph=True`` (whose
-    backwards sum nothing), agree on the verdict before stepping, then around the local step."""
+    the first step has shown the scaler (under ``static_graph=True``, whose backwards sum no used flags, the verdict
+    alone): that first step agrees on the verdict before stepping, then around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == first_step + per_step * 2, counts
@@ -512,6 +512,33 @@ def _scaler_changed_body(rank: int, world_size: int, how: str) -> None:
 @pytest.mark.parametrize("how", ["hand_set", "zeroed"])
 def test_a_grad_changed_after_the_backward_is_checked_again_by_the_scaler(how: str) -> None:
     run_on_ranks(_scaler_changed_body, 2, how, timeout=60)
+
+
+def _static_scaler_body(rank: int, world_size: int) -> None:
+    """``static_graph=True`` under a GradScaler: an inf in rank 1's gradient of the branch's weight at the third step
+    (rank 0's is finite). Every rank skips and backs off, as DDP(static_graph=True) + AdamW under their scaler, though
+    the steps after the first trust the verdict the backward's end summed."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, static_graph=True)
+    ddp, plain = DDP(reference, static_graph=True), torch.optim.AdamW(reference.parameters(), **KW)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=64.0) for _ in range(2)]
+    for step in range(4):
+        for wrapper, optimizer, scaler in ((sdp, zero, scalers[0]), (ddp, plain, scalers[1])):
+            weight = wrapper.module.branch.weight
+            poisoned = step == 2 and rank == 1
+            hook = weight.register_hook(lambda g: torch.full_like(g, float("inf"))) if poisoned else None
+            optimizer.zero_grad()
+            scaler.scale(wrapper(_x(rank, step)).square().mean()).backward()
+            if hook is not None:
+                hook.remove()
+            scaler.step(optimizer)
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale() == (32.0 if step >= 2 else 64.0), step
+        _compare(model, reference, f"step {step}")
+
+
+def test_static_graph_under_a_scaler_skips_everywhere_on_one_ranks_inf() -> None:
+    run_on_ranks(_static_scaler_body, 2, timeout=60)
 
 
 class _Half(nn.Module):
