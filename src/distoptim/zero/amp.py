@@ -43,12 +43,16 @@ def check_and_unscale(
     alike: bool = False,
     summed: bool | None = None,
 ) -> Verdict | None:
-    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them unless done (local);
-    ``model_grads()`` is unscaled in place too, as torch's step leaves ``.grad``, a piece viewing one only once.
-    ``alike`` (DDP's ``.grad``, the same on every rank): the verdict reads the whole gradient, so ranks step at once;
-    so they do where the owned gradients' verdict was ``summed`` over the ranks at the backward's end."""
+    """With a scaler: check ``grads()`` (this rank's, as stepped) for inf/nan and unscale them and ``model_grads()``
+    (as torch's step leaves ``.grad``) unless done (local). ``alike``: the verdict reads the whole ``.grad``, the same
+    on every rank, or ``summed``: the owned gradients' verdict summed at the backward's end (ranks step at once)."""
     if grad_scaler is None:
-        _refuse_unknown_scaling(optimizer)
+        if getattr(optimizer, "found_inf", None) is not None:  # a scaler checked each rank's own (partial) gradients
+            raise RuntimeError(
+                "this GradScaler did not pass itself to ZeroRedundancyOptimizer.step (grad_scaler=...), so it checked "
+                "each rank's own gradients, which under gradient sharding are partial: the ranks could skip different "
+                "steps. Use torch.amp.GradScaler's scaler.step(zero) of torch 2.11-2.13, or unscale and skip by hand"
+            )
         return None
     unscaled = _scaler_state(grad_scaler, optimizer)["stage"].name == "UNSCALED"
     if unscaled and sharded_in_memory:
@@ -115,16 +119,6 @@ def _scaler_state(grad_scaler: Any, optimizer: object) -> dict[str, Any]:
             f"{type(grad_scaler).__name__} without the state it reads ({error!r}); drive it with scaler.step(zero)"
         ) from error
     return state
-
-
-def _refuse_unknown_scaling(optimizer: object) -> None:
-    """A scaler that set ``found_inf`` on the optimizer checked each rank's own (partial) gradients."""
-    if getattr(optimizer, "found_inf", None) is not None:
-        raise RuntimeError(
-            "this GradScaler did not pass itself to ZeroRedundancyOptimizer.step (grad_scaler=...), so it checked "
-            "each rank's own gradients, which under gradient sharding are partial: the ranks could skip different "
-            "steps. Use torch.amp.GradScaler's scaler.step(zero) of torch 2.11-2.13, or unscale and skip by hand"
-        )
 
 
 def refuse_in_overlap_mode(grad_scaler: Any, optimizer: object) -> None:

@@ -1,6 +1,5 @@
 """The two ways to sync the flat per-(device, dtype) layouts of the owned elements, worked out at construction:
-``BucketViewSync`` (parameters are views into the flat buffers, synced in place) and ``StagedSync`` (parameters keep
-their storage; small pieces staged, large ones broadcast in place). ``docs/guides/internals.md``."""
+``BucketViewSync`` and ``StagedSync`` (``docs/guides/internals.md``)."""
 
 from __future__ import annotations
 
@@ -166,10 +165,9 @@ class StagedSync(ParameterSync):
         """What ``round_`` does at every step, worked out at its first launch (nothing when alone)."""
         if round_.work is not None:
             return round_.work
+        work = round_.work = _RoundWork(round_.dtype, round_.device, 0 if self.alone else round_.numel)
         if self.alone:
-            round_.work = _RoundWork(round_.dtype, round_.device)
-            return round_.work
-        work = round_.work = _RoundWork(round_.dtype, round_.device, round_.numel)
+            return work
         work.slices = [(chunk.src, chunk.start, chunk.end) for chunk in round_.chunks]
         for chunk in round_.chunks:
             start = chunk.start

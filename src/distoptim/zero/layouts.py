@@ -1,6 +1,5 @@
-"""What the flat per-(device, dtype) buffers hold: a layout's ``Piece``s (one per fragment, in buffer order) and the
-ranges each rank owns, built from a ``partition.LayoutPlan`` (pure: no communication). ``buckets`` syncs them and
-lays parameters into them."""
+"""What the flat per-(device, dtype) buffers hold, built from a ``partition.LayoutPlan`` (pure: no communication);
+``buckets`` syncs them and lays parameters into them."""
 
 from __future__ import annotations
 

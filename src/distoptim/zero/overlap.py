@@ -68,7 +68,6 @@ class OverlapStepper:
         )
         self.global_params, self.param_groups = global_params, param_groups
         defaults = self.functional_cls.spec.defaults
-        # each local group's settings for its functional optimizers
         self._options = [{k: v for k, v in group.items() if k in defaults} for group in local_optimizer.param_groups]
         self._locals_of: dict[Tensor, list[tuple[int, LocalTensor]]] = {}  # parameter -> (group, local tensor)
         for index, locals_ in enumerate(placed.shard.groups):

@@ -97,12 +97,9 @@ def partition_parameters(
     costs: Sequence[int] | None = None,
     align: Sequence[int] | None = None,
 ) -> PartitionPlan:
-    """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``).
-
-    ``keys``: each parameter's layout. ``previous``: the plan for a prefix of the parameters (what it placed stays).
-    ``region_numel`` (even): the most elements a region of each key holds. ``whole``: parameters never cut, placed
-    by ``costs``. ``align`` (even): each parameter's block, which no range boundary cuts.
-    """
+    """Place every trainable parameter: whole on one rank (``greedy``) or cut evenly across ranks (``even``), what
+    ``previous`` (a prefix's plan) placed staying; ``keys``, ``region_numel``, ``whole`` and ``costs``: see
+    ``docs/guides/internals.md``. ``align`` (even): each parameter's block, which no range boundary cuts."""
     keys = tuple(keys) if keys is not None else (0,) * len(numels)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")

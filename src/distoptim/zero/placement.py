@@ -173,11 +173,8 @@ def install_kept(kept: dict[int, dict[str, Any]], placement: Placement, optim: O
     if not placed:
         return False
     formats = getattr(optim, "formats", None)
-    for local in placement.shard.locals:
-        if local.index not in placed:
-            continue
-        sliced = slice_entry(kept[local.index], local)
-        entry = {key: _as_loaded(local.tensor, key, value) for key, value in sliced.items()}
+    for local in [local for local in placement.shard.locals if local.index in placed]:
+        entry = {k: _as_loaded(local.tensor, k, v) for k, v in slice_entry(kept[local.index], local).items()}
         if formats is not None:
             formats.encode_entry(local.tensor, entry)
         optim.state[local.tensor] = entry

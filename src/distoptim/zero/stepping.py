@@ -66,12 +66,9 @@ def agreed_step(
     extra: Callable[[Prepared | None], Sequence[bool]] = lambda done: (),
     scaler: bool = False,
 ) -> tuple[Prepared, bool, bool, tuple[bool, ...]]:
-    """``action()`` agreed over ``groups``; then whether a GradScaler's step waits for the agreed verdict (passed as
-    ``scaler`` on some rank, some rank not stepped in ``action()``), whether any rank found an inf or nan, and for each
-    of ``extra(prepared)`` whether any rank raised it; around a joined rank's ``joined_step`` too. Where the verdict
-    was read on the same gradient everywhere or summed at the backward's end, ranks step in ``action()`` (one
-    agreement a step), so a rank that stepped
-    where another found an inf raises everywhere, as ranks do where ``scaler`` is true on some and not others."""
+    """``action()`` agreed over ``groups`` (and a joined rank's ``joined_step``); then whether a GradScaler's step waits
+    for the agreed verdict, whether any rank found an inf or nan, and for each of ``extra(prepared)`` whether any rank
+    raised it. A rank that stepped where another found an inf raises everywhere (``docs/guides/internals.md``)."""
     joined = joined_step is not None
     flags = lambda done: (*_flags(done), joined, scaler, not scaler and not joined, *extra(done))
     prepared, (found_inf, stepped, waited, any_joined, with_scaler, without, *extras) = agreement.run_step_agreed(
@@ -89,8 +86,7 @@ def agreed_step(
 
 
 def _flags(done: Prepared | None) -> tuple[bool, bool, bool]:
-    """Whether this rank found an inf or nan, whether it stepped on its own verdict (on a gradient alike, or the
-    owned gradients' verdict summed at the backward's end), and whether it waits for the agreed verdict."""
+    """Whether this rank found an inf or nan, stepped on its own verdict, and waits for the agreed one."""
     verdict = None if done is None else done[1]
     return (False, False, False) if verdict is None else (verdict.found, verdict.step_now, not verdict.step_now)
 
