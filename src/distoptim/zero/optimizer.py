@@ -366,8 +366,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                 gradients, ``ShardedDataParallel``): the norm and the clipping are the unscaled ones (default None).
 
         Raises:
-            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
-                ``overlap_with_ddp=True``.
+            RuntimeError: a non-finite norm with ``error_if_nonfinite`` (on every rank), or in overlap mode.
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(clipping.IN_OVERLAP_MODE)

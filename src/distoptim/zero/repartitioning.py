@@ -201,8 +201,7 @@ class Partitioning:
             param_group: ``{"params": [...], **hyperparameters}``, the same on every rank.
 
         Raises:
-            ValueError: on every rank, when any rank refuses the group (a parameter held already, a bad
-                hyperparameter) or the ranks' groups differ.
+            ValueError: on every rank, when any rank refuses the group (a parameter held already ...) or they differ.
         """
         placer = self.placer
         if placer.placement is None:  # Optimizer.__init__'s groups: only recorded, placed at the constructor's end
