@@ -65,8 +65,10 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
 
 def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Optimizer, default: type) -> None:
     """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added."""
-    composite = optim if isinstance(optim, CompositeOptimizer) else None
-    built = composite.classes() if composite is not None else [torch_class_of(type(optim))] * len(optim.param_groups)
+    if isinstance(optim, CompositeOptimizer):  # the class each group was added as
+        built = [kind[0] for kind, _ in optim._order]
+    else:
+        built = [torch_class_of(type(optim))] * len(optim.param_groups)
     for index, (group, cls) in enumerate(zip(global_groups, built)):
         now = group_class(group, default)
         if now is not cls:
@@ -122,10 +124,6 @@ class CompositeOptimizer(Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:  # Optimizer.__init__ assigns [] first
         if value:
             raise AttributeError("a CompositeOptimizer's param groups are its parts': use add_param_group")
-
-    def classes(self) -> list[type]:
-        """The class each group (global order) is stepped by: what it was added as."""
-        return [kind[0] for kind, _ in self._order]
 
     @property
     def state(self) -> defaultdict[Tensor, Any]:

@@ -1,5 +1,4 @@
-"""Checks on what the user passed, so that every rank raises the same clear error instead of hanging: each rank
-checks locally and fingerprints its settings, and every rank raises when any rank failed or any two disagree."""
+"""Checks on what the user passed: every rank raises the same clear error, not hangs, when one fails or two differ."""
 
 from __future__ import annotations
 
