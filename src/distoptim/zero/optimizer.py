@@ -214,9 +214,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             raise
         self.placer.repartition_if_changed()
         loss: float | None = None
-        shard = self.local_shard
         # torch.optim's order, the closure's backward first, where the step reads attached gradients (pieces, SDP's)
-        if closure is not None and (shard.detached or shard.source is not None):
+        if closure is not None and (self.local_shard.detached or self.local_shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
         validation.check_unowned_have_no_grad(self.placer.placed.unowned)
