@@ -12,6 +12,7 @@ from torch import Tensor
 
 from distoptim import _host
 from distoptim.comm import collectives as comm
+from distoptim.comm.averaging import group_by_device
 from distoptim.zero.amp import once_each
 
 if TYPE_CHECKING:
@@ -57,10 +58,7 @@ def clip_shard(
             "clipped; pass error_if_nonfinite=False to clip anyway (the step will then see non-finite values)"
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in scaled:
-        by_device.setdefault(grad.device, []).append(grad)
-    for device_grads in by_device.values():
+    for device_grads in group_by_device(scaled):
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
     return total
 

@@ -65,11 +65,10 @@ def build_local_optimizer(groups: Sequence[dict[str, Any]], default: type, defau
 
 def check_classes_unchanged(global_groups: Sequence[dict[str, Any]], optim: Optimizer, default: type) -> None:
     """Refuse a group whose ``optimizer_class`` was edited (or removed) after the group was added."""
-    built = (
-        optim.classes()
-        if isinstance(optim, CompositeOptimizer)
-        else [torch_class_of(type(optim))] * len(optim.param_groups)
-    )
+    if isinstance(optim, CompositeOptimizer):  # the class each group was added as
+        built = [kind[0] for kind, _ in optim._order]
+    else:
+        built = [torch_class_of(type(optim))] * len(optim.param_groups)
     for index, (group, cls) in enumerate(zip(global_groups, built)):
         now = group_class(group, default)
         if now is not cls:
@@ -126,10 +125,6 @@ class CompositeOptimizer(Optimizer):
         if value:
             raise AttributeError("a CompositeOptimizer's param groups are its parts': use add_param_group")
 
-    def classes(self) -> list[type]:
-        """The class each group (global order) is stepped by: what it was added as."""
-        return [kind[0] for kind, _ in self._order]
-
     @property
     def state(self) -> defaultdict[Tensor, Any]:
         return self._shared
@@ -165,9 +160,9 @@ class CompositeOptimizer(Optimizer):
                 loss = closure()
         if self.formats is not None:
             self.formats.step(list(self.parts.values()), self.param_groups, self._shared, kwargs)
-            return loss
-        for part in self.parts.values():
-            part.step(**kwargs)
+        else:
+            for part in self.parts.values():
+                part.step(**kwargs)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -214,9 +214,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             raise
         self.placer.repartition_if_changed()
         loss: float | None = None
-        shard = self.local_shard
         # torch.optim's order, the closure's backward first, where the step reads attached gradients (pieces, SDP's)
-        if closure is not None and (shard.detached or shard.source is not None):
+        if closure is not None and (self.local_shard.detached or self.local_shard.source is not None):
             with torch.enable_grad():
                 loss, closure = closure(), None
         validation.check_unowned_have_no_grad(self.placer.placed.unowned)
@@ -366,8 +365,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                 gradients, ``ShardedDataParallel``): the norm and the clipping are the unscaled ones (default None).
 
         Raises:
-            RuntimeError: with ``error_if_nonfinite`` and a non-finite norm (on every rank), or under
-                ``overlap_with_ddp=True``.
+            RuntimeError: a non-finite norm with ``error_if_nonfinite`` (on every rank), or in overlap mode.
         """
         if self.overlap_stepper is not None:
             raise RuntimeError(clipping.IN_OVERLAP_MODE)

@@ -1,5 +1,4 @@
-"""``params`` taken as ``torch.optim`` takes it (tensors, param-group dicts, ``(name, tensor)`` pairs): what torch
-refuses is refused with torch's text, then how to fix it."""
+"""``params`` taken as ``torch.optim`` takes it; what torch refuses is refused with torch's text, then how to fix it."""
 
 from __future__ import annotations
 

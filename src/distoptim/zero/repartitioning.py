@@ -201,20 +201,19 @@ class Partitioning:
             param_group: ``{"params": [...], **hyperparameters}``, the same on every rank.
 
         Raises:
-            ValueError: on every rank, when any rank refuses the group (a parameter held already, a bad
-                hyperparameter) or the ranks' groups differ.
+            ValueError: on every rank, when any rank refuses the group (a parameter held already ...) or they differ.
         """
         placer = self.placer
         if placer.placement is None:  # Optimizer.__init__'s groups: only recorded, placed at the constructor's end
             _add_group(self, param_group)
             return
         group = _agreed_group(self, param_group)
-        before = _Snapshot(placer, len(self.param_groups))
+        restore = _snapshot(placer)
         _add_group(self, group)
         try:
             placer.repartition()
         except BaseException:  # the optimizer stays as it was: a retry, or the next step, meets no half-added group
-            before.restore(placer, self.param_groups)
+            restore()
             raise
 
     @property
@@ -278,33 +277,30 @@ class Partitioning:
         self.placer.repartition(fresh=True, in_place=True)  # at wrapping, before any forward through the wrapper
 
 
-class _Snapshot:
-    """What ``add_param_group`` changes once its group is agreed, to put back if placing the group fails."""
+def _snapshot(placer: Placer) -> Callable[[], None]:
+    """What ``add_param_group`` changes once its group is agreed, and a function putting it back if placing fails."""
+    groups, placed, optim = len(placer.zero.param_groups), (placer.placement, placer.sync), placer.local_optimizer
+    local, state = [list(group["params"]) for group in optim.param_groups], dict(optim.state)
+    kept, consolidated = dict(placer.kept_unowned), placer.consolidated  # placing may take them
+    composite = optim if isinstance(optim, CompositeOptimizer) else None
+    parts = None if composite is None else (list(composite._order), dict(composite.parts), composite.formats)
 
-    def __init__(self, placer: Placer, groups: int) -> None:
-        self.groups = groups
-        self.placed = (placer.placement, placer.sync)
-        self.optim = optim = placer.local_optimizer  # add_param_group runs after the constructor's placement
-        self.local = [list(group["params"]) for group in optim.param_groups]
-        self.state = dict(optim.state)
-        self.kept, self.consolidated = dict(placer.kept_unowned), placer.consolidated  # placing may take them
-        composite = optim if isinstance(optim, CompositeOptimizer) else None
-        self.parts = None if composite is None else (list(composite._order), dict(composite.parts), composite.formats)
-
-    def restore(self, placer: Placer, param_groups: list[dict[str, Any]]) -> None:
-        del param_groups[self.groups :]
-        placer.placement, placer.sync = self.placed
-        placer.optim = optim = self.optim
-        placer.kept_unowned, placer.consolidated = self.kept, self.consolidated
-        if isinstance(optim, CompositeOptimizer) and self.parts is not None:  # its groups are its parts'
-            optim._order[:], optim.parts, optim.formats = self.parts
-            for kind, part in optim.parts.items():
-                del part.param_groups[sum(1 for k, _ in optim._order if k == kind) :]
+    def restore() -> None:
+        del placer.zero.param_groups[groups:]
+        placer.placement, placer.sync = placed
+        placer.optim = optim
+        placer.kept_unowned, placer.consolidated = kept, consolidated
+        if composite is not None and parts is not None:  # its groups are its parts'
+            composite._order[:], composite.parts, composite.formats = parts
+            for kind, part in composite.parts.items():
+                del part.param_groups[sum(1 for k, _ in composite._order if k == kind) :]
         else:
-            del optim.param_groups[len(self.local) :]
-        for group, params in zip(optim.param_groups, self.local):
+            del optim.param_groups[len(local) :]
+        for group, params in zip(optim.param_groups, local):
             group["params"] = params
         optim.state.clear()
-        optim.state.update(self.state)
+        optim.state.update(state)
         if (stepper := placer.zero.overlap_stepper) is not None:
-            stepper.rebuild(optim, placer.placed, placer.zero.global_params, param_groups)
+            stepper.rebuild(optim, placer.placed, placer.zero.global_params, placer.zero.param_groups)
+
+    return restore

@@ -33,8 +33,7 @@ class Checkpoints:
             to: the group rank that receives the whole state (default 0).
 
         Raises:
-            ValueError: on every rank, when any rank's ``to`` is invalid (TypeError: not an int) or the ranks differ,
-                or when the parameters' dtype or device changed since construction.
+            ValueError: on every rank, for a bad or differing ``to`` (TypeError: not an int), a changed dtype or device.
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
         _ready_to_read(self)
@@ -72,8 +71,8 @@ class Checkpoints:
             state_dict: what ``state_dict()`` returned (or a plain ``torch.optim`` optimizer's), at any world size.
 
         Raises:
-            ValueError: on every rank, when the dict was saved by another optimizer class or for other parameters,
-                when the parameters' dtype or device changed, or it holds trained state of an unowned frozen parameter.
+            ValueError: on every rank, for a dict of another class or parameters, a changed dtype or device, or
+                trained state of an unowned frozen parameter.
         """
         self.land_sync()  # the load may write master weights into the parameters
         agreed(self, self.placer.place_if_stale)  # master weights go into the parameters' present storage
@@ -164,8 +163,7 @@ def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int
         made_over = [
             p.detach().to(masters or p.dtype) if has_master(p.dtype, masters) else p.detach() for p in missing.values()
         ]
-        fresh = _fresh(zero, group, made_over)
-        made.update((i, fresh.state[p]) for i, p in zip(missing, fresh.param_groups[0]["params"]) if p in fresh.state)
+        made.update((i, entry) for i, entry in zip(missing, _made_for(zero, group, made_over)) if entry is not None)
     return made
 
 
@@ -181,17 +179,17 @@ def _made_again(zero: ZeroParts) -> None:
         ]
         if not loaded:
             continue
-        fresh = _fresh(zero, group, [t.tensor.detach() for t in loaded])
-        for local, made in zip(loaded, fresh.param_groups[0]["params"]):
-            state[local.tensor] = dict(fresh.state.get(made, {}))
+        for local, made in zip(loaded, _made_for(zero, group, [t.tensor.detach() for t in loaded])):
+            state[local.tensor] = dict(made or {})
 
 
-def _fresh(zero: ZeroParts, group: dict[str, Any], tensors: list[Tensor]) -> torch.optim.Optimizer:
-    """``group``'s class (and settings) over ``tensors``, as constructed: the state it makes at construction."""
+def _made_for(zero: ZeroParts, group: dict[str, Any], tensors: list[Tensor]) -> list[dict[str, Any] | None]:
+    """The state ``group``'s class (and settings) makes at construction for each of ``tensors`` (None: none)."""
     settings = {key: value for key, value in group.items() if key not in ("params", CLASS_KEY)}
     optimizer_class = group.get(CLASS_KEY, zero.placer.optimizer_class)
     defaults = zero.placer.defaults if optimizer_class is zero.placer.optimizer_class else {}
-    return cast(torch.optim.Optimizer, optimizer_class([{"params": tensors, **settings}], **defaults))
+    fresh = cast(torch.optim.Optimizer, optimizer_class([{"params": tensors, **settings}], **defaults))
+    return [fresh.state.get(p) for p in fresh.param_groups[0]["params"]]
 
 
 def _on_cpu(entry: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,4 @@
-"""Checks on what the user passed, so that every rank raises the same clear error instead of hanging: each rank
-checks locally and fingerprints its settings, and every rank raises when any rank failed or any two disagree."""
+"""Checks on what the user passed: every rank raises the same clear error, not hangs, when one fails or two differ."""
 
 from __future__ import annotations
 
@@ -38,25 +37,34 @@ ParamGroups = list[dict[str, Any]]
 
 
 def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
-    """The ``torch.optim`` class to build local optimizers with (a functional class's own), or a TypeError."""
+    """The ``torch.optim`` class to build local optimizers with (a functional class's own), or a TypeError; a class
+    coupling every parameter in one step (LBFGS) is refused at every world size: each rank would step its own."""
     expected = (
         "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
         "or a distoptim.functional class such as distoptim.functional.FunctionalAdamW"
     )
-    if isinstance(optimizer_class, type) and issubclass(optimizer_class, FunctionalOptimizer):
-        functional_cls = functional_class_for(optimizer_class)
-        if functional_cls is None:
-            raise TypeError(f"{expected}; got the generic {optimizer_class.__name__}, use one of its subclasses")
-        return functional_cls.spec.torch_cls
-    if isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer):
-        return optimizer_class
     if isinstance(optimizer_class, (Optimizer, FunctionalOptimizer)):
         name = type(optimizer_class).__name__
         raise TypeError(
             f"{expected}; got an instance of {name}: pass the class, with its hyperparameters as keyword arguments, "
             f"e.g. ZeroRedundancyOptimizer(params, {name}, lr=...)"
         )
-    raise TypeError(f"{expected}; got {type(optimizer_class).__name__} {optimizer_class!r}")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, (Optimizer, FunctionalOptimizer))):
+        raise TypeError(f"{expected}; got {type(optimizer_class).__name__} {optimizer_class!r}")
+    if not issubclass(optimizer_class, FunctionalOptimizer):
+        cls = optimizer_class
+    elif (functional_cls := functional_class_for(optimizer_class)) is None:
+        raise TypeError(f"{expected}; got the generic {optimizer_class.__name__}, use one of its subclasses")
+    else:
+        cls = functional_cls.spec.torch_cls
+    if is_coupled(cls):
+        name = class_name(cls)
+        raise ValueError(
+            f"{name} couples every parameter in one step (its curvature history and line search span all of them), "
+            f"but ZeroRedundancyOptimizer steps each rank's shard on its own: use {name} without "
+            "ZeroRedundancyOptimizer, or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
+        )
+    return cls
 
 
 def unmatched_parameters(named: Iterable[tuple[str, Tensor]], zero: Any) -> tuple[list[str], list[str]]:
@@ -92,10 +100,7 @@ def refuse_sparse_gradients(module: torch.nn.Module, who: str, instead: str = "k
 
 
 def try_optimizer_class(
-    optimizer_class: type[Optimizer],
-    groups: ParamGroups,
-    defaults: dict[str, Any],
-    master_dtype: torch.dtype | None = None,
+    optimizer_class: type[Optimizer], groups: ParamGroups, defaults: dict[str, Any], master_dtype: torch.dtype | None
 ) -> None:
     """Build a throwaway local optimizer over meta-device stand-ins (else the parameters): its refusals raise here."""
     check_group_classes(groups, optimizer_class)
@@ -119,7 +124,6 @@ def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
                 cls = check_optimizer_class(group[CLASS_KEY])
             except TypeError as error:
                 raise TypeError(f"param group {index}: 'optimizer_class': {error}") from None
-            check_coupled(cls)
         if not issubclass(cls, torch.optim.Muon):
             continue
         for position, param in enumerate(group["params"]):
@@ -137,17 +141,6 @@ def check_group_classes(groups: ParamGroups, optimizer_class: type) -> None:
                 f"{what}. Muon orthogonalizes matrices only: put this parameter in a group of an elementwise "
                 "optimizer (the constructor's optimizer_class, torch.optim.AdamW ...)"
             )
-
-
-def check_coupled(optimizer_class: type) -> None:
-    """Refuse a class whose step couples every parameter (LBFGS), at every world size: each rank would run its own."""
-    if is_coupled(optimizer_class):
-        name = class_name(optimizer_class)
-        raise ValueError(
-            f"{name} couples every parameter in one step (its curvature history and line search span all of them), "
-            f"but ZeroRedundancyOptimizer steps each rank's shard on its own: use {name} without "
-            "ZeroRedundancyOptimizer, or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
-        )
 
 
 def check_overlap_class(optimizer_class: type, groups: Sequence[dict[str, Any]] = ()) -> type[FunctionalOptimizer]:
@@ -232,14 +225,17 @@ def check_construction(
     device = None  # the communication device, once the parameters are known
     try:
         local_class = check_optimizer_class(optimizer_class)
-        check_coupled(local_class)
         groups = normalize_param_groups(params)
         device = comm.comm_device(group, [p.device for g in groups for p in g["params"]])
         functional_cls = check_overlap_class(optimizer_class, groups) if overlap_with_ddp else None
         collectives = comm.choose_collectives(group)
         try_optimizer_class(local_class, groups, defaults, master_dtype)
         check_partition(partition, local_class, groups)
-        check_master_dtype(master_dtype)
+        if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
+            raise TypeError(
+                "master_dtype must be a floating-point torch.dtype such as torch.float32, or None, "
+                f"got {master_dtype!r}"
+            )
         check_state_formats(groups, state_format)
         if replicate_group is not None and not isinstance(replicate_group, torch.distributed.ProcessGroup):
             raise TypeError(
@@ -294,13 +290,6 @@ def check_unowned_have_no_grad(unowned: Iterable[Tensor]) -> None:
         )
 
 
-def check_master_dtype(master_dtype: Any) -> None:
-    if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
-        raise TypeError(
-            f"master_dtype must be a floating-point torch.dtype such as torch.float32, or None, got {master_dtype!r}"
-        )
-
-
 def fingerprint(
     groups: ParamGroups, defaults: dict[str, Any], settings: dict[str, Any] | None = None, first_group: int = 0
 ) -> Fingerprint:
@@ -342,9 +331,10 @@ def _canonical(value: Any) -> Any:
 
 def step_fingerprint(trainable: tuple[int, ...], param_groups: ParamGroups) -> Fingerprint:
     """What every rank steps with alike: the trainable parameters; the hyperparameters among stepping ranks (Join)."""
-    hyperparameters: Fingerprint = {}
-    for index, group in enumerate(param_groups):
-        for key, value in group.items():
-            if key != "params":
-                hyperparameters[f"param group {index}: {key!r} {{}}"] = _canonical(value)
+    hyperparameters: Fingerprint = {
+        f"param group {index}: {key!r} {{}}": _canonical(value)
+        for index, group in enumerate(param_groups)
+        for key, value in group.items()
+        if key != "params"
+    }
     return {"the parameters that require grad, by index: {}": trainable, STEPPING_ONLY: hyperparameters}
