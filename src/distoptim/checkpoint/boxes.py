@@ -59,8 +59,7 @@ def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int) -> list[t
     if math.prod(sizes) <= limit:
         return [(offsets, sizes)]
     axis = next(a for a, size in enumerate(sizes) if size > 1)
-    slab = math.prod(sizes[axis + 1 :])
-    per_cut = max(1, limit // slab)
+    per_cut = max(1, limit // math.prod(sizes[axis + 1 :]))
     cuts = []
     for begin in range(0, sizes[axis], per_cut):
         at = (*offsets[:axis], offsets[axis] + begin, *offsets[axis + 1 :])

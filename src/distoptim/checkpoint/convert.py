@@ -132,14 +132,12 @@ def _encoded(
     """``entry`` with its encodable parameter-shaped keys encoded in ``fmt``, as ``StateFormats.encode_entry`` does."""
     out: dict[str, Any] = {}
     for name, value in entry.items():
-        if shape is None or not codecs.is_encodable(name, value) or tuple(value.shape) != shape:
-            out[name] = value
-            continue
-        own = tensor_format(value, fmt)
+        encodable = shape is not None and codecs.is_encodable(name, value) and tuple(value.shape) == shape
+        own = tensor_format(value, fmt) if encodable else "fp32"
         if own == "fp32":
             out[name] = value
             continue
-        laid = value if order is None else torch.empty_strided(shape, order, dtype=value.dtype).copy_(value)
+        laid = value if order is None else torch.empty_strided(value.shape, order, dtype=value.dtype).copy_(value)
         out.update(codecs.encode(name, laid, own))
     return out
 

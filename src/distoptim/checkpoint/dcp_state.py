@@ -163,16 +163,14 @@ def _as_saved(value: Any, local: LocalTensor, saved: bool) -> Any:
     if isinstance(value, Tensor) and (value.dim() > 0 or not saved):  # a saved scalar (a step) is saved as it is
         piece = value.detach()
         if local.whole or piece.dim() == 0:
-            return FragmentTensor(_boxes(piece, piece, 0, piece.numel()), tuple(piece.shape), value, saved)
+            return FragmentTensor(_boxes(piece, piece, 0, piece.numel()), piece.shape, value, saved)
         if piece.dim() != 1 or piece.numel() != local.length or (local.length > 1 and piece.stride() != (1,)):
             raise ValueError(
                 f"the optimizer state of parameter {local.index} holds a tensor of shape {tuple(piece.shape)} for a "
                 f"piece of {local.length} elements: a parameter split across ranks (partition='even') needs an "
                 "elementwise optimizer, whose state is shaped like the piece"
             )
-        return FragmentTensor(
-            _boxes(piece, local.param, local.offset, local.length), tuple(local.param.shape), value, saved
-        )
+        return FragmentTensor(_boxes(piece, local.param, local.offset, local.length), local.param.shape, value, saved)
     return value if saved else Placeholder(value)
 
 

@@ -38,9 +38,8 @@ REDUCE_TO_OWNERS_DEPRECATED = (
 
 
 class ZeroTrainer(Trainer):
-    """``transformers.Trainer`` that can step, checkpoint and resume a ``ZeroRedundancyOptimizer``.
-
-    Pass the optimizer as for any Trainer (``optimizers=`` or ``optimizer_cls_and_kwargs=``); launch every rank.
+    """``transformers.Trainer`` that can step, checkpoint and resume a ``ZeroRedundancyOptimizer``; pass the optimizer
+    as for any Trainer and launch every rank (``docs/guides/transformers.md`` has an example).
 
     Args:
         reduce_to_owners: deprecated (a ``FutureWarning``; DDP's default all-reduce is kept). Default False.
@@ -49,12 +48,6 @@ class ZeroTrainer(Trainer):
         optimizer_checkpoint: ``"sharded"`` (default): every rank writes its shard into ``optimizer_shards/``;
             ``"consolidated"``: rank 0 writes ``optimizer.pt`` in ``torch.optim``'s format. A resume loads either.
         *args, **kwargs: ``transformers.Trainer``'s.
-
-    Example, in the script every rank runs (``torchrun --nproc-per-node 2 train.py``)::
-
-        zero = (ZeroRedundancyOptimizer, {"optimizer_class": torch.optim.AdamW, "lr": 3e-4})
-        trainer = ZeroTrainer(model=model, args=args, train_dataset=data, optimizer_cls_and_kwargs=zero)
-        trainer.train()  # trainer.train(resume_from_checkpoint=True) resumes, optimizer shards included
     """
 
     def __init__(

@@ -146,8 +146,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         muon=OptimizerSpec(torch.optim.Muon) if args.muon else None,
         state_format=args.state_format,
     )
-    gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    return build_report(inventory, config, gpu_memory)
+    return build_report(inventory, config, parse_bytes(args.gpu_memory) if args.gpu_memory else None)
 
 
 def build_report(inventory: Inventory, config: PlanConfig, gpu_memory: int | None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The planner's figures (``PlanConfig``, ``RankMemory``, ``ModePlan``) and the per-parameter arithmetic every
-mode's plan shares: the state a parameter's step keeps, the dtype it steps in, an all-reduce's bytes."""
+mode's plan shares: the state a parameter's step keeps and the dtype it steps in."""
 
 from __future__ import annotations
 
@@ -12,20 +12,7 @@ from distoptim.plan.state import OptimizerSpec, StateCost, state_cost
 from distoptim.zero.codecs import MIN_NUMEL
 from distoptim.zero.shard import has_master
 
-__all__ = [
-    "DEVICE",
-    "MB",
-    "ModePlan",
-    "PlanConfig",
-    "RankMemory",
-    "all_reduce_bytes",
-    "dtype_name",
-    "step_cost",
-    "step_dtype",
-]
-
-DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
-MB = 2**20  # DDP's and ShardedDataParallel's bucket_cap_mb unit
+__all__ = ["ModePlan", "PlanConfig", "RankMemory", "dtype_name", "step_cost", "step_dtype"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +82,3 @@ def step_dtype(param: ParamSpec, master: torch.dtype | None) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def all_reduce_bytes(nbytes: int, world_size: int) -> int:
-    return 2 * (world_size - 1) * nbytes // world_size

@@ -12,17 +12,7 @@ from typing import cast
 import torch
 
 from distoptim.comm import relay
-from distoptim.plan.figures import (
-    DEVICE,
-    MB,
-    ModePlan,
-    PlanConfig,
-    RankMemory,
-    all_reduce_bytes,
-    dtype_name,
-    step_cost,
-    step_dtype,
-)
+from distoptim.plan.figures import ModePlan, PlanConfig, RankMemory, dtype_name, step_cost, step_dtype
 from distoptim.plan.inventory import ROOT_UNIT, Inventory, ParamSpec
 from distoptim.sharded_data_parallel.buckets import BucketCaps, plan_buckets
 from distoptim.zero.buckets import DEFAULT_DIRECT_BYTES
@@ -31,6 +21,7 @@ from distoptim.zero.partition import LayoutPlan, PartitionPlan, newton_schulz_co
 __all__ = ["NS_STEPS", "newton_schulz_flops", "plan_modes", "takes_muon", "with_muon"]
 
 NS_STEPS = 5  # torch.optim.Muon's default ns_steps
+DEVICE = torch.device("meta")  # every parameter of a rank lives on its one device: the key's device part
 
 
 def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
@@ -41,7 +32,7 @@ def plan_modes(inventory: Inventory, config: PlanConfig) -> list[ModePlan]:
         inventory = with_muon(inventory)
     zero = _ZeroShards(inventory.params, _plan(inventory, config, None), config)
     # ShardedDataParallel re-cuts an even partition into buckets of its cap, each split evenly (its own plan)
-    caps = BucketCaps(int(config.bucket_cap_mb * MB), config.reduce_dtype)
+    caps = BucketCaps(int(config.bucket_cap_mb * 2**20), config.reduce_dtype)
     sharded = _ZeroShards(inventory.params, _plan(inventory, config, caps), config)
     sdp = sharded.sharded_data_parallel(caps, zero.params_bytes())
     modes = [_ddp_plan(inventory, config), zero.zero1(), sdp, _fsdp2_plan(inventory, config)]
@@ -144,7 +135,7 @@ class _ZeroShards:
             "gradients as DDP's (full buckets and .grad); parameter sync: ZeroRedundancyOptimizer's default "
             "StagedSync (pieces under 1 MiB go through staging buffers kept between steps)"
         )
-        all_reduce = ("all-reduce of gradients", all_reduce_bytes(grad_bytes, size))
+        all_reduce = ("all-reduce of gradients", _all_reduce_bytes(grad_bytes, size))
         gloo = tuple(all_reduce[1] + synced for synced in self._not_owned())
         return ModePlan("zero1", "ZeRO-1", under_ddp, (all_reduce, gather), (self._shard_note(), ddp_note), gloo)
 
@@ -221,6 +212,10 @@ class _ZeroShards:
         return casts
 
 
+def _all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
 def _itemsize(layout: LayoutPlan) -> int:
     return cast(tuple[torch.device, torch.dtype], layout.key)[1].itemsize  # the (DEVICE, dtype) key ``_plan`` gives
 
@@ -249,7 +244,7 @@ def _ddp_plan(inventory: Inventory, config: PlanConfig) -> ModePlan:
         notes.append(
             f"master weights: a {dtype_name(master)} copy of every trainable parameter, which the optimizer steps"
         )
-    sends = (("all-reduce of gradients", all_reduce_bytes(grad_bytes, config.world_size)),)
+    sends = (("all-reduce of gradients", _all_reduce_bytes(grad_bytes, config.world_size)),)
     return ModePlan("ddp", "DDP", (memory,) * config.world_size, sends, tuple(notes))
 
 
