@@ -140,7 +140,9 @@ def _errors_body(rank: int, world_size: int) -> None:
         lambda: zero.add_param_group({"params": torch.zeros(3, requires_grad=True), "lr": (1e-3, 1e-2)[rank]}),
     )
     extra = torch.zeros(3, requires_grad=True)
-    _expect(ValueError, "lists a parameter more than once", lambda: zero.add_param_group({"params": [extra, extra]}))
+    twice = "param group 1 lists a parameter more than once"  # named by the index it would have had
+    _expect(ValueError, twice, lambda: zero.add_param_group({"params": [extra, extra]}))
+    _expect(ValueError, "param group 1 has no 'params' key", lambda: zero.add_param_group({"lr": 0.1}))
     assert len(zero.param_groups) == 1, "a refused group is added on no rank"
     # Consolidation moves objects between ranks, also without numpy.
     weight.grad = torch.ones(3)

@@ -11,8 +11,9 @@ from torch import Tensor
 __all__ = ["check_names_alike", "normalize_param_groups"]
 
 
-def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
-    """Turn ``params`` (tensors or param-group dicts, any iterable) into a list of groups, or raise a clear error."""
+def normalize_param_groups(params: Any, first: int = 0) -> list[dict[str, Any]]:
+    """Turn ``params`` (tensors or param-group dicts, any iterable) into a list of groups, or raise a clear error
+    naming each group by its index in the optimizer (``first``: the first one's, for ``add_param_group``)."""
     if isinstance(params, Tensor):
         raise TypeError(
             f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}. "
@@ -33,7 +34,7 @@ def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
             "params mixes tensors and param-group dicts; pass either only tensors or only dicts"
         )
     groups = [dict(entry) for entry in entries] if kinds == {True} else [{"params": entries}]
-    for index, group in enumerate(groups):
+    for index, group in enumerate(groups, start=first):
         if "params" not in group:
             raise ValueError(
                 "Each parameter group passed-in via `params` must have a 'params' key mapping to the parameters in "

@@ -161,10 +161,10 @@ def _agreed_group(zero: ZeroParts, param_group: Any) -> dict[str, Any]:
         placer.sync.finish()  # first the groups there are: the sync landed over no write, the classes unedited
         placer.sync.check_untouched()
         check_classes_unchanged(groups, placer.local_optimizer, placer.optimizer_class)
-        (checked,) = normalize_param_groups([param_group])
+        (checked,) = normalize_param_groups([param_group], first=len(groups))
         check_names_alike([checked], groups[0])
         validation.try_optimizer_class(placer.optimizer_class, [*groups, checked], placer.defaults, zero.master_dtype)
-        validation.check_state_formats([checked], zero.defaults.get(FORMAT_KEY, "fp32"))
+        validation.check_state_formats([checked], zero.defaults.get(FORMAT_KEY, "fp32"), first=len(groups))
         with_grad = [i for i, p in enumerate(checked["params"]) if p.grad is not None]
         if zero.gradient_source is not None and with_grad:
             raise ValueError(

@@ -184,10 +184,10 @@ def check_partition(partition: Any, optimizer_class: type, groups: ParamGroups) 
                 )
 
 
-def check_state_formats(groups: ParamGroups, state_format: Any) -> None:
-    """Each group's ``state_format`` (its own, or the constructor's) is a format."""
+def check_state_formats(groups: ParamGroups, state_format: Any, first: int = 0) -> None:
+    """Each group's ``state_format`` (its own, or the constructor's) is a format (``first``: the first one's index)."""
     check_format(state_format, "ZeroRedundancyOptimizer")
-    for index, group in enumerate(groups):
+    for index, group in enumerate(groups, start=first):
         check_format(group.get(FORMAT_KEY, state_format), f"param group {index}")
 
 
