@@ -205,6 +205,42 @@ def test_non_default_process_group() -> None:
     run_on_ranks(_subgroup_body, 3)
 
 
+def _retry_body(rank: int, world_size: int) -> None:
+    """A step whose settings differ between the ranks (lr on rank 1 only) raises on every rank after each stepped its
+    shard: a retry is refused on every rank (it would step the shards twice, the parameters never synced); a resume
+    from a checkpoint taken before it trains on as torch.optim.AdamW on the same gradients."""
+    params = [torch.linspace(-1, 1, 7).requires_grad_(), torch.linspace(0, 2, 5).requires_grad_()]
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.1)
+    plain = torch.optim.AdamW(reference, lr=0.1)
+
+    def step_both() -> None:
+        for p, r in zip(params, reference):
+            p.grad, r.grad = torch.full_like(p, 1.5), torch.full_like(r, 1.5)  # DDP's average, alike everywhere
+        zero.step()
+        plain.step()
+
+    step_both()
+    zero.consolidate_state_dict(to=0)
+    box, kept = [zero.state_dict() if rank == 0 else None], [p.detach().clone() for p in params]
+    dist.broadcast_object_list(box, src=0)
+    zero.param_groups[0]["lr"] = 0.2 if rank == 1 else 0.1
+    _expect(ValueError, "disagree", zero.step)
+    zero.param_groups[0]["lr"] = 0.1
+    _expect(RuntimeError, "the last step raised after this rank had stepped its shard", zero.step)
+    with torch.no_grad():
+        for p, k in zip(params, kept):
+            p.copy_(k)
+    zero.load_state_dict(box[0])
+    step_both()
+    for p, r in zip(params, reference):
+        torch.testing.assert_close(p.detach(), r.detach())
+
+
+def test_a_step_retried_after_it_raised_is_refused_and_a_resume_trains_on() -> None:
+    run_on_ranks(_retry_body, 2)
+
+
 def _add_param_group_body(rank: int, world_size: int) -> None:
     for bucket_view, partition in itertools.product((False, True), ("greedy", "even")):
         (first, second), (first_ref, second_ref) = make_params(), make_params()

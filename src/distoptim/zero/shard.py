@@ -107,6 +107,7 @@ class LocalShard:
         self.detached = [t for t in self.locals if t.tensor is not t.param]  # needs .grad given
         self.masters = [t for t in self.detached if t.master]
         self.source: Callable[[LocalTensor], Tensor | None] | None = None  # a gradient store (ShardedDataParallel's)
+        self.unsynced = False  # stepped since the parameters were last synced (set by step_local_optimizer)
         self._given_back: list[tuple[Tensor, Tensor | None]] = []  # a whole parameter's .grad during a step
         self._attached: list[Tensor] = []  # the source's pieces during a step, as it holds them
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]

@@ -91,6 +91,7 @@ class Checkpoints:
         local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.placer.consolidated = None
+        self.local_shard.unsynced = False  # resumed: a step may follow (stepping.UNSYNCED)
         for post_hook in torch_self._optimizer_load_state_dict_post_hooks.values():
             post_hook(torch_self)
 
@@ -144,6 +145,7 @@ class Checkpoints:
         self.placer.kept_unowned.clear()  # a sharded save holds no state for them: they have what this optimizer made
         self.local_shard.write_back()
         self.placer.consolidated = None
+        self.local_shard.unsynced = False  # resumed: a step may follow (stepping.UNSYNCED)
 
 
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:

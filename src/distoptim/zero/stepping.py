@@ -15,7 +15,7 @@ from distoptim.zero import amp
 from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = ["GradientSource", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
+__all__ = ["UNSYNCED", "GradientSource", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -34,6 +34,11 @@ DIVERGED_UNDER_SCALER = (
     "(post-local SGD without its all-reduce, .grad changed on some ranks), are not; average them on every rank, or "
     "use ShardedDataParallel, whose ranks share the verdict before any rank steps (there: a .grad set by hand after "
     "the backward, on some ranks only, held one; set it alike on every rank)"
+)
+UNSYNCED = (
+    "ZeroRedundancyOptimizer.step: the last step raised after this rank had stepped its shard and before the "
+    "parameters were synced, so the ranks' parameters and optimizer states are apart, and a retry would step the "
+    "shard twice. Resume from a checkpoint: load the model's parameters and zero.load_state_dict(...)"
 )
 MIXED_SCALER = (
     "some ranks stepped with scaler.step(zero) and others with zero.step() (no GradScaler): the ranks would skip "
@@ -107,6 +112,7 @@ def step_local_optimizer(
 ) -> float | None:
     """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
     before = [dict(group) for group in optim.param_groups]
+    shard.unsynced = True  # until the sync: a step that raises after this is not to be retried (UNSYNCED)
     # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
     loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=closure, **kwargs)
     shard.write_back()
