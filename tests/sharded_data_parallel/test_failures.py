@@ -438,15 +438,15 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
         ("sdp_clip", 0, 1, 1),
         ("sdp_static", 0, 1, 1),
         ("sdp_static_unused", 0, 1, 1),
-        ("sdp_static_scaler", 0, 1, 2),
+        ("sdp_static_scaler", 0, 2, 2),
     ],
 )
 def test_agreements_none_per_backward_one_per_step(how: str, per_backward: int, per_step: int, first_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
     exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
     raise), not agreed. Under a GradScaler that sum carries whether an owned gradient holds an inf or nan too, once
-    the first step has shown the scaler (under ``static_graph=True``, whose backwards sum no used flags, the verdict
-    alone): that first step agrees on the verdict before stepping, then around the local step."""
+    the first step has shown the scaler: that first step, and every step under ``static_graph=True`` (whose
+    backwards sum nothing), agree on the verdict before stepping, then around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == first_step + per_step * 2, counts
@@ -516,8 +516,7 @@ def test_a_grad_changed_after_the_backward_is_checked_again_by_the_scaler(how: s
 
 def _static_scaler_body(rank: int, world_size: int) -> None:
     """``static_graph=True`` under a GradScaler: an inf in rank 1's gradient of the branch's weight at the third step
-    (rank 0's is finite). Every rank skips and backs off, as DDP(static_graph=True) + AdamW under their scaler, though
-    the steps after the first trust the verdict the backward's end summed."""
+    (rank 0's is finite). Every rank skips and backs off, as DDP(static_graph=True) + AdamW under their scaler."""
     model, reference = Chain(), Chain()
     zero, sdp = _sdp(model, static_graph=True)
     ddp, plain = DDP(reference, static_graph=True), torch.optim.AdamW(reference.parameters(), **KW)
