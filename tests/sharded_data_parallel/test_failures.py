@@ -169,8 +169,31 @@ def _raised_apart_body(rank: int, world_size: int) -> str:
 
 def test_a_wrapper_on_a_group_whose_ranks_raised_apart_is_refused_and_a_new_group_trains() -> None:
     for refusal in run_on_ranks(_raised_apart_body, 2, timeout=60):
-        assert "disagree (reductions and syncs started point to point on process group 0" in refusal, refusal
+        assert "disagree (reductions and syncs started point to point on this group" in refusal, refusal
         assert "torch.distributed.new_group" in refusal, refusal
+
+
+def _hybrid_after_apart_jobs_body(rank: int, world_size: int) -> str:
+    """Ranks {0, 1} train on their shard group for 2 steps, ranks {2, 3} on theirs for 3 (nothing raises): a hybrid
+    wrapper over those shard groups builds and trains, each group's messages compared over its own ranks only (a
+    review of 703d374 found them compared over the replicate group, a refusal)."""
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    shard, replicas = groups[rank // 2], groups[2 + rank % 2]
+    model = Chain()
+    zero, sdp = _sdp(model, group=shard)
+    for step in range(2 if rank < 2 else 3):
+        zero.zero_grad()
+        sdp(_x(rank, step)).square().mean().backward()
+        zero.step()
+    sdp.sync_finished()
+    zero, sdp = _sdp(Chain(), group=shard, replicas=replicas)
+    sdp(_x(rank, 0)).square().mean().backward()
+    zero.step()
+    return "trained"
+
+
+def test_a_hybrid_wrapper_on_groups_that_trained_apart_builds() -> None:
+    assert run_on_ranks(_hybrid_after_apart_jobs_body, 4, timeout=90) == ["trained"] * 4
 
 
 def _failed_before_any_gradient_body(rank: int, world_size: int) -> None:
