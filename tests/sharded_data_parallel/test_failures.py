@@ -169,8 +169,31 @@ def _raised_apart_body(rank: int, world_size: int) -> str:
 
 def test_a_wrapper_on_a_group_whose_ranks_raised_apart_is_refused_and_a_new_group_trains() -> None:
     for refusal in run_on_ranks(_raised_apart_body, 2, timeout=60):
-        assert "disagree (reductions and syncs started point to point on process group 0" in refusal, refusal
+        assert "disagree (reductions and syncs started point to point on this group" in refusal, refusal
         assert "torch.distributed.new_group" in refusal, refusal
+
+
+def _hybrid_after_apart_jobs_body(rank: int, world_size: int) -> str:
+    """Ranks {0, 1} train on their shard group for 2 steps, ranks {2, 3} on theirs for 3 (nothing raises): a hybrid
+    wrapper over those shard groups builds and trains, each group's messages compared over its own ranks only (a
+    review of 703d374 found them compared over the replicate group, a refusal)."""
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    shard, replicas = groups[rank // 2], groups[2 + rank % 2]
+    model = Chain()
+    zero, sdp = _sdp(model, group=shard)
+    for step in range(2 if rank < 2 else 3):
+        zero.zero_grad()
+        sdp(_x(rank, step)).square().mean().backward()
+        zero.step()
+    sdp.sync_finished()
+    zero, sdp = _sdp(Chain(), group=shard, replicas=replicas)
+    sdp(_x(rank, 0)).square().mean().backward()
+    zero.step()
+    return "trained"
+
+
+def test_a_hybrid_wrapper_on_groups_that_trained_apart_builds() -> None:
+    assert run_on_ranks(_hybrid_after_apart_jobs_body, 4, timeout=90) == ["trained"] * 4
 
 
 def _failed_before_any_gradient_body(rank: int, world_size: int) -> None:
@@ -438,15 +461,15 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
         ("sdp_clip", 0, 1, 1),
         ("sdp_static", 0, 1, 1),
         ("sdp_static_unused", 0, 1, 1),
-        ("sdp_static_scaler", 0, 1, 2),
+        ("sdp_static_scaler", 0, 2, 2),
     ],
 )
 def test_agreements_none_per_backward_one_per_step(how: str, per_backward: int, per_step: int, first_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
     exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
     raise), not agreed. Under a GradScaler that sum carries whether an owned gradient holds an inf or nan too, once
-    the first step has shown the scaler (under ``static_graph=True``, whose backwards sum no used flags, the verdict
-    alone): that first step agrees on the verdict before stepping, then around the local step."""
+    the first step has shown the scaler: that first step, and every step under ``static_graph=True`` (whose
+    backwards sum nothing), agree on the verdict before stepping, then around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == first_step + per_step * 2, counts
@@ -516,8 +539,7 @@ def test_a_grad_changed_after_the_backward_is_checked_again_by_the_scaler(how: s
 
 def _static_scaler_body(rank: int, world_size: int) -> None:
     """``static_graph=True`` under a GradScaler: an inf in rank 1's gradient of the branch's weight at the third step
-    (rank 0's is finite). Every rank skips and backs off, as DDP(static_graph=True) + AdamW under their scaler, though
-    the steps after the first trust the verdict the backward's end summed."""
+    (rank 0's is finite). Every rank skips and backs off, as DDP(static_graph=True) + AdamW under their scaler."""
     model, reference = Chain(), Chain()
     zero, sdp = _sdp(model, static_graph=True)
     ddp, plain = DDP(reference, static_graph=True), torch.optim.AdamW(reference.parameters(), **KW)

@@ -29,6 +29,7 @@ __all__ = [
     "UNREDUCED",
     "StaticGraph",
     "check_current",
+    "check_messages_alike",
     "check_wrapping",
     "claim_groups",
     "fingerprint",
@@ -41,7 +42,7 @@ POISONED = (
     "the optimizer and the wrapper again (on a new process group where the ranks launched different reductions)"
 )
 P2P_APART = (
-    "which differ after a backward that raised midway on some ranks only: wrap on a new process group "
+    "they differ after a backward that raised midway on some ranks only: wrap on a new process group "
     "(torch.distributed.new_group) or restart the processes"
 )
 UNFINISHED = (
@@ -133,20 +134,25 @@ def others_live(wrapper: Any) -> bool:
     return any(newest.get() not in (None, wrapper) for newest in attached_everywhere(_NEWEST))
 
 
-def fingerprint(module: nn.Module, settings: dict[str, Any], groups: Sequence[Any]) -> _agreement.Fingerprint:
-    """What every rank must agree on before wrapping: the settings, each parameter's and buffer's layout, and the
-    point-to-point messages its groups started (apart, an earlier wrapper's reductions would pair with this one's)."""
+def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Fingerprint:
+    """What every rank must agree on before wrapping: the settings, each parameter's and buffer's layout."""
     entries: _agreement.Fingerprint = {f"setting {key} {{}}": str(value) for key, value in settings.items()}
-    for number, group in enumerate(g for g in groups if g is not None):
-        entries[f"reductions and syncs started point to point on process group {number}: {{}}, {P2P_APART}"] = (
-            p2p.started(group)
-        )
     for name, p in module.named_parameters():
         layout = (tuple(p.shape), str(p.dtype), p.requires_grad, p.stride())
         entries[f"parameter {name!r}: (shape, dtype, requires_grad, strides) {{}}"] = layout
     for name, buffer in module.named_buffers():
         entries[f"buffer {name!r}: (shape, dtype) {{}}"] = (tuple(buffer.shape), str(buffer.dtype))
     return entries
+
+
+def check_messages_alike(groups: Sequence[Any]) -> None:
+    """Each group's point-to-point reductions and syncs started, alike over that group's own ranks (one agreement
+    each): apart, this wrapper's reductions would pair with the stale messages of an earlier backward that raised."""
+    for group in (g for g in groups if g is not None):
+        entry: _agreement.Fingerprint = {
+            "reductions and syncs started point to point on this group {}": p2p.started(group)
+        }
+        _agreement.agree_across_ranks(entry, group, "ShardedDataParallel construction", P2P_APART)
 
 
 class StaticGraph:

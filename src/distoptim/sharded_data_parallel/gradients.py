@@ -367,14 +367,14 @@ class OwnedGradients:
             at += end - start
         self.landed[bucket] = True
 
-    def _summed_flags(self, used: bool = True) -> list[int]:
+    def _summed_flags(self) -> list[int]:
         """Each parameter's users over the ranks, how many ranks hold parameters trainable since the plan (DDP's used
-        map: an int32 all-reduce behind the buckets', not an agreement; ``used`` false: none), ``overflow_found``'s."""
+        map: an int32 all-reduce behind the buckets', not an agreement), and ``overflow_found``'s sum."""
         device, what = self.store_keys[self.buckets[0].key][0], "which parameters some rank used"
         watch = self.scaled and not narrowed(self.buckets, self.params, self.store_keys, self.zero.master_dtype)
         checked = amp.nonfinite(self.owned, device) if watch else torch.zeros((), device=device)
         flags = [*self.used, any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)]
-        *counts, found = comm.sum_flags(flags if used else [], device, self.zero.agreement_groups, what, [checked])
+        *counts, found = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
         self.overflow = bool(found) if watch else None  # (a step reads it, a change forgets it; narrowed: the step)
         return counts
 
@@ -388,12 +388,12 @@ class OwnedGradients:
             self._land_oldest()
         self._next_backward_afresh()
         static = self.static if self.static is not None and self.static.pattern is not None else None
-        counts = self._summed_flags(static is None) if (static is None or self.scaled) and self.buckets else None
-        if counts and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
+        counts = self._summed_flags() if static is None and self.buckets else None
+        if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
             self.agreed([count > 0 for count in counts[:-1]], backward=True)
         elif static is None:
             self.agreed(self._unplaced.agree(self.zero, self.params, self.slot_of, self.used), backward=True)
-        else:  # no flags summed (a scaler's verdict only): a rank alone may hold parameters trainable since the plan
+        else:  # no collective: a rank alone may hold parameters trainable since the plan (the step agrees on them)
             self._unplaced.agree(self.zero, self.params, self.slot_of, self.used, alone=True)
             static.predict(self.params)  # the first backward's parameters, held as if agreed (the step checks them)
             self.holds = [held or static.used(index) for index, held in enumerate(self.holds)]

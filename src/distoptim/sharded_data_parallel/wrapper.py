@@ -79,8 +79,9 @@ class ShardedDataParallel(nn.Module):
             lambda: checks.check_wrapping(module, zero, bucket_cap_mb, reduce_dtype),
             zero.agreement_groups,
             "ShardedDataParallel construction",
-            then_agree_on=lambda _: checks.fingerprint(module, settings, [zero.process_group, zero.replicate_group]),
+            then_agree_on=lambda _: checks.fingerprint(module, settings),
         )
+        checks.check_messages_alike([zero.process_group, zero.replicate_group])
         self.module, self.zero = module, zero
         self.broadcast_buffers, self.reduce_dtype = broadcast_buffers, reduce_dtype
         self.overlap_param_sync, self.static_graph = overlap_param_sync, static_graph

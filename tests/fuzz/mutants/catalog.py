@@ -352,8 +352,8 @@ MUTANTS += (  # issue 45: ShardedDataParallel's used flags summed as DDP's used 
         "the flag saying some rank holds parameters trainable since the plan ignored: their gradients are never "
         "averaged",
         "distoptim/sharded_data_parallel/gradients.py",
-        "if counts and not counts[-1]:",
-        "if counts:",
+        "counts is not None and not counts[-1]:",
+        "counts is not None:",
     ),
 )
 
