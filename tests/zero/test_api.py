@@ -207,11 +207,13 @@ def test_non_default_process_group() -> None:
 
 def _retry_body(rank: int, world_size: int) -> None:
     """A step whose settings differ between the ranks (lr on rank 1 only) raises on every rank after each stepped its
-    shard: a retry is refused on every rank (it would step the shards twice, the parameters never synced); a resume
-    from a checkpoint taken before it trains on as torch.optim.AdamW on the same gradients."""
+    shard: a retry is refused on every rank (it would step the shards twice, the parameters never synced), also after
+    a re-placement, and so is a checkpoint; a resume from one taken before trains on as torch.optim.AdamW on the same
+    gradients. A closure that raises before any update refuses nothing later (review r-21b)."""
     params = [torch.linspace(-1, 1, 7).requires_grad_(), torch.linspace(0, 2, 5).requires_grad_()]
     reference = [p.detach().clone().requires_grad_() for p in params]
-    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.1)
+    extra = torch.zeros(3)  # frozen at first; unfrozen later, to place the parameters again
+    zero = ZeroRedundancyOptimizer([*params, extra], torch.optim.AdamW, lr=0.1)
     plain = torch.optim.AdamW(reference, lr=0.1)
 
     def step_both() -> None:
@@ -224,10 +226,15 @@ def _retry_body(rank: int, world_size: int) -> None:
     zero.consolidate_state_dict(to=0)
     box, kept = [zero.state_dict() if rank == 0 else None], [p.detach().clone() for p in params]
     dist.broadcast_object_list(box, src=0)
+    _expect(ValueError, "the closure failed", lambda: zero.step(_failing_closure))  # before any update: no refusal
     zero.param_groups[0]["lr"] = 0.2 if rank == 1 else 0.1
     _expect(ValueError, "disagree", zero.step)
     zero.param_groups[0]["lr"] = 0.1
-    _expect(RuntimeError, "the last step raised after this rank had stepped its shard", zero.step)
+    extra.requires_grad_(True)
+    zero.clip_grad_norm_(1.0)  # places the parameters again (a new local shard): the refusal stays
+    apart = "the last step raised after this rank had stepped its shard"
+    _expect(RuntimeError, apart, zero.step)
+    _expect(RuntimeError, apart, lambda: zero.consolidate_state_dict(to=0))  # no checkpoint of it either
     with torch.no_grad():
         for p, k in zip(params, kept):
             p.copy_(k)
@@ -235,6 +242,10 @@ def _retry_body(rank: int, world_size: int) -> None:
     step_both()
     for p, r in zip(params, reference):
         torch.testing.assert_close(p.detach(), r.detach())
+
+
+def _failing_closure() -> float:
+    raise ValueError("the closure failed")
 
 
 def test_a_step_retried_after_it_raised_is_refused_and_a_resume_trains_on() -> None:

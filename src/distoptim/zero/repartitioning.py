@@ -85,6 +85,7 @@ class Placer:
             moving_within=self.sync if in_place else None,
         )
         self.placement, self.sync = placed, placed.sync
+        placed.shard.unsynced = previous_shard is not None and previous_shard.unsynced  # (a step raised since)
         self.optim = optim = placement.bind_local_optimizer(
             self.optim, self.optimizer_class, self.defaults, placed.shard, previous_shard, groups
         )

@@ -19,6 +19,7 @@ from distoptim.zero.partition import UNOWNED
 from distoptim.zero.repartitioning import ZeroParts, agreed
 from distoptim.zero.shard import MASTER_KEY, MASTERS_IGNORED, has_master, stitch
 from distoptim.zero.state_formats import decoded, is_trained
+from distoptim.zero.stepping import UNSYNCED
 
 __all__ = ["Checkpoints"]
 
@@ -268,6 +269,8 @@ def _ready_to_read(zero: ZeroParts, then: Callable[[], Any] = lambda: None) -> A
         agreed(zero, zero.placer.sync.check_untouched)
 
     def place_then() -> Any:
+        if zero.local_shard.unsynced:  # a step raised after stepping this shard: no state to save (UNSYNCED)
+            raise RuntimeError(UNSYNCED)
         zero.placer.repartition_if_changed()
         return then()
 

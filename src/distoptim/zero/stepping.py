@@ -36,9 +36,10 @@ DIVERGED_UNDER_SCALER = (
     "the backward, on some ranks only, held one; set it alike on every rank)"
 )
 UNSYNCED = (
-    "ZeroRedundancyOptimizer.step: the last step raised after this rank had stepped its shard and before the "
-    "parameters were synced, so the ranks' parameters and optimizer states are apart, and a retry would step the "
-    "shard twice. Resume from a checkpoint: load the model's parameters and zero.load_state_dict(...)"
+    "ZeroRedundancyOptimizer: the last step raised after this rank had stepped its shard and before the parameters "
+    "were synced, so the ranks' parameters and optimizer states are apart: a retry would step the shard twice, and a "
+    "checkpoint of them cannot be trusted. Resume from an earlier checkpoint: load the model's parameters and "
+    "zero.load_state_dict(...)"
 )
 MIXED_SCALER = (
     "some ranks stepped with scaler.step(zero) and others with zero.step() (no GradScaler): the ranks would skip "
@@ -112,9 +113,9 @@ def step_local_optimizer(
 ) -> float | None:
     """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
     before = [dict(group) for group in optim.param_groups]
-    shard.unsynced = True  # until the sync: a step that raises after this is not to be retried (UNSYNCED)
     # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
     loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=closure, **kwargs)
+    shard.unsynced = True  # until the sync: a step that raises after this is not to be retried (UNSYNCED)
     shard.write_back()
     for saved, group, shown in zip(before, optim.param_groups, shown_groups):  # what the step itself set
         shown.update((k, v) for k, v in group.items() if k != "params" and (k not in saved or saved[k] is not v))
