@@ -196,6 +196,36 @@ def test_a_hybrid_wrapper_on_groups_that_trained_apart_builds() -> None:
     assert run_on_ranks(_hybrid_after_apart_jobs_body, 4, timeout=90) == ["trained"] * 4
 
 
+def _hybrid_raised_apart_body(rank: int, world_size: int) -> str:
+    """Shard group {0, 1}'s backward raised apart (rank 0 after a launch, rank 1 before any gradient); {2, 3} trained.
+    A hybrid wrapper over those groups is refused on all four ranks: {2, 3} hear of {0, 1}'s refusal rather than wait
+    for them in the replicate groups' agreements (review r-21b: a hang until the process group's timeout)."""
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    shard, replicas = groups[rank // 2], groups[2 + rank % 2]
+    model = Chain()
+    zero, sdp = _sdp(model, group=shard)
+    out = sdp(_x(rank, 1))
+    if rank < 2:
+        last = model.branch.weight
+        handle = last.register_post_accumulate_grad_hook(_fail) if rank == 0 else out.register_hook(_fail)
+        with contextlib.suppress(_Fails):
+            out.square().mean().backward()
+        handle.remove()
+    else:
+        out.square().mean().backward()
+        zero.step()
+    try:
+        _sdp(Chain(), group=shard, replicas=replicas)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_hybrid_wrapper_after_one_shard_group_raised_apart_is_refused_on_every_rank() -> None:
+    for refusal in run_on_ranks(_hybrid_raised_apart_body, 4, timeout=90):
+        assert "disagree (reductions and syncs started point to point on this group" in refusal, refusal
+
+
 def _failed_before_any_gradient_body(rank: int, world_size: int) -> None:
     """A backward that raises before any parameter's gradient arrived (in the loss's own backward) launched nothing:
     training goes on, as DDP + the plain optimizer's without that batch."""

@@ -72,16 +72,18 @@ def agree_across_ranks(
         raise ValueError(f"{what} failed on rank {rank}: {message}")
     n = 2 * _DIGEST_WORDS
     if not isinstance(local, BaseException) and not (_agreed(digests[:n]) and _agreed(digests[n:])):
-        for control in controls:
-            _raise_first_disagreement(local, all_gather_objects(local, control, cpu), control, what, fix)
+        gathered = [(control, all_gather_objects(local, control, cpu)) for control in controls]  # every rank, each
+        for control, everyone in gathered:  # group (a rank raising at its first group left the others waiting)
+            _raise_first_disagreement(local, everyone, control, what, fix)
         raise ValueError(f"{what}: the ranks' settings differ (between groups of ranks); {fix}")
     return flagged
 
 
 def _first_of_everyone(value: Any, controls: list[dist.ProcessGroup], global_ranks: bool) -> tuple[Any, Any] | None:
-    """The first rank (a group rank, or a global one over several groups) whose ``value`` is not None, and it."""
-    for control in controls:
-        values = all_gather_objects(value, control, torch.device("cpu"))
+    """The first rank (a group rank, or a global one over several groups) whose ``value`` is not None, and it; every
+    rank gathers over every group (one returning at its first group left the others waiting in their next)."""
+    gathered = [(control, all_gather_objects(value, control, torch.device("cpu"))) for control in controls]
+    for control, values in gathered:
         for rank, other in enumerate(values):
             if other is not None:
                 return (dist.get_global_rank(control, rank) if global_ranks else rank), other

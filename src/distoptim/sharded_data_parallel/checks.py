@@ -145,14 +145,28 @@ def fingerprint(module: nn.Module, settings: dict[str, Any]) -> _agreement.Finge
     return entries
 
 
-def check_messages_alike(groups: Sequence[Any]) -> None:
-    """Each group's point-to-point reductions and syncs started, alike over that group's own ranks (one agreement
-    each): apart, this wrapper's reductions would pair with the stale messages of an earlier backward that raised."""
-    for group in (g for g in groups if g is not None):
+def check_messages_alike(groups: Sequence[Any], everywhere: Any) -> None:
+    """Each group's point-to-point reductions and syncs started, alike over that group's own ranks (apart, this
+    wrapper's would pair with the stale messages of an earlier backward that raised); with several groups, a
+    refusal is then agreed over ``everywhere``, so that the other groups' ranks raise rather than wait."""
+    checked, refused = [g for g in groups if g is not None], None
+    for group in checked:
         entry: _agreement.Fingerprint = {
             "reductions and syncs started point to point on this group {}": p2p.started(group)
         }
-        _agreement.agree_across_ranks(entry, group, "ShardedDataParallel construction", P2P_APART)
+        try:
+            _agreement.agree_across_ranks(entry, group, "ShardedDataParallel construction", P2P_APART)
+        except ValueError as error:
+            refused = refused or error
+    if len(checked) > 1:
+        _agreement.run_agreed(lambda: _raise(refused), everywhere, "ShardedDataParallel construction", (ValueError,))
+    elif refused is not None:
+        raise refused
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 class StaticGraph:

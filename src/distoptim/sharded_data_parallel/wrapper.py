@@ -81,7 +81,7 @@ class ShardedDataParallel(nn.Module):
             "ShardedDataParallel construction",
             then_agree_on=lambda _: checks.fingerprint(module, settings),
         )
-        checks.check_messages_alike([zero.process_group, zero.replicate_group])
+        checks.check_messages_alike([zero.process_group, zero.replicate_group], zero.agreement_groups)
         self.module, self.zero = module, zero
         self.broadcast_buffers, self.reduce_dtype = broadcast_buffers, reduce_dtype
         self.overlap_param_sync, self.static_graph = overlap_param_sync, static_graph
