@@ -234,7 +234,9 @@ def _retry_body(rank: int, world_size: int) -> None:
     zero.clip_grad_norm_(1.0)  # places the parameters again (a new local shard): the refusal stays
     apart = "the last step raised after this rank had stepped its shard"
     _expect(RuntimeError, apart, zero.step)
-    _expect(RuntimeError, apart, lambda: zero.consolidate_state_dict(to=0))  # no checkpoint of it either
+    _expect(RuntimeError, apart, lambda: zero.consolidate_state_dict(to=0))  # no checkpoint of it either,
+    _expect(RuntimeError, "has not been consolidated", zero.state_dict)  # nor the one from before the step
+    zero.sharded_state_dict()  # the template a sharded resume loads into stays
     with torch.no_grad():
         for p, k in zip(params, kept):
             p.copy_(k)

@@ -165,6 +165,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, joined: bool = False
     ) -> float | None:
         """``step()`` past the overlap mode and Join's notice; ``joined``: a joined rank's, run by Join's hook."""
+        self._stepped()  # a consolidated state is stale from here: a step that raises may have moved the shards
         self.land_sync()
         try:  # 1. the local part on every rank (SDP under a GradScaler: all but the local step), agreed
             (loss, verdict), scaled, found_inf, flags = self._agreed_step(
@@ -190,11 +191,10 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         finally:
             self.local_shard.detach_grads()  # no stale gradient piece outlives the step
         self.sync_parameters()  # 3. every rank's updated shard to every rank
-        self._stepped()
         return loss
 
     def _stepped(self) -> None:
-        """After every step, ``step()``'s or (overlap mode) the DDP hook's: a consolidated state is stale."""
+        """At each step's start (one that raises may move the shards) and the DDP hook's: a consolidation is stale."""
         self.placer.consolidated = None
 
     def _prepare(

@@ -37,7 +37,7 @@ class Checkpoints:
             ValueError: on every rank, for a bad or differing ``to`` (TypeError: not an int), a changed dtype or device.
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
-        _ready_to_read(self)
+        _ready_to_read(self, lambda: _refuse_unsynced(self))
         mine = self.local_shard.global_state(decoded(self.local_optimizer.state))  # torch.optim's format: decoded
         merged = checkpoint.gather_state(mine, to, self.process_group, self.placer.comm_device)
         if merged is not None:
@@ -262,6 +262,12 @@ def _same_value(value: Any, fresh: Any) -> bool:
     return value.shape == fresh.shape and torch.equal(value.to(fresh.device, fresh.dtype), fresh)
 
 
+def _refuse_unsynced(zero: ZeroParts) -> None:
+    """A step raised after stepping this shard: no state to save (a sharded template stays, for the resume)."""
+    if zero.local_shard.unsynced:
+        raise RuntimeError(UNSYNCED)
+
+
 def _ready_to_read(zero: ZeroParts, then: Callable[[], Any] = lambda: None) -> Any:
     """Land the sync (refusing writes made during it), place again where stale, then run ``then``, all agreed."""
     zero.land_sync()
@@ -269,8 +275,6 @@ def _ready_to_read(zero: ZeroParts, then: Callable[[], Any] = lambda: None) -> A
         agreed(zero, zero.placer.sync.check_untouched)
 
     def place_then() -> Any:
-        if zero.local_shard.unsynced:  # a step raised after stepping this shard: no state to save (UNSYNCED)
-            raise RuntimeError(UNSYNCED)
         zero.placer.repartition_if_changed()
         return then()
 
