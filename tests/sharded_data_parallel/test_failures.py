@@ -137,19 +137,23 @@ def test_a_backward_that_raised_after_launching_reductions_is_refused_until_a_re
         assert all("Restart from a checkpoint" in outcome for outcome in outcomes), outcomes
 
 
+def _raise_apart(model: Chain, sdp: ShardedDataParallel, rank: int) -> None:
+    """A backward raising on group rank 0 once the branch's weight's bucket was launched (its hook runs after the
+    wrapper's), on group rank 1 before any gradient: the group's point-to-point tags drift apart."""
+    out = sdp(_x(rank, 1))
+    hook = model.branch.weight.register_post_accumulate_grad_hook(_fail) if rank % 2 == 0 else out.register_hook(_fail)
+    with contextlib.suppress(_Fails):
+        out.square().mean().backward()
+    hook.remove()
+
+
 def _raised_apart_body(rank: int, world_size: int) -> str:
     """Rank 0's backward raises once the branch's weight's bucket was launched, rank 1's before any gradient: their
     point-to-point tags drift apart. A wrapper built again on that process group is refused on every rank (its
     reductions would pair with the stale ones: a crash, or a wrong sum where the sizes match); on a new process
     group, training goes on as DDP + the plain optimizer's."""
     model = Chain()
-    zero, sdp = _sdp(model)
-    out = sdp(_x(rank, 1))
-    last = model.branch.weight  # (its hook runs after the wrapper's, which launched its bucket)
-    handle = last.register_post_accumulate_grad_hook(_fail) if rank == 0 else out.register_hook(_fail)
-    with contextlib.suppress(_Fails):
-        out.square().mean().backward()
-    handle.remove()
+    _raise_apart(model, _sdp(model)[1], rank)
     try:
         _sdp(Chain())
         refusal = "accepted"
@@ -204,15 +208,10 @@ def _hybrid_raised_apart_body(rank: int, world_size: int) -> str:
     shard, replicas = groups[rank // 2], groups[2 + rank % 2]
     model = Chain()
     zero, sdp = _sdp(model, group=shard)
-    out = sdp(_x(rank, 1))
     if rank < 2:
-        last = model.branch.weight
-        handle = last.register_post_accumulate_grad_hook(_fail) if rank == 0 else out.register_hook(_fail)
-        with contextlib.suppress(_Fails):
-            out.square().mean().backward()
-        handle.remove()
+        _raise_apart(model, sdp, rank)
     else:
-        out.square().mean().backward()
+        sdp(_x(rank, 1)).square().mean().backward()
         zero.step()
     try:
         _sdp(Chain(), group=shard, replicas=replicas)
