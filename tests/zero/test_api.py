@@ -232,7 +232,7 @@ def _retry_body(rank: int, world_size: int) -> None:
     zero.param_groups[0]["lr"] = 0.1
     extra.requires_grad_(True)
     zero.clip_grad_norm_(1.0)  # places the parameters again (a new local shard): the refusal stays
-    apart = "the last step raised after this rank had stepped its shard"
+    apart = "the last step raised after this rank's local optimizer began to step its shard"
     _expect(RuntimeError, apart, zero.step)
     _expect(RuntimeError, apart, lambda: zero.consolidate_state_dict(to=0))  # no checkpoint of it either,
     _expect(RuntimeError, "has not been consolidated", zero.state_dict)  # nor the one from before the step
@@ -252,6 +252,30 @@ def _failing_closure() -> float:
 
 def test_a_step_retried_after_it_raised_is_refused_and_a_resume_trains_on() -> None:
     run_on_ranks(_retry_body, 2)
+
+
+def _raised_midway_body(rank: int, world_size: int) -> None:
+    """torch's AdamW steps group by group: a sparse gradient in the second group raises after the first was updated.
+    The retry is refused on every rank (it stepped the first group twice, 0.1 off AdamW, review r-21c). A keyword
+    the step does not take raises before any update and refuses nothing later."""
+    params = [torch.linspace(-1, 1, 6).add(i).requires_grad_() for i in range(4)]
+    zero = ZeroRedundancyOptimizer([{"params": params[:2]}, {"params": params[2:]}], torch.optim.AdamW, lr=0.1)
+    for p in params:
+        p.grad = torch.full_like(p, 1.5)
+    _expect(TypeError, "unexpected keyword argument", lambda: zero.step(not_a_step_argument=1))
+    zero.step()
+    assert zero.local_shard.unsynced is False
+    for p in params[2:]:
+        p.grad = p.grad.to_sparse()
+    _expect(RuntimeError, "sparse", zero.step)
+    assert zero.local_shard.unsynced, "the first group was updated before the second raised"
+    for p in params:
+        p.grad = torch.full_like(p, 1.5)
+    _expect(RuntimeError, "began to step its shard", zero.step)
+
+
+def test_a_local_step_that_raised_midway_is_not_retried() -> None:
+    run_on_ranks(_raised_midway_body, 2)
 
 
 def _add_param_group_body(rank: int, world_size: int) -> None:

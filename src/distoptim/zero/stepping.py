@@ -3,6 +3,7 @@ the interface of a gradient source the step reads instead of ``.grad`` (``docs/g
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -36,10 +37,10 @@ DIVERGED_UNDER_SCALER = (
     "the backward, on some ranks only, held one; set it alike on every rank)"
 )
 UNSYNCED = (
-    "ZeroRedundancyOptimizer: the last step raised after this rank had stepped its shard and before the parameters "
-    "were synced, so the ranks' parameters and optimizer states are apart: a retry would step the shard twice, and a "
-    "checkpoint of them cannot be trusted. Resume from an earlier checkpoint: load the model's parameters and "
-    "zero.load_state_dict(...)"
+    "ZeroRedundancyOptimizer: the last step raised after this rank's local optimizer began to step its shard and "
+    "before the parameters were synced, so the ranks' parameters and optimizer states are apart: a retry would step "
+    "the shard twice, and a checkpoint of them cannot be trusted. Resume from an earlier checkpoint: load the model's "
+    "parameters and zero.load_state_dict(...)"
 )
 MIXED_SCALER = (
     "some ranks stepped with scaler.step(zero) and others with zero.step() (no GradScaler): the ranks would skip "
@@ -113,10 +114,29 @@ def step_local_optimizer(
 ) -> float | None:
     """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
     before = [dict(group) for group in optim.param_groups]
-    # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
-    loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=closure, **kwargs)
-    shard.unsynced = True  # until the sync: a step that raises after this is not to be retried (UNSYNCED)
+    _check_arguments(optim, closure, kwargs)
+    returned = closure is None  # torch's optimizers run a closure before any update: its first raise updated nothing
+
+    def watched() -> float:
+        nonlocal returned
+        loss = closure()  # type: ignore[misc]
+        returned = True
+        return loss
+
+    try:  # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
+        loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=watched, **kwargs)
+    finally:  # until the sync, even where it raised midway (a later group): not to be retried (UNSYNCED)
+        shard.unsynced = returned
     shard.write_back()
     for saved, group, shown in zip(before, optim.param_groups, shown_groups):  # what the step itself set
         shown.update((k, v) for k, v in group.items() if k != "params" and (k not in saved or saved[k] is not v))
     return loss
+
+
+def _check_arguments(optim: Optimizer, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> None:
+    """Raise what ``optim.step`` would on arguments it does not take, before it updates anything."""
+    try:
+        signature = inspect.signature(optim.step)
+    except (TypeError, ValueError):  # none to read: the step itself says
+        return
+    signature.bind(**kwargs) if closure is None else signature.bind(closure, **kwargs)
