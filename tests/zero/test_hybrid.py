@@ -112,6 +112,28 @@ def test_replicas_at_other_positions_are_refused_on_every_rank() -> None:
         assert "replicate_group must hold one rank of each shard group" in message, message
 
 
+def _one_rank_refused_body(rank: int, world_size: int) -> str:
+    shard, replicate = _mesh(rank)
+    try:  # torch's AdamW refuses lr=-1 on rank 2 alone: the other shard group's ranks must not wait for it
+        ZeroRedundancyOptimizer(
+            _net().parameters(),
+            torch.optim.AdamW,
+            process_group=shard,
+            replicate_group=replicate,
+            lr=-1.0 if rank == 2 else 0.1,
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_construction_refused_in_one_shard_group_raises_in_every_one() -> None:
+    """Review r-21c: the construction agreed over the shard group alone, so ranks 0 and 1 waited in the replicas'
+    check for ranks 2 and 3 until the process group's timeout."""
+    for message in run_on_ranks(_one_rank_refused_body, WORLD, timeout=60):
+        assert "Invalid learning rate" in message or "(see that rank's error)" in message, message
+
+
 def _unfreezing_body(rank: int, world_size: int) -> None:
     """A layer unfrozen between steps has no owner at its first backward: its average must reach the other shard
     groups too (the deprecated hook all-reduces over the shard group, then over the replicas)."""

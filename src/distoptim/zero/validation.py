@@ -256,7 +256,8 @@ def check_construction(
         local = fingerprint(groups, defaults, settings)
     except Exception as error:
         local = error
-    agree_across_ranks(local, group, "ZeroRedundancyOptimizer construction")
+    hybrid = [replicate_group] if isinstance(replicate_group, torch.distributed.ProcessGroup) else []
+    agree_across_ranks(local, [group, *hybrid], "ZeroRedundancyOptimizer construction")  # every shard group raises
     assert device is not None and not isinstance(local, BaseException)  # agreed: every rank succeeded
     if replicate_group is not None:
         check_replicas(group, replicate_group, local)
