@@ -6,13 +6,15 @@ import itertools
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ZeroRedundancyOptimizer, checkpoint
+from distoptim.checkpoint import convert
 from distoptim.functional import FunctionalOptimizer, FunctionalSGD
 from tests._dist import run_on_ranks
 from tests._reference import assert_same_tensors, averaged_gradients, flatten, make_params
@@ -252,6 +254,37 @@ def _failing_closure() -> float:
 
 def test_a_step_retried_after_it_raised_is_refused_and_a_resume_trains_on() -> None:
     run_on_ranks(_retry_body, 2)
+
+
+def _saved_apart_body(rank: int, world_size: int, root: str) -> None:
+    """A sharded save after a step that raised once the shards were stepped (an emergency checkpoint) holds state
+    apart from the model's parameters: every load of it is refused; one saved before still resumes."""
+    params = [torch.linspace(-1, 1, 7).requires_grad_(), torch.linspace(0, 2, 5).requires_grad_()]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.1)
+    for p in params:
+        p.grad = torch.full_like(p, 1.5)
+    zero.step()
+    checkpoint.save({"optim": zero.sharded_state_dict()}, f"{root}/before")
+    zero.param_groups[0]["lr"] = 0.2 if rank == 1 else 0.1
+    _expect(ValueError, "disagree", zero.step)
+    zero.param_groups[0]["lr"] = 0.1
+    checkpoint.save({"optim": zero.sharded_state_dict()}, f"{root}/apart")
+    fresh = ZeroRedundancyOptimizer([p.detach().clone().requires_grad_() for p in params], torch.optim.AdamW, lr=0.1)
+    state = {"optim": fresh.sharded_state_dict()}
+    checkpoint.load(state, f"{root}/apart")
+    _expect(
+        ValueError, "saved after a zero.step\\(\\) that raised", lambda: fresh.load_sharded_state_dict(state["optim"])
+    )
+    if rank == 0:
+        _expect(ValueError, "saved after a zero.step", lambda: convert.dcp_to_torch_optim(f"{root}/apart"))
+    state = {"optim": zero.sharded_state_dict()}  # the template of the resume
+    checkpoint.load(state, f"{root}/before")
+    zero.load_sharded_state_dict(state["optim"])
+    zero.step()
+
+
+def test_a_sharded_save_after_a_step_raised_midway_is_refused_at_load(tmp_path: Path) -> None:
+    run_on_ranks(_saved_apart_body, 2, str(tmp_path))
 
 
 def _raised_midway_body(rank: int, world_size: int) -> None:

@@ -71,7 +71,7 @@ def dcp_to_torch_optim(directory: str | Path, key: str = "optim") -> dict[str, A
     for index, entry in state.items():
         _decode(entry, index, layouts[index])
     own = (sharded.TRAINED, sharded.STATE_KEYS)  # what a sharded save adds to the groups
-    groups = [{k: v for k, v in group.items() if k not in own} for group in pickle.loads(saved[sharded.PARAM_GROUPS])]
+    groups = [{k: v for k, v in group.items() if k not in own} for group in sharded.saved_param_groups(saved)]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs a thir
     from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = [
+    "APART",
+    "SAVED_APART",
     "STATE_KEYS",
     "TRAINED",
     "FragmentTensor",
@@ -35,6 +37,7 @@ __all__ = [
     "keys_by_name",
     "load_param_groups",
     "prune_unsaved",
+    "saved_param_groups",
     "sharded_state",
     "template_state",
 ]
@@ -50,6 +53,13 @@ TRAINED = "trained_params"
 STATE_KEYS = "state_keys"
 """In each group of ``PARAM_GROUPS``: ``{key: [parameters]}``, the state keys saved for its parameters (a load whose
 template lacks one would drop it); not a setting."""
+APART = "saved_apart"
+"""In each group of ``PARAM_GROUPS`` of a save made after a step raised once a shard was stepped: a load refuses it."""
+SAVED_APART = (
+    "this checkpoint was saved after a zero.step() that raised once some rank's local optimizer had begun to step its "
+    "shard, before the parameters were synced: its optimizer state and the model's parameters are apart. Load a "
+    "checkpoint saved before that step"
+)
 
 
 class FragmentTensor(Tensor):
@@ -224,7 +234,7 @@ def load_param_groups(
             "this is not a loaded sharded optimizer state: pass the dict that zero.sharded_state_dict() returned, "
             "after dcp.load(...) filled it in"
         )
-    groups: list[dict[str, Any]] = pickle.loads(saved[PARAM_GROUPS])
+    groups = saved_param_groups(saved)
     if len(groups) != len(param_groups):
         raise ValueError(f"the checkpoint has {len(groups)} param groups but this optimizer has {len(param_groups)}")
     params = [p for group in param_groups for p in group["params"]]
@@ -250,6 +260,14 @@ def load_param_groups(
     for number, (group, own_group) in enumerate(zip(groups, param_groups)):
         check_hyperparameters(group, own_group, number, optimizer_class)
     return [loaded_hyperparameters(group) for group in groups]
+
+
+def saved_param_groups(saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """The param groups of a sharded save, refused where it was saved apart (``APART``)."""
+    groups: list[dict[str, Any]] = pickle.loads(saved[PARAM_GROUPS])
+    if any(group.get(APART) for group in groups):
+        raise ValueError(SAVED_APART)
+    return groups
 
 
 def _shown(shapes: list[tuple[int, ...]]) -> str:

@@ -212,18 +212,20 @@ def _naming_saved(
 ) -> list[dict[str, Any]]:
     """The groups naming their parameters trained on some rank, and the keys saved for them (what a load may drop)."""
     trained = [t.index for t in zero.local_shard.locals if is_trained(zero.local_optimizer.state.get(t.tensor))]
-    mine = (trained, sharded.held_keys(zero.local_shard, state))
+    mine = (trained, sharded.held_keys(zero.local_shard, state), zero.local_shard.unsynced)
     everyone = all_gather_objects(mine, zero.process_group, zero.placer.comm_device)
-    anywhere = {index for indices, _ in everyone for index in indices}
+    anywhere = {index for indices, _, _ in everyone for index in indices}
     held: dict[int, set[str]] = {}
-    for _, keys in everyone:
+    for _, keys, _ in everyone:
         for index, names in keys.items():
             held.setdefault(index, set()).update(names)
+    apart = {sharded.APART: True} if any(unsynced for _, _, unsynced in everyone) else {}  # a load refuses it
     return [
         {
             **group,
             sharded.TRAINED: [i for i in group["params"] if i in anywhere],
             sharded.STATE_KEYS: sharded.keys_by_name(group["params"], held),
+            **apart,
         }
         for group in groups
     ]
