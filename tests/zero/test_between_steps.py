@@ -150,3 +150,17 @@ def _clip_then_accumulate(rank: int, world_size: int) -> None:
 
 def test_clipping_then_another_backward_before_the_step_trains_as_ddp() -> None:
     run_on_ranks(_clip_then_accumulate, 2, timeout=120)
+
+
+def _big_int_body(rank: int, world_size: int) -> str:
+    params = [torch.ones(3, requires_grad=True)]
+    try:  # a group's own key, an int a float cannot hold: 2**60 and 2**60 + 1 are one float
+        ZeroRedundancyOptimizer([{"params": params, "seed": 2**60 + rank}], torch.optim.SGD, lr=0.1)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_integer_settings_that_differ_beyond_a_floats_precision_are_refused() -> None:
+    for message in run_on_ranks(_big_int_body, 2):
+        assert "disagree" in message and "'seed'" in message, message

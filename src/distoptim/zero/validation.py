@@ -314,8 +314,8 @@ def _canonical(value: Any) -> Any:
     """``value`` as plain data that compares (and hashes) the same on every rank when it means the same."""
     if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, (int, float)):  # 1 and 1.0 alike; an int beyond a float's 2**53 exactly
+        return float(value) if isinstance(value, float) or abs(value) <= 2**53 else value
     if isinstance(value, (tuple, list)):
         return tuple(_canonical(item) for item in value)
     if isinstance(value, dict):
