@@ -26,10 +26,11 @@ def save(state_dict: dict[str, Any], directory: Path, group: comm.Group) -> None
     """Write ``state_dict`` (this rank's part of it) into ``directory`` as ``dcp.save`` does (collective)."""
     writer, planner = dcp.FileSystemWriter(str(directory)), DefaultSavePlanner()
     rank, what = comm.group_rank(group), f"saving the checkpoint into {directory}"
+    leader = rank == _COORDINATOR
 
     def local_plan() -> Any:
-        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
-        writer.set_up_storage_writer(rank == _COORDINATOR, rank=rank, use_collectives=True)
+        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=leader)
+        writer.set_up_storage_writer(leader, rank=rank, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
     def global_plan(plans: list[Any]) -> tuple[list[Any], Metadata]:
