@@ -114,7 +114,8 @@ def step_local_optimizer(
 ) -> float | None:
     """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
     before = [dict(group) for group in optim.param_groups]
-    _check_arguments(optim, closure, kwargs)
+    if kwargs and closure is None:  # (with a closure, a call that raises leaves no mark either)
+        _check_arguments(optim, kwargs)
     returned = closure is None  # torch's optimizers run a closure before any update: its first raise updated nothing
 
     def watched() -> float:
@@ -133,10 +134,10 @@ def step_local_optimizer(
     return loss
 
 
-def _check_arguments(optim: Optimizer, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> None:
-    """Raise what ``optim.step`` would on arguments it does not take, before it updates anything."""
+def _check_arguments(optim: Optimizer, kwargs: dict[str, Any]) -> None:
+    """Raise what ``optim.step`` would on keywords it does not take, before it updates anything."""
     try:
         signature = inspect.signature(optim.step)
     except (TypeError, ValueError):  # none to read: the step itself says
         return
-    signature.bind(**kwargs) if closure is None else signature.bind(closure, **kwargs)
+    signature.bind(**kwargs)
