@@ -305,6 +305,17 @@ def _raised_midway_body(rank: int, world_size: int) -> None:
     for p in params:
         p.grad = torch.full_like(p, 1.5)
     _expect(RuntimeError, "began to step its shard", zero.step)
+    ignoring = ZeroRedundancyOptimizer(params, _ClosureIgnoringSGD, lr=0.1)  # (review r-22: no mark was set)
+    ignoring.param_groups[0]["lr"] = 0.2 if rank == 1 else 0.1
+    _expect(ValueError, "disagree", lambda: ignoring.step(lambda: 0.0))
+    _expect(RuntimeError, "began to step its shard", ignoring.step)
+
+
+class _ClosureIgnoringSGD(torch.optim.SGD):
+    """A third-party optimizer whose step never calls the closure it is given (ZeRO runs it first anyway)."""
+
+    def step(self, closure: Any = None) -> Any:
+        return super().step()
 
 
 def test_a_local_step_that_raised_midway_is_not_retried() -> None:

@@ -1,6 +1,7 @@
 """``step(closure)``: the closure runs the backward, and the step uses the gradients it made, in every partition and
-with master weights (torch.optim runs the closure first; Lightning steps this way). Without a closure the local
-optimizer's ``step`` is called without one, as torch's ZeroRedundancyOptimizer calls it: a ``step(self)`` works."""
+with master weights (torch.optim runs the closure first; Lightning steps this way). ZeRO runs the closure itself,
+then calls the local optimizer's ``step`` without one, as torch's ZeroRedundancyOptimizer calls it where there is
+none: a ``step(self)`` works."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ contract, as torch's ``allreduce_hook`` averages over the group it is given)."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distoptim import ZeroRedundancyOptimizer
+from distoptim import ZeroRedundancyOptimizer, checkpoint
 from tests._dist import run_on_ranks
 from tests.zero._hooks import lockstep, register
 
@@ -131,7 +132,39 @@ def test_a_construction_refused_in_one_shard_group_raises_in_every_one() -> None
     """Review r-21c: the construction agreed over the shard group alone, so ranks 0 and 1 waited in the replicas'
     check for ranks 2 and 3 until the process group's timeout."""
     for message in run_on_ranks(_one_rank_refused_body, WORLD, timeout=60):
-        assert "Invalid learning rate" in message or "(see that rank's error)" in message, message
+        assert "Invalid learning rate" in message or "(see its error)" in message, message
+
+
+def _saved_apart_body(rank: int, world_size: int, root: str) -> str:
+    """Ranks 0 and 1 raise in the closure (nothing stepped); ranks 2 and 3 step their shards: a sharded save made
+    then holds one shard group's state from before and the other's from after (DCP keeps one replica's groups)."""
+    shard, replicate = _mesh(rank)
+    params = [torch.linspace(-1, 1, 8).add(i).requires_grad_() for i in range(4)]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=shard, replicate_group=replicate, lr=0.1)
+
+    def closure() -> float:
+        if rank < SHARD:
+            raise ValueError("a bad batch on this shard group")
+        for p in params:
+            p.grad = torch.full_like(p, 1.5)
+        return 0.0
+
+    with pytest.raises(ValueError, match="a bad batch"):
+        zero.step(closure)
+    checkpoint.save({"optim": zero.sharded_state_dict()}, f"{root}/apart")
+    template = {"optim": zero.sharded_state_dict()}
+    checkpoint.load(template, f"{root}/apart")
+    try:
+        zero.load_sharded_state_dict(template["optim"])
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_sharded_save_after_one_shard_group_stepped_alone_is_refused_everywhere(tmp_path: Path) -> None:
+    """Review r-22: the mark was gathered over the shard group only, and the clean group's copy was the one kept."""
+    for message in run_on_ranks(_saved_apart_body, WORLD, str(tmp_path), timeout=120):
+        assert "saved after a zero.step() that raised" in message, message
 
 
 def _unfreezing_body(rank: int, world_size: int) -> None:

@@ -432,3 +432,29 @@ def _explicit_step_body(rank: int, world_size: int) -> None:
 
 def test_explicit_step_after_backward_and_schedulers() -> None:
     run_on_ranks(_explicit_step_body, 2)
+
+
+def _raising_hook_body(rank: int, world_size: int, interleaved: bool) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    ddp, params = DDP(model), list(model.parameters())
+    zero = ZeroRedundancyOptimizer(
+        [{"params": params[:2]}, {"params": params[2:]}], torch.optim.AdamW, overlap_with_ddp=True, lr=0.1
+    )
+    hook = hook_with_zero_step_interleaved if interleaved else hook_with_zero_step
+    ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
+    ddp(torch.randn(4, 6)).square().mean().backward()
+    assert not zero.local_shard.unsynced, "the hook's sync landed"
+    zero.param_groups[1]["betas"] = (0.9,)  # on every rank: group 1's functional step raises after group 0's ran
+    with pytest.raises(Exception, match="unpack"):
+        ddp(torch.randn(4, 6)).square().mean().backward()
+    zero.param_groups[1]["betas"] = (0.9, 0.999)
+    with pytest.raises(RuntimeError, match="began to step its shard"):
+        zero.consolidate_state_dict(to=0)
+    return "refused"
+
+
+def test_a_hook_step_that_raised_refuses_a_consolidation_on_every_rank() -> None:
+    """Review r-22: the overlap hooks stepped the shard without the mark, so a consolidation (or a sharded save)
+    after a hook step raised midway held state apart from the ranks' parameters."""
+    assert run_on_ranks(_raising_hook_body, 2, False) == ["refused"] * 2

@@ -68,8 +68,8 @@ def agree_across_ranks(
         found = _first_of_everyone(text, controls, len(controls) > 1)
         if isinstance(local, BaseException):
             raise local
-        rank, message = found if found is not None else ("of another group", "(see that rank's error)")
-        raise ValueError(f"{what} failed on rank {rank}: {message}")
+        shown = f"rank {found[0]}: {found[1]}" if found is not None else "a rank of another group (see its error)"
+        raise ValueError(f"{what} failed on {shown}")
     n = 2 * _DIGEST_WORDS
     if not isinstance(local, BaseException) and not (_agreed(digests[:n]) and _agreed(digests[n:])):
         gathered = [(control, all_gather_objects(local, control, cpu)) for control in controls]  # every rank, each

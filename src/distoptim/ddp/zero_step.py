@@ -294,6 +294,7 @@ def hook_with_zero_step_interleaved(
         comm.wait_all(direct)
         syncs.clear()
         direct.clear()
+        stepper.synced()
 
     def hook_with_zero_step_interleaved(state: Any, bucket: GradBucket) -> Future[Tensor]:
         if backward.start(state, bucket, finish) and not backward.warmup:  # before any step

@@ -170,7 +170,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         try:  # 1. the local part on every rank (SDP under a GradScaler: all but the local step), agreed
             (loss, verdict), scaled, found_inf, flags = self._agreed_step(
                 lambda: self._prepare(closure, kwargs, grad_scaler, hold=joined),
-                (lambda: self._step_local(None, kwargs)) if joined else None,
+                (lambda: self._step_local(kwargs)) if joined else None,
                 grad_scaler is not None,
             )
             if self._gradient_source is not None:  # 1b. which parameters some rank used; then the ranks that held
@@ -179,7 +179,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                     (_, verdict), scaled, found_inf, _ = self._agreed_step(
                         lambda: (
                             None,
-                            self._attach_and_step(None, kwargs, grad_scaler)[1] if self._held_back else verdict,
+                            self._attach_and_step(kwargs, grad_scaler) if self._held_back else verdict,
                         ),
                         scaler=grad_scaler is not None,
                     )
@@ -187,7 +187,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                 verdict.record(found_inf)
             if scaled and not found_inf:  # 2. a GradScaler's step (SDP's) where no rank's owned gradient held one
                 waits = verdict is not None and not verdict.step_now
-                repartitioning.agreed(self, lambda: self._step_local(None, kwargs) if waits else None)
+                repartitioning.agreed(self, lambda: self._step_local(kwargs) if waits else None)
         finally:
             self.local_shard.detach_grads()  # no stale gradient piece outlives the step
         self.sync_parameters()  # 3. every rank's updated shard to every rank
@@ -216,17 +216,15 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             raise
         self.placer.repartition_if_changed()
         loss: float | None = None
-        # torch.optim's order, the closure's backward first, where the step reads attached gradients (pieces, SDP's)
-        if closure is not None and (self.local_shard.detached or self.local_shard.source is not None):
+        if closure is not None:  # torch.optim's order, its backward first: an error there updated nothing
             with torch.enable_grad():
-                loss, closure = closure(), None
+                loss = closure()
         validation.check_unowned_have_no_grad(self.placer.placed.unowned)
         self.placer.push_hyperparameters()
         if self._gradient_source is not None and not self._gradient_source.prepare_step():
             self._held_back = True  # this rank cannot tell yet which of its parameters some rank used: step 1b
             return loss, None
-        local_loss, verdict = self._attach_and_step(closure, kwargs, grad_scaler, hold)
-        return loss if closure is None else local_loss, verdict
+        return loss, self._attach_and_step(kwargs, grad_scaler, hold)
 
     def _closure_as_the_others(self, closure: Callable[[], float]) -> None:
         """Run the closure of a rank whose checks raised over the placement the others make, so its backward matches."""
@@ -237,9 +235,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         with torch.enable_grad():
             closure()
 
-    def _attach_and_step(
-        self, closure: Callable[[], float] | None, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False
-    ) -> stepping.Prepared:
+    def _attach_and_step(self, kwargs: dict[str, Any], grad_scaler: Any, hold: bool = False) -> amp.Verdict | None:
         """Attach the gradients, check and unscale them under a scaler; step unless the scaler skips or ``hold``."""
         shard, source = self.local_shard, self._gradient_source
         whole = self._whole_grads()  # before any store piece is in .grad
@@ -249,15 +245,16 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         summed = None if source is None else source.overflow_found(grad_scaler is not None)
         summed = None if whole else summed  # .grad set by hand (alike everywhere, or refused): checked where stepped
         verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held, alike, summed)
-        stepping_now = (verdict is None or verdict.step_now) and not hold
-        return self._step_local(closure, kwargs) if stepping_now else None, verdict
+        if (verdict is None or verdict.step_now) and not hold:
+            self._step_local(kwargs)
+        return verdict
 
     def _whole_grads(self) -> list[Tensor]:
         """The parameters whose ``.grad`` clipping and a scaler scale whole: all under DDP, else those set by hand."""
         return self.global_params if self._gradient_source is None else self._gradient_source.hand_set()
 
-    def _step_local(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
-        return stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, closure, kwargs)
+    def _step_local(self, kwargs: dict[str, Any]) -> None:
+        stepping.step_local_optimizer(self.local_optimizer, self.local_shard, self.param_groups, kwargs)
 
     def _agreed_step(
         self,

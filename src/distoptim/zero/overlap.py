@@ -80,7 +80,7 @@ class OverlapStepper:
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
         """Step the owned fragments of the parameters in ``grads`` (a DDP bucket) with those gradients (None: skip)."""
-        state = self.local_optimizer.state
+        state, self.placed.shard.unsynced = self.local_optimizer.state, True  # until the sync (stepping.UNSYNCED)
         for part in self._parts_for(grads):
             functional, group = part.functional, self.param_groups[part.group]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state
@@ -96,6 +96,10 @@ class OverlapStepper:
         self.stepped = self._unconfirmed = True
         setattr(self._stepped_flag_on, _SCHEDULER_SAW_STEP, True)  # a scheduler stepped after this step must not warn
         self._on_step()
+
+    def synced(self) -> None:
+        """Every bucket this backward stepped reached every rank (the interleaved hook's syncs landed)."""
+        self.placed.shard.unsynced = False
 
     @property
     def warmup_over(self) -> bool:

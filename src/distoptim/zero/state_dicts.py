@@ -219,13 +219,15 @@ def _naming_saved(
     for _, keys, _ in everyone:
         for index, names in keys.items():
             held.setdefault(index, set()).update(names)
-    apart = {sharded.APART: True} if any(unsynced for _, _, unsynced in everyone) else {}  # a load refuses it
+    apart = any(unsynced for _, _, unsynced in everyone)
+    if zero.replicate_group is not None:  # DCP keeps one shard group's groups: each must say it
+        apart = any(all_gather_objects(apart, zero.replicate_group, zero.placer.comm_device))
     return [
         {
             **group,
             sharded.TRAINED: [i for i in group["params"] if i in anywhere],
             sharded.STATE_KEYS: sharded.keys_by_name(group["params"], held),
-            **apart,
+            **({sharded.APART: True} if apart else {}),  # a load refuses it
         }
         for group in groups
     ]

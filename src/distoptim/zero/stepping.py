@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from distoptim.comm import agreement
 from distoptim.zero import amp
 from distoptim.zero.buckets import ParameterSync
+from distoptim.zero.local_optimizer import CompositeOptimizer
 from distoptim.zero.shard import LocalShard, LocalTensor
 
 __all__ = ["UNSYNCED", "GradientSource", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
@@ -106,38 +107,27 @@ def agreed(
 
 
 def step_local_optimizer(
-    optim: Optimizer,
-    shard: LocalShard,
-    shown_groups: Sequence[dict[str, Any]],
-    closure: Callable[[], float] | None,
-    kwargs: dict[str, Any],
-) -> float | None:
-    """The local optimizer's step and the master copies' write-back; what it sets in its groups goes to the global."""
+    optim: Optimizer, shard: LocalShard, shown_groups: Sequence[dict[str, Any]], kwargs: dict[str, Any]
+) -> None:
+    """The local optimizer's step (the closure ran before it) and the master copies' write-back; what it sets in its
+    groups goes to the global ones. From its start the shard is unsynced, even where it raised (midway, say)."""
     before = [dict(group) for group in optim.param_groups]
-    if kwargs and closure is None:  # (with a closure, a call that raises leaves no mark either)
-        _check_arguments(optim, kwargs)
-    returned = closure is None  # torch's optimizers run a closure before any update: its first raise updated nothing
-
-    def watched() -> float:
-        nonlocal returned
-        loss = closure()  # type: ignore[misc]
-        returned = True
-        return loss
-
-    try:  # as torch's ZeroRedundancyOptimizer: no closure is passed where there is none (a step() may take none)
-        loss: float | None = optim.step(**kwargs) if closure is None else optim.step(closure=watched, **kwargs)
-    finally:  # until the sync, even where it raised midway (a later group): not to be retried (UNSYNCED)
-        shard.unsynced = returned
+    if kwargs:  # a keyword the step does not take raises before any update: no mark
+        _check_keywords(optim, kwargs)
+    try:
+        optim.step(**kwargs)  # as torch's ZeroRedundancyOptimizer calls it without a closure (a step() may take none)
+    finally:  # not to be retried, until the sync (UNSYNCED)
+        shard.unsynced = True
     shard.write_back()
     for saved, group, shown in zip(before, optim.param_groups, shown_groups):  # what the step itself set
         shown.update((k, v) for k, v in group.items() if k != "params" and (k not in saved or saved[k] is not v))
-    return loss
 
 
-def _check_arguments(optim: Optimizer, kwargs: dict[str, Any]) -> None:
-    """Raise what ``optim.step`` would on keywords it does not take, before it updates anything."""
-    try:
-        signature = inspect.signature(optim.step)
-    except (TypeError, ValueError):  # none to read: the step itself says
-        return
-    signature.bind(**kwargs)
+def _check_keywords(optim: Optimizer, kwargs: dict[str, Any]) -> None:
+    """Raise what ``optim.step`` (each part's, for a composite) would on keywords it does not take."""
+    for part in optim.parts.values() if isinstance(optim, CompositeOptimizer) else [optim]:
+        try:
+            signature = inspect.signature(part.step)
+        except (TypeError, ValueError):  # none to read: the step itself says
+            continue
+        signature.bind(**kwargs)
