@@ -110,6 +110,13 @@ def _two() -> list[Tensor]:
     return [_p(3), _p(4)]
 
 
+class _ClosureSGD(SGD):
+    """A step that requires a closure, as SAM's: it would run the model inside each rank's shard step."""
+
+    def step(self, closure: Any) -> Any:  # type: ignore[override]
+        return super().step(closure)
+
+
 def _zero(r: Rank, params: Any = None, cls: Any = SGD, **kwargs: Any) -> ZeroRedundancyOptimizer:
     """A ZeroRedundancyOptimizer over ``params`` (two small parameters by default) on the row's group."""
     params = _two() if params is None else params
@@ -472,6 +479,8 @@ MISUSES: list[Misuse] = [
            lambda r: _zero(r, cls=r.pick(SGD, torch.optim.LBFGS)), BOTH,
            ValueError, r"torch\.optim\.LBFGS couples every parameter in one step.*use torch\.optim\.LBFGS without "
                        r"ZeroRedundancyOptimizer"),
+    Misuse("an optimizer whose step requires a closure (SAM)", lambda r: _zero(r, cls=r.pick(SGD, _ClosureSGD)), BOTH,
+           TypeError, r"_ClosureSGD\.step requires a closure .*use an optimizer whose step takes closure=None"),
     Misuse("an unknown partition", lambda r: _zero(r, partition=r.pick("greedy", "flat")), BOTH,
            ValueError, r"partition must be one of 'greedy', 'even', got 'flat'"),
     Misuse("a parameter that is not a matrix in a Muon group (its own optimizer_class)",

@@ -318,17 +318,18 @@ def test_a_deferred_refusal_excuses_only_what_follows_its_trigger() -> None:
     assert classify(before, program, 2)["category"] == "mismatch"
 
 
-def test_the_sparse_even_refusal_comes_where_the_partition_cuts_the_embedding() -> None:
-    """Seed 661324 (3 ranks): one rank owns the sparse embedding whole, which steps as the oracle does; at 2 ranks the
-    partition cuts it, and the step is refused. The table allows the refusal; the interpreter checks the cut."""
+def test_the_sparse_even_refusal_comes_only_where_the_partition_cuts_the_embedding() -> None:
+    """Seed 661324: at 2 and 3 ranks the even partition leaves the sparse embedding whole to one rank, which steps it
+    as the oracle does (the partition cuts another parameter at 2). The refusal once came at 2 ranks all the same:
+    the check took every parameter of an even partition as cut, and saw the sparse gradient wherever the closure ran
+    before it. ``tests/zero/test_sparse.py`` refuses a cut one; the interpreter fails one stepped cut unrefused."""
     actions = [Action("zero_grad", {"via": "wrapper", "set_to_none": False}), Action("closure_step")]
     options = {"partition": "even", "bucket_view": False, "master": False}
     features = ["batchnorm", "extra", "odd_branch", "sparse"]
     program = Program(661324, features, "zero1", options, "Adagrad", {"lr": 0.05}, actions)
-    [whole] = run_programs([program], 3)
-    [cut] = run_programs([program], 2)
-    assert whole["category"] == "pass", whole
-    assert cut["category"] == "refused" and cut["kind"] == "sparse_even", cut
+    for world_size in (3, 2):
+        [verdict] = run_programs([program], world_size)
+        assert verdict["category"] == "pass", (world_size, verdict)
 
 
 def test_ci_draws_every_set_of_hyperparameters() -> None:

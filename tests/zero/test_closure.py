@@ -69,3 +69,31 @@ def _no_closure_body(rank: int, world_size: int) -> None:
 
 def test_a_local_step_without_a_closure_parameter_matches_torchs_zero() -> None:
     run_on_ranks(_no_closure_body, 2)
+
+
+def _closure_writes_body(rank: int, world_size: int) -> None:
+    """bf16 parameters with fp32 masters: a constraint the closure writes into a parameter (a clamp) is stepped
+    from, exactly as the same write made before ``step()`` (review r-22b: the masters, seeded before the closure
+    ran, overwrote it)."""
+    ours, theirs = ([torch.linspace(-2, 2, 12, dtype=torch.bfloat16).requires_grad_()] for _ in range(2))
+    options = {"partition": "even", "master_dtype": torch.float32, "lr": 0.01}
+    zero, plain = (ZeroRedundancyOptimizer(p, torch.optim.AdamW, **options) for p in (ours, theirs))
+    for step in range(3):
+        grads = averaged_gradients(ours, rank, step)
+
+        def closure(grads: list[torch.Tensor | None] = grads) -> float:
+            with torch.no_grad():
+                ours[0].clamp_(-1, 1)
+            set_gradients(grads, ours)
+            return 0.0
+
+        zero.step(closure)
+        with torch.no_grad():
+            theirs[0].clamp_(-1, 1)
+        set_gradients(grads, theirs)
+        plain.step()
+        assert_same_tensors(ours, theirs, f"step {step}")
+
+
+def test_a_parameter_the_closure_writes_is_stepped_from_under_master_weights() -> None:
+    run_on_ranks(_closure_writes_body, 2)

@@ -210,6 +210,8 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
             (placer := self.placer).sync.check_untouched()  # the sync step() finished first overwrote no user write
             check_classes_unchanged(self.param_groups, self.local_optimizer, placer.optimizer_class)
             check_eps_from_first_dtype(self.param_groups, placer.optimizer_class, self.master_dtype)  # loads, edits
+            if (formats := getattr(self.local_optimizer, "formats", None)) is not None:  # before the step: no mark
+                formats.check_unchanged(self.param_groups)
         except Exception:
             if closure is not None:  # the others run it (its backward's collectives) before they hear of this,
                 self._closure_as_the_others(closure)  # placed again first as they are (fuzz seed 763022)
@@ -219,6 +221,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         if closure is not None:  # torch.optim's order, its backward first: an error there updated nothing
             with torch.enable_grad():
                 loss = closure()
+            self.local_shard.reseed_masters()  # what it wrote into the parameters (a constraint) is stepped from
         validation.check_unowned_have_no_grad(self.placer.placed.unowned)
         self.placer.push_hyperparameters()
         if self._gradient_source is not None and not self._gradient_source.prepare_step():

@@ -112,7 +112,8 @@ class LocalShard:
         self._attached: list[Tensor] = []  # the source's pieces during a step, as it holds them
         self._masters_into = [t.param if t.whole else t.param_piece() for t in self.masters]
         self._masters_from = [t.tensor for t in self.masters]
-        self._cut = [p for group in param_groups for p in group["params"]] if plan.mode == "even" else []
+        params = [p for group in param_groups for p in group["params"]]  # those an even partition cuts, by index:
+        self._cut = [(i, p) for i, (p, pieces) in enumerate(zip(params, plan.fragments)) if len(pieces) > 1]
 
     def param_groups(self, global_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """The local optimizer's param groups: each global group's settings over this rank's tensors of it."""
@@ -233,13 +234,14 @@ class LocalShard:
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _refuse_sparse_gradients(params: Sequence[Tensor]) -> None:
+def _refuse_sparse_gradients(cut: Sequence[tuple[int, Tensor]]) -> None:
     """An even partition cuts parameters, which a sparse gradient cannot be (refused inside the step's agreement)."""
-    sparse = [index for index, param in enumerate(params) if param.grad is not None and param.grad.is_sparse]
+    sparse = [(index, param) for index, param in cut if param.grad is not None and param.grad.is_sparse]
     if sparse:
+        (index, param), *_ = sparse
         raise ValueError(
-            f"partition='even' cuts parameters into pieces, and a sparse gradient cannot be cut: parameter {sparse[0]} "
-            f"(shape {tuple(params[sparse[0]].shape)}) has one (nn.Embedding or nn.EmbeddingBag with sparse=True). "
+            f"partition='even' cuts parameters into pieces, and a sparse gradient cannot be cut: parameter {index} "
+            f"(shape {tuple(param.shape)}) has one (nn.Embedding or nn.EmbeddingBag with sparse=True). "
             "Use partition='greedy' (each parameter stepped whole by one rank, its sparse gradient as torch.optim "
             "steps it), or build the embedding with sparse=False"
         )

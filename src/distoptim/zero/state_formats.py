@@ -105,7 +105,6 @@ class StateFormats:
         self, parts: Sequence[Optimizer], groups: Sequence[dict[str, Any]], state: dict[Tensor, Any], kwargs: Any
     ) -> None:
         """Each part's step, chunk by chunk, with the chunk's state decoded for it (see the module's docstring)."""
-        self.check_unchanged(groups)
         stepped = [p for group in groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in stepped]
         starts, filled = [0], 0  # each chunk's first position in ``stepped``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import inspect
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -36,6 +37,9 @@ __all__ = [
 ParamGroups = list[dict[str, Any]]
 
 
+_EMPTY = inspect.Parameter.empty
+
+
 def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
     """The ``torch.optim`` class to build local optimizers with (a functional class's own), or a TypeError; a class
     coupling every parameter in one step (LBFGS) is refused at every world size: each rank would step its own."""
@@ -63,6 +67,12 @@ def check_optimizer_class(optimizer_class: Any) -> type[Optimizer]:
             f"{name} couples every parameter in one step (its curvature history and line search span all of them), "
             f"but ZeroRedundancyOptimizer steps each rank's shard on its own: use {name} without "
             "ZeroRedundancyOptimizer, or an optimizer that updates each parameter on its own (torch.optim.AdamW ...)"
+        )
+    if (closure := inspect.signature(cls.step).parameters.get("closure")) is not None and closure.default is _EMPTY:
+        raise TypeError(
+            f"{class_name(cls)}.step requires a closure (it evaluates the model inside its step, as SAM or LBFGS do), "
+            "but ZeroRedundancyOptimizer runs the closure once, before it steps each rank's shard on its own: use an "
+            "optimizer whose step takes closure=None"
         )
     return cls
 
