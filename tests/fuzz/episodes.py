@@ -172,6 +172,8 @@ def _oracle_from(run: Any, kind: str, state: dict[str, Any], group: Any) -> Orac
         oracle.scheduler.load_state_dict(state["scheduler"])
     if oracle.scaler is not None:
         oracle.scaler.load_state_dict(state["scaler"])
+    if run.program.options.get("twin"):  # as ``Run`` gives its first oracle (modes._in_pieces)
+        oracle.pieces = run._pieces
     return oracle
 
 

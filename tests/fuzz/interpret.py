@@ -130,6 +130,8 @@ class Run:
         self.side = "subject"
         self.subject = build_subject(program, self.structure)
         self.oracle = self._oracle(lambda: Oracle(program))
+        if program.options.get("twin"):  # the twin steps a cut bf16 parameter in the subject's pieces (modes.py)
+            self.oracle.pieces = self._pieces
         sabotage = program.options.get("sabotage")  # the fuzzer's own tests: a subject wrong on purpose
         if sabotage in ("lr", "lr_then_oracle_fails"):
             for group in self.subject.zero.param_groups:
@@ -276,6 +278,21 @@ class Run:
             return
         ulps = torch.finfo(torch.bfloat16).eps * (before.float().abs() + update)
         self.sign_slack[name] = self.sign_slack.get(name, torch.zeros_like(update)) + ulps
+
+    def _pieces(self, param: Tensor) -> list[tuple[int, int]]:
+        """The twin's oracle parameter ``param``'s pieces ``(offset, length)`` as the subject steps them, where
+        ``_piece_rounding`` applies (a bf16 parameter without master weights that the even partition cuts), else
+        none: the twin then steps it in those pieces (``modes._in_pieces``), and measures what the pieces' rounding
+        moves downstream, which the slack on the parameter itself does not."""
+        options = self.program.options
+        if param.dtype != torch.bfloat16 or options.get("partition") != "even" or options.get("master"):
+            return []
+        name = next((n for n, p in self.oracle.model.named_parameters() if p is param), None)
+        mine = None if name is None else dict(self.subject.model.named_parameters()).get(name)
+        fragments = None if mine is None else self.subject.zero.fragments_of(mine)
+        if fragments is None or len(fragments) < 2:
+            return []
+        return [(fragment.offset, fragment.length) for fragment in fragments]
 
     def _cut(self, name: str) -> bool:
         """Whether the subject's partition cuts its parameter ``name`` into pieces of several ranks (or does not say:

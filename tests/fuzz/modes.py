@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,8 +272,13 @@ class Oracle:
             self.optimizer: Any = PlainPerGroup(stepped, torch.optim.AdamW, program.kwargs)
         else:
             self.optimizer = getattr(torch.optim, program.optimizer)(stepped, **program.kwargs)
+        # the twin's step (noise.py) takes the subject's pieces of a cut bf16 parameter from ``Run`` (``_in_pieces``)
+        self.pieces: Callable[[Tensor], list[tuple[int, int]]] | None = None
+        step = _in_pieces(type(self.optimizer).step, self) if twin else type(self.optimizer).step
         if self.formats:
-            self.optimizer.step = types.MethodType(_coded_step(type(self.optimizer).step, self.formats), self.optimizer)
+            step = _coded_step(step, self.formats)
+        if step is not type(self.optimizer).step:
+            self.optimizer.step = types.MethodType(step, self.optimizer)
         if structure.added:
             self.add_group()
         self.scheduler = _scheduler(self.optimizer, program)
@@ -398,6 +404,72 @@ class Oracle:
             if id(p) in self.masters and p.grad is not None:
                 p.grad.copy_(self.masters[id(p)].grad)
         return total
+
+
+def _in_pieces(step: Any, oracle: Oracle) -> Any:
+    """The twin's ``step`` (noise.py), then each parameter ``oracle.pieces`` names stepped again from its values and
+    state before, piece by piece, each piece a tensor of its own: as the subject's even partition steps a bf16
+    parameter without master weights that it cuts (``LocalTensor``). torch's CPU kernels step a tensor's scalar tail
+    to other bits than its vector body, so a piece's element can round to the other bf16 neighbour of a near tie
+    than the whole tensor's (seed 941301: head.weight[251] and [252], SGD, pieces 136 / 120 of 256). The real
+    oracle steps whole tensors, as plain torch does; its twin, stepping as the subject does, measures what that
+    flip moves downstream: the next forward reads the flipped weight, and every fp32 gradient through it moves by
+    ~2^-8 relative (``inp``, ``body``, ``out``: 6x to 18x the twin's distance where it stepped whole tensors).
+    Only ``pieces``, the subject's fragments, comes from the subject; never its values. A bound method
+    (``types.MethodType``), as ``_coded_step``; a step the GradScaler skips never reaches it."""
+
+    def stepped(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        pieces = oracle.pieces
+        cut = {}
+        if pieces is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    spans = pieces(p) if p.grad is not None and p.is_contiguous() else []
+                    if spans:
+                        held = optimizer.state.get(p, {})
+                        state = {k: v.clone() if isinstance(v, Tensor) else v for k, v in held.items()}
+                        cut[p] = (group, spans, p.detach().clone(), state)
+        loss = step(optimizer, *args, **kwargs)
+        for p, (group, spans, before, state) in cut.items():
+            for offset, length in spans:
+                _step_piece(optimizer, p, group, before, state, offset, length)
+        return loss
+
+    return stepped
+
+
+def _step_piece(
+    optimizer: torch.optim.Optimizer,
+    p: Tensor,
+    group: dict[str, Any],
+    before: Tensor,
+    state: dict[str, Any],
+    offset: int,
+    length: int,
+) -> None:
+    """``p``'s elements ``[offset, offset + length)`` (memory order; ``p`` contiguous) stepped from ``before`` and
+    ``state`` by a plain optimizer of ``p``'s class and ``group``'s settings over that piece alone, written back into
+    ``p`` and into the state the whole step left (a state tensor of ``p``'s shape; a scalar one, as Adam's ``step``,
+    is the same for every piece)."""
+    span = slice(offset, offset + length)
+    piece = nn.Parameter(before.reshape(-1)[span].clone())
+    assert p.grad is not None
+    piece.grad = p.grad.detach().reshape(-1)[span].clone()
+    parts = getattr(optimizer, "parts", [optimizer])  # ``PlainPerGroup``: the part that steps ``p``
+    cls = next(type(part) for part in parts if any(q is p for g in part.param_groups for q in g["params"]))
+    plain = cls([piece])
+    plain.param_groups[0].update((k, v) for k, v in group.items() if k != "params")
+    plain.state[piece] = {
+        k: v.reshape(-1)[span].clone() if isinstance(v, Tensor) and v.shape == p.shape else copy.deepcopy(v)
+        for k, v in state.items()
+    }
+    plain.step()
+    with torch.no_grad():
+        p.reshape(-1)[span].copy_(piece)
+        for k, v in plain.state[piece].items():
+            whole = optimizer.state[p].get(k)
+            if isinstance(whole, Tensor) and whole.shape == p.shape:
+                whole.reshape(-1)[span].copy_(v)
 
 
 def _coded_step(step: Any, formats: dict[Tensor, str]) -> Any:

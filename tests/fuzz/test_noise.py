@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import math
+import types
+from typing import Any
 
 import pytest
 import torch
@@ -198,3 +200,73 @@ def test_one_flipped_element_does_not_widen_the_whole_tensor() -> None:
     subject = torch.full((128,), 3e-3)  # lr 1% off on this tensor: every element 1% of a 0.3 update away
     allowed = allowance(want, first, 1, farthest=twins.farthest("k", want))
     assert excess("k", subject, want, allowed), f"hidden: allowed {float(allowed[1]):.3g} at element 1"
+
+
+def _stepped_three_ways(before: torch.Tensor, grads: list[torch.Tensor]) -> dict[str, Any]:
+    """``before`` (256 bf16 elements) stepped on each of ``grads`` by SGD with momentum: as the twin steps a
+    parameter cut in pieces 136 / 120 (``modes._in_pieces``), beside an uncut one; as the plain optimizer steps the
+    whole tensor; as the subject's local optimizer steps the pieces, each a tensor of its own."""
+    from types import SimpleNamespace
+
+    from tests.fuzz.modes import _in_pieces
+
+    settings = {"lr": 0.025, "momentum": 0.9, "weight_decay": 0.1}
+    spans = [(0, 136), (136, 120)]
+    cut, whole = torch.nn.Parameter(before.clone()), torch.nn.Parameter(before.clone())
+    uncut, uncut_plain = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    pieces = [torch.nn.Parameter(before[o : o + n].clone()) for o, n in spans]
+    twin = torch.optim.SGD([cut, uncut], **settings)
+    oracle = SimpleNamespace(pieces=lambda p: spans if p is cut else [])
+    twin.step = types.MethodType(_in_pieces(torch.optim.SGD.step, oracle), twin)  # as ``Oracle`` installs it
+    plain = torch.optim.SGD([whole, uncut_plain], **settings)
+    subject = torch.optim.SGD(pieces, **settings)
+    for grad in grads:
+        cut.grad, whole.grad = grad.clone(), grad.clone()
+        uncut.grad, uncut_plain.grad = torch.full((8,), 0.5), torch.full((8,), 0.5)
+        for piece, (o, n) in zip(pieces, spans):
+            piece.grad = grad[o : o + n].clone()
+        twin.step()
+        plain.step()
+        subject.step()
+    return {
+        "twin": (cut.detach(), twin.state[cut]["momentum_buffer"], uncut.detach()),
+        "whole": (whole.detach(), plain.state[whole]["momentum_buffer"], uncut_plain.detach()),
+        "pieces": (
+            torch.cat([piece.detach() for piece in pieces]),
+            torch.cat([subject.state[piece]["momentum_buffer"] for piece in pieces]),
+        ),
+    }
+
+
+def test_the_twin_steps_a_bf16_parameter_the_even_partition_cuts_in_the_subjects_pieces() -> None:
+    """``modes._in_pieces``: the twin's plain optimizer, then each cut parameter stepped again from its values and
+    state before, piece by piece, as the subject's local optimizer steps its ``LocalTensor`` pieces: the same bits,
+    state included, where stepping the whole tensor rounds an element of a piece's scalar tail to the other bf16
+    neighbour (torch's CPU kernels); an uncut parameter keeps the whole step."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):  # a draw on which the whole tensor and its pieces step to other bits (the second, here)
+        before = (torch.randn(256, generator=generator) * 0.2).bfloat16()
+        grads = [(torch.randn(256, generator=generator) * 2e-3).bfloat16() for _ in range(2)]
+        got = _stepped_three_ways(before, grads)
+        if not torch.equal(got["twin"][0], got["whole"][0]):
+            break
+    assert not torch.equal(got["twin"][0], got["whole"][0]), "no draw the pieces round otherwise: nothing shown"
+    (cut, momentum, uncut), (_, _, uncut_plain) = got["twin"], got["whole"]
+    assert torch.equal(cut, got["pieces"][0]) and torch.equal(momentum, got["pieces"][1])
+    assert torch.equal(uncut, uncut_plain)
+
+
+def test_the_twin_measures_what_a_bf16_piece_rounding_moves_downstream() -> None:
+    """Seed 941301, shrunk (``zero2_hook``, even partition, a bf16 head without masters, SGD): the step rounds
+    head.weight[251] and [252] (a piece's scalar tail) to the other bf16 neighbour than the whole tensor, a near
+    tie; the closure step's forward reads them, and every fp32 gradient through the head moves (momentum buffers of
+    ``inp`` and ``body`` 6x to 18x the allowance of a twin stepping whole tensors). The library's bits are torch's
+    SGD stepped on each piece; the twin, stepping in the subject's pieces, measures it."""
+    program = Program.from_json(
+        '{"seed":941301,"features":["bf16","groups3","unused"],"mode":"zero2_hook","options":{"partition":"even",'
+        '"bucket_view":false,"master":false,"static_graph":true},"optimizer":"SGD","kwargs":{"lr":0.05,'
+        '"momentum":0.9,"weight_decay":0.1},"actions":[{"name":"backward","args":{"micro":3,"no_sync":false}},'
+        '{"name":"step","args":{}},{"name":"closure_step","args":{}}]}'
+    )
+    (verdict,) = run_programs([program], world_size=2)
+    assert verdict["category"] == "pass", verdict
