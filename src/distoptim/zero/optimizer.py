@@ -205,8 +205,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         try:  # inside the agreement: every rank raises if one does
             if self._gradient_source is not None:
                 self._gradient_source.check_finished()
-            if self.local_shard.unsynced:  # the last step raised after this rank's local step: not to be retried
-                raise RuntimeError(stepping.UNSYNCED)
+            self.local_shard.check_synced()  # the last step raised after this rank's local step: not to be retried
             (placer := self.placer).sync.check_untouched()  # the sync step() finished first overwrote no user write
             check_classes_unchanged(self.param_groups, self.local_optimizer, placer.optimizer_class)
             check_eps_from_first_dtype(self.param_groups, placer.optimizer_class, self.master_dtype)  # loads, edits

@@ -80,7 +80,7 @@ class OverlapStepper:
 
     def step(self, grads: dict[Tensor, Tensor | None]) -> None:
         """Step the owned fragments of the parameters in ``grads`` (a DDP bucket) with those gradients (None: skip)."""
-        state, self.placed.shard.unsynced = self.local_optimizer.state, True  # until the sync (stepping.UNSYNCED)
+        state, self.placed.shard.unsynced = self.local_optimizer.state, True  # until the sync (LocalShard.check_synced)
         for part in self._parts_for(grads):
             functional, group = part.functional, self.param_groups[part.group]
             functional.state = state  # load_state_dict may have replaced the local optimizer's state

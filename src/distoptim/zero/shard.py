@@ -30,6 +30,12 @@ MASTERS_IGNORED = (
     "the checkpoint carries master weights but this optimizer keeps none (master_dtype=None): they are ignored and "
     "the parameters stay as they are; build the optimizer with the saving run's master_dtype to keep them"
 )
+UNSYNCED = (
+    "ZeroRedundancyOptimizer: the last step raised after this rank's local optimizer began to step its shard and "
+    "before the parameters were synced, so the ranks' parameters and optimizer states are apart: a retry would step "
+    "the shard twice, and a checkpoint of them cannot be trusted. Resume from an earlier checkpoint: load the model's "
+    "parameters and zero.load_state_dict(...)"
+)
 GLOBAL_ONLY = frozenset({"params", "param_names"})  # not hyperparameters: the local groups do not carry them
 
 
@@ -121,6 +127,11 @@ class LocalShard:
             {**{k: v for k, v in group.items() if k not in GLOBAL_ONLY}, "params": [t.tensor for t in local]}
             for group, local in zip(global_groups, self.groups)
         ]
+
+    def check_synced(self) -> None:
+        """Refuse, until a resume, what a shard stepped since the last sync makes wrong: a retry, a checkpoint."""
+        if self.unsynced:
+            raise RuntimeError(UNSYNCED)
 
     def attach_grads(self) -> None:
         """Give every fragment view and master copy its piece of the gradient (every tensor, from a ``source``)."""

@@ -19,7 +19,6 @@ from distoptim.zero.partition import UNOWNED
 from distoptim.zero.repartitioning import ZeroParts, agreed
 from distoptim.zero.shard import MASTER_KEY, MASTERS_IGNORED, has_master, stitch
 from distoptim.zero.state_formats import decoded, is_trained
-from distoptim.zero.stepping import UNSYNCED
 
 __all__ = ["Checkpoints"]
 
@@ -37,7 +36,7 @@ class Checkpoints:
             ValueError: on every rank, for a bad or differing ``to`` (TypeError: not an int), a changed dtype or device.
         """
         checkpoint.agree_on_target(to, self.world_size, self.process_group)
-        _ready_to_read(self, lambda: _refuse_unsynced(self))
+        _ready_to_read(self, lambda: self.local_shard.check_synced())
         mine = self.local_shard.global_state(decoded(self.local_optimizer.state))  # torch.optim's format: decoded
         merged = checkpoint.gather_state(mine, to, self.process_group, self.placer.comm_device)
         if merged is not None:
@@ -92,7 +91,7 @@ class Checkpoints:
         local_groups = checkpoint.global_param_groups(self.local_optimizer.param_groups)
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.placer.consolidated = None
-        self.local_shard.unsynced = False  # resumed: a step may follow (stepping.UNSYNCED)
+        self.local_shard.unsynced = False  # resumed: a step may follow (LocalShard.check_synced)
         for post_hook in torch_self._optimizer_load_state_dict_post_hooks.values():
             post_hook(torch_self)
 
@@ -146,7 +145,7 @@ class Checkpoints:
         self.placer.kept_unowned.clear()  # a sharded save holds no state for them: they have what this optimizer made
         self.local_shard.write_back()
         self.placer.consolidated = None
-        self.local_shard.unsynced = False  # resumed: a step may follow (stepping.UNSYNCED)
+        self.local_shard.unsynced = False  # resumed: a step may follow (LocalShard.check_synced)
 
 
 def _made_at_construction(zero: ZeroParts, present: Collection[int]) -> dict[int, dict[str, Tensor]]:
@@ -264,12 +263,6 @@ def _same_value(value: Any, fresh: Any) -> bool:
     if not isinstance(fresh, Tensor) or not isinstance(value, Tensor):
         return isinstance(fresh, Tensor) == isinstance(value, Tensor) and bool(value == fresh)
     return value.shape == fresh.shape and torch.equal(value.to(fresh.device, fresh.dtype), fresh)
-
-
-def _refuse_unsynced(zero: ZeroParts) -> None:
-    """A step raised after stepping this shard: no state to save (a sharded template stays, for the resume)."""
-    if zero.local_shard.unsynced:
-        raise RuntimeError(UNSYNCED)
 
 
 def _ready_to_read(zero: ZeroParts, then: Callable[[], Any] = lambda: None) -> Any:

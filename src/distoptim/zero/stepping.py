@@ -17,7 +17,7 @@ from distoptim.zero.buckets import ParameterSync
 from distoptim.zero.local_optimizer import CompositeOptimizer
 from distoptim.zero.shard import LocalShard, LocalTensor
 
-__all__ = ["UNSYNCED", "GradientSource", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
+__all__ = ["GradientSource", "Prepared", "agreed", "agreed_step", "step_local_optimizer"]
 
 _T = TypeVar("_T")
 Prepared = tuple[float | None, amp.Verdict | None]  # a step's loss, and its GradScaler verdict if any
@@ -36,12 +36,6 @@ DIVERGED_UNDER_SCALER = (
     "(post-local SGD without its all-reduce, .grad changed on some ranks), are not; average them on every rank, or "
     "use ShardedDataParallel, whose ranks share the verdict before any rank steps (there: a .grad set by hand after "
     "the backward, on some ranks only, held one; set it alike on every rank)"
-)
-UNSYNCED = (
-    "ZeroRedundancyOptimizer: the last step raised after this rank's local optimizer began to step its shard and "
-    "before the parameters were synced, so the ranks' parameters and optimizer states are apart: a retry would step "
-    "the shard twice, and a checkpoint of them cannot be trusted. Resume from an earlier checkpoint: load the model's "
-    "parameters and zero.load_state_dict(...)"
 )
 MIXED_SCALER = (
     "some ranks stepped with scaler.step(zero) and others with zero.step() (no GradScaler): the ranks would skip "
@@ -116,7 +110,7 @@ def step_local_optimizer(
         _check_keywords(optim, kwargs)
     try:
         optim.step(**kwargs)  # as torch's ZeroRedundancyOptimizer calls it without a closure (a step() may take none)
-    finally:  # not to be retried, until the sync (UNSYNCED)
+    finally:  # not to be retried, until the sync (LocalShard.check_synced)
         shard.unsynced = True
     shard.write_back()
     for saved, group, shown in zip(before, optim.param_groups, shown_groups):  # what the step itself set
