@@ -86,7 +86,7 @@ def check_wrapping(module: nn.Module, zero: ZeroRedundancyOptimizer, bucket_cap_
         )
     if zero.gradient_source is not None:
         raise ValueError("this ZeroRedundancyOptimizer already belongs to a ShardedDataParallel: wrap the model once")
-    if zero.joining:  # its hook, built with the Join, would step the shard without the buckets' reductions
+    if zero.joins.open:  # its hook, built with the Join, would step the shard without the buckets' reductions
         raise NotImplementedError(JOIN_WITH_SDP)
     validation.refuse_sparse_gradients(module, "ShardedDataParallel")
     if (

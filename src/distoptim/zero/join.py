@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from distoptim.zero.repartitioning import ZeroParts
 
-__all__ = ["JOIN_WITH_SDP", "ZeroJoinHook", "hook"]
+__all__ = ["JOIN_WITH_SDP", "LISTED_FIRST", "Joins", "ZeroJoinHook", "hook"]
 
 JOIN_WITH_SDP = (
     "Join (uneven inputs) is not supported with ShardedDataParallel: a joined rank would have to shadow every "
     "bucket's reduction and the parameter sync; give every rank the same number of batches (drop the last, uneven "
     "one: DistributedSampler(drop_last=True)), or use DDP under Join([ddp, zero])"
+)
+
+LISTED_FIRST = (
+    "Join lists the ZeroRedundancyOptimizer first: list it after the model, Join([ddp, zero]) (after whatever "
+    "communicates before its step: torch's own test uses Join([setter, zero])). A joined rank shadows each "
+    "joinable's collectives in the order Join lists them, while the model's (its forward's and backward's) run "
+    "before the step's: listed first, the shadow of the step would meet the model's collectives on the ranks still "
+    "training (a gloo abort; on NCCL a hang or wrong sums)"
 )
 
 
@@ -43,3 +51,26 @@ class ZeroJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.open = False
+
+
+class Joins:
+    """The ``Join`` contexts built over one optimizer: whether one is open, and Join's notice at each step."""
+
+    def __init__(self) -> None:
+        self.hooks: list[ZeroJoinHook] = []
+
+    def add(self, hook: ZeroJoinHook) -> ZeroJoinHook:
+        self.hooks = [*(kept for kept in self.hooks if kept.open), hook]
+        return hook
+
+    @property
+    def open(self) -> bool:
+        """Whether a ``Join`` built over the optimizer has not exited yet (``ShardedDataParallel`` refuses it)."""
+        return any(hook.open for hook in self.hooks)
+
+    def notify(self, joinable: Joinable) -> None:
+        """Join's notice before the step's collectives; a ValueError on every rank where an open Join lists
+        ``joinable`` first (its all-reduce ran on every rank, none having joined at its first step)."""
+        if Join.notify_join_context(joinable) is not None and self.open:
+            self.hooks = []  # that Join's exit runs no post-hook: it is over
+            raise ValueError(LISTED_FIRST)

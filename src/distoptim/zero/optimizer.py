@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
 from distoptim.comm import collectives as comm
@@ -102,7 +102,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         )
         self._gradient_source: stepping.GradientSource | None = None  # ShardedDataParallel's store
         self._held_back = False  # this step's local part waits for the gradient store's agreement (step 1b)
-        self._join_hooks: list[join.ZeroJoinHook] = []  # those Join built over it (an open one refuses SDP)
+        self.joins = join.Joins()  # the Join contexts built over it (an open one refuses SDP)
         self.placer.first_added = len(self.global_params)
         self.placer.repartition()
         self.initialized = True  # as torch's attribute; here the overlap mode needs no DDP warm-up to be ready
@@ -158,7 +158,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         """
         if self.overlap_stepper is not None:  # the DDP comm hook stepped during backward: only confirm it did
             return self.overlap_stepper.explicit_step(closure, grad_scaler, kwargs)
-        Join.notify_join_context(self)
+        self.joins.notify(self)
         return self._step(closure, kwargs, grad_scaler)
 
     def _step(
@@ -243,7 +243,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         whole = self._whole_grads()  # before any store piece is in .grad
         shard.attach_grads()
         held = lambda: amp.once_each([p.grad for p in whole if p.grad is not None], shard.source_grads())
-        alike = source is None and not self.joining  # DDP's .grad: each rank decides on the same values
+        alike = source is None and not self.joins.open  # DDP's .grad: each rank decides on the same values
         summed = None if source is None else source.overflow_found(grad_scaler is not None)
         summed = None if whole else summed  # .grad set by hand (alike everywhere, or refused): checked where stepped
         verdict = amp.check_and_unscale(grad_scaler, self, shard.step_grads, source is not None, held, alike, summed)
@@ -335,14 +335,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
         Raises:
             NotImplementedError: under ``ShardedDataParallel`` or hybrid sharding, on every rank as ``Join`` is built.
         """
-        hook = join.hook(self, lambda: self._step(None, {}, None, joined=True))
-        self._join_hooks = [*(kept for kept in self._join_hooks if kept.open), hook]
-        return hook
-
-    @property
-    def joining(self) -> bool:
-        """Whether a ``Join`` built over this optimizer has not exited yet (``ShardedDataParallel`` refuses it)."""
-        return any(hook.open for hook in self._join_hooks)
+        return self.joins.add(join.hook(self, lambda: self._step(None, {}, None, joined=True)))
 
     @property
     def join_device(self) -> torch.device:
