@@ -154,8 +154,6 @@ class _Backward:
             self.checked = True
         if self.scheduled:
             return False
-        if in_backward():  # (not a joined rank's shadow: its Join's notice came first)
-            self.zero.joins.notify(self.zero)  # the step's collectives follow, in this backward
         self.scheduled = True
         self.warmup = self.stepper.begin_backward(self.buckets_final)
         if in_backward():

@@ -17,11 +17,11 @@ JOIN_WITH_SDP = (
 )
 
 LISTED_FIRST = (
-    "Join lists the ZeroRedundancyOptimizer first: list it after the model, Join([ddp, zero]) (after whatever "
-    "communicates before its step: torch's own test uses Join([setter, zero])). A joined rank shadows each "
-    "joinable's collectives in the order Join lists them, while the model's (its forward's and backward's) run "
-    "before the step's: listed first, the shadow of the step would meet the model's collectives on the ranks still "
-    "training (a gloo abort; on NCCL a hang or wrong sums)"
+    "Join lists the ZeroRedundancyOptimizer first: list it after the model, Join([ddp, zero]), after whatever "
+    "communicates before its step (torch's own test: Join([setter, zero])). A joined rank shadows each joinable's "
+    "collectives in the order Join lists them, and only the first one's notice all-reduces, while the model's "
+    "collectives (its forward's and backward's) run before the step's: listed first, the shadow of the step would "
+    "meet the model's collectives on the ranks still training (a gloo abort; on NCCL a hang or wrong sums)"
 )
 
 
@@ -54,23 +54,29 @@ class ZeroJoinHook(JoinHook):
 
 
 class Joins:
-    """The ``Join`` contexts built over one optimizer: whether one is open, and Join's notice at each step."""
+    """The ``Join`` last built over one optimizer: whether it is open, and the refusal of one that lists it first."""
 
     def __init__(self) -> None:
-        self.hooks: list[ZeroJoinHook] = []
+        self.hook: ZeroJoinHook | None = None
+        self.building = False  # from Join's call of join_hook until the first step: its constructor reads on
 
     def add(self, hook: ZeroJoinHook) -> ZeroJoinHook:
-        self.hooks = [*(kept for kept in self.hooks if kept.open), hook]
+        self.hook, self.building = hook, True
         return hook
 
     @property
     def open(self) -> bool:
-        """Whether a ``Join`` built over the optimizer has not exited yet (``ShardedDataParallel`` refuses it)."""
-        return any(hook.open for hook in self.hooks)
+        """Whether that ``Join`` has not exited yet (``ShardedDataParallel`` refuses it)."""
+        return self.hook is not None and self.hook.open
+
+    def check_not_first(self) -> None:
+        """Join's constructor asks the first joinable only for its device (its docs: "the device of the first is
+        used"): asked while being built, the optimizer is listed first. A ValueError on every rank, before any step."""
+        if self.building:
+            self.hook, self.building = None, False
+            raise ValueError(LISTED_FIRST)
 
     def notify(self, joinable: Joinable) -> None:
-        """Join's notice before the step's collectives; a ValueError on every rank where an open Join lists
-        ``joinable`` first (its all-reduce ran on every rank, none having joined at its first step)."""
-        if Join.notify_join_context(joinable) is not None and self.open:
-            self.hooks = []  # that Join's exit runs no post-hook: it is over
-            raise ValueError(LISTED_FIRST)
+        """Join's notice, before the step's collectives (an all-reduce only from a first joinable)."""
+        self.building = False
+        Join.notify_join_context(joinable)
