@@ -23,6 +23,7 @@ PRIVATE_NAMES = {
     "_foreach_mul_": "one kernel to scale many gradients (torch.nn.utils.clip_grad_norm_ uses it too)",
     "_has_rebuilt_buckets": "DDP's warm-up, read as torch's own hook_with_zero_step reads it",
     "_make_wrapper_subclass": "a fragment presented to DCP as a tensor of its parameter's shape",
+    "_join_config": "which joinable Join lists first (set on each by Join): ZeRO listed first is refused there",
     "_version": "a tensor's version counter: whether a gradient changed since it was read",
     "DisableTorchFunction": "(torch._C) data pointers read beneath a tensor subclass's __torch_function__",
     "DisableTorchFunctionSubclass": "(torch._C) the .grad marker's own ops run as plain tensor ops",

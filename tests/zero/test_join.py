@@ -237,10 +237,15 @@ def test_join_refusals_on_every_rank() -> None:
     run_on_ranks(_refusals_body, 2)
 
 
+LISTED_FIRST = r"Join lists the ZeroRedundancyOptimizer first"
+
+
 def _listed_first_body(rank: int, world_size: int) -> list[torch.Tensor]:
     """``Join([zero, ddp])``: a joined rank's shadow of the step would meet DDP's collectives (torch's ZeRO aborts in
     gloo there). Refused where ``Join`` is built, on every rank; the same optimizer
-    then trains under ``Join([ddp, zero])`` exactly as one never refused, in each mode."""
+    then trains under ``Join([ddp, zero])`` exactly as one never refused, in each mode. A disabled Join and the
+    program reading ``join_device`` are not refused; a Join exited inside another leaves that one open, where
+    ShardedDataParallel is still refused (review r-23b)."""
     from distoptim.hooks import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
 
     trained = []
@@ -251,10 +256,17 @@ def _listed_first_body(rank: int, world_size: int) -> list[torch.Tensor]:
         if hook is not None:
             ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero, step_from_first_backward=True))
         for joinables in [[zero, ddp], [zero]] if refused else []:
-            with pytest.raises(ValueError, match=r"Join lists the ZeroRedundancyOptimizer first"):
+            with pytest.raises(ValueError, match=LISTED_FIRST):
                 Join(joinables)
+        Join([zero, ddp], enable=False)  # disabled: shadows nothing
         with Join([ddp, zero]):
+            if refused and hook is None:  # a Join exited inside an open one: that one stays open
+                with Join([ddp, zero]):
+                    pass
+                with pytest.raises(NotImplementedError, match=r"Join \(uneven inputs\) is not supported with Sharded"):
+                    ShardedDataParallel(model, zero)
             for iteration in range(rank + 2):
+                assert zero.join_device == torch.device("cpu")  # read by the program: no refusal
                 zero.zero_grad()
                 ddp(_batch(rank, iteration)).square().mean().backward()
                 if hook is None:

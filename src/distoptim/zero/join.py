@@ -54,26 +54,27 @@ class ZeroJoinHook(JoinHook):
 
 
 class Joins:
-    """The ``Join`` last built over one optimizer: whether it is open, and the refusal of one that lists it first."""
+    """The ``Join`` contexts built over one optimizer: whether one is open, and the refusal of one listing it first."""
 
     def __init__(self) -> None:
-        self.hook: ZeroJoinHook | None = None
-        self.building = False  # from Join's call of join_hook until the first step: its constructor reads on
+        self.hooks: list[ZeroJoinHook] = []
+        self.building = False  # from Join's call of join_hook to the optimizer's next step (or the refusal)
 
     def add(self, hook: ZeroJoinHook) -> ZeroJoinHook:
-        self.hook, self.building = hook, True
+        self.hooks, self.building = [*(kept for kept in self.hooks if kept.open), hook], True
         return hook
 
     @property
     def open(self) -> bool:
-        """Whether that ``Join`` has not exited yet (``ShardedDataParallel`` refuses it)."""
-        return self.hook is not None and self.hook.open
+        """Whether a ``Join`` built over the optimizer has not exited yet (``ShardedDataParallel`` refuses it)."""
+        return any(hook.open for hook in self.hooks)
 
-    def check_not_first(self) -> None:
-        """Join's constructor asks the first joinable only for its device (its docs: "the device of the first is
-        used"): asked while being built, the optimizer is listed first. A ValueError on every rank, before any step."""
-        if self.building:
-            self.hook, self.building = None, False
+    def check_not_first(self, joinable: Joinable) -> None:
+        """Join's constructor marks the first joinable, then asks it for its device: asked then, listed first and
+        enabled, the optimizer refuses, on every rank, before any collective (the refused Join's hook goes)."""
+        config = joinable._join_config  # set by Join on each joinable; no public reader
+        if self.building and config.is_first_joinable and config.enable:
+            self.hooks, self.building = self.hooks[:-1], False
             raise ValueError(LISTED_FIRST)
 
     def notify(self, joinable: Joinable) -> None:

@@ -340,7 +340,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
     @property
     def join_device(self) -> torch.device:
         """The device of Join's own collectives: the parameters' (asked of the first joinable: refused as that)."""
-        self.joins.check_not_first()
+        self.joins.check_not_first(self)
         return self.global_params[0].device
 
     @property
