@@ -231,6 +231,7 @@ def _refusals_body(rank: int, world_size: int) -> None:
             after_first = [p.detach().clone() for p in model.parameters()]
     for param, kept in zip(model.parameters(), after_first):  # neither rank stepped at the refused step
         assert torch.equal(param.detach(), kept)
+    ShardedDataParallel(model, zero)  # that Join exited on the refusal (no post-hook) and is gone: not open
 
 
 def test_join_refusals_on_every_rank() -> None:
@@ -258,6 +259,7 @@ def _listed_first_body(rank: int, world_size: int) -> list[torch.Tensor]:
         for joinables in [[zero, ddp], [zero]] if refused else []:
             with pytest.raises(ValueError, match=LISTED_FIRST):
                 Join(joinables)
+        assert Join.notify_join_context(zero) is None  # the refused Join's mark undone: no notice at each step
         Join([zero, ddp], enable=False)  # disabled: shadows nothing
         with Join([ddp, zero]):
             if refused and hook is None:  # a Join exited inside an open one: that one stays open

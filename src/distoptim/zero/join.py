@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
@@ -54,20 +55,22 @@ class ZeroJoinHook(JoinHook):
 
 
 class Joins:
-    """The ``Join`` contexts built over one optimizer: whether one is open, and the refusal of one listing it first."""
+    """The ``Join`` contexts built over one optimizer: whether one is open, and the refusal of one listing it first.
+    Each hook is held weakly, as its ``Join`` holds it: a ``Join`` that exited on an exception (no post-hook) and is
+    gone is no longer open."""
 
     def __init__(self) -> None:
-        self.hooks: list[ZeroJoinHook] = []
+        self.hooks: list[weakref.ref[ZeroJoinHook]] = []
         self.building = False  # from Join's call of join_hook to the optimizer's next step (or the refusal)
 
     def add(self, hook: ZeroJoinHook) -> ZeroJoinHook:
-        self.hooks, self.building = [*(kept for kept in self.hooks if kept.open), hook], True
+        self.hooks, self.building = [*(ref for ref in self.hooks if _open(ref)), weakref.ref(hook)], True
         return hook
 
     @property
     def open(self) -> bool:
-        """Whether a ``Join`` built over the optimizer has not exited yet (``ShardedDataParallel`` refuses it)."""
-        return any(hook.open for hook in self.hooks)
+        """Whether a ``Join`` built over the optimizer is still open (``ShardedDataParallel`` refuses it)."""
+        return any(_open(ref) for ref in self.hooks)
 
     def check_not_first(self, joinable: Joinable) -> None:
         """Join's constructor marks the first joinable, then asks it for its device: asked then, listed first and
@@ -75,9 +78,16 @@ class Joins:
         config = joinable._join_config  # set by Join on each joinable; no public reader
         if self.building and config.is_first_joinable and config.enable:
             self.hooks, self.building = self.hooks[:-1], False
+            Joinable.__init__(joinable)  # Join's mark undone: else each later step would send its notice
             raise ValueError(LISTED_FIRST)
 
     def notify(self, joinable: Joinable) -> None:
         """Join's notice, before the step's collectives (an all-reduce only from a first joinable)."""
         self.building = False
         Join.notify_join_context(joinable)
+
+
+def _open(ref: weakref.ref[ZeroJoinHook]) -> bool:
+    """Whether the hook's ``Join`` still holds it and has not exited (a raised one is not exited until gone)."""
+    hook = ref()
+    return hook is not None and hook.open
