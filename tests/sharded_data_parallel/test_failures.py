@@ -490,15 +490,15 @@ def _counts_body(rank: int, world_size: int, how: str) -> dict[str, int]:
         ("sdp_clip", 0, 1, 1),
         ("sdp_static", 0, 1, 1),
         ("sdp_static_unused", 0, 1, 1),
-        ("sdp_static_scaler", 0, 2, 2),
+        ("sdp_static_scaler", 0, 1, 2),
     ],
 )
 def test_agreements_none_per_backward_one_per_step(how: str, per_backward: int, per_step: int, first_step: int) -> None:
     """DDP + ZeRO-1: one agreement a step. SDP too: which parameters some rank used (so that ``.grad`` is None
     exactly where DDP's is) is summed at each backward's end as DDP's used map is (an all-reduce that cannot
     raise), not agreed. Under a GradScaler that sum carries whether an owned gradient holds an inf or nan too, once
-    the first step has shown the scaler: that first step, and every step under ``static_graph=True`` (whose
-    backwards sum nothing), agree on the verdict before stepping, then around the local step."""
+    the first step has shown the scaler (under ``static_graph=True`` the backwards sum that flag alone): that first
+    step agrees on the verdict before stepping, then around the local step."""
     for counts in run_on_ranks(_counts_body, 2, how, timeout=60):
         assert counts.get("backward", 0) == per_backward * 2 * 3, counts
         assert counts["step"] == first_step + per_step * 2, counts

@@ -45,7 +45,7 @@ class OwnedGradients:
         self.zero: ZeroRedundancyOptimizer = wrapper.zero
         self.static = checks.StaticGraph() if wrapper.static_graph else None  # DDP's promise
         self.late: list[int] = []  # static_graph=True: placed since the ranks last agreed (their .grad: the ranks' own)
-        self.scaled = False  # a GradScaler steps: each backward's end sums its inf/nan flag too
+        self.scaled = False  # the last step's ranks, agreed, used a GradScaler: each backward's end sums inf/nan too
         self._build(buckets, sync)
 
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
@@ -237,12 +237,14 @@ class OwnedGradients:
         )
 
     def overflow_found(self, scaled: bool) -> bool | None:
-        """The inf/nan verdict ``_summed_flags`` made (None: unknown, changed since), read once; ``scaled``: make it."""
-        found, self.overflow, self.scaled = self.overflow if scaled else None, None, scaled
+        """The inf/nan verdict ``_summed_flags`` made (None: unknown, changed since), read once, if ``scaled``."""
+        found, self.overflow = self.overflow if scaled else None, None
         return found
 
-    def agreed(self, everywhere: Sequence[bool], backward: bool = False) -> None:
-        """The ranks agreed which parameters some rank used (``backward``: at its end): held; other markers go."""
+    def agreed(self, everywhere: Sequence[bool], backward: bool = False, *, scaled: bool | None = None) -> None:
+        """The ranks agreed which parameters some rank used (``backward``: at its end): held; other markers go.
+        ``scaled``: whether the step they agreed on used a GradScaler (alike everywhere: the backwards' sums follow)."""
+        self.scaled = self.scaled if scaled is None else scaled
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
             placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
             self.static.agreed(everywhere, placed, backward)
@@ -367,13 +369,12 @@ class OwnedGradients:
             at += end - start
         self.landed[bucket] = True
 
-    def _summed_flags(self) -> list[int]:
-        """Each parameter's users over the ranks, how many ranks hold parameters trainable since the plan (DDP's used
-        map: an int32 all-reduce behind the buckets', not an agreement), and ``overflow_found``'s sum."""
+    def _summed_flags(self, flags: list[bool]) -> list[int]:
+        """How many ranks set each of ``flags`` (as DDP's used map: an int32 all-reduce behind the buckets', not an
+        agreement), and after them ``overflow_found``'s sum."""
         device, what = self.store_keys[self.buckets[0].key][0], "which parameters some rank used"
         watch = self.scaled and not narrowed(self.buckets, self.params, self.store_keys, self.zero.master_dtype)
         checked = amp.nonfinite(self.owned, device) if watch else torch.zeros((), device=device)
-        flags = [*self.used, any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)]
         *counts, found = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
         self.overflow = bool(found) if watch else None  # (a step reads it, a change forgets it; narrowed: the step)
         return counts
@@ -388,13 +389,16 @@ class OwnedGradients:
             self._land_oldest()
         self._next_backward_afresh()
         static = self.static if self.static is not None and self.static.pattern is not None else None
-        counts = self._summed_flags() if static is None and self.buckets else None
+        unplaced = any(p.requires_grad and id(p) not in self.slot_of and p.numel() for p in self.params)
+        counts = self._summed_flags([*self.used, unplaced]) if static is None and self.buckets else None
         if counts is not None and not counts[-1]:  # (where no rank holds parameters trainable since the plan)
             self.agreed([count > 0 for count in counts[:-1]], backward=True)
         elif static is None:
             self.agreed(self._unplaced.agree(self.zero, self.params, self.slot_of, self.used), backward=True)
-        else:  # no collective: a rank alone may hold parameters trainable since the plan (the step agrees on them)
+        else:  # a rank alone may hold parameters trainable since the plan (the step agrees on them)
             self._unplaced.agree(self.zero, self.params, self.slot_of, self.used, alone=True)
+            if self.scaled and self.buckets:  # the inf/nan sum alone (without a GradScaler: no collective)
+                self._summed_flags([])
             static.predict(self.params)  # the first backward's parameters, held as if agreed (the step checks them)
             self.holds = [held or static.used(index) for index, held in enumerate(self.holds)]
             self.mark()

@@ -174,7 +174,7 @@ class ZeroRedundancyOptimizer(state_dicts.Checkpoints, repartitioning.Partitioni
                 grad_scaler is not None,
             )
             if self._gradient_source is not None:  # 1b. which parameters some rank used; then the ranks that held
-                self._gradient_source.agreed(flags[:-1])  # back their local part (it needed those) run it, agreed
+                self._gradient_source.agreed(flags[:-1], scaled=grad_scaler is not None)  # back their local part
                 if flags[-1]:
                     (_, verdict), scaled, found_inf, _ = self._agreed_step(
                         lambda: (

@@ -54,7 +54,7 @@ class GradientSource(Protocol):
     def check_finished(self) -> None: ...  # refuse a gradient a backward that raised midway left (local)
     def prepare_step(self) -> bool: ...  # before the step reads (agreed): may this rank step before the ranks agree
     def overflow_found(self, scaled: bool) -> bool | None: ...  # an inf/nan in some rank's owned gradient, or None
-    def agreed(self, everywhere: Sequence[bool]) -> None: ...  # the step's agreement said which parameters were used
+    def agreed(self, everywhere: Sequence[bool], *, scaled: bool) -> None: ...  # the step's agreement: which were used
     def ready(self) -> None: ...  # before clip_grad_norm_ reads (collective): the same, agreed alone after a backward
     def hand_set(self) -> list[Tensor]: ...  # the parameters whose .grad was set by hand (not the store's marker)
     def clear(self, set_to_none: bool) -> None: ...  # zero_grad
