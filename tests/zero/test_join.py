@@ -208,7 +208,13 @@ def _refusals_body(rank: int, world_size: int) -> None:
     refusal = r"Join \(uneven inputs\) is not supported with Sharded"
     with Join([DDP(joined_first), zero]), pytest.raises(NotImplementedError, match=refusal):
         ShardedDataParallel(joined_first, zero)
-    ShardedDataParallel(joined_first, zero)  # that Join has exited (review r-45f: torch keeps its config set)
+    kept = Join([DDP(joined_first), zero])  # a Join kept may be entered again: open until dropped (review r-24a)
+    with kept:
+        pass
+    with pytest.raises(NotImplementedError, match=refusal):
+        ShardedDataParallel(joined_first, zero)
+    del kept
+    ShardedDataParallel(joined_first, zero)  # those Joins are gone (review r-45f: torch keeps its config set)
     shards = [dist.new_group([r]) for r in range(world_size)]
     replicas = dist.new_group(list(range(world_size)))
     hybrid = ZeroRedundancyOptimizer(

@@ -45,32 +45,28 @@ class ZeroJoinHook(JoinHook):
 
     def __init__(self, step: Callable[[], object]) -> None:
         self.step = step
-        self.open = True  # until its Join exits (post_hook)
 
     def main_hook(self) -> None:
         self.step()
 
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.open = False
-
 
 class Joins:
     """The ``Join`` contexts built over one optimizer: whether one is open, and the refusal of one listing it first.
-    Each hook is held weakly, as its ``Join`` holds it: a ``Join`` that exited on an exception (no post-hook) and is
-    gone is no longer open."""
+    A ``Join`` counts as open until it is gone (each hook held weakly, as its ``Join`` holds it): one kept may be
+    entered again, and one that exited on an exception runs no post-hook."""
 
     def __init__(self) -> None:
         self.hooks: list[weakref.ref[ZeroJoinHook]] = []
         self.building = False  # from Join's call of join_hook to the optimizer's next step (or the refusal)
 
     def add(self, hook: ZeroJoinHook) -> ZeroJoinHook:
-        self.hooks, self.building = [*(ref for ref in self.hooks if _open(ref)), weakref.ref(hook)], True
+        self.hooks, self.building = [*(ref for ref in self.hooks if ref() is not None), weakref.ref(hook)], True
         return hook
 
     @property
     def open(self) -> bool:
         """Whether a ``Join`` built over the optimizer is still open (``ShardedDataParallel`` refuses it)."""
-        return any(_open(ref) for ref in self.hooks)
+        return any(ref() is not None for ref in self.hooks)
 
     def check_not_first(self, joinable: Joinable) -> None:
         """Join's constructor marks the first joinable, then asks it for its device: asked then, listed first and
@@ -85,9 +81,3 @@ class Joins:
         """Join's notice, before the step's collectives (an all-reduce only from a first joinable)."""
         self.building = False
         Join.notify_join_context(joinable)
-
-
-def _open(ref: weakref.ref[ZeroJoinHook]) -> bool:
-    """Whether the hook's ``Join`` still holds it and has not exited (a raised one is not exited until gone)."""
-    hook = ref()
-    return hook is not None and hook.open
