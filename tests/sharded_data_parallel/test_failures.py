@@ -567,8 +567,9 @@ def test_a_grad_changed_after_the_backward_is_checked_again_by_the_scaler(how: s
 
 
 def _static_scaler_body(rank: int, world_size: int) -> None:
-    """``static_graph=True`` under a GradScaler: an inf in rank 1's gradient of the branch's weight at the third step
-    (rank 0's is finite). Every rank skips and backs off, as DDP(static_graph=True) + AdamW under their scaler."""
+    """``static_graph=True`` under a GradScaler: an inf in one element of rank 1's gradient of the branch's weight at
+    the third step (rank 0's is finite), held by one owner only. Every rank skips and backs off, as
+    DDP(static_graph=True) + AdamW under their scaler (once, a verdict summed wrong raised on every rank instead)."""
     model, reference = Chain(), Chain()
     zero, sdp = _sdp(model, static_graph=True)
     ddp, plain = DDP(reference, static_graph=True), torch.optim.AdamW(reference.parameters(), **KW)
@@ -577,7 +578,8 @@ def _static_scaler_body(rank: int, world_size: int) -> None:
         for wrapper, optimizer, scaler in ((sdp, zero, scalers[0]), (ddp, plain, scalers[1])):
             weight = wrapper.module.branch.weight
             poisoned = step == 2 and rank == 1
-            hook = weight.register_hook(lambda g: torch.full_like(g, float("inf"))) if poisoned else None
+            first_inf = lambda g: g.flatten().index_fill(0, torch.tensor([0]), float("inf")).view_as(g)
+            hook = weight.register_hook(first_inf) if poisoned else None
             optimizer.zero_grad()
             scaler.scale(wrapper(_x(rank, step)).square().mean()).backward()
             if hook is not None:
@@ -590,6 +592,35 @@ def _static_scaler_body(rank: int, world_size: int) -> None:
 
 def test_static_graph_under_a_scaler_skips_everywhere_on_one_ranks_inf() -> None:
     run_on_ranks(_static_scaler_body, 2, timeout=60)
+
+
+def _static_scaler_refused_body(rank: int, world_size: int) -> None:
+    """``static_graph=True`` under a GradScaler: rank 0's local part raises at the first scaled step, before it reads
+    the verdict. Every rank raises; then both train on as DDP(static_graph=True) + AdamW under their scaler (review
+    r-24b: whether a scaler steps, set in the local part, made rank 1 alone sum the next backward's flag: a hang)."""
+    model, reference = Chain(), Chain()
+    zero, sdp = _sdp(model, static_graph=True)
+    ddp, plain = DDP(reference, static_graph=True), torch.optim.AdamW(reference.parameters(), **KW)
+    store = zero.gradient_source
+    assert store is not None
+    for step in range(4):
+        if step < 2:  # a scaler whose step raised cannot update: both sides start afresh after it
+            scalers = [torch.amp.GradScaler("cpu", init_scale=64.0) for _ in range(2)]
+        for wrapper, optimizer, scaler in ((sdp, zero, scalers[0]), (ddp, plain, scalers[1])):
+            optimizer.zero_grad()
+            scaler.scale(wrapper(_x(rank, step)).square().mean()).backward()
+            if step > 0:
+                scaler.step(optimizer)
+                scaler.update()
+            elif optimizer is zero:  # refused on every rank; the reference skips that step too
+                failing = mock.patch.object(store, "check_finished", side_effect=RuntimeError("rank 0's local part"))
+                with failing if rank == 0 else contextlib.nullcontext(), pytest.raises(Exception, match="local part"):
+                    scaler.step(zero)
+        _compare(model, reference, f"step {step}")
+
+
+def test_static_graph_under_a_scaler_recovers_from_a_step_one_rank_refused() -> None:
+    run_on_ranks(_static_scaler_refused_body, 2, timeout=60)
 
 
 class _Half(nn.Module):

@@ -43,6 +43,7 @@ __all__ = [
     "send_object",
     "send_tensor",
     "sum_flags",
+    "sum_unread",
     "wait_all",
 ]
 
@@ -298,6 +299,14 @@ def sum_flags(
     summed = list(_host.read(counts, what))
     if counts.is_cpu:  # gloo's worker lets go of it now, not after the backward (as the agreements' tensors)
         release(counts)
+    return summed
+
+
+def sum_unread(flag: Tensor, groups: Sequence[Group]) -> Tensor:
+    """``flag`` (0-d) as int32, summed over each of ``groups`` in turn and left on its device unread (no stall)."""
+    summed = flag.to(torch.int32)
+    for group in groups:
+        all_reduce_(summed, group)
     return summed
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
+from distoptim import _host
 from distoptim._backward import at_end_of_backward, in_backward
 from distoptim._flat import flat_view, is_dense, owns_its_memory, view_like
 from distoptim.comm import agreement
@@ -36,7 +37,7 @@ class OwnedGradients:
     """This rank's owned gradient of ``zero``'s parameters, filled bucket by bucket during each backward."""
 
     max_in_flight = 2  # the most buckets being filled or reduced at once
-    overflow: bool | None  # under a GradScaler, each backward's end's inf/nan sum (``overflow_found``)
+    overflow: bool | Tensor | None  # under a GradScaler, each backward's end's inf/nan sum (``overflow_found``)
 
     def __init__(
         self, wrapper: Any, buckets: Sequence[BucketPlan], sync: ParameterSync, replanned: Callable[[], None]
@@ -239,11 +240,10 @@ class OwnedGradients:
     def overflow_found(self, scaled: bool) -> bool | None:
         """The inf/nan verdict ``_summed_flags`` made (None: unknown, changed since), read once, if ``scaled``."""
         found, self.overflow = self.overflow if scaled else None, None
-        return found
+        return bool(_host.read(found, "the summed inf/nan verdict")) if isinstance(found, Tensor) else found
 
     def agreed(self, everywhere: Sequence[bool], backward: bool = False, *, scaled: bool | None = None) -> None:
-        """The ranks agreed which parameters some rank used (``backward``: at its end): held; other markers go.
-        ``scaled``: whether the step they agreed on used a GradScaler (alike everywhere: the backwards' sums follow)."""
+        """The ranks agreed which parameters some rank used (``backward``: at its end; else ``scaled``, by a scaler)."""
         self.scaled = self.scaled if scaled is None else scaled
         if self.static is not None:  # static_graph=True: a ValueError on every rank if not the first backward's
             placed = [i for i, p in enumerate(self.params) if p.requires_grad and id(p) in self.slot_of]
@@ -371,10 +371,13 @@ class OwnedGradients:
 
     def _summed_flags(self, flags: list[bool]) -> list[int]:
         """How many ranks set each of ``flags`` (as DDP's used map: an int32 all-reduce behind the buckets', not an
-        agreement), and after them ``overflow_found``'s sum."""
+        agreement), and after them ``overflow_found``'s sum (no flags: that sum alone, left unread for the step)."""
         device, what = self.store_keys[self.buckets[0].key][0], "which parameters some rank used"
         watch = self.scaled and not narrowed(self.buckets, self.params, self.store_keys, self.zero.master_dtype)
         checked = amp.nonfinite(self.owned, device) if watch else torch.zeros((), device=device)
+        if not flags:  # (static_graph=True: nothing else to sum, so no host read at a backward's end)
+            self.overflow = comm.sum_unread(checked, self.zero.agreement_groups) if watch else None
+            return []
         *counts, found = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
         self.overflow = bool(found) if watch else None  # (a step reads it, a change forgets it; narrowed: the step)
         return counts
