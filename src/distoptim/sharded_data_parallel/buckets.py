@@ -147,16 +147,19 @@ def gaps(plan: BucketPlan, filled: set[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class StorePlan:
-    """A rank's owned gradient: ``lengths[b]`` elements of bucket ``b``; (index, offset) -> (bucket, start, length)."""
+    """A rank's owned gradient: ``lengths[b]`` elements of bucket ``b``; (index, offset) -> (bucket, start, length),
+    and each parameter's such pieces (``pieces[index]``)."""
 
     lengths: tuple[int, ...]
     fragments: Mapping[tuple[int, int], tuple[int, int, int]]
+    pieces: Mapping[int, list[tuple[int, int, int]]]
 
 
 def store_plan(buckets: Sequence[BucketPlan], rank: int, plan: PartitionPlan) -> StorePlan:
     """Lay out ``rank``'s owned ranges of each of ``buckets`` one after another."""
     lengths = []
     fragments: dict[tuple[int, int], tuple[int, int, int]] = {}
+    pieces: dict[int, list[tuple[int, int, int]]] = {}
     for number, bucket in enumerate(buckets):
         owned = bucket.owned(rank)
         for slot in bucket.slots:
@@ -164,8 +167,9 @@ def store_plan(buckets: Sequence[BucketPlan], rank: int, plan: PartitionPlan) ->
                 if fragment.rank == rank and fragment.length:
                     at = _owned_offset(owned, slot.position + fragment.offset)
                     fragments[(slot.index, fragment.offset)] = (number, at, fragment.length)
+                    pieces.setdefault(slot.index, []).append((number, at, fragment.length))
         lengths.append(sum(end - start for start, end in owned))
-    return StorePlan(tuple(lengths), fragments)
+    return StorePlan(tuple(lengths), fragments, pieces)
 
 
 def _owned_offset(owned: list[tuple[int, int]], element: int) -> int:

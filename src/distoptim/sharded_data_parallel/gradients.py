@@ -52,8 +52,7 @@ class OwnedGradients:
     def _build(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
         """Everything over ``buckets``, as new (``replan`` then keeps what the last plan held)."""
         zero, reduce_dtype = self.zero, self.wrapper.reduce_dtype
-        self.buckets, self.sync = list(buckets), sync  # sync: what the optimizer syncs through
-        self.params = zero.global_params
+        self.buckets, self.sync, self.params = list(buckets), sync, zero.global_params  # sync: the optimizer's
         first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
         self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
             b.key: (p.device, reduce_dtype or p.dtype) for b, p in zip(self.buckets, first)
@@ -66,19 +65,16 @@ class OwnedGradients:
         self.holds = [False] * len(self.params)  # some rank used it since the last clear, as agreed (zeros included)
         self.unagreed = False  # a backward flushed since the ranks last agreed on which parameters were used
         self.dropped: set[int] = set()  # set to None since then: nothing held (a static graph's check counts them)
-        self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # index -> its (bucket, start, length) in the store
-        for (index, _), piece in self.layout.fragments.items():
-            self.pieces.setdefault(index, []).append(piece)
+        self.pieces = self.layout.pieces  # index -> its (bucket, start, length) in the store
         self._markers: dict[int, tuple[GradientMarker, int]] = {}  # index -> the marker in .grad, and its version then
         self._unreduced: dict[int, weakref.ref[Tensor]] = {}  # index -> the .grad no_sync() left, not yet reduced
         self._unplaced = Unplaced()  # the .grad of parameters trainable since the plan, averaged by each flush
         self._swaps: dict[int, Any] = {}  # index -> this backward's accumulator pre-hook (.grad taken in, marker out)
         self._task: weakref.ref[Callable[[], None]] | None = None  # the end of the backward whose start settled all
-        self.no_sync = False
         self._next_backward_afresh()
         self._buffers: dict[int, Tensor] = {}
         self._in_flight: deque[tuple[int, Tensor, Any]] = deque()
-        self.in_backward = False  # between a backward's first gradient and its flush (or its raise)
+        self.in_backward = self.no_sync = False  # in_backward: from a backward's first gradient to its flush (or raise)
         self.shared = False  # this backward may reach another wrapper (on its own group): no waits before flushes
 
     def replan(self, buckets: Sequence[BucketPlan], sync: ParameterSync) -> None:
@@ -94,7 +90,7 @@ class OwnedGradients:
             self.late += [index for index, param in enumerate(self.params) if id(param) in placed]
         self.no_sync = previous.no_sync  # placed inside no_sync() (add_param_group): its backwards still accumulate
         for bucket, plan in enumerate(self.buckets[len(previous.buckets) :], start=len(previous.buckets)):
-            buffer = torch.zeros(plan.numel, dtype=self.store_keys[plan.key][1], device=self.store_keys[plan.key][0])
+            buffer = self._new(bucket, plan.numel).zero_()
             for index in previous._unplaced.take_into(buffer, plan, self.params):
                 self.holds[index] = True
             self._in_flight.append((bucket, buffer, completed_future(buffer)))
@@ -212,7 +208,7 @@ class OwnedGradients:
             if self.params[index].grad is None:  # clear finds no .grad there (seed 810142)
                 self._forget(index)
                 self.dropped.add(index)
-        self.owned = [(self._new_owned(b) if owned is None else owned).zero_() for b, owned in enumerate(self.owned)]
+        self.owned = [(self._new(b) if owned is None else owned).zero_() for b, owned in enumerate(self.owned)]
         for index in reached if pending else reached - self.dropped:  # zeros where reached; dropped: the check's flag
             self.used[index] = self.unagreed = True
         self.mark()
@@ -271,9 +267,9 @@ class OwnedGradients:
         """Parameters whose ``.grad`` the program set (a tensor): clipping and a scaler scale each whole, everywhere."""
         return [p for p in self.params if p.grad is not None and not isinstance(p.grad, GradientMarker)]
 
-    def _new_owned(self, bucket: int) -> Tensor:
+    def _new(self, bucket: int, numel: int | None = None) -> Tensor:
         device, dtype = self.store_keys[self.buckets[bucket].key]
-        return torch.empty(self.layout.lengths[bucket], dtype=dtype, device=device)
+        return torch.empty(self.layout.lengths[bucket] if numel is None else numel, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------------------------- the backward
     def on_grad(self, param: Tensor) -> None:
@@ -328,10 +324,7 @@ class OwnedGradients:
                 if self.shared:  # another wrapper's reductions may come first on other ranks: no wait before flushes
                     break
                 self._land_oldest()
-            if gradient is None:
-                device, dtype = self.store_keys[self.buckets[bucket].key]
-                gradient = torch.empty(self.buckets[bucket].numel, dtype=dtype, device=device)
-            self._buffers[bucket] = gradient
+            self._buffers[bucket] = self._new(bucket, self.buckets[bucket].numel) if gradient is None else gradient
         return self._buffers[bucket]
 
     def _launch_ready(self, flushing: bool = False) -> None:
@@ -361,7 +354,7 @@ class OwnedGradients:
         bucket, buffer, reduced = self._in_flight.popleft()
         reduced.wait()
         if (owned := self.owned[bucket]) is None:  # its first landing since zero_grad(): copied into, not added to
-            owned = self.owned[bucket] = self._new_owned(bucket)
+            owned = self.owned[bucket] = self._new(bucket)
         at = 0
         for start, end in self.buckets[bucket].owned(self.zero.rank):
             target = owned[at : at + end - start]
