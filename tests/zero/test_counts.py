@@ -330,6 +330,12 @@ EXPECTED_READS = {
         "which parameters some rank used": 1,
         "writes to parameters while their sync was in flight": 1,
     },
+    # static_graph=True: no used flags after the first backward; the inf/nan sum read by the step, not the backward
+    ("sharded_static", "explicit", False, True): {
+        "GradScaler's skip decision": 1,
+        "the summed inf/nan verdict": 1,
+        "writes to parameters while their sync was in flight": 1,
+    },
 }
 
 
@@ -347,8 +353,11 @@ def _reads_body(rank: int, world_size: int) -> list[tuple[str, dict[str, int], i
             partition=partition,
             lr=0.01,
         )
-        if reduction == "sharded":
-            ddp: Any = ShardedDataParallel(model, zero, bucket_cap_mb=0.004, overlap_param_sync=True)
+        if reduction.startswith("sharded"):
+            static = reduction == "sharded_static"
+            ddp: Any = ShardedDataParallel(
+                model, zero, bucket_cap_mb=0.004, overlap_param_sync=True, static_graph=static
+            )
         else:
             ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
             register(ddp, zero, reduction, stepping)

@@ -307,6 +307,8 @@ def sum_unread(flag: Tensor, groups: Sequence[Group]) -> Tensor:
     summed = flag.to(torch.int32)
     for group in groups:
         all_reduce_(summed, group)
+    if summed.is_cpu:  # gloo's worker lets go of it now (as sum_flags' tensor)
+        release(summed)
     return summed
 
 

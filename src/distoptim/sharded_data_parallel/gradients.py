@@ -53,9 +53,8 @@ class OwnedGradients:
         """Everything over ``buckets``, as new (``replan`` then keeps what the last plan held)."""
         zero, reduce_dtype = self.zero, self.wrapper.reduce_dtype
         self.buckets, self.sync, self.params = list(buckets), sync, zero.global_params  # sync: the optimizer's
-        first = [self.params[bucket.slots[0].index] for bucket in self.buckets]
-        self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {
-            b.key: (p.device, reduce_dtype or p.dtype) for b, p in zip(self.buckets, first)
+        self.store_keys: dict[Hashable, tuple[torch.device, torch.dtype]] = {  # each bucket's first parameter's
+            b.key: ((p := self.params[b.slots[0].index]).device, reduce_dtype or p.dtype) for b in self.buckets
         }
         self.layout = store_plan(self.buckets, zero.rank, zero.plan)
         self.owned: list[Tensor | None] = [None] * len(self.buckets)  # each bucket's owned part, once landed
@@ -369,7 +368,8 @@ class OwnedGradients:
         watch = self.scaled and not narrowed(self.buckets, self.params, self.store_keys, self.zero.master_dtype)
         checked = amp.nonfinite(self.owned, device) if watch else torch.zeros((), device=device)
         if not flags:  # (static_graph=True: nothing else to sum, so no host read at a backward's end)
-            self.overflow = comm.sum_unread(checked, self.zero.agreement_groups) if watch else None
+            summed = comm.sum_unread(checked, self.zero.agreement_groups)  # (made alike on every rank)
+            self.overflow = summed if watch else None
             return []
         *counts, found = comm.sum_flags(flags, device, self.zero.agreement_groups, what, [checked])
         self.overflow = bool(found) if watch else None  # (a step reads it, a change forgets it; narrowed: the step)
