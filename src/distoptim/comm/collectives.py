@@ -294,20 +294,15 @@ def sum_flags(
     counts = torch.tensor(list(flags), dtype=torch.int32, device=device)
     if later:
         counts = torch.cat([counts, torch.stack(list(later)).to(device, torch.int32)])
-    for group in groups:
-        all_reduce_(counts, group)
-    summed = list(_host.read(counts, what))
-    if counts.is_cpu:  # gloo's worker lets go of it now, not after the backward (as the agreements' tensors)
-        release(counts)
-    return summed
+    return list(_host.read(sum_unread(counts, groups), what))
 
 
-def sum_unread(flag: Tensor, groups: Sequence[Group]) -> Tensor:
-    """``flag`` (0-d) as int32, summed over each of ``groups`` in turn and left on its device unread (no stall)."""
-    summed = flag.to(torch.int32)
+def sum_unread(flags: Tensor, groups: Sequence[Group]) -> Tensor:
+    """``flags`` as int32, summed over each of ``groups`` in turn and left on their device unread (no stall)."""
+    summed = flags.to(torch.int32)
     for group in groups:
         all_reduce_(summed, group)
-    if summed.is_cpu:  # gloo's worker lets go of it now (as sum_flags' tensor)
+    if summed.is_cpu:  # gloo's worker lets go of it now, not after the backward (as the agreements' tensors)
         release(summed)
     return summed
 
